@@ -1,0 +1,115 @@
+"""Masked statistics and input checks shared by every algorithm function.
+
+Semantics follow verl's ``verl.utils.torch_functional`` so results match bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "entropy_from_logits",
+    "check_same_shape",
+    "check_finite",
+    "cfg_get",
+    "group_ids",
+]
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set; NaN/inf outside the mask do not leak in."""
+    valid = torch.where(mask.bool(), values, 0.0)
+    return (valid * mask).sum(dim=axis) if axis is not None else (valid * mask).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Mean over masked elements; an empty mask gives 0, never NaN."""
+    total = masked_sum(values, mask, axis)
+    count = mask.sum(dim=axis) if axis is not None else mask.sum()
+    return total / (count + 1e-8)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over masked elements (Bessel-corrected by default)."""
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count == 0:
+            raise ValueError("masked_var: the mask selects no element; at least two are needed")
+        if count == 1:
+            raise ValueError("masked_var: the mask selects one element; the unbiased variance needs two")
+        variance = variance * (count / (count - 1))
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise to zero mean / unit variance over the mask (keep the mean if ``shift_mean=False``)."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy of ``softmax(logits)`` over the last dim: ``logsumexp - sum(p * logits)``."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+
+
+def check_same_shape(**tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming every tensor and its shape unless all non-None shapes agree."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+    if len(set(shapes.values())) > 1:
+        desc = ", ".join(f"{name}{list(shape)}" for name, shape in shapes.items())
+        raise ValueError(f"shape mismatch: {desc}")
+
+
+def check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` naming the sample (row) indices holding NaN/inf values inside ``mask``."""
+    bad = ~torch.isfinite(tensor)
+    if mask is not None:
+        bad = bad & mask.bool()
+    if bad.any():
+        rows = bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero().flatten().tolist() if bad.dim() else [0]
+        shown = rows[:20]
+        more = f" (and {len(rows) - len(shown)} more)" if len(rows) > len(shown) else ""
+        raise ValueError(f"{name} has non-finite values in samples {shown}{more}")
+
+
+_MISSING = object()
+
+
+def cfg_get(config: Any, key: str, default: Any = None) -> Any:
+    """Read a dotted ``key`` from a DictConfig, a dict or a typed config; ``default`` if absent/None."""
+    node = config
+    for part in key.split("."):
+        if node is None:
+            return default
+        if isinstance(node, dict) or hasattr(node, "get"):
+            node = node.get(part, _MISSING)
+        else:
+            node = getattr(node, part, _MISSING)
+        if node is _MISSING:
+            return default
+    return default if node is None else node
+
+
+def group_ids(index: Any, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """Map group labels (``uid`` strings, ints, numpy array or tensor) to dense ids 0..G-1.
+
+    Returns ``(ids: [bs] int64, num_groups)``; ids follow first appearance order.
+    """
+    if isinstance(index, torch.Tensor):
+        uniq, inverse = torch.unique(index, return_inverse=True)
+        return inverse.to(device=device, dtype=torch.long), int(uniq.numel())
+    mapping: dict[Any, int] = {}
+    ids = [mapping.setdefault(label, len(mapping)) for label in (index.tolist() if hasattr(index, "tolist") else index)]
+    return torch.tensor(ids, dtype=torch.long, device=device), len(mapping)

