@@ -3,6 +3,8 @@
 from megatron_rl.config.algorithm import (
     ActorConfig,
     AlgoConfig,
+    CriticConfig,
+    OptimConfig,
     FilterGroupsConfig,
     KLControlConfig,
     PolicyLossConfig,
@@ -13,6 +15,8 @@ from megatron_rl.config.base import BaseConfig
 __all__ = [
     "ActorConfig",
     "AlgoConfig",
+    "CriticConfig",
+    "OptimConfig",
     "BaseConfig",
     "FilterGroupsConfig",
     "KLControlConfig",

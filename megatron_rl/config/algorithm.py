@@ -20,6 +20,8 @@ __all__ = [
     "AlgoConfig",
     "PolicyLossConfig",
     "ActorConfig",
+    "CriticConfig",
+    "OptimConfig",
     "LOSS_AGG_MODES",
     "KL_PENALTY_TYPES",
 ]
@@ -160,8 +162,67 @@ class PolicyLossConfig(BaseConfig):
 
 
 @dataclasses.dataclass
+class OptimConfig(BaseConfig):
+    """``actor.optim`` / ``critic.optim``: Megatron optimizer and learning-rate schedule."""
+
+    optimizer: str = "adam"
+    """``adam`` (AdamW with decoupled weight decay) or ``sgd``."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    lr_warmup_steps: int = -1
+    """Linear warm-up steps; -1 = use ``lr_warmup_steps_ratio``."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up as a fraction of ``total_training_steps``."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warm-up."""
+    lr_decay_style: str = "constant"
+    """``constant``, ``linear``, ``cosine`` or ``inverse-square-root``."""
+    lr_decay_steps: Optional[int] = None
+    """Decay horizon; None = ``total_training_steps``."""
+    total_training_steps: int = -1
+    """Optimizer steps in the run (set by the trainer)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    betas: tuple = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (over all model-parallel ranks); 0 disables."""
+
+    def __post_init__(self) -> None:
+        check_choice("optim.optimizer", self.optimizer, ("adam", "sgd"))
+        check_choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine", "inverse-square-root"))
+        check_range("optim.lr", self.lr, low=0.0)
+        check_range("optim.clip_grad", self.clip_grad, low=0.0)
+        if len(tuple(self.betas)) != 2:
+            raise ValueError(f"optim.betas={self.betas!r} must have two entries")
+
+
+@dataclasses.dataclass
 class ActorConfig(BaseConfig):
-    """``actor.*`` keys the policy loss reads (the engine extends this with optimiser settings)."""
+    """``actor.*``: policy loss, batch sizes and optimizer of the actor (verl's keys)."""
+
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (times ``rollout_n`` responses, split over DP ranks)."""
+    ppo_micro_batch_size_per_gpu: int = 1
+    """Responses per forward/backward micro-batch on each rank."""
+    ppo_epochs: int = 1
+    """Passes over the batch per training step."""
+    shuffle: bool = False
+    """Shuffle samples between mini-batches (seeded by ``data_loader_seed``)."""
+    data_loader_seed: int = 42
+    """Seed for ``shuffle``."""
+    rollout_n: int = 1
+    """Responses per prompt (set from the rollout config)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk in the vocab-parallel log-prob/entropy computation (bounds memory)."""
+    calculate_entropy: bool = True
+    """Compute entropy in ``compute_log_prob`` (reported as ``actor/entropy``)."""
 
     clip_ratio: float = 0.2
     """PPO clip epsilon."""
@@ -194,7 +255,40 @@ class ActorConfig(BaseConfig):
     ``loss_scale_factor`` so ``agg_loss`` normalises by the global batch."""
 
     def __post_init__(self) -> None:
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n", "logprob_chunk_size"):
+            check_range(f"actor.{name}", getattr(self, name), low=1)
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c!r} must be > 1.0 (dual-clip lower bound)")
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_kl_type("actor.kl_loss_type", self.kl_loss_type)
+
+
+@dataclasses.dataclass
+class CriticConfig(BaseConfig):
+    """``critic.*``: value-function training (verl's keys)."""
+
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (times ``rollout_n``)."""
+    ppo_micro_batch_size_per_gpu: int = 1
+    """Responses per micro-batch on each rank."""
+    ppo_epochs: int = 1
+    """Passes over the batch per training step."""
+    shuffle: bool = False
+    """Shuffle samples between mini-batches."""
+    data_loader_seed: int = 42
+    """Seed for ``shuffle``."""
+    rollout_n: int = 1
+    """Responses per prompt."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss (see ``LOSS_AGG_MODES``)."""
+    loss_scale_factor: Optional[int] = None
+    """Constant divisor for ``seq-mean-token-sum-norm``."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule."""
+
+    def __post_init__(self) -> None:
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n"):
+            check_range(f"critic.{name}", getattr(self, name), low=1)
+        check_choice("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
