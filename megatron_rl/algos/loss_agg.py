@@ -48,8 +48,7 @@ def agg_loss(
                 raise ValueError("agg_loss: batch_num_tokens (of the global batch) is required when dp_size > 1")
             batch_num_tokens = loss_mask.sum()
         # An all-masked batch gives 0 (0 / max(0, 1)), never NaN.
-        denom = torch.clamp(torch.as_tensor(batch_num_tokens, dtype=loss_mat.dtype), min=1)
-        return masked_sum(loss_mat, loss_mask) / denom * dp_size
+        return masked_sum(loss_mat, loss_mask) / _at_least_one(batch_num_tokens) * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask) * dp_size
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
@@ -62,12 +61,18 @@ def agg_loss(
             if dp_size > 1:
                 raise ValueError("agg_loss: global_batch_size is required when dp_size > 1")
             global_batch_size = seq_mask.sum()
-        denom = torch.clamp(torch.as_tensor(global_batch_size, dtype=loss_mat.dtype), min=1)
-        loss = masked_sum(seq_losses, seq_mask) / denom * dp_size
+        loss = masked_sum(seq_losses, seq_mask) / _at_least_one(global_batch_size) * dp_size
         if loss_agg_mode == "seq-mean-token-sum-norm":
             loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
         return loss
     raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not allowed; choose one of {list(LOSS_AGG_MODES)}")
+
+
+def _at_least_one(count: int | float | torch.Tensor) -> float | torch.Tensor:
+    """A count as a divisor, clamped to >= 1; kept exact (never rounded to a low-precision dtype)."""
+    if isinstance(count, torch.Tensor):
+        return count.clamp(min=1)
+    return max(float(count), 1.0)
 
 
 def global_batch_info(
