@@ -297,11 +297,11 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     """hidden ``[n, h]`` x weight ``[vocab/tp, h]`` -> log_probs ``[n]`` (+ entropy), logits by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, tp_group, temperature, compute_entropy, chunk_size):
+    def forward(ctx, hidden, weight, labels, tp_group, temperature, compute_entropy, chunk_size, vocab_start):
         tp_size, tp_rank = _group_size_rank(tp_group)
         num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         dtype = _math_dtype(hidden.dtype)
-        index, owned = _local_index(labels, tp_rank * vocab_local, vocab_local)
+        index, owned = _local_index(labels, vocab_start, vocab_local)
 
         # Without a float32-output matmul for low-precision operands (CPU), upcast the
         # weight once rather than per chunk.
@@ -323,7 +323,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, labels, logz, entropy if compute_entropy else None)
         ctx.tp_group, ctx.tp_rank, ctx.tp_size = tp_group, tp_rank, tp_size
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.vocab_start = temperature, chunk_size, vocab_start
         ctx.set_materialize_grads(False)
         if compute_entropy:
             return log_probs, entropy
@@ -333,7 +333,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_lp, grad_h=None):
         hidden, weight, labels, logz, entropy = ctx.saved_tensors
-        nones = (None,) * 5
+        nones = (None,) * 6
         if grad_lp is None and grad_h is None:
             return (None, None) + nones
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -348,7 +348,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         vocab_step = max(1, min(vocab_local, budget // num_tokens)) if num_tokens else vocab_local
         grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
         grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
-        vocab_start = ctx.tp_rank * vocab_local
+        vocab_start = ctx.vocab_start
         for lo in range(0, vocab_local, vocab_step):
             hi = min(lo + vocab_step, vocab_local)
             w_slice = weight[lo:hi]                                      # [v, h]
@@ -386,6 +386,7 @@ def fused_linear_log_probs_and_entropy(
     temperature: float = 1.0,
     chunk_size: Optional[int] = DEFAULT_LINEAR_CHUNK_SIZE,
     compute_entropy: bool = True,
+    vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of ``labels`` and entropy straight from the last hidden state.
 
@@ -404,6 +405,9 @@ def fused_linear_log_probs_and_entropy(
         tp_group, temperature, compute_entropy: as in :func:`vocab_parallel_log_probs_and_entropy`.
         chunk_size: tokens per forward chunk; backward uses vocabulary slices holding the
             same number of logits. ``None`` = all at once.
+        vocab_size: the real vocabulary when the weight's rows are padded (Megatron pads the
+            embedding to a multiple of TP); rows with ids ``>= vocab_size`` are left out of the
+            softmax entirely (and get zero gradient). ``None`` = every row is real.
 
     Returns:
         ``(log_probs [...], entropy [...] or None)`` in float32 (float64 for float64 inputs).
@@ -416,14 +420,26 @@ def fused_linear_log_probs_and_entropy(
                          "[vocab/tp, h] with the same h")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
-    tp_size, _ = _group_size_rank(tp_group)
-    _check_args(labels, hidden.shape[:-1], weight.shape[0] * tp_size, temperature, chunk_size,
-                "hidden.shape[:-1]")
+    tp_size, tp_rank = _group_size_rank(tp_group)
+    padded_local = weight.shape[0]
+    vocab_start = tp_rank * padded_local
+    if vocab_size is None:
+        vocab_size = padded_local * tp_size
+    elif not 0 < vocab_size <= padded_local * tp_size:
+        raise ValueError(f"vocab_size={vocab_size} must be in (0, {padded_local * tp_size}] (weight rows x tp)")
+    valid_local = min(max(vocab_size - vocab_start, 0), padded_local)
+    if valid_local == 0:
+        raise ValueError(
+            f"TP rank {tp_rank} holds only padding rows (vocab_size={vocab_size}, {padded_local} rows per rank); "
+            "use a smaller tensor_model_parallel_size or less vocabulary padding"
+        )
+    _check_args(labels, hidden.shape[:-1], vocab_size, temperature, chunk_size, "hidden.shape[:-1]")
     token_shape = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])                   # [n, h]
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
     out = _FusedLinearLogProbEntropy.apply(
-        flat_hidden, weight, flat_labels, tp_group, float(temperature), bool(compute_entropy), chunk_size
+        flat_hidden, weight[:valid_local] if valid_local < padded_local else weight, flat_labels, tp_group,
+        float(temperature), bool(compute_entropy), chunk_size, vocab_start,
     )
     if compute_entropy:
         log_probs, entropy = out

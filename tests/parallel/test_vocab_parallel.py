@@ -330,3 +330,39 @@ def test_no_tokens_gives_empty_results_and_grads():
     (lp.sum() + ent.sum() + llp.sum() + lent.sum()).backward()
     assert logits.grad.shape == (0, 4, 8) and hidden.grad.shape == (0, 4, 3)
     assert torch.equal(weight.grad, torch.zeros(8, 3))
+
+
+def _padded_vocab_case(rank, world_size):
+    """Weight rows padded past the real vocabulary: padded rows must not enter the softmax."""
+    import torch.distributed as dist
+
+    from parallel.vocab_parallel import fused_linear_log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(3)
+    vocab, padded, hidden_size, n = 13, 16, 8, 10
+    hidden = torch.randn(n, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(padded, hidden_size, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    ref_logits = hidden @ weight[:vocab].t()
+    ref_lp = ref_logits.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    ref_h = -(ref_logits.softmax(-1) * ref_logits.log_softmax(-1)).sum(-1)
+    group = dist.group.WORLD if world_size > 1 else None
+    rows = padded // world_size
+    w_local = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_(True)
+    lp, h = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab,
+                                               chunk_size=4)
+    (lp.sum() + h.sum()).backward()
+    return float((lp - ref_lp).abs().max()), float((h - ref_h).abs().max()), w_local.grad[max(vocab - rank * rows, 0):].abs().max().item() if vocab - rank * rows < rows else 0.0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fused_linear_excludes_padded_vocab_rows(world_size):
+    for lp_diff, h_diff, pad_grad in run_distributed(_padded_vocab_case, world_size):
+        assert lp_diff < 1e-10 and h_diff < 1e-10
+        assert pad_grad == 0.0
+
+
+def test_fused_linear_rejects_a_rank_holding_only_padding():
+    hidden, weight = torch.randn(2, 4), torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"vocab_size=9 must be in \(0, 8\]"):
+        fused_linear_log_probs_and_entropy(hidden, weight, torch.zeros(2, dtype=torch.long), vocab_size=9)
