@@ -1,0 +1,394 @@
+"""Megatron-Core GPT models for the actor (LM head) and the critic (scalar value head).
+
+A ``ModelConfig`` holds the architecture with Megatron's names (the HF families map onto it
+in ``megatron_rl.models.<family>``); ``build_transformer_config`` combines it with a
+``parallel.config.ParallelConfig``; ``build_model`` returns the model chunks this rank owns
+(one per virtual pipeline stage). Layer specs are data: TransformerEngine's spec when TE
+imports, otherwise the local spec with its core attention swapped for ``SDPAttention``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.config.base import BaseConfig, check_choice, check_range
+
+__all__ = [
+    "ModelConfig",
+    "SDPAttention",
+    "ValueHead",
+    "get_layer_spec",
+    "build_transformer_config",
+    "build_model",
+    "padded_vocab_size",
+    "hidden_states_output",
+    "te_available",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class ModelConfig(BaseConfig):
+    """Architecture of a GPT-style decoder, in Megatron-Core's terms."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width."""
+    ffn_hidden_size: int = 256
+    """Dense MLP width (per gate/up branch with SwiGLU)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads (GQA); None = num_attention_heads (MHA)."""
+    kv_channels: Optional[int] = None
+    """Head dimension; None = hidden_size // num_attention_heads."""
+    vocab_size: int = 512
+    """Tokenizer vocabulary (before padding for TP)."""
+    make_vocab_size_divisible_by: int = 1
+    """Pad the embedding rows to a multiple of this times TP (Megatron-LM uses 128)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the RoPE tables cover."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    rotary_percent: float = 1.0
+    """Fraction of each head that is rotated."""
+    rope_scaling: bool = False
+    """Llama-3.x RoPE frequency scaling."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3.x RoPE scaling factor."""
+    normalization: str = "RMSNorm"
+    """``RMSNorm`` or ``LayerNorm``."""
+    layernorm_epsilon: float = 1e-6
+    """Norm epsilon."""
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys (Qwen3)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection (Qwen2)."""
+    add_bias_linear: bool = False
+    """Bias on the other linear layers."""
+    swiglu: bool = True
+    """SwiGLU MLP (gated SiLU); False = GeLU MLP."""
+    tie_word_embeddings: bool = False
+    """Share input embedding and output layer weights."""
+    # --- MoE -----------------------------------------------------------------
+    num_moe_experts: Optional[int] = None
+    """Routed experts per MoE layer; None = dense."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Expert MLP width; None = ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Router z-loss coefficient."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """``aux_loss``, ``seq_aux_loss``, ``sinkhorn`` or ``none``."""
+    moe_router_pre_softmax: bool = False
+    """Softmax before top-k (Mixtral: False; Qwen3-MoE: normalised top-k)."""
+    moe_router_dtype: Optional[str] = "fp32"
+    """Router computation precision: ``fp32`` or ``fp64`` (matters for RL stability); None = model dtype."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """``alltoall`` or ``allgather``."""
+    moe_grouped_gemm: bool = False
+    """Grouped GEMM experts (GPU; needs TE or grouped_gemm)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Shared expert width; None = no shared expert."""
+    freeze_router: bool = False
+    """Keep router weights fixed during RL (a common stabiliser for MoE RL)."""
+    # --- numerics --------------------------------------------------------------
+    params_dtype: str = "float32"
+    """``float32`` (CPU), ``bfloat16`` or ``float16``."""
+    attention_backend: str = "auto"
+    """``auto`` (TE if importable, else SDPA), ``sdpa``, ``local`` (Megatron's unfused), ``te``."""
+
+    def __post_init__(self) -> None:
+        check_choice("model.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
+        check_choice("model.params_dtype", self.params_dtype, tuple(_DTYPES))
+        check_choice("model.attention_backend", self.attention_backend, ("auto", "sdpa", "local", "te"))
+        check_choice("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("alltoall", "allgather"))
+        check_choice("model.moe_router_dtype", self.moe_router_dtype, (None, "fp32", "fp64"))
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+            check_range(f"model.{name}", getattr(self, name), low=1)
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} must be divisible by "
+                f"model.num_query_groups={self.num_query_groups}"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}; set model.kv_channels"
+            )
+        if self.num_moe_experts is not None and not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(
+                f"model.moe_router_topk={self.moe_router_topk} must be in [1, num_moe_experts={self.num_moe_experts}]"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.params_dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+def te_available() -> bool:
+    """True when TransformerEngine's PyTorch extension imports (GPU clusters)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
+    """Embedding rows after padding to a multiple of ``divisible_by * tp_size``."""
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+class SDPAttention(torch.nn.Module):
+    """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Drop-in for Megatron's ``DotProductAttention`` in the local spec (same constructor and
+    forward). Measured on an H200 it made steps 2.4x faster with 2.5x less memory than the
+    stock unfused attention. Causal with no explicit mask (the engine left-aligns sequences so
+    causal attention is exact for every valid token); an explicit boolean mask (True = masked,
+    Megatron's convention) is honoured too.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} needs TransformerEngine attention; "
+                "SDPAttention supports context_parallel_size=1"
+            )
+        self.config = config
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias; use the TE spec")
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None
+        if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.any():
+            mask = ~attention_mask  # SDPA: True = attend
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=self.num_heads != self.num_groups,
+        )
+        # [b, heads, s, d] -> [s, b, heads*d]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.num_heads * self.head_dim)
+
+
+def get_layer_spec(model_cfg: ModelConfig):
+    """The transformer layer spec: TE's when available/asked, else local with SDPA attention."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    backend = model_cfg.attention_backend
+    if backend == "te" or (backend == "auto" and te_available()):
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model_cfg.num_moe_experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+            qk_layernorm=model_cfg.qk_layernorm,
+        )
+    spec = specs.get_gpt_layer_local_spec(
+        num_experts=model_cfg.num_moe_experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+        qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization,
+    )
+    if backend in ("auto", "sdpa"):
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, **overrides: Any):
+    """A ``TransformerConfig`` for ``model_cfg`` under ``parallel_cfg`` (a ParallelConfig).
+
+    Dropout is off (RL needs the log-probs of the policy that sampled). On CPU the settings
+    ``parallel.cpu_compat`` requires are applied.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = model_cfg.dtype
+    kwargs: dict[str, Any] = dict(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups or model_cfg.num_attention_heads,
+        kv_channels=model_cfg.head_dim,
+        normalization=model_cfg.normalization,
+        layernorm_epsilon=model_cfg.layernorm_epsilon,
+        qk_layernorm=model_cfg.qk_layernorm,
+        add_qkv_bias=model_cfg.add_qkv_bias,
+        add_bias_linear=model_cfg.add_bias_linear,
+        gated_linear_unit=model_cfg.swiglu,
+        activation_func=F.silu if model_cfg.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
+        context_parallel_size=parallel_cfg.context_parallel_size,
+        sequence_parallel=bool(getattr(parallel_cfg, "sequence_parallel", False))
+        and parallel_cfg.tensor_model_parallel_size > 1,
+        # Micro-batches are trimmed to their longest row, so PP stages exchange shapes first.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type,
+    )
+    if model_cfg.is_moe:
+        kwargs.update(
+            num_moe_experts=model_cfg.num_moe_experts,
+            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+            moe_router_topk=model_cfg.moe_router_topk,
+            moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+            moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
+            moe_router_load_balancing_type=model_cfg.moe_router_load_balancing_type,
+            moe_router_pre_softmax=model_cfg.moe_router_pre_softmax,
+            moe_router_dtype=model_cfg.moe_router_dtype,
+            moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type,
+            moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+            moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
+        )
+    if not torch.cuda.is_available():
+        from parallel.cpu_compat import cpu_transformer_config_overrides
+
+        kwargs.update(cpu_transformer_config_overrides())
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's head: hidden state -> one scalar per token, replicated over TP ranks.
+
+    Mimics the output layer's call signature (``(output, bias)``) so it slots into
+    ``GPTModel.output_layer``. With sequence parallelism the input is gathered first.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        # With sequence parallelism every TP rank gathers the full sequence first, so the weight's
+        # gradient is already identical across TP ranks and needs no extra all-reduce.
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return F.linear(hidden_states, self.weight), None
+
+
+def build_model(model_cfg: ModelConfig, transformer_config, *, role: str = "actor") -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage) for ``role``.
+
+    ``role`` is ``actor``/``ref`` (LM head over the padded vocabulary, vocab-parallel output)
+    or ``critic``/``reward`` (scalar head per token). Requires an initialised mesh.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    check_choice("role", role, ("actor", "ref", "critic", "reward"))
+    value_head = role in ("critic", "reward")
+    spec = get_layer_spec(model_cfg)
+    vocab = padded_vocab_size(model_cfg.vocab_size, transformer_config.tensor_model_parallel_size,
+                              model_cfg.make_vocab_size_divisible_by)
+    vpp = transformer_config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        vp = vp_stage if vpp > 1 else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        model = GPTModel(
+            config=transformer_config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=model_cfg.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=model_cfg.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_percent=model_cfg.rotary_percent,
+            rotary_base=int(model_cfg.rotary_base),
+            rope_scaling=model_cfg.rope_scaling,
+            rope_scaling_factor=model_cfg.rope_scaling_factor,
+            vp_stage=vp,
+        )
+        if value_head and post:
+            model.output_layer = ValueHead(model_cfg.hidden_size, model_cfg.dtype,
+                                           transformer_config.sequence_parallel)
+        if model_cfg.freeze_router:
+            for name, param in model.named_parameters():
+                if ".router." in name:
+                    param.requires_grad_(False)
+        chunks.append(model)
+    return chunks
+
+
+class _HiddenOut(torch.nn.Module):
+    """Stands in for the output layer: returns the hidden states, records the LM weight used."""
+
+    def __init__(self, real: torch.nn.Module):
+        super().__init__()
+        self.real = [real]  # a list keeps it out of this module's parameters
+        self.weight_used: Optional[torch.Tensor] = None
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        self.weight_used = weight if weight is not None else self.real[0].weight
+        return hidden_states, None
+
+
+@contextlib.contextmanager
+def hidden_states_output(model: torch.nn.Module) -> Iterator[_HiddenOut]:
+    """Within the block, ``model(...)`` returns the final hidden states ``[b, s, h]`` instead of
+    logits; ``handle.weight_used`` is the (vocab-sharded) output weight, for computing log-probs
+    straight from hidden states without materialising full logits."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    if not getattr(inner, "post_process", False):  # not the last pipeline stage: nothing to swap
+        yield None
+        return
+    real = inner.output_layer
+    handle = _HiddenOut(real)
+    inner.output_layer = handle
+    try:
+        yield handle
+    finally:
+        inner.output_layer = real
