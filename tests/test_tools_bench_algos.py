@@ -1,0 +1,63 @@
+"""tools/bench_algos.py: a small run prints the JSON figures and its loop reference is verl's GRPO."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.algos import ADV_ESTIMATORS
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_algos.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_algos", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_small_run_reports_agreeing_figures():
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--num-responses", "90", "--group-size", "4", "--response-length", "16",
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=120, cwd=TOOL.parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "batch: 90 responses, groups of 4, 16 tokens, 1 threads"
+    result = json.loads(lines[-1])
+    for key in ("grpo_ms", "grpo_loop_ms", "grpo_speedup_vs_loop", "gae_ms", "rloo_ms", "reinforce_plus_plus_ms",
+                "peak_rss_mib", "grpo_scores_only_speedup_vs_loop"):
+        assert result[key] > 0, key
+    assert (result["num_responses"], result["group_size"], result["response_length"]) == (90, 4, 16)
+    assert result["grpo_max_abs_diff_vs_loop"] <= 1e-5
+    assert result["grpo_speedup_vs_loop"] == pytest.approx(result["grpo_loop_ms"] / result["grpo_ms"], rel=1e-2)
+    assert result["thp"] is True
+
+
+def test_bad_size_is_rejected():
+    proc = subprocess.run([sys.executable, str(TOOL), "--group-size", "0"], capture_output=True, text=True,
+                          timeout=60, cwd=TOOL.parents[1])
+    assert proc.returncode == 2 and "--group-size must be >= 1, got 0" in proc.stderr
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_loop_reference_matches_the_registry(norm):
+    tool = _load_tool()
+    batch = tool.make_batch(num_responses=30, group_size=4, response_length=8, seed=3)  # last group has 2
+    batch["index"][5] = "a-lonely-uid"  # a one-sample group: mean 0, std 1 in both
+    batch["token_level_rewards"][5, 0] = 2.0
+    loop = tool.grpo_loop_reference(batch["token_level_rewards"], batch["response_mask"], batch["index"],
+                                    norm_adv_by_std_in_grpo=norm)
+    ours, _ = ADV_ESTIMATORS["grpo"](token_level_rewards=batch["token_level_rewards"],
+                                      response_mask=batch["response_mask"], index=batch["index"],
+                                      norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(ours, loop, atol=1e-6, rtol=1e-6)
+    assert loop[5, 0].item() == pytest.approx(batch["token_level_rewards"][5].sum().item() / (1 + 1e-6) if norm
+                                              else batch["token_level_rewards"][5].sum().item())
+    assert batch["token_level_rewards"].shape == (30, 8) and bool((batch["response_mask"].sum(-1) >= 1).all())
