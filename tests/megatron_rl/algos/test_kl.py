@@ -71,7 +71,7 @@ def test_plain_k1_gradient_is_one_not_k2():
     assert grad.tolist() == [1.0, 1.0]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, database=None)
 @given(finite_logprobs)
 def test_k1_of_identical_logprobs_is_zero(values):
     lp = torch.tensor(values)
@@ -79,7 +79,7 @@ def test_k1_of_identical_logprobs_is_zero(values):
         assert torch.equal(kl_penalty(lp, lp.clone(), name), torch.zeros_like(lp)), name
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(finite_logprobs, finite_logprobs)
 def test_k3_abs_k2_are_nonnegative(a, b):
     n = min(len(a), len(b))
