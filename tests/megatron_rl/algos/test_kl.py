@@ -84,9 +84,13 @@ def test_k1_of_identical_logprobs_is_zero(values):
 def test_k3_abs_k2_are_nonnegative(a, b):
     n = min(len(a), len(b))
     lp, ref = torch.tensor(a[:n]), torch.tensor(b[:n])
-    for name in ("k3", "low_var_kl", "abs", "k2", "k3+"):
+    for name in ("abs", "k2"):
+        assert (kl_penalty(lp, ref, name) >= 0).all(), name
+    for name in ("k3", "low_var_kl", "k3+"):
         out = kl_penalty(lp, ref, name)
-        assert (out >= 0).all(), (name, out)
+        # exp(r) - r - 1 >= 0; in float32 the rounding of exp(r) near r = 0 can leave -6e-8
+        assert (out >= -1.2e-7).all(), (name, out)
+        assert (kl_penalty(lp.double(), ref.double(), name) >= -1e-15).all(), name
     assert (kl_penalty(lp, ref, "k3") <= 10.0).all()
 
 
