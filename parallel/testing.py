@@ -98,13 +98,15 @@ def run_distributed(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DistributedTestError(
-                    f"{fn.__name__} timed out after {timeout_s:.0f} s on {world_size} ranks; "
+                    f"{fn.__name__} timed out after {timeout_s:g} s on {world_size} ranks; "
                     f"ranks that finished: {sorted(outputs)}"
                 )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                # A rank that exited without reporting is dead, even with exit code 0 (os._exit(0),
+                # a library calling exit): waiting for it would only end at the timeout.
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outputs]
                 if dead:
                     # Give a dying rank a moment to deliver its traceback.
                     try:

@@ -1,0 +1,386 @@
+"""Let Megatron-Core 0.16.1 run on a machine without CUDA (laptops, CI, dry runs).
+
+Megatron-Core hard-codes a handful of CUDA calls on paths that are otherwise device-agnostic
+(RoPE buffers, pipeline receive buffers, the RNG tracker, the MoE all-to-all dispatcher, ...).
+This module redirects exactly those calls to the CPU, and nothing else:
+
+* ``apply_cpu_compat()`` applies every redirect once (idempotent) and returns the names of the
+  active ones; where ``torch.cuda.is_available()`` it does nothing and returns ``[]``.
+* Each redirect is a named function in ``CPU_REDIRECTS`` with a one-line reason, so the list can
+  shrink as Megatron-Core drops its CUDA assumptions (e.g. the router's ``te_general_gemm``
+  NameError is fixed upstream in 0.19).
+* Redirects patch attributes of the Megatron modules involved, never global ``torch``: a module
+  that calls ``torch.cuda.current_device()`` gets its own ``torch`` stand-in (``_TorchView``)
+  whose ``cuda.current_device`` answers ``"cpu"``; every other attribute is torch's own.
+* ``revert_cpu_compat()`` undoes everything (tests use it to show each redirect is needed).
+
+Model builders also need a few ``TransformerConfig`` settings on CPU; they are listed in
+``CPU_TRANSFORMER_CONFIG_OVERRIDES`` and returned by ``cpu_transformer_config_overrides()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "apply_cpu_compat",
+    "revert_cpu_compat",
+    "applied_cpu_redirects",
+    "cpu_transformer_config_overrides",
+    "CPU_REDIRECTS",
+    "CPU_TRANSFORMER_CONFIG_OVERRIDES",
+]
+
+_MC = "megatron.core."
+
+# Modules whose code paths reachable on CPU call ``torch.cuda.current_device()``.
+_CURRENT_DEVICE_MODULES = (
+    # RotaryEmbedding.get_emb moves inv_freq "to the GPU" at the first forward.
+    "models.common.embeddings.rotary_pos_embedding",
+    # Pipeline send/receive buffers and shape tensors.
+    "pipeline_parallel.p2p_communication",
+    # TopKRouter.gating moves its weight "to the GPU" at every forward.
+    "transformer.moe.router",
+    # all-to-all-v output buffer of the MoE alltoall dispatcher.
+    "tensor_parallel.mappings",
+    # GlobalMemoryBuffer.get_tensor: the local DotProductAttention's matmul buffer.
+    "utils",
+    # dist_checkpointing: failure broadcast after saving and the async writer's liveness check.
+    "dist_checkpointing.strategies.state_dict_saver",
+    "dist_checkpointing.strategies.async_utils",
+)
+
+# Modules that call ``torch.cuda.synchronize()`` unconditionally on CPU-reachable paths.
+_SYNCHRONIZE_MODULES = (
+    # _communicate_shapes (variable_seq_lengths=True) and batched p2p with batch_p2p_sync.
+    "pipeline_parallel.p2p_communication",
+    # dist_checkpointing: D2H staging before the async/sync writer and after parallel loads.
+    "dist_checkpointing.strategies.async_utils",
+    "dist_checkpointing.strategies.filesystem_async",
+    "dist_checkpointing.strategies.fully_parallel",
+    "dist_checkpointing.tensor_aware_state_dict",
+)
+
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bookkeeping: every patch is recorded so that revert_cpu_compat() can undo it.
+# ---------------------------------------------------------------------------------------------
+_MISSING = object()
+_UNDO: list[Callable[[], None]] = []
+_APPLIED: list[str] = []
+
+
+def _set_attr(obj: Any, name: str, value: Any) -> None:
+    """``setattr`` that remembers the previous value (or its absence) for revert."""
+    old = vars(obj).get(name, _MISSING)
+
+    def undo() -> None:
+        if old is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+    setattr(obj, name, value)
+    _UNDO.append(undo)
+
+
+def _module(short_name: str) -> types.ModuleType:
+    return importlib.import_module(_MC + short_name)
+
+
+class _TorchView:
+    """A stand-in for ``torch`` inside one Megatron module.
+
+    Attribute reads fall through to the real object except for the few overridden names;
+    dotted overrides (``"cuda.current_device"``) create nested views, so ``torch.cuda.is_available``
+    and friends stay torch's own.
+    """
+
+    def __init__(self, real: Any):
+        self._real = real
+        self._overrides: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:  # only called for names not set on the view itself
+        overrides = self.__dict__["_overrides"]
+        if name in overrides:
+            return overrides[name]
+        return getattr(self.__dict__["_real"], name)
+
+    def __repr__(self) -> str:
+        return f"<cpu_compat view of {self._real!r}: overrides {sorted(self._overrides)}>"
+
+    def override(self, dotted: str, value: Any) -> None:
+        head, _, rest = dotted.partition(".")
+        if not rest:
+            self._overrides[head] = value
+            return
+        child = self._overrides.get(head)
+        if not isinstance(child, _TorchView):
+            child = _TorchView(getattr(self._real, head))
+            self._overrides[head] = child
+        child.override(rest, value)
+
+
+def _torch_view(module: types.ModuleType) -> _TorchView:
+    """The module's private ``torch`` view, installed on first use."""
+    current = module.__dict__.get("torch")
+    if isinstance(current, _TorchView):
+        return current
+    if current is not torch:
+        raise RuntimeError(f"{module.__name__}.torch is {current!r}, expected the torch module")
+    view = _TorchView(torch)
+    _set_attr(module, "torch", view)
+    return view
+
+
+def _override_in(module_names: tuple[str, ...], dotted: str, value: Any) -> None:
+    for short in module_names:
+        _torch_view(_module(short)).override(dotted, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The redirects.
+# ---------------------------------------------------------------------------------------------
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _redirect_current_device() -> None:
+    """``torch.cuda.current_device()`` -> ``"cpu"`` inside the modules that allocate with it."""
+    _override_in(_CURRENT_DEVICE_MODULES, "cuda.current_device", _cpu_current_device)
+
+
+class _DropSameGeneratorWarning(logging.Filter):
+    """On CPU the tracker's "CUDA" generator *is* the CPU generator, so this warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _RNG_WARNING not in record.getMessage()
+
+
+def _redirect_cuda_rng() -> None:
+    """Back Megatron's CUDA RNG tracker with the CPU default generator.
+
+    ``model_parallel_cuda_manual_seed`` and ``CudaRNGStatesTracker.add/fork`` (entered even with
+    dropout 0) read and write the CUDA generator; here they read and write the CPU one, so
+    ``fork()`` swaps the CPU generator to the per-TP-rank state and back, exactly as on GPU.
+    """
+    random = _module("tensor_parallel.random")
+
+    def get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    view = _torch_view(random)
+    view.override("cuda.get_rng_state", get_rng_state)
+    view.override("cuda.set_rng_state", set_rng_state)
+    view.override("cuda.manual_seed", manual_seed)
+    _set_attr(random, "_get_cuda_rng_state", get_rng_state)
+    _set_attr(random, "_set_cuda_rng_state", set_rng_state)
+
+    logger = logging.getLogger(random.__name__)
+    rng_filter = _DropSameGeneratorWarning()
+    logger.addFilter(rng_filter)
+    _UNDO.append(lambda: logger.removeFilter(rng_filter))
+
+
+def _redirect_schedules_zeros() -> None:
+    """``torch.zeros(..., device="cuda")`` (token counter in all three schedules) -> CPU."""
+    schedules = _module("pipeline_parallel.schedules")
+
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+    _torch_view(schedules).override("zeros", zeros)
+
+
+def _noop_cuda_synchronize(device: Any = None) -> None:
+    return None
+
+
+def _redirect_cuda_synchronize() -> None:
+    """``torch.cuda.synchronize()`` -> no-op in p2p shape exchange and dist_checkpointing."""
+    _override_in(_SYNCHRONIZE_MODULES, "cuda.synchronize", _noop_cuda_synchronize)
+
+
+def _noop_tensor_cuda() -> None:
+    """``weight.data.cuda()`` in ``LanguageModule.setup_embeddings_and_output_layer`` -> no-op.
+
+    With PP > 1 and tied embeddings the first and last stage all-reduce the shared weight after
+    moving it "to the GPU". ``Tensor.cuda`` is made a no-op only while that method runs.
+    """
+    language_module = _module("models.common.language_module.language_module")
+    cls = language_module.LanguageModule
+    original = cls.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self, *args: Any, **kwargs: Any) -> Any:
+        with _tensor_cuda_is_identity():
+            return original(self, *args, **kwargs)
+
+    setup_embeddings_and_output_layer.__wrapped__ = original  # type: ignore[attr-defined]
+    setup_embeddings_and_output_layer.__doc__ = original.__doc__
+    _set_attr(cls, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _fix_moe_te_general_gemm() -> None:
+    """Define ``moe_utils.te_general_gemm = None`` (0.16.1 NameError without TE, fixed in 0.19)."""
+    moe_utils = _module("transformer.moe.moe_utils")
+    if "te_general_gemm" not in moe_utils.__dict__:
+        _set_attr(moe_utils, "te_general_gemm", None)
+
+
+class _NoDtoHStream:
+    """Marks the alltoall dispatcher's device-to-host stream as present; there is none on CPU."""
+
+    def __repr__(self) -> str:
+        return "<no CUDA stream: cpu_compat>"
+
+
+def _fix_alltoall_dispatcher_stream() -> None:
+    """MoE alltoall dispatcher: skip ``torch.cuda.Stream()`` and do its D2H step on the host.
+
+    ``__init__`` creates a class-level CUDA stream once; a placeholder keeps it from trying.
+    ``_maybe_dtoh_and_synchronize`` copies split sizes to the host on that stream and records an
+    event; on CPU the only thing that matters is its result: split sizes as numpy arrays.
+    """
+    dispatcher_mod = _module("transformer.moe.token_dispatcher")
+    cls = dispatcher_mod.MoEAlltoAllTokenDispatcher
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    _set_attr(cls, "cuda_dtoh_stream", _NoDtoHStream())
+    _set_attr(cls, "_maybe_dtoh_and_synchronize", _maybe_dtoh_and_synchronize)
+
+
+CPU_REDIRECTS: dict[str, tuple[Callable[[], None], str]] = {
+    "_redirect_current_device": (
+        _redirect_current_device,
+        "RoPE, p2p buffers, MoE router/all-to-all, sequence-parallel buffers and dist_checkpointing "
+        "allocate on torch.cuda.current_device()",
+    ),
+    "_redirect_cuda_rng": (
+        _redirect_cuda_rng,
+        "model_parallel_cuda_manual_seed and the RNG tracker (forked even with dropout 0) use the "
+        "CUDA generator",
+    ),
+    "_redirect_schedules_zeros": (
+        _redirect_schedules_zeros,
+        "all three pipeline schedules create their token counter with device='cuda'",
+    ),
+    "_noop_cuda_synchronize": (
+        _redirect_cuda_synchronize,
+        "p2p shape exchange (variable_seq_lengths) and dist_checkpointing call torch.cuda.synchronize()",
+    ),
+    "_noop_tensor_cuda": (
+        _noop_tensor_cuda,
+        "PP>1 with tied embeddings moves the shared weight with weight.data.cuda() before all-reduce",
+    ),
+    "_fix_moe_te_general_gemm": (
+        _fix_moe_te_general_gemm,
+        "MoE router gating reads te_general_gemm, undefined when TransformerEngine is absent "
+        "(0.16.1 bug, fixed in 0.19)",
+    ),
+    "_fix_alltoall_dispatcher_stream": (
+        _fix_alltoall_dispatcher_stream,
+        "MoE alltoall dispatcher creates a torch.cuda.Stream() and records CUDA events for split sizes",
+    ),
+}
+
+CPU_TRANSFORMER_CONFIG_OVERRIDES: dict[str, tuple[Any, str]] = {
+    "use_cpu_initialization": (
+        True,
+        "the GPU init path allocates weights on torch.cuda.current_device(); CPU init also makes "
+        "TP shards slices of one master weight, independent of the TP size",
+    ),
+    "batch_p2p_comm": (
+        False,
+        "gloo pairs batched isend/irecv to one peer in posting order: at PP=2 with VPP the batched "
+        "send_prev/send_next meet recv_prev/recv_next crosswise and activations and gradients swap "
+        "silently; the unbatched path orders the ops by rank parity",
+    ),
+    "batch_p2p_sync": (
+        False,
+        "the cuda.synchronize after batched isend/irecv guards an NCCL race that gloo does not have",
+    ),
+    "gradient_accumulation_fusion": (False, "needs the fused wgrad kernels of APEX/TransformerEngine"),
+    "masked_softmax_fusion": (False, "the fused softmax kernels are CUDA-only"),
+    "bias_activation_fusion": (False, "the fused bias-GeLU/SwiGLU kernels target CUDA"),
+    "bias_dropout_fusion": (False, "the fused bias-dropout-add kernels target CUDA"),
+    "apply_rope_fusion": (False, "fused RoPE needs TransformerEngine"),
+    "moe_permute_fusion": (False, "fused permutation needs TransformerEngine"),
+}
+
+
+def cpu_transformer_config_overrides() -> dict[str, Any]:
+    """``TransformerConfig`` keyword arguments a model must use to run on CPU.
+
+    Model builders merge these into their config kwargs when CUDA is absent
+    (``TransformerConfig(**base_kwargs, **cpu_transformer_config_overrides())``); reasons are in
+    ``CPU_TRANSFORMER_CONFIG_OVERRIDES``.
+    """
+    return {name: value for name, (value, _reason) in CPU_TRANSFORMER_CONFIG_OVERRIDES.items()}
+
+
+def apply_cpu_compat(*, skip: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Apply the CPU redirects for Megatron-Core when CUDA is absent; return the active names.
+
+    Idempotent: a redirect already applied is not applied again, and the returned list (in
+    ``CPU_REDIRECTS`` order) is the same on every call. ``skip`` leaves named redirects out
+    (tests use it to show a redirect is required). With CUDA available this is a no-op that
+    returns ``[]``.
+    """
+    unknown = [name for name in skip if name not in CPU_REDIRECTS]
+    if unknown:
+        raise ValueError(f"skip={list(skip)} names unknown redirects {unknown}; known: {list(CPU_REDIRECTS)}")
+    if torch.cuda.is_available():
+        return []
+    for name, (redirect, _reason) in CPU_REDIRECTS.items():
+        if name in skip or name in _APPLIED:
+            continue
+        redirect()
+        _APPLIED.append(name)
+    return applied_cpu_redirects()
+
+
+def applied_cpu_redirects() -> list[str]:
+    """Names of the redirects currently in effect, in ``CPU_REDIRECTS`` order."""
+    return [name for name in CPU_REDIRECTS if name in _APPLIED]
+
+
+def revert_cpu_compat() -> list[str]:
+    """Undo every redirect (most recent patch first); return the names that were active."""
+    active = applied_cpu_redirects()
+    while _UNDO:
+        _UNDO.pop()()
+    _APPLIED.clear()
+    return active
