@@ -19,6 +19,7 @@ INSTALL_REQUIRES = [
     "omegaconf>=2.3",
     "tensordict>=0.10",
     "tqdm",
+    "transformers>=5", "safetensors",  # HF <-> Megatron weight bridge (parallel.bridge, megatron_rl.models)
 ]
 
 EXTRAS = {

@@ -1,0 +1,113 @@
+"""HF safetensors -> a sharded Megatron model: every rank reads only the slices it owns."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+from parallel.bridge.collective import all_gather_object, raise_together
+from parallel.bridge.hf_files import HFCheckpointReader
+from parallel.bridge.rules import ParamShard, WeightMap, full_hf_shapes, qkv_runs, resolve_params
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What ``load_hf_checkpoint`` did on this rank."""
+
+    num_params: int
+    bytes_read: int
+    checkpoint_bytes: int
+
+
+def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap) -> torch.Tensor:
+    """This rank's shard of ``p`` assembled from slices of the HF tensors."""
+    shape, k = tuple(p.tensor.shape), p.shard
+    names, t = p.hf_names, p.rule.transform
+    if t == "copy":
+        if p.partition_dim is None:
+            return reader.read(names[0])
+        size = shape[p.partition_dim]
+        return reader.read(names[0], p.partition_dim, k * size, (k + 1) * size)
+    dtype = None
+    out = None
+    if t == "vocab":
+        rows = shape[0]
+        start, stop = k * rows, min((k + 1) * rows, wm.vocab_size)
+        part = reader.read(names[0], 0, start, stop) if stop > start else None
+        dtype = part.dtype if part is not None else p.tensor.dtype
+        out = torch.zeros(shape, dtype=dtype)
+        if part is not None:
+            out[: stop - start] = part
+        return out
+    if t == "gate_up":
+        half = shape[0] // 2
+        return torch.cat([reader.read(names[i], 0, k * half, (k + 1) * half) for i in (0, 1)])
+    rows = shape[0]  # qkv
+    start = k * rows
+    pieces = [(row - start, reader.read(names[which], 0, hf_row, hf_row + length))
+              for which, hf_row, row, length in qkv_runs(start, start + rows, wm)]
+    out = torch.empty(shape, dtype=pieces[0][1].dtype)
+    for offset, piece in pieces:
+        out[offset: offset + piece.shape[0]] = piece
+    return out
+
+
+def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, hf_dir: str | os.PathLike, *,
+                       mesh=None, ignore: Sequence[str] = ()) -> LoadReport:
+    """Load HF safetensors from ``hf_dir`` into this rank's model chunks; call on all ranks.
+
+    Each rank reads only the rows/columns of its own shards. ``ignore`` holds regexes of global
+    Megatron names to leave untouched (a critic's value head: ``("output_layer\\.",)``).
+    Raises on every rank alike: ``FileNotFoundError`` for a missing directory or shard files,
+    ``ValueError`` for a corrupt file, an HF tensor whose shape disagrees with the model (both
+    shapes named), HF tensors the model needs but the checkpoint lacks, and HF tensors no rule
+    accounts for (a checkpoint of another family).
+    """
+    chunks = list(chunks)
+    errors: list[str] = []
+    reader, opened = None, []
+    try:
+        reader = HFCheckpointReader(hf_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        opened.append((type(exc), str(exc)))
+    raise_together(opened)  # first collective: every rank learns whether all could open it
+    with reader:
+        try:
+            params, known = resolve_params(chunks, weight_map, mesh, ignore)
+        except ValueError as exc:
+            params, known = [], []
+            errors.append(str(exc))
+        missing: list[str] = []
+        with torch.no_grad():
+            for p in params:
+                known.extend(p.hf_names)
+                absent = [n for n in p.hf_names if n not in reader]
+                if absent:
+                    missing.extend(absent)
+                    continue
+                try:
+                    expected = full_hf_shapes(p.rule, p.num_shards, p.partition_dim, p.tensor.shape, weight_map)
+                except ValueError as exc:  # a weight map built for another model
+                    errors.append(str(exc))
+                    continue
+                bad = [(n, reader.shape(n), e) for n, e in zip(p.hf_names, expected) if reader.shape(n) != e]
+                if bad:
+                    errors.extend(f"HF tensor {n!r} has shape {list(got)} but the model config expects {list(e)} "
+                                  f"(Megatron parameter {p.global_name!r})" for n, got, e in bad)
+                    continue
+                p.tensor.data.copy_(_read_shard(reader, p, weight_map))
+        if missing:
+            errors.append(f"{reader.path}: the model needs HF tensors the checkpoint lacks: {sorted(set(missing))[:10]}"
+                          + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else ""))
+        all_known = set().union(*all_gather_object(sorted(set(known))))
+        unexpected = sorted(n for n in reader.keys() if n not in all_known and not weight_map.is_optional(n))
+        if unexpected:
+            errors.append(f"{reader.path}: HF tensors that no weight rule of this model accounts for "
+                          f"(wrong family or config?): {unexpected[:10]}"
+                          + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+        raise_together([(ValueError, e) for e in errors])
+        total = sum(reader.nbytes(n) for n in reader.keys())
+        return LoadReport(num_params=len(params), bytes_read=reader.bytes_read, checkpoint_bytes=total)
