@@ -54,7 +54,21 @@ _CURRENT_DEVICE_MODULES = (
     # dist_checkpointing: failure broadcast after saving and the async writer's liveness check.
     "dist_checkpointing.strategies.state_dict_saver",
     "dist_checkpointing.strategies.async_utils",
+    # Sequence-parallel backward of the column/row parallel linears (all-gather buffer).
+    "tensor_parallel.layers",
+    # DistributedDataParallel's contiguous param/grad buffers.
+    "distributed.param_and_grad_buffer",
 )
+
+# Modules of the training stack (optimizer, grad norm) that build small tensors with device="cuda".
+_CUDA_FACTORY_MODULES = {
+    # FP32Optimizer/MixedPrecisionOptimizer: loss-scale and found-inf tensors.
+    "optimizer.optimizer": ("tensor", "zeros", "ones", "empty"),
+    # get_grad_norm_fp32: overflow buffer and the norm accumulator.
+    "optimizer.clip_grads": ("tensor", "zeros"),
+    # local_multi_tensor_l2_norm (no Apex/TE): the norm result.
+    "utils": ("tensor",),
+}
 
 # Modules that call ``torch.cuda.synchronize()`` unconditionally on CPU-reachable paths.
 _SYNCHRONIZE_MODULES = (
@@ -208,6 +222,41 @@ def _redirect_schedules_zeros() -> None:
     _torch_view(schedules).override("zeros", zeros)
 
 
+def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``factory(..., device="cuda")`` -> the same call on the CPU; other devices untouched."""
+
+    def on_cpu(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return factory(*args, device=device, **kwargs)
+
+    on_cpu.__name__ = f"cpu_{factory.__name__}"
+    return on_cpu
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its ``torch.cuda.FloatTensor`` assert."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _redirect_training_stack() -> None:
+    """Optimizer, grad-norm and gradient clipping on CPU (DDP buffers via ``current_device``).
+
+    ``FP32Optimizer`` and the grad-norm code create tensors with ``device="cuda"``; the gradient
+    clip asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``. The clip is replaced in the
+    optimizer module by the same in-place scaling without the assert.
+    """
+    for short, names in _CUDA_FACTORY_MODULES.items():
+        view = _torch_view(_module(short))
+        for name in names:
+            view.override(name, _cpu_factory(getattr(torch, name)))
+    _set_attr(_module("optimizer.optimizer"), "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu)
+
+
 def _noop_cuda_synchronize(device: Any = None) -> None:
     return None
 
@@ -287,6 +336,10 @@ CPU_REDIRECTS: dict[str, tuple[Callable[[], None], str]] = {
         _redirect_current_device,
         "RoPE, p2p buffers, MoE router/all-to-all, sequence-parallel buffers and dist_checkpointing "
         "allocate on torch.cuda.current_device()",
+    ),
+    "_redirect_training_stack": (
+        _redirect_training_stack,
+        "the optimizer, grad norm and grad clip create tensors with device='cuda' and assert CUDA grads",
     ),
     "_redirect_cuda_rng": (
         _redirect_cuda_rng,

@@ -287,6 +287,8 @@ class CriticConfig(BaseConfig):
     """Constant divisor for ``seq-mean-token-sum-norm``."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule."""
+    global_batch_info: dict = field(default_factory=dict)
+    """Set by the engine per step (see ``ActorConfig.global_batch_info``)."""
 
     def __post_init__(self) -> None:
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n"):

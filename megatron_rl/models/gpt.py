@@ -22,6 +22,7 @@ from megatron_rl.config.base import BaseConfig, check_choice, check_range
 __all__ = [
     "ModelConfig",
     "SDPAttention",
+    "SequenceParallelTorchNorm",
     "ValueHead",
     "get_layer_spec",
     "build_transformer_config",
@@ -209,6 +210,24 @@ class SDPAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.num_heads * self.head_dim)
 
 
+class SequenceParallelTorchNorm:
+    """Torch ``RMSNorm``/``LayerNorm`` usable under sequence parallelism (no TE/Apex needed).
+
+    Megatron's ``WrappedTorchNorm`` refuses sequence parallelism because it does not mark its
+    weights; with ``sequence_parallel`` set on them, ``finalize_model_grads`` all-reduces their
+    gradients over the TP group, exactly as it does for TE's norms. Parameter names are torch's
+    (``weight``/``bias``), the same as ``WrappedTorchNorm``'s.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
 def get_layer_spec(model_cfg: ModelConfig):
     """The transformer layer spec: TE's when available/asked, else local with SDPA attention."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -223,9 +242,25 @@ def get_layer_spec(model_cfg: ModelConfig):
         num_experts=model_cfg.num_moe_experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
         qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization,
     )
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    if model_cfg.qk_layernorm:  # Megatron all-reduces q/k-norm grads over TP by name
+        spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelTorchNorm
+        spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelTorchNorm
     if backend in ("auto", "sdpa"):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
+
+
+def _decoder_spec(model_cfg: ModelConfig, transformer_config, vp_stage: Optional[int]):
+    """Layer spec, or (local spec) a block spec whose final norm also supports sequence parallelism."""
+    spec = get_layer_spec(model_cfg)
+    if spec.submodules.input_layernorm is not SequenceParallelTorchNorm:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    num_local = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_local, layer_norm=SequenceParallelTorchNorm)
 
 
 def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, **overrides: Any):
@@ -264,8 +299,9 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, **overri
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
         context_parallel_size=parallel_cfg.context_parallel_size,
-        sequence_parallel=bool(getattr(parallel_cfg, "sequence_parallel", False))
-        and parallel_cfg.tensor_model_parallel_size > 1,
+        # Megatron requires sequence parallelism for MoE under TP; it is a pure win elsewhere too.
+        sequence_parallel=parallel_cfg.tensor_model_parallel_size > 1
+        and (bool(getattr(parallel_cfg, "sequence_parallel", False)) or model_cfg.is_moe),
         # Micro-batches are trimmed to their longest row, so PP stages exchange shapes first.
         variable_seq_lengths=True,
         moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type,
@@ -325,7 +361,6 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, role: str = "acto
 
     check_choice("role", role, ("actor", "ref", "critic", "reward"))
     value_head = role in ("critic", "reward")
-    spec = get_layer_spec(model_cfg)
     vocab = padded_vocab_size(model_cfg.vocab_size, transformer_config.tensor_model_parallel_size,
                               model_cfg.make_vocab_size_divisible_by)
     vpp = transformer_config.virtual_pipeline_model_parallel_size or 1
@@ -336,7 +371,7 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, role: str = "acto
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_decoder_spec(model_cfg, transformer_config, vp),
             vocab_size=vocab,
             max_sequence_length=model_cfg.max_position_embeddings,
             pre_process=pre,
@@ -371,6 +406,12 @@ class _HiddenOut(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         self.weight_used = weight if weight is not None else self.real[0].weight
+        if getattr(self.real[0], "sequence_parallel", False):
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # The log-prob function all-reduces the hidden-state gradient over TP itself, so the
+            # gather's backward must only split it (not reduce-scatter it a second time).
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return hidden_states, None
 
 

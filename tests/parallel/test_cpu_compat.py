@@ -22,6 +22,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="redirects are o
 NO_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
 ALL_REDIRECTS = [
     "_redirect_current_device",
+    "_redirect_training_stack",
     "_redirect_cuda_rng",
     "_redirect_schedules_zeros",
     "_noop_cuda_synchronize",
@@ -206,6 +207,26 @@ def test_redirect_schedules_zeros_lands_on_cpu(compat):
     assert counter.device.type == "cpu" and counter.dtype == torch.int32 and counter.item() == 0
     assert schedules.torch.zeros(2, device=None).tolist() == [0.0, 0.0]
     # The full schedules run in test_pipeline_parallel_matches_single_rank.
+
+
+@cpu_only
+def test_redirect_training_stack_optimizer_norm_and_clip(compat):
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    _only_without(compat, "_redirect_training_stack")
+    assert _error(optimizer_module.torch.tensor, [1.0], device="cuda") == NO_CUDA
+    grad = torch.full((4,), 3.0)
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = grad
+    assert _error(optimizer_module.clip_grad_by_total_norm_fp32, [param], 1.0, 6.0) == "AssertionError: "
+    compat.apply_cpu_compat()
+    # Megatron's fallback L2 norm (no Apex/TE): sqrt(4 * 3^2) = 6, on the CPU.
+    norm, _ = mcore_utils.local_multi_tensor_l2_norm(2048, None, [[grad]], False)
+    assert norm.device.type == "cpu" and norm.item() == pytest.approx(6.0)
+    optimizer_module.clip_grad_by_total_norm_fp32([param], 1.0, 6.0)
+    assert param.grad.tolist() == pytest.approx([0.5] * 4, rel=1e-5)  # scaled by max_norm / total_norm
+    # The whole optimizer step runs in tests/megatron_rl/workers/test_engine.py.
 
 
 @cpu_only

@@ -1,0 +1,1 @@
+"""Model families (HF config -> Megatron ModelConfig + weight table) and the GPT builders."""

@@ -1,0 +1,1 @@
+"""Workers: the Megatron engine (actor, critic, reference) and the vLLM rollout."""
