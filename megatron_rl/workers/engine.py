@@ -105,6 +105,8 @@ class MegatronEngine:
         # metrics reduce over DP only (Megatron's DDP reduces gradients over DP x CP itself).
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
+        # Collectives on small host values still need device tensors under NCCL.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.is_pp_last = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.optimizer = self.scheduler = None
@@ -402,7 +404,8 @@ class MegatronEngine:
     def _train_mini_batch(self, mini_batch: Batch, loss_fn: Callable, prefix: str) -> dict[str, float]:
         cfg = self.config
         masks = mini_batch["response_mask"]
-        counts = torch.tensor([float(masks.sum()), float((masks.sum(-1) > 0).sum())], dtype=torch.float64)
+        counts = torch.tensor([float(masks.sum()), float((masks.sum(-1) > 0).sum())], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(counts, group=self.dp_group)
         gbi = {"dp_size": self.dp_size, "batch_num_tokens": int(counts[0]), "global_batch_size": int(counts[1])}
         if cfg.loss_scale_factor is not None:
@@ -434,7 +437,7 @@ class MegatronEngine:
                     weighted[k] += v
             keys = sorted(sums) + sorted(weighted)
             vec = torch.tensor([sums[k] / self.dp_size for k in sorted(sums)] + [weighted[k] for k in sorted(weighted)],
-                               dtype=torch.float64)
+                               dtype=torch.float64, device=self.device)
             dist.all_reduce(vec, group=self.dp_group)
             n_sums = len(sums)
             local = {k: float(vec[i]) if i < n_sums else float(vec[i]) / max(total_tokens, 1.0)
