@@ -20,6 +20,8 @@ INSTALL_REQUIRES = [
     "tensordict>=0.10",
     "tqdm",
     "transformers>=5", "safetensors",  # HF <-> Megatron weight bridge (parallel.bridge, megatron_rl.models)
+    "datasets",  # prompt data from parquet/jsonl (megatron_rl.data.datasets)
+    "math-verify",  # the "math" rule reward (megatron_rl.data.rewards); installs without touching torch
 ]
 
 EXTRAS = {
