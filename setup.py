@@ -37,7 +37,11 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "parallel", "parallel.*"]),
+    # The repository's recipes/ ships inside the wheel as megatron_rl/recipes, where
+    # megatron_rl.config.loader looks first (a source checkout uses recipes/ directly).
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "parallel", "parallel.*"]) + ["megatron_rl.recipes"],
+    package_dir={"megatron_rl.recipes": "recipes"},
+    package_data={"megatron_rl.recipes": ["*.yaml", "*/*.yaml"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

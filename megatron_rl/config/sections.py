@@ -1,0 +1,455 @@
+"""The sections of a run's configuration (``data``, ``actor_rollout_ref``, ``critic``, ``reward``,
+``trainer``, ``distillation``), with verl's key names and defaults.
+
+Each is a ``BaseConfig`` dataclass with a docstring per field that validates its own fields in
+``__post_init__``; what spans sections is checked by ``megatron_rl.config.trainer.TrainerRunConfig``.
+The actor and critic extend the algorithm layer's ``ActorConfig``/``CriticConfig`` (so the engine
+takes them as they are) with a ``megatron`` layout, as verl's ``McoreActorConfig`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import field
+from typing import Any, Optional
+
+from megatron_rl.algos.distillation import DistillationLossConfig
+from megatron_rl.config.algorithm import ActorConfig, CriticConfig
+from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.models.gpt import ModelConfig
+from megatron_rl.workers.rollout import RolloutConfig
+from parallel.config import ParallelConfig
+
+__all__ = [
+    "MegatronConfig",
+    "ModelSourceConfig",
+    "DataConfig",
+    "ActorRunConfig",
+    "RefConfig",
+    "ActorRolloutRefConfig",
+    "CriticRunConfig",
+    "OverlongBufferConfig",
+    "RewardKwargsConfig",
+    "CustomRewardFunctionConfig",
+    "RewardModelConfig",
+    "RewardConfig",
+    "TrainerConfig",
+    "TeacherModelConfig",
+    "DistillationConfig",
+    "LOGGERS",
+    "PARALLEL_KEYS",
+]
+
+LOGGERS = ("console", "tensorboard", "wandb")
+PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+"""The layout keys of ``MegatronConfig`` (the fields of ``parallel.config.ParallelConfig``)."""
+_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def suggest(value: str, allowed) -> str:
+    """``"; did you mean 'a' or 'b'?"`` for the entries of ``allowed`` closest to ``value`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _check_freq(field_name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"{field_name}={value!r} is not allowed; use a positive int, or -1/0 to disable")
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@dataclasses.dataclass
+class MegatronConfig(BaseConfig):
+    """``*.megatron``: how one Megatron model is laid out and kept (verl's ``McoreEngineConfig`` keys)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks that split each weight matrix."""
+    pipeline_model_parallel_size: int = 1
+    """PP: pipeline stages."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """VPP: model chunks per pipeline rank (interleaved 1F1B); None = no interleaving."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks that split the routed experts."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP: tensor parallelism inside each expert; None = TP."""
+    context_parallel_size: int = 1
+    """CP: ranks that split the sequence (needs TransformerEngine attention, i.e. a GPU)."""
+    sequence_parallel: bool = True
+    """Shard norms/dropout activations over TP (only acts with TP > 1; always on for MoE under TP)."""
+    param_offload: bool = False
+    """Keep parameters in host memory while this role is idle."""
+    grad_offload: bool = False
+    """Keep gradient buffers in host memory while this role is idle."""
+    optimizer_offload: bool = False
+    """Keep optimizer state in host memory while this role is idle."""
+    dtype: Optional[str] = None
+    """Training dtype: ``float32``, ``bfloat16`` or ``float16``; None = the model's
+    (``ModelConfig.params_dtype`` of an inline model, ``bfloat16`` for an HF checkpoint)."""
+    seed: int = 42
+    """Seed of Megatron's model-parallel RNG (weight init of from-scratch models, dropout)."""
+    override_transformer_config: dict = field(default_factory=dict)
+    """Extra ``TransformerConfig`` fields (e.g. ``recompute_granularity: full``)."""
+
+    def __post_init__(self) -> None:
+        self.parallel()  # ParallelConfig's ValueError names the field and its allowed values
+        check_choice("megatron.dtype", self.dtype, _DTYPES)
+
+    def parallel(self) -> ParallelConfig:
+        """The model-parallel layout as a ``parallel.config.ParallelConfig``."""
+        return ParallelConfig(**{k: getattr(self, k) for k in PARALLEL_KEYS})
+
+
+@dataclasses.dataclass
+class ModelSourceConfig(BaseConfig):
+    """``*.model``: where a model's architecture and weights come from (set exactly one of
+    ``path`` and ``config``)."""
+
+    path: Optional[str] = None
+    """HF checkpoint directory (config.json + safetensors); ``~`` is expanded by the trainer."""
+    config: Optional[ModelConfig] = None
+    """Inline architecture for a from-scratch model (toy runs); weights are initialised with
+    ``megatron.seed``."""
+    family: Optional[str] = None
+    """HF family an inline model is exported as for vLLM (``qwen3``, ``llama`` ...); required with ``config``."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory; None = ``path``, or, with an inline model, a byte-level BPE tokenizer
+    trained on the task's texts with ``config.vocab_size`` entries."""
+    override_config: dict = field(default_factory=dict)
+    """``ModelConfig`` fields set on top of the checkpoint's (``freeze_router``, ``moe_router_dtype``,
+    ``make_vocab_size_divisible_by`` ...)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code when reading an HF checkpoint or tokenizer."""
+    custom_chat_template: Optional[str] = None
+    """Jinja chat template replacing the tokenizer's."""
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in dataclasses.fields(ModelConfig)]
+        for key in self.override_config:
+            if key not in names:
+                raise ValueError(f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)}")
+        if self.family is not None:
+            from megatron_rl.models.families import supported_families  # imports parallel.bridge: only when used
+
+            check_choice("model.family", self.family, sorted(supported_families()))
+
+    @property
+    def is_inline(self) -> bool:
+        """True for a from-scratch model described by ``config``."""
+        return self.config is not None
+
+
+# ----------------------------------------------------------------------------- data
+@dataclasses.dataclass
+class DataConfig(BaseConfig):
+    """``data.*``: the prompt dataset, lengths and the training batch (verl's keys and defaults)."""
+
+    train_files: Any = None
+    """Training parquet/jsonl file(s) (a path or a list); or None with ``task``."""
+    val_files: Any = None
+    """Validation file(s); None = no validation set (or the task's own)."""
+    task: Optional[str] = None
+    """Built-in task that generates prompts (and answers) instead of reading files."""
+    task_kwargs: dict = field(default_factory=dict)
+    """Options of ``task`` (sizes, difficulty, seed ...)."""
+    train_max_samples: int = -1
+    """Use at most this many training samples; -1 = all."""
+    val_max_samples: int = -1
+    """Use at most this many validation samples; -1 = all."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (chat messages or a string)."""
+    reward_fn_key: str = "data_source"
+    """Column that selects the rule reward per sample when ``reward.reward_fn`` is None."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens (after the chat template)."""
+    max_response_length: int = 512
+    """Longest response in tokens."""
+    train_batch_size: int = 1024
+    """Prompts per training step (each sampled ``rollout.n`` times)."""
+    gen_batch_size: Optional[int] = None
+    """Prompts per generation round under DAPO dynamic sampling; None = ``train_batch_size``."""
+    val_batch_size: Optional[int] = None
+    """Prompts per validation generation call; None = the whole validation set."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch."""
+    validation_shuffle: bool = False
+    """Shuffle the validation prompts."""
+    seed: Optional[int] = None
+    """Sampler seed; None = 1 (verl's fallback)."""
+    truncation: str = "error"
+    """A prompt over ``max_prompt_length``: ``error``, or truncate from the ``left``/``right``/``middle``."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts over ``max_prompt_length`` when loading instead of applying ``truncation``."""
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of ``tokenizer.apply_chat_template`` (e.g. ``enable_thinking: false``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
+            check_range(f"data.{name}", getattr(self, name), low=1)
+        for name in ("gen_batch_size", "val_batch_size"):
+            if getattr(self, name) is not None:
+                check_range(f"data.{name}", getattr(self, name), low=1)
+        check_choice("data.truncation", self.truncation, ("error", "left", "right", "middle"))
+        if self.task is not None and self.train_files is not None:
+            raise ValueError(f"data: data.task={self.task!r} and data.train_files={self.train_files!r} "
+                             "are exclusive; set one")
+
+
+# ----------------------------------------------------------------------------- actor / rollout / ref
+@dataclasses.dataclass
+class ActorRunConfig(ActorConfig):
+    """``actor_rollout_ref.actor``: ``ActorConfig`` (loss, batch sizes, optimizer) + the Megatron layout."""
+
+    strategy: str = "megatron"
+    """Training backend; only ``megatron``."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout, offload and dtype of the policy."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("actor.strategy", self.strategy, ("megatron",))
+
+
+@dataclasses.dataclass
+class RefConfig(BaseConfig):
+    """``actor_rollout_ref.ref``: the frozen reference policy (same model as the actor)."""
+
+    strategy: str = "megatron"
+    """Backend; only ``megatron``."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Layout, dtype and offload of the reference; each key left out is copied from the actor's."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per forward micro-batch; None = ``actor.ppo_micro_batch_size_per_gpu``."""
+
+    def __post_init__(self) -> None:
+        check_choice("ref.strategy", self.strategy, ("megatron",))
+        if self.log_prob_micro_batch_size_per_gpu is not None:
+            check_range("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, low=1)
+
+
+@dataclasses.dataclass
+class ActorRolloutRefConfig(BaseConfig):
+    """``actor_rollout_ref``: the policy model and its three roles."""
+
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    """The policy model (shared by actor, rollout and reference)."""
+    actor: ActorRunConfig = field(default_factory=ActorRunConfig)
+    """Policy training."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation with vLLM."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy for KL terms."""
+
+
+# ----------------------------------------------------------------------------- critic
+@dataclasses.dataclass
+class CriticRunConfig(CriticConfig):
+    """``critic``: ``CriticConfig`` (value loss, batch sizes, optimizer) + model + Megatron layout."""
+
+    strategy: str = "megatron"
+    """Backend; only ``megatron``."""
+    enable: Optional[bool] = None
+    """Train a critic; None = only when ``algorithm.adv_estimator`` uses values (``gae``)."""
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    """Value model (a scalar head on this model); defaults to the policy model."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout, offload and dtype of the critic."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("critic.strategy", self.strategy, ("megatron",))
+
+
+# ----------------------------------------------------------------------------- reward
+@dataclasses.dataclass
+class OverlongBufferConfig(BaseConfig):
+    """DAPO overlong reward shaping (``reward.reward_kwargs.overlong_buffer_cfg``)."""
+
+    enable: bool = False
+    """Penalise responses that reach into the last ``len`` tokens of ``max_resp_len``."""
+    len: int = 0
+    """Buffer length in tokens; the penalty grows linearly across it."""
+    penalty_factor: float = 0.0
+    """Penalty at ``max_resp_len``."""
+    log: bool = False
+    """Report the penalty per sample as a metric."""
+
+
+@dataclasses.dataclass
+class RewardKwargsConfig(BaseConfig):
+    """``reward.reward_kwargs``: options of the reward manager (verl's ``dapo`` manager keys)."""
+
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong shaping."""
+    max_resp_len: Optional[int] = None
+    """Length the buffer is measured from; derived from ``data.max_response_length``."""
+
+
+@dataclasses.dataclass
+class CustomRewardFunctionConfig(BaseConfig):
+    """``reward.custom_reward_function``: a user Python file with a scoring function."""
+
+    path: Optional[str] = None
+    """Python file; None = use the built-in rewards."""
+    name: str = "compute_score"
+    """Function in that file: ``(data_source, solution_str, ground_truth, extra_info) -> float | dict``."""
+
+
+@dataclasses.dataclass
+class RewardModelConfig(BaseConfig):
+    """``reward.reward_model``: a Megatron scalar-head reward model."""
+
+    enable: bool = False
+    """Score responses with the model (added to any rule reward)."""
+    model_path: Optional[str] = None
+    """HF checkpoint of the reward model."""
+    tokenizer_path: Optional[str] = None
+    """Its tokenizer; None = ``model_path``."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Layout and offload of the reward model."""
+    micro_batch_size_per_gpu: int = 1
+    """Responses per forward micro-batch."""
+
+    def __post_init__(self) -> None:
+        check_range("reward_model.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, low=1)
+
+
+@dataclasses.dataclass
+class RewardConfig(BaseConfig):
+    """``reward``: how responses are scored (verl 0.9's ``reward`` section)."""
+
+    reward_fn: Optional[str] = None
+    """Rule reward for every sample; None = chosen per sample by the ``data.reward_fn_key`` column."""
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """User scoring function (replaces the built-in rule rewards)."""
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
+    """Reward-manager options (overlong shaping)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Model-based reward."""
+
+    def __post_init__(self) -> None:
+        if self.reward_fn is not None and self.custom_reward_function.path is not None:
+            raise ValueError(f"reward: reward.reward_fn={self.reward_fn!r} and reward.custom_reward_function.path="
+                             f"{self.custom_reward_function.path!r} both choose the reward; set one")
+        if self.reward_model.enable and not self.reward_model.model_path:
+            raise ValueError("reward.reward_model.enable=True needs reward.reward_model.model_path")
+        buf = self.reward_kwargs.overlong_buffer_cfg
+        if buf.enable:
+            where = "reward.reward_kwargs.overlong_buffer_cfg"
+            if buf.len <= 0:
+                raise ValueError(f"{where}.len={buf.len!r} must be > 0 when {where}.enable=True")
+            check_range(f"{where}.penalty_factor", buf.penalty_factor, low=0.0)
+            max_len = self.reward_kwargs.max_resp_len
+            if max_len is None or buf.len > max_len:
+                raise ValueError(f"{where}.len={buf.len} must be <= reward.reward_kwargs.max_resp_len={max_len} "
+                                 "(= data.max_response_length unless set)")
+
+
+# ----------------------------------------------------------------------------- trainer
+@dataclasses.dataclass
+class TrainerConfig(BaseConfig):
+    """``trainer.*``: run length, logging, checkpoints and the cluster (verl's keys and defaults)."""
+
+    total_epochs: int = 30
+    """Passes over the training prompts."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps; None = ``total_epochs`` worth."""
+    project_name: str = "verl_examples"
+    """Project name for loggers and the checkpoint directory."""
+    experiment_name: str = "gsm8k"
+    """Run name for loggers and the checkpoint directory."""
+    logger: list = field(default_factory=lambda: ["console"])
+    """Metric sinks among ``console``, ``tensorboard``, ``wandb`` (metrics.jsonl is always written)."""
+    log_val_generations: int = 0
+    """Validation samples printed/logged per validation."""
+    rollout_data_dir: Optional[str] = None
+    """Dump every step's generations as jsonl here; None = off."""
+    validation_data_dir: Optional[str] = None
+    """Dump validation generations as jsonl here; None = off."""
+    nnodes: int = 1
+    """Nodes in the cluster."""
+    n_gpus_per_node: int = 8
+    """Devices per node (worker processes per node on CPU)."""
+    device: str = "cuda"
+    """``cuda`` or ``cpu``."""
+    save_freq: int = -1
+    """Checkpoint every N steps (and at the end); -1/0 = only the final model."""
+    test_freq: int = -1
+    """Validate every N steps; -1/0 = never during training."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Validate and exit."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts training."""
+    balance_batch: bool = True
+    """Reorder samples so every data-parallel rank gets a similar token count."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint in ``default_local_dir`` if any), ``disable``, or ``resume_path``."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint to resume from with ``resume_mode=resume_path``."""
+    default_local_dir: Optional[str] = None
+    """Checkpoint directory; None = ``checkpoints/{project_name}/{experiment_name}``."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N actor checkpoints; None = all."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N critic checkpoints; None = all."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        for name in self.logger:
+            check_choice("trainer.logger entry", name, LOGGERS)
+        check_choice("trainer.device", self.device, ("cpu", "cuda"))
+        check_choice("trainer.resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
+        for name in ("total_epochs", "nnodes", "n_gpus_per_node"):
+            check_range(f"trainer.{name}", getattr(self, name), low=1)
+        for name in ("total_training_steps", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+            if getattr(self, name) is not None:
+                check_range(f"trainer.{name}", getattr(self, name), low=1)
+        for name in ("critic_warmup", "log_val_generations"):
+            check_range(f"trainer.{name}", getattr(self, name), low=0)
+        _check_freq("trainer.save_freq", self.save_freq)
+        _check_freq("trainer.test_freq", self.test_freq)
+        if self.default_local_dir is None:
+            self.default_local_dir = f"checkpoints/{self.project_name}/{self.experiment_name}"
+
+    @property
+    def world_size(self) -> int:
+        """Devices (or CPU worker processes) in the cluster: ``nnodes * n_gpus_per_node``."""
+        return self.nnodes * self.n_gpus_per_node
+
+
+# ----------------------------------------------------------------------------- distillation
+@dataclasses.dataclass
+class TeacherModelConfig(BaseConfig):
+    """``distillation.teacher_model``: the teacher (set exactly one of ``model_path`` and ``config``);
+    it must share the student's tokenizer."""
+
+    model_path: Optional[str] = None
+    """HF checkpoint of the teacher."""
+    config: Optional[ModelConfig] = None
+    """Inline architecture of a from-scratch teacher (toy runs)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Layout, dtype and offload of the teacher (forward only)."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per forward micro-batch; None = ``actor.ppo_micro_batch_size_per_gpu``."""
+
+    def __post_init__(self) -> None:
+        if self.log_prob_micro_batch_size_per_gpu is not None:
+            check_range("distillation.teacher_model.log_prob_micro_batch_size_per_gpu",
+                        self.log_prob_micro_batch_size_per_gpu, low=1)
+
+
+@dataclasses.dataclass
+class DistillationConfig(BaseConfig):
+    """``distillation``: on-policy distillation from a teacher (verl's keys)."""
+
+    enabled: bool = False
+    """Add the distillation loss (or reward) from ``teacher_model``."""
+    teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    """The teacher."""
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+    """Loss mode, top-k, coefficient, clamps, policy-gradient mode."""

@@ -1,0 +1,254 @@
+"""The configuration of a whole training run: one typed tree with verl's layout and key names.
+
+    TrainerRunConfig
+      data                     DataConfig            prompts, lengths, batch size
+      actor_rollout_ref
+        model                  ModelSourceConfig     an HF checkpoint dir, or an inline ModelConfig
+        actor                  ActorRunConfig        ActorConfig + ``megatron`` layout
+        rollout                RolloutConfig         vLLM sampling and weight sync
+        ref                    RefConfig             reference policy layout + offload
+      critic                   CriticRunConfig       CriticConfig + model + ``megatron`` layout
+      reward                   RewardConfig          rule reward / reward model, overlong shaping
+      algorithm                AlgoConfig            estimator, KL-in-reward, DAPO filtering
+      trainer                  TrainerConfig         steps, logging, checkpoints, cluster
+      distillation             DistillationConfig    on-policy distillation teacher + loss
+
+Each section validates its own fields in ``__post_init__``; ``TrainerRunConfig.__post_init__``
+checks what spans sections (names against the registries, batch sizes against the cluster,
+lengths that must agree) and names every field and number in its ``ValueError``.
+``TrainerRunConfig.from_dict`` (and ``megatron_rl.config.loader.load_config`` on top of it)
+also fills verl's derived keys -- ``actor.rollout_n`` from ``rollout.n``,
+``rollout.prompt_length`` from ``data.max_prompt_length``, the reference layout from the
+actor's, ... -- wherever the input leaves them out, as verl's ``${oc.select:...}`` do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any, Mapping, Optional
+
+from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.config.algorithm import ActorConfig, AlgoConfig, CriticConfig
+from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.sections import (
+    PARALLEL_KEYS,
+    ActorRolloutRefConfig,
+    CriticRunConfig,
+    DataConfig,
+    DistillationConfig,
+    MegatronConfig,
+    ModelSourceConfig,
+    RewardConfig,
+    TrainerConfig,
+    suggest,
+)
+
+__all__ = ["TrainerRunConfig", "VALUE_ESTIMATORS", "DERIVED_KEYS"]
+
+VALUE_ESTIMATORS = ("gae",)
+"""Advantage estimators that read critic values (verl's ``need_critic``)."""
+# What the reference copies from the actor's ``megatron`` when left out (verl's ref interpolations).
+_REF_FROM_ACTOR = PARALLEL_KEYS + ("sequence_parallel", "param_offload", "dtype", "seed", "override_transformer_config")
+
+DERIVED_KEYS: tuple[tuple[str, str], ...] = (
+    ("actor_rollout_ref.actor.rollout_n", "actor_rollout_ref.rollout.n"),
+    ("critic.rollout_n", "actor_rollout_ref.rollout.n"),
+    ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
+    ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
+    ("critic.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
+    ("critic.shuffle", "actor_rollout_ref.actor.shuffle"),
+    ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
+    ("critic.model", "actor_rollout_ref.model"),
+    ("reward.reward_kwargs.max_resp_len", "data.max_response_length"),
+    *((f"actor_rollout_ref.ref.megatron.{k}", f"actor_rollout_ref.actor.megatron.{k}") for k in _REF_FROM_ACTOR),
+)
+"""``(target, source)``: ``from_dict`` copies ``source`` to ``target`` when the input lacks ``target``
+(verl's interpolations, e.g. ``rollout_n: ${oc.select:actor_rollout_ref.rollout.n,1}``)."""
+
+
+def _check_name(field_name: str, value: Any, registry, what: str) -> None:
+    if value not in registry:
+        names = sorted(registry)
+        raise ValueError(f"{field_name}={value!r} is not a registered {what}; choose one of {names}"
+                         f"{suggest(value, names)}")
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclasses.dataclass
+class TrainerRunConfig(BaseConfig):
+    """Everything a training run needs, with verl's top-level layout."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and batch."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Policy model, actor, rollout, reference."""
+    critic: CriticRunConfig = field(default_factory=CriticRunConfig)
+    """Value model (used when ``needs_critic``)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring."""
+    algorithm: AlgoConfig = field(default_factory=AlgoConfig)
+    """Advantage estimation, KL-in-reward, DAPO filtering, rollout correction."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run control and cluster."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation."""
+
+    # -- what the run needs ------------------------------------------------------------------
+    @property
+    def needs_critic(self) -> bool:
+        """A critic is trained: ``critic.enable`` if set, else the estimator uses values (GAE)."""
+        if self.critic.enable is not None:
+            return bool(self.critic.enable)
+        return self.algorithm.adv_estimator in VALUE_ESTIMATORS
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference policy runs: a KL loss or KL-in-reward is on."""
+        return bool(self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """A reward-model worker runs."""
+        return bool(self.reward.reward_model.enable)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A distillation teacher worker runs."""
+        return bool(self.distillation.enabled)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "TrainerRunConfig":
+        """Build from a nested mapping (YAML, ``DictConfig``): derived keys are filled where
+        missing, unknown keys are errors with the nearest valid keys, leaf types are checked."""
+        from megatron_rl.config.loader import build_config, fill_derived
+
+        return build_config(cls, fill_derived(data or {}), path=path)
+
+    # -- cross-section validation -------------------------------------------------------------
+    def __post_init__(self) -> None:
+        arr = self.actor_rollout_ref
+        actor, rollout = arr.actor, arr.rollout
+        _check_name("algorithm.adv_estimator", self.algorithm.adv_estimator, ADV_ESTIMATORS, "advantage estimator")
+        _check_name("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES,
+                    "policy loss")
+        if self.critic.enable is False and self.algorithm.adv_estimator in VALUE_ESTIMATORS:
+            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs a critic, "
+                             "but critic.enable=False")
+        if self.data.task is None and self.data.train_files is None:
+            raise ValueError("data: set data.train_files (parquet/jsonl paths) or data.task (a built-in task name)")
+        self._check_lengths()
+        fg = self.algorithm.filter_groups
+        if fg is not None and fg.enable:
+            if not fg.metric:
+                raise ValueError("algorithm.filter_groups.enable=True needs algorithm.filter_groups.metric "
+                                 "(e.g. 'acc' or 'score')")
+            if rollout.n < 2:
+                raise ValueError(f"algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2 "
+                                 f"(a group of one is never informative), got {rollout.n}")
+
+        _check_source("actor_rollout_ref.model", arr.model)
+        if self.needs_critic:
+            _check_source("critic.model", self.critic.model)
+        if self.needs_teacher:
+            teacher = self.distillation.teacher_model
+            _check_source("distillation.teacher_model", teacher, path_key="model_path", family_required=False)
+            student, teacher = arr.model.config, self.distillation.teacher_model.config
+            if student is not None and teacher is not None and student.vocab_size != teacher.vocab_size:
+                raise ValueError(f"distillation.teacher_model.config.vocab_size={teacher.vocab_size} must equal "
+                                 f"actor_rollout_ref.model.config.vocab_size={student.vocab_size} "
+                                 "(teacher and student share the tokenizer)")
+
+        context = self.data.max_prompt_length + self.data.max_response_length
+        for where, model in (("actor_rollout_ref.model", arr.model.config),
+                             ("distillation.teacher_model", self.distillation.teacher_model.config)):
+            if model is not None and context > model.max_position_embeddings:
+                raise ValueError(f"data.max_prompt_length + data.max_response_length = {context} exceeds "
+                                 f"{where}.config.max_position_embeddings={model.max_position_embeddings}")
+
+        world = self.trainer.world_size
+        self._check_batch("actor_rollout_ref.actor", actor, arr.model, world)
+        if self.needs_critic:
+            self._check_batch("critic", self.critic, self.critic.model, world)
+        if self.needs_reference:
+            self._check_forward_only("actor_rollout_ref.ref", arr.ref.megatron, arr.model, world)
+        if self.needs_reward_model:
+            self._check_forward_only("reward.reward_model", self.reward.reward_model.megatron, None, world)
+        if self.needs_teacher:
+            teacher = self.distillation.teacher_model
+            self._check_forward_only("distillation.teacher_model", teacher.megatron, teacher, world)
+        rollout_tp = rollout.tensor_model_parallel_size
+        if world % rollout_tp:
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide "
+                             f"world_size={world} (trainer.nnodes * trainer.n_gpus_per_node = "
+                             f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})")
+
+    def _check_lengths(self) -> None:
+        arr, data = self.actor_rollout_ref, self.data
+        pairs = (
+            ("actor_rollout_ref.actor.rollout_n", arr.actor.rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),
+            ("actor_rollout_ref.rollout.prompt_length", arr.rollout.prompt_length,
+             "data.max_prompt_length", data.max_prompt_length),
+            ("actor_rollout_ref.rollout.response_length", arr.rollout.response_length,
+             "data.max_response_length", data.max_response_length),
+        )
+        if self.needs_critic:
+            pairs += (("critic.rollout_n", self.critic.rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),)
+        for name, value, source, expected in pairs:
+            if value != expected:
+                raise ValueError(f"{name}={value} disagrees with {source}={expected}; leave {name} out "
+                                 f"(it is derived from {source})")
+
+    def _layout(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig],
+                world: int) -> dict:
+        """Validate ``megatron``'s layout on ``world`` ranks (and against an inline model); return sizes."""
+        if self.trainer.device == "cpu" and megatron.context_parallel_size > 1:
+            raise ValueError(f"{where}.megatron.context_parallel_size={megatron.context_parallel_size} needs "
+                             "TransformerEngine attention (trainer.device='cuda'); use 1 on CPU")
+        model = source.config if source is not None else None
+        dims = {}
+        if model is not None:
+            dims = dict(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+                        num_query_groups=model.num_query_groups or model.num_attention_heads,
+                        num_experts=model.num_moe_experts)
+        try:
+            return megatron.parallel().validate(world, **dims)
+        except ValueError as err:
+            raise ValueError(f"{where}.megatron: {err} (world_size={world} = trainer.nnodes * "
+                             f"trainer.n_gpus_per_node = {self.trainer.nnodes}*{self.trainer.n_gpus_per_node})") from None
+
+    def _check_batch(self, where: str, cfg: ActorConfig | CriticConfig, source: ModelSourceConfig,
+                     world: int) -> None:
+        """verl's batch arithmetic for a trained role: prompts split into mini-batches, each
+        mini-batch's responses split evenly over data-parallel ranks and into micro-batches."""
+        n, train = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
+        mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
+        if train < mini:
+            raise ValueError(f"data.train_batch_size={train} must be >= {where}.ppo_mini_batch_size={mini}")
+        if (train * n) % (mini * n):
+            raise ValueError(f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
+                             f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n}")
+        dp = self._layout(where, cfg.megatron, source, world)["dp"]
+        if (mini * n) % (dp * micro):
+            raise ValueError(f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
+                             f"data-parallel size * {where}.ppo_micro_batch_size_per_gpu = {dp}*{micro} = {dp * micro}")
+
+    def _check_forward_only(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig],
+                            world: int) -> None:
+        n, train = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
+        dp = self._layout(where, megatron, source, world)["dp"]
+        if (train * n) % dp:
+            raise ValueError(f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
+                             f"the data-parallel size {dp} of {where}")
+
+
+def _check_source(where: str, source: Any, *, path_key: str = "path", family_required: bool = True) -> None:
+    path = getattr(source, path_key)
+    if (path is None) == (source.config is None):
+        got = "neither" if path is None else "both"
+        raise ValueError(f"{where}: set exactly one of {where}.{path_key} (an HF checkpoint directory) and "
+                         f"{where}.config (an inline ModelConfig); got {got}")
+    if family_required and source.config is not None and source.family is None:
+        raise ValueError(f"{where}.family must name the HF family an inline model is exported as for vLLM "
+                         f"(e.g. 'qwen3') when {where}.config is set")
