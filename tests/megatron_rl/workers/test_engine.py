@@ -216,3 +216,65 @@ def test_log_probs_match_unpadded_forward_for_any_micro_batch_size(temperature):
     diffs = run_distributed(_naive_reference, 1, DENSE, temperature)[0]
     for mbs, (lp_diff, h_diff) in diffs.items():
         assert lp_diff < 1e-5 and h_diff < 1e-5, (mbs, lp_diff, h_diff)
+
+
+def _reference_engine_case(rank, world_size, ckpt):
+    """A frozen reference model built from the actor's weights gives the actor's log-probs."""
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.workers.engine import MegatronEngine
+    from parallel.checkpoint import load_model, save_model
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    pc = ParallelConfig()
+    init_mesh(pc, seed=11)
+    actor = MegatronEngine(ModelConfig(**DENSE), pc, role="actor", config={"ppo_mini_batch_size": BATCH})
+    ref = MegatronEngine(ModelConfig(**DENSE), pc, role="ref", trainable=False)
+    save_model(actor.model, ckpt)
+    load_model(ref.model, ckpt)
+    batch = make_batch(DENSE["vocab_size"])
+    mask = batch["response_mask"].bool()
+    diff = _max_diff(actor.compute_log_prob(batch)["log_probs"][mask], ref.compute_log_prob(batch)["log_probs"][mask])
+    frozen = all(not p.requires_grad for _, p in ref.named_parameters())
+    try:
+        ref.update_policy({**batch, "old_log_probs": torch.zeros(BATCH, RESPONSE), "advantages": batch["advantages"]})
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    ref.offload_to_cpu()  # a no-op without CUDA; must not disturb the weights
+    after = _max_diff(ref.compute_log_prob(batch)["log_probs"][mask], actor.compute_log_prob(batch)["log_probs"][mask])
+    return diff, frozen, error, after
+
+
+def test_reference_model_is_a_frozen_copy_of_the_actor(tmp_path):
+    diff, frozen, error, after = run_distributed(_reference_engine_case, 1, str(tmp_path / "ckpt"))[0]
+    assert diff == 0.0 and after == 0.0 and frozen
+    assert error == "the 'ref' engine is not trainable"
+
+
+def _offload_case(rank, world_size):
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.workers.engine import MegatronEngine
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    pc = ParallelConfig()
+    init_mesh(pc, seed=5)
+    engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor",
+                            config={"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2})
+    batch = {k: v.cuda() for k, v in make_batch(DENSE["vocab_size"]).items()}
+    before = engine.compute_log_prob(batch)["log_probs"]
+    engine.offload_to_cpu()
+    on_cpu = all(p.device.type == "cpu" for _, p in engine.named_parameters())
+    free_after_offload = torch.cuda.memory_allocated()
+    engine.load_to_device()
+    after = engine.compute_log_prob(batch)["log_probs"]
+    batch["old_log_probs"], batch["advantages"] = after, batch["advantages"]
+    metrics = engine.update_policy(batch)  # optimizer state survived the round trip
+    return on_cpu, free_after_offload, float((before - after).abs().max()), metrics["actor/grad_norm"]
+
+
+@pytest.mark.gpu
+def test_offload_round_trip_keeps_weights_and_frees_gpu_memory():
+    on_cpu, _, diff, grad_norm = run_distributed(_offload_case, 1, backend="nccl")[0]
+    assert on_cpu and diff == 0.0 and math.isfinite(grad_norm)
