@@ -67,6 +67,8 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
     if dp_split:
         dp, dp_rank = mesh.size("dp"), mesh.dp_rank
         batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+    if torch.cuda.is_available():
+        batch = {k: v.cuda() for k, v in batch.items()}
     result = {}
     if role == "actor":
         out = engine.compute_log_prob(batch, calculate_entropy=True)
@@ -79,7 +81,7 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
         batch["values"] = out["values"] + 2 * batch["offset"]
         result["metrics"] = engine.update_critic(batch)
     save_model(engine.model, ckpt_out)
-    return result
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in result.items()}
 
 
 def _load_all(rank, world_size, model_kw, role, paths):
@@ -96,7 +98,7 @@ def _load_all(rank, world_size, model_kw, role, paths):
     out = []
     for path in paths:
         load_model(chunks, path)
-        out.append({k: v.detach().clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k})
+        out.append({k: v.detach().cpu().clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k})
     return out
 
 
@@ -120,15 +122,16 @@ LAYOUTS = {
 }
 
 
-def _compare(role, model_kw, ckpt_root, layouts, train_cfg):
+def _compare(role, model_kw, ckpt_root, layouts, train_cfg, backend="gloo"):
     init = str(ckpt_root / f"{role}_{model_kw.get('num_moe_experts', 0)}_init")
     ref_out = str(ckpt_root / f"{role}_{model_kw.get('num_moe_experts', 0)}_ref")
-    (ref,) = run_distributed(_run_layout, 1, {}, model_kw, role, init, ref_out, train_cfg, False)
+    (ref,) = run_distributed(_run_layout, 1, {}, model_kw, role, init, ref_out, train_cfg, False, backend=backend)
     results, paths = {}, [ref_out]
     for name, (world, par, overrides) in layouts.items():
         out = str(ckpt_root / f"{role}_{model_kw.get('num_moe_experts', 0)}_{name}")
         dp_split = name.startswith("dp") or name.startswith("ep")
-        res = run_distributed(_run_layout, world, par, model_kw, role, init, out, {**train_cfg, **overrides}, dp_split)
+        res = run_distributed(_run_layout, world, par, model_kw, role, init, out, {**train_cfg, **overrides}, dp_split,
+                              backend=backend)
         if dp_split:  # each DP rank holds half the batch
             merged = {k: torch.cat([r[k] for r in res]) for k in res[0] if k != "metrics"}
             merged["metrics"] = res[0]["metrics"]
@@ -136,7 +139,7 @@ def _compare(role, model_kw, ckpt_root, layouts, train_cfg):
             res = [merged]
         results[name] = res[0]
         paths.append(out)
-    weights = run_distributed(_load_all, 1, model_kw, role, paths)[0]
+    weights = run_distributed(_load_all, 1, model_kw, role, paths, backend=backend)[0]
     return ref, results, weights
 
 
@@ -278,3 +281,15 @@ def _offload_case(rank, world_size):
 def test_offload_round_trip_keeps_weights_and_frees_gpu_memory():
     on_cpu, _, diff, grad_norm = run_distributed(_offload_case, 1, backend="nccl")[0]
     assert on_cpu and diff == 0.0 and math.isfinite(grad_norm)
+
+
+@pytest.mark.gpu
+def test_context_parallel_actor_equals_single_rank(ckpt_root):
+    """CP needs TransformerEngine's attention: runs on 2 GPUs only."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD}
+    model_kw = dict(DENSE, attention_backend="te")
+    layouts = {"cp2": (2, dict(context_parallel_size=2), {})}
+    ref, results, weights = _compare("actor", model_kw, ckpt_root, layouts, train_cfg, backend="nccl")
+    _check(ref, results, weights, ["log_probs", "entropys"])
