@@ -176,6 +176,13 @@ def test_critic_layouts_equal_single_rank(ckpt_root):
     assert ref["metrics"]["critic/vf_clipfrac"] > 0
 
 
+def test_moe_critic_expert_parallel_equals_single_rank(ckpt_root):
+    train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD, "cliprange_value": 0.05}
+    layouts = {"ep2": (2, dict(expert_model_parallel_size=2), {})}
+    ref, results, weights = _compare("critic", MOE, ckpt_root, layouts, train_cfg)
+    _check(ref, results, weights, ["values"])
+
+
 def test_moe_actor_expert_parallel_equals_single_rank(ckpt_root):
     train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD}
     layouts = {"ep2": (2, dict(expert_model_parallel_size=2), {})}
