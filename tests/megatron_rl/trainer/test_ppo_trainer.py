@@ -106,3 +106,38 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster):
     else:
         moved = math.inf  # greedy tokens changed: the weights changed
     assert moved > 1e-3, moved
+
+
+def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster):
+    """GAE needs a critic, KL-in-reward a reference: all three Megatron roles at DP=2 (2 ranks each)."""
+    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.data.datasets import make_toy_dataset
+    from megatron_rl.data.rewards import RewardFunction
+    from megatron_rl.trainer import RayPPOTrainer
+    from megatron_rl.workers.rollout_testing import build_tiny_qwen3
+
+    model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
+    data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")
+    cfg = _config(tmp_path / "qwen3", data, tmp_path / "run").to_dict()
+    cfg["algorithm"].update(adv_estimator="gae", use_kl_in_reward=True, kl_penalty="low_var_kl")  # k3 >= 0
+    cfg["trainer"]["n_gpus_per_node"] = 2
+    cfg["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 4
+    cfg["actor_rollout_ref"]["ref"] = {}  # re-derived from the actor's layout
+    cfg["critic"] = {"ppo_micro_batch_size_per_gpu": 4, "rollout_n": 4, "optim": {"lr": 1e-3}}
+    trainer = RayPPOTrainer(TrainerRunConfig.from_dict(cfg), reward_fn=RewardFunction(model["tokenizer"], varied_score))
+    assert (trainer.use_critic, trainer.use_reference) == (True, True)
+    trainer.init_workers()
+    try:
+        assert (trainer.actor.dp_size, trainer.actor.collect_ranks) == (2, [0, 1])
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    for row in history:
+        for key in ("timing_s/ref", "timing_s/values", "timing_s/update_critic", "critic/vf_loss",
+                    "critic/values/mean", "critic/vf_explained_var", "actor/reward_kl_penalty"):
+            assert key in row and math.isfinite(row[key]), key
+    # Step 1: actor == reference, so the KL penalty is exactly 0; after one update it is not.
+    assert history[0]["actor/reward_kl_penalty"] == 0.0
+    assert history[1]["actor/reward_kl_penalty"] > 0.0
+    # KL-in-reward makes rewards differ from scores once the penalty is on.
+    assert history[1]["critic/rewards/mean"] < history[1]["critic/score/mean"]
