@@ -28,6 +28,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_rl.trainer.main_job import run_train
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # `megatron-rl train key=value ...`: the default recipe
+        recipe, overrides = None, [recipe, *overrides]
+    try:
+        run_train(recipe, overrides, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"megatron-rl train: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl",
@@ -40,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("train", help="run an RL recipe (default: GRPO on the CPU toy task)",
+                       description="Train with a recipe (a name under recipes/ or a YAML path; default: grpo, "
+                                   "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "
+                                   "reward_curve.png and an HF checkpoint to trainer.default_local_dir "
+                                   "(default outputs/<experiment_name>).")
+    p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (default: grpo)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

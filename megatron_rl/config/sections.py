@@ -382,6 +382,11 @@ class TrainerConfig(BaseConfig):
     """Validate and exit."""
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts training."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on the built-in task's (prompt, answer) pairs before RL (needs ``data.task``);
+    RL starts from the warmed model, as from an SFT checkpoint. 0 = off."""
+    sft_warmup_lr: float = 3e-3
+    """Peak learning rate of the supervised warm-up (AdamW, cosine decay)."""
     balance_batch: bool = True
     """Reorder samples so every data-parallel rank gets a similar token count."""
     resume_mode: str = "auto"
@@ -409,7 +414,7 @@ class TrainerConfig(BaseConfig):
         for name in ("total_training_steps", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
             if getattr(self, name) is not None:
                 check_range(f"trainer.{name}", getattr(self, name), low=1)
-        for name in ("critic_warmup", "log_val_generations"):
+        for name in ("critic_warmup", "log_val_generations", "sft_warmup_steps"):
             check_range(f"trainer.{name}", getattr(self, name), low=0)
         _check_freq("trainer.save_freq", self.save_freq)
         _check_freq("trainer.test_freq", self.test_freq)

@@ -14,7 +14,7 @@ through attribute access / ``cfg_get``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -59,20 +59,24 @@ class RayPPOTrainer:
     """Drives the actor / reference / critic worker groups and the rollout worker (Ray must be up).
 
     Args:
-        config: ``TrainerRunConfig`` or DictConfig with its keys (HF model path in
-            ``actor_rollout_ref.model.path``).
+        config: ``TrainerRunConfig`` or DictConfig with its keys: an HF model in
+            ``actor_rollout_ref.model.path``, or an inline ``model.config`` + ``family`` that is
+            first materialised as an HF checkpoint under ``log_dir`` (and warmed up by
+            ``trainer.sft_warmup_steps`` supervised steps; see ``main_job.prepare_policy_model``).
+        model_path: HF directory to start from, instead of preparing it from the config.
         log_dir: where ``metrics.jsonl`` goes (default ``trainer.default_local_dir``).
         tokenizer / train_dataloader / reward_fn: override what the config would build.
     """
 
-    def __init__(self, config: Any, *, log_dir: Optional[str | Path] = None, tokenizer: Any = None,
-                 train_dataloader: Any = None, reward_fn: Any = None):
+    def __init__(self, config: Any, *, model_path: Optional[str | Path] = None, log_dir: Optional[str | Path] = None,
+                 tokenizer: Any = None, train_dataloader: Any = None, reward_fn: Any = None):
         self.config = config
-        self.model_path = cfg_get(config, "actor_rollout_ref.model.path")
-        if self.model_path is None:
-            raise ValueError("actor_rollout_ref.model.path must name an HF checkpoint directory "
-                             "(inline model configs are not supported by the Ray trainer yet)")
         self.log_dir = Path(log_dir or cfg_get(config, "trainer.default_local_dir") or "outputs")
+        if model_path is None:
+            from megatron_rl.trainer.main_job import prepare_policy_model
+
+            model_path = prepare_policy_model(config, self.log_dir)
+        self.model_path = str(model_path)
         self.use_critic = need_critic(config)
         self.use_reference = need_reference_policy(config)
         self.n = int(cfg_get(config, "actor_rollout_ref.rollout.n", 1))
@@ -144,8 +148,10 @@ class RayPPOTrainer:
                                                                num_cpus=cpus, num_gpus=gpus)
 
     # -- the loop ---------------------------------------------------------------------------
-    def fit(self, total_steps: Optional[int] = None) -> list[dict[str, float]]:
-        """Train for ``total_steps`` (default ``trainer.total_training_steps``); returns the metrics."""
+    def fit(self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
+            ) -> list[dict[str, float]]:
+        """Train for ``total_steps`` (default ``trainer.total_training_steps``); returns the metrics.
+        ``on_step(metrics)`` runs after each step is logged (progress bars)."""
         total = int(total_steps or cfg_get(self.config, "trainer.total_training_steps") or len(self.train_dataloader))
         logger = MetricsLogger(self.log_dir, cfg_get(self.config, "trainer.logger", ["console"]), total_steps=total,
                                project=cfg_get(self.config, "trainer.project_name", "megatron_rl"),
@@ -181,6 +187,8 @@ class RayPPOTrainer:
             metrics.update(self.step_metrics(batch, timing))
             logger.log(metrics, step=self.global_steps)
             history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
         logger.close()
         return history
 
@@ -235,6 +243,35 @@ class RayPPOTrainer:
         weights = self.actor.export_weights(bucket_bytes=int(mb * 2**20))
         stats = ray.get(self.rollout.update_weights.remote(weights))
         return {"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": float(stats["seconds"])}
+
+    def save_hf_checkpoint(self, out_dir: str | Path) -> Path:
+        """Write the actor as an HF checkpoint (the bridge's export, gathered to rank 0) with the
+        starting checkpoint's config, generation config and tokenizer files; atomic (a temporary
+        sibling directory renamed into place). Returns ``out_dir``."""
+        import shutil
+        import uuid
+
+        import ray
+        from safetensors.torch import save_file
+
+        final = Path(out_dir).resolve()
+        if final.exists():
+            raise FileExistsError(f"save_hf_checkpoint: {final} exists")
+        weights = ray.get(self.actor.export_weights())
+        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            save_file({name: t.contiguous() for name, t in weights}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            for f in Path(self.model_path).iterdir():
+                if f.is_file() and (f.suffix in (".json", ".jinja", ".txt", ".model") and
+                                    not f.name.endswith(".safetensors.index.json") and f.name != "sft_warmup.json"):
+                    shutil.copy(f, tmp / f.name)
+            tmp.rename(final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
 
     def step_metrics(self, batch: dict[str, Any], timing: dict[str, float]) -> dict[str, float]:
         n_devices = int(cfg_get(self.config, "trainer.nnodes", 1)) * int(cfg_get(self.config, "trainer.n_gpus_per_node", 1))

@@ -91,7 +91,7 @@ def test_variants_extend_their_base_recipe():
 def test_default_recipe_is_the_cpu_grpo_toy():
     cfg = load_config()
     assert cfg == load_config("grpo")
-    assert (cfg.data.task, cfg.reward.reward_fn, cfg.algorithm.adv_estimator) == ("toy_arithmetic", "toy_arithmetic", "grpo")
+    assert (cfg.data.task, cfg.reward.reward_fn, cfg.algorithm.adv_estimator) == ("toy_reverse", "toy_reverse", "grpo")
     assert isinstance(cfg.actor_rollout_ref.actor, ActorConfig)  # the engine takes it as it is
     assert cfg.actor_rollout_ref.actor.megatron.parallel() == ParallelConfig()
 

@@ -1,0 +1,217 @@
+"""The main job, ``megatron-rl train [recipe] [key=value ...]``: one RL run from a recipe to an HF
+checkpoint, with a progress bar, ``metrics.jsonl``, a reward-curve PNG and a closing summary.
+
+* ``prepare_policy_model(config, out_dir)``: the HF directory the run starts from -- the
+  recipe's ``model.path``, or for an inline model (``model.config`` + ``family``) a freshly
+  materialised checkpoint (``megatron_rl.models.tiny``), optionally after
+  ``trainer.sft_warmup_steps`` supervised steps on the built-in task.
+* ``run_train(recipe, overrides)``: load the config, start Ray, ``RayPPOTrainer.fit`` with a tqdm
+  bar, save the actor as an HF checkpoint, plot the reward curve and print the summary.
+
+Run directory (``trainer.default_local_dir``, default ``outputs/<experiment_name>``)::
+
+    base_model/  sft_model/  train.parquet  config.yaml  metrics.jsonl
+    reward_curve.png  final_hf/  summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_rl.algos.utils import cfg_get
+
+__all__ = ["prepare_policy_model", "plot_reward_curve", "run_train", "REWARD_KEY"]
+
+REWARD_KEY = "critic/score/mean"
+"""The per-step mean training reward (rule score of every sampled response)."""
+_RUN_ARTIFACTS = ("base_model", "sft_model", "final_hf", "metrics.jsonl", "reward_curve.png", "summary.json",
+                  "train.parquet")
+
+
+def _task_rows(config: Any, num: int, seed: int) -> list[dict]:
+    from megatron_rl.data.datasets import toy_rows
+
+    task = cfg_get(config, "data.task")
+    kwargs = dict(cfg_get(config, "data.task_kwargs") or {})
+    kwargs.pop("num_samples", None)
+    return toy_rows(task, num, seed, **kwargs)
+
+
+def prepare_policy_model(config: Any, out_dir: str | Path, *, log=print) -> str:
+    """The HF checkpoint directory the run's policy starts from (see the module docstring).
+
+    Raises ValueError for an inline model without ``data.task`` (its tokenizer is trained on the
+    task's texts) or a warm-up without ``data.task`` (it needs the task's answers).
+    """
+    from megatron_rl.models.tiny import materialize_inline_model, sft_warmup, task_texts
+
+    out_dir = Path(out_dir)
+    path = cfg_get(config, "actor_rollout_ref.model.path")
+    task = cfg_get(config, "data.task")
+    steps = int(cfg_get(config, "trainer.sft_warmup_steps", 0) or 0)
+    seed = int(cfg_get(config, "data.seed") or 1)
+    if path is None:
+        inline = cfg_get(config, "actor_rollout_ref.model.config")
+        if inline is None:
+            raise ValueError("actor_rollout_ref.model: set path (an HF checkpoint directory) or config + family")
+        if task is None:
+            raise ValueError("an inline actor_rollout_ref.model.config needs data.task (its tokenizer is trained "
+                             "on the built-in task's texts); got data.task=None")
+        start = time.perf_counter()
+        model = materialize_inline_model(out_dir / "base_model", inline, cfg_get(config, "actor_rollout_ref.model.family"),
+                                         task_texts(_task_rows(config, 1024, seed)),
+                                         seed=int(cfg_get(config, "actor_rollout_ref.actor.megatron.seed", 42)))
+        n_params = _num_params(model["path"])
+        log(f"built {model['path']} (qwen3, {n_params / 1e6:.2f}M parameters, vocab {len(model['tokenizer'])}) "
+            f"in {time.perf_counter() - start:.1f}s")
+        path = model["path"]
+    path = str(Path(path).expanduser())
+    if steps > 0:
+        if task is None:
+            raise ValueError(f"trainer.sft_warmup_steps={steps} needs data.task (the built-in task's answers); "
+                             "got data.task=None")
+        start, losses = time.perf_counter(), []
+        # Warm-up prompts are drawn with another seed than the RL prompts.
+        path = str(sft_warmup(path, out_dir / "sft_model", _task_rows(config, 2048, seed + 10007), steps=steps,
+                              lr=float(cfg_get(config, "trainer.sft_warmup_lr", 3e-3)), seed=seed, log=losses))
+        log(f"SFT warm-up: {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+            f"in {time.perf_counter() - start:.1f}s -> {path}")
+    return path
+
+
+def _num_params(path: str | Path) -> int:
+    """Parameters stored in an HF directory's safetensors files (read from the headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                n = 1
+                for d in st.get_slice(k).get_shape():
+                    n *= int(d)
+                total += n
+    return total
+
+
+def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Mean (and min/max band of) training reward per step, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    steps = [int(h["training/global_step"]) for h in history]
+    mean = [float(h[REWARD_KEY]) for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if all("critic/score/min" in h for h in history):
+        ax.fill_between(steps, [h["critic/score/min"] for h in history], [h["critic/score/max"] for h in history],
+                        alpha=0.15, label="min-max")
+    ax.plot(steps, mean, marker="o", markersize=3, label="mean reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(str(path))
+    plt.close(fig)
+    return Path(path)
+
+
+def _output_dir(raw: dict) -> Path:
+    trainer = raw.get("trainer") or {}
+    if trainer.get("default_local_dir"):
+        return Path(trainer["default_local_dir"]).expanduser()
+    return Path("outputs") / str(trainer.get("experiment_name") or "run")
+
+
+def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, progress: bool = True,
+              log=print) -> dict[str, Any]:
+    """Run ``recipe`` (None = the CPU toy ``grpo``) with ``overrides``; return the summary dict.
+
+    Starts Ray when it is not running (stopped again at the end), writes the run directory
+    (module docstring) and prints a summary. Artifacts of an earlier run in the same directory
+    are replaced.
+    """
+    import ray
+    from tqdm import tqdm
+
+    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config.loader import compose, dump_config
+    from megatron_rl.trainer.ppo_trainer import RayPPOTrainer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would bury the run's own
+    wall = time.perf_counter()
+    raw = compose(recipe, overrides)
+    out_dir = _output_dir(raw).resolve()
+    raw.setdefault("trainer", {})["default_local_dir"] = str(out_dir)
+    config = TrainerRunConfig.from_dict(raw)
+    for name in _RUN_ARTIFACTS:
+        target = out_dir / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(dump_config(config))
+    total = int(config.trainer.total_training_steps or 1)
+    log(f"megatron-rl train: {recipe or 'grpo'} -> {out_dir}")
+
+    model_path = prepare_policy_model(config, out_dir, log=log)
+    if progress:  # the bar replaces the console logger's line per step
+        config.trainer.logger = [name for name in config.trainer.logger if name != "console"]
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    trainer = RayPPOTrainer(config, model_path=model_path, log_dir=out_dir)
+    bar = None
+
+    def on_step(metrics: dict) -> None:
+        bar.set_postfix({"reward": f"{metrics[REWARD_KEY]:.3f}", "resp_len": f"{metrics['response_length/mean']:.1f}",
+                         "s/step": f"{metrics['timing_s/step']:.1f}"}, refresh=False)
+        bar.update(1)
+
+    try:
+        start = time.perf_counter()
+        trainer.init_workers()
+        log(f"workers started in {time.perf_counter() - start:.1f}s (the first step also waits for them to load)")
+        bar = tqdm(total=total, desc=config.algorithm.adv_estimator.upper(), unit="step", disable=not progress,
+                   dynamic_ncols=True)
+        start = time.perf_counter()
+        history = trainer.fit(total, on_step=on_step)
+        rl_seconds = time.perf_counter() - start
+        bar.close()
+        final = trainer.save_hf_checkpoint(out_dir / "final_hf")
+    finally:
+        if bar is not None:
+            bar.close()
+        trainer.shutdown()
+        if started_ray:
+            ray.shutdown()
+    png = plot_reward_curve(history, out_dir / "reward_curve.png",
+                            title=f"{config.trainer.experiment_name}: {config.algorithm.adv_estimator} on {config.data.task}")
+    rewards = [float(h[REWARD_KEY]) for h in history]
+    tail = rewards[-min(3, len(rewards)):]
+    summary = {
+        "steps": len(history), "first_step_reward": rewards[0], "last_step_reward": rewards[-1],
+        "last3_mean_reward": sum(tail) / len(tail), "max_reward": max(rewards),
+        "reward_gain": rewards[-1] - rewards[0], "rl_seconds": rl_seconds,
+        "wall_seconds": time.perf_counter() - wall, "output_dir": str(out_dir),
+        "metrics": str(out_dir / "metrics.jsonl"), "reward_curve": str(png), "hf_checkpoint": str(final),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"\ndone: {summary['steps']} steps in {summary['wall_seconds']:.0f}s "
+        f"(RL {rl_seconds:.0f}s); mean reward {rewards[0]:.3f} (step 1) -> {rewards[-1]:.3f} "
+        f"(step {len(rewards)}), gain {summary['reward_gain']:+.3f}\n"
+        f"  metrics:        {summary['metrics']}\n  reward curve:   {png}\n  HF checkpoint:  {final}")
+    return summary
