@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import runpy
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import megatron_rl
 
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
-BENCHMARKS = {"algos": "bench_algos.py"}
+BENCHMARKS = {"algos": "bench_algos.py", "bridge": "bench_bridge.py"}
+CONVERTERS = {"hf-to-mcore": "convert_hf_to_mcore", "mcore-to-hf": "convert_mcore_to_hf"}
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -26,6 +28,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     sys.argv = [str(script), *args.rest]
     runpy.run_path(str(script), run_name="__main__")
     return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    name = CONVERTERS[args.direction]
+    if not (TOOLS_DIR / f"{name}.py").exists():
+        print(f"megatron-rl convert: {TOOLS_DIR / name}.py not found (the converters run from a source checkout)",
+              file=sys.stderr)
+        return 2
+    if str(TOOLS_DIR.parent) not in sys.path:
+        sys.path.insert(0, str(TOOLS_DIR.parent))
+    # Imported as a module (not run as a script): its rank functions must be importable by name
+    # in the processes it spawns.
+    tool = importlib.import_module(f"tools.{name}")
+    return tool.main(args.rest, prog=f"megatron-rl convert {args.direction}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -54,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("convert", help="convert checkpoints: HF -> Megatron dist checkpoint, or back",
+                       description="Run tools/convert_hf_to_mcore.py (hf-to-mcore) or tools/convert_mcore_to_hf.py "
+                                   "(mcore-to-hf); the remaining arguments go to the tool (see its --help).")
+    p.add_argument("direction", choices=sorted(CONVERTERS), help="which conversion")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the converter")
+    p.set_defaults(func=_cmd_convert)
     p = sub.add_parser("train", help="run an RL recipe (default: GRPO on the CPU toy task)",
                        description="Train with a recipe (a name under recipes/ or a YAML path; default: grpo, "
                                    "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "

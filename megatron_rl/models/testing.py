@@ -1,0 +1,86 @@
+"""Tiny HF checkpoints of every supported family, with a tokenizer, built locally (no hub).
+
+``build_tiny_hf_checkpoint(path, "qwen3")`` writes what a hub download would hold -- sharded
+safetensors with an index, config.json, generation_config.json and a byte-level BPE tokenizer
+-- for tests of the conversion tools and for dry runs. Weights are redrawn with O(1) scales
+(matrices ~ N(0, 0.1^2), norms ~ N(1, 0.1^2)) so logits are O(1) and a 1e-4 logit tolerance
+means something; the default HF init (std 0.02) gives logits too small for that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TINY_HF_CONFIGS", "build_tiny_hf_checkpoint"]
+
+_BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                             tie_word_embeddings=False)
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+
+TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(_BASE, model_type="llama", architectures=["LlamaForCausalLM"], head_dim=32,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}),
+    "qwen2": dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                  rope_parameters=_DEFAULT_ROPE),
+    "qwen3": dict(_BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
+                  rope_parameters=_DEFAULT_ROPE),
+    "qwen3_moe": dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=48,
+                    num_local_experts=4, num_experts_per_tok=2),
+}
+"""config.json of a tiny model per family (``vocab_size`` is set from the tokenizer)."""
+
+
+def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0, tokenizer_vocab_size: int = 300,
+                             max_shard_size: str = "60KB", dtype: torch.dtype = torch.float32,
+                             **config_overrides: Any) -> dict[str, Any]:
+    """Write a tiny random HF checkpoint of ``family`` with a tokenizer into ``path``.
+
+    Args:
+        path: output directory (created).
+        family: a key of ``TINY_HF_CONFIGS``.
+        seed: weight seed.
+        tokenizer_vocab_size: byte-level BPE size (>= 259); the model's ``vocab_size`` is
+            ``len(tokenizer)`` unless ``config_overrides`` sets it.
+        max_shard_size: ``save_pretrained`` shard bound; the small default gives several shard
+            files and an index, as large hub checkpoints have.
+        dtype: weight dtype on disk.
+        config_overrides: config.json fields replacing the family's.
+
+    Returns:
+        ``{"path", "config" (the transformers config), "tokenizer_size", "state_dict"}``.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from megatron_rl.data.tokenizer import train_byte_bpe_tokenizer
+    from megatron_rl.models.families import load_hf_config
+
+    if family not in TINY_HF_CONFIGS:
+        raise ValueError(f"family={family!r} is not allowed; choose one of {sorted(TINY_HF_CONFIGS)}")
+    path = Path(path)
+    tokenizer = train_byte_bpe_tokenizer(None, tokenizer_vocab_size, path)
+    data = dict(TINY_HF_CONFIGS[family], vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    data.update(config_overrides)
+    config = load_hf_config(data)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:  # router logits a bit wider, so top-k choices are not near-ties
+                p.normal_(0.0, 0.5 if "gate.weight" in name else 0.1)
+    model = model.to(dtype)
+    model.save_pretrained(str(path), max_shard_size=max_shard_size)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        str(path))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"path": path, "config": config, "tokenizer_size": len(tokenizer), "state_dict": state}

@@ -1,0 +1,1 @@
+"""Command-line tools over the library (conversion, benchmarks); importable so spawned ranks can find their functions."""

@@ -1,0 +1,591 @@
+"""What tools/convert_hf_to_mcore.py and tools/convert_mcore_to_hf.py share.
+
+* ``launch``: run a rank function on N ranks -- spawned gloo (or NCCL) processes, or in this
+  process when started by torchrun -- and turn a rank's exception into one clean message.
+* ``AtomicDir``: the output is built in a hidden sibling directory and renamed into place only
+  when everything (including ``--verify``) succeeded; on any error nothing is left behind.
+* side files (tokenizer, generation config, config.json), the tokenizer-vs-vocabulary check,
+  the metadata file of a converted Megatron checkpoint, and the logits used by ``--verify``.
+
+A ``ToolError`` is a user-facing failure: printed as ``error: <message>``, exit code 1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+METADATA_FILE = "megatron_rl_conversion.json"
+"""Written next to the Megatron checkpoint: family, HF config, layout, dtype."""
+METADATA_VERSION = 1
+SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+)
+"""Files copied next to the weights in both directions (those that exist)."""
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+"""Default ``--verify`` bounds on the max |logit difference|, by the dtype of the forwards."""
+VERIFY_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n",
+    "Question: what is 12 times 7? Answer:",
+)
+_EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
+
+
+class ToolError(Exception):
+    """A failure to report as one message (no traceback), exit code 1."""
+
+
+def run_main(body: Callable[[], int]) -> int:
+    """Run a tool's body; print a ``ToolError`` (or a bad-input error) as ``error: ...`` and return 1."""
+    # torchrun (when another rank fails) and schedulers stop ranks with SIGTERM: unwind, so the
+    # temporary output is removed.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return body()
+    except (ToolError, *_EXPECTED_ERRORS) as exc:
+        prefix = f"[rank {os.environ['RANK']}] " if under_torchrun() and os.environ["RANK"] != "0" else ""
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if under_torchrun():
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------
+# Ranks: spawned processes, or this process under torchrun.
+# ------------------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    """True when this process is one rank of a torchrun (or similar) launch."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def min_world_size(parallel_config) -> int:
+    """Fewest ranks a layout needs: pipeline stages x lcm(TP x CP, EP x ETP)."""
+    pc = parallel_config
+    dense = pc.tensor_model_parallel_size * pc.context_parallel_size
+    expert = pc.expert_model_parallel_size * pc.effective_expert_tensor_parallel_size
+    return pc.pipeline_model_parallel_size * math.lcm(dense, expert)
+
+
+def quiet_warnings() -> None:
+    """Hide the import-time and deprecation warnings of Megatron and torch's checkpoint code."""
+    warnings.filterwarnings("ignore", module=r"(megatron|torch\.distributed\.checkpoint)(\.|$)")
+
+
+def _child(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable, spec: Any, results) -> None:
+    quiet_warnings()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        results.put((rank, None, pickle.dumps(fn(rank, world, spec))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher
+        results.put((rank, (type(exc).__name__, str(exc), traceback.format_exc()), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[[int, int, Any], Any], world: int, spec: Any, *, device: str = "cpu") -> Any:
+    """Run ``fn(rank, world, spec)`` on ``world`` ranks and return global rank 0's result.
+
+    Under torchrun the ranks already exist: ``fn`` runs in this process (every rank returns
+    its own result). Otherwise ``world`` processes are spawned (gloo on CPU, NCCL on
+    ``device="cuda"``). ``fn`` must be importable by name (a module-level function). The first
+    rank to fail ends the run: its exception becomes a ``ToolError`` carrying its message
+    (with the traceback for unexpected exception types), and the other ranks are stopped.
+    """
+    if under_torchrun():
+        import torch.distributed as dist
+
+        init_torchrun(device)
+        return fn(dist.get_rank(), dist.get_world_size(), spec)
+    import torch.multiprocessing as mp
+
+    from parallel.testing import find_free_port
+
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise ToolError(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} visible; use --device cpu "
+                        f"or torchrun across nodes")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // world)
+    port = find_free_port()
+    hide_gpus = device == "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    if hide_gpus:  # CPU ranks on a GPU machine: Megatron must not see CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        procs = [ctx.Process(target=_child, args=(r, world, port, "nccl" if device == "cuda" else "gloo", threads,
+                                                  fn, spec, results)) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        if hide_gpus:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+    outputs: dict[int, Any] = {}
+    failure: Optional[ToolError] = None
+    reported: set[int] = set()
+    deadline = None
+    try:
+        # Collect every rank's report; after the first failure wait briefly for the others (the
+        # bridge raises on all ranks alike), then stop whoever is left.
+        while len(reported) < world and (deadline is None or time.monotonic() < deadline):
+            try:
+                rank, error, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and r not in reported}
+                if dead and failure is None:
+                    time.sleep(2.0)  # a dying rank may still be delivering its report
+                    if results.empty():
+                        failure = ToolError(f"ranks {sorted(dead)} of {world} died without a report (exit codes "
+                                            f"{dead}); out of memory?")
+                        break
+                continue
+            reported.add(rank)
+            if error is not None and failure is None:
+                name, message, tb = error
+                if name not in {e.__name__ for e in (ToolError, *_EXPECTED_ERRORS)}:
+                    message = f"{name}: {message}\n(rank {rank} of {world})\n{tb}"
+                failure = ToolError(message)
+                deadline = time.monotonic() + 5.0
+            elif error is None:
+                outputs[rank] = pickle.loads(payload)
+        if failure is not None:
+            raise failure
+        for p in procs:
+            p.join()
+        return outputs[0]
+    finally:
+        end = time.monotonic() + 5.0  # ranks that reported are exiting: let them clean up
+        for p in procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        results.close()
+        results.join_thread()
+
+
+def add_layout_args(p, *, required: bool) -> None:
+    """--tp/--pp/--vpp/--ep/--etp/--nprocs/--device (shared with convert_mcore_to_hf.py)."""
+    default = None if not required else 1
+    p.add_argument("--tp", type=int, default=default, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=default, help="pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
+    p.add_argument("--ep", type=int, default=default, help="expert-parallel size (MoE)")
+    p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    p.add_argument("--nprocs", default="auto",
+                   help="ranks to spawn on CPU (auto = the fewest the layout needs); under torchrun the launch decides")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the ranks compute (auto: cuda if visible, else cpu)")
+
+
+def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
+    """(ParallelConfig, world size, device, description) from the command line (over a ``stored``
+    layout), checked against the model before any rank starts."""
+    from parallel.bridge import check_layout
+    from parallel.config import ParallelConfig
+
+    stored = dict(stored or {})
+    for flag, key in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+                      ("vpp", "virtual_pipeline_model_parallel_size"), ("ep", "expert_model_parallel_size"),
+                      ("etp", "expert_tensor_parallel_size")):
+        if getattr(args, flag) is not None:
+            stored[key] = getattr(args, flag)
+    if args.vpp is None and args.pp is not None and stored.get("pipeline_model_parallel_size", 1) < 2:
+        stored["virtual_pipeline_model_parallel_size"] = None  # --pp 1 over a stored VPP layout
+    stored.pop("context_parallel_size", None)  # CP splits sequences, not weights
+    pc = ParallelConfig.from_dict(stored)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    nprocs = None
+    if args.nprocs != "auto":
+        try:
+            nprocs = int(args.nprocs)
+        except ValueError:
+            nprocs = 0
+        if nprocs < 1:
+            raise ToolError(f"--nprocs={args.nprocs!r} is not allowed; give 'auto' or a number of ranks >= 1")
+    if under_torchrun():
+        init_torchrun(device)
+        world = int(os.environ["WORLD_SIZE"])
+        if nprocs is not None and nprocs != world:
+            raise ToolError(f"--nprocs={nprocs} but torchrun started {world} ranks")
+    else:
+        world = nprocs or min_world_size(pc)
+    desc = (f"tp={pc.tensor_model_parallel_size} pp={pc.pipeline_model_parallel_size}"
+            + (f" vpp={pc.virtual_pipeline_model_parallel_size}" if pc.virtual_pipeline_model_parallel_size else "")
+            + f" ep={pc.expert_model_parallel_size} etp={pc.effective_expert_tensor_parallel_size}")
+    if not model_cfg.is_moe and (pc.expert_model_parallel_size > 1 or pc.expert_tensor_parallel_size is not None):
+        raise ToolError(f"the layout {desc} sets expert parallelism, but the model is dense (no MoE experts); "
+                        f"leave --ep at 1 and --etp unset")
+    try:
+        check_layout(pc, world, model_cfg)
+    except ValueError as exc:
+        raise ToolError(f"the layout {desc} on {world} ranks does not fit the model: {exc}") from None
+    return pc, world, device, desc
+
+
+def is_driver() -> bool:
+    """The process that owns the output directory: the launcher, or rank 0 under torchrun."""
+    return os.environ.get("RANK", "0") == "0" if under_torchrun() else True
+
+
+def init_torchrun(device: str) -> None:
+    """Under torchrun: create the default process group for ``device`` (NCCL or gloo)."""
+    import torch.distributed as dist
+
+    if device == "cpu" and torch.cuda.is_available():
+        raise ToolError("--device cpu under torchrun needs CUDA hidden from the ranks (CUDA_VISIBLE_DEVICES='')")
+    quiet_warnings()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+
+
+def broadcast_str(value: str) -> str:
+    """Rank 0's ``value`` on every torchrun rank (identity when spawning)."""
+    if not under_torchrun():
+        return value
+    from parallel.bridge.collective import broadcast_str as _broadcast
+
+    return _broadcast(value)
+
+
+# ------------------------------------------------------------------------------------------
+# Output directory: built aside, renamed into place.
+# ------------------------------------------------------------------------------------------
+class AtomicDir:
+    """``with AtomicDir(final, overwrite) as tmp: ...; commit()`` -- the output appears whole or not at all.
+
+    ``tmp`` is a hidden sibling of ``final`` that does not exist yet (writers that rename their
+    own temporary directory into it, like ``save_model``/``save_hf_checkpoint``, create it).
+    ``commit()`` renames it to ``final`` (replacing an old ``final`` only with ``overwrite``).
+    Leaving the block without ``commit()``, or with an exception, removes ``tmp`` and any
+    ``.<tmp>.tmp-*`` directory a crashed writer left. Only the driver process touches disk.
+    """
+
+    def __init__(self, final: str | os.PathLike, overwrite: bool):
+        self.final = Path(final).resolve()
+        self.overwrite = overwrite
+        self.tmp = Path(broadcast_str(str(self.final.parent / f".{self.final.name}.convert-{uuid.uuid4().hex[:8]}")))
+        self.committed = False
+        self.new_parents = []  # ancestors the writers will create: removed again on failure
+        parent = self.final.parent
+        while not parent.exists():
+            self.new_parents.append(parent)
+            parent = parent.parent
+
+    def __enter__(self) -> Path:
+        return self.tmp
+
+    def commit(self) -> None:
+        if not is_driver():
+            return
+        if self.final.exists():
+            if not self.overwrite:  # appeared while we were converting
+                raise ToolError(f"output directory {self.final} exists; pass --overwrite to replace it")
+            trash = self.final.parent / f".{self.final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.final, trash)
+            os.replace(self.tmp, self.final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.final)
+        self.committed = True
+
+    def __exit__(self, *exc) -> None:
+        if self.committed or not is_driver():
+            return
+        for leftover in [self.tmp, *self.tmp.parent.glob(f".{self.tmp.name}.tmp-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+        for parent in self.new_parents:  # deepest first; only if nothing else was put there
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool, *sources: str | os.PathLike) -> Path:
+    """``out_dir`` resolved; an error if it exists (without ``overwrite``) or overlaps a source."""
+    out = Path(out_dir).resolve()
+    for src in sources:
+        src = Path(src).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise ToolError(f"output directory {out} overlaps the input {src}; choose another --out-dir")
+    if out.exists() and not overwrite:
+        raise ToolError(f"output directory {out} exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ToolError(f"output path {out} exists and is not a directory")
+    return out
+
+
+def side_files(directory: str | os.PathLike) -> list[Path]:
+    """The tokenizer / generation-config / config.json files present in ``directory``."""
+    return [Path(directory) / n for n in SIDE_FILES if (Path(directory) / n).is_file()]
+
+
+def copy_files(files: list[Path], dest: Path) -> None:
+    """Copy ``files`` into ``dest`` (created), keeping their names."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, dest / f.name)
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Total size of the files under ``path``."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ------------------------------------------------------------------------------------------
+# Tokenizer.
+# ------------------------------------------------------------------------------------------
+def load_tokenizer(directory: str | os.PathLike):
+    """The HF tokenizer saved in ``directory`` (no hub access), or None if it holds none or it
+    cannot be loaded here (then a warning says its size goes unchecked)."""
+    if not any((Path(directory) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
+                                                          "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that needs remote code
+        if is_driver():
+            print(f"warning: cannot load the tokenizer in {directory} ({type(exc).__name__}: {exc}); its size is "
+                  f"not checked against the model's vocabulary", file=sys.stderr, flush=True)
+        return None
+
+
+def check_tokenizer(tokenizer, vocab_size: int, where: str | os.PathLike) -> Optional[int]:
+    """``len(tokenizer)``; a ``ToolError`` if it produces ids the embedding has no rows for."""
+    if tokenizer is None:
+        return None
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise ToolError(f"the tokenizer in {where} has {size} tokens (ids up to {size - 1}) but the model's "
+                        f"vocab_size is {vocab_size} (config.json): ids >= {vocab_size} have no embedding row; "
+                        f"use the tokenizer the model was trained with")
+    return size
+
+
+def verify_inputs(tokenizer, vocab_size: int, multiple: int) -> tuple[torch.Tensor, list[int]]:
+    """Fixed prompts as right-padded ids ``[prompts, seq]`` (seq a multiple of ``multiple``,
+    for sequence parallelism) and their lengths. Without a tokenizer: fixed random ids."""
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(p, add_special_tokens=False)[:64] for p in VERIFY_PROMPTS]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (16, 11, 7)]
+    lengths = [len(p) for p in prompts]
+    seq = -(-max(lengths) // multiple) * multiple
+    ids = torch.zeros(len(prompts), seq, dtype=torch.long)  # pad id 0: causal attention never looks right
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return ids, lengths
+
+
+# ------------------------------------------------------------------------------------------
+# Logits for --verify.
+# ------------------------------------------------------------------------------------------
+def megatron_logits(chunks, mesh, input_ids: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+    """Full-vocabulary float32 logits ``[b, s, vocab_size]`` of a sharded model, on global rank 0
+    (None elsewhere); collective. Runs the chunks stage by stage (virtual stages in order) with
+    explicit send/recv over the pipeline group, then gathers the vocab-parallel logits over TP."""
+    import torch.distributed as dist
+
+    device = next(chunks[0].parameters()).device
+    config = chunks[0].config
+    pp, stage, pp_ranks = mesh.size("pp"), mesh.pp_rank, mesh.ranks("pp")
+    b, s = input_ids.shape
+    input_ids = input_ids.to(device)
+    position_ids = torch.arange(s, device=device).expand(b, s)
+    local_s = s // mesh.size("tp") if config.sequence_parallel else s
+    logits = None
+    with torch.no_grad():
+        for v, chunk in enumerate(chunks):
+            chunk.eval()
+            first, last = v == 0 and stage == 0, v == len(chunks) - 1 and stage == pp - 1
+            if not first:
+                hidden = torch.empty(local_s, b, config.hidden_size, dtype=config.params_dtype, device=device)
+                dist.recv(hidden, src=pp_ranks[stage - 1] if stage > 0 else pp_ranks[-1])
+                chunk.set_input_tensor(hidden)
+            out = chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+            if last:
+                logits = out
+            else:
+                dist.send(out.contiguous(), dst=pp_ranks[stage + 1] if stage < pp - 1 else pp_ranks[0])
+    if logits is not None:
+        parts = [torch.empty_like(logits) for _ in range(mesh.size("tp"))]
+        dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
+        logits = torch.cat(parts, dim=-1)[..., :vocab_size].float().contiguous()
+    # One holder of the full logits sends them to rank 0.
+    holder = logits is not None and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0
+    holders = [None] * dist.get_world_size()
+    dist.all_gather_object(holders, holder)
+    src = holders.index(True)
+    if src == dist.get_rank() == 0:
+        return logits.cpu()
+    if dist.get_rank() == src:
+        dist.send(logits, dst=0)
+    elif dist.get_rank() == 0:
+        logits = torch.empty(b, s, vocab_size, dtype=torch.float32, device=device)
+        dist.recv(logits, src=src)
+        return logits.cpu()
+    return None
+
+
+def hf_logits(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,
+              compute_dtype: torch.dtype) -> torch.Tensor:
+    """Float32 logits of the HF checkpoint in ``hf_dir`` (transformers, eager attention, CPU):
+    weights rounded to ``weight_dtype`` (the Megatron model's), forward in ``compute_dtype``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=weight_dtype, attn_implementation="eager",
+                                                 local_files_only=True)
+    model = model.to(compute_dtype).eval()
+    with torch.no_grad():
+        out = model(input_ids=input_ids).logits.float()
+    del model
+    return out
+
+
+def max_logit_diff(a: torch.Tensor, b: torch.Tensor, lengths: list[int]) -> float:
+    """Max |a - b| over the real (unpadded) positions of each prompt."""
+    return max(float((a[i, :n] - b[i, :n]).abs().max()) for i, n in enumerate(lengths))
+
+
+def add_verify_args(p) -> None:
+    """--verify / --verify-dtype / --tolerance (both converters)."""
+    p.add_argument("--verify", action="store_true", help="compare logits with the other side on fixed prompts")
+    p.add_argument("--verify-dtype", choices=("fp32", "model"), default="fp32",
+                   help="compute dtype of both forwards: fp32 (default; the converted weights' values, upcast, so "
+                        "the check measures the mapping and not bf16 rounding) or the model's own dtype")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="bound on max |logit diff| (default 1e-4 for fp32 compute, 2e-2 for bf16/fp16)")
+
+
+def verify_settings(args, model_dtype: str) -> tuple[str, float]:
+    """(compute dtype name, tolerance) of ``--verify``."""
+    dtype = "float32" if args.verify_dtype == "fp32" else model_dtype
+    return dtype, args.tolerance if args.tolerance is not None else TOLERANCES[dtype]
+
+
+def model_in_dtype(chunks, model_cfg, parallel_config, dtype: str):
+    """``chunks`` with parameters in ``dtype``: the chunks themselves, or a fresh build at the same
+    layout holding their values (exactly representable: an upcast)."""
+    import dataclasses
+
+    from megatron_rl.models.gpt import build_model, build_transformer_config
+
+    if model_cfg.params_dtype == dtype:
+        return chunks
+    cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
+    copies = build_model(cfg, build_transformer_config(cfg, parallel_config))
+    with torch.no_grad():
+        for copy, chunk in zip(copies, chunks):
+            source = dict(chunk.named_parameters())
+            for name, param in copy.named_parameters():
+                param.copy_(source[name])
+    return copies
+
+
+def report_verify(diff: float, tolerance: float, lengths: list[int], dtype: str) -> None:
+    """Print the verify line; a ``ToolError`` if the difference exceeds the tolerance."""
+    ok = diff <= tolerance
+    print(f"verify ({dtype} forward): max |logit diff| = {diff:.3e} over {len(lengths)} prompts ({sum(lengths)} "
+          f"tokens), tolerance {tolerance:.0e}: {'OK' if ok else 'FAILED'}", flush=True)
+    if not ok:
+        raise ToolError(f"--verify: max |logit diff| {diff:.3e} exceeds the tolerance {tolerance:.0e}; the output "
+                        f"was not written (raise --tolerance to accept it)")
+
+
+# ------------------------------------------------------------------------------------------
+# Progress.
+# ------------------------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar (stderr, one process only) over a conversion's stages; ``watch`` adds a
+    byte counter for a stage that writes files, by polling the sizes under a directory."""
+
+    def __init__(self, stages: list[str], enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=len(stages), desc=stages[0], unit="stage", disable=not enabled, file=sys.stderr,
+                        bar_format="{desc:<34} {n_fmt}/{total_fmt} [{elapsed}] {postfix}")
+        self.started = False
+
+    def stage(self, name: str) -> None:
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_description_str(name)
+        self.bar.set_postfix_str("")
+
+    def close(self) -> None:
+        """Complete the last stage and end the bar."""
+        if self.started:
+            self.bar.update(1)
+        self.bar.close()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # end the line, so the error message starts on its own
+            self.bar.close()
+
+    def watch(self, parent: Path, prefix: str, total: int) -> "threading.Event":
+        """Show bytes written under ``parent/<prefix>*`` against ``total`` until the event is set."""
+        done = threading.Event()
+        if self.bar.disable:
+            return done
+
+        def poll() -> None:
+            while not done.wait(0.5):
+                try:
+                    written = sum(dir_bytes(p) for p in parent.glob(prefix + "*") if p.is_dir())
+                except OSError:  # a file renamed or removed while we looked
+                    continue
+                self.bar.set_postfix_str(f"{fmt_bytes(written)} / ~{fmt_bytes(total)}")
+
+        threading.Thread(target=poll, daemon=True).start()
+        return done

@@ -1,0 +1,189 @@
+"""Convert a Hugging Face checkpoint into a Megatron-Core distributed checkpoint at a given layout.
+
+    python tools/convert_hf_to_mcore.py --hf-dir Qwen3-8B --out-dir qwen3-8b-mcore --tp 2 --pp 2 --verify
+    torchrun --nproc-per-node 8 tools/convert_hf_to_mcore.py --hf-dir ... --out-dir ... --tp 8   # GPUs
+    megatron-rl convert hf-to-mcore --hf-dir ... --out-dir ... --tp 2
+
+On CPU the ranks are spawned here (gloo); under torchrun the launched processes are the ranks.
+Each rank reads only the slices of the safetensors it owns (``parallel.bridge``) and the model
+is saved with ``megatron.core.dist_checkpointing`` (loadable at any other layout). Next to it go
+config.json, generation_config.json, the tokenizer files and ``megatron_rl_conversion.json``
+(family, HF config, layout, dtype), so ``convert_mcore_to_hf.py`` needs no other arguments.
+The output is built in a hidden sibling directory and renamed into place at the end: an error
+(or a failed ``--verify``) leaves no output directory. ``--verify`` reloads the written
+checkpoint and compares its logits with the HF model's (transformers) on a few fixed prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tools.convert_common import (  # noqa: E402
+    DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, check_output_dir,
+    add_layout_args, check_tokenizer, copy_files, dir_bytes, fmt_bytes, hf_logits, is_driver, launch,
+    load_tokenizer, max_logit_diff, megatron_logits, model_in_dtype, report_verify, resolve_layout, run_main,
+    side_files, verify_inputs, verify_settings,
+)
+
+
+def _parse(argv=None, prog: str = "convert_hf_to_mcore.py") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--out-dir", required=True, help="Megatron checkpoint directory to create")
+    add_layout_args(p, required=True)
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="parameter dtype of the Megatron checkpoint (auto: config.json's dtype, else fp32)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the embedding to a multiple of this x TP (Megatron-LM's default 128)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
+    add_verify_args(p)
+    args = p.parse_args(argv)
+    for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    return args
+
+
+def _model_dtype(arg: str, hf_config) -> str:
+    if arg != "auto":
+        return DTYPES[arg]
+    name = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
+    name = name.replace("torch.", "")
+    return name if name in DTYPES.values() else "float32"
+
+
+def convert_ranks(rank: int, world: int, spec: dict) -> dict:
+    """One rank: build the model at the layout, load the HF weights it owns, save the dist
+    checkpoint into ``spec["tmp"]``; with verify, reload it and compute logits (rank 0 gets them)."""
+    import torch
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_model, build_transformer_config
+    from parallel.bridge import load_hf_checkpoint
+    from parallel.checkpoint import load_model, save_model
+    from parallel.config import ParallelConfig
+    from parallel.mesh import destroy_mesh, init_mesh
+
+    pc = ParallelConfig.from_dict(spec["layout"])
+    model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
+    mesh = init_mesh(pc)
+    stages = ["build model", "load HF weights (sliced)", "save dist checkpoint"]
+    progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
+                        enabled=rank == 0)
+    try:
+        with progress:
+            progress.stage(stages[0])
+            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
+            progress.stage(stages[1])
+            report = load_hf_checkpoint(chunks, get_family(spec["architecture"]).weight_map(model_cfg),
+                                        spec["hf_dir"], mesh=mesh)
+            progress.stage(stages[2])
+            done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
+            try:
+                save_model(chunks, tmp, metadata={"family": spec["family"], "layout": spec["layout"]})
+            finally:
+                done.set()
+            logits = None
+            if spec["verify_ids"] is not None:
+                progress.stage("verify: reload + forward")
+                with torch.no_grad():  # every value the forward sees must come from the files just written
+                    for chunk in chunks:
+                        for param in chunk.parameters():
+                            param.fill_(float("nan"))
+                load_model(chunks, tmp)
+                verify_chunks = model_in_dtype(chunks, model_cfg, pc, spec["verify_dtype"])
+                logits = megatron_logits(verify_chunks, mesh, spec["verify_ids"], model_cfg.vocab_size)
+    finally:
+        destroy_mesh(mesh)
+    return {"logits": logits, "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes}
+
+
+def _convert(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    import torch
+
+    import megatron_rl
+    from megatron_rl.models.families import get_family, load_hf_config
+    from parallel.bridge import HFCheckpointReader
+
+    hf_dir = Path(args.hf_dir).resolve()
+    if not (hf_dir / "config.json").is_file():
+        raise ToolError(f"--hf-dir {hf_dir} holds no config.json (is it an HF checkpoint directory?)")
+    # Cheap checks first: output directory, then the files (missing shards, truncated files), then
+    # what needs transformers (family, layout, tokenizer) -- all before any rank starts.
+    out = check_output_dir(args.out_dir, args.overwrite, hf_dir)
+    with HFCheckpointReader(hf_dir) as reader:
+        names = reader.keys()
+        hf_bytes = sum(reader.nbytes(n) for n in names)
+        hf_numel = sum(int(torch.Size(reader.shape(n)).numel()) for n in names)
+    config_dict = json.loads((hf_dir / "config.json").read_text())
+    hf_config = load_hf_config(config_dict)
+    family = get_family(hf_config)
+    architecture = next(a for a in hf_config.architectures if a in family.architectures)
+    dtype = _model_dtype(args.dtype, hf_config)
+    model_cfg = family.model_config(hf_config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                    params_dtype=dtype)
+    pc, world, device, layout = resolve_layout(args, model_cfg)
+    tokenizer = load_tokenizer(hf_dir)
+    tokenizer_size = check_tokenizer(tokenizer, model_cfg.vocab_size, hf_dir)
+    verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
+                           if args.verify else (None, None))
+    compute_dtype, tolerance = verify_settings(args, dtype)
+    extra = side_files(hf_dir)
+    if is_driver():
+        print(f"converting {family.name} checkpoint {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) to a "
+              f"Megatron checkpoint at {layout} on {world} {device} ranks, {dtype}", flush=True)
+
+    itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
+    diff = None
+    atomic = AtomicDir(out, args.overwrite)
+    with atomic as tmp:
+        spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=architecture, family=family.name,
+                    hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtype=compute_dtype,
+                    expected_bytes=hf_numel * itemsize)
+        result = launch(convert_ranks, world, spec, device=device)
+        if is_driver():
+            copy_files(extra, tmp)
+            metadata = dict(format_version=METADATA_VERSION, written_by="tools/convert_hf_to_mcore.py",
+                            megatron_rl_version=megatron_rl.__version__, family=family.name,
+                            architecture=architecture, dtype=dtype, layout=pc.to_dict(),
+                            world_size=world, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                            hf_config=config_dict, hf_tensors=len(names), hf_numel=hf_numel, hf_bytes=hf_bytes,
+                            tokenizer_size=tokenizer_size, side_files=[f.name for f in extra], source=str(hf_dir))
+            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+            if args.verify:
+                reference = hf_logits(hf_dir, verify_ids, model_cfg.dtype, getattr(torch, compute_dtype))
+                diff = max_logit_diff(result["logits"], reference, lengths)
+                report_verify(diff, tolerance, lengths, compute_dtype)
+            atomic.commit()
+    if is_driver():
+        line = (f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "
+                f"(Megatron dist checkpoint, {fmt_bytes(dir_bytes(out))}) at {layout} on {world} {device} ranks, "
+                f"{dtype}, in {time.perf_counter() - start:.1f} s")
+        print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
+    return 0
+
+
+def main(argv=None, prog: str = "convert_hf_to_mcore.py") -> int:
+    """Parse ``argv`` and convert; returns the exit code (0 ok, 1 error, 2 bad usage)."""
+    try:
+        args = _parse(argv, prog)
+    except SystemExit as exc:  # argparse: --help (0) or bad usage (2)
+        return int(exc.code or 0)
+    return run_main(lambda: _convert(args))
+
+
+if __name__ == "__main__":
+    # Spawned ranks find ``convert_ranks`` by its module name, so run the importable copy.
+    from tools import convert_hf_to_mcore
+
+    sys.exit(convert_hf_to_mcore.main())

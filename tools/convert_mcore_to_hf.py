@@ -1,0 +1,192 @@
+"""Convert a Megatron-Core checkpoint written by convert_hf_to_mcore.py back into a Hugging Face checkpoint.
+
+    python tools/convert_mcore_to_hf.py --mcore-dir qwen3-8b-mcore --out-dir qwen3-8b-hf --verify
+    megatron-rl convert mcore-to-hf --mcore-dir ... --out-dir ...
+
+Everything needed (family, HF config, layout, dtype) is read from the checkpoint's
+``megatron_rl_conversion.json``. The model is loaded at the stored layout (``--tp``/``--pp``/...
+choose another: distributed checkpoints load at any layout) and exported through
+``parallel.bridge``'s bucketed generator into safetensors shards + index; config.json (the
+original file), generation_config.json and the tokenizer files are copied next to them. The
+output appears only once complete (temporary sibling + rename). ``--verify`` compares the
+logits of the written HF checkpoint (transformers) with the Megatron model's on fixed prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tools.convert_common import (  # noqa: E402
+    METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
+    check_output_dir, check_tokenizer, copy_files, dir_bytes, fmt_bytes, hf_logits, is_driver, launch,
+    load_tokenizer, max_logit_diff, megatron_logits, model_in_dtype, report_verify, resolve_layout, run_main,
+    side_files, verify_inputs, verify_settings,
+)
+
+
+def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by convert_hf_to_mcore.py")
+    p.add_argument("--out-dir", required=True, help="HF checkpoint directory to create")
+    add_layout_args(p, required=False)
+    p.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file, in MiB")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
+    add_verify_args(p)
+    args = p.parse_args(argv)
+    for name in ("tp", "pp", "ep"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.max_shard_mb <= 0:
+        p.error(f"--max-shard-mb={args.max_shard_mb} must be > 0")
+    return args
+
+
+def read_metadata(mcore_dir: Path) -> dict:
+    """The conversion metadata of ``mcore_dir``; a ``ToolError`` naming what is wrong."""
+    from parallel.checkpoint import COMPLETE_MARKER, is_complete_checkpoint
+
+    if not mcore_dir.is_dir():
+        raise ToolError(f"--mcore-dir {mcore_dir} is not a directory")
+    path = mcore_dir / METADATA_FILE
+    if not path.is_file():
+        raise ToolError(f"{mcore_dir} has no {METADATA_FILE}: not a checkpoint written by convert_hf_to_mcore.py")
+    if not is_complete_checkpoint(mcore_dir):
+        raise ToolError(f"{mcore_dir} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ToolError(f"{path}: not valid JSON: {exc}") from None
+    missing = [k for k in ("format_version", "architecture", "hf_config", "layout", "dtype",
+                           "make_vocab_size_divisible_by") if k not in meta]
+    if missing:
+        raise ToolError(f"{path}: missing keys {missing}")
+    if meta["format_version"] > METADATA_VERSION:
+        raise ToolError(f"{path}: format_version {meta['format_version']} is newer than this tool reads "
+                        f"({METADATA_VERSION}); update megatron_rl")
+    return meta
+
+
+def export_ranks(rank: int, world: int, spec: dict) -> dict:
+    """One rank: build the model at the layout, load the dist checkpoint, (verify: logits on
+    rank 0), stream the HF safetensors into ``spec["tmp"]`` (rank 0 writes)."""
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_model, build_transformer_config
+    from parallel.bridge import ExportStats, save_hf_checkpoint
+    from parallel.checkpoint import load_model
+    from parallel.config import ParallelConfig
+    from parallel.mesh import destroy_mesh, init_mesh
+
+    pc = ParallelConfig.from_dict(spec["layout"])
+    model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
+    mesh = init_mesh(pc)
+    stages = ["build model", "load dist checkpoint"] + (["verify: forward"] if spec["verify_ids"] is not None else [])
+    progress = Progress(stages + ["export HF safetensors"], enabled=rank == 0)
+    try:
+        with progress:
+            progress.stage("build model")
+            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
+            progress.stage("load dist checkpoint")
+            load_model(chunks, spec["mcore_dir"])
+            logits = None
+            if spec["verify_ids"] is not None:
+                progress.stage("verify: forward")
+                verify_chunks = model_in_dtype(chunks, model_cfg, pc, spec["verify_dtype"])
+                logits = megatron_logits(verify_chunks, mesh, spec["verify_ids"], model_cfg.vocab_size)
+                del verify_chunks
+            progress.stage("export HF safetensors")
+            stats = ExportStats()
+            done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
+            try:
+                save_hf_checkpoint(chunks, get_family(spec["architecture"]).weight_map(model_cfg), tmp,
+                                   spec["hf_config"], mesh=mesh, max_shard_bytes=spec["max_shard_bytes"], stats=stats)
+            finally:
+                done.set()
+    finally:
+        destroy_mesh(mesh)
+    return {"logits": logits, "num_tensors": stats.num_tensors, "bytes": stats.total_bytes,
+            "num_buckets": stats.num_buckets}
+
+
+def _config_text(meta: dict, mcore_dir: Path) -> str:
+    """config.json: the original file, with its dtype field updated if the weights changed dtype."""
+    original = mcore_dir / "config.json"
+    text = original.read_text() if original.is_file() else json.dumps(meta["hf_config"], indent=2) + "\n"
+    config = json.loads(text)
+    keys = [k for k in ("dtype", "torch_dtype") if k in config]
+    if any(config[k] != meta["dtype"] for k in keys):
+        config.update({k: meta["dtype"] for k in keys})
+        text = json.dumps(config, indent=2) + "\n"
+    return text
+
+
+def _convert(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    import torch
+
+    from megatron_rl.models.families import get_family
+
+    mcore_dir = Path(args.mcore_dir).resolve()
+    meta = read_metadata(mcore_dir)
+    out = check_output_dir(args.out_dir, args.overwrite, mcore_dir)
+    family = get_family(meta["architecture"])
+    model_cfg = family.model_config(meta["hf_config"], make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+                                    params_dtype=meta["dtype"])
+    pc, world, device, layout = resolve_layout(args, model_cfg, stored=meta["layout"])
+    tokenizer = load_tokenizer(mcore_dir)
+    check_tokenizer(tokenizer, model_cfg.vocab_size, mcore_dir)
+    verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
+                           if args.verify else (None, None))
+    compute_dtype, tolerance = verify_settings(args, meta["dtype"])
+    extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
+    itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
+    if is_driver():
+        print(f"converting {family.name} Megatron checkpoint {mcore_dir} ({fmt_bytes(dir_bytes(mcore_dir))}, "
+              f"{meta['dtype']}) to HF safetensors at {layout} on {world} {device} ranks", flush=True)
+
+    diff, result = None, None
+    atomic = AtomicDir(out, args.overwrite)
+    with atomic as tmp:
+        spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=meta["architecture"],
+                    hf_config=meta["hf_config"], mcore_dir=str(mcore_dir), tmp=str(tmp), verify_ids=verify_ids,
+                    verify_dtype=compute_dtype,                    max_shard_bytes=int(args.max_shard_mb * 2**20),
+                    expected_bytes=int(meta.get("hf_numel", 0)) * itemsize)
+        result = launch(export_ranks, world, spec, device=device)
+        if is_driver():
+            copy_files(extra, tmp)
+            (tmp / "config.json").write_text(_config_text(meta, mcore_dir))
+            if args.verify:
+                reference = hf_logits(tmp, verify_ids, model_cfg.dtype, getattr(torch, compute_dtype))
+                diff = max_logit_diff(reference, result["logits"], lengths)
+                report_verify(diff, tolerance, lengths, compute_dtype)
+            atomic.commit()
+    if is_driver():
+        line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors, "
+                f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
+                f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s")
+        print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
+    return 0
+
+
+def main(argv=None, prog: str = "convert_mcore_to_hf.py") -> int:
+    """Parse ``argv`` and convert; returns the exit code (0 ok, 1 error, 2 bad usage)."""
+    try:
+        args = _parse(argv, prog)
+    except SystemExit as exc:  # argparse: --help (0) or bad usage (2)
+        return int(exc.code or 0)
+    return run_main(lambda: _convert(args))
+
+
+if __name__ == "__main__":
+    # Spawned ranks find ``export_ranks`` by its module name, so run the importable copy.
+    from tools import convert_mcore_to_hf
+
+    sys.exit(convert_mcore_to_hf.main())
