@@ -270,27 +270,7 @@ def matrix(tmp_path_factory):
     return hf, results
 
 
-def _moe_qk_norm_refuses_sequence_parallel() -> bool:
-    """True while gpt.get_layer_spec gives an MoE model with QK-norm (Qwen3-MoE) Megatron's
-    WrappedTorchNorm as q/k norm: build_transformer_config turns sequence parallelism on for MoE
-    at TP>1, and WrappedTorchNorm refuses it, so such a model cannot be built at TP=2 on CPU."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron_rl.models.gpt import ModelConfig, get_layer_spec
-
-    spec = get_layer_spec(ModelConfig(qk_layernorm=True, num_moe_experts=4, moe_ffn_hidden_size=32))
-    return spec.submodules.self_attention.submodules.q_layernorm is WrappedTorchNorm
-
-
-def _matrix_params():
-    gap = _moe_qk_norm_refuses_sequence_parallel()
-    return [pytest.param(name, marks=pytest.mark.xfail(
-        name == "qwen3_moe" and gap, strict=True,
-        reason="megatron_rl/models/gpt.py: q/k layernorms of the local spec must support sequence parallelism "
-               "(SequenceParallelTorchNorm) for MoE at TP>1")) for name in sorted(CASES)]
-
-
-@pytest.mark.parametrize("name", _matrix_params())
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_family_matches_hf_across_layouts(name, matrix):
     hf, results = matrix
     hf_dir, hf_logits = hf[name]
