@@ -99,8 +99,9 @@ def _num_params(path: str | Path) -> int:
     return total
 
 
-def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """Mean (and min/max band of) training reward per step, as a PNG at ``path``."""
+def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "", window: int = 10) -> Path:
+    """Mean training reward per step, its ``window``-step moving average and (when logged) the
+    exact-answer rate ``reward/acc/mean``, as a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
@@ -108,17 +109,19 @@ def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = ""
 
     steps = [int(h["training/global_step"]) for h in history]
     mean = [float(h[REWARD_KEY]) for h in history]
+    smooth = [sum(mean[max(0, i - window + 1):i + 1]) / len(mean[max(0, i - window + 1):i + 1]) for i in range(len(mean))]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    if all("critic/score/min" in h for h in history):
-        ax.fill_between(steps, [h["critic/score/min"] for h in history], [h["critic/score/max"] for h in history],
-                        alpha=0.15, label="min-max")
-    ax.plot(steps, mean, marker="o", markersize=3, label="mean reward")
+    ax.plot(steps, mean, color="C0", alpha=0.35, linewidth=1, label="mean reward")
+    ax.plot(steps, smooth, color="C0", linewidth=2, label=f"mean reward ({window}-step avg)")
+    if all("reward/acc/mean" in h for h in history):
+        ax.plot(steps, [float(h["reward/acc/mean"]) for h in history], color="C1", alpha=0.7, linewidth=1,
+                label="exact answers")
     ax.set_xlabel("step")
     ax.set_ylabel("training reward")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(str(path))
     plt.close(fig)
@@ -205,13 +208,18 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
     summary = {
         "steps": len(history), "first_step_reward": rewards[0], "last_step_reward": rewards[-1],
         "last3_mean_reward": sum(tail) / len(tail), "max_reward": max(rewards),
-        "reward_gain": rewards[-1] - rewards[0], "rl_seconds": rl_seconds,
+        "reward_gain": rewards[-1] - rewards[0],
+        # exact-answer rate (rule rewards that report "acc"); None when not logged
+        "first_step_exact": history[0].get("reward/acc/mean"), "last_step_exact": history[-1].get("reward/acc/mean"),
+        "rl_seconds": rl_seconds,
         "wall_seconds": time.perf_counter() - wall, "output_dir": str(out_dir),
         "metrics": str(out_dir / "metrics.jsonl"), "reward_curve": str(png), "hf_checkpoint": str(final),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"\ndone: {summary['steps']} steps in {summary['wall_seconds']:.0f}s "
         f"(RL {rl_seconds:.0f}s); mean reward {rewards[0]:.3f} (step 1) -> {rewards[-1]:.3f} "
-        f"(step {len(rewards)}), gain {summary['reward_gain']:+.3f}\n"
+        f"(step {len(rewards)}), gain {summary['reward_gain']:+.3f}"
+        + (f"; exact answers {summary['first_step_exact']:.1%} -> {summary['last_step_exact']:.1%}"
+           if summary["last_step_exact"] is not None else "") + "\n"
         f"  metrics:        {summary['metrics']}\n  reward curve:   {png}\n  HF checkpoint:  {final}")
     return summary

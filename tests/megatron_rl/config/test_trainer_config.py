@@ -210,16 +210,16 @@ def test_unknown_algorithm_names_list_the_registry():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.train_batch_size=12"],
-         "data.train_batch_size * rollout.n = 12*8 = 96 is not divisible by "
-         "actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = 8*8 = 64"),
+        (["data.train_batch_size=24"],
+         "data.train_batch_size * rollout.n = 24*8 = 192 is not divisible by "
+         "actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = 16*8 = 128"),
         (["data.train_batch_size=4"],
-         "data.train_batch_size=4 must be >= actor_rollout_ref.actor.ppo_mini_batch_size=8"),
+         "data.train_batch_size=4 must be >= actor_rollout_ref.actor.ppo_mini_batch_size=16"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=24", "trainer.n_gpus_per_node=2"],
-         "actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = 8*8 = 64 is not divisible by "
+         "actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = 16*8 = 128 is not divisible by "
          "data-parallel size * actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2*24 = 48"),
         (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=48"],
-         "critic.ppo_mini_batch_size * rollout.n = 8*8 = 64 is not divisible by "
+         "critic.ppo_mini_batch_size * rollout.n = 16*8 = 128 is not divisible by "
          "data-parallel size * critic.ppo_micro_batch_size_per_gpu = 1*48 = 48"),
         (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
          "actor_rollout_ref.actor.megatron: world_size=1 is not divisible by tensor_model_parallel_size * "
