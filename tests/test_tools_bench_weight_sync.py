@@ -1,4 +1,5 @@
-"""tools/bench_weight_sync.py runs end to end at a tiny size and reports every key it promises."""
+"""tools/bench_weight_sync.py runs end to end at a tiny size (Megatron actor -> bridge export -> vLLM)
+and reports every key it promises."""
 
 import json
 import os
@@ -26,9 +27,15 @@ def test_bench_weight_sync_tiny_run_prints_json_last():
     assert out["sync_s"] > 0 and out["floor_s"] > 0
     assert out["sync_over_floor"] == out["sync_s"] / out["floor_s"]
     assert (out["transport"], out["repeats"], out["bucket_mb"]) == ("shm", 2, 0.1)
+    assert (out["source"], out["tp"]) == ("megatron_bridge_export", 1)
+    assert 0 < out["export_max_live_bytes"] <= 2 * 0.1 * 2**20  # one bucket (+ one tensor) at a time
+    assert out["sync_over_floor"] > 1  # a sync copies each byte more than once
 
 
 def test_bench_weight_sync_rejects_bad_sizes():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--layers", "0"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2 and "--layers=0 must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--tp", "2",
+                           "--kv-heads", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "--kv-heads=1 must be divisible by --tp=2" in proc.stderr

