@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.algos.loss_agg import agg_loss
 from megatron_rl.algos.registry import POLICY_LOSSES, Registry
-from megatron_rl.algos.utils import cfg_get, check_same_shape, masked_mean
+from megatron_rl.algos.utils import cfg_get, check_same_shape
 from megatron_rl.config.base import BaseConfig, check_range
 
 __all__ = [

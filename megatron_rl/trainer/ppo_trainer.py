@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from megatron_rl.algos import ADV_ESTIMATORS, apply_kl_penalty, get_kl_controller
 from megatron_rl.algos.utils import cfg_get
