@@ -335,10 +335,14 @@ def test_whitened_group_estimators(rows):
         out[valid] = (v - v.mean()) / (v.var() + 1e-8).sqrt()
         return out
 
+    # Whitening values that are (almost) all equal divides rounding noise by sqrt(1e-8): such
+    # batches say nothing about the estimators, only about float error, so they are skipped.
     rpp, _ = est("reinforce_plus_plus_baseline", token_level_rewards=r, response_mask=mask, index=index)
-    torch.testing.assert_close(rpp, whiten(dr), atol=1e-4, rtol=1e-4)
+    if float(dr[valid].var()) > 1e-6:
+        torch.testing.assert_close(rpp, whiten(dr), atol=1e-4, rtol=1e-4)
     gdpo, _ = est("gdpo", token_level_rewards=r, response_mask=mask, index=index)  # one component
-    torch.testing.assert_close(gdpo, whiten(grpo), atol=1e-4, rtol=1e-4)
+    if float(grpo[valid].var()) > 1e-6:
+        torch.testing.assert_close(gdpo, whiten(grpo), atol=1e-4, rtol=1e-4)
 
 
 @settings(max_examples=40, deadline=None)
