@@ -5,6 +5,11 @@ dict names every tensor by its global key and shard offsets. Saving is atomic: a
 write into a temporary sibling directory, and only after every rank finished does rank 0
 write a completion marker and rename it into place, so a crash mid-save never leaves a
 directory that looks complete. ``load_model`` refuses a directory without the marker.
+
+Training state: given the Megatron optimizer and ``OptimizerParamScheduler``, the same
+checkpoint also holds the optimizer state (sharded like the parameters, so it reshards too), the
+scheduler's state and every rank's RNG states (``rng/rank_<r>.pt``: torch CPU/CUDA generators
+and Megatron's model-parallel CUDA RNG tracker), as Megatron-LM's training checkpoints do.
 """
 
 from __future__ import annotations
@@ -30,11 +35,48 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _sharded_state_dict(chunks: Iterable[torch.nn.Module]) -> dict[str, Any]:
+def _sharded_state_dict(chunks: Iterable[torch.nn.Module], optimizer=None, scheduler=None, *,
+                        is_loading: bool = False) -> dict[str, Any]:
     chunks = list(chunks)
     if len(chunks) == 1:
-        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        state = {"model": _unwrap(chunks[0]).sharded_state_dict()}
+    else:
+        state = {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    if optimizer is not None:
+        # The optimizer's tensors are keyed by the parameters' sharded keys: it reshards with them.
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _broadcast_str(value: str, group=None) -> str:
@@ -51,8 +93,11 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, overwrite: bool = False,
-               metadata: Optional[dict] = None) -> Path:
-    """Save the model chunks of every rank to ``path`` atomically; call on all ranks."""
+               metadata: Optional[dict] = None, optimizer=None, scheduler=None, save_rng: bool = False) -> Path:
+    """Save the model chunks of every rank to ``path`` atomically; call on all ranks.
+
+    With ``optimizer`` (a Megatron optimizer) / ``scheduler`` / ``save_rng`` the checkpoint also
+    holds the training state (module docstring)."""
     from megatron.core import dist_checkpointing
 
     final = Path(path).resolve()
@@ -64,12 +109,17 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
         tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), str(tmp))
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, scheduler), str(tmp))
+    if save_rng:
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"world_size": world, **(metadata or {})}))
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({
+            "world_size": world, "optimizer": optimizer is not None, "scheduler": scheduler is not None,
+            "rng": save_rng, **(metadata or {})}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -78,8 +128,13 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
     return final
 
 
-def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike) -> None:
-    """Load ``path`` into this rank's model chunks (any layout); call on all ranks."""
+def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, optimizer=None, scheduler=None,
+               load_rng: bool = False) -> None:
+    """Load ``path`` into this rank's model chunks (any layout); call on all ranks.
+
+    With ``optimizer`` / ``scheduler`` / ``load_rng``, restore that training state too: the
+    checkpoint must hold it (ValueError otherwise). RNG states are per rank: restored only at the
+    saving world size (a resharded load keeps this run's seeds, with a warning)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -88,9 +143,27 @@ def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike) -> No
     if not is_complete_checkpoint(path):
         raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
     chunks = list(chunks)
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    for name, wanted in (("optimizer", optimizer), ("scheduler", scheduler), ("rng", load_rng)):
+        if wanted is not None and wanted is not False and not marker.get(name, False):
+            raise ValueError(f"{path} holds no {name} state (saved with {name}=None/False); cannot restore it")
+    state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, scheduler, is_loading=True), str(path))
     if len(chunks) == 1:
         _unwrap(chunks[0]).load_state_dict(state["model"], strict=True)
     else:
         for i, chunk in enumerate(chunks):
             _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if marker.get("world_size") == world:
+            _set_rng_state(torch.load(path / "rng" / f"rank_{rank}.pt", weights_only=False))
+        elif rank == 0:  # resharded: per-rank RNG streams have no counterpart; keep this run's seeds
+            import warnings
+
+            warnings.warn(f"{path}: RNG states were saved by {marker.get('world_size')} ranks, this run has "
+                          f"{world}; they are not restored (model and optimizer state are)", stacklevel=2)

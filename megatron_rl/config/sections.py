@@ -399,6 +399,9 @@ class TrainerConfig(BaseConfig):
     """Keep only the newest N actor checkpoints; None = all."""
     max_critic_ckpt_to_keep: Optional[int] = None
     """Keep only the newest N critic checkpoints; None = all."""
+    max_consecutive_skipped_steps: int = 3
+    """A step whose rewards fail (the reward function raised or returned a non-finite value) is
+    reported and skipped; this many skipped in a row stop the run with the error."""
 
     def __post_init__(self) -> None:
         if isinstance(self.logger, str):
@@ -414,7 +417,7 @@ class TrainerConfig(BaseConfig):
         for name in ("total_training_steps", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
             if getattr(self, name) is not None:
                 check_range(f"trainer.{name}", getattr(self, name), low=1)
-        for name in ("critic_warmup", "log_val_generations", "sft_warmup_steps"):
+        for name in ("critic_warmup", "log_val_generations", "sft_warmup_steps", "max_consecutive_skipped_steps"):
             check_range(f"trainer.{name}", getattr(self, name), low=0)
         _check_freq("trainer.save_freq", self.save_freq)
         _check_freq("trainer.test_freq", self.test_freq)
@@ -441,8 +444,12 @@ class TeacherModelConfig(BaseConfig):
     """Layout, dtype and offload of the teacher (forward only)."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per forward micro-batch; None = ``actor.ppo_micro_batch_size_per_gpu``."""
+    sft_warmup_steps: int = 0
+    """Inline teacher only: supervised steps on the built-in task before the run (a teacher must
+    know the task better than the student); 0 = a randomly initialised teacher."""
 
     def __post_init__(self) -> None:
+        check_range("distillation.teacher_model.sft_warmup_steps", self.sft_warmup_steps, low=0)
         if self.log_prob_micro_batch_size_per_gpu is not None:
             check_range("distillation.teacher_model.log_prob_micro_batch_size_per_gpu",
                         self.log_prob_micro_batch_size_per_gpu, low=1)
