@@ -1,0 +1,214 @@
+"""Per-rank memory of one Megatron role (actor, critic, reference, reward model, teacher).
+
+Everything is counted for the most loaded pipeline stage of a layout, in bytes, following
+what ``megatron_rl.workers.engine.MegatronEngine`` allocates:
+
+* parameters: each weight's local shard (heads and MLP columns over TP -- KV heads are
+  replicated when there are fewer than TP; routed experts over EP and their columns over ETP;
+  the (padded) vocabulary over TP; norms and the router replicated), ``L / PP`` layers per
+  stage, embedding on the first stage, output layer on the last;
+* gradients: Megatron DDP's buffer with ``grad_reduce_in_fp32=True`` -> 4 bytes/param;
+* optimizer: Adam keeps m and v in fp32 (8 B/param) plus fp32 master weights for 16-bit
+  params (12 B/param); SGD a momentum buffer (+ master); with a distributed optimizer the
+  state is sharded over the data-parallel group (x CP) for dense and expert-DP for experts;
+* activations of the micro-batches in flight: 1 without PP, ``PP`` at stage 0 with 1F1B,
+  ``(PP-1)*2 + (VPP-1)*PP + 1`` model chunks with the interleaved schedule. Per layer and
+  token the saved tensors of the local spec with SDPA/flash attention (no ``s^2`` term) are
+  counted -- 5 hidden-sized tensors (norm outputs, attention projection, MLP output,
+  residual; divided by TP under sequence parallelism), ``3 * (heads + kv heads) / TP *
+  head_dim`` for QKV, rotated q/k and the attention output, ``5 * ffn / TP`` for the SwiGLU
+  MLP (fc1 output, activation, product); a MoE layer saves fp32 router logits/probs and, per
+  routed token, ``3 * hidden + 5 * moe_ffn / ETP``. This is Korthikanti et al.'s accounting
+  (Reducing Activation Recomputation, 2022) redone for SwiGLU/GQA/MoE layers; full
+  recompute keeps only each layer's input plus one layer's activations;
+* the output head: the actor's fused log-prob path forms ``chunk x vocab/TP`` fp32 logits
+  twice (logits and their exp) and a weight-gradient of the output layer in backward,
+  never the full ``[tokens, vocab]`` logits.
+
+On CPU the activations are float32 (``ModelConfig.params_dtype``); on GPU the training dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from megatron_rl.models.gpt import ModelConfig, padded_vocab_size
+
+__all__ = ["RoleMemory", "count_params", "estimate_role", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMemory:
+    """Bytes per rank of one role on its most loaded pipeline stage."""
+
+    role: str
+    params_dense: int
+    """Parameters held on this rank outside routed experts."""
+    params_expert: int
+    """Routed-expert parameters held on this rank."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Saved activations of the micro-batches in flight."""
+    transient_bytes: int
+    """Peak scratch on top of the activations (output-head logits chunks, a layer's backward)."""
+
+    @property
+    def state_bytes(self) -> int:
+        """What stays allocated between steps: parameters + gradients + optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """While this role computes: state + activations + scratch."""
+        return self.state_bytes + self.activation_bytes + self.transient_bytes
+
+
+def _layer_params(m: ModelConfig, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one rank."""
+    h, hd = m.hidden_size, m.head_dim
+    kv = m.num_query_groups or m.num_attention_heads
+    q_local = m.num_attention_heads // tp
+    kv_local = max(kv // tp, 1)  # fewer KV heads than TP ranks: each rank keeps one, replicated
+    qkv = (q_local + 2 * kv_local) * hd * h + ((q_local + 2 * kv_local) * hd if m.add_qkv_bias else 0)
+    dense = qkv + q_local * hd * h + 2 * h + (2 * hd if m.qk_layernorm else 0)
+    gate = 2 if m.swiglu else 1
+    expert = 0
+    if m.is_moe:
+        f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        dense += m.num_moe_experts * h  # router, replicated
+        expert = (m.num_moe_experts // ep) * (gate + 1) * (f // etp) * h
+        if m.moe_shared_expert_intermediate_size:
+            dense += (gate + 1) * (m.moe_shared_expert_intermediate_size // tp) * h
+    else:
+        dense += (gate + 1) * (m.ffn_hidden_size // tp) * h
+    return dense, expert
+
+
+def count_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                 stage: Optional[int] = None, value_head: bool = False) -> tuple[int, int]:
+    """``(dense, expert)`` parameters held by one rank of pipeline ``stage`` (None = the most
+    loaded stage). ``value_head``: a critic/reward model's ``[1, h]`` head replaces the LM head."""
+    etp = etp or tp
+    dense_layer, expert_layer = _layer_params(m, tp, ep, etp)
+    layers = m.num_layers // pp
+    vocab_rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by) // tp
+    embed = vocab_rows * m.hidden_size
+    head = m.hidden_size if value_head else (0 if (m.tie_word_embeddings and pp == 1) else embed)
+    per_stage = []
+    for s in range(pp):
+        d = layers * dense_layer
+        d += embed if s == 0 else 0
+        d += (head + m.hidden_size) if s == pp - 1 else 0  # output layer + final norm
+        per_stage.append((d, layers * expert_layer))
+    if stage is not None:
+        return per_stage[stage]
+    return max(per_stage, key=lambda x: x[0] + x[1])
+
+
+def layer_activation_elements(m: ModelConfig, *, tp: int, etp: int, sequence_parallel: bool,
+                              act_bytes: int) -> float:
+    """Saved activation elements per token of one transformer layer (see module docstring)."""
+    h, hd = m.hidden_size, m.head_dim
+    sp = tp if sequence_parallel else 1
+    kv = m.num_query_groups or m.num_attention_heads
+    heads_local, kv_local = m.num_attention_heads / tp, max(kv / tp, 1)
+    elems = 5 * h / sp + 3 * (heads_local + kv_local) * hd
+    if m.is_moe:
+        f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        router = 2 * m.num_moe_experts * 4 / act_bytes  # fp32 logits + probs
+        elems += (router + m.moe_router_topk * (3 * h + 5 * f / etp)) / sp
+        if m.moe_shared_expert_intermediate_size:
+            elems += 5 * m.moe_shared_expert_intermediate_size / tp
+    else:
+        elems += 5 * m.ffn_hidden_size / tp
+    return elems
+
+
+def in_flight_chunks(stage: int, pp: int, vpp: Optional[int], num_microbatches: int) -> int:
+    """Model chunks whose activations pipeline ``stage`` holds at once (Megatron's warm-up + 1)."""
+    if pp == 1:
+        return 1
+    if not vpp:
+        return min(pp - stage, num_microbatches)
+    return min(num_microbatches * vpp, (pp - stage - 1) * 2 + (vpp - 1) * pp + 1)
+
+
+def _stage_activations(m: ModelConfig, stage: int, pp: int, vpp: Optional[int], num_microbatches: int,
+                       per_layer: float, layer_input: float, trainable: bool, recompute: Optional[dict]) -> float:
+    """Saved activations of one pipeline stage at its fullest."""
+    if not trainable:  # forward only: activations are dropped layer by layer
+        return per_layer + 2 * layer_input
+    chunks = in_flight_chunks(stage, pp, vpp, num_microbatches)
+    layers_per_chunk = m.num_layers / pp / (vpp or 1)
+    recompute = dict(recompute or {})
+    if recompute.get("recompute_granularity") == "full":
+        n = int(recompute.get("recompute_num_layers") or 1)
+        if recompute.get("recompute_method") == "block":  # first n layers of a chunk recomputed
+            stored = max(layers_per_chunk - n, 0) * per_layer + min(n, layers_per_chunk) * layer_input
+        else:  # "uniform": groups of n layers keep only their input
+            stored = math.ceil(layers_per_chunk / n) * layer_input
+        return chunks * stored + n * per_layer + layer_input  # + one group recomputed in backward
+    return chunks * layers_per_chunk * per_layer + layer_input  # + embedding output / received input
+
+
+def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
+                  cp: int = 1, ep: int = 1, etp: Optional[int] = None, dp: int = 1, expert_dp: int = 1,
+                  dtype: str = "bfloat16", trainable: bool = True, optimizer: str = "adam",
+                  distributed_optimizer: bool = False, sequence_parallel: bool = True,
+                  micro_batch_size: int = 1, seq_length: int = 1024, response_length: int = 512,
+                  num_microbatches: int = 1, recompute: Optional[dict] = None,
+                  logprob_chunk_size: int = 1024) -> RoleMemory:
+    """Per-rank memory of ``role`` under one layout for micro-batches of ``micro_batch_size``
+    sequences of ``seq_length`` tokens (``response_length`` of them scored)."""
+    etp = etp or tp
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not allowed; choose one of {sorted(DTYPE_BYTES)}")
+    value_head = role in ("critic", "reward")
+    sp = sequence_parallel and tp > 1 or (m.is_moe and tp > 1)
+    e = DTYPE_BYTES[dtype]
+    dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head)
+    n_params = dense + expert
+    param_bytes = n_params * e
+    grad_bytes = opt_bytes = 0
+    if trainable:
+        grad_bytes = n_params * 4
+        per_param = (8 if optimizer == "adam" else 4) + (4 if e != 4 else 0)
+        if distributed_optimizer:
+            opt_bytes = math.ceil(dense * per_param / (dp * cp)) + math.ceil(expert * per_param / expert_dp)
+        else:
+            opt_bytes = n_params * per_param
+
+    # -- activations and scratch, per pipeline stage; the plan keeps the worst stage ---------
+    tokens = micro_batch_size * seq_length / cp
+    per_layer = layer_activation_elements(m, tp=tp, etp=etp, sequence_parallel=sp, act_bytes=e) * tokens * e
+    if trainable and (recompute or {}).get("recompute_granularity") == "selective":
+        per_layer -= m.num_attention_heads / tp * m.head_dim * tokens * e  # core attention output recomputed
+    layer_input = m.hidden_size * tokens / (tp if sp else 1) * e
+    vocab_local = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by) // tp
+    if value_head:
+        head = micro_batch_size * seq_length * 4 * 2
+    else:
+        scored = micro_batch_size * (response_length if cp == 1 else seq_length) / cp
+        head = 2 * min(scored, logprob_chunk_size) * vocab_local * 4 + scored * m.hidden_size * e
+        if trainable:
+            head += vocab_local * m.hidden_size * e  # output-layer weight gradient before it joins the buffer
+    f = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * (m.moe_router_topk if m.is_moe else 1)
+    layer_backward = (2 * f / (etp if m.is_moe else tp) + m.hidden_size) * tokens * e if trainable else 0
+    best = (0, 0)
+    for stage in range(pp):
+        acts = _stage_activations(m, stage, pp, vpp, num_microbatches if trainable else 1, per_layer, layer_input,
+                                  trainable, recompute)
+        scratch = max(head if stage == pp - 1 else 0, layer_backward)
+        if acts + scratch > sum(best):
+            best = (acts, scratch)
+    activations, transient = best
+    return RoleMemory(role=role, params_dense=dense, params_expert=expert, param_bytes=int(param_bytes),
+                      grad_bytes=int(grad_bytes), optimizer_bytes=int(opt_bytes),
+                      activation_bytes=int(activations), transient_bytes=int(transient))
