@@ -38,6 +38,7 @@ __all__ = [
     "moe_mlp_rules",
     "llama_like_kwargs",
     "reject",
+    "hf_head",
 ]
 
 _NOT_FAMILY_MODULES = {"gpt", "families"}
@@ -66,17 +67,27 @@ class Family:
             raise ValueError(f"{self.name}: overrides {clash} would change the architecture read from the HF config")
         return ModelConfig(**kwargs, **overrides)
 
-    def weight_map(self, model_cfg: ModelConfig) -> WeightMap:
-        """The HF <-> Megatron weight table bound to ``model_cfg``'s geometry."""
+    def weight_map(self, model_cfg: ModelConfig, *, head: str = "lm") -> WeightMap:
+        """The HF <-> Megatron weight table bound to ``model_cfg``'s geometry.
+
+        ``head="score"`` maps the scalar head of a reward model (``build_model(role="reward")``)
+        to HF's ``*ForSequenceClassification`` ``score.weight [1, hidden]`` (``num_labels=1``).
+        """
+        if head not in ("lm", "score"):
+            raise ValueError(f"{self.name}: head={head!r} is not allowed; choose 'lm' or 'score'")
+        rules = decoder_rules(self.mlp_rules, tie_word_embeddings=model_cfg.tie_word_embeddings and head == "lm")
+        if head == "score":
+            rules = tuple(WeightRule("output_layer.weight", "score.weight") if r.megatron == "output_layer.weight"
+                          else r for r in rules)
         return WeightMap(
-            rules=decoder_rules(self.mlp_rules, tie_word_embeddings=model_cfg.tie_word_embeddings),
+            rules=rules,
             vocab_size=model_cfg.vocab_size,
             num_attention_heads=model_cfg.num_attention_heads,
             num_query_groups=model_cfg.num_query_groups or model_cfg.num_attention_heads,
             head_dim=model_cfg.head_dim,
             # Tied checkpoints sometimes carry lm_head anyway; old ones carry RoPE buffers.
             optional_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
-            + ((r"lm_head\.weight",) if model_cfg.tie_word_embeddings else ()),
+            + ((r"lm_head\.weight",) if model_cfg.tie_word_embeddings and head == "lm" else ()),
         )
 
 
@@ -286,8 +297,23 @@ def get_family(hf_config_or_architecture: Any) -> Family:
     else:
         cfg = load_hf_config(hf_config_or_architecture)
         architectures = list(getattr(cfg, "architectures", None) or [])
+    # A reward model (``XForSequenceClassification``) shares the decoder of ``XForCausalLM``.
+    architectures += [a.replace("ForSequenceClassification", "ForCausalLM") for a in architectures]
     for family in _discover().values():
         if any(a in family.architectures for a in architectures):
             return family
     listing = "; ".join(f"{name}: {', '.join(archs)}" for name, archs in supported_families().items())
     raise ValueError(f"HF architectures {architectures} are not supported; supported families: {listing}")
+
+
+def hf_head(hf_config: Any) -> str:
+    """``"score"`` for a scalar reward-model checkpoint (``*ForSequenceClassification``, one label),
+    ``"lm"`` for a causal LM; ValueError for a classifier with more than one label."""
+    cfg = load_hf_config(hf_config)
+    architectures = list(getattr(cfg, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "lm"
+    if cfg.num_labels != 1:
+        raise ValueError(f"HF config {architectures} has num_labels={cfg.num_labels}; a reward model needs "
+                         "num_labels=1 (one scalar score)")
+    return "score"

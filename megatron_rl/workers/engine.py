@@ -14,6 +14,7 @@ the gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from functools import partial
 from typing import Any, Callable, Mapping, Optional
@@ -72,6 +73,55 @@ def _require(batch: Batch, *keys: str) -> None:
     missing = [k for k in keys if k not in batch]
     if missing:
         raise ValueError(f"batch is missing field(s) {missing}; it has {sorted(batch.keys())}")
+
+
+def _distillation_config(config: Any):
+    """``DistillationLossConfig`` from verl's ``distillation`` section, its ``distillation_loss``
+    part (typed, DictConfig or dict) or None; None when off. ``forward_kl_topk`` is refused."""
+    from megatron_rl.algos.distillation import TOPK_LOSS_MODES, DistillationLossConfig
+    from megatron_rl.algos.utils import cfg_get
+
+    if config is None:
+        return None
+    section = cfg_get(config, "distillation_loss", None)
+    if section is not None:  # the whole ``distillation`` section
+        if not cfg_get(config, "enabled", True):
+            return None
+        config = section
+    dcfg = DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
+    if dcfg.loss_mode in TOPK_LOSS_MODES:
+        raise ValueError(
+            f"distillation_loss.loss_mode={dcfg.loss_mode!r} needs the teacher's top-k log-probs and ids and the "
+            "student's vocab-parallel logits, which the Megatron engine does not compute yet; use a single-sample "
+            "estimator (kl/k1, abs, mse/k2, low_var_kl/k3) with teacher_log_probs"
+        )
+    return dcfg
+
+
+def _distillation_loss(mb: Batch, lp: torch.Tensor, task_loss: Optional[torch.Tensor], dcfg: Any, loss_agg_mode: str,
+                       gbi: dict) -> tuple[torch.Tensor, dict, dict]:
+    """verl's ``distillation_ppo_loss`` for one micro-batch: ``(total loss, metrics, {"min"|"max": metrics})``.
+
+    ``task_loss`` is the policy (+ entropy + KL) loss, or None where it was not computed.
+    """
+    from megatron_rl.algos.distillation import DistillationInputs, combine_with_policy_loss, compute_distillation_loss
+
+    mask = mb["response_mask"]
+    if mask.any():
+        inputs = DistillationInputs(
+            response_mask=mask, student_log_probs=lp, teacher_log_probs=mb["teacher_log_probs"],
+            old_log_probs=mb.get("old_log_probs"), rollout_is_weights=mb.get("rollout_is_weights"),
+        )
+        distill, metrics = compute_distillation_loss(inputs, dcfg, loss_agg_mode, gbi)
+    else:  # no response token: every aggregation of this micro-batch is 0 (and min/max are undefined)
+        distill, metrics = lp.sum() * 0.0, {}
+    extremes = {"min": {}, "max": {}}
+    for kind in ("min", "max"):
+        key = f"distillation/loss_{kind}"
+        if key in metrics:
+            extremes[kind][key] = metrics.pop(key)
+    total, metrics = combine_with_policy_loss(distill, metrics, dcfg, policy_loss=task_loss)
+    return total, metrics, extremes
 
 
 # ----------------------------------------------------------------------------- engine
@@ -300,6 +350,30 @@ class MegatronEngine:
 
         return self._forward_only(batch, loss_fn, micro_batch_size)
 
+    @torch.no_grad()
+    def compute_rm_score(self, batch: Batch, *, micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Reward-model scores ``rm_scores [b]``: the scalar head at the last valid token.
+
+        The last valid token is the last ``attention_mask`` token of prompt + response (the end
+        of the response, or of the prompt for an empty response) -- verl's reward-model semantics,
+        and what HF ``*ForSequenceClassification`` picks (last non-pad token) when pads carry
+        ``pad_token_id``. Needs the ``reward`` (or ``critic``) role's scalar head.
+        """
+        _require(batch, "input_ids", "attention_mask", "responses")
+        if self.role not in ("reward", "critic"):
+            raise ValueError(f"compute_rm_score needs a scalar-head engine (role 'reward'); this one is {self.role!r}")
+
+        def loss_fn(mb, layout, handle, output, *, num_micro):
+            values = output.squeeze(-1).float()  # [b, s] (or this CP rank's share)
+            if self.cp_size > 1:
+                values = gather_from_context_parallel(values, self.cp_group, layout["seq_len"])
+            # Sequences are left-aligned: the last valid token sits at column length - 1.
+            last = (mb["attention_mask"].sum(-1).long() - 1).clamp(min=0)  # [b]
+            scores = values.gather(1, last[:, None]).squeeze(1)
+            return torch.zeros((), device=scores.device), {"rm_scores": scores}
+
+        return self._forward_only(batch, loss_fn, micro_batch_size)
+
     def _forward_only(self, batch: Batch, loss_fn: Callable, micro_batch_size: Optional[int]) -> dict:
         for chunk in self.model:
             chunk.eval()
@@ -311,11 +385,26 @@ class MegatronEngine:
         return self._broadcast_from_last_stage(result)
 
     # -- training -------------------------------------------------------------------------
-    def update_policy(self, batch: Batch, *, temperature: float = 1.0) -> dict[str, float]:
-        """PPO-style update of the actor on this rank's share of the batch; returns verl's metrics."""
-        _require(batch, "input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages")
+    def update_policy(self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None) -> dict[str, float]:
+        """PPO-style update of the actor on this rank's share of the batch; returns verl's metrics.
+
+        With ``distillation_loss`` (a ``DistillationLossConfig``, verl's ``distillation`` section or
+        its ``distillation_loss`` part; a section with ``enabled=False`` is off) the loss is verl's
+        ``distillation_ppo_loss``: the distillation loss from the student's log-probs and the
+        batch's ``teacher_log_probs [b, r]`` (back-propagated, or as advantages ``-loss`` of a
+        policy loss with ``use_policy_gradient``), plus the task loss (policy loss, entropy bonus,
+        KL loss) times 1 when ``use_task_rewards``, else alone. Adds ``distillation/*`` metrics.
+        """
         cfg: ActorConfig = self.config
-        if cfg.use_kl_loss:
+        dcfg = _distillation_config(distillation_loss)
+        # verl still evaluates the task loss for its metrics in policy-gradient distillation.
+        run_task = dcfg is None or dcfg.use_task_rewards or (dcfg.use_policy_gradient and "advantages" in batch)
+        _require(batch, "input_ids", "attention_mask", "responses", "response_mask")
+        if run_task:
+            _require(batch, "old_log_probs", "advantages")
+        if dcfg is not None:
+            _require(batch, "teacher_log_probs", *(("old_log_probs",) if dcfg.use_policy_gradient else ()))
+        if cfg.use_kl_loss and run_task:
             _require(batch, "ref_log_prob")
         policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
         need_entropy = cfg.entropy_coeff != 0 or cfg.calculate_entropy
@@ -324,32 +413,46 @@ class MegatronEngine:
             mask = mb["response_mask"]
             lp, ent = self._log_probs(output, mb, layout, handle, temperature=temperature, entropy=need_entropy)
             gbi = step_cfg.global_batch_info
-            pg_loss, pg_metrics = policy_loss_fn(
-                old_log_prob=mb["old_log_probs"], log_prob=lp, advantages=mb["advantages"], response_mask=mask,
-                loss_agg_mode=cfg.loss_agg_mode, config=step_cfg, rollout_is_weights=mb.get("rollout_is_weights"),
-            )
-            loss = pg_loss
-            stats = {"actor/pg_loss": pg_loss.detach()}
-            if ent is not None:
-                entropy_loss = agg_loss(ent, mask, cfg.loss_agg_mode, **gbi)
-                stats["actor/entropy"] = entropy_loss.detach()
-                if cfg.entropy_coeff != 0:
-                    loss = loss - cfg.entropy_coeff * entropy_loss
-            if cfg.use_kl_loss:
-                from megatron_rl.algos.kl import kl_penalty
-
-                kld = kl_penalty(lp, mb["ref_log_prob"], cfg.kl_loss_type)
-                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **gbi)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                stats["actor/kl_loss"] = kl_loss.detach()
-                stats["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
+            loss, stats, pg_metrics, extremes = lp.sum() * 0.0, {}, {}, {}
+            if run_task:
+                loss, stats, pg_metrics = self._task_loss(mb, lp, ent, step_cfg, policy_loss_fn)
+            if dcfg is not None:
+                loss, distill_metrics, extremes = _distillation_loss(mb, lp, loss if run_task else None, dcfg,
+                                                                     cfg.loss_agg_mode, gbi)
+                stats["distillation/loss"] = distill_metrics.pop("distillation/loss")
+                pg_metrics.update(distill_metrics)
             tokens = mask.sum()
             # Token-weighted per-micro-batch ratios, so the global value is their weighted mean.
             weighted = {k: float(v) * float(tokens) for k, v in pg_metrics.items()}
             return loss * num_micro, {"sums": {k: float(v) for k, v in stats.items()}, "weighted": weighted,
-                                      "tokens": float(tokens)}
+                                      "tokens": float(tokens), "extremes": extremes}
 
         return self._train(batch, loss_fn, prefix="actor")
+
+    def _task_loss(self, mb, lp, ent, step_cfg, policy_loss_fn) -> tuple[torch.Tensor, dict, dict]:
+        """Policy loss - entropy bonus + KL loss of one micro-batch: ``(loss, summed stats, ratio metrics)``."""
+        cfg: ActorConfig = self.config
+        mask, gbi = mb["response_mask"], step_cfg.global_batch_info
+        pg_loss, pg_metrics = policy_loss_fn(
+            old_log_prob=mb["old_log_probs"], log_prob=lp, advantages=mb["advantages"], response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode, config=step_cfg, rollout_is_weights=mb.get("rollout_is_weights"),
+        )
+        loss = pg_loss
+        stats = {"actor/pg_loss": pg_loss.detach()}
+        if ent is not None:
+            entropy_loss = agg_loss(ent, mask, cfg.loss_agg_mode, **gbi)
+            stats["actor/entropy"] = entropy_loss.detach()
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy_loss
+        if cfg.use_kl_loss:
+            from megatron_rl.algos.kl import kl_penalty
+
+            kld = kl_penalty(lp, mb["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **gbi)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = kl_loss.detach()
+            stats["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
+        return loss, stats, dict(pg_metrics)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss update of the critic; returns verl's ``critic/*`` metrics."""
@@ -425,16 +528,32 @@ class MegatronEngine:
         return metrics
 
     def _reduce_metrics(self, outputs: list[dict], total_tokens: float) -> dict[str, float]:
-        """Global metrics: summed losses averaged over DP, token-weighted ratios over all tokens."""
+        """Global metrics: summed losses averaged over DP, token-weighted ratios over all tokens,
+        and (``extremes``) minima / maxima over all tokens."""
         local = None
         if self.is_pp_last:
             sums: dict[str, float] = defaultdict(float)
             weighted: dict[str, float] = defaultdict(float)
+            lows: dict[str, float] = defaultdict(lambda: math.inf)
+            highs: dict[str, float] = defaultdict(lambda: -math.inf)
             for out in outputs:
                 for k, v in out["sums"].items():
                     sums[k] += v
                 for k, v in out["weighted"].items():
                     weighted[k] += v
+                extremes = out.get("extremes", {})
+                for k, v in extremes.get("min", {}).items():
+                    lows[k] = min(lows[k], v)
+                for k, v in extremes.get("max", {}).items():
+                    highs[k] = max(highs[k], v)
+            if self.dp_size > 1:
+                # A rank whose micro-batches had no response token may lack some keys: agree first.
+                names = [None] * self.dp_size
+                dist.all_gather_object(names, (sorted(sums), sorted(weighted), sorted(lows), sorted(highs)),
+                                       group=self.dp_group)
+                for table, i in ((sums, 0), (weighted, 1), (lows, 2), (highs, 3)):
+                    for k in {k for n in names for k in n[i]}:
+                        table[k] += 0.0  # materialises the default (0, +inf or -inf)
             keys = sorted(sums) + sorted(weighted)
             vec = torch.tensor([sums[k] / self.dp_size for k in sorted(sums)] + [weighted[k] for k in sorted(weighted)],
                                dtype=torch.float64, device=self.device)
@@ -442,6 +561,11 @@ class MegatronEngine:
             n_sums = len(sums)
             local = {k: float(vec[i]) if i < n_sums else float(vec[i]) / max(total_tokens, 1.0)
                      for i, k in enumerate(keys)}
+            for table, op in ((lows, dist.ReduceOp.MIN), (highs, dist.ReduceOp.MAX)):
+                if table:
+                    ext = torch.tensor([table[k] for k in sorted(table)], dtype=torch.float64, device=self.device)
+                    dist.all_reduce(ext, op=op, group=self.dp_group)
+                    local.update({k: float(v) for k, v in zip(sorted(table), ext.tolist())})
         return self._broadcast_from_last_stage(local)
 
     # -- parameters -----------------------------------------------------------------------
@@ -453,6 +577,23 @@ class MegatronEngine:
             prefix = f"chunk{i}." if len(self.model) > 1 else ""
             out.extend((prefix + name, p) for name, p in module.named_parameters())
         return out
+
+    def save_checkpoint(self, path: str, *, metadata: Optional[dict] = None) -> str:
+        """Collective: model, optimizer, LR schedule and RNG states of every rank to ``path`` (a
+        Megatron distributed checkpoint, written atomically; see ``parallel.checkpoint``)."""
+        from parallel.checkpoint import save_model
+
+        return str(save_model(self.model, path, overwrite=True, metadata=metadata, optimizer=self.optimizer,
+                              scheduler=self.scheduler, save_rng=self.trainable))
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> None:
+        """Collective: restore what ``save_checkpoint`` wrote (the optimizer / schedule / RNG only
+        for a trainable engine with ``load_optimizer``)."""
+        from parallel.checkpoint import load_model
+
+        full = self.trainable and load_optimizer
+        load_model(self.model, path, optimizer=self.optimizer if full else None,
+                   scheduler=self.scheduler if full else None, load_rng=full)
 
     def offload_to_cpu(self) -> None:
         """Move parameters, gradient buffers and optimizer state to host memory (no-op on CPU)."""

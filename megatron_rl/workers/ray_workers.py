@@ -1,4 +1,5 @@
-"""Ray actors for the single controller: Megatron worker groups (actor / ref / critic) and rollout.
+"""Ray actors for the single controller: Megatron worker groups (actor / ref / critic / reward /
+teacher) and rollout.
 
 ``MegatronWorkerGroup`` starts one Ray actor per rank of a Megatron layout (world size =
 TP x PP x CP x DP x ...), in a placement group of one bundle per rank. Each actor sets the
@@ -32,7 +33,11 @@ import torch
 
 __all__ = ["MegatronWorker", "MegatronWorkerGroup", "RolloutWorker", "split_for_dp", "tensor_fields", "free_port"]
 
-ROLES = ("actor", "ref", "critic")
+ROLES = ("actor", "ref", "critic", "reward", "teacher")
+"""``actor`` (trainable policy), ``ref`` (frozen policy), ``critic`` (trainable scalar head), ``reward``
+(frozen scalar head: an HF ``*ForSequenceClassification`` reward model), ``teacher`` (frozen LM of
+on-policy distillation: any size, the student's vocabulary)."""
+_ENGINE_ROLES = {"actor": "actor", "ref": "actor", "teacher": "actor", "critic": "critic", "reward": "reward"}
 
 
 def free_port() -> int:
@@ -103,7 +108,7 @@ class MegatronWorker:
                     model_config: Any = None, hf_dir: Optional[str] = None, model_overrides: Optional[Mapping] = None,
                     seed: int = 42) -> dict[str, int]:
         """Join the group, build the engine (and load ``hf_dir``); return this rank's coordinates."""
-        from megatron_rl.models.families import get_family
+        from megatron_rl.models.families import get_family, hf_head
         from megatron_rl.models.gpt import ModelConfig
         from megatron_rl.workers.engine import MegatronEngine
         from parallel.bridge import load_hf_checkpoint
@@ -117,16 +122,23 @@ class MegatronWorker:
         if hf_dir is not None:
             family = get_family(hf_dir)
             model_cfg = family.model_config(hf_dir, **dict(model_overrides or {}))
-            self.weight_map = family.weight_map(model_cfg)
+            head = hf_head(hf_dir)  # "score" for a *ForSequenceClassification checkpoint
+            if role == "reward" and head != "score":
+                raise ValueError(f"reward: {hf_dir} is not a reward model; it needs an HF *ForSequenceClassification "
+                                 "checkpoint with num_labels=1 (its score.weight becomes the scalar head)")
+            if role in ("actor", "ref", "teacher") and head != "lm":
+                raise ValueError(f"{role}: {hf_dir} is a *ForSequenceClassification checkpoint (no lm_head); "
+                                 "this role needs a causal LM")
+            self.weight_map = family.weight_map(model_cfg, head=head)
         else:
             model_cfg = model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_dict(model_config)
         self.mesh = init_mesh(pc, seed=seed)
-        engine_role = "critic" if role == "critic" else "actor"
-        self.engine = MegatronEngine(model_cfg, pc, role=engine_role, config=engine_config,
+        self.engine = MegatronEngine(model_cfg, pc, role=_ENGINE_ROLES[role], config=engine_config,
                                      trainable=role in ("actor", "critic"))
         if hf_dir is not None:
-            # The critic's value head has no HF counterpart: it keeps its fresh initialisation.
-            ignore = (r"output_layer\.",) if role == "critic" else ()
+            # A critic from a causal LM keeps its value head's fresh initialisation; one from a
+            # reward model (verl's usual PPO start) loads the score head.
+            ignore = (r"output_layer\.",) if role == "critic" and head == "lm" else ()
             load_hf_checkpoint(self.engine.model, self.weight_map, hf_dir, mesh=self.mesh, ignore=ignore)
         m = self.mesh
         return {"rank": self.rank, "dp_rank": m.dp_rank, "dp_size": m.size("dp"), "tp_rank": m.tp_rank,
@@ -138,11 +150,22 @@ class MegatronWorker:
     def compute_values(self, batch: dict, **kwargs: Any) -> dict[str, torch.Tensor]:
         return self.engine.compute_values(batch, **kwargs)
 
+    def compute_rm_score(self, batch: dict, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return self.engine.compute_rm_score(batch, **kwargs)
+
     def update_policy(self, batch: dict, **kwargs: Any) -> dict[str, float]:
         return self.engine.update_policy(batch, **kwargs)
 
     def update_critic(self, batch: dict) -> dict[str, float]:
         return self.engine.update_critic(batch)
+
+    def save_checkpoint(self, path: str) -> str:
+        """Collective: the engine's model / optimizer / schedule / RNG to ``path`` (atomic)."""
+        return self.engine.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        """Collective: restore ``save_checkpoint``'s state (any layout for the model and optimizer)."""
+        self.engine.load_checkpoint(path, load_optimizer=load_optimizer)
 
     def export_weights(self, bucket_bytes: int, dtype: Optional[str] = None) -> Optional[list]:
         """Collective: global rank 0 returns the full model as HF ``(name, tensor)`` copies; others None."""
@@ -170,9 +193,10 @@ class MegatronWorkerGroup:
     """``world_size`` Ray actors running one Megatron role; methods take and return global batches.
 
     Args:
-        role: ``actor`` (trainable policy), ``ref`` (frozen policy) or ``critic``.
+        role: one of ``ROLES``: ``actor``, ``ref``, ``critic``, ``reward`` or ``teacher``.
         parallel: Megatron layout (``ParallelConfig`` keys; verl's ``megatron`` section works).
-        engine_config: ``ActorConfig`` / ``CriticConfig`` (or a mapping with their keys).
+        engine_config: ``ActorConfig`` (actor, ref, teacher) / ``CriticConfig`` (critic, reward), or a
+            mapping with their keys.
         world_size: number of ranks (= the layout's TP x PP x CP x DP).
         hf_dir: HF checkpoint to load (and whose family names the weights on export); or
         model_config: an inline ``ModelConfig`` (random init, seeded by ``seed``).
@@ -244,12 +268,21 @@ class MegatronWorkerGroup:
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
         return self._collect_tensors(self._dispatch("compute_values", batch, keys, **kwargs))
 
+    def compute_rm_score(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
+        """Reward-model ``rm_scores [B]`` (the scalar head at each sequence's last valid token)."""
+        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+        return self._collect_tensors(self._dispatch("compute_rm_score", batch, keys, **kwargs))
+
     def update_policy(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, float]:
-        """One actor update on the global batch; returns the engine's (globally reduced) metrics."""
+        """One actor update on the global batch; returns the engine's (globally reduced) metrics.
+
+        ``distillation_loss=`` (verl's ``distillation`` section or its ``distillation_loss``) turns on
+        the on-policy distillation loss over the batch's ``teacher_log_probs [B, R]``."""
         import ray
 
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs",
-                "advantages", "ref_log_prob", "rollout_is_weights")
+                "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs")
+        kwargs = {k: _plain(v) for k, v in kwargs.items()}
         return ray.get(self._dispatch("update_policy", batch, keys, **kwargs))[0]
 
     def update_critic(self, batch: Mapping[str, Any]) -> dict[str, float]:
@@ -258,6 +291,18 @@ class MegatronWorkerGroup:
 
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns")
         return ray.get(self._dispatch("update_critic", batch, keys))[0]
+
+    def save_checkpoint(self, path: str) -> str:
+        """Every rank saves its shard of model + optimizer state into one dist checkpoint at ``path``."""
+        import ray
+
+        return ray.get([w.save_checkpoint.remote(str(path)) for w in self.workers])[0]
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        """Every rank loads ``path`` (saved at any layout)."""
+        import ray
+
+        ray.get([w.load_checkpoint.remote(str(path), load_optimizer) for w in self.workers])
 
     def export_weights(self, bucket_bytes: int = 1 << 28, dtype: Optional[str] = None):
         """ObjectRef to rank 0's HF ``(name, tensor)`` list (all ranks take part in the gather)."""

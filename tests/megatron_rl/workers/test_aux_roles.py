@@ -1,0 +1,263 @@
+"""The auxiliary Megatron roles: the reward model (scalar head) and the distillation teacher, and the
+on-policy distillation loss inside ``MegatronEngine.update_policy``.
+
+* Reward model: a tiny HF ``Qwen3ForSequenceClassification`` / ``LlamaForSequenceClassification``
+  (random weights, built from a config, no hub) is loaded by the ``reward`` worker group at TP=1 and
+  TP=2; ``rm_scores`` must equal HF's ``model(input_ids, attention_mask).logits``. The batch has verl's
+  layout (left-padded prompt | right-padded response) with every pad set to ``pad_token_id`` and no
+  real token equal to it, so HF's "last non-pad token" is our "last attention_mask token"; HF runs
+  with its default positions ``arange(seq)``, which only shift a left-padded row's RoPE positions by
+  a constant (attention depends on position differences only).
+* Teacher: the ``teacher`` group's log-probs equal HF's causal-LM log-softmax at the same temperature.
+* Distillation: one ``update_policy`` step (k3 back-propagated alone; k1 as policy-gradient advantages
+  combined with the task policy loss) gives the loss, the gradient norm and the SGD weight change of
+  ``compute_distillation_loss`` evaluated by hand with autograd through a plain forward of the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallel.testing import run_distributed
+
+ray = pytest.importorskip("ray")
+
+VOCAB, PAD = 96, 0
+BATCH, PROMPT, RESPONSE = 8, 6, 5
+DENSE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+             vocab_size=VOCAB, max_position_embeddings=64)
+SGD = {"optimizer": "sgd", "lr": 1.0, "weight_decay": 0.0, "clip_grad": 0.0}
+SCORE_TOL = 1e-5
+
+
+def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """verl's layout: left-padded prompts, right-padded responses (one empty); pads are ``PAD``."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, VOCAB, (BATCH, PROMPT), generator=g)
+    responses = torch.randint(1, VOCAB, (BATCH, RESPONSE), generator=g)
+    prompt_len = torch.tensor([6, 3, 4, 6, 1, 5, 2, 6])
+    response_len = torch.tensor([5, 2, 5, 1, 4, 0, 3, 5])
+    prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - prompt_len[:, None]).long()
+    response_mask = (torch.arange(RESPONSE)[None] < response_len[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return {
+        "input_ids": torch.cat([prompts, responses], 1) * attention_mask,  # pads -> PAD = 0
+        "attention_mask": attention_mask,
+        "responses": responses * response_mask,
+        "response_mask": response_mask,
+    }
+
+
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    """O(1) weights (the HF init's std 0.02 gives near-zero outputs and a meaningless tolerance)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+
+
+def _hf_model(path, family: str, head: str, seed: int):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from megatron_rl.models.families import load_hf_config
+    from megatron_rl.models.testing import TINY_HF_CONFIGS
+
+    base = TINY_HF_CONFIGS[family]["architectures"][0]
+    arch = base.replace("ForCausalLM", "ForSequenceClassification") if head == "score" else base
+    config = load_hf_config(dict(TINY_HF_CONFIGS[family], architectures=[arch], vocab_size=VOCAB,
+                                 pad_token_id=PAD, bos_token_id=None, eos_token_id=1, num_labels=1))
+    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32).eval()
+    _redraw(model, seed)
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _group(role, hf_dir, tp, engine_config):
+    from megatron_rl.workers.ray_workers import MegatronWorkerGroup
+
+    return MegatronWorkerGroup(role, {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}, engine_config,
+                               tp, hf_dir=str(hf_dir), num_cpus_per_worker=1.0 / tp, name=f"{role}_tp{tp}")
+
+
+# ----------------------------------------------------------------------------- reward model
+@pytest.mark.parametrize("family,layouts", [("qwen3", (1, 2)), ("llama", (2,))])
+def test_reward_model_scores_equal_hf_sequence_classification(ray_cluster, tmp_path, family, layouts):
+    hf = _hf_model(tmp_path / "rm", family, "score", seed=3)
+    batch = make_batch(1)
+    with torch.no_grad():
+        expected = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    assert expected.abs().max() > 0.1  # O(1) scores, so the tolerance is meaningful
+    for tp in layouts:
+        group = _group("reward", tmp_path / "rm", tp, {"ppo_micro_batch_size_per_gpu": 3})
+        try:
+            scores = group.compute_rm_score(batch)["rm_scores"]
+            scores_mbs1 = group.compute_rm_score(batch, micro_batch_size=1)["rm_scores"]
+        finally:
+            group.shutdown()
+        assert scores.shape == (BATCH,)
+        diff = max(float((scores - expected).abs().max()), float((scores_mbs1 - expected).abs().max()))
+        assert diff < SCORE_TOL, (family, tp, diff)
+
+
+def test_reward_role_rejects_a_causal_lm_checkpoint(ray_cluster, tmp_path):
+    _hf_model(tmp_path / "lm", "qwen3", "lm", seed=0)
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"reward: .* is not a reward model; it needs an HF "
+                                                          r"\*ForSequenceClassification checkpoint with num_labels=1"):
+        _group("reward", tmp_path / "lm", 1, {})
+
+
+# ----------------------------------------------------------------------------- teacher
+def test_teacher_group_log_probs_equal_hf(ray_cluster, tmp_path):
+    hf = _hf_model(tmp_path / "teacher", "qwen3", "lm", seed=5)
+    batch = make_batch(2)
+    temperature = 0.7
+    group = _group("teacher", tmp_path / "teacher", 1, {"ppo_micro_batch_size_per_gpu": 4})
+    try:
+        out = group.compute_log_prob(batch, temperature=temperature)["log_probs"]
+    finally:
+        group.shutdown()
+    expected = torch.zeros(BATCH, RESPONSE)
+    with torch.no_grad():
+        for i in range(BATCH):
+            ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
+            n = int(batch["response_mask"][i].sum())
+            if n:
+                logp = (hf(input_ids=ids).logits[0].float() / temperature).log_softmax(-1)[-n - 1:-1]
+                expected[i, :n] = logp.gather(-1, ids[0, -n:, None]).squeeze(-1)
+    mask = batch["response_mask"].bool()
+    assert out.shape == (BATCH, RESPONSE)
+    assert float((out[mask] - expected[mask]).abs().max()) < 2e-5
+
+
+# ----------------------------------------------------------------------------- distillation loss
+def _distill_case(rank, world_size, distillation, mbs, temperature):
+    """(engine metrics, hand loss, hand grad norm, max |weight change - (-lr * hand grad)|)."""
+    import dataclasses
+
+    from megatron_rl.algos.distillation import DistillationInputs, DistillationLossConfig, compute_distillation_loss
+    from megatron_rl.algos.registry import POLICY_LOSSES
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.workers.engine import MegatronEngine
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    pc = ParallelConfig()
+    init_mesh(pc, seed=9)
+    engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor",
+                            config={"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": mbs, "optim": SGD})
+    dcfg = DistillationLossConfig.from_dict(distillation)
+    batch = make_batch(0)
+    mask = batch["response_mask"]
+    g = torch.Generator().manual_seed(4)
+    student = engine.compute_log_prob(batch, temperature=temperature)["log_probs"]
+    batch["teacher_log_probs"] = (student - 0.3 * torch.rand(BATCH, RESPONSE, generator=g)) * mask
+    if dcfg.use_task_rewards or dcfg.use_policy_gradient:
+        batch["old_log_probs"] = (student + 0.1 * torch.randn(BATCH, RESPONSE, generator=g)) * mask
+    if dcfg.use_task_rewards:
+        batch["advantages"] = torch.randn(BATCH, RESPONSE, generator=g)
+
+    # By hand: every unpadded sequence through the plain model, with cloned parameters.
+    module = engine.model[0].module
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}
+    rows = []
+    for i in range(BATCH):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
+        n = int(mask[i].sum())
+        if n == 0:
+            rows.append(torch.zeros(RESPONSE))
+            continue
+        logits = torch.func.functional_call(module, params, (ids, torch.arange(ids.shape[1])[None]),
+                                            {"attention_mask": None})[0].float() / temperature
+        lp = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].gather(-1, ids[0, -n:, None]).squeeze(-1)
+        rows.append(torch.cat([lp, torch.zeros(RESPONSE - n)]))
+    lp = torch.stack(rows)
+    gbi = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": int((mask.sum(-1) > 0).sum())}
+    inputs = DistillationInputs(response_mask=mask, student_log_probs=lp, teacher_log_probs=batch["teacher_log_probs"],
+                                old_log_probs=batch.get("old_log_probs"))
+    loss, _ = compute_distillation_loss(inputs, dcfg, "token-mean", gbi)
+    hand_distill = float(loss)
+    if dcfg.use_task_rewards:
+        pg_loss, _ = POLICY_LOSSES["vanilla"](
+            old_log_prob=batch["old_log_probs"], log_prob=lp, advantages=batch["advantages"], response_mask=mask,
+            loss_agg_mode="token-mean", config=dataclasses.replace(engine.config, global_batch_info=gbi))
+        loss = pg_loss + dcfg.distillation_loss_coef * loss
+    loss.backward()
+    grads = {n: p.grad for n, p in params.items()}
+    grad_norm = math.sqrt(sum(float((gr.double() ** 2).sum()) for gr in grads.values()))
+
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    metrics = engine.update_policy(batch, temperature=temperature, distillation_loss={"distillation_loss": distillation,
+                                                                                     "enabled": True})
+    weight_diff = max(float((before[n] - p.detach() - SGD["lr"] * grads[n]).abs().max())
+                      for n, p in engine.named_parameters())
+    return metrics, hand_distill, float(loss), grad_norm, weight_diff
+
+
+@pytest.mark.parametrize("distillation,mbs", [
+    # Supervised reverse-KL (k3) alone: no advantages/old log-probs in the batch; mbs=1 has an empty micro-batch.
+    ({"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": False}, 1),
+    # k1 as policy-gradient reward, added (x0.5) to the task's vanilla PPO loss.
+    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 4),
+])
+def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation, mbs):
+    metrics, hand_distill, hand_total, grad_norm, weight_diff = run_distributed(
+        _distill_case, 1, distillation, mbs, 0.8)[0]
+    assert abs(metrics["distillation/loss"] - hand_distill) < 1e-6, (metrics["distillation/loss"], hand_distill)
+    assert abs(metrics["actor/grad_norm"] - grad_norm) < 1e-5 * max(1.0, grad_norm), (metrics["actor/grad_norm"], grad_norm)
+    assert weight_diff < 1e-6, weight_diff
+    assert grad_norm > 1e-3  # the step moved the weights
+    assert metrics["distillation/loss_min"] <= metrics["distillation/loss_max"]
+    assert "distillation/abs_loss" in metrics
+    if distillation["use_task_rewards"]:
+        assert abs(metrics["actor/pg_loss"] + 0.5 * hand_distill - hand_total) < 1e-6
+        assert {"distillation/pg_clipfrac", "distillation/ppo_kl"} <= set(metrics)
+    else:
+        assert "actor/pg_loss" not in metrics
+
+
+def _bad_input_case(rank, world_size):
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.workers.engine import MegatronEngine
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    pc = ParallelConfig()
+    init_mesh(pc, seed=1)
+    engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor", config={"ppo_mini_batch_size": BATCH})
+    batch = make_batch(0)
+    batch.update(old_log_probs=torch.zeros(BATCH, RESPONSE), advantages=torch.zeros(BATCH, RESPONSE))
+    errors = []
+    for distillation in ({"loss_mode": "k9"}, {"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
+                         {"loss_mode": "k3"}):
+        try:
+            engine.update_policy(batch, distillation_loss=distillation)
+            errors.append("")
+        except ValueError as exc:
+            errors.append(str(exc))
+    try:
+        engine.compute_rm_score(batch)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_bad_distillation_config_and_role_errors():
+    bad_mode, topk, missing, rm = run_distributed(_bad_input_case, 1)[0]
+    assert bad_mode.startswith("distillation_loss.loss_mode='k9' is not allowed; choose one of ['forward_kl_topk'")
+    assert topk.startswith("distillation_loss.loss_mode='forward_kl_topk' needs the teacher's top-k log-probs")
+    assert missing.startswith("batch is missing field(s) ['teacher_log_probs']")
+    assert rm == "compute_rm_score needs a scalar-head engine (role 'reward'); this one is 'actor'"
