@@ -58,6 +58,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.planner import format_plan, plan_run
+
+    overrides = list(args.overrides)
+    if args.nodes is not None:
+        overrides.append(f"trainer.nnodes={args.nodes}")
+    if args.gpus_per_node is not None:
+        overrides.append(f"trainer.n_gpus_per_node={args.gpus_per_node}")
+    try:
+        plan = plan_run(load_config(args.recipe, overrides), gpu_memory_gb=args.gpu_memory_gb,
+                        architecture=args.architecture)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"megatron-rl plan: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl",
@@ -85,12 +104,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")
     p.set_defaults(func=_cmd_train)
+    p = sub.add_parser("plan", help="dry run: validate a recipe's layout on a cluster and estimate memory per GPU",
+                       description="Validate TP/PP/VPP/EP/ETP/CP/DP and batch sizes against the model and the "
+                                   "cluster, show the rank placement and the per-GPU memory per phase; exit 1 "
+                                   "with the nearest fitting layout when the peak exceeds the GPU memory, 2 when "
+                                   "the layout is invalid. Needs no GPU.")
+    p.add_argument("recipe", help="recipe name or YAML path")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's trainer.nnodes)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    p.add_argument("--architecture", default=None,
+                   help="built-in architecture when the checkpoint is not local (qwen3_30b_a3b, qwen3_235b_a22b, "
+                        "llama3_1_70b); default: inferred from the checkpoint path")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `plan RECIPE --nodes N key=value`: overrides may follow the options
+        if getattr(args, "command", None) != "plan" or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

