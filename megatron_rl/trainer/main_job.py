@@ -25,12 +25,12 @@ from typing import Any, Optional, Sequence
 
 from megatron_rl.algos.utils import cfg_get
 
-__all__ = ["prepare_policy_model", "plot_reward_curve", "run_train", "REWARD_KEY"]
+__all__ = ["prepare_policy_model", "prepare_teacher_model", "plot_reward_curve", "run_train", "REWARD_KEY"]
 
 REWARD_KEY = "critic/score/mean"
 """The per-step mean training reward (rule score of every sampled response)."""
-_RUN_ARTIFACTS = ("base_model", "sft_model", "final_hf", "metrics.jsonl", "reward_curve.png", "summary.json",
-                  "train.parquet")
+_RUN_ARTIFACTS = ("base_model", "sft_model", "teacher_base", "teacher_model", "final_hf", "metrics.jsonl",
+                  "reward_curve.png", "summary.json", "train.parquet", "val.parquet")
 
 
 def _task_rows(config: Any, num: int, seed: int) -> list[dict]:
@@ -81,6 +81,39 @@ def prepare_policy_model(config: Any, out_dir: str | Path, *, log=print) -> str:
                               lr=float(cfg_get(config, "trainer.sft_warmup_lr", 3e-3)), seed=seed, log=losses))
         log(f"SFT warm-up: {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
             f"in {time.perf_counter() - start:.1f}s -> {path}")
+    return path
+
+
+def prepare_teacher_model(config: Any, out_dir: str | Path, student_path: str | Path, *, log=print) -> str:
+    """The distillation teacher's HF directory: ``distillation.teacher_model.model_path``, or an
+    inline ``config`` materialised with the student's tokenizer (same task texts) and warmed up by
+    ``teacher_model.sft_warmup_steps`` supervised steps. ValueError if the vocabularies differ."""
+    from megatron_rl.models.tiny import materialize_inline_model, sft_warmup, task_texts
+
+    out_dir = Path(out_dir)
+    teacher = cfg_get(config, "distillation.teacher_model")
+    if cfg_get(teacher, "model_path"):
+        return str(Path(cfg_get(teacher, "model_path")).expanduser())
+    inline = cfg_get(teacher, "config")
+    if inline is None:
+        raise ValueError("distillation.teacher_model: set model_path (an HF checkpoint) or config (an inline model)")
+    if cfg_get(config, "data.task") is None:
+        raise ValueError("an inline distillation.teacher_model.config needs data.task; got data.task=None")
+    seed = int(cfg_get(config, "data.seed") or 1)
+    start = time.perf_counter()
+    model = materialize_inline_model(out_dir / "teacher_base", inline, cfg_get(config, "actor_rollout_ref.model.family"),
+                                     task_texts(_task_rows(config, 1024, seed)), seed=seed + 1)
+    student_vocab = json.loads((Path(student_path) / "tokenizer.json").read_text())["model"]["vocab"]
+    if student_vocab != json.loads((Path(model["path"]) / "tokenizer.json").read_text())["model"]["vocab"]:
+        raise ValueError("the inline teacher's tokenizer differs from the student's; give both the same vocab_size")
+    path = str(model["path"])
+    steps = int(cfg_get(teacher, "sft_warmup_steps", 0) or 0)
+    if steps > 0:
+        losses: list = []
+        path = str(sft_warmup(path, out_dir / "teacher_model", _task_rows(config, 2048, seed + 20011), steps=steps,
+                              lr=float(cfg_get(config, "trainer.sft_warmup_lr", 3e-3)), seed=seed, log=losses))
+        log(f"teacher: {_num_params(path) / 1e6:.2f}M parameters, SFT {steps} steps, loss {losses[0]:.3f} -> "
+            f"{losses[-1]:.3f} in {time.perf_counter() - start:.1f}s -> {path}")
     return path
 
 

@@ -32,6 +32,7 @@ __all__ = ["RayPPOTrainer", "need_critic", "need_reference_policy", "repeat_inte
 
 VALUE_ESTIMATORS = ("gae",)
 # Per-prompt lists of the dataloader batch that follow their prompt's n samples.
+_SEED_STRIDE = 1_000_003  # > samples per generation round: per-sample seeds never repeat across rounds
 _PROMPT_LISTS = ("data_source", "ground_truth", "extra_info", "index", "raw_prompt", "reward_model")
 
 
@@ -54,6 +55,44 @@ def repeat_interleave_lists(batch: dict[str, Any], n: int, keys=_PROMPT_LISTS) -
     return {k: [x for x in batch[k] for _ in range(n)] for k in keys if k in batch}
 
 
+def select_batch(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
+    """Rows ``index`` of every tensor (dim 0) and per-sample list of a rollout batch."""
+    import torch
+
+    idx = torch.as_tensor(index, dtype=torch.long)
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            out[key] = value.index_select(0, idx)
+        elif isinstance(value, list):
+            out[key] = [value[i] for i in index]
+        elif isinstance(value, dict):  # per-sample lists by name (reward extra info)
+            out[key] = {k: [v[i] for i in index] for k, v in value.items()}
+        else:
+            out[key] = value
+    return out
+
+
+def concat_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rollout batches (same fields; fixed prompt/response widths) stacked along the samples."""
+    import torch
+
+    first = batches[0]
+    out = {}
+    for key, value in first.items():
+        parts = [b[key] for b in batches]
+        if torch.is_tensor(value):
+            out[key] = torch.cat(parts)
+        elif isinstance(value, list):
+            out[key] = [x for part in parts for x in part]
+        elif isinstance(value, dict):
+            out[key] = {k: [x for part in parts for x in part.get(k, [None] * len(part[next(iter(part))]))]
+                        for k in value}
+        else:
+            out[key] = value
+    return out
+
+
 class RayPPOTrainer:
     """Drives the actor / reference / critic worker groups and the rollout worker (Ray must be up).
 
@@ -68,7 +107,8 @@ class RayPPOTrainer:
     """
 
     def __init__(self, config: Any, *, model_path: Optional[str | Path] = None, log_dir: Optional[str | Path] = None,
-                 tokenizer: Any = None, train_dataloader: Any = None, reward_fn: Any = None):
+                 tokenizer: Any = None, train_dataloader: Any = None, reward_fn: Any = None,
+                 teacher_path: Optional[str | Path] = None):
         self.config = config
         self.log_dir = Path(log_dir or cfg_get(config, "trainer.default_local_dir") or "outputs")
         if model_path is None:
@@ -76,6 +116,11 @@ class RayPPOTrainer:
 
             model_path = prepare_policy_model(config, self.log_dir)
         self.model_path = str(model_path)
+        self.teacher_path = None
+        if cfg_get(config, "distillation.enabled", False):
+            from megatron_rl.trainer.main_job import prepare_teacher_model
+
+            self.teacher_path = teacher_path or prepare_teacher_model(config, self.log_dir, self.model_path)
         self.use_critic = need_critic(config)
         self.use_reference = need_reference_policy(config)
         self.n = int(cfg_get(config, "actor_rollout_ref.rollout.n", 1))
@@ -86,8 +131,17 @@ class RayPPOTrainer:
         self.tokenizer = tokenizer or self._build_tokenizer()
         self.train_dataloader = train_dataloader or self._build_dataloader()
         self.reward_fn = reward_fn or self._build_reward_fn()
+        self.val_dataloader = self._build_val_dataloader()
+        self.rollout_seed = int(cfg_get(config, "actor_rollout_ref.rollout.seed", 42) or 0)
+        rc = cfg_get(config, "algorithm.rollout_correction")
+        self.rollout_correction = rc if rc is not None and (
+            cfg_get(rc, "bypass_mode", False) or cfg_get(rc, "rollout_is") or cfg_get(rc, "rollout_rs")) else None
+        distill = cfg_get(config, "distillation")
+        self.distillation_loss = cfg_get(distill, "distillation_loss") if cfg_get(distill, "enabled", False) else None
+        self.remax = cfg_get(config, "algorithm.adv_estimator") == "remax"
         self.global_steps = 0
-        self.actor = self.ref = self.critic = self.rollout = None
+        self.last_reward_error = ""
+        self.actor = self.ref = self.critic = self.rollout = self.rm = self.teacher = None
 
     # -- construction -----------------------------------------------------------------------
     def _build_tokenizer(self):
@@ -109,6 +163,26 @@ class RayPPOTrainer:
         return build_prompt_dataloader(files, self.tokenizer, data,
                                        max_samples=int(cfg_get(data, "train_max_samples", -1)))
 
+    def _build_val_dataloader(self):
+        """``data.val_files``, or for a built-in task a held-out set drawn with another seed; None
+        when neither exists."""
+        from megatron_rl.data.datasets import PromptDataLoader, PromptDataset, make_toy_dataset
+
+        data = cfg_get(self.config, "data")
+        files = cfg_get(data, "val_files")
+        limit = int(cfg_get(data, "val_max_samples", -1) or -1)
+        if files is None:
+            task = cfg_get(data, "task")
+            if task is None:
+                return None
+            kwargs = dict(cfg_get(data, "task_kwargs") or {})
+            kwargs.pop("num_samples", None)
+            files = str(make_toy_dataset(task, limit if limit > 0 else 64, seed=int(cfg_get(data, "seed") or 0) + 7919,
+                                         path=self.log_dir / "val.parquet", **kwargs))
+        dataset = PromptDataset(files, self.tokenizer, data, max_samples=limit)
+        size = min(int(cfg_get(data, "val_batch_size") or len(dataset)), len(dataset))
+        return PromptDataLoader(dataset, size, shuffle=False, drop_last=False)
+
     def _build_reward_fn(self):
         from megatron_rl.data.rewards import RewardFunction
 
@@ -125,7 +199,8 @@ class RayPPOTrainer:
 
         cfg, world = self.config, int(cfg_get(self.config, "trainer.nnodes", 1)) * int(
             cfg_get(self.config, "trainer.n_gpus_per_node", 1))
-        roles = 1 + int(self.use_reference) + int(self.use_critic)
+        need_rm, need_teacher = bool(cfg_get(cfg, "reward.reward_model.enable", False)), self.distillation_loss is not None
+        roles = 1 + int(self.use_reference) + int(self.use_critic) + int(need_rm) + int(need_teacher)
         on_gpu = cfg_get(cfg, "trainer.device", "cpu") == "cuda"
         if on_gpu:  # roles (and the rollout) share each GPU, as verl's colocated workers do
             cpus, gpus = 1.0, 1.0 / (roles + 1)
@@ -135,7 +210,7 @@ class RayPPOTrainer:
         arr = cfg_get(cfg, "actor_rollout_ref")
         actor_meg = cfg_get(arr, "actor.megatron")
         seed = int(cfg_get(actor_meg, "seed", 42))
-        self.actor = MegatronWorkerGroup("actor", actor_meg, cfg_get(arr, "actor"), world, seed=seed, **common)
+        self.actor = MegatronWorkerGroup("actor", actor_meg, self._actor_engine_config(), world, seed=seed, **common)
         if self.use_reference:
             self.ref = MegatronWorkerGroup("ref", cfg_get(arr, "ref.megatron"), cfg_get(arr, "actor"), world,
                                            seed=seed, **common)
@@ -143,78 +218,250 @@ class RayPPOTrainer:
             self.critic = MegatronWorkerGroup("critic", cfg_get(cfg, "critic.megatron"), cfg_get(cfg, "critic"),
                                               world, hf_dir=cfg_get(cfg, "critic.model.path") or self.model_path,
                                               num_cpus_per_worker=cpus, num_gpus_per_worker=gpus, seed=seed)
+        if need_rm:
+            rm = cfg_get(cfg, "reward.reward_model")
+            self.rm = MegatronWorkerGroup("reward", cfg_get(rm, "megatron"),
+                                          {"ppo_micro_batch_size_per_gpu": int(cfg_get(rm, "micro_batch_size_per_gpu", 1))},
+                                          world, hf_dir=cfg_get(rm, "model_path"), num_cpus_per_worker=cpus,
+                                          num_gpus_per_worker=gpus, seed=seed)
+        if need_teacher:
+            teacher = cfg_get(cfg, "distillation.teacher_model")
+            mbs = cfg_get(teacher, "log_prob_micro_batch_size_per_gpu") or cfg_get(arr, "actor.ppo_micro_batch_size_per_gpu")
+            self.teacher = MegatronWorkerGroup("teacher", cfg_get(teacher, "megatron"),
+                                               {"ppo_micro_batch_size_per_gpu": int(mbs or 1)}, world,
+                                               hf_dir=self.teacher_path, num_cpus_per_worker=cpus,
+                                               num_gpus_per_worker=gpus, seed=seed)
         self.rollout, self._rollout_pg = create_rollout_worker(self.model_path, cfg_get(arr, "rollout"),
                                                                num_cpus=cpus, num_gpus=gpus)
+
+    def _actor_engine_config(self) -> Any:
+        """The actor's config; in rollout-correction bypass mode its policy loss becomes
+        ``bypass_mode`` with the correction settings (verl's ``apply_bypass_mode``)."""
+        import dataclasses
+
+        actor = cfg_get(self.config, "actor_rollout_ref.actor")
+        rc = self.rollout_correction
+        if rc is None or not cfg_get(rc, "bypass_mode", False):
+            return actor
+        from megatron_rl.config.algorithm import RolloutCorrectionConfig
+
+        if dataclasses.is_dataclass(actor):
+            loss = dataclasses.replace(actor.policy_loss, loss_mode="bypass_mode",
+                                       rollout_correction=RolloutCorrectionConfig.from_dict(rc))
+            return dataclasses.replace(actor, policy_loss=loss)
+        from megatron_rl.workers.ray_workers import _plain
+
+        plain = dict(_plain(actor))
+        plain["policy_loss"] = {**dict(plain.get("policy_loss") or {}), "loss_mode": "bypass_mode",
+                                "rollout_correction": _plain(rc)}
+        return plain
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
             ) -> list[dict[str, float]]:
-        """Train for ``total_steps`` (default ``trainer.total_training_steps``); returns the metrics.
+        """Train until step ``total_steps`` (default ``trainer.total_training_steps``), resuming
+        from the latest checkpoint when ``trainer.resume_mode`` allows; returns this call's metrics.
         ``on_step(metrics)`` runs after each step is logged (progress bars)."""
         total = int(total_steps or cfg_get(self.config, "trainer.total_training_steps") or len(self.train_dataloader))
-        logger = MetricsLogger(self.log_dir, cfg_get(self.config, "trainer.logger", ["console"]), total_steps=total,
-                               project=cfg_get(self.config, "trainer.project_name", "megatron_rl"),
-                               experiment=cfg_get(self.config, "trainer.experiment_name"))
-        history = []
-        for _ in range(total):
+        tcfg = cfg_get(self.config, "trainer")
+        save_freq, test_freq = int(cfg_get(tcfg, "save_freq", -1)), int(cfg_get(tcfg, "test_freq", -1))
+        self.resume()
+        logger = MetricsLogger(self.log_dir, cfg_get(tcfg, "logger", ["console"]), total_steps=total,
+                               project=cfg_get(tcfg, "project_name", "megatron_rl"),
+                               experiment=cfg_get(tcfg, "experiment_name"))
+        if self.val_dataloader is not None and cfg_get(tcfg, "val_before_train", True):
+            logger.log(self.validate(), step=self.global_steps)
+        history, skipped = [], 0
+        while self.global_steps < total:
             self.global_steps += 1
             metrics, timing = {}, {}
             with timer("step", timing):
-                prompts = self.train_dataloader.next_batch()
-                with timer("gen", timing):
-                    batch = self.generate(prompts)
-                with timer("reward", timing):
-                    metrics.update(self.compute_reward(batch))
-                with timer("old_log_prob", timing):
-                    metrics.update(self.compute_old_log_prob(batch))
-                if self.use_reference:
-                    with timer("ref", timing):
-                        batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature)["log_probs"]
-                if self.use_critic:
-                    with timer("values", timing):
-                        batch["values"] = self.critic.compute_values(batch)["values"]
-                with timer("adv", timing):
-                    metrics.update(self.compute_advantage(batch))
-                if self.use_critic:
-                    with timer("update_critic", timing):
-                        metrics.update(self.critic.update_critic(batch))
-                if self.global_steps > int(cfg_get(self.config, "trainer.critic_warmup", 0)):
-                    with timer("update_actor", timing):
-                        metrics.update(self.actor.update_policy(batch, temperature=self.temperature))
-                    with timer("update_weights", timing):
-                        metrics.update(self.sync_weights())
+                batch = self.rollout_and_score(metrics, timing)  # None: the rewards failed
+                if batch is not None:
+                    self.train_step(batch, metrics, timing)
+            skipped = skipped + 1 if batch is None else 0
             metrics.update(self.step_metrics(batch, timing))
+            last = self.global_steps >= total
+            if test_freq > 0 and self.val_dataloader is not None and (self.global_steps % test_freq == 0 or last):
+                metrics.update(self.validate())
+            if save_freq > 0 and (self.global_steps % save_freq == 0 or last):
+                with timer("save_checkpoint", timing):
+                    self.save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
             logger.log(metrics, step=self.global_steps)
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
+            limit = int(cfg_get(tcfg, "max_consecutive_skipped_steps", 3))
+            if skipped and skipped >= limit:
+                logger.close()
+                raise RuntimeError(f"{skipped} steps in a row were skipped because the reward failed "
+                                   f"(trainer.max_consecutive_skipped_steps={limit}); last error: {self.last_reward_error}")
         logger.close()
         return history
 
     # -- the phases -------------------------------------------------------------------------
-    def generate(self, prompts: dict[str, Any]) -> dict[str, Any]:
-        """Rollout ``n`` samples per prompt; per-prompt lists follow their samples."""
+    def generate(self, prompts: dict[str, Any], *, gen_round: int = 0, validate: bool = False,
+                 greedy: bool = False) -> dict[str, Any]:
+        """Rollout ``n`` samples per prompt (``val_kwargs`` when validating); per-prompt lists
+        follow their samples. Training draws are seeded by (rollout seed, step, round), so a
+        resumed run samples what the uninterrupted run would have."""
         import ray
 
+        if validate:
+            kwargs: dict[str, Any] = {"validate": True}
+        elif greedy:  # ReMax's baseline: one greedy response per prompt
+            kwargs = {"n": 1, "do_sample": False}
+        else:
+            kwargs = {"n": self.n, "seed": self.rollout_seed + _SEED_STRIDE * (self.global_steps * 64 + gen_round)}
         batch = ray.get(self.rollout.generate.remote(
             {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
-            uids=list(prompts["uid"]), n=self.n))
-        batch.update(repeat_interleave_lists(prompts, self.n))
+            uids=list(prompts["uid"]), **kwargs))
+        batch.update(repeat_interleave_lists(prompts, len(batch["uid"]) // len(prompts["uid"])))
         return batch
 
-    def compute_reward(self, batch: dict[str, Any]) -> dict[str, float]:
+    def rollout_and_score(self, metrics: dict, timing: dict) -> Optional[dict[str, Any]]:
+        """Generate and score this step's batch -- with DAPO dynamic sampling, round after round
+        until ``train_batch_size`` prompts have informative groups. None when the reward failed
+        (the step is reported and skipped: its metrics say why)."""
+        from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
+        from megatron_rl.data.rewards import RewardError
+
+        fg = cfg_get(self.config, "algorithm.filter_groups")
+        dynamic = bool(fg is not None and cfg_get(fg, "enable", False))
+        want = int(cfg_get(self.config, "data.train_batch_size")) * self.n
+        kept, num_kept, rounds = [], 0, 0
+        while True:
+            rounds += 1
+            prompts = self.train_dataloader.next_batch()
+            with timer("gen", timing):
+                batch = self.generate(prompts, gen_round=rounds - 1)
+            with timer("reward", timing):
+                try:
+                    reward_metrics, extra = self.score(batch)
+                except RewardError as err:
+                    self.last_reward_error = str(err)
+                    print(f"step {self.global_steps}: skipped, {err}", flush=True)
+                    metrics.update({"training/step_skipped": 1.0, "reward/num_failed_samples": float(len(err.indices))})
+                    return None
+                if self.remax:
+                    baseline = self.generate(prompts, gen_round=rounds - 1, greedy=True)
+                    try:
+                        scores = self.reward_fn(baseline).scores  # [b] one greedy response per prompt
+                    except RewardError as err:
+                        self.last_reward_error = f"greedy baseline: {err}"
+                        metrics.update({"training/step_skipped": 1.0,
+                                        "reward/num_failed_samples": float(len(err.indices))})
+                        return None
+                    batch["reward_baselines"] = scores.repeat_interleave(self.n)
+            if not dynamic:
+                metrics.update(reward_metrics)
+                return batch
+            values = compute_filter_metric(cfg_get(fg, "metric") or "seq_reward", batch["token_level_scores"],
+                                           batch["token_level_scores"], extra)
+            _, idx, _ = filter_groups(values, batch["uid"])
+            kept.append(select_batch(batch, idx.tolist()))
+            num_kept += int(idx.numel())
+            if num_kept >= want:
+                break
+            limit = int(cfg_get(fg, "max_num_gen_batches", 0))
+            if 0 < limit <= rounds:
+                raise RuntimeError(
+                    f"DAPO dynamic sampling: {rounds} generation rounds gave {num_kept // self.n} informative prompt "
+                    f"groups, fewer than data.train_batch_size={want // self.n} (algorithm.filter_groups."
+                    f"max_num_gen_batches={limit}); the data may be too hard or too easy for the model -- "
+                    "raise max_num_gen_batches (0 = unbounded) or data.gen_batch_size")
+        batch = select_batch(concat_batches(kept), list(range(want)))
+        reward_metrics, _ = self._reward_metrics(batch)
+        metrics.update(reward_metrics)
+        metrics.update({"filter_groups/num_gen_batches": float(rounds),
+                        "filter_groups/kept_sample_ratio": num_kept / (rounds * len(prompts["uid"]) * self.n)})
+        return batch
+
+    def score(self, batch: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
+        """``token_level_scores`` = rule reward (raises ``RewardError`` on a failure or a
+        non-finite score) + reward-model score, on each response's last token."""
+        import torch
+
         out = self.reward_fn(batch)
         batch["token_level_scores"] = out.token_level_scores
-        return out.metrics()
+        batch["_reward_extra"] = out.reward_extra_info
+        if self.rm is not None:
+            rm = self.rm.compute_rm_score(batch)["rm_scores"].float()  # [b]
+            if not torch.isfinite(rm).all():
+                from megatron_rl.data.rewards import RewardError
+
+                bad = torch.nonzero(~torch.isfinite(rm)).flatten().tolist()
+                raise RewardError([(i, batch["data_source"][i] if "data_source" in batch else None,
+                                    f"reward model score {float(rm[i])}") for i in bad], len(rm))
+            last = (batch["response_mask"].sum(-1).long() - 1).clamp(min=0)
+            batch["token_level_scores"] = batch["token_level_scores"].scatter_add(1, last[:, None], rm[:, None])
+            batch["_reward_extra"] = {**out.reward_extra_info, "rm_score": rm.tolist()}
+        return self._reward_metrics(batch)
+
+    @staticmethod
+    def _reward_metrics(batch: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
+        extra = batch.get("_reward_extra", {})
+        metrics = {}
+        for key, values in extra.items():
+            nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if nums:
+                metrics[f"reward/{key}/mean"] = sum(nums) / len(nums)
+        return metrics, extra
+
+    def train_step(self, batch: dict[str, Any], metrics: dict, timing: dict) -> None:
+        """Everything after scoring: log-probs, advantages, updates, weight sync."""
+        with timer("old_log_prob", timing):
+            metrics.update(self.compute_old_log_prob(batch))
+        if self.use_reference:
+            with timer("ref", timing):
+                batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature)["log_probs"]
+        if self.teacher is not None:
+            with timer("teacher", timing):
+                batch["teacher_log_probs"] = self.teacher.compute_log_prob(batch, temperature=self.temperature)["log_probs"]
+        if self.use_critic:
+            with timer("values", timing):
+                batch["values"] = self.critic.compute_values(batch)["values"]
+        with timer("adv", timing):
+            metrics.update(self.compute_advantage(batch))
+        if self.use_critic:
+            with timer("update_critic", timing):
+                metrics.update(self.critic.update_critic(batch))
+        if self.global_steps > int(cfg_get(self.config, "trainer.critic_warmup", 0)):
+            with timer("update_actor", timing):
+                metrics.update(self.actor.update_policy(batch, temperature=self.temperature,
+                                                        **({"distillation_loss": self.distillation_loss}
+                                                           if self.distillation_loss is not None else {})))
+            with timer("update_weights", timing):
+                metrics.update(self.sync_weights())
 
     def compute_old_log_prob(self, batch: dict[str, Any]) -> dict[str, float]:
-        """Actor log-probs of the sampled tokens (the PPO ratio's denominator) and their entropy."""
+        """Actor log-probs of the sampled tokens (the PPO ratio's denominator) and their entropy;
+        then rollout correction: bypass mode takes vLLM's log-probs as the old ones (the loss
+        corrects against them), decoupled mode adds IS weights / rejection to the batch."""
         from megatron_rl.algos import agg_loss
+        from megatron_rl.algos.rollout_correction import (
+            compute_rollout_corr_metrics_from_logprobs,
+            compute_rollout_correction_and_add_to_batch,
+        )
 
         out = self.actor.compute_log_prob(batch, temperature=self.temperature, calculate_entropy=True)
-        batch["old_log_probs"] = out["log_probs"]
         mode = cfg_get(self.config, "actor_rollout_ref.actor.loss_agg_mode", "token-mean")
-        return {"actor/entropy": float(agg_loss(out["entropys"], batch["response_mask"], mode))}
+        metrics = {"actor/entropy": float(agg_loss(out["entropys"], batch["response_mask"], mode))}
+        rc = self.rollout_correction
+        if rc is not None and "rollout_log_probs" not in batch:
+            raise ValueError("algorithm.rollout_correction needs the rollout's log-probs; set "
+                             "actor_rollout_ref.rollout.calculate_log_probs=True")
+        if rc is not None and cfg_get(rc, "bypass_mode", False):
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+            metrics.update(compute_rollout_corr_metrics_from_logprobs(out["log_probs"], batch["rollout_log_probs"],
+                                                                      batch["response_mask"]))
+            return metrics
+        batch["old_log_probs"] = out["log_probs"]
+        if rc is not None:
+            _, corr = compute_rollout_correction_and_add_to_batch(batch, rc)
+            metrics.update(corr)
+        return metrics
 
     def compute_advantage(self, batch: dict[str, Any]) -> dict[str, float]:
         """KL-in-reward (optional), then the configured estimator, on the driver."""
@@ -230,7 +477,8 @@ class RayPPOTrainer:
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
             index=np.array(batch["uid"], dtype=object), values=batch.get("values"),
             gamma=float(cfg_get(algo, "gamma", 1.0)), lam=float(cfg_get(algo, "lam", 1.0)),
-            norm_adv_by_std_in_grpo=bool(cfg_get(algo, "norm_adv_by_std_in_grpo", True)), config=algo)
+            norm_adv_by_std_in_grpo=bool(cfg_get(algo, "norm_adv_by_std_in_grpo", True)), config=algo,
+            **({"reward_baselines": batch["reward_baselines"]} if "reward_baselines" in batch else {}))
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
@@ -242,6 +490,97 @@ class RayPPOTrainer:
         weights = self.actor.export_weights(bucket_bytes=int(mb * 2**20))
         stats = ray.get(self.rollout.update_weights.remote(weights))
         return {"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": float(stats["seconds"])}
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Generate for the whole validation set with ``rollout.val_kwargs`` (greedy by default)
+        and score it: ``val-core/<data_source>/reward/mean@<n>`` and ``val-aux/...`` for the
+        reward's other keys (verl's names). Prints ``trainer.log_val_generations`` samples."""
+        from collections import defaultdict
+
+        from megatron_rl.data.rewards import RewardError
+
+        per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        samples, n = [], 1
+        start = self.val_dataloader.state_dict()
+        self.val_dataloader.load_state_dict({**start, "epoch": 0, "batch_in_epoch": 0})
+        for prompts in self.val_dataloader:
+            batch = self.generate(prompts, validate=True)
+            n = len(batch["uid"]) // len(prompts["uid"])
+            try:
+                out = self.reward_fn(batch)
+            except RewardError as err:
+                return {"val-aux/num_failed_samples": float(len(err.indices))}
+            sources = batch.get("data_source") or ["unknown"] * len(out.scores)
+            for i, src in enumerate(sources):
+                per_source[src]["reward"].append(float(out.scores[i]))
+                for key, values in out.reward_extra_info.items():
+                    if key != "score" and isinstance(values[i], (int, float)) and not isinstance(values[i], bool):
+                        per_source[src][key].append(float(values[i]))
+            samples.extend(zip(batch.get("raw_prompt") or [""] * len(out.scores), out.response_texts,
+                               out.scores.tolist()))
+        shown = int(cfg_get(self.config, "trainer.log_val_generations", 0) or 0)
+        for prompt, text, score in samples[:shown]:
+            print(f"[val] {prompt!r} -> {text!r} (score {score:.3f})", flush=True)
+        metrics = {}
+        for src, keys in per_source.items():
+            for key, values in keys.items():
+                tier = "val-core" if key == "reward" else "val-aux"
+                metrics[f"{tier}/{src}/{key}/mean@{n}"] = sum(values) / len(values)
+        return metrics
+
+    # -- checkpoint / resume -----------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        """Driver-side state a resume needs (the workers save their own)."""
+        return {"global_steps": self.global_steps, "dataloader": self.train_dataloader.state_dict(),
+                "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
+                "model_path": self.model_path}
+
+    def save_checkpoint(self) -> Path:
+        """Actor / critic (model + optimizer + schedule + RNG) and the driver state, as one atomic
+        ``global_step_N`` directory; old ones pruned by ``trainer.max_actor_ckpt_to_keep``."""
+        from megatron_rl.trainer.checkpoint import StepCheckpoint, prune_checkpoints
+
+        with StepCheckpoint(self.log_dir, self.global_steps) as ckpt:
+            self.actor.save_checkpoint(ckpt.part("actor"))
+            if self.critic is not None:
+                self.critic.save_checkpoint(ckpt.part("critic"))
+            final = ckpt.commit(self.trainer_state())
+        keep = [k for k in (cfg_get(self.config, "trainer.max_actor_ckpt_to_keep"),
+                            cfg_get(self.config, "trainer.max_critic_ckpt_to_keep")) if k is not None]
+        prune_checkpoints(self.log_dir, min(keep) if keep else None)
+        return final
+
+    def resume(self) -> Optional[Path]:
+        """Load the checkpoint ``trainer.resume_mode`` selects (None: fresh start): worker states,
+        step, data position, KL coefficient; push the restored actor into the rollout engine and
+        drop metrics.jsonl lines of steps after the checkpoint (they will be re-run)."""
+        import json
+
+        from megatron_rl.trainer.checkpoint import TRAINER_STATE, find_resume_dir
+
+        path = find_resume_dir(self.log_dir, cfg_get(self.config, "trainer.resume_mode", "auto"),
+                               cfg_get(self.config, "trainer.resume_from_path"))
+        if path is None or self.global_steps > 0:
+            return None
+        state = json.loads((path / TRAINER_STATE).read_text())
+        self.actor.load_checkpoint(path / "actor")
+        if self.critic is not None:
+            if not (path / "critic").is_dir():
+                raise ValueError(f"{path} has no critic checkpoint, but this run trains a critic")
+            self.critic.load_checkpoint(path / "critic")
+        self.train_dataloader.load_state_dict(state["dataloader"])
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = float(state["kl_coef"])
+        self.global_steps = int(state["global_steps"])
+        self.sync_weights()
+        log = self.log_dir / "metrics.jsonl"
+        if log.is_file():
+            rows = [line for line in log.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= self.global_steps]
+            log.write_text("".join(row + "\n" for row in rows))
+        print(f"resumed from {path} at step {self.global_steps}", flush=True)
+        return path
 
     def save_hf_checkpoint(self, out_dir: str | Path) -> Path:
         """Write the actor as an HF checkpoint (the bridge's export, gathered to rank 0) with the
@@ -272,8 +611,11 @@ class RayPPOTrainer:
             raise
         return final
 
-    def step_metrics(self, batch: dict[str, Any], timing: dict[str, float]) -> dict[str, float]:
+    def step_metrics(self, batch: Optional[dict[str, Any]], timing: dict[str, float]) -> dict[str, float]:
         n_devices = int(cfg_get(self.config, "trainer.nnodes", 1)) * int(cfg_get(self.config, "trainer.n_gpus_per_node", 1))
+        if batch is None:  # a skipped step: only its timing
+            return {"training/global_step": self.global_steps, "training/epoch": self.train_dataloader.epoch,
+                    **{f"timing_s/{k}": v for k, v in timing.items()}}
         return {"training/global_step": self.global_steps, "training/epoch": self.train_dataloader.epoch,
                 **compute_data_metrics(batch, self.use_critic), **compute_timing_metrics(batch, timing),
                 **compute_throughput_metrics(batch, timing, n_devices)}
@@ -283,7 +625,7 @@ class RayPPOTrainer:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for group in (self.actor, self.ref, self.critic):
+        for group in (self.actor, self.ref, self.critic, self.rm, self.teacher):
             if group is not None:
                 group.shutdown()
         if self.rollout is not None:
