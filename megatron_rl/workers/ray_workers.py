@@ -115,8 +115,6 @@ class MegatronWorker:
         from parallel.config import ParallelConfig
         from parallel.mesh import init_mesh
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         pc = ParallelConfig.from_dict(parallel)
         self.weight_map = None
         if hf_dir is not None:
@@ -132,6 +130,8 @@ class MegatronWorker:
             self.weight_map = family.weight_map(model_cfg, head=head)
         else:
             model_cfg = model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_dict(model_config)
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.mesh = init_mesh(pc, seed=seed)
         self.engine = MegatronEngine(model_cfg, pc, role=_ENGINE_ROLES[role], config=engine_config,
                                      trainable=role in ("actor", "critic"))

@@ -113,11 +113,18 @@ def test_reward_model_scores_equal_hf_sequence_classification(ray_cluster, tmp_p
         assert diff < SCORE_TOL, (family, tp, diff)
 
 
-def test_reward_role_rejects_a_causal_lm_checkpoint(ray_cluster, tmp_path):
+def test_reward_role_rejects_a_causal_lm_checkpoint(tmp_path):
+    """Checked before the rank joins any process group (so here without Ray)."""
+    from megatron_rl.workers.ray_workers import MegatronWorker
+
     _hf_model(tmp_path / "lm", "qwen3", "lm", seed=0)
-    with pytest.raises(ray.exceptions.RayTaskError, match=r"reward: .* is not a reward model; it needs an HF "
-                                                          r"\*ForSequenceClassification checkpoint with num_labels=1"):
-        _group("reward", tmp_path / "lm", 1, {})
+    _hf_model(tmp_path / "rm", "qwen3", "score", seed=0)
+    worker = MegatronWorker(0, 1)
+    with pytest.raises(ValueError, match=r"reward: .* is not a reward model; it needs an HF "
+                                         r"\*ForSequenceClassification checkpoint with num_labels=1"):
+        worker.init_engine("127.0.0.1", 0, "reward", {}, {}, hf_dir=str(tmp_path / "lm"))
+    with pytest.raises(ValueError, match=r"teacher: .* is a \*ForSequenceClassification checkpoint \(no lm_head\)"):
+        worker.init_engine("127.0.0.1", 0, "teacher", {}, {}, hf_dir=str(tmp_path / "rm"))
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -144,8 +151,10 @@ def test_teacher_group_log_probs_equal_hf(ray_cluster, tmp_path):
 
 
 # ----------------------------------------------------------------------------- distillation loss
-def _distill_case(rank, world_size, distillation, mbs, temperature):
-    """(engine metrics, hand loss, hand grad norm, max |weight change - (-lr * hand grad)|)."""
+def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
+    """(engine metrics, hand distillation loss, hand total loss, hand grad norm, max |weight change + lr * hand
+    grad|, bad-input errors). Rank ``d`` of ``world_size`` data-parallel ranks updates on its contiguous shard;
+    the hand computation sees the whole batch. ``empty_rows`` get empty responses."""
     import dataclasses
 
     from megatron_rl.algos.distillation import DistillationInputs, DistillationLossConfig, compute_distillation_loss
@@ -161,6 +170,10 @@ def _distill_case(rank, world_size, distillation, mbs, temperature):
                             config={"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": mbs, "optim": SGD})
     dcfg = DistillationLossConfig.from_dict(distillation)
     batch = make_batch(0)
+    for row in empty_rows:
+        batch["response_mask"][row] = 0
+        batch["attention_mask"][row, PROMPT:] = 0
+        batch["input_ids"][row, PROMPT:] = PAD
     mask = batch["response_mask"]
     g = torch.Generator().manual_seed(4)
     student = engine.compute_log_prob(batch, temperature=temperature)["log_probs"]
@@ -200,46 +213,21 @@ def _distill_case(rank, world_size, distillation, mbs, temperature):
     grad_norm = math.sqrt(sum(float((gr.double() ** 2).sum()) for gr in grads.values()))
 
     before = {n: p.detach().clone() for n, p in engine.named_parameters()}
-    metrics = engine.update_policy(batch, temperature=temperature, distillation_loss={"distillation_loss": distillation,
+    n = BATCH // world_size
+    shard = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+    metrics = engine.update_policy(shard, temperature=temperature, distillation_loss={"distillation_loss": distillation,
                                                                                      "enabled": True})
     weight_diff = max(float((before[n] - p.detach() - SGD["lr"] * grads[n]).abs().max())
                       for n, p in engine.named_parameters())
-    return metrics, hand_distill, float(loss), grad_norm, weight_diff
+    return metrics, hand_distill, float(loss), grad_norm, weight_diff, _bad_inputs(engine, shard)
 
 
-@pytest.mark.parametrize("distillation,mbs", [
-    # Supervised reverse-KL (k3) alone: no advantages/old log-probs in the batch; mbs=1 has an empty micro-batch.
-    ({"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": False}, 1),
-    # k1 as policy-gradient reward, added (x0.5) to the task's vanilla PPO loss.
-    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 4),
-])
-def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation, mbs):
-    metrics, hand_distill, hand_total, grad_norm, weight_diff = run_distributed(
-        _distill_case, 1, distillation, mbs, 0.8)[0]
-    assert abs(metrics["distillation/loss"] - hand_distill) < 1e-6, (metrics["distillation/loss"], hand_distill)
-    assert abs(metrics["actor/grad_norm"] - grad_norm) < 1e-5 * max(1.0, grad_norm), (metrics["actor/grad_norm"], grad_norm)
-    assert weight_diff < 1e-6, weight_diff
-    assert grad_norm > 1e-3  # the step moved the weights
-    assert metrics["distillation/loss_min"] <= metrics["distillation/loss_max"]
-    assert "distillation/abs_loss" in metrics
-    if distillation["use_task_rewards"]:
-        assert abs(metrics["actor/pg_loss"] + 0.5 * hand_distill - hand_total) < 1e-6
-        assert {"distillation/pg_clipfrac", "distillation/ppo_kl"} <= set(metrics)
-    else:
-        assert "actor/pg_loss" not in metrics
-
-
-def _bad_input_case(rank, world_size):
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
-    from parallel.config import ParallelConfig
-    from parallel.mesh import init_mesh
-
-    pc = ParallelConfig()
-    init_mesh(pc, seed=1)
-    engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor", config={"ppo_mini_batch_size": BATCH})
-    batch = make_batch(0)
-    batch.update(old_log_probs=torch.zeros(BATCH, RESPONSE), advantages=torch.zeros(BATCH, RESPONSE))
+def _bad_inputs(engine, batch) -> list[str]:
+    """The errors of a bad loss_mode, of forward_kl_topk, of a batch without teacher log-probs and of
+    compute_rm_score on an LM engine."""
+    batch = {k: v for k, v in batch.items() if k != "teacher_log_probs"}
+    batch.update(old_log_probs=torch.zeros_like(batch["response_mask"], dtype=torch.float32),
+                 advantages=torch.zeros_like(batch["response_mask"], dtype=torch.float32))
     errors = []
     for distillation in ({"loss_mode": "k9"}, {"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
                          {"loss_mode": "k3"}):
@@ -250,13 +238,37 @@ def _bad_input_case(rank, world_size):
             errors.append(str(exc))
     try:
         engine.compute_rm_score(batch)
+        errors.append("")
     except ValueError as exc:
         errors.append(str(exc))
     return errors
 
 
-def test_bad_distillation_config_and_role_errors():
-    bad_mode, topk, missing, rm = run_distributed(_bad_input_case, 1)[0]
+@pytest.mark.parametrize("distillation,world_size,mbs,empty_rows", [
+    # Supervised reverse-KL (k3) alone: no advantages/old log-probs in the batch; mbs=1 has an empty micro-batch.
+    ({"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": False}, 1, 1, ()),
+    # k1 as policy-gradient reward, added (x0.5) to the task's vanilla PPO loss; two data-parallel ranks.
+    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2, ()),
+    # ... where rank 1's shard has no response token (its metrics lack keys rank 0 has).
+    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2,
+     (4, 6, 7)),
+])
+def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation, world_size, mbs, empty_rows):
+    results = run_distributed(_distill_case, world_size, distillation, mbs, 0.8, empty_rows)
+    metrics, hand_distill, hand_total, grad_norm, weight_diff, errors = results[0]
+    assert all(r[0] == metrics for r in results)  # every rank reports the global metrics
+    assert abs(metrics["distillation/loss"] - hand_distill) < 1e-6, (metrics["distillation/loss"], hand_distill)
+    assert abs(metrics["actor/grad_norm"] - grad_norm) < 1e-5 * max(1.0, grad_norm), (metrics["actor/grad_norm"], grad_norm)
+    assert max(r[4] for r in results) < 1e-6, [r[4] for r in results]
+    assert grad_norm > 1e-2  # the step moved the weights
+    assert -math.inf < metrics["distillation/loss_min"] <= metrics["distillation/loss_max"] < math.inf
+    assert "distillation/abs_loss" in metrics
+    if distillation["use_task_rewards"]:
+        assert abs(metrics["actor/pg_loss"] + 0.5 * hand_distill - hand_total) < 1e-6
+        assert {"distillation/pg_clipfrac", "distillation/ppo_kl"} <= set(metrics)
+    else:
+        assert "actor/pg_loss" not in metrics
+    bad_mode, topk, missing, rm = errors
     assert bad_mode.startswith("distillation_loss.loss_mode='k9' is not allowed; choose one of ['forward_kl_topk'")
     assert topk.startswith("distillation_loss.loss_mode='forward_kl_topk' needs the teacher's top-k log-probs")
     assert missing.startswith("batch is missing field(s) ['teacher_log_probs']")
