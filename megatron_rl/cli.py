@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # `plan RECIPE --nodes N key=value`: overrides may follow the options
-        if getattr(args, "command", None) != "plan" or any(e.startswith("-") or "=" not in e for e in extra):
+    if extra:  # `plan|train RECIPE --option key=value`: overrides may follow the options
+        if getattr(args, "command", None) not in ("plan", "train") or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):

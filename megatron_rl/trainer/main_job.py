@@ -172,9 +172,10 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
               log=print) -> dict[str, Any]:
     """Run ``recipe`` (None = the CPU toy ``grpo``) with ``overrides``; return the summary dict.
 
-    Starts Ray when it is not running (stopped again at the end), writes the run directory
-    (module docstring) and prints a summary. Artifacts of an earlier run in the same directory
-    are replaced.
+    Checks the layout with the planner first (ValueError if it cannot run), starts Ray when it
+    is not running (or joins ``RAY_ADDRESS``), writes the run directory (module docstring) and
+    prints a summary. Artifacts of an earlier run in the same directory are replaced -- except
+    when a checkpoint there is resumed (``trainer.resume_mode``): then metrics.jsonl continues.
     """
     import ray
     from tqdm import tqdm
@@ -191,7 +192,16 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
     out_dir = _output_dir(raw).resolve()
     raw.setdefault("trainer", {})["default_local_dir"] = str(out_dir)
     config = TrainerRunConfig.from_dict(raw)
+    from megatron_rl.planner import check_plan
+    from megatron_rl.trainer.checkpoint import find_resume_dir
+
+    plan = check_plan(config)  # a layout that cannot run is refused before anything is allocated
+    log(f"plan: fits, peak {plan.peak_bytes / 2**30:.2f} of {plan.memory_budget_bytes / 2**30:.1f} GiB per "
+        f"{'GPU' if plan.device == 'cuda' else 'rank'} ({plan.peak_phase})")
+    resume = find_resume_dir(out_dir, config.trainer.resume_mode, config.trainer.resume_from_path)
     for name in _RUN_ARTIFACTS:
+        if resume is not None and name == "metrics.jsonl":  # the resumed run appends to it
+            continue
         target = out_dir / name
         if target.is_dir():
             shutil.rmtree(target)
@@ -207,14 +217,22 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
         config.trainer.logger = [name for name in config.trainer.logger if name != "console"]
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        if os.environ.get("RAY_ADDRESS"):
+            # Join the running cluster (recipes/slurm/train.sbatch, `ray job submit`); Ray refuses
+            # num_cpus/num_gpus when connecting, and shutdown() then only disconnects this driver.
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=out_dir)
     bar = None
 
     def on_step(metrics: dict) -> None:
-        bar.set_postfix({"reward": f"{metrics[REWARD_KEY]:.3f}", "resp_len": f"{metrics['response_length/mean']:.1f}",
-                         "s/step": f"{metrics['timing_s/step']:.1f}"}, refresh=False)
+        if REWARD_KEY in metrics:
+            bar.set_postfix({"reward": f"{metrics[REWARD_KEY]:.3f}", "resp_len": f"{metrics['response_length/mean']:.1f}",
+                             "s/step": f"{metrics['timing_s/step']:.1f}"}, refresh=False)
+        else:
+            bar.set_postfix({"skipped": "reward failed"}, refresh=False)
         bar.update(1)
 
     try:
@@ -234,6 +252,11 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
         trainer.shutdown()
         if started_ray:
             ray.shutdown()
+    # The whole run (a resumed one included), training steps that were not skipped.
+    history = [row for row in (json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+                               if line.strip()) if REWARD_KEY in row]
+    if not history:
+        raise RuntimeError(f"no training step of {out_dir} produced a reward (see metrics.jsonl)")
     png = plot_reward_curve(history, out_dir / "reward_curve.png",
                             title=f"{config.trainer.experiment_name}: {config.algorithm.adv_estimator} on {config.data.task}")
     rewards = [float(h[REWARD_KEY]) for h in history]

@@ -184,10 +184,14 @@ class RayPPOTrainer:
         return PromptDataLoader(dataset, size, shuffle=False, drop_last=False)
 
     def _build_reward_fn(self):
-        from megatron_rl.data.rewards import RewardFunction
+        from megatron_rl.data.rewards import RewardFunction, load_custom_reward_fn
 
         kw = cfg_get(self.config, "reward.reward_kwargs")
-        return RewardFunction(self.tokenizer, cfg_get(self.config, "reward.reward_fn"),
+        score = cfg_get(self.config, "reward.reward_fn")
+        custom = cfg_get(self.config, "reward.custom_reward_function")
+        if cfg_get(custom, "path"):
+            score = load_custom_reward_fn(cfg_get(custom, "path"), cfg_get(custom, "name") or "compute_score")
+        return RewardFunction(self.tokenizer, score,
                               overlong_buffer_cfg=cfg_get(kw, "overlong_buffer_cfg"),
                               max_resp_len=cfg_get(kw, "max_resp_len"))
 
