@@ -32,12 +32,42 @@ def test_small_run_reports_agreeing_figures():
     assert lines[0] == "batch: 90 responses, groups of 4, 16 tokens, 1 threads"
     result = json.loads(lines[-1])
     for key in ("grpo_ms", "grpo_loop_ms", "grpo_speedup_vs_loop", "gae_ms", "rloo_ms", "reinforce_plus_plus_ms",
-                "peak_rss_mib", "grpo_scores_only_speedup_vs_loop"):
+                "peak_rss_mib", "grpo_scores_only_speedup_vs_loop", "grpo_fresh_pages_ms", "grpo_loop_fresh_pages_ms",
+                "grpo_speedup_vs_loop_fresh_pages"):
         assert result[key] > 0, key
     assert (result["num_responses"], result["group_size"], result["response_length"]) == (90, 4, 16)
     assert result["grpo_max_abs_diff_vs_loop"] <= 1e-5
     assert result["grpo_speedup_vs_loop"] == pytest.approx(result["grpo_loop_ms"] / result["grpo_ms"], rel=1e-2)
-    assert result["thp"] is True
+    assert result["grpo_speedup_vs_loop_fresh_pages"] == pytest.approx(
+        result["grpo_loop_fresh_pages_ms"] / result["grpo_fresh_pages_ms"], rel=1e-2)
+    assert result["thp"] is True and result["repeats"] == 1
+    assert result["allocator"] == "glibc, freed memory reused"  # Linux/glibc: mallopt is there
+    assert sum(line.startswith("grpo, ") for line in lines) == 2  # fresh pages, then reused memory
+
+
+def test_fresh_pages_flag_keeps_glibc_defaults_for_the_headline():
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--num-responses", "40", "--group-size", "4", "--response-length", "8",
+         "--repeats", "2", "--fresh-pages"],
+        capture_output=True, text=True, timeout=120, cwd=TOOL.parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["allocator"] == "glibc defaults (fresh pages)"
+    assert (result["grpo_ms"], result["grpo_loop_ms"]) == (result["grpo_fresh_pages_ms"],
+                                                           result["grpo_loop_fresh_pages_ms"])
+    assert sum(line.startswith("grpo, ") for line in lines) == 1
+
+
+def test_interleaved_timing_takes_turns_after_one_warmup_round():
+    tool = _load_tool()
+    calls = []
+    medians, times, results = tool.time_interleaved(
+        {"a": lambda: calls.append("a") or len(calls), "b": lambda: calls.append("b") or len(calls)}, repeats=3)
+    assert calls == ["a", "b"] * 4  # warm-up round + 3 timed rounds
+    assert results == {"a": 7, "b": 8} and [len(times["a"]), len(times["b"])] == [3, 3]
+    assert medians["a"] == sorted(times["a"])[1] and medians["b"] == sorted(times["b"])[1]
 
 
 def test_bad_size_is_rejected():

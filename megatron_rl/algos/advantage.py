@@ -60,12 +60,12 @@ __all__ = [
 
 
 def _check_inputs(estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                  **others: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  cast_mask: bool = True, **others: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate shapes and reward finiteness.
 
-    Returns ``(mask, scores)``: the mask as 0/1 in the reward dtype and the per-sample score
-    ``token_level_rewards.sum(-1)`` (verl's outcome score, over all positions), which the
-    finiteness check needs anyway.
+    Returns ``(mask, scores)``: the mask in the reward dtype (as given when ``cast_mask=False``)
+    and the per-sample score ``token_level_rewards.sum(-1)`` (verl's outcome score, over all
+    positions), which the finiteness check needs anyway.
     """
     for name, t in (("token_level_rewards", token_level_rewards), ("response_mask", response_mask)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -74,7 +74,7 @@ def _check_inputs(estimator: str, token_level_rewards: torch.Tensor, response_ma
     check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask, **others)
     scores = token_level_rewards.sum(dim=-1)
     _check_finite_rows("token_level_rewards", token_level_rewards, scores)
-    return response_mask.to(token_level_rewards.dtype), scores
+    return (response_mask.to(token_level_rewards.dtype) if cast_mask else response_mask), scores
 
 
 def _check_finite_rows(name: str, tensor: torch.Tensor, row_sums: torch.Tensor) -> None:
@@ -240,10 +240,31 @@ def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_ba
 # ----------------------------------------------------------------------------- group outcome
 
 
+def _contiguous_group_size(gid: torch.Tensor, num_groups: int) -> int:
+    """``k`` when ``gid: [bs]`` is ``num_groups`` consecutive blocks of ``k`` samples numbered
+    0, 1, ... (verl's ``repeat(interleave=True)`` layout, as ``group_ids`` numbers it), else 0."""
+    if num_groups == 0 or gid.numel() % num_groups:
+        return 0
+    k = gid.numel() // num_groups
+    blocks = torch.arange(num_groups, device=gid.device).unsqueeze(-1)  # [G, 1]
+    return k if bool((gid.view(num_groups, k) == blocks).all()) else 0
+
+
 def _grpo_scalars(scores: torch.Tensor, gid: torch.Tensor, num_groups: int, epsilon: float, norm: bool
                   ) -> torch.Tensor:
     """Per-sample GRPO advantage ``(s - mean_g) / (std_g + eps)`` (or ``s - mean_g``);
     a one-sample group uses mean 0 / std 1 like verl."""
+    k = _contiguous_group_size(gid, num_groups)
+    if k >= 2:
+        # Same statistics as _group_mean_std, as row reductions over a [G, k] view: ~10x cheaper
+        # than the scatter/index_add/gather path, which any other layout takes.
+        grouped = scores.reshape(num_groups, k)  # [G, k]
+        ref = grouped.amin(dim=1, keepdim=True)
+        centered = grouped - (ref + (grouped - ref).sum(dim=1, keepdim=True) / k)  # [G, k]
+        if not norm:
+            return centered.reshape(-1)
+        std = ((centered * centered).sum(dim=1, keepdim=True) / (k - 1)).sqrt()  # [G, 1]
+        return (centered / (std + epsilon)).reshape(-1)
     mean, std, count = _group_mean_std(scores, gid, num_groups)
     single = count <= 1
     mean = mean.masked_fill(single, 0.0)
@@ -263,12 +284,19 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
 
     ``A = (s - mean_g) / (std_g + epsilon)`` with ``torch.std`` (unbiased); with
     ``norm_adv_by_std_in_grpo=False`` it is Dr.GRPO's ``s - mean_g``. A group of one sample
-    uses mean 0, std 1 (verl). Broadcast over the response: ``A * mask`` (advantages = returns).
+    uses mean 0, std 1 (verl). Broadcast over the response: ``A * mask`` (advantages = returns),
+    in the dtype verl's ``scores.unsqueeze(-1) * response_mask`` promotes to.
+
+    Cost at 65,536 x 1,024: one read of the rewards (the score sum, which also checks
+    finiteness), per-group statistics on ``[bs]``, and one fused pass that reads the mask and
+    writes the output; everything else is ``O(bs)``.
     """
-    mask, scores = _check_inputs("grpo", token_level_rewards, response_mask)
+    _, scores = _check_inputs("grpo", token_level_rewards, response_mask, cast_mask=False)
     gid, num_groups = _groups("grpo", index, scores.shape[0], scores.device)
     scalars = _grpo_scalars(scores, gid, num_groups, epsilon, _norm_by_std(norm_adv_by_std_in_grpo, config))
-    advantages = scalars.unsqueeze(-1) * mask
+    # Type promotion turns a bool/int mask into the score dtype inside the multiply itself:
+    # no converted [bs, T] copy of the mask before it.
+    advantages = scalars.unsqueeze(-1) * response_mask  # [bs, T]
     return advantages, advantages
 
 

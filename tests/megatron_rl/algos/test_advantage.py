@@ -519,3 +519,81 @@ def test_bool_int_and_float_masks_agree(name):
         out = est(name, **_kwargs_for(name, r, mask.to(dtype), index))
         torch.testing.assert_close(out[0], ref[0])
         torch.testing.assert_close(out[1], ref[1])
+
+
+@pytest.mark.parametrize("rewards_dtype, mask_dtype, expected", [
+    (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float64, torch.float64),
+    (torch.float32, torch.bool, torch.float32), (torch.float64, torch.int64, torch.float64)])
+def test_grpo_output_dtype_is_verls_promotion(rewards_dtype, mask_dtype, expected):
+    # verl returns scores.unsqueeze(-1) * response_mask: the mask's dtype takes part in the promotion.
+    # Scores 1, 3, 2 in one group: mean 2, std 1 -> -1/(1+eps), 1/(1+eps), 0; row 1 has one valid token.
+    r = torch.tensor([[1.0, 0.0], [0.0, 3.0], [2.0, 0.0]], dtype=rewards_dtype)
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]]).to(mask_dtype)
+    for name in ("grpo", "grpo_vectorized"):
+        adv, ret = est(name, token_level_rewards=r, response_mask=mask, index=np.array(["a"] * 3, dtype=object))
+        assert adv.dtype == expected and ret is adv
+        torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]], dtype=expected) / (1 + 1e-6),
+                                   atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- group ids
+
+
+def _first_appearance_ids(labels):
+    mapping = {}
+    return [mapping.setdefault(label, len(mapping)) for label in labels], len(mapping)
+
+
+@pytest.mark.parametrize("index, expected_ids, expected_groups", [
+    # a label recurring in a later run keeps its first id
+    (np.array(["b", "b", "a", "b", "c", "c", "a"], dtype=object), [0, 0, 1, 0, 2, 2, 1], 3),
+    (["b", "b", "a", "b"], [0, 0, 1, 0], 2),
+    (("x", "y", "x"), [0, 1, 0], 2),
+    (np.array(["u", "u", "v"]), [0, 0, 1], 2),  # numpy unicode dtype
+    (np.array([7, 7, 3, 3, 7]), [0, 0, 1, 1, 0], 2),
+    (np.array([1, 1.0, True, 2], dtype=object), [0, 0, 0, 1], 2),  # equal as Python objects, like dict keys
+    (np.array([1.0, np.nan, np.nan, 1.0]), [0, 1, 2, 0], 3),  # every NaN float is its own label, as in a dict
+    (torch.tensor([5, 5, 2, 5]), [1, 1, 0, 1], 2),  # tensors: sorted label order
+    (np.array(["only"], dtype=object), [0], 1),
+    (np.array([], dtype=object), [], 0),
+])
+def test_group_ids_hand_cases(index, expected_ids, expected_groups):
+    from megatron_rl.algos.utils import group_ids
+    ids, num_groups = group_ids(index)
+    assert ids.dtype == torch.long and ids.tolist() == expected_ids and num_groups == expected_groups
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.booleans(), st.booleans())
+def test_group_ids_equal_a_first_appearance_dict(labels, sort, as_strings):
+    from megatron_rl.algos.utils import group_ids
+    labels = sorted(labels) if sort else labels
+    values = [f"uid-{x}" for x in labels] if as_strings else labels
+    expected = _first_appearance_ids(values)
+    for index in (np.array(values, dtype=object), np.array(values), list(values)):
+        ids, num_groups = group_ids(index)
+        assert (ids.tolist(), num_groups) == expected
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("group_size", [2, 5, 16])
+def test_grpo_contiguous_groups_match_any_other_layout(norm, group_size):
+    # Consecutive equal-size groups take the [G, k] row-reduction path; the same samples shuffled
+    # take the scatter/index_add path. Both must give every sample the same advantage.
+    gen = torch.Generator().manual_seed(group_size)
+    num_groups, width = 7, 5
+    r = torch.randn(num_groups * group_size, width, generator=gen)
+    r[:group_size] = 0.25  # an all-equal group: exactly zero advantage on both paths
+    mask = (torch.rand(num_groups * group_size, width, generator=gen) > 0.3).float()
+    index = np.repeat(np.array([f"p{g}" for g in range(num_groups)], dtype=object), group_size)
+    perm = torch.randperm(len(index), generator=gen)
+    contiguous, _ = est("grpo", token_level_rewards=r, response_mask=mask, index=index, norm_adv_by_std_in_grpo=norm)
+    shuffled, _ = est("grpo", token_level_rewards=r[perm], response_mask=mask[perm], index=index[perm.numpy()],
+                      norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(shuffled, contiguous[perm], atol=1e-6, rtol=1e-6)
+    assert bool((contiguous[:group_size] == 0).all())
+    scores = r.sum(-1).view(num_groups, group_size).double()  # float64 truth for the contiguous layout
+    expected = scores - scores.mean(1, keepdim=True)
+    if norm:
+        expected = expected / (scores.std(1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(contiguous, (expected.view(-1, 1) * mask).float(), atol=1e-5, rtol=1e-5)
