@@ -52,9 +52,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         recipe, overrides = None, [recipe, *overrides]
     try:
         run_train(recipe, overrides, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # bad input: nothing was trained
         print(f"megatron-rl train: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # the run failed (a worker died, rewards kept failing, ...)
+        print(f"megatron-rl train: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

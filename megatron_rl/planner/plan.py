@@ -302,7 +302,11 @@ class _Context:
             return "Nearest layout that fits: " + found
         nodes0 = self.cfg.trainer.nnodes
         for factor in (2, 4, 8, 16):
-            other = _Context(_run_config(self.cfg, nodes0 * factor, None), self.model, self.from_table, self.budget)
+            try:  # more nodes may break the batch divisibility of this very layout: then search anyway
+                bigger = _run_config(self.cfg, nodes0 * factor, None)
+            except ValueError:
+                continue
+            other = _Context(bigger, self.model, self.from_table, self.budget)
             found = other._search(current, par)
             if found is not None:
                 return f"No layout fits on {nodes0} node(s); on {nodes0 * factor} nodes: {found}"

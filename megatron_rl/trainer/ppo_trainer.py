@@ -13,6 +13,7 @@ through attribute access / ``cfg_get``.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -53,6 +54,24 @@ def need_reference_policy(config: Any) -> bool:
 def repeat_interleave_lists(batch: dict[str, Any], n: int, keys=_PROMPT_LISTS) -> dict[str, list]:
     """Each per-prompt list in ``batch`` repeated ``n`` times per entry (prompt-major, like vLLM's output)."""
     return {k: [x for x in batch[k] for _ in range(n)] for k in keys if k in batch}
+
+
+@contextlib.contextmanager
+def _worker_failure(step: int, log_dir: Path):
+    """A Ray worker that dies (or raises) mid-step stops the run with its error, naming the step
+    and the last good checkpoint (left intact: checkpoints are only written between steps)."""
+    import ray
+
+    try:
+        yield
+    except ray.exceptions.RayError as err:
+        from megatron_rl.trainer.checkpoint import LATEST_FILE
+
+        latest = log_dir / LATEST_FILE
+        last = (f"the last good checkpoint is {log_dir}/global_step_{latest.read_text().strip()}"
+                if latest.is_file() else "no checkpoint was saved (trainer.save_freq)")
+        raise RuntimeError(f"step {step}: a worker failed, the run stops; {last}. Worker error: "
+                           f"{type(err).__name__}: {err}") from err
 
 
 def select_batch(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
@@ -279,7 +298,7 @@ class RayPPOTrainer:
         while self.global_steps < total:
             self.global_steps += 1
             metrics, timing = {}, {}
-            with timer("step", timing):
+            with timer("step", timing), _worker_failure(self.global_steps, self.log_dir):
                 batch = self.rollout_and_score(metrics, timing)  # None: the rewards failed
                 if batch is not None:
                     self.train_step(batch, metrics, timing)
