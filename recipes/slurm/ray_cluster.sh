@@ -24,8 +24,18 @@
 # Environment knobs: see recipes/slurm/README.md.
 set -uo pipefail
 
-SELF=$(readlink -f "${BASH_SOURCE[0]}")
-SLURM_DIR=$(dirname "$SELF")
+SLURM_DIR=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
+if [[ ! -f "$SLURM_DIR/wait_for_ray.py" ]]; then
+    # Submitted directly with sbatch: this is a copy in slurmd's spool directory, which the other
+    # nodes do not have. Use the checkout (MEGATRON_RL_HOME, else the path the job was submitted with).
+    if [[ -n "${MEGATRON_RL_HOME:-}" ]]; then
+        SLURM_DIR=$MEGATRON_RL_HOME/recipes/slurm
+    else
+        submitted=$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null | grep -o 'Command=[^ ]*' | cut -d= -f2-)
+        [[ -n "$submitted" ]] && SLURM_DIR=$(dirname "$submitted")
+    fi
+fi
+SELF=$SLURM_DIR/ray_cluster.sh
 PY=${MEGATRON_RL_PYTHON:-python3}
 RAY_CLI=("$PY" -m ray.scripts.scripts)
 
@@ -64,6 +74,7 @@ if [[ "${1:-}" == "--start-node" ]]; then
 fi
 
 # --- batch side ----------------------------------------------------------------------------------
+[[ -x "$SELF" && -f "$SLURM_DIR/wait_for_ray.py" ]] || die "recipes/slurm not found (tried $SLURM_DIR): set MEGATRON_RL_HOME to the checkout"
 [[ $# -ge 1 ]] || die "usage: ray_cluster.sh COMMAND [ARGS...]"
 [[ -n "${SLURM_JOB_ID:-}" ]] || die "SLURM_JOB_ID is not set: run inside a SLURM allocation (sbatch/salloc)"
 JOB=$SLURM_JOB_ID

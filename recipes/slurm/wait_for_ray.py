@@ -72,6 +72,19 @@ def _log_hint(log_dir: str | None, node: str, head: str) -> str:
     return f" (log: {os.path.join(log_dir, f'ray-{role}-{node}.log')})"
 
 
+def _print_log_tail(log_dir: str | None, node: str, head: str, lines: int = 5) -> None:
+    if not log_dir:
+        return
+    path = os.path.join(log_dir, f"ray-{'head' if node == head else 'worker'}-{node}.log")
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError:
+        return
+    for line in tail:
+        _log(f"  {node}: {line}")
+
+
 def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launchers: dict[str, int],
                    log_dir: str | None = None, poll_s: float = 1.0) -> int:
     """Poll the cluster at ``address`` until all ``expected`` SLURM nodes are alive; return the exit status."""
@@ -105,11 +118,14 @@ def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launcher
             _log(f"ERROR: the Ray start step for node(s) {', '.join(dead)} exited before joining the cluster at "
                  f"{address}; missing {len(missing)} of {len(expected)} node(s): "
                  + ", ".join(n + _log_hint(log_dir, n, head) for n in missing))
+            for n in dead:
+                _print_log_tail(log_dir, n, head)
             break
         if now >= deadline:
-            what = f"the Ray head at {address} never answered" if not connected else "did not join"
-            _log(f"ERROR: {len(missing)} of {len(expected)} node(s) {what} within {timeout_s:g}s "
-                 f"(RAY_JOIN_TIMEOUT_S): missing " + ", ".join(n + _log_hint(log_dir, n, head) for n in missing))
+            what = (f"the Ray head at {address} did not answer" if not connected else
+                    f"{len(missing)} of {len(expected)} node(s) did not join the Ray cluster at {address}")
+            _log(f"ERROR: {what} within {timeout_s:g}s (RAY_JOIN_TIMEOUT_S); missing "
+                 + ", ".join(n + _log_hint(log_dir, n, head) for n in missing))
             break
         if now - last_report >= 10.0:
             _log(f"waiting for {len(missing)} of {len(expected)} node(s): {' '.join(missing)}")

@@ -1,0 +1,234 @@
+"""recipes/slurm on a real single-node SLURM cluster (slurm-wlm + munge, started and stopped here).
+
+The module fixture installs slurm-wlm/munge with apt when missing (root only; otherwise the
+module is skipped), writes a slurm.conf for this machine under a temp dir, starts munged,
+slurmctld and slurmd, and stops them by PID at the end (checking they are gone). The tests:
+
+* ``train.sbatch`` runs the CPU toy GRPO recipe end to end: Ray comes up inside the job, the
+  trainer's driver joins that cluster (one Ray session, two drivers: the join check and the
+  trainer), 2 steps run, the job exits 0, the run directory and the per-node logs exist, and no
+  process of the job's Ray is left;
+* a job asking for 2 nodes is refused at submission ("Node count specification invalid");
+* a node that never joins (a node list with a host that does not exist) fails the job with exit
+  status 3 and an error naming that node and its log, and Ray is torn down;
+* the wait itself, with no Ray head at all, times out after RAY_JOIN_TIMEOUT_S naming the nodes;
+* a training failure (an unknown adv_estimator) is the job's exit status, and Ray is torn down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm_support.cluster import SlurmCluster, ensure_slurm_installed
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "recipes" / "slurm" / "train.sbatch"
+CLUSTER_SH = REPO / "recipes" / "slurm" / "ray_cluster.sh"
+WAIT_PY = REPO / "recipes" / "slurm" / "wait_for_ray.py"
+
+# The CPU toy recipe shrunk to ~1 min on 2 cores: 4 prompts x 2 samples, no SFT warm-up, 2 steps.
+TOY = ["trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "data.train_batch_size=4",
+       "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+# CPU-only test node: no GPUs (overrides the script's --gpus-per-node=8).
+CPU_JOB = ["--nodes=1", "--gpus-per-node=0"]
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = ensure_slurm_installed()
+    if reason:
+        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd/munged for the test needs root")
+    workdir = Path(tempfile.mkdtemp(prefix="slurmtest-"))
+    cluster = SlurmCluster(workdir)
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        raise
+    yield cluster
+    subprocess.run(["scancel", "--full", "--user=root"], env=cluster.env, capture_output=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        queue = subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, text=True).stdout
+        if not queue.strip():
+            break
+        time.sleep(0.5)
+    cluster.stop()
+    assert cluster.pids_alive() == [], f"SLURM daemons still running after stop: {cluster.pids_alive()}"
+
+
+def _free_port_block(n: int = 3) -> int:
+    """A port p with p..p+n-1 free (Ray head: GCS, client server, dashboard agent)."""
+    for _ in range(200):
+        port = random.randint(21000, 29000)
+        socks = []
+        try:
+            for p in range(port, port + n):
+                s = socket.socket()
+                s.bind(("", p))
+                socks.append(s)
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+def _job_env(slurm: SlurmCluster, ray_tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("SLURM_") or k.startswith("RAY_"))}
+    env.update(SLURM_CONF=str(slurm.conf), MEGATRON_RL_PYTHON=sys.executable, RAY_PORT=str(_free_port_block()),
+               RAY_TMPDIR=str(ray_tmp), **extra)
+    return env
+
+
+def _ray_tmp() -> Path:
+    # Short, unique: Ray's unix socket paths under it must stay below ~107 characters.
+    return Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+
+
+def _sbatch(slurm: SlurmCluster, cwd: Path, env: dict, args: list[str], timeout: float = 400):
+    """``sbatch --wait`` (returns the job's exit status); (returncode, job id, stdout+stderr, job output)."""
+    proc = subprocess.run(["sbatch", "--wait", f"--output={cwd}/slurm-%j.out", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    text = proc.stdout + proc.stderr
+    m = re.search(r"Submitted batch job (\d+)", text)
+    job = m.group(1) if m else None
+    out = (cwd / f"slurm-{job}.out").read_text() if job and (cwd / f"slurm-{job}.out").exists() else ""
+    return proc.returncode, job, text, out
+
+
+def _ray_procs(ray_tmp: Path) -> list[str]:
+    """Command lines of live processes that belong to the Ray session under ``ray_tmp``."""
+    procs = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if f"{ray_tmp}/" in cmd and state != "Z":
+            procs.append(f"{d.name}: {cmd[:150]}")
+    return procs
+
+
+def test_train_sbatch_end_to_end(slurm, tmp_path):
+    ray_tmp = _ray_tmp()
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
+                                 [*CPU_JOB, str(SBATCH), "grpo", *TOY, f"trainer.default_local_dir={run_dir}"])
+    wall = time.monotonic() - start
+    assert rc == 0, f"sbatch exit {rc}\n{text}\n{out}"
+    print(f"\nend-to-end job {job}: {wall:.1f}s wall (sbatch --wait)")
+    assert f"all 1 node(s) joined the Ray cluster" in out
+    assert "command exited with status 0" in out and "Ray stopped in" in out
+    # The run's outputs.
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # step 0: the validation before training; steps 1-2: training (with the mean reward).
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(0.0 <= m["critic/score/mean"] <= 1.0 for m in metrics[1:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["output_dir"] == str(run_dir)
+    assert (run_dir / "final_hf" / "config.json").exists()
+    assert list((run_dir / "final_hf").glob("*.safetensors"))
+    # Per-node logs: the head's `ray start` and the training output.
+    logs = tmp_path / "logs" / job
+    assert sorted(p.name for p in logs.iterdir()) == [f"ray-head-{slurm.node}.log", "train.log"]
+    assert "Ray runtime started" in (logs / f"ray-head-{slurm.node}.log").read_text()
+    assert "done: 2 steps" in (logs / "train.log").read_text()
+    # The trainer joined the job's cluster instead of starting its own: one Ray session, whose
+    # drivers are the join check and the trainer, and whose workers ran the trainer's actors.
+    sessions = sorted(p.name for p in ray_tmp.glob("session_2*"))
+    assert len(sessions) == 1, sessions
+    session_logs = ray_tmp / sessions[0] / "logs"
+    assert len(list(session_logs.glob("python-core-driver-*"))) == 2
+    assert list(session_logs.glob("python-core-worker-*"))
+    assert _ray_procs(ray_tmp) == []
+
+
+def test_too_many_nodes_is_refused(slurm, tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", "--gpus-per-node=0", str(SBATCH), "grpo"], cwd=tmp_path,
+                          env=_job_env(slurm, tmp_path), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "sbatch: error: Batch job submission failed: Node count specification invalid"
+    assert time.monotonic() - start < 10  # refused at submission, not left pending
+    assert "Submitted" not in proc.stdout
+
+
+def test_node_that_never_joins_fails_the_job(slurm, tmp_path):
+    ray_tmp = _ray_tmp()
+    env = _job_env(slurm, ray_tmp, RAY_SLURM_NODES=f"{slurm.node} ghost01", RAY_JOIN_TIMEOUT_S="60")
+    start = time.monotonic()
+    rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, str(CLUSTER_SH), "echo", "never-runs"])
+    wall = time.monotonic() - start
+    print(f"\nmissing-node job {job}: {wall:.1f}s wall")
+    assert rc == 3, f"{text}\n{out}"
+    logs = tmp_path / "logs" / job
+    # With more than one node the head advertises a non-loopback IPv4 of this machine.
+    head_ip = re.search(rf"head {slurm.node} at ([0-9.]+):{env['RAY_PORT']},", out).group(1)
+    assert not head_ip.startswith("127.")
+    # The head may or may not have joined by the time ghost01's srun step has failed.
+    error = re.search(rf"ERROR: the Ray start step for node\(s\) ghost01 exited before joining the cluster at "
+                      rf"{re.escape(head_ip)}:{env['RAY_PORT']}; missing ([12]) of 2 node\(s\): (.*)", out)
+    assert error, out
+    assert error.group(2).endswith(f"ghost01 (log: {logs}/ray-worker-ghost01.log)")
+    assert "never-runs" not in out and not (logs / "train.log").exists()
+    # srun's own reason is in the node's log, and its tail is in the job output.
+    reason = "srun: error: Unable to create step for job"
+    assert reason in (logs / "ray-worker-ghost01.log").read_text()
+    assert f"]   ghost01: {reason}" in out
+    assert wall < 60  # failed as soon as the node's start step exited, not at the deadline
+    assert "Ray stopped in" in out
+    assert _ray_procs(ray_tmp) == []
+
+
+def test_join_timeout_names_missing_nodes(tmp_path):
+    port = _free_port_block(1)  # nothing listens there
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(WAIT_PY), "--address", f"127.0.0.1:{port}", "--nodes", "node01",
+                           "node02", "--timeout", "2", "--log-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    wall = time.monotonic() - start
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert (f"ERROR: the Ray head at 127.0.0.1:{port} did not answer within 2s (RAY_JOIN_TIMEOUT_S); "
+            f"missing node01 (log: {tmp_path}/ray-head-node01.log), node02 (log: {tmp_path}/ray-worker-node02.log)"
+            ) in proc.stdout
+    assert 2 <= wall < 30
+    bad = subprocess.run([sys.executable, str(WAIT_PY), "--address", "h:1", "--nodes", "a", "--timeout", "5",
+                          "--launcher", "a:12"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--launcher must be NODE=PID, got 'a:12'" in bad.stderr
+
+
+def test_training_failure_is_the_job_exit_status(slurm, tmp_path):
+    ray_tmp = _ray_tmp()
+    start = time.monotonic()
+    rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
+                                 [*CPU_JOB, str(SBATCH), "grpo", *TOY, "algorithm.adv_estimator=nope",
+                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
+    print(f"\nfailing-training job {job}: {time.monotonic() - start:.1f}s wall")
+    assert rc == 2, f"{text}\n{out}"
+    train_log = (tmp_path / "logs" / job / "train.log").read_text()
+    assert "nope" in train_log and "adv_estimator" in train_log
+    assert "command exited with status 2" in out and "Ray stopped in" in out
+    assert _ray_procs(ray_tmp) == []
+    state = subprocess.run(["scontrol", "show", "job", job], env=slurm.env, capture_output=True, text=True).stdout
+    assert "JobState=FAILED" in state and "ExitCode=2:0" in state
