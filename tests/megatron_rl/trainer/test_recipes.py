@@ -36,6 +36,38 @@ RECIPES = {
     "remax": ([], ["actor/reward_kl_penalty"]),
     "opd": (["distillation.teacher_model.config.num_layers=2"], ["distillation/loss"]),
 }
+# Loop features on top of the GRPO recipe: decoupled rollout correction (token IS weights + token
+# rejection), bypass mode (vLLM's log-probs as the old ones), a Megatron reward model.
+VARIANTS = {
+    "grpo+rollout_is": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
+                         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+                        ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"]),
+    "grpo+bypass": (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
+                    ["rollout_corr/kl"]),
+    "grpo+reward_model": (["reward.reward_model.enable=true", "reward.reward_model.micro_batch_size_per_gpu=8"],
+                          ["reward/rm_score/mean"]),
+}
+
+
+def _reward_model(path, seed: int = 5):
+    """A tiny Qwen3ForSequenceClassification (num_labels=1) with the toy task's tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from megatron_rl.data.datasets import toy_rows
+    from megatron_rl.models.tiny import materialize_inline_model, task_texts
+
+    inline = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=2,
+                  kv_channels=32, vocab_size=512, max_position_embeddings=512, qk_layernorm=True)
+    base = materialize_inline_model(path / "base", inline, "qwen3", task_texts(toy_rows("toy_reverse", 1024, 1)),
+                                    seed=seed)
+    config = base["config"]
+    config.architectures, config.num_labels = ["Qwen3ForSequenceClassification"], 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path / "rm"))
+    base["tokenizer"].save_pretrained(str(path / "rm"))
+    return path / "rm"
 
 
 def varied_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -51,15 +83,17 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", [*sorted(RECIPES), *VARIANTS])
 def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer.ppo_trainer import RayPPOTrainer
 
-    extra, keys = RECIPES[recipe]
-    raw = compose(recipe, [*SMALL, *extra, f"trainer.default_local_dir={tmp_path}"])
+    extra, keys = {**RECIPES, **VARIANTS}[recipe]
+    if recipe == "grpo+reward_model":
+        extra = [*extra, f"reward.reward_model.model_path={_reward_model(tmp_path / 'reward_model')}"]
+    raw = compose(recipe.split("+")[0], [*SMALL, *extra, f"trainer.default_local_dir={tmp_path}"])
     config = TrainerRunConfig.from_dict(raw)
     trainer = RayPPOTrainer(config, log_dir=tmp_path)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score)
