@@ -136,15 +136,26 @@ class MegatronEngine:
         role: str = "actor",
         config: ActorConfig | CriticConfig | Mapping | None = None,
         trainable: bool = True,
+        transformer_overrides: Optional[Mapping[str, Any]] = None,
     ):
-        from megatron.core import parallel_state as ps
+        """``transformer_overrides``: extra ``TransformerConfig`` fields (verl's
+        ``megatron.override_transformer_config``, e.g. ``recompute_granularity: full``)."""
+        import dataclasses
 
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer import TransformerConfig
+
+        overrides = dict(transformer_overrides or {})
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"megatron.override_transformer_config has unknown TransformerConfig field(s) {unknown}")
         self.role = role
         self.model_cfg = model_cfg
         self.parallel_cfg = parallel_cfg
         config_cls = CriticConfig if role in ("critic", "reward") else ActorConfig
         self.config = config_cls.from_dict(config) if not isinstance(config, config_cls) else config
-        self.tf_config = build_transformer_config(model_cfg, parallel_cfg)
+        self.tf_config = build_transformer_config(model_cfg, parallel_cfg, **overrides)
         self.trainable = trainable and role in ("actor", "critic")
         chunks = build_model(model_cfg, self.tf_config, role=role)
         self.tp_group = ps.get_tensor_model_parallel_group()

@@ -106,7 +106,7 @@ class MegatronWorker:
 
     def init_engine(self, master_addr: str, master_port: int, role: str, parallel: Mapping, engine_config: Any,
                     model_config: Any = None, hf_dir: Optional[str] = None, model_overrides: Optional[Mapping] = None,
-                    seed: int = 42) -> dict[str, int]:
+                    seed: int = 42, transformer_overrides: Optional[Mapping] = None) -> dict[str, int]:
         """Join the group, build the engine (and load ``hf_dir``); return this rank's coordinates."""
         from megatron_rl.models.families import get_family, hf_head
         from megatron_rl.models.gpt import ModelConfig
@@ -134,7 +134,7 @@ class MegatronWorker:
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.mesh = init_mesh(pc, seed=seed)
         self.engine = MegatronEngine(model_cfg, pc, role=_ENGINE_ROLES[role], config=engine_config,
-                                     trainable=role in ("actor", "critic"))
+                                     trainable=role in ("actor", "critic"), transformer_overrides=transformer_overrides)
         if hf_dir is not None:
             # A critic from a causal LM keeps its value head's fresh initialisation; one from a
             # reward model (verl's usual PPO start) loads the score head.
@@ -232,9 +232,14 @@ class MegatronWorkerGroup:
             for rank in range(world_size)
         ]
         master_addr, master_port = ray.get(self.workers[0].address.remote())
+        # verl's megatron.override_transformer_config (e.g. activation recompute) rides along.
+        tf_overrides = None if isinstance(parallel, Mapping) and "override_transformer_config" not in parallel else (
+            _plain(getattr(parallel, "override_transformer_config", None) if not isinstance(parallel, Mapping)
+                   else parallel["override_transformer_config"]))
         parallel = _parallel_config(parallel)
         self.ranks = ray.get([w.init_engine.remote(master_addr, master_port, role, parallel, _plain(engine_config),
-                                                   _plain(model_config), hf_dir, _plain(model_overrides), seed)
+                                                   _plain(model_config), hf_dir, _plain(model_overrides), seed,
+                                                   dict(tf_overrides or {}))
                               for w in self.workers])
         self.dp_size = self.ranks[0]["dp_size"]
         # One collecting rank per DP replica, in DP order.

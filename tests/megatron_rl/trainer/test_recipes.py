@@ -37,10 +37,12 @@ RECIPES = {
     "opd": (["distillation.teacher_model.config.num_layers=2"], ["distillation/loss"]),
 }
 # Loop features on top of the GRPO recipe: decoupled rollout correction (token IS weights + token
-# rejection), bypass mode (vLLM's log-probs as the old ones), a Megatron reward model.
+# rejection; with selective activation recompute), bypass mode (vLLM's log-probs as the old
+# ones), a Megatron reward model.
 VARIANTS = {
     "grpo+rollout_is": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
-                         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+                         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+                         "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"],
                         ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"]),
     "grpo+bypass": (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
                     ["rollout_corr/kl"]),
@@ -100,6 +102,8 @@ def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
     try:
         trainer.init_workers()
         history = trainer.fit()
+        granularity = ray.get(trainer.actor.workers[0].__ray_call__.remote(
+            lambda worker: worker.engine.tf_config.recompute_granularity))
     finally:
         trainer.shutdown()
     assert [int(h["training/global_step"]) for h in history] == [1, 2]
@@ -109,6 +113,8 @@ def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
     for key in ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", *keys]:
         assert key in merged, (recipe, key, sorted(merged))
         assert math.isfinite(float(merged[key])), (recipe, key, merged[key])
+    # megatron.override_transformer_config reaches the actor's TransformerConfig.
+    assert granularity == ("selective" if recipe == "grpo+rollout_is" else None)
     if recipe == "remax":
         assert trainer.remax
     if recipe == "dapo":

@@ -1,0 +1,50 @@
+"""``megatron.override_transformer_config`` reaches the engine's TransformerConfig: activation
+recompute (full/uniform and selective) gives the same log-probs, losses and update as none,
+and an unknown field is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.testing import run_distributed
+from tests.megatron_rl.workers.test_engine import DENSE, make_batch
+
+
+def _case(rank, world_size, overrides):
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.workers.engine import MegatronEngine
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    pc = ParallelConfig()
+    init_mesh(pc, seed=3)
+    try:
+        engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor",
+                                config={"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4},
+                                transformer_overrides=overrides)
+    except ValueError as err:
+        return str(err)
+    batch = make_batch(DENSE["vocab_size"])
+    out = engine.compute_log_prob(batch)
+    batch["old_log_probs"] = out["log_probs"] + batch["offset"]
+    metrics = engine.update_policy(batch)
+    return metrics, engine.compute_log_prob(batch)["log_probs"], engine.tf_config.recompute_granularity
+
+
+@pytest.mark.parametrize("overrides", [
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"recompute_granularity": "selective"},
+], ids=["full", "selective"])
+def test_recompute_equals_no_recompute(overrides):
+    base, lp_base, none = run_distributed(_case, 1, {})[0]
+    metrics, lp, granularity = run_distributed(_case, 1, overrides)[0]
+    assert none is None and granularity == overrides["recompute_granularity"]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+        assert metrics[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), key
+    assert float((lp - lp_base).abs().max()) < 1e-5
+
+
+def test_unknown_override_is_refused():
+    err = run_distributed(_case, 1, {"recompute_granulrity": "full"})[0]
+    assert err == "megatron.override_transformer_config has unknown TransformerConfig field(s) ['recompute_granulrity']"
