@@ -298,9 +298,9 @@ def get_family(hf_config_or_architecture: Any) -> Family:
         cfg = load_hf_config(hf_config_or_architecture)
         architectures = list(getattr(cfg, "architectures", None) or [])
     # A reward model (``XForSequenceClassification``) shares the decoder of ``XForCausalLM``.
-    architectures += [a.replace("ForSequenceClassification", "ForCausalLM") for a in architectures]
+    candidates = architectures + [a.replace("ForSequenceClassification", "ForCausalLM") for a in architectures]
     for family in _discover().values():
-        if any(a in family.architectures for a in architectures):
+        if any(a in family.architectures for a in candidates):
             return family
     listing = "; ".join(f"{name}: {', '.join(archs)}" for name, archs in supported_families().items())
     raise ValueError(f"HF architectures {architectures} are not supported; supported families: {listing}")
