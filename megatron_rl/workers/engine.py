@@ -403,9 +403,10 @@ class MegatronEngine:
         its ``distillation_loss`` part; a section with ``enabled=False`` is off) the loss is verl's
         ``distillation_ppo_loss``: the distillation loss from the student's log-probs and the
         batch's ``teacher_log_probs [b, r]`` (back-propagated, or as advantages ``-loss`` of a
-        policy loss with ``use_policy_gradient``), plus the task loss (policy loss, entropy bonus,
-        KL loss) times 1 when ``use_task_rewards``, else alone. Adds ``distillation/*`` metrics.
-        """
+        policy loss with ``use_policy_gradient``). With ``use_task_rewards`` it is added, times
+        ``distillation_loss_coef``, to the task loss (policy loss - entropy bonus + KL loss); without,
+        it is the whole loss. Adds ``distillation/*`` metrics (``loss_min``/``loss_max`` reduced by
+        min/max over all tokens, the others like the ``actor/*`` metrics)."""
         cfg: ActorConfig = self.config
         dcfg = _distillation_config(distillation_loss)
         # verl still evaluates the task loss for its metrics in policy-gradient distillation.
