@@ -102,15 +102,33 @@ def _ray_tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
 
 
-def _sbatch(slurm: SlurmCluster, cwd: Path, env: dict, args: list[str], timeout: float = 400):
-    """``sbatch --wait`` (returns the job's exit status); (returncode, job id, stdout+stderr, job output)."""
-    proc = subprocess.run(["sbatch", "--wait", f"--output={cwd}/slurm-%j.out", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def _sbatch(slurm: SlurmCluster, cwd: Path, env: dict, args: list[str], timeout: float = 400, wait: bool = False):
+    """Submit a batch job and wait for its end; (exit status, job id, sbatch's output, job output).
+
+    ``wait=True`` uses ``sbatch --wait`` (what users run: its exit status is the job's); otherwise
+    the job's state is polled every 0.5 s (``sbatch --wait`` polls every few seconds and more
+    slowly as time goes on, which adds up to ~10 s per job) and the status is read from ExitCode.
+    """
+    cmd = ["sbatch", *(["--wait"] if wait else []), f"--output={cwd}/slurm-%j.out", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     text = proc.stdout + proc.stderr
     m = re.search(r"Submitted batch job (\d+)", text)
     job = m.group(1) if m else None
+    rc = proc.returncode
+    if job and not wait:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True,
+                                  text=True).stdout
+            state = re.search(r"JobState=(\S+)", info)
+            if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                code, sig = re.search(r" ExitCode=(\d+):(\d+)", info).groups()
+                rc = int(code) if int(sig) == 0 else 128 + int(sig)
+                break
+            assert time.monotonic() < deadline, f"job {job} still {state.group(1) if state else '?'} after {timeout}s"
+            time.sleep(0.5)
     out = (cwd / f"slurm-{job}.out").read_text() if job and (cwd / f"slurm-{job}.out").exists() else ""
-    return proc.returncode, job, text, out
+    return rc, job, text, out
 
 
 def _ray_procs(ray_tmp: Path) -> list[str]:
@@ -134,7 +152,8 @@ def test_train_sbatch_end_to_end(slurm, tmp_path):
     run_dir = tmp_path / "run"
     start = time.monotonic()
     rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
-                                 [*CPU_JOB, str(SBATCH), "grpo", *TOY, f"trainer.default_local_dir={run_dir}"])
+                                 [*CPU_JOB, str(SBATCH), "grpo", *TOY, f"trainer.default_local_dir={run_dir}"],
+                                 wait=True)
     wall = time.monotonic() - start
     assert rc == 0, f"sbatch exit {rc}\n{text}\n{out}"
     print(f"\nend-to-end job {job}: {wall:.1f}s wall (sbatch --wait)")
@@ -197,6 +216,36 @@ def test_node_that_never_joins_fails_the_job(slurm, tmp_path):
     assert reason in (logs / "ray-worker-ghost01.log").read_text()
     assert f"]   ghost01: {reason}" in out
     assert wall < 60  # failed as soon as the node's start step exited, not at the deadline
+    assert "Ray stopped in" in out
+    assert _ray_procs(ray_tmp) == []
+
+
+PROBE = """
+import ray
+ray.init()  # RAY_ADDRESS, set by ray_cluster.sh
+nodes = [n for n in ray.nodes() if n["Alive"]]
+print("PROBE", len(nodes), ray.cluster_resources()["CPU"], ray.cluster_resources()["slurm_node:%s"])
+"""
+
+
+def test_worker_started_by_srun_joins(slurm, tmp_path):
+    # The node list names this node twice: the second Ray node is started the way every worker
+    # node is, by `srun --overlap -N1 -n1 -w <node>`, and joins the head over TCP.
+    ray_tmp = _ray_tmp()
+    env = _job_env(slurm, ray_tmp, RAY_SLURM_NODES=f"{slurm.node} {slurm.node}", RAY_JOIN_TIMEOUT_S="120",
+                   RAY_WORKER_START_ARGS=f"--dashboard-agent-listen-port={_free_port_block(1)}")
+    start = time.monotonic()
+    rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, "--exclusive", str(CLUSTER_SH), sys.executable, "-c",
+                                                         PROBE % slurm.node])
+    print(f"\ntwo-Ray-node job {job}: {time.monotonic() - start:.1f}s wall")
+    assert rc == 0, f"{text}\n{out}"
+    assert f"all 2 node(s) joined the Ray cluster" in out
+    # Each Ray node offers the CPUs SLURM gave it (SLURM_CPUS_ON_NODE in its own step).
+    assert f"PROBE 2 {2.0 * slurm.cpus} 2.0" in out
+    logs = tmp_path / "logs" / job
+    worker_log = (logs / f"ray-worker-{slurm.node}.log").read_text()
+    assert f"worker {slurm.node} (" in worker_log and f"--num-cpus={slurm.cpus} --num-gpus=0" in worker_log
+    assert "Ray runtime started" in worker_log
     assert "Ray stopped in" in out
     assert _ray_procs(ray_tmp) == []
 

@@ -67,8 +67,9 @@ if [[ "${1:-}" == "--start-node" ]]; then
     else
         args+=(--address="$address")
     fi
-    # shellcheck disable=SC2206  # RAY_START_ARGS is a space-separated list of extra options
+    # shellcheck disable=SC2206  # space-separated lists of extra `ray start` options
     args+=(${RAY_START_ARGS:-})
+    [[ "$role" == worker ]] && args+=(${RAY_WORKER_START_ARGS:-})
     log "$role $node ($(hostname)): ray ${args[*]}"
     exec "${RAY_CLI[@]}" "${args[@]}"
 fi
@@ -114,14 +115,18 @@ fi
 RAY_PORT=${RAY_PORT:-6379}
 ADDRESS=$RAY_HEAD_IP:$RAY_PORT
 
-# CPUs per node: SLURM_JOB_CPUS_PER_NODE looks like "64(x2),32" (node order of the nodelist).
-CPUS_PER_NODE=()
+# CPUs SLURM gave each node: SLURM_JOB_CPUS_PER_NODE looks like "64(x2),32", in the order of
+# the job's node list. A worker's srun step asks for all of them (a step gets 1 CPU by default).
+declare -A CPUS_OF=()
+mapfile -t job_nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null)
 IFS=, read -r -a groups <<<"${SLURM_JOB_CPUS_PER_NODE:-}"
+k=0
 for g in "${groups[@]}"; do
-    if [[ "$g" =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then
-        for ((i = 0; i < BASH_REMATCH[2]; i++)); do CPUS_PER_NODE+=("${BASH_REMATCH[1]}"); done
-    elif [[ "$g" =~ ^[0-9]+$ ]]; then
-        CPUS_PER_NODE+=("$g")
+    if [[ "$g" =~ ^([0-9]+)(\(x([0-9]+)\))?$ ]]; then
+        for ((i = 0; i < ${BASH_REMATCH[3]:-1}; i++)); do
+            [[ $k -lt ${#job_nodes[@]} ]] && CPUS_OF[${job_nodes[$k]}]=${BASH_REMATCH[1]}
+            k=$((k + 1))
+        done
     fi
 done
 
@@ -176,7 +181,7 @@ LAUNCHERS+=(--launcher "$HEAD=$HEAD_PID")
 for ((i = 1; i < ${#NODES[@]}; i++)); do
     node=${NODES[$i]}
     cpus_opt=()
-    [[ -n "${CPUS_PER_NODE[$i]:-}" ]] && cpus_opt=(--cpus-per-task="${CPUS_PER_NODE[$i]}")
+    [[ -n "${CPUS_OF[$node]:-}" ]] && cpus_opt=(--cpus-per-task="${CPUS_OF[$node]}")
     srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" "${cpus_opt[@]}" \
         "$SELF" --start-node worker "$node" "$ADDRESS" >"$LOG_DIR/ray-worker-$node.log" 2>&1 &
     WORKER_PIDS+=($!)

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
 
 RESOURCE_PREFIX = "slurm_node:"
 EXIT_MISSING = 3
@@ -53,16 +54,30 @@ def _gcs_reachable(address: str) -> bool:
         return False
 
 
-def joined_nodes(nodes: list[dict]) -> set[str]:
-    """SLURM names of the alive Ray nodes in ``ray.nodes()`` output (by their ``slurm_node:`` resource)."""
-    names = set()
+def joined_nodes(nodes: list[dict]) -> Counter:
+    """How many alive Ray nodes carry each SLURM name in ``ray.nodes()`` output (their
+    ``slurm_node:<name>`` resource). Counted, not a set: a name listed twice (two Ray nodes on one
+    SLURM node, as in the single-machine test) needs two nodes."""
+    names: Counter = Counter()
     for node in nodes:
         if not node.get("Alive"):
             continue
         for key in node.get("Resources", {}):
             if key.startswith(RESOURCE_PREFIX):
-                names.add(key[len(RESOURCE_PREFIX):])
+                names[key[len(RESOURCE_PREFIX):]] += 1
     return names
+
+
+def missing_nodes(expected: list[str], joined: Counter) -> list[str]:
+    """The entries of ``expected`` (in order) not yet covered by ``joined``."""
+    left = Counter(joined)
+    missing = []
+    for name in expected:
+        if left[name] > 0:
+            left[name] -= 1
+        else:
+            missing.append(name)
+    return missing
 
 
 def _log_hint(log_dir: str | None, node: str, head: str) -> str:
@@ -85,7 +100,7 @@ def _print_log_tail(log_dir: str | None, node: str, head: str, lines: int = 5) -
         _log(f"  {node}: {line}")
 
 
-def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launchers: dict[str, int],
+def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launchers: dict[str, list[int]],
                    log_dir: str | None = None, poll_s: float = 1.0) -> int:
     """Poll the cluster at ``address`` until all ``expected`` SLURM nodes are alive; return the exit status."""
     import ray
@@ -105,15 +120,14 @@ def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launcher
             except Exception as err:  # GCS listening but not ready yet: retry until the deadline
                 _log(f"connecting to {address}: {type(err).__name__}: {err}")
         if connected:
-            joined = joined_nodes(ray.nodes())
-            missing = [n for n in expected if n not in joined]
+            missing = missing_nodes(expected, joined_nodes(ray.nodes()))
             if not missing:
                 _log(f"all {len(expected)} node(s) joined the Ray cluster at {address} in "
                      f"{time.monotonic() - start:.1f}s: "
                      f"{' '.join(expected)}")
                 ray.shutdown()
                 return 0
-        dead = [n for n in missing if n in launchers and not _pid_alive(launchers[n])]
+        dead = sorted({n for n in missing if any(not _pid_alive(pid) for pid in launchers.get(n, ()))})
         if dead:
             _log(f"ERROR: the Ray start step for node(s) {', '.join(dead)} exited before joining the cluster at "
                  f"{address}; missing {len(missing)} of {len(expected)} node(s): "
@@ -147,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.timeout <= 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
-    launchers = {}
+    launchers: dict[str, list[int]] = {}
     for item in args.launcher:
         node, sep, pid = item.partition("=")
         if not sep or not pid.isdigit():
             p.error(f"--launcher must be NODE=PID, got {item!r}")
-        launchers[node] = int(pid)
+        launchers.setdefault(node, []).append(int(pid))
     return wait_for_nodes(args.address, args.nodes, args.timeout, launchers, args.log_dir)
 
 
