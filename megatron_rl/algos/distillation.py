@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,8 @@ __all__ = [
     "compute_forward_kl_topk",
     "compute_distillation_loss",
     "combine_with_policy_loss",
+    "resolve_distillation_config",
+    "distillation_ppo_loss",
 ]
 
 DISTILLATION_LOSSES = Registry("distillation loss")
@@ -328,3 +330,49 @@ def combine_with_policy_loss(
     if policy_loss is None:
         raise ValueError("distillation_loss.use_task_rewards=True needs the task policy_loss; it is None")
     return policy_loss + distillation_loss * cfg_get(config, "distillation_loss_coef", 1.0), metrics
+
+
+def resolve_distillation_config(config: Any):
+    """``DistillationLossConfig`` from verl's ``distillation`` section, its ``distillation_loss``
+    part (typed, DictConfig or dict) or None; None when off. ``forward_kl_topk`` is refused."""
+    if config is None:
+        return None
+    section = cfg_get(config, "distillation_loss", None)
+    if section is not None:  # the whole ``distillation`` section
+        if not cfg_get(config, "enabled", True):
+            return None
+        config = section
+    dcfg = DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
+    if dcfg.loss_mode in TOPK_LOSS_MODES:
+        raise ValueError(
+            f"distillation_loss.loss_mode={dcfg.loss_mode!r} needs the teacher's top-k log-probs and ids and the "
+            "student's vocab-parallel logits, which the Megatron engine does not compute yet; use a single-sample "
+            "estimator (kl/k1, abs, mse/k2, low_var_kl/k3) with teacher_log_probs"
+        )
+    return dcfg
+
+
+def distillation_ppo_loss(mb: Mapping[str, torch.Tensor], lp: torch.Tensor, task_loss: Optional[torch.Tensor], dcfg: Any, loss_agg_mode: str,
+                       gbi: dict) -> tuple[torch.Tensor, dict, dict]:
+    """verl's ``distillation_ppo_loss`` for one micro-batch of the engine: ``(total loss, metrics,
+    {"min"|"max": metrics})``. ``mb`` holds ``response_mask``, ``teacher_log_probs`` and (policy-gradient
+    mode) ``old_log_probs`` / ``rollout_is_weights``; ``lp`` the student's log-probs.
+
+    ``task_loss`` is the policy (+ entropy + KL) loss, or None where it was not computed.
+    """
+    mask = mb["response_mask"]
+    if mask.any():
+        inputs = DistillationInputs(
+            response_mask=mask, student_log_probs=lp, teacher_log_probs=mb["teacher_log_probs"],
+            old_log_probs=mb.get("old_log_probs"), rollout_is_weights=mb.get("rollout_is_weights"),
+        )
+        distill, metrics = compute_distillation_loss(inputs, dcfg, loss_agg_mode, gbi)
+    else:  # no response token: every aggregation of this micro-batch is 0 (and min/max are undefined)
+        distill, metrics = lp.sum() * 0.0, {}
+    extremes = {"min": {}, "max": {}}
+    for kind in ("min", "max"):
+        key = f"distillation/loss_{kind}"
+        if key in metrics:
+            extremes[kind][key] = metrics.pop(key)
+    total, metrics = combine_with_policy_loss(distill, metrics, dcfg, policy_loss=task_loss)
+    return total, metrics, extremes

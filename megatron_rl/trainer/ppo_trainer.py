@@ -5,7 +5,16 @@ training step"): prompts -> rollout (n samples each) -> reward -> old log-probs 
 reference log-probs (only with a KL term) -> values (only with a critic) -> KL-in-reward ->
 advantages (``ADV_ESTIMATORS[algorithm.adv_estimator]``, on the driver) -> critic update ->
 actor update -> weight sync actor -> rollout -> metrics. Roles are created only when the config
-needs them (verl's ``need_critic`` / ``need_reference_policy``).
+needs them (verl's ``need_critic`` / ``need_reference_policy``; a reward model with
+``reward.reward_model.enable``, a teacher with ``distillation.enabled``).
+
+Around the step: DAPO dynamic sampling (generation rounds until ``train_batch_size`` prompts have
+informative groups, bounded by ``filter_groups.max_num_gen_batches``), ReMax's greedy baseline,
+rollout correction (decoupled IS weights / rejection, or bypass mode), validation every
+``trainer.test_freq`` steps, checkpoints every ``trainer.save_freq`` steps and resume
+(``megatron_rl.trainer.checkpoint``). A reward that fails skips the step (reported); a worker
+that dies stops the run naming the last good checkpoint. Rollouts are seeded per (step, round),
+so a resumed run draws exactly what the uninterrupted one would have.
 
 ``config`` is a ``TrainerRunConfig`` or a DictConfig with its (verl's) keys; everything is read
 through attribute access / ``cfg_get``.
@@ -13,7 +22,6 @@ through attribute access / ``cfg_get``.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,6 +29,7 @@ import numpy as np
 
 from megatron_rl.algos import ADV_ESTIMATORS, apply_kl_penalty, get_kl_controller
 from megatron_rl.algos.utils import cfg_get
+from megatron_rl.trainer.batch import concat_batches, repeat_interleave_lists, select_batch, worker_failure
 from megatron_rl.trainer.metrics import (
     MetricsLogger,
     compute_data_metrics,
@@ -29,12 +38,11 @@ from megatron_rl.trainer.metrics import (
     timer,
 )
 
-__all__ = ["RayPPOTrainer", "need_critic", "need_reference_policy", "repeat_interleave_lists"]
+__all__ = ["RayPPOTrainer", "need_critic", "need_reference_policy"]
 
 VALUE_ESTIMATORS = ("gae",)
 # Per-prompt lists of the dataloader batch that follow their prompt's n samples.
 _SEED_STRIDE = 1_000_003  # > samples per generation round: per-sample seeds never repeat across rounds
-_PROMPT_LISTS = ("data_source", "ground_truth", "extra_info", "index", "raw_prompt", "reward_model")
 
 
 def need_critic(config: Any) -> bool:
@@ -49,67 +57,6 @@ def need_reference_policy(config: Any) -> bool:
     """A reference policy runs: KL loss in the actor or KL penalty in the reward."""
     return bool(cfg_get(config, "actor_rollout_ref.actor.use_kl_loss", False)
                 or cfg_get(config, "algorithm.use_kl_in_reward", False))
-
-
-def repeat_interleave_lists(batch: dict[str, Any], n: int, keys=_PROMPT_LISTS) -> dict[str, list]:
-    """Each per-prompt list in ``batch`` repeated ``n`` times per entry (prompt-major, like vLLM's output)."""
-    return {k: [x for x in batch[k] for _ in range(n)] for k in keys if k in batch}
-
-
-@contextlib.contextmanager
-def _worker_failure(step: int, log_dir: Path):
-    """A Ray worker that dies (or raises) mid-step stops the run with its error, naming the step
-    and the last good checkpoint (left intact: checkpoints are only written between steps)."""
-    import ray
-
-    try:
-        yield
-    except ray.exceptions.RayError as err:
-        from megatron_rl.trainer.checkpoint import LATEST_FILE
-
-        latest = log_dir / LATEST_FILE
-        last = (f"the last good checkpoint is {log_dir}/global_step_{latest.read_text().strip()}"
-                if latest.is_file() else "no checkpoint was saved (trainer.save_freq)")
-        raise RuntimeError(f"step {step}: a worker failed, the run stops; {last}. Worker error: "
-                           f"{type(err).__name__}: {err}") from err
-
-
-def select_batch(batch: dict[str, Any], index: list[int]) -> dict[str, Any]:
-    """Rows ``index`` of every tensor (dim 0) and per-sample list of a rollout batch."""
-    import torch
-
-    idx = torch.as_tensor(index, dtype=torch.long)
-    out = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value):
-            out[key] = value.index_select(0, idx)
-        elif isinstance(value, list):
-            out[key] = [value[i] for i in index]
-        elif isinstance(value, dict):  # per-sample lists by name (reward extra info)
-            out[key] = {k: [v[i] for i in index] for k, v in value.items()}
-        else:
-            out[key] = value
-    return out
-
-
-def concat_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rollout batches (same fields; fixed prompt/response widths) stacked along the samples."""
-    import torch
-
-    first = batches[0]
-    out = {}
-    for key, value in first.items():
-        parts = [b[key] for b in batches]
-        if torch.is_tensor(value):
-            out[key] = torch.cat(parts)
-        elif isinstance(value, list):
-            out[key] = [x for part in parts for x in part]
-        elif isinstance(value, dict):
-            out[key] = {k: [x for part in parts for x in part.get(k, [None] * len(part[next(iter(part))]))]
-                        for k in value}
-        else:
-            out[key] = value
-    return out
 
 
 class RayPPOTrainer:
@@ -298,7 +245,7 @@ class RayPPOTrainer:
         while self.global_steps < total:
             self.global_steps += 1
             metrics, timing = {}, {}
-            with timer("step", timing), _worker_failure(self.global_steps, self.log_dir):
+            with timer("step", timing), worker_failure(self.global_steps, self.log_dir):
                 batch = self.rollout_and_score(metrics, timing)  # None: the rewards failed
                 if batch is not None:
                     self.train_step(batch, metrics, timing)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from megatron_rl.algos import agg_loss, get_policy_loss_fn
 from megatron_rl.config import ActorConfig, CriticConfig, OptimConfig
+from megatron_rl.algos.distillation import distillation_ppo_loss, resolve_distillation_config
 from megatron_rl.models.gpt import ModelConfig, build_model, build_transformer_config, hidden_states_output
 from parallel.context_parallel import gather_from_context_parallel, pad_length_for_context_parallel, zigzag_index
 
@@ -73,55 +74,6 @@ def _require(batch: Batch, *keys: str) -> None:
     missing = [k for k in keys if k not in batch]
     if missing:
         raise ValueError(f"batch is missing field(s) {missing}; it has {sorted(batch.keys())}")
-
-
-def _distillation_config(config: Any):
-    """``DistillationLossConfig`` from verl's ``distillation`` section, its ``distillation_loss``
-    part (typed, DictConfig or dict) or None; None when off. ``forward_kl_topk`` is refused."""
-    from megatron_rl.algos.distillation import TOPK_LOSS_MODES, DistillationLossConfig
-    from megatron_rl.algos.utils import cfg_get
-
-    if config is None:
-        return None
-    section = cfg_get(config, "distillation_loss", None)
-    if section is not None:  # the whole ``distillation`` section
-        if not cfg_get(config, "enabled", True):
-            return None
-        config = section
-    dcfg = DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
-    if dcfg.loss_mode in TOPK_LOSS_MODES:
-        raise ValueError(
-            f"distillation_loss.loss_mode={dcfg.loss_mode!r} needs the teacher's top-k log-probs and ids and the "
-            "student's vocab-parallel logits, which the Megatron engine does not compute yet; use a single-sample "
-            "estimator (kl/k1, abs, mse/k2, low_var_kl/k3) with teacher_log_probs"
-        )
-    return dcfg
-
-
-def _distillation_loss(mb: Batch, lp: torch.Tensor, task_loss: Optional[torch.Tensor], dcfg: Any, loss_agg_mode: str,
-                       gbi: dict) -> tuple[torch.Tensor, dict, dict]:
-    """verl's ``distillation_ppo_loss`` for one micro-batch: ``(total loss, metrics, {"min"|"max": metrics})``.
-
-    ``task_loss`` is the policy (+ entropy + KL) loss, or None where it was not computed.
-    """
-    from megatron_rl.algos.distillation import DistillationInputs, combine_with_policy_loss, compute_distillation_loss
-
-    mask = mb["response_mask"]
-    if mask.any():
-        inputs = DistillationInputs(
-            response_mask=mask, student_log_probs=lp, teacher_log_probs=mb["teacher_log_probs"],
-            old_log_probs=mb.get("old_log_probs"), rollout_is_weights=mb.get("rollout_is_weights"),
-        )
-        distill, metrics = compute_distillation_loss(inputs, dcfg, loss_agg_mode, gbi)
-    else:  # no response token: every aggregation of this micro-batch is 0 (and min/max are undefined)
-        distill, metrics = lp.sum() * 0.0, {}
-    extremes = {"min": {}, "max": {}}
-    for kind in ("min", "max"):
-        key = f"distillation/loss_{kind}"
-        if key in metrics:
-            extremes[kind][key] = metrics.pop(key)
-    total, metrics = combine_with_policy_loss(distill, metrics, dcfg, policy_loss=task_loss)
-    return total, metrics, extremes
 
 
 # ----------------------------------------------------------------------------- engine
@@ -408,7 +360,7 @@ class MegatronEngine:
         it is the whole loss. Adds ``distillation/*`` metrics (``loss_min``/``loss_max`` reduced by
         min/max over all tokens, the others like the ``actor/*`` metrics)."""
         cfg: ActorConfig = self.config
-        dcfg = _distillation_config(distillation_loss)
+        dcfg = resolve_distillation_config(distillation_loss)
         # verl still evaluates the task loss for its metrics in policy-gradient distillation.
         run_task = dcfg is None or dcfg.use_task_rewards or (dcfg.use_policy_gradient and "advantages" in batch)
         _require(batch, "input_ids", "attention_mask", "responses", "response_mask")
@@ -429,7 +381,7 @@ class MegatronEngine:
             if run_task:
                 loss, stats, pg_metrics = self._task_loss(mb, lp, ent, step_cfg, policy_loss_fn)
             if dcfg is not None:
-                loss, distill_metrics, extremes = _distillation_loss(mb, lp, loss if run_task else None, dcfg,
+                loss, distill_metrics, extremes = distillation_ppo_loss(mb, lp, loss if run_task else None, dcfg,
                                                                      cfg.loss_agg_mode, gbi)
                 stats["distillation/loss"] = distill_metrics.pop("distillation/loss")
                 pg_metrics.update(distill_metrics)
