@@ -33,7 +33,8 @@ def test_small_run_reports_agreeing_figures():
     result = json.loads(lines[-1])
     for key in ("grpo_ms", "grpo_loop_ms", "grpo_speedup_vs_loop", "gae_ms", "rloo_ms", "reinforce_plus_plus_ms",
                 "peak_rss_mib", "grpo_scores_only_speedup_vs_loop", "grpo_fresh_pages_ms", "grpo_loop_fresh_pages_ms",
-                "grpo_speedup_vs_loop_fresh_pages"):
+                "grpo_speedup_vs_loop_fresh_pages", "grpo_cpu_ms", "grpo_loop_cpu_ms", "grpo_speedup_vs_loop_cpu_time",
+                "grpo_speedup_vs_loop_fresh_pages_cpu_time"):
         assert result[key] > 0, key
     assert (result["num_responses"], result["group_size"], result["response_length"]) == (90, 4, 16)
     assert result["grpo_max_abs_diff_vs_loop"] <= 1e-5
@@ -63,11 +64,13 @@ def test_fresh_pages_flag_keeps_glibc_defaults_for_the_headline():
 def test_interleaved_timing_takes_turns_after_one_warmup_round():
     tool = _load_tool()
     calls = []
-    medians, times, results = tool.time_interleaved(
+    timings, results = tool.time_interleaved(
         {"a": lambda: calls.append("a") or len(calls), "b": lambda: calls.append("b") or len(calls)}, repeats=3)
     assert calls == ["a", "b"] * 4  # warm-up round + 3 timed rounds
-    assert results == {"a": 7, "b": 8} and [len(times["a"]), len(times["b"])] == [3, 3]
-    assert medians["a"] == sorted(times["a"])[1] and medians["b"] == sorted(times["b"])[1]
+    assert results == {"a": 7, "b": 8}
+    for name in ("a", "b"):
+        assert len(timings[name]["runs"]) == 3 and timings[name]["ms"] == sorted(timings[name]["runs"])[1]
+        assert timings[name]["cpu_ms"] >= 0
 
 
 def test_bad_size_is_rejected():

@@ -16,7 +16,8 @@ Timed, in one process on the same inputs, with ``--threads`` torch threads (defa
 
 ``grpo`` and ``grpo_loop`` take turns: one untimed warm-up call each, then ``--repeats`` rounds
 of one timed call each; the figures are the medians, so a change in machine load during the
-run hits both alike. They are also timed on the scores alone (``token_level_rewards`` of shape
+run hits both alike. ``*_cpu_ms`` / ``*_cpu_time`` are the same medians in process CPU time
+(user + system), which leaves out time spent waiting for a core another process holds. They are also timed on the scores alone (``token_level_rewards`` of shape
 ``[bs, 1]``), which isolates the per-group statistics from the ``[bs, T]`` memory traffic (one
 read of the rewards, one read of the mask, one write of the advantages) that both pay alike.
 
@@ -122,18 +123,27 @@ def time_ms(fn, repeats: int, warmup: int = 0) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def time_interleaved(fns: dict, repeats: int) -> tuple[dict, dict, dict]:
+def time_interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
     """Time several functions taking turns: one untimed warm-up round, then ``repeats`` rounds
-    of one timed call each. Returns ``(median ms, every time in ms, last result)`` by name."""
+    of one timed call each.
+
+    Returns ``(timings, last results)`` by name; a timing is ``{"ms": median wall time,
+    "cpu_ms": median process CPU time (user + system, so page zeroing counts; time spent
+    waiting for a busy core does not), "runs": every wall time}``, all in ms.
+    """
     results = {name: fn() for name, fn in fns.items()}
-    times: dict = {name: [] for name in fns}
+    wall: dict = {name: [] for name in fns}
+    cpu: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             results[name] = None  # free the previous output first, as a caller that moved on would
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             results[name] = fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}, times, results
+            cpu[name].append((time.process_time() - start_cpu) * 1e3)
+            wall[name].append((time.perf_counter() - start) * 1e3)
+    timings = {name: {"ms": statistics.median(wall[name]), "cpu_ms": statistics.median(cpu[name]),
+                      "runs": wall[name]} for name in fns}
+    return timings, results
 
 
 def retain_freed_memory() -> bool:
@@ -150,7 +160,7 @@ def retain_freed_memory() -> bool:
 
 def compare_grpo(batch: dict, common: dict, repeats: int, label: str) -> dict:
     """Vectorised vs loop GRPO on the full batch, taking turns; exits 1 if they disagree."""
-    medians, times, results = time_interleaved({
+    timings, results = time_interleaved({
         "grpo": lambda: ADV_ESTIMATORS["grpo"](**common)[0],
         "loop": lambda: grpo_loop_reference(batch["token_level_rewards"], batch["response_mask"], batch["index"]),
     }, repeats)
@@ -158,10 +168,12 @@ def compare_grpo(batch: dict, common: dict, repeats: int, label: str) -> dict:
     if not max_diff <= AGREEMENT_ATOL:
         print(f"FAIL: vectorised and loop GRPO advantages differ by {max_diff:.3e} > {AGREEMENT_ATOL}", flush=True)
         sys.exit(1)
-    print(f"grpo, {label}: vectorised {medians['grpo']:.1f} ms (runs {_fmt(times['grpo'])}), per-sample loop "
-          f"{medians['loop']:.1f} ms (runs {_fmt(times['loop'])}), speedup {medians['loop'] / medians['grpo']:.1f}x, "
+    vec, loop = timings["grpo"], timings["loop"]
+    print(f"grpo, {label}: vectorised {vec['ms']:.1f} ms (runs {_fmt(vec['runs'])}), per-sample loop "
+          f"{loop['ms']:.1f} ms (runs {_fmt(loop['runs'])}), speedup {loop['ms'] / vec['ms']:.1f}x "
+          f"(CPU time: {vec['cpu_ms']:.1f} vs {loop['cpu_ms']:.1f} ms, {loop['cpu_ms'] / vec['cpu_ms']:.1f}x), "
           f"max |vectorised - loop| = {max_diff:.3e}", flush=True)
-    return {"grpo_ms": medians["grpo"], "loop_ms": medians["loop"], "max_diff": max_diff}
+    return {"vec": vec, "loop": loop, "max_diff": max_diff}
 
 
 def _fmt(times: list) -> str:
@@ -173,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-responses", type=int, default=65536)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--response-length", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=5,
+    p.add_argument("--repeats", type=int, default=7,
                    help="timed rounds (median) of each GRPO implementation, after one warm-up round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
@@ -199,15 +211,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     scores = batch["token_level_rewards"].sum(dim=-1, keepdim=True)  # [bs, 1]
     scores_only = {"token_level_rewards": scores, "response_mask": torch.ones_like(scores), "index": batch["index"]}
-    scores_medians, _, scores_results = time_interleaved({
+    scores_timings, scores_results = time_interleaved({
         "grpo": lambda: ADV_ESTIMATORS["grpo"](**scores_only)[0],
         "loop": lambda: grpo_loop_reference(scores, scores_only["response_mask"], batch["index"]),
     }, args.repeats)
     if not (scores_results["grpo"] - scores_results["loop"]).abs().max().item() <= AGREEMENT_ATOL:
         print("FAIL: vectorised and loop GRPO disagree on the scores alone", flush=True)
         sys.exit(1)
-    print(f"grpo on scores alone [bs, 1]: vectorised {scores_medians['grpo']:.1f} ms, loop "
-          f"{scores_medians['loop']:.1f} ms", flush=True)
+    print(f"grpo on scores alone [bs, 1]: vectorised {scores_timings['grpo']['ms']:.1f} ms, loop "
+          f"{scores_timings['loop']['ms']:.1f} ms", flush=True)
 
     others = {}
     # The token-level recursions take seconds at full size: timed once.
@@ -230,16 +242,20 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "allocator": "glibc, freed memory reused" if retained else "glibc defaults (fresh pages)",
-        "grpo_ms": round(headline["grpo_ms"], 3),
-        "grpo_loop_ms": round(headline["loop_ms"], 3),
-        "grpo_speedup_vs_loop": round(headline["loop_ms"] / headline["grpo_ms"], 2),
+        "grpo_ms": round(headline["vec"]["ms"], 3),
+        "grpo_loop_ms": round(headline["loop"]["ms"], 3),
+        "grpo_speedup_vs_loop": round(headline["loop"]["ms"] / headline["vec"]["ms"], 2),
         "grpo_max_abs_diff_vs_loop": max(headline["max_diff"], fresh["max_diff"]),
-        "grpo_fresh_pages_ms": round(fresh["grpo_ms"], 3),
-        "grpo_loop_fresh_pages_ms": round(fresh["loop_ms"], 3),
-        "grpo_speedup_vs_loop_fresh_pages": round(fresh["loop_ms"] / fresh["grpo_ms"], 2),
-        "grpo_scores_only_ms": round(scores_medians["grpo"], 3),
-        "grpo_loop_scores_only_ms": round(scores_medians["loop"], 3),
-        "grpo_scores_only_speedup_vs_loop": round(scores_medians["loop"] / scores_medians["grpo"], 1),
+        "grpo_cpu_ms": round(headline["vec"]["cpu_ms"], 3),
+        "grpo_loop_cpu_ms": round(headline["loop"]["cpu_ms"], 3),
+        "grpo_speedup_vs_loop_cpu_time": round(headline["loop"]["cpu_ms"] / headline["vec"]["cpu_ms"], 2),
+        "grpo_fresh_pages_ms": round(fresh["vec"]["ms"], 3),
+        "grpo_loop_fresh_pages_ms": round(fresh["loop"]["ms"], 3),
+        "grpo_speedup_vs_loop_fresh_pages": round(fresh["loop"]["ms"] / fresh["vec"]["ms"], 2),
+        "grpo_speedup_vs_loop_fresh_pages_cpu_time": round(fresh["loop"]["cpu_ms"] / fresh["vec"]["cpu_ms"], 2),
+        "grpo_scores_only_ms": round(scores_timings["grpo"]["ms"], 3),
+        "grpo_loop_scores_only_ms": round(scores_timings["loop"]["ms"], 3),
+        "grpo_scores_only_speedup_vs_loop": round(scores_timings["loop"]["ms"] / scores_timings["grpo"]["ms"], 1),
         **{f"{name}_ms": round(ms, 3) for name, ms in others.items()},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "thp": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
