@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "recipes" / "slurm" / "train.sbatch"
 CLUSTER_SH = REPO / "recipes" / "slurm" / "ray_cluster.sh"
 WAIT_PY = REPO / "recipes" / "slurm" / "wait_for_ray.py"
+SUBMIT_SH = REPO / "recipes" / "slurm" / "submit_ray_job.sh"
 
 # The CPU toy recipe shrunk to ~1 min on 2 cores: 4 prompts x 2 samples, no SFT warm-up, 2 steps.
 TOY = ["trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "data.train_batch_size=4",
@@ -92,8 +93,8 @@ def _free_port_block(n: int = 3) -> int:
 
 def _job_env(slurm: SlurmCluster, ray_tmp: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not (k.startswith("SLURM_") or k.startswith("RAY_"))}
-    env.update(SLURM_CONF=str(slurm.conf), MEGATRON_RL_PYTHON=sys.executable, RAY_PORT=str(_free_port_block()),
-               RAY_TMPDIR=str(ray_tmp), **extra)
+    env.update({"SLURM_CONF": str(slurm.conf), "MEGATRON_RL_PYTHON": sys.executable,
+                "RAY_PORT": str(_free_port_block()), "RAY_TMPDIR": str(ray_tmp), **extra})
     return env
 
 
@@ -250,6 +251,20 @@ def test_worker_started_by_srun_joins(slurm, tmp_path):
     assert _ray_procs(ray_tmp) == []
 
 
+def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path):
+    ray_tmp = _ray_tmp()
+    env = _job_env(slurm, ray_tmp, RAY_START_ARGS="--no-such-option")
+    rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, str(CLUSTER_SH), "echo", "never-runs"])
+    assert rc == 3, f"{text}\n{out}"
+    logs = tmp_path / "logs" / job
+    assert (f"ERROR: the Ray start step for node(s) {slurm.node} exited before joining the cluster at "
+            f"127.0.0.1:{env['RAY_PORT']}; missing 1 of 1 node(s): {slurm.node} (log: {logs}/ray-head-{slurm.node}.log)"
+            ) in out
+    assert f"]   {slurm.node}: Error: No such option '--no-such-option'." in out
+    assert "never-runs" not in out and "Ray stopped in" in out
+    assert _ray_procs(ray_tmp) == []
+
+
 def test_join_timeout_names_missing_nodes(tmp_path):
     port = _free_port_block(1)  # nothing listens there
     start = time.monotonic()
@@ -281,3 +296,52 @@ def test_training_failure_is_the_job_exit_status(slurm, tmp_path):
     assert _ray_procs(ray_tmp) == []
     state = subprocess.run(["scontrol", "show", "job", job], env=slurm.env, capture_output=True, text=True).stdout
     assert "JobState=FAILED" in state and "ExitCode=2:0" in state
+
+
+def test_submit_ray_job_arguments_and_address(tmp_path):
+    """submit_ray_job.sh's argument checks, and that it asks the given job server (none runs there)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["MEGATRON_RL_PYTHON"] = sys.executable
+    usage = subprocess.run([str(SUBMIT_SH)], env=env, capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and usage.stderr == "usage: submit_ray_job.sh [--address URL] RECIPE [key=value ...]\n"
+    bad = subprocess.run([str(SUBMIT_SH), "grpo"], env=dict(env, RAY_JOB_ENV_VARS="NCCL_DEBUG=WARN B"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "submit_ray_job.sh: RAY_JOB_ENV_VARS entries must be NAME=VALUE, got ['B']"
+    port = _free_port_block(1)
+    proc = subprocess.run([str(SUBMIT_SH), "--address", f"http://127.0.0.1:{port}", "grpo", "trainer.total_training_steps=1"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.startswith(f"submit_ray_job.sh: {REPO} -> http://127.0.0.1:{port}: megatron-rl train grpo "
+                                  "trainer.total_training_steps=1\n")
+    assert f"ConnectionError: Failed to connect to Ray at address: http://127.0.0.1:{port}." in proc.stderr
+
+
+def _dashboard_python() -> str | None:
+    """A Python with Ray's dashboard (job server) dependencies: this one, or
+    $MEGATRON_RL_TEST_DASHBOARD_PYTHON (e.g. a venv over the system site-packages plus aiohttp_cors,
+    opencensus, opentelemetry-sdk/-exporter-prometheus/-proto, prometheus_client)."""
+    for py in (os.environ.get("MEGATRON_RL_TEST_DASHBOARD_PYTHON"), sys.executable):
+        if py and subprocess.run([py, "-c", "import ray.dashboard.optional_deps"], capture_output=True).returncode == 0:
+            return py
+    return None
+
+
+def test_submit_ray_job_trains_on_the_job_cluster(slurm, tmp_path):
+    """The `ray job submit` path for real: a SLURM job starts Ray with the dashboard (job server) and
+    runs submit_ray_job.sh against it; the toy run trains 2 steps through the job server."""
+    py = _dashboard_python()
+    if py is None:
+        pytest.skip("Ray's dashboard/job server dependencies (ray[default]) are not installed")
+    ray_tmp = _ray_tmp()
+    port = _free_port_block(1)
+    env = _job_env(slurm, ray_tmp, MEGATRON_RL_PYTHON=py, RAY_DASHBOARD="true", RAY_DASHBOARD_PORT=str(port),
+                   RAY_JOB_ADDRESS=f"http://127.0.0.1:{port}")
+    run_dir = tmp_path / "run"
+    rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, "--exclusive", str(CLUSTER_SH), str(SUBMIT_SH),
+                                                         "grpo", *TOY, f"trainer.default_local_dir={run_dir}"])
+    assert rc == 0, f"{text}\n{out}"
+    assert re.search(r"Job 'raysubmit_\w+' succeeded", out)
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert (run_dir / "final_hf" / "config.json").exists()
+    assert _ray_procs(ray_tmp) == []

@@ -190,7 +190,23 @@ done
 
 "$PY" "$SLURM_DIR/wait_for_ray.py" --address "$ADDRESS" --nodes "${NODES[@]}" \
     --timeout "${RAY_JOIN_TIMEOUT_S:-300}" --log-dir "$LOG_DIR" "${LAUNCHERS[@]}" &
-wait $!
+WAIT_PID=$!
+# A head that dies while the wait's driver is connecting can leave that driver blocked for a
+# minute (Ray's GCS reconnect timeout): watch the head here as well.
+while kill -0 "$WAIT_PID" 2>/dev/null; do
+    if ! kill -0 "$HEAD_PID" 2>/dev/null; then
+        sleep 1  # let the wait report it first when it can
+        kill -0 "$WAIT_PID" 2>/dev/null || break
+        log "ERROR: the Ray head on $HEAD exited while the nodes were joining (log: $LOG_DIR/ray-head-$HEAD.log):"
+        tail -n 5 "$LOG_DIR/ray-head-$HEAD.log" | sed 's/^/    /'
+        kill -KILL "$WAIT_PID" 2>/dev/null  # a driver blocked in ray.init does not act on TERM
+        wait "$WAIT_PID" 2>/dev/null
+        teardown
+        exit 3
+    fi
+    sleep 0.5
+done
+wait "$WAIT_PID"
 rc=$?
 if [[ $rc != 0 ]]; then
     [[ $rc == 3 ]] || log "ERROR: wait_for_ray.py failed with exit status $rc"
