@@ -29,7 +29,7 @@ def ensure_slurm_installed(timeout_s: float = 600) -> str | None:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "slurm-wlm/munge are not installed and cannot be (needs root and apt-get)"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", *PACKAGES]):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 and cmd[1] == "install":
             return f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()[-500:]}"
