@@ -12,7 +12,11 @@ slurmctld and slurmd, and stops them by PID at the end (checking they are gone).
 * a node that never joins (a node list with a host that does not exist) fails the job with exit
   status 3 and an error naming that node and its log, and Ray is torn down;
 * the wait itself, with no Ray head at all, times out after RAY_JOIN_TIMEOUT_S naming the nodes;
-* a training failure (an unknown adv_estimator) is the job's exit status, and Ray is torn down.
+* a training failure (an unknown adv_estimator) is the job's exit status, and Ray is torn down;
+* a worker started by srun joins the head; a head that cannot start fails the job at once;
+  scancel tears Ray down (exit 143);
+* submit_ray_job.sh: argument errors and the address it asks; the real ``ray job submit`` run
+  where Ray's dashboard dependencies are installed.
 """
 
 from __future__ import annotations
@@ -262,6 +266,35 @@ def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path):
             ) in out
     assert f"]   {slurm.node}: Error: No such option '--no-such-option'." in out
     assert "never-runs" not in out and "Ray stopped in" in out
+    assert _ray_procs(ray_tmp) == []
+
+
+def test_scancel_tears_ray_down(slurm, tmp_path):
+    """scancel (and the time limit) sends SIGTERM: the command is stopped, Ray torn down, nothing left."""
+    ray_tmp = _ray_tmp()
+    env = _job_env(slurm, ray_tmp)
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *CPU_JOB, str(CLUSTER_SH),
+                           "sleep", "300"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    out_file = tmp_path / f"slurm-{job}.out"
+    deadline = time.monotonic() + 120
+    while not (out_file.exists() and "running: sleep 300" in out_file.read_text()):
+        assert time.monotonic() < deadline, out_file.read_text() if out_file.exists() else "no job output"
+        time.sleep(0.5)
+    start = time.monotonic()
+    subprocess.run(["scancel", job], env=slurm.env, check=True)
+    while True:
+        info = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True,
+                              text=True).stdout
+        queued = subprocess.run(["squeue", "-h", "-j", job], env=slurm.env, capture_output=True, text=True).stdout
+        if "JobState=CANCELLED" in info and not queued.strip():
+            break
+        assert time.monotonic() - start < 60, info
+        time.sleep(0.5)
+    out = out_file.read_text()
+    assert "received SIGTERM: stopping the command and Ray" in out and "Ray stopped in" in out, out
+    assert "ExitCode=143:0" in info  # 128 + SIGTERM, from the script's trap
     assert _ray_procs(ray_tmp) == []
 
 
