@@ -67,9 +67,13 @@ if [[ "${1:-}" == "--start-node" ]]; then
     else
         args+=(--address="$address")
     fi
-    # shellcheck disable=SC2206  # space-separated lists of extra `ray start` options
-    args+=(${RAY_START_ARGS:-})
-    [[ "$role" == worker ]] && args+=(${RAY_WORKER_START_ARGS:-})
+    # space-separated lists of extra `ray start` options
+    read -r -a extra <<<"${RAY_START_ARGS:-}"
+    args+=("${extra[@]}")
+    if [[ "$role" == worker ]]; then
+        read -r -a extra <<<"${RAY_WORKER_START_ARGS:-}"
+        args+=("${extra[@]}")
+    fi
     log "$role $node ($(hostname)): ray ${args[*]}"
     exec "${RAY_CLI[@]}" "${args[@]}"
 fi
@@ -150,11 +154,11 @@ teardown() {
         wait "$pid" 2>/dev/null
     done
     # Processes of this job's Ray session still alive on this node (detached workers and the like).
-    local left
-    left=$(pgrep -f -- "$RAY_TMPDIR/" 2>/dev/null | grep -vx "$$" || true)
-    if [[ -n "$left" ]]; then
-        log "killing leftover Ray processes on $HEAD: $(echo $left)"
-        kill -KILL $left 2>/dev/null
+    local left=()
+    mapfile -t left < <(pgrep -f -- "$RAY_TMPDIR/" 2>/dev/null | grep -vx "$$")
+    if [[ ${#left[@]} -gt 0 ]]; then
+        log "killing leftover Ray processes on $HEAD: ${left[*]}"
+        kill -KILL "${left[@]}" 2>/dev/null
     fi
     if [[ "${RAY_STOP_ALL:-0}" == 1 ]]; then
         srun --overlap --nodes="${#NODES[@]}" --ntasks-per-node=1 "${RAY_CLI[@]}" stop --force >>"$LOG_DIR/ray-stop.log" 2>&1
@@ -162,6 +166,7 @@ teardown() {
     log "Ray stopped in $((SECONDS - t0))s"
 }
 
+# shellcheck disable=SC2317  # called from the traps below
 on_signal() {
     local sig=$1
     log "received SIG$sig: stopping the command and Ray"

@@ -52,8 +52,7 @@ print(json.dumps({
 EOF
 ) || exit 2
 
-# shellcheck disable=SC2206  # a space-separated list of extra options
-extra=(${RAY_JOB_SUBMIT_ARGS:-})
+read -r -a extra <<<"${RAY_JOB_SUBMIT_ARGS:-}"  # a space-separated list of extra options
 echo "submit_ray_job.sh: $home -> $address: megatron-rl train $*"
 exec "$PY" -m ray.scripts.scripts job submit --address "$address" --runtime-env-json "$runtime_env" "${extra[@]}" \
     -- python -m megatron_rl.cli train "$@" --no-progress
