@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def slurm():
         time.sleep(0.5)
     cluster.stop()
     assert cluster.pids_alive() == [], f"SLURM daemons still running after stop: {cluster.pids_alive()}"
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _free_port_block(n: int = 3) -> int:
@@ -102,9 +104,13 @@ def _job_env(slurm: SlurmCluster, ray_tmp: Path, **extra: str) -> dict[str, str]
     return env
 
 
-def _ray_tmp() -> Path:
-    # Short, unique: Ray's unix socket paths under it must stay below ~107 characters.
-    return Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+@pytest.fixture
+def ray_tmp():
+    """The job's RAY_TMPDIR: short and unique (Ray's unix socket paths under it must stay below
+    ~107 characters, which pytest's tmp_path can exceed); removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _sbatch(slurm: SlurmCluster, cwd: Path, env: dict, args: list[str], timeout: float = 400, wait: bool = False):
@@ -152,8 +158,7 @@ def _ray_procs(ray_tmp: Path) -> list[str]:
     return procs
 
 
-def test_train_sbatch_end_to_end(slurm, tmp_path):
-    ray_tmp = _ray_tmp()
+def test_train_sbatch_end_to_end(slurm, tmp_path, ray_tmp):
     run_dir = tmp_path / "run"
     start = time.monotonic()
     rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
@@ -198,8 +203,7 @@ def test_too_many_nodes_is_refused(slurm, tmp_path):
     assert "Submitted" not in proc.stdout
 
 
-def test_node_that_never_joins_fails_the_job(slurm, tmp_path):
-    ray_tmp = _ray_tmp()
+def test_node_that_never_joins_fails_the_job(slurm, tmp_path, ray_tmp):
     env = _job_env(slurm, ray_tmp, RAY_SLURM_NODES=f"{slurm.node} ghost01", RAY_JOIN_TIMEOUT_S="60")
     start = time.monotonic()
     rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, str(CLUSTER_SH), "echo", "never-runs"])
@@ -233,10 +237,9 @@ print("PROBE", len(nodes), ray.cluster_resources()["CPU"], ray.cluster_resources
 """
 
 
-def test_worker_started_by_srun_joins(slurm, tmp_path):
+def test_worker_started_by_srun_joins(slurm, tmp_path, ray_tmp):
     # The node list names this node twice: the second Ray node is started the way every worker
     # node is, by `srun --overlap -N1 -n1 -w <node>`, and joins the head over TCP.
-    ray_tmp = _ray_tmp()
     env = _job_env(slurm, ray_tmp, RAY_SLURM_NODES=f"{slurm.node} {slurm.node}", RAY_JOIN_TIMEOUT_S="120",
                    RAY_WORKER_START_ARGS=f"--dashboard-agent-listen-port={_free_port_block(1)}")
     start = time.monotonic()
@@ -255,8 +258,7 @@ def test_worker_started_by_srun_joins(slurm, tmp_path):
     assert _ray_procs(ray_tmp) == []
 
 
-def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path):
-    ray_tmp = _ray_tmp()
+def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path, ray_tmp):
     env = _job_env(slurm, ray_tmp, RAY_START_ARGS="--no-such-option")
     rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, str(CLUSTER_SH), "echo", "never-runs"])
     assert rc == 3, f"{text}\n{out}"
@@ -269,9 +271,8 @@ def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path):
     assert _ray_procs(ray_tmp) == []
 
 
-def test_scancel_tears_ray_down(slurm, tmp_path):
+def test_scancel_tears_ray_down(slurm, tmp_path, ray_tmp):
     """scancel (and the time limit) sends SIGTERM: the command is stopped, Ray torn down, nothing left."""
-    ray_tmp = _ray_tmp()
     env = _job_env(slurm, ray_tmp)
     proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *CPU_JOB, str(CLUSTER_SH),
                            "sleep", "300"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
@@ -315,8 +316,7 @@ def test_join_timeout_names_missing_nodes(tmp_path):
     assert bad.returncode == 2 and "--launcher must be NODE=PID, got 'a:12'" in bad.stderr
 
 
-def test_training_failure_is_the_job_exit_status(slurm, tmp_path):
-    ray_tmp = _ray_tmp()
+def test_training_failure_is_the_job_exit_status(slurm, tmp_path, ray_tmp):
     start = time.monotonic()
     rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
                                  [*CPU_JOB, str(SBATCH), "grpo", *TOY, "algorithm.adv_estimator=nope",
@@ -360,13 +360,12 @@ def _dashboard_python() -> str | None:
     return None
 
 
-def test_submit_ray_job_trains_on_the_job_cluster(slurm, tmp_path):
+def test_submit_ray_job_trains_on_the_job_cluster(slurm, tmp_path, ray_tmp):
     """The `ray job submit` path for real: a SLURM job starts Ray with the dashboard (job server) and
     runs submit_ray_job.sh against it; the toy run trains 2 steps through the job server."""
     py = _dashboard_python()
     if py is None:
         pytest.skip("Ray's dashboard/job server dependencies (ray[default]) are not installed")
-    ray_tmp = _ray_tmp()
     port = _free_port_block(1)
     env = _job_env(slurm, ray_tmp, MEGATRON_RL_PYTHON=py, RAY_DASHBOARD="true", RAY_DASHBOARD_PORT=str(port),
                    RAY_JOB_ADDRESS=f"http://127.0.0.1:{port}")
