@@ -43,13 +43,6 @@ class FlakyScore:
         return min(1.0, len(set(solution_str)) / 8)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _trainer(tmp_path, overrides):
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose

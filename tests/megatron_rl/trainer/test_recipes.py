@@ -78,13 +78,6 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
     return min(1.0, len(set(solution_str)) / 8)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("recipe", [*sorted(RECIPES), *VARIANTS])
 def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
     from megatron_rl.config import TrainerRunConfig
