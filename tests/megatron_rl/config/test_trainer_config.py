@@ -14,6 +14,7 @@ from parallel.config import ParallelConfig
 
 ALGOS = ["dapo", "dr_grpo", "grpo", "gspo", "opd", "ppo", "reinforce_plus_plus", "remax", "rloo"]
 GPU = [f"gpu/qwen3_30b_a3b_{name}" for name in ALGOS]
+GPU_SCALE = [f"gpu/{model}_{algo}" for model in ("llama3_1_70b", "qwen3_235b_a22b") for algo in ("dapo", "grpo")]
 
 # recipe -> (adv_estimator, loss_mode, loss_agg_mode, needs_critic, needs_reference, needs_teacher)
 EXPECTED = {
@@ -37,7 +38,7 @@ def _error(recipe, overrides=()):
 
 # ----------------------------------------------------------------------------- recipes
 def test_recipe_list_is_complete():
-    assert list_recipes() == sorted(ALGOS + GPU)
+    assert list_recipes() == sorted(ALGOS + GPU + GPU_SCALE)
 
 
 @pytest.mark.parametrize("name", ALGOS + GPU)
@@ -99,7 +100,7 @@ def test_default_recipe_is_the_cpu_grpo_toy():
 def test_algorithm_specific_settings():
     dapo = load_config("dapo")
     assert (dapo.actor_rollout_ref.actor.clip_ratio_low, dapo.actor_rollout_ref.actor.clip_ratio_high) == (0.2, 0.28)
-    assert (dapo.algorithm.filter_groups.enable, dapo.algorithm.filter_groups.metric) == (True, "acc")
+    assert (dapo.algorithm.filter_groups.enable, dapo.algorithm.filter_groups.metric) == (True, "score")
     buf = dapo.reward.reward_kwargs.overlong_buffer_cfg
     assert (buf.enable, buf.len, buf.penalty_factor, dapo.data.gen_batch_size) == (True, 4, 1.0, 32)
     assert load_config("dr_grpo").algorithm.norm_adv_by_std_in_grpo is False
@@ -194,7 +195,7 @@ def test_unknown_key_in_yaml_names_file_and_suggestion(tmp_path):
 
 def test_unknown_recipe_lists_the_built_in_ones():
     assert _error("grpx") == (f"unknown recipe 'grpx': not a file and not a built-in recipe; built-in recipes: "
-                              f"{sorted(ALGOS + GPU)}; did you mean 'grpo' or 'dr_grpo' or 'gspo'?")
+                              f"{sorted(ALGOS + GPU + GPU_SCALE)}; did you mean 'grpo' or 'dr_grpo' or 'gspo'?")
 
 
 # ----------------------------------------------------------------------------- names and numbers

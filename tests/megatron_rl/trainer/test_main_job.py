@@ -85,7 +85,11 @@ def test_main_job_reduced(tmp_path):
                                f"trainer.default_local_dir={out}"], progress=False)
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Step 0 is the validation before training (greedy, held-out prompts); the last step validates too.
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert 0.0 <= rows[0]["val-core/toy_reverse/reward/mean@1"] <= 1.0 and "critic/score/mean" not in rows[0]
+    assert "val-core/toy_reverse/reward/mean@1" in rows[-1]
+    rows = rows[1:]
     for r in rows:
         assert 0.0 <= r["critic/score/mean"] <= 1.0 and math.isfinite(r["actor/grad_norm"])
         assert r["weight_sync/bytes"] > 0
