@@ -105,6 +105,7 @@ class RayPPOTrainer:
         distill = cfg_get(config, "distillation")
         self.distillation_loss = cfg_get(distill, "distillation_loss") if cfg_get(distill, "enabled", False) else None
         self.remax = cfg_get(config, "algorithm.adv_estimator") == "remax"
+        self._weight_sync_connected = False
         self.global_steps = 0
         self.last_reward_error = ""
         self.actor = self.ref = self.critic = self.rollout = self.rm = self.teacher = None
@@ -452,13 +453,22 @@ class RayPPOTrainer:
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
-        """Actor (all ranks gather to rank 0, HF names) -> rollout engine, in place."""
+        """Actor -> rollout engine, in place. ``checkpoint_engine.backend`` ``broadcast`` / ``shm``:
+        streamed bucket by bucket from actor rank 0 over a gloo side band (the model is never
+        whole anywhere; ``megatron_rl.workers.weight_sync``). ``colocated`` / ``bytes``: rank 0
+        gathers the HF tensors and hands them over through Ray's object store (small models)."""
         import ray
 
-        arr = cfg_get(self.config, "actor_rollout_ref")
-        mb = float(cfg_get(arr, "rollout.checkpoint_engine.update_weights_bucket_megabytes", 256) or 256)
-        weights = self.actor.export_weights(bucket_bytes=int(mb * 2**20))
-        stats = ray.get(self.rollout.update_weights.remote(weights))
+        ce = cfg_get(self.config, "actor_rollout_ref.rollout.checkpoint_engine")
+        backend = cfg_get(ce, "backend", "colocated")
+        mb = float(cfg_get(ce, "update_weights_bucket_megabytes", 256) or 256)
+        if backend in ("broadcast", "shm"):
+            if not self._weight_sync_connected:
+                self.actor.connect_weight_sync(self.rollout, transport=backend, bucket_megabytes=mb)
+                self._weight_sync_connected = True
+            stats = self.actor.sync_weights(self.rollout)
+        else:
+            stats = ray.get(self.rollout.update_weights.remote(self.actor.export_weights(bucket_bytes=int(mb * 2**20))))
         return {"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": float(stats["seconds"])}
 
     # -- validation ----------------------------------------------------------------------------

@@ -180,6 +180,29 @@ class MegatronWorker:
                self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)]
         return out if self.rank == 0 else None
 
+    # -- streamed weight sync to a remote rollout worker (megatron_rl.workers.weight_sync) ------
+    def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float,
+                           dtype: Optional[str] = None) -> Optional[tuple[str, int]]:
+        """Collective: build this rank's ``ActorWeightSync``; rank 0 hosts the side-band group and
+        returns ``(addr, port)`` for the rollout worker, the others None."""
+        import ray
+
+        from megatron_rl.workers.weight_sync import ActorWeightSync
+
+        if self.weight_map is None:
+            raise ValueError("weight sync needs the HF family of the model: build the group with hf_dir")
+        self._weight_sync = ActorWeightSync.from_engine(self.engine, self.weight_map, mesh=self.mesh,
+                                                        dtype=getattr(torch, dtype) if dtype else None,
+                                                        bucket_megabytes=bucket_megabytes)
+        return self._weight_sync.listen(world_size, transport=transport, master_addr=ray.util.get_node_ip_address())
+
+    def weight_sync_connect(self) -> None:
+        self._weight_sync.connect()
+
+    def weight_sync(self) -> dict[str, Any]:
+        """Collective: stream the current weights bucket by bucket (rank 0 sends)."""
+        return self._weight_sync.sync()
+
     def shutdown(self) -> None:
         from parallel.mesh import destroy_mesh
 
@@ -309,6 +332,28 @@ class MegatronWorkerGroup:
 
         ray.get([w.load_checkpoint.remote(str(path), load_optimizer) for w in self.workers])
 
+    def connect_weight_sync(self, rollout, transport: str = "broadcast", bucket_megabytes: float = 128.0,
+                            dtype: Optional[str] = None) -> None:
+        """Join actor rank 0 and the ``RolloutWorker`` actor ``rollout`` in a gloo side band
+        (``transport`` ``broadcast`` or ``shm``, the latter when both share a node); afterwards
+        ``sync_weights(rollout)`` streams the weights without gathering the model anywhere."""
+        import ray
+
+        world = 1 + int(ray.get(rollout.tensor_parallel_size.remote()))
+        listened = ray.get([w.weight_sync_listen.remote(world, transport, bucket_megabytes, dtype) for w in self.workers])
+        addr, port = listened[0]
+        ray.get([w.weight_sync_connect.remote() for w in self.workers] + [rollout.weight_sync_connect.remote(addr, port, world)])
+
+    def sync_weights(self, rollout) -> dict[str, Any]:
+        """One streamed sync into ``rollout`` (after ``connect_weight_sync``): rank 0's stats
+        merged with the receiver's."""
+        import ray
+
+        sent = [w.weight_sync.remote() for w in self.workers]
+        received = rollout.weight_sync_receive.remote()
+        out = ray.get(sent)[0]
+        return {**out, "receiver_seconds": ray.get(received)["seconds"]}
+
     def export_weights(self, bucket_bytes: int = 1 << 28, dtype: Optional[str] = None):
         """ObjectRef to rank 0's HF ``(name, tensor)`` list (all ranks take part in the gather)."""
         refs = [w.export_weights.remote(bucket_bytes, dtype) for w in self.workers]
@@ -351,6 +396,20 @@ class RolloutWorker:
 
     def pad_token_id(self) -> int:
         return self.rollout.pad_token_id
+
+    def tensor_parallel_size(self) -> int:
+        return int(self.rollout.config.tensor_model_parallel_size)
+
+    def weight_sync_connect(self, addr: str, port: int, world_size: int) -> list[int]:
+        """Join actor rank 0's side-band group (``MegatronWorkerGroup.connect_weight_sync``)."""
+        from megatron_rl.workers.weight_sync import RolloutWeightReceiver
+
+        self._receiver = RolloutWeightReceiver(self.rollout, addr, port, world_size)
+        return self._receiver.connect()
+
+    def weight_sync_receive(self) -> dict[str, Any]:
+        """Receive one streamed sync (runs while the actor ranks run ``weight_sync``)."""
+        return self._receiver.receive()
 
     def shutdown(self) -> None:
         self.rollout.shutdown()

