@@ -43,6 +43,7 @@ __all__ = [
     "compute_forward_kl_topk",
     "compute_distillation_loss",
     "combine_with_policy_loss",
+    "topk_distillation_from_log_probs",
     "resolve_distillation_config",
     "distillation_ppo_loss",
 ]
@@ -191,6 +192,22 @@ def compute_forward_kl_topk(
         # log_softmax is monotonic: the student's top-k of logits and of log-probs agree.
         student_topk_ids = torch.topk(student_logits, k=k, dim=-1).indices
         student_topk_log_probs = _topk_log_probs_chunked(student_logits, teacher_topk_ids, chunk_size)
+    return topk_distillation_from_log_probs(student_topk_log_probs, student_topk_ids, teacher_topk_log_probs,
+                                            teacher_topk_ids, log_prob_min_clamp)
+
+
+def topk_distillation_from_log_probs(
+    student_topk_log_probs: torch.Tensor,
+    student_topk_ids: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    log_prob_min_clamp: Optional[float] = -10.0,
+) -> TopKDistillation:
+    """The top-k forward KL from log-probs already gathered (all ``[bs, T, K]``): the student's
+    log-probs *at the teacher's top-k ids* (differentiable), the student's own top-k ids, and the
+    teacher's top-k log-probs / ids. ``compute_forward_kl_topk`` on full logits and the Megatron
+    engine on vocab-parallel logits (``parallel.vocab_parallel_topk``) share this math."""
+    k = teacher_topk_ids.shape[-1]
     student_mass = student_topk_log_probs.exp().sum(dim=-1)
     teacher_mass = teacher_topk_log_probs.exp().sum(dim=-1)
     if log_prob_min_clamp is not None:
@@ -334,7 +351,7 @@ def combine_with_policy_loss(
 
 def resolve_distillation_config(config: Any):
     """``DistillationLossConfig`` from verl's ``distillation`` section, its ``distillation_loss``
-    part (typed, DictConfig or dict) or None; None when off. ``forward_kl_topk`` is refused."""
+    part (typed, DictConfig or dict) or None; None when off."""
     if config is None:
         return None
     section = cfg_get(config, "distillation_loss", None)
@@ -342,28 +359,22 @@ def resolve_distillation_config(config: Any):
         if not cfg_get(config, "enabled", True):
             return None
         config = section
-    dcfg = DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
-    if dcfg.loss_mode in TOPK_LOSS_MODES:
-        raise ValueError(
-            f"distillation_loss.loss_mode={dcfg.loss_mode!r} needs the teacher's top-k log-probs and ids and the "
-            "student's vocab-parallel logits, which the Megatron engine does not compute yet; use a single-sample "
-            "estimator (kl/k1, abs, mse/k2, low_var_kl/k3) with teacher_log_probs"
-        )
-    return dcfg
+    return DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
 
 
 def distillation_ppo_loss(mb: Mapping[str, torch.Tensor], lp: torch.Tensor, task_loss: Optional[torch.Tensor], dcfg: Any, loss_agg_mode: str,
-                       gbi: dict) -> tuple[torch.Tensor, dict, dict]:
+                          gbi: dict, topk: Optional[TopKDistillation] = None) -> tuple[torch.Tensor, dict, dict]:
     """verl's ``distillation_ppo_loss`` for one micro-batch of the engine: ``(total loss, metrics,
     {"min"|"max": metrics})``. ``mb`` holds ``response_mask``, ``teacher_log_probs`` and (policy-gradient
-    mode) ``old_log_probs`` / ``rollout_is_weights``; ``lp`` the student's log-probs.
+    mode) ``old_log_probs`` / ``rollout_is_weights``; ``lp`` the student's log-probs; ``topk`` the
+    ``forward_kl_topk`` terms (``topk_distillation_from_log_probs``).
 
     ``task_loss`` is the policy (+ entropy + KL) loss, or None where it was not computed.
     """
     mask = mb["response_mask"]
     if mask.any():
         inputs = DistillationInputs(
-            response_mask=mask, student_log_probs=lp, teacher_log_probs=mb["teacher_log_probs"],
+            response_mask=mask, student_log_probs=lp, teacher_log_probs=mb.get("teacher_log_probs"), topk=topk,
             old_log_probs=mb.get("old_log_probs"), rollout_is_weights=mb.get("rollout_is_weights"),
         )
         distill, metrics = compute_distillation_loss(inputs, dcfg, loss_agg_mode, gbi)

@@ -389,7 +389,13 @@ class RayPPOTrainer:
                 batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature)["log_probs"]
         if self.teacher is not None:
             with timer("teacher", timing):
-                batch["teacher_log_probs"] = self.teacher.compute_log_prob(batch, temperature=self.temperature)["log_probs"]
+                if cfg_get(self.distillation_loss, "loss_mode") == "forward_kl_topk":
+                    out = self.teacher.compute_topk_log_probs(batch, k=int(cfg_get(self.distillation_loss, "topk", 128)),
+                                                              temperature=self.temperature)
+                    batch["teacher_topk_log_probs"], batch["teacher_topk_ids"] = out["topk_log_probs"], out["topk_ids"]
+                else:
+                    batch["teacher_log_probs"] = self.teacher.compute_log_prob(
+                        batch, temperature=self.temperature)["log_probs"]
         if self.use_critic:
             with timer("values", timing):
                 batch["values"] = self.critic.compute_values(batch)["values"]

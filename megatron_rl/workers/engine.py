@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megatron_rl.algos import agg_loss, get_policy_loss_fn
 from megatron_rl.config import ActorConfig, CriticConfig, OptimConfig
-from megatron_rl.algos.distillation import distillation_ppo_loss, resolve_distillation_config
+from megatron_rl.algos.distillation import TOPK_LOSS_MODES, distillation_ppo_loss, resolve_distillation_config
 from megatron_rl.models.gpt import ModelConfig, build_model, build_transformer_config, hidden_states_output
 from parallel.context_parallel import gather_from_context_parallel, pad_length_for_context_parallel, zigzag_index
 
@@ -354,7 +354,9 @@ class MegatronEngine:
         With ``distillation_loss`` (a ``DistillationLossConfig``, verl's ``distillation`` section or
         its ``distillation_loss`` part; a section with ``enabled=False`` is off) the loss is verl's
         ``distillation_ppo_loss``: the distillation loss from the student's log-probs and the
-        batch's ``teacher_log_probs [b, r]`` (back-propagated, or as advantages ``-loss`` of a
+        batch's ``teacher_log_probs [b, r]`` -- for ``forward_kl_topk`` the teacher's
+        ``teacher_topk_log_probs`` / ``teacher_topk_ids [b, r, k]`` against the student's vocab-parallel
+        logits -- (back-propagated, or as advantages ``-loss`` of a
         policy loss with ``use_policy_gradient``). With ``use_task_rewards`` it is added, times
         ``distillation_loss_coef``, to the task loss (policy loss - entropy bonus + KL loss); without,
         it is the whole loss. Adds ``distillation/*`` metrics (``loss_min``/``loss_max`` reduced by
@@ -366,8 +368,10 @@ class MegatronEngine:
         _require(batch, "input_ids", "attention_mask", "responses", "response_mask")
         if run_task:
             _require(batch, "old_log_probs", "advantages")
+        topk = dcfg is not None and dcfg.loss_mode in TOPK_LOSS_MODES
         if dcfg is not None:
-            _require(batch, "teacher_log_probs", *(("old_log_probs",) if dcfg.use_policy_gradient else ()))
+            teacher_keys = ("teacher_topk_log_probs", "teacher_topk_ids") if topk else ("teacher_log_probs",)
+            _require(batch, *teacher_keys, *(("old_log_probs",) if dcfg.use_policy_gradient else ()))
         if cfg.use_kl_loss and run_task:
             _require(batch, "ref_log_prob")
         policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
@@ -381,8 +385,9 @@ class MegatronEngine:
             if run_task:
                 loss, stats, pg_metrics = self._task_loss(mb, lp, ent, step_cfg, policy_loss_fn)
             if dcfg is not None:
+                terms = self._topk_terms(output, mb, layout, handle, dcfg, temperature) if topk else None
                 loss, distill_metrics, extremes = distillation_ppo_loss(mb, lp, loss if run_task else None, dcfg,
-                                                                     cfg.loss_agg_mode, gbi)
+                                                                     cfg.loss_agg_mode, gbi, topk=terms)
                 stats["distillation/loss"] = distill_metrics.pop("distillation/loss")
                 pg_metrics.update(distill_metrics)
             tokens = mask.sum()
@@ -392,6 +397,54 @@ class MegatronEngine:
                                       "tokens": float(tokens), "extremes": extremes}
 
         return self._train(batch, loss_fn, prefix="actor")
+
+    def _response_logits(self, output, layout, handle) -> torch.Tensor:
+        """``[b, r, vocab/tp]`` logits (this rank's vocabulary shard) of the positions that predict
+        the response tokens -- only those positions are projected. The hidden state's gradient is
+        summed over TP, as ``ColumnParallelLinear``'s input gradient is."""
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        if self.cp_size > 1:
+            raise ValueError("top-k distillation (forward_kl_topk) does not support context parallelism yet")
+        positions = layout["positions"]
+        b, r = positions.shape
+        hidden = output.gather(1, positions[..., None].expand(b, r, output.shape[-1]))  # [b, r, h]
+        if self.tf_config.tensor_model_parallel_size > 1:
+            hidden = copy_to_tensor_model_parallel_region(hidden)
+        return hidden @ handle.weight_used.t()
+
+    def _topk_terms(self, output, mb, layout, handle, dcfg, temperature: float):
+        """``forward_kl_topk`` terms of one micro-batch from vocab-parallel logits: the student's
+        log-probs at the teacher's top-k ids (differentiable) and the student's own top-k ids."""
+        from megatron_rl.algos.distillation import topk_distillation_from_log_probs
+        from parallel.vocab_parallel_topk import vocab_parallel_gather_log_probs, vocab_parallel_topk_log_probs
+
+        logits = self._response_logits(output, layout, handle)
+        ids = mb["teacher_topk_ids"].long()
+        kw = dict(tp_group=self.tp_group, temperature=temperature, vocab_size=self.model_cfg.vocab_size)
+        student_at_teacher = vocab_parallel_gather_log_probs(logits, ids, **kw)
+        _, student_ids = vocab_parallel_topk_log_probs(logits.detach(), ids.shape[-1], **kw)
+        return topk_distillation_from_log_probs(student_at_teacher, student_ids, mb["teacher_topk_log_probs"].float(),
+                                                ids, dcfg.log_prob_min_clamp)
+
+    @torch.no_grad()
+    def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
+                               micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The ``k`` largest log-probs of every response position and their ids (``topk_log_probs``,
+        ``topk_ids``, both ``[b, r, k]``) -- a distillation teacher's side of ``forward_kl_topk``."""
+        from parallel.vocab_parallel_topk import vocab_parallel_topk_log_probs
+
+        _require(batch, "input_ids", "attention_mask", "responses")
+        if not self._use_hidden_head():
+            raise ValueError(f"compute_topk_log_probs needs a language-model head; this engine is a {self.role!r}")
+
+        def loss_fn(mb, layout, handle, output, *, num_micro):
+            values, ids = vocab_parallel_topk_log_probs(self._response_logits(output, layout, handle), k,
+                                                        tp_group=self.tp_group, temperature=temperature,
+                                                        vocab_size=self.model_cfg.vocab_size)
+            return torch.zeros((), device=values.device), {"topk_log_probs": values.float(), "topk_ids": ids}
+
+        return self._forward_only(batch, loss_fn, micro_batch_size)
 
     def _task_loss(self, mb, lp, ent, step_cfg, policy_loss_fn) -> tuple[torch.Tensor, dict, dict]:
         """Policy loss - entropy bonus + KL loss of one micro-batch: ``(loss, summed stats, ratio metrics)``."""

@@ -153,6 +153,9 @@ class MegatronWorker:
     def compute_rm_score(self, batch: dict, **kwargs: Any) -> dict[str, torch.Tensor]:
         return self.engine.compute_rm_score(batch, **kwargs)
 
+    def compute_topk_log_probs(self, batch: dict, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return self.engine.compute_topk_log_probs(batch, **kwargs)
+
     def update_policy(self, batch: dict, **kwargs: Any) -> dict[str, float]:
         return self.engine.update_policy(batch, **kwargs)
 
@@ -296,6 +299,12 @@ class MegatronWorkerGroup:
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
         return self._collect_tensors(self._dispatch("compute_values", batch, keys, **kwargs))
 
+    def compute_topk_log_probs(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
+        """``topk_log_probs`` / ``topk_ids [B, R, k]`` of the global batch (a distillation teacher's
+        side of ``forward_kl_topk``; pass ``k=`` and the student's ``temperature=``)."""
+        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+        return self._collect_tensors(self._dispatch("compute_topk_log_probs", batch, keys, **kwargs))
+
     def compute_rm_score(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
         """Reward-model ``rm_scores [B]`` (the scalar head at each sequence's last valid token)."""
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -309,7 +318,8 @@ class MegatronWorkerGroup:
         import ray
 
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs",
-                "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs")
+                "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs", "teacher_topk_log_probs",
+                "teacher_topk_ids")
         kwargs = {k: _plain(v) for k, v in kwargs.items()}
         return ray.get(self._dispatch("update_policy", batch, keys, **kwargs))[0]
 

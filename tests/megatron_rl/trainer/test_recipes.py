@@ -38,7 +38,7 @@ RECIPES = {
 }
 # Loop features on top of the GRPO recipe: decoupled rollout correction (token IS weights + token
 # rejection; with selective activation recompute), bypass mode (vLLM's log-probs as the old
-# ones), a Megatron reward model.
+# ones), top-k forward-KL distillation (the teacher's vocab-parallel top-k), a Megatron reward model.
 VARIANTS = {
     "grpo+rollout_is": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
                          "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
@@ -46,6 +46,9 @@ VARIANTS = {
                         ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"]),
     "grpo+bypass": (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
                     ["rollout_corr/kl"]),
+    "opd+topk": (["distillation.teacher_model.config.num_layers=2", "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                  "distillation.distillation_loss.topk=16", "distillation.distillation_loss.use_policy_gradient=false"],
+                 ["distillation/loss", "distillation/student_mass", "distillation/overlap_ratio"]),
     "grpo+reward_model": (["reward.reward_model.enable=true", "reward.reward_model.micro_batch_size_per_gpu=8"],
                           ["reward/rm_score/mean"]),
 }
@@ -103,7 +106,9 @@ def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     merged = {**history[0], **history[1]}
-    for key in ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", *keys]:
+    # Back-propagated distillation alone (no policy gradient, no task reward) has no policy loss.
+    base = ["critic/score/mean", "actor/grad_norm"] + ([] if recipe == "opd+topk" else ["actor/pg_loss"])
+    for key in [*base, *keys]:
         assert key in merged, (recipe, key, sorted(merged))
         assert math.isfinite(float(merged[key])), (recipe, key, merged[key])
     # megatron.override_transformer_config reaches the actor's TransformerConfig.

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from parallel.testing import run_distributed
 
@@ -157,7 +158,13 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
     the hand computation sees the whole batch. ``empty_rows`` get empty responses."""
     import dataclasses
 
-    from megatron_rl.algos.distillation import DistillationInputs, DistillationLossConfig, compute_distillation_loss
+    from megatron_rl.algos.distillation import (
+        DistillationInputs,
+        DistillationLossConfig,
+        TopKDistillation,
+        compute_distillation_loss,
+        compute_forward_kl_topk,
+    )
     from megatron_rl.algos.registry import POLICY_LOSSES
     from megatron_rl.models.gpt import ModelConfig
     from megatron_rl.workers.engine import MegatronEngine
@@ -182,25 +189,50 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
         batch["old_log_probs"] = (student + 0.1 * torch.randn(BATCH, RESPONSE, generator=g)) * mask
     if dcfg.use_task_rewards:
         batch["advantages"] = torch.randn(BATCH, RESPONSE, generator=g)
+    topk = dcfg.loss_mode == "forward_kl_topk"
+    if topk:  # a teacher distribution per response position; its top-k (k = dcfg.topk)
+        teacher = (2 * torch.randn(BATCH, RESPONSE, DENSE["vocab_size"], generator=g)).log_softmax(-1)
+        batch["teacher_topk_log_probs"], batch["teacher_topk_ids"] = teacher.topk(dcfg.topk, dim=-1)
 
     # By hand: every unpadded sequence through the plain model, with cloned parameters.
     module = engine.model[0].module
     params = {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}
-    rows = []
+    rows, topk_rows, teacher_topk, hand_topk, topk_diff, ids_equal = [], [], None, [], 0.0, True
     for i in range(BATCH):
         ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
         n = int(mask[i].sum())
         if n == 0:
             rows.append(torch.zeros(RESPONSE))
+            topk_rows.append(None)
             continue
         logits = torch.func.functional_call(module, params, (ids, torch.arange(ids.shape[1])[None]),
                                             {"attention_mask": None})[0].float() / temperature
         lp = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].gather(-1, ids[0, -n:, None]).squeeze(-1)
         rows.append(torch.cat([lp, torch.zeros(RESPONSE - n)]))
+        if topk:
+            with torch.no_grad():
+                full = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].topk(dcfg.topk, dim=-1)
+            hand_topk.append((i, full.values, full.indices))
+            topk_rows.append(compute_forward_kl_topk(logits[None, ids.shape[1] - n - 1:ids.shape[1] - 1],
+                                                     batch["teacher_topk_log_probs"][i:i + 1, :n],
+                                                     batch["teacher_topk_ids"][i:i + 1, :n], dcfg.log_prob_min_clamp))
     lp = torch.stack(rows)
+    if topk:  # per-row results padded to [BATCH, RESPONSE]
+        def padded(field):
+            return torch.stack([torch.zeros(RESPONSE) if t is None else
+                                F.pad(getattr(t, field)[0].float(), (0, RESPONSE - getattr(t, field).shape[1]))
+                                for t in topk_rows])
+        teacher_topk = TopKDistillation(padded("distillation_losses"), padded("student_mass"), padded("teacher_mass"),
+                                        padded("overlap_count"), padded("overlap_token_advantage"), dcfg.topk)
+        # The teacher side of the engine (its own top-k, here of the same model) against the hand top-k.
+        own = engine.compute_topk_log_probs(batch, k=dcfg.topk, temperature=temperature)
+        for i, values, ids in hand_topk:
+            n = values.shape[0]
+            topk_diff = max(topk_diff, float((own["topk_log_probs"][i, :n] - values).abs().max()))
+            ids_equal = ids_equal and torch.equal(own["topk_ids"][i, :n], ids)
     gbi = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": int((mask.sum(-1) > 0).sum())}
     inputs = DistillationInputs(response_mask=mask, student_log_probs=lp, teacher_log_probs=batch["teacher_log_probs"],
-                                old_log_probs=batch.get("old_log_probs"))
+                                old_log_probs=batch.get("old_log_probs"), topk=teacher_topk)
     loss, _ = compute_distillation_loss(inputs, dcfg, "token-mean", gbi)
     hand_distill = float(loss)
     if dcfg.use_task_rewards:
@@ -219,13 +251,13 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
                                                                                      "enabled": True})
     weight_diff = max(float((before[n] - p.detach() - SGD["lr"] * grads[n]).abs().max())
                       for n, p in engine.named_parameters())
-    return metrics, hand_distill, float(loss), grad_norm, weight_diff, _bad_inputs(engine, shard)
+    return metrics, hand_distill, float(loss), grad_norm, weight_diff, _bad_inputs(engine, shard), (topk_diff, ids_equal)
 
 
 def _bad_inputs(engine, batch) -> list[str]:
-    """The errors of a bad loss_mode, of forward_kl_topk, of a batch without teacher log-probs and of
-    compute_rm_score on an LM engine."""
-    batch = {k: v for k, v in batch.items() if k != "teacher_log_probs"}
+    """The errors of a bad loss_mode, of forward_kl_topk without the teacher's top-k, of a batch without
+    teacher log-probs and of compute_rm_score on an LM engine."""
+    batch = {k: v for k, v in batch.items() if not k.startswith("teacher_")}
     batch.update(old_log_probs=torch.zeros_like(batch["response_mask"], dtype=torch.float32),
                  advantages=torch.zeros_like(batch["response_mask"], dtype=torch.float32))
     errors = []
@@ -252,17 +284,27 @@ def _bad_inputs(engine, batch) -> list[str]:
     # ... where rank 1's shard has no response token (its metrics lack keys rank 0 has).
     ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2,
      (4, 6, 7)),
+    # Top-k forward KL (k=8 of 96) against the student's vocab-parallel logits, back-propagated; one empty row.
+    ({"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": False, "use_task_rewards": False}, 1, 2, (5,)),
+    # ... and as a policy-gradient reward next to the task loss.
+    ({"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": True, "use_task_rewards": True,
+      "distillation_loss_coef": 0.5}, 1, 4, ()),
 ])
 def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation, world_size, mbs, empty_rows):
     results = run_distributed(_distill_case, world_size, distillation, mbs, 0.8, empty_rows)
-    metrics, hand_distill, hand_total, grad_norm, weight_diff, errors = results[0]
+    metrics, hand_distill, hand_total, grad_norm, weight_diff, errors, (topk_diff, ids_equal) = results[0]
+    assert topk_diff < 1e-5 and ids_equal  # compute_topk_log_probs == the hand top-k of log_softmax
     assert all(r[0] == metrics for r in results)  # every rank reports the global metrics
     assert abs(metrics["distillation/loss"] - hand_distill) < 1e-6, (metrics["distillation/loss"], hand_distill)
     assert abs(metrics["actor/grad_norm"] - grad_norm) < 1e-5 * max(1.0, grad_norm), (metrics["actor/grad_norm"], grad_norm)
     assert max(r[4] for r in results) < 1e-6, [r[4] for r in results]
     assert grad_norm > 1e-2  # the step moved the weights
     assert -math.inf < metrics["distillation/loss_min"] <= metrics["distillation/loss_max"] < math.inf
-    assert "distillation/abs_loss" in metrics
+    if distillation["loss_mode"] == "forward_kl_topk":  # mass and overlap diagnostics of the top-k
+        assert 0 < metrics["distillation/student_mass"] < 1 and 0 < metrics["distillation/teacher_mass"] < 1
+        assert 0 <= metrics["distillation/overlap_ratio"] <= 1
+    else:
+        assert "distillation/abs_loss" in metrics
     if distillation["use_task_rewards"]:
         assert abs(metrics["actor/pg_loss"] + 0.5 * hand_distill - hand_total) < 1e-6
         assert {"distillation/pg_clipfrac", "distillation/ppo_kl"} <= set(metrics)
@@ -270,6 +312,6 @@ def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation
         assert "actor/pg_loss" not in metrics
     bad_mode, topk, missing, rm = errors
     assert bad_mode.startswith("distillation_loss.loss_mode='k9' is not allowed; choose one of ['forward_kl_topk'")
-    assert topk.startswith("distillation_loss.loss_mode='forward_kl_topk' needs the teacher's top-k log-probs")
+    assert topk.startswith("batch is missing field(s) ['teacher_topk_log_probs', 'teacher_topk_ids']")
     assert missing.startswith("batch is missing field(s) ['teacher_log_probs']")
     assert rm == "compute_rm_score needs a scalar-head engine (role 'reward'); this one is 'actor'"
