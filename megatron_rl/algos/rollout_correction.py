@@ -52,6 +52,7 @@ __all__ = [
     "compute_rollout_corr_metrics_from_logprobs",
     "compute_bypass_mode_correction",
     "apply_bypass_mode",
+    "bypass_policy_loss_config",
 ]
 
 SAFETY_BOUND = 20.0
@@ -617,6 +618,12 @@ def apply_bypass_mode(
     if rollout_corr_config is None:
         raise ValueError("apply_bypass_mode needs the rollout_correction config; it is None")
     batch["old_log_probs"] = batch["rollout_log_probs"]
+    return bypass_policy_loss_config(policy_loss_config, rollout_corr_config)
+
+
+def bypass_policy_loss_config(policy_loss_config: Any, rollout_corr_config: Any) -> Any:
+    """A copy of ``policy_loss_config`` with ``loss_mode="bypass_mode"`` and ``rollout_correction``
+    set (typed ``PolicyLossConfig``, DictConfig or dict alike); the config half of ``apply_bypass_mode``."""
     if dataclasses.is_dataclass(policy_loss_config):
         typed = RolloutCorrectionConfig.from_dict(rollout_corr_config)
         return dataclasses.replace(policy_loss_config, loss_mode="bypass_mode", rollout_correction=typed)

@@ -41,7 +41,6 @@ from megatron_rl.trainer.metrics import (
 __all__ = ["RayPPOTrainer", "need_critic", "need_reference_policy"]
 
 VALUE_ESTIMATORS = ("gae",)
-# Per-prompt lists of the dataloader batch that follow their prompt's n samples.
 _SEED_STRIDE = 1_000_003  # > samples per generation round: per-sample seeds never repeat across rounds
 
 
@@ -214,17 +213,14 @@ class RayPPOTrainer:
         rc = self.rollout_correction
         if rc is None or not cfg_get(rc, "bypass_mode", False):
             return actor
-        from megatron_rl.config.algorithm import RolloutCorrectionConfig
+        from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
 
         if dataclasses.is_dataclass(actor):
-            loss = dataclasses.replace(actor.policy_loss, loss_mode="bypass_mode",
-                                       rollout_correction=RolloutCorrectionConfig.from_dict(rc))
-            return dataclasses.replace(actor, policy_loss=loss)
+            return dataclasses.replace(actor, policy_loss=bypass_policy_loss_config(actor.policy_loss, rc))
         from megatron_rl.workers.ray_workers import _plain
 
         plain = dict(_plain(actor))
-        plain["policy_loss"] = {**dict(plain.get("policy_loss") or {}), "loss_mode": "bypass_mode",
-                                "rollout_correction": _plain(rc)}
+        plain["policy_loss"] = bypass_policy_loss_config(dict(plain.get("policy_loss") or {}), _plain(rc))
         return plain
 
     # -- the loop ---------------------------------------------------------------------------
@@ -236,6 +232,7 @@ class RayPPOTrainer:
         total = int(total_steps or cfg_get(self.config, "trainer.total_training_steps") or len(self.train_dataloader))
         tcfg = cfg_get(self.config, "trainer")
         save_freq, test_freq = int(cfg_get(tcfg, "save_freq", -1)), int(cfg_get(tcfg, "test_freq", -1))
+        skip_limit = int(cfg_get(tcfg, "max_consecutive_skipped_steps", 3))
         self.resume()
         logger = MetricsLogger(self.log_dir, cfg_get(tcfg, "logger", ["console"]), total_steps=total,
                                project=cfg_get(tcfg, "project_name", "megatron_rl"),
@@ -263,11 +260,11 @@ class RayPPOTrainer:
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
-            limit = int(cfg_get(tcfg, "max_consecutive_skipped_steps", 3))
-            if skipped and skipped >= limit:
+            if skipped and skipped >= skip_limit:
                 logger.close()
                 raise RuntimeError(f"{skipped} steps in a row were skipped because the reward failed "
-                                   f"(trainer.max_consecutive_skipped_steps={limit}); last error: {self.last_reward_error}")
+                                   f"(trainer.max_consecutive_skipped_steps={skip_limit}); last error: "
+                                   f"{self.last_reward_error}")
         logger.close()
         return history
 
@@ -308,23 +305,19 @@ class RayPPOTrainer:
             with timer("gen", timing):
                 batch = self.generate(prompts, gen_round=rounds - 1)
             with timer("reward", timing):
+                scored = ""  # what failed, for the message: the samples, or ReMax's greedy baseline
                 try:
                     reward_metrics, extra = self.score(batch)
+                    if self.remax:
+                        scored = "greedy baseline: "
+                        baseline = self.generate(prompts, gen_round=rounds - 1, greedy=True)
+                        # [b] one greedy response per prompt
+                        batch["reward_baselines"] = self.reward_fn(baseline).scores.repeat_interleave(self.n)
                 except RewardError as err:
-                    self.last_reward_error = str(err)
-                    print(f"step {self.global_steps}: skipped, {err}", flush=True)
+                    self.last_reward_error = f"{scored}{err}"
+                    print(f"step {self.global_steps}: skipped, {self.last_reward_error}", flush=True)
                     metrics.update({"training/step_skipped": 1.0, "reward/num_failed_samples": float(len(err.indices))})
                     return None
-                if self.remax:
-                    baseline = self.generate(prompts, gen_round=rounds - 1, greedy=True)
-                    try:
-                        scores = self.reward_fn(baseline).scores  # [b] one greedy response per prompt
-                    except RewardError as err:
-                        self.last_reward_error = f"greedy baseline: {err}"
-                        metrics.update({"training/step_skipped": 1.0,
-                                        "reward/num_failed_samples": float(len(err.indices))})
-                        return None
-                    batch["reward_baselines"] = scores.repeat_interleave(self.n)
             if not dynamic:
                 metrics.update(reward_metrics)
                 return batch

@@ -249,13 +249,10 @@ class MegatronEngine:
         """
         from parallel.vocab_parallel import fused_linear_log_probs_and_entropy
 
-        positions = layout["positions"]
-        b, r = positions.shape
         if self.cp_size > 1:
             hidden, labels = output, layout["local_labels"]  # [b, s/cp, h], [b, s/cp]
         else:
-            hidden = output.gather(1, positions[..., None].expand(b, r, output.shape[-1]))  # [b, r, h]
-            labels = mb["responses"]
+            hidden, labels = self._response_hidden(output, layout), mb["responses"]
         log_probs, ent = fused_linear_log_probs_and_entropy(
             hidden.reshape(-1, hidden.shape[-1]), handle.weight_used, labels.reshape(-1), tp_group=self.tp_group,
             temperature=temperature, chunk_size=self.config.logprob_chunk_size, compute_entropy=entropy,
@@ -264,6 +261,13 @@ class MegatronEngine:
         log_probs = self._from_layout(log_probs.view(labels.shape), layout)
         ent = self._from_layout(ent.view(labels.shape), layout) if ent is not None else None
         return log_probs, ent
+
+    @staticmethod
+    def _response_hidden(output: torch.Tensor, layout: dict) -> torch.Tensor:
+        """``[b, r, h]`` final hidden states at the positions that predict the response tokens."""
+        positions = layout["positions"]
+        b, r = positions.shape
+        return output.gather(1, positions[..., None].expand(b, r, output.shape[-1]))
 
     def _from_layout(self, values: torch.Tensor, layout: dict) -> torch.Tensor:
         """Per-position values -> ``[b, r]`` at the response positions (gathering CP shares first)."""
@@ -406,9 +410,7 @@ class MegatronEngine:
 
         if self.cp_size > 1:
             raise ValueError("top-k distillation (forward_kl_topk) does not support context parallelism yet")
-        positions = layout["positions"]
-        b, r = positions.shape
-        hidden = output.gather(1, positions[..., None].expand(b, r, output.shape[-1]))  # [b, r, h]
+        hidden = self._response_hidden(output, layout)
         if self.tf_config.tensor_model_parallel_size > 1:
             hidden = copy_to_tensor_model_parallel_region(hidden)
         return hidden @ handle.weight_used.t()

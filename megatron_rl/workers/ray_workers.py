@@ -31,6 +31,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_rl.algos.utils import cfg_get
+
 __all__ = ["MegatronWorker", "MegatronWorkerGroup", "RolloutWorker", "split_for_dp", "tensor_fields", "free_port"]
 
 ROLES = ("actor", "ref", "critic", "reward", "teacher")
@@ -38,6 +40,8 @@ ROLES = ("actor", "ref", "critic", "reward", "teacher")
 (frozen scalar head: an HF ``*ForSequenceClassification`` reward model), ``teacher`` (frozen LM of
 on-policy distillation: any size, the student's vocabulary)."""
 _ENGINE_ROLES = {"actor": "actor", "ref": "actor", "teacher": "actor", "critic": "critic", "reward": "reward"}
+_FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+"""The batch fields a forward-only pass (log-probs, values, scores) sends to the ranks."""
 
 
 def free_port() -> int:
@@ -259,9 +263,7 @@ class MegatronWorkerGroup:
         ]
         master_addr, master_port = ray.get(self.workers[0].address.remote())
         # verl's megatron.override_transformer_config (e.g. activation recompute) rides along.
-        tf_overrides = None if isinstance(parallel, Mapping) and "override_transformer_config" not in parallel else (
-            _plain(getattr(parallel, "override_transformer_config", None) if not isinstance(parallel, Mapping)
-                   else parallel["override_transformer_config"]))
+        tf_overrides = _plain(cfg_get(parallel, "override_transformer_config"))
         parallel = _parallel_config(parallel)
         self.ranks = ray.get([w.init_engine.remote(master_addr, master_port, role, parallel, _plain(engine_config),
                                                    _plain(model_config), hf_dir, _plain(model_overrides), seed,
@@ -291,24 +293,20 @@ class MegatronWorkerGroup:
 
     def compute_log_prob(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
         """``log_probs [B, R]`` (and ``entropys`` with ``calculate_entropy=True``) of the global batch."""
-        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-        return self._collect_tensors(self._dispatch("compute_log_prob", batch, keys, **kwargs))
+        return self._collect_tensors(self._dispatch("compute_log_prob", batch, _FORWARD_KEYS, **kwargs))
 
     def compute_values(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
         """Critic ``values [B, R]`` of the global batch."""
-        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-        return self._collect_tensors(self._dispatch("compute_values", batch, keys, **kwargs))
+        return self._collect_tensors(self._dispatch("compute_values", batch, _FORWARD_KEYS, **kwargs))
 
     def compute_topk_log_probs(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
         """``topk_log_probs`` / ``topk_ids [B, R, k]`` of the global batch (a distillation teacher's
         side of ``forward_kl_topk``; pass ``k=`` and the student's ``temperature=``)."""
-        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-        return self._collect_tensors(self._dispatch("compute_topk_log_probs", batch, keys, **kwargs))
+        return self._collect_tensors(self._dispatch("compute_topk_log_probs", batch, _FORWARD_KEYS, **kwargs))
 
     def compute_rm_score(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
         """Reward-model ``rm_scores [B]`` (the scalar head at each sequence's last valid token)."""
-        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-        return self._collect_tensors(self._dispatch("compute_rm_score", batch, keys, **kwargs))
+        return self._collect_tensors(self._dispatch("compute_rm_score", batch, _FORWARD_KEYS, **kwargs))
 
     def update_policy(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, float]:
         """One actor update on the global batch; returns the engine's (globally reduced) metrics.
@@ -317,7 +315,7 @@ class MegatronWorkerGroup:
         the on-policy distillation loss over the batch's ``teacher_log_probs [B, R]``."""
         import ray
 
-        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs",
+        keys = (*_FORWARD_KEYS, "old_log_probs",
                 "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs", "teacher_topk_log_probs",
                 "teacher_topk_ids")
         kwargs = {k: _plain(v) for k, v in kwargs.items()}
@@ -327,7 +325,7 @@ class MegatronWorkerGroup:
         """One critic update on the global batch; returns ``critic/*`` metrics."""
         import ray
 
-        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns")
+        keys = (*_FORWARD_KEYS, "values", "returns")
         return ray.get(self._dispatch("update_critic", batch, keys))[0]
 
     def save_checkpoint(self, path: str) -> str:
