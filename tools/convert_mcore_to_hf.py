@@ -157,7 +157,7 @@ def _convert(args: argparse.Namespace) -> int:
     with atomic as tmp:
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=meta["architecture"],
                     hf_config=meta["hf_config"], mcore_dir=str(mcore_dir), tmp=str(tmp), verify_ids=verify_ids,
-                    verify_dtype=compute_dtype,                    max_shard_bytes=int(args.max_shard_mb * 2**20),
+                    verify_dtype=compute_dtype, max_shard_bytes=int(args.max_shard_mb * 2**20),
                     expected_bytes=int(meta.get("hf_numel", 0)) * itemsize)
         result = launch(export_ranks, world, spec, device=device)
         if is_driver():
