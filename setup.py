@@ -22,8 +22,8 @@ INSTALL_REQUIRES = [
     "transformers>=5", "safetensors",  # HF <-> Megatron weight bridge (parallel.bridge, megatron_rl.models)
     "datasets",  # prompt data from parquet/jsonl (megatron_rl.data.datasets)
     "math-verify",  # the "math" rule reward (megatron_rl.data.rewards); installs without touching torch
-    "matplotlib",  # the reward-curve PNG of `megatron-rl train` (megatron_rl.trainer.main_job)
-    "ray==2.60.0",  # the single controller and its worker actors (megatron_rl.workers.ray_workers, trainer)
+    "matplotlib",  # the reward-curve PNG of `megatron-rl train` (megatron_rl.job.main_job)
+    "ray==2.60.0",  # the single controller and its worker actors (megatron_rl.workers, megatron_rl.trainer)
 ]
 
 EXTRAS = {

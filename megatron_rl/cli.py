@@ -45,7 +45,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_rl.trainer.main_job import run_train
+    from megatron_rl.job.main_job import run_train
 
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # `megatron-rl train key=value ...`: the default recipe

@@ -79,7 +79,8 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.gpt import ModelConfig, build_model, build_transformer_config
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.models.gpt import build_model, build_transformer_config
     from parallel.bridge import ExportStats, HFExporter
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh

@@ -45,8 +45,8 @@ def _flops_per_token(m: dict, seq: int) -> float:
 
 
 def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl.workers.rollout import TRANSPORTS  # noqa: E402
+from megatron_rl.rollout.vllm_rollout import TRANSPORTS  # noqa: E402
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -75,8 +75,8 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
     import torch
 
     from megatron_rl.models.families import get_family
-    from megatron_rl.workers.engine import MegatronEngine
-    from megatron_rl.workers.weight_sync import ActorWeightSync
+    from megatron_rl.engine.engine import MegatronEngine
+    from megatron_rl.rollout.weight_sync import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
@@ -90,7 +90,7 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
     rollout = None
     if rank == 0:
-        from megatron_rl.workers.rollout import RolloutConfig, VLLMRollout
+        from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(prompt_length=16, response_length=4))
     sync = ActorWeightSync.from_engine(engine, weight_map, mesh=mesh, bucket_megabytes=args.bucket_mb)
@@ -123,7 +123,7 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
 def main(argv=None) -> dict:
     args = _parse(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from megatron_rl.workers.rollout_testing import build_tiny_qwen3
+    from megatron_rl.rollout.testing import build_tiny_qwen3
     from parallel.testing import run_distributed
 
     overrides = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,

@@ -103,8 +103,8 @@ def measure_train_step(rank: int, world_size: int, layouts: list[dict], model_kw
     """For each layout (``ParallelConfig`` kwargs): build the actor engine, run one
     ``update_policy`` step (forward + backward + optimizer step) as warm-up -- Adam creates its
     state lazily -- then a second one under a ``StorageTracker``; return per layout ``{"static": bytes before the step, "peak": peak live bytes}`` for this rank."""
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
 

@@ -148,7 +148,7 @@ def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- token-level
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_values=True)
 @torch.no_grad()
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor | None = None,
                                  response_mask: torch.Tensor | None = None, gamma: float | None = None,
@@ -216,7 +216,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     return masked_whiten(returns, mask) * mask, returns
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_baseline=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor | None = None,
                                     response_mask: torch.Tensor | None = None, config: Any = None, **kwargs: Any

@@ -31,7 +31,7 @@ from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.algos.loss_agg import agg_loss
 from megatron_rl.algos.registry import POLICY_LOSSES, Registry
 from megatron_rl.algos.utils import cfg_get, check_same_shape
-from megatron_rl.config.base import BaseConfig, check_range
+from megatron_rl.config.distillation import ESTIMATOR_LOSS_MODES, TOPK_LOSS_MODES, DistillationLossConfig, validate_modes
 
 __all__ = [
     "DISTILLATION_LOSSES",
@@ -50,59 +50,6 @@ __all__ = [
 
 DISTILLATION_LOSSES = Registry("distillation loss")
 """``distillation_loss.loss_mode`` -> ``fn(inputs: DistillationInputs, config) -> (per-token loss [bs, T], metrics)``."""
-
-TOPK_LOSS_MODES = ("forward_kl_topk",)
-ESTIMATOR_LOSS_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-
-
-@dataclasses.dataclass
-class DistillationLossConfig(BaseConfig):
-    """``distillation.distillation_loss`` with verl's keys and defaults."""
-
-    loss_mode: str = "k3"
-    """Name in ``DISTILLATION_LOSSES``."""
-    topk: Optional[int] = 128
-    """Teacher top-k size for ``forward_kl_topk``."""
-    use_task_rewards: bool = True
-    """Add the distillation loss to the task policy loss (else the distillation loss alone)."""
-    distillation_loss_coef: float = 1.0
-    """Weight of the distillation loss when combined with task rewards."""
-    loss_max_clamp: Optional[float] = 10.0
-    """Clamp per-token losses to ``[-c, c]`` before use; None = no clamp."""
-    log_prob_min_clamp: Optional[float] = -10.0
-    """Floor for top-k log-probs (teacher and student) in ``forward_kl_topk``; None = no floor."""
-    use_chunked_topk: bool = False
-    """``forward_kl_topk``: stream logsumexp over chunks of tokens instead of a full log-softmax."""
-    chunked_topk_chunk_size: int = 4096
-    """Tokens per chunk when ``use_chunked_topk``."""
-    use_policy_gradient: bool = True
-    """Use ``-loss`` as the advantage of ``policy_loss_mode`` instead of back-propagating the loss."""
-    policy_loss_mode: str = "vanilla"
-    """Name in ``POLICY_LOSSES`` used when ``use_policy_gradient``."""
-    clip_ratio: float = 0.2
-    """PPO clip epsilon of that policy loss."""
-    clip_ratio_low: float = 0.2
-    """Lower clip epsilon of that policy loss."""
-    clip_ratio_high: float = 0.2
-    """Upper clip epsilon of that policy loss."""
-    global_batch_info: dict = field(default_factory=dict)
-    """Filled per step (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``)."""
-
-    def __post_init__(self) -> None:
-        _validate_modes(self.loss_mode, self.use_policy_gradient)
-        check_range("distillation_loss.chunked_topk_chunk_size", self.chunked_topk_chunk_size, low=1)
-
-
-def _validate_modes(loss_mode: str, use_policy_gradient: bool) -> None:
-    valid = list(TOPK_LOSS_MODES + ESTIMATOR_LOSS_MODES)
-    if loss_mode not in valid:
-        raise ValueError(f"distillation_loss.loss_mode={loss_mode!r} is not allowed; choose one of {valid}")
-    if not use_policy_gradient and loss_mode in ("k1", "kl"):
-        raise ValueError(
-            f"distillation_loss.loss_mode={loss_mode!r} with use_policy_gradient=False is wrong: the gradient of "
-            "k1 w.r.t. the student does not depend on the teacher; use k3/forward_kl_topk or use_policy_gradient=True"
-        )
-
 
 @dataclasses.dataclass
 class TopKDistillation:
@@ -290,7 +237,7 @@ def compute_distillation_loss(
     """
     loss_mode = cfg_get(config, "loss_mode", "k3")
     use_policy_gradient = cfg_get(config, "use_policy_gradient", True)
-    _validate_modes(loss_mode, use_policy_gradient)
+    validate_modes(loss_mode, use_policy_gradient)
     losses, metrics = DISTILLATION_LOSSES[loss_mode](inputs, config)
     valid = losses.detach()[inputs.response_mask.bool()]
     metrics["distillation/loss_min"] = valid.min().item()

@@ -2,94 +2,54 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
 from enum import Enum
 from typing import Callable, TypeVar
+
+from megatron_rl.utils.registry import Registry, UnknownNameError
 
 __all__ = [
     "Registry",
     "UnknownNameError",
+    "EstimatorNeeds",
     "ADV_ESTIMATORS",
     "POLICY_LOSSES",
     "register_adv_est",
     "register_policy_loss",
     "get_adv_estimator_fn",
     "get_policy_loss_fn",
+    "estimator_needs",
 ]
 
 F = TypeVar("F", bound=Callable)
 
 
-class UnknownNameError(ValueError, KeyError):
-    """A registry lookup of a name that was never registered (a ValueError and a KeyError)."""
+@dataclasses.dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator reads beyond rewards, mask and group ids; declared when it is
+    registered, so the trainer asks the entry instead of testing names."""
 
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
-
-
-class Registry(Mapping[str, Callable]):
-    """A read-only mapping filled by a decorator; duplicates and unknown names are errors."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self._entries: dict[str, Callable] = {}
-
-    def register(self, name: str | Enum) -> Callable[[F], F]:
-        """Decorator registering ``fn`` under ``name`` (a string or a str-valued Enum)."""
-        key = name.value if isinstance(name, Enum) else name
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"{self.kind} name must be a non-empty string, got {name!r}")
-
-        def decorator(fn: F) -> F:
-            existing = self._entries.get(key)
-            if existing is not None and _qualname(existing) != _qualname(fn):
-                raise ValueError(
-                    f"{self.kind} {key!r} is already registered to {_qualname(existing)}; "
-                    f"refusing to replace it with {_qualname(fn)}"
-                )
-            self._entries[key] = fn
-            return fn
-
-        return decorator
-
-    def unregister(self, name: str) -> None:
-        """Remove ``name`` (for tests and plugins that replace themselves)."""
-        self._entries.pop(name, None)
-
-    def __getitem__(self, name: str | Enum) -> Callable:
-        key = name.value if isinstance(name, Enum) else name
-        try:
-            return self._entries[key]
-        except (KeyError, TypeError):
-            raise UnknownNameError(
-                f"unknown {self.kind} {key!r}; valid names: {', '.join(sorted(self._entries))}"
-            ) from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __repr__(self) -> str:
-        return f"Registry({self.kind!r}, {sorted(self._entries)})"
+    values: bool = False
+    """Critic values (GAE): a critic is trained."""
+    baseline: bool = False
+    """``reward_baselines`` [batch]: the reward of one greedy response per prompt (ReMax)."""
+    ref: bool = False
+    """Reference-policy log-probs: a reference model runs."""
 
 
-def _qualname(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-ADV_ESTIMATORS = Registry("advantage estimator")
-"""``algorithm.adv_estimator`` name -> ``fn(**kwargs) -> (advantages, returns)``."""
+ADV_ESTIMATORS = Registry("advantage estimator", traits=EstimatorNeeds)
+"""``algorithm.adv_estimator`` name -> ``fn(**kwargs) -> (advantages, returns)``; each entry
+declares its ``EstimatorNeeds`` (``ADV_ESTIMATORS.traits_of(name)``)."""
 
 POLICY_LOSSES = Registry("policy loss")
 """``actor.policy_loss.loss_mode`` name -> ``fn(old_log_prob, log_prob, advantages, response_mask,
 loss_agg_mode, config, rollout_is_weights) -> (loss, metrics)``."""
 
 
-def register_adv_est(name: str | Enum) -> Callable[[F], F]:
-    """Register an advantage estimator (verl's decorator name)."""
-    return ADV_ESTIMATORS.register(name)
+def register_adv_est(name: str | Enum, *, needs_values: bool = False, needs_baseline: bool = False,
+                     needs_ref: bool = False) -> Callable[[F], F]:
+    """Register an advantage estimator (verl's decorator name) with what it needs (``EstimatorNeeds``)."""
+    return ADV_ESTIMATORS.register(name, values=needs_values, baseline=needs_baseline, ref=needs_ref)
 
 
 def register_policy_loss(name: str | Enum) -> Callable[[F], F]:
@@ -105,3 +65,8 @@ def get_adv_estimator_fn(name: str | Enum) -> Callable:
 def get_policy_loss_fn(name: str | Enum) -> Callable:
     """Look up a policy loss; an unknown name raises ValueError listing valid names."""
     return POLICY_LOSSES[name]
+
+
+def estimator_needs(name: str | Enum) -> EstimatorNeeds:
+    """What the advantage estimator ``name`` needs (unknown names list the valid ones)."""
+    return ADV_ESTIMATORS.traits_of(name)

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.utils.config_access import cfg_get
+
 __all__ = [
     "masked_sum",
     "masked_mean",
@@ -83,24 +85,6 @@ def check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor | None = No
         shown = rows[:20]
         more = f" (and {len(rows) - len(shown)} more)" if len(rows) > len(shown) else ""
         raise ValueError(f"{name} has non-finite values in samples {shown}{more}")
-
-
-_MISSING = object()
-
-
-def cfg_get(config: Any, key: str, default: Any = None) -> Any:
-    """Read a dotted ``key`` from a DictConfig, a dict or a typed config; ``default`` if absent/None."""
-    node = config
-    for part in key.split("."):
-        if node is None:
-            return default
-        if isinstance(node, dict) or hasattr(node, "get"):
-            node = node.get(part, _MISSING)
-        else:
-            node = getattr(node, part, _MISSING)
-        if node is _MISSING:
-            return default
-    return default if node is None else node
 
 
 def group_ids(index: Any, device: torch.device | None = None) -> tuple[torch.Tensor, int]:

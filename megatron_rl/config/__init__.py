@@ -1,66 +1,77 @@
 """Typed dataclass configs with verl's key names; YAML recipes and overrides fill them.
 
-The run-level names (``TrainerRunConfig``, ``load_config`` and the section configs) are loaded
-on first access: they import the algorithm registries, which themselves import
-``megatron_rl.config.base``, so an eager import here would be circular.
+The bottom layer of ``megatron_rl``: it imports only ``parallel.config``. Every section is a
+``BaseConfig`` dataclass (attribute access; also reads like a ``DictConfig``) that validates its
+own fields; ``TrainerRunConfig`` is the whole run, ``load_config`` builds one from a recipe and
+``key=value`` overrides. What depends on the registries (algorithm names, which roles run) is
+checked one layer up, by ``megatron_rl.algos.needs.resolve_run``.
 """
-
-import importlib
 
 from megatron_rl.config.algorithm import (
     ActorConfig,
     AlgoConfig,
     CriticConfig,
-    OptimConfig,
     FilterGroupsConfig,
     KLControlConfig,
+    OptimConfig,
     PolicyLossConfig,
     RolloutCorrectionConfig,
 )
 from megatron_rl.config.base import BaseConfig
-
-_LAZY = {
-    "TrainerRunConfig": "megatron_rl.config.trainer",
-    "VALUE_ESTIMATORS": "megatron_rl.config.trainer",
-    "load_config": "megatron_rl.config.loader",
-    "compose": "megatron_rl.config.loader",
-    "list_recipes": "megatron_rl.config.loader",
-    "find_recipe": "megatron_rl.config.loader",
-    "dump_config": "megatron_rl.config.loader",
-    "DEFAULT_RECIPE": "megatron_rl.config.loader",
-    "MegatronConfig": "megatron_rl.config.sections",
-    "ModelSourceConfig": "megatron_rl.config.sections",
-    "DataConfig": "megatron_rl.config.sections",
-    "ActorRunConfig": "megatron_rl.config.sections",
-    "RefConfig": "megatron_rl.config.sections",
-    "ActorRolloutRefConfig": "megatron_rl.config.sections",
-    "CriticRunConfig": "megatron_rl.config.sections",
-    "RewardConfig": "megatron_rl.config.sections",
-    "RewardModelConfig": "megatron_rl.config.sections",
-    "OverlongBufferConfig": "megatron_rl.config.sections",
-    "TrainerConfig": "megatron_rl.config.sections",
-    "TeacherModelConfig": "megatron_rl.config.sections",
-    "DistillationConfig": "megatron_rl.config.sections",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from megatron_rl.config.distillation import DistillationLossConfig
+from megatron_rl.config.loader import DEFAULT_RECIPE, compose, dump_config, find_recipe, list_recipes, load_config
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.config.rollout import RolloutConfig, SamplingConfig, WeightSyncConfig
+from megatron_rl.config.sections import (
+    ActorRolloutRefConfig,
+    ActorRunConfig,
+    CriticRunConfig,
+    DataConfig,
+    DistillationConfig,
+    MegatronConfig,
+    ModelSourceConfig,
+    OverlongBufferConfig,
+    RefConfig,
+    RewardConfig,
+    RewardModelConfig,
+    TeacherModelConfig,
+    TrainerConfig,
+)
+from megatron_rl.config.trainer import TrainerRunConfig
 
 __all__ = [
     "ActorConfig",
+    "ActorRolloutRefConfig",
+    "ActorRunConfig",
     "AlgoConfig",
-    "CriticConfig",
-    "OptimConfig",
     "BaseConfig",
+    "CriticConfig",
+    "CriticRunConfig",
+    "DEFAULT_RECIPE",
+    "DataConfig",
+    "DistillationConfig",
+    "DistillationLossConfig",
     "FilterGroupsConfig",
     "KLControlConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "ModelSourceConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
     "PolicyLossConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
     "RolloutCorrectionConfig",
-    *_LAZY,
+    "SamplingConfig",
+    "TeacherModelConfig",
+    "TrainerConfig",
+    "TrainerRunConfig",
+    "WeightSyncConfig",
+    "compose",
+    "dump_config",
+    "find_recipe",
+    "list_recipes",
+    "load_config",
 ]

@@ -14,11 +14,11 @@ import difflib
 from dataclasses import field
 from typing import Any, Optional
 
-from megatron_rl.algos.distillation import DistillationLossConfig
 from megatron_rl.config.algorithm import ActorConfig, CriticConfig
 from megatron_rl.config.base import BaseConfig, check_choice, check_range
-from megatron_rl.models.gpt import ModelConfig
-from megatron_rl.workers.rollout import RolloutConfig
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.config.distillation import DistillationLossConfig
+from megatron_rl.config.rollout import RolloutConfig
 from parallel.config import ParallelConfig
 
 __all__ = [
@@ -128,10 +128,6 @@ class ModelSourceConfig(BaseConfig):
         for key in self.override_config:
             if key not in names:
                 raise ValueError(f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)}")
-        if self.family is not None:
-            from megatron_rl.models.families import supported_families  # imports parallel.bridge: only when used
-
-            check_choice("model.family", self.family, sorted(supported_families()))
 
     @property
     def is_inline(self) -> bool:

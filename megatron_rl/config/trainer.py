@@ -14,8 +14,11 @@
       distillation             DistillationConfig    on-policy distillation teacher + loss
 
 Each section validates its own fields in ``__post_init__``; ``TrainerRunConfig.__post_init__``
-checks what spans sections (names against the registries, batch sizes against the cluster,
-lengths that must agree) and names every field and number in its ``ValueError``.
+checks what spans sections (batch sizes against the cluster, lengths that must agree) and names
+every field and number in its ``ValueError``. What depends on the algorithm -- which roles run,
+so which layouts and batch sizes must fit -- is checked by ``check_roles``, called with the
+needs that ``megatron_rl.algos.needs.resolve_run`` reads off the registries (this layer imports
+nothing above it).
 ``TrainerRunConfig.from_dict`` (and ``megatron_rl.config.loader.load_config`` on top of it)
 also fills verl's derived keys -- ``actor.rollout_n`` from ``rollout.n``,
 ``rollout.prompt_length`` from ``data.max_prompt_length``, the reference layout from the
@@ -28,9 +31,9 @@ import dataclasses
 from dataclasses import field
 from typing import Any, Mapping, Optional
 
-from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from megatron_rl.config.algorithm import ActorConfig, AlgoConfig, CriticConfig
 from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.schema import build_config, fill_derived
 from megatron_rl.config.sections import (
     PARALLEL_KEYS,
     ActorRolloutRefConfig,
@@ -41,13 +44,9 @@ from megatron_rl.config.sections import (
     ModelSourceConfig,
     RewardConfig,
     TrainerConfig,
-    suggest,
 )
 
-__all__ = ["TrainerRunConfig", "VALUE_ESTIMATORS", "DERIVED_KEYS"]
-
-VALUE_ESTIMATORS = ("gae",)
-"""Advantage estimators that read critic values (verl's ``need_critic``)."""
+__all__ = ["TrainerRunConfig", "DERIVED_KEYS"]
 # What the reference copies from the actor's ``megatron`` when left out (verl's ref interpolations).
 _REF_FROM_ACTOR = PARALLEL_KEYS + ("sequence_parallel", "param_offload", "dtype", "seed", "override_transformer_config")
 
@@ -66,13 +65,6 @@ DERIVED_KEYS: tuple[tuple[str, str], ...] = (
 )
 """``(target, source)``: ``from_dict`` copies ``source`` to ``target`` when the input lacks ``target``
 (verl's interpolations, e.g. ``rollout_n: ${oc.select:actor_rollout_ref.rollout.n,1}``)."""
-
-
-def _check_name(field_name: str, value: Any, registry, what: str) -> None:
-    if value not in registry:
-        names = sorted(registry)
-        raise ValueError(f"{field_name}={value!r} is not a registered {what}; choose one of {names}"
-                         f"{suggest(value, names)}")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -95,50 +87,19 @@ class TrainerRunConfig(BaseConfig):
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     """On-policy distillation."""
 
-    # -- what the run needs ------------------------------------------------------------------
-    @property
-    def needs_critic(self) -> bool:
-        """A critic is trained: ``critic.enable`` if set, else the estimator uses values (GAE)."""
-        if self.critic.enable is not None:
-            return bool(self.critic.enable)
-        return self.algorithm.adv_estimator in VALUE_ESTIMATORS
-
-    @property
-    def needs_reference(self) -> bool:
-        """A reference policy runs: a KL loss or KL-in-reward is on."""
-        return bool(self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
-
-    @property
-    def needs_reward_model(self) -> bool:
-        """A reward-model worker runs."""
-        return bool(self.reward.reward_model.enable)
-
-    @property
-    def needs_teacher(self) -> bool:
-        """A distillation teacher worker runs."""
-        return bool(self.distillation.enabled)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "TrainerRunConfig":
         """Build from a nested mapping (YAML, ``DictConfig``): derived keys are filled where
         missing, unknown keys are errors with the nearest valid keys, leaf types are checked."""
-        from megatron_rl.config.loader import build_config, fill_derived
-
-        return build_config(cls, fill_derived(data or {}), path=path)
+        return build_config(cls, fill_derived(data or {}, cls, DERIVED_KEYS), path=path)
 
     # -- cross-section validation -------------------------------------------------------------
     def __post_init__(self) -> None:
         arr = self.actor_rollout_ref
-        actor, rollout = arr.actor, arr.rollout
-        _check_name("algorithm.adv_estimator", self.algorithm.adv_estimator, ADV_ESTIMATORS, "advantage estimator")
-        _check_name("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES,
-                    "policy loss")
-        if self.critic.enable is False and self.algorithm.adv_estimator in VALUE_ESTIMATORS:
-            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs a critic, "
-                             "but critic.enable=False")
+        rollout = arr.rollout
         if self.data.task is None and self.data.train_files is None:
             raise ValueError("data: set data.train_files (parquet/jsonl paths) or data.task (a built-in task name)")
-        self._check_lengths()
+        self._check_lengths(arr.actor.rollout_n, "actor_rollout_ref.actor.rollout_n")
         fg = self.algorithm.filter_groups
         if fg is not None and fg.enable:
             if not fg.metric:
@@ -147,54 +108,55 @@ class TrainerRunConfig(BaseConfig):
             if rollout.n < 2:
                 raise ValueError(f"algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2 "
                                  f"(a group of one is never informative), got {rollout.n}")
-
         _check_source("actor_rollout_ref.model", arr.model)
-        if self.needs_critic:
-            _check_source("critic.model", self.critic.model)
-        if self.needs_teacher:
-            teacher = self.distillation.teacher_model
-            _check_source("distillation.teacher_model", teacher, path_key="model_path", family_required=False)
-            student, teacher = arr.model.config, self.distillation.teacher_model.config
-            if student is not None and teacher is not None and student.vocab_size != teacher.vocab_size:
-                raise ValueError(f"distillation.teacher_model.config.vocab_size={teacher.vocab_size} must equal "
-                                 f"actor_rollout_ref.model.config.vocab_size={student.vocab_size} "
-                                 "(teacher and student share the tokenizer)")
-
         context = self.data.max_prompt_length + self.data.max_response_length
         for where, model in (("actor_rollout_ref.model", arr.model.config),
                              ("distillation.teacher_model", self.distillation.teacher_model.config)):
             if model is not None and context > model.max_position_embeddings:
                 raise ValueError(f"data.max_prompt_length + data.max_response_length = {context} exceeds "
                                  f"{where}.config.max_position_embeddings={model.max_position_embeddings}")
-
         world = self.trainer.world_size
-        self._check_batch("actor_rollout_ref.actor", actor, arr.model, world)
-        if self.needs_critic:
-            self._check_batch("critic", self.critic, self.critic.model, world)
-        if self.needs_reference:
-            self._check_forward_only("actor_rollout_ref.ref", arr.ref.megatron, arr.model, world)
-        if self.needs_reward_model:
-            self._check_forward_only("reward.reward_model", self.reward.reward_model.megatron, None, world)
-        if self.needs_teacher:
-            teacher = self.distillation.teacher_model
-            self._check_forward_only("distillation.teacher_model", teacher.megatron, teacher, world)
+        self._check_batch("actor_rollout_ref.actor", arr.actor, arr.model, world)
         rollout_tp = rollout.tensor_model_parallel_size
         if world % rollout_tp:
             raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide "
                              f"world_size={world} (trainer.nnodes * trainer.n_gpus_per_node = "
                              f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})")
 
-    def _check_lengths(self) -> None:
+    def check_roles(self, *, critic: bool, reference: bool, reward_model: bool, teacher: bool) -> None:
+        """Check what the roles that run need of the configuration: their models, layouts and batch
+        sizes (``ValueError`` naming the fields and numbers). The caller decides which roles run
+        (``megatron_rl.algos.needs.resolve_run``)."""
+        arr, world = self.actor_rollout_ref, self.trainer.world_size
+        if critic:
+            self._check_lengths(self.critic.rollout_n, "critic.rollout_n")
+            _check_source("critic.model", self.critic.model)
+            self._check_batch("critic", self.critic, self.critic.model, world)
+        if teacher:
+            source = self.distillation.teacher_model
+            _check_source("distillation.teacher_model", source, path_key="model_path", family_required=False)
+            student = arr.model.config
+            if student is not None and source.config is not None and student.vocab_size != source.config.vocab_size:
+                raise ValueError(f"distillation.teacher_model.config.vocab_size={source.config.vocab_size} must equal "
+                                 f"actor_rollout_ref.model.config.vocab_size={student.vocab_size} "
+                                 "(teacher and student share the tokenizer)")
+        if reference:
+            self._check_forward_only("actor_rollout_ref.ref", arr.ref.megatron, arr.model, world)
+        if reward_model:
+            self._check_forward_only("reward.reward_model", self.reward.reward_model.megatron, None, world)
+        if teacher:
+            source = self.distillation.teacher_model
+            self._check_forward_only("distillation.teacher_model", source.megatron, source, world)
+
+    def _check_lengths(self, rollout_n: int, rollout_n_key: str) -> None:
         arr, data = self.actor_rollout_ref, self.data
         pairs = (
-            ("actor_rollout_ref.actor.rollout_n", arr.actor.rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),
+            (rollout_n_key, rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),
             ("actor_rollout_ref.rollout.prompt_length", arr.rollout.prompt_length,
              "data.max_prompt_length", data.max_prompt_length),
             ("actor_rollout_ref.rollout.response_length", arr.rollout.response_length,
              "data.max_response_length", data.max_response_length),
         )
-        if self.needs_critic:
-            pairs += (("critic.rollout_n", self.critic.rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),)
         for name, value, source, expected in pairs:
             if value != expected:
                 raise ValueError(f"{name}={value} disagrees with {source}={expected}; leave {name} out "

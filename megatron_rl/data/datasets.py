@@ -28,8 +28,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_rl.algos.registry import Registry
-from megatron_rl.algos.utils import cfg_get
+from megatron_rl.utils.config_access import cfg_get
+from megatron_rl.utils.registry import Registry
 
 __all__ = [
     "TOY_TASKS",

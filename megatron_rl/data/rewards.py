@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_rl.algos.dapo import apply_overlong_penalty
-from megatron_rl.algos.registry import Registry, UnknownNameError
+from megatron_rl.data.shaping import apply_overlong_penalty
+from megatron_rl.utils.registry import Registry, UnknownNameError
 
 __all__ = [
     "REWARD_FNS",

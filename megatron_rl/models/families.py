@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from megatron_rl.models.gpt import ModelConfig
+from megatron_rl.config.model import ModelConfig
 from parallel.bridge import WeightMap, WeightRule
 
 __all__ = [

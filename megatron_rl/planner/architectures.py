@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from megatron_rl.models.gpt import ModelConfig
+from megatron_rl.config.model import ModelConfig
 
 __all__ = ["KNOWN_ARCHITECTURES", "resolve_architecture", "architecture_from_path"]
 

@@ -1,7 +1,7 @@
 """Per-rank memory of one Megatron role (actor, critic, reference, reward model, teacher).
 
 Everything is counted for the most loaded pipeline stage of a layout, in bytes, following
-what ``megatron_rl.workers.engine.MegatronEngine`` allocates:
+what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
 
 * parameters: each weight's local shard (heads and MLP columns over TP -- KV heads are
   replicated when there are fewer than TP; routed experts over EP and their columns over ETP;
@@ -34,7 +34,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from megatron_rl.models.gpt import ModelConfig, padded_vocab_size
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.models.gpt import padded_vocab_size
 
 __all__ = ["RoleMemory", "count_params", "estimate_role", "DTYPE_BYTES"]
 

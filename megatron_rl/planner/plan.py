@@ -19,7 +19,10 @@ import math
 import os
 from typing import Any, Optional
 
-from megatron_rl.models.gpt import ModelConfig, padded_vocab_size
+from megatron_rl.algos.needs import RunNeeds, resolve_run
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.config.trainer import TrainerRunConfig
+from megatron_rl.models.gpt import padded_vocab_size
 from megatron_rl.planner.architectures import resolve_architecture
 from megatron_rl.planner.memory import GIB, RoleMemory, estimate_role
 from parallel.config import ParallelConfig
@@ -69,18 +72,17 @@ class Plan:
 
 # ----------------------------------------------------------------------------- helpers
 def _run_config(config: Any, nodes: Optional[int], gpus_per_node: Optional[int]):
-    """A validated ``TrainerRunConfig`` on the given cluster (its own ``trainer`` sizes by default)."""
-    from megatron_rl.config.trainer import TrainerRunConfig
-
+    """A validated ``TrainerRunConfig`` on the given cluster (its own ``trainer`` sizes by default)
+    and what the run needs (``resolve_run``: registry names and the layouts of the roles that run)."""
     if not isinstance(config, TrainerRunConfig):
         config = TrainerRunConfig.from_dict(config)
-    if nodes is None and gpus_per_node is None:
-        return config
-    data = config.to_dict()
-    data["trainer"]["nnodes"] = nodes or config.trainer.nnodes
-    data["trainer"]["n_gpus_per_node"] = gpus_per_node or config.trainer.n_gpus_per_node
-    data["trainer"].pop("default_local_dir", None)
-    return TrainerRunConfig.from_dict(data)
+    if nodes is not None or gpus_per_node is not None:
+        data = config.to_dict()
+        data["trainer"]["nnodes"] = nodes or config.trainer.nnodes
+        data["trainer"]["n_gpus_per_node"] = gpus_per_node or config.trainer.n_gpus_per_node
+        data["trainer"].pop("default_local_dir", None)
+        config = TrainerRunConfig.from_dict(data)
+    return config, resolve_run(config)
 
 
 def _dtype(megatron: Any, model: ModelConfig, from_table: bool) -> str:
@@ -146,7 +148,7 @@ def plan_run(config: Any, nodes: Optional[int] = None, gpus_per_node: Optional[i
     ``gpus_per_node`` devices and estimate per-device memory; ``ValueError`` for an invalid
     layout. A layout that does not fit is returned with ``fits == False`` and a ``suggestion``.
     ``gpu_memory_gb`` is GiB per GPU; with ``trainer.device=cpu`` host RAM per rank is the budget."""
-    cfg = _run_config(config, nodes, gpus_per_node)
+    cfg, needs = _run_config(config, nodes, gpus_per_node)
     nodes, gpus = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
     arr = cfg.actor_rollout_ref
     model, source = resolve_architecture("actor_rollout_ref.model.path", path=arr.model.path, config=arr.model.config,
@@ -156,7 +158,7 @@ def plan_run(config: Any, nodes: Optional[int] = None, gpus_per_node: Optional[i
         budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // gpus
     else:
         budget = int(gpu_memory_gb * GIB)
-    ctx = _Context(cfg, model, source.startswith("table:"), budget)
+    ctx = _Context(cfg, needs, model, source.startswith("table:"), budget)
     plan = ctx.evaluate(arr.actor.megatron.parallel(), arr.actor.ppo_micro_batch_size_per_gpu, strict=True)
     plan.model_source = source
     if not plan.fits and suggest:
@@ -185,8 +187,8 @@ def misfit_message(plan: Plan) -> str:
 class _Context:
     """What stays fixed while layouts are searched: config, model, budget."""
 
-    def __init__(self, cfg, model: ModelConfig, from_table: bool, budget: int):
-        self.cfg, self.model, self.from_table, self.budget = cfg, model, from_table, budget
+    def __init__(self, cfg, needs: RunNeeds, model: ModelConfig, from_table: bool, budget: int):
+        self.cfg, self.needs, self.model, self.from_table, self.budget = cfg, needs, model, from_table, budget
 
     def _role(self, role: str, megatron, model: ModelConfig, par: ParallelConfig, micro: int, trainable: bool,
               optim: Any, mini: Optional[int], world: int, gpus: int, strict: bool) -> tuple[RoleMemory, dict]:
@@ -222,13 +224,13 @@ class _Context:
         roles["actor"], sizes = self._role("actor", actor_meg, self.model, actor_par, micro, True, arr.actor.optim,
                                            arr.actor.ppo_mini_batch_size, world, gpus, strict)
         offload["actor"] = actor_meg
-        if cfg.needs_reference:
+        if self.needs.reference:
             ref_meg = arr.ref.megatron if strict else dataclasses.replace(arr.ref.megatron, **dataclasses.asdict(actor_par))
             roles["ref"], _ = self._role("ref", ref_meg, self.model, ref_meg.parallel(),
                                          arr.ref.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
                                          world, gpus, strict)
             offload["ref"] = ref_meg
-        if cfg.needs_critic:
+        if self.needs.critic:
             critic_model, _ = resolve_architecture("critic.model.path", path=cfg.critic.model.path,
                                                    config=cfg.critic.model.config,
                                                    overrides=cfg.critic.model.override_config)
@@ -236,13 +238,13 @@ class _Context:
                                             cfg.critic.ppo_micro_batch_size_per_gpu, True, cfg.critic.optim,
                                             cfg.critic.ppo_mini_batch_size, world, gpus, strict)
             offload["critic"] = cfg.critic.megatron
-        if cfg.needs_reward_model:
+        if self.needs.reward_model:
             rm = cfg.reward.reward_model
             rm_model, _ = resolve_architecture("reward.reward_model.model_path", path=rm.model_path)
             roles["reward"], _ = self._role("reward", rm.megatron, rm_model, rm.megatron.parallel(),
                                             rm.micro_batch_size_per_gpu, False, None, None, world, gpus, strict)
             offload["reward"] = rm.megatron
-        if cfg.needs_teacher:
+        if self.needs.teacher:
             t = cfg.distillation.teacher_model
             t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path,
                                               config=t.config)
@@ -303,10 +305,10 @@ class _Context:
         nodes0 = self.cfg.trainer.nnodes
         for factor in (2, 4, 8, 16):
             try:  # more nodes may break the batch divisibility of this very layout: then search anyway
-                bigger = _run_config(self.cfg, nodes0 * factor, None)
+                bigger, needs = _run_config(self.cfg, nodes0 * factor, None)
             except ValueError:
                 continue
-            other = _Context(bigger, self.model, self.from_table, self.budget)
+            other = _Context(bigger, needs, self.model, self.from_table, self.budget)
             found = other._search(current, par)
             if found is not None:
                 return f"No layout fits on {nodes0} node(s); on {nodes0 * factor} nodes: {found}"

@@ -38,24 +38,9 @@ from megatron_rl.trainer.metrics import (
     timer,
 )
 
-__all__ = ["RayPPOTrainer", "need_critic", "need_reference_policy"]
+__all__ = ["RayPPOTrainer"]
 
-VALUE_ESTIMATORS = ("gae",)
 _SEED_STRIDE = 1_000_003  # > samples per generation round: per-sample seeds never repeat across rounds
-
-
-def need_critic(config: Any) -> bool:
-    """A critic is trained: ``critic.enable`` if set, else the estimator reads values (GAE)."""
-    enable = cfg_get(config, "critic.enable")
-    if enable is not None:
-        return bool(enable)
-    return cfg_get(config, "algorithm.adv_estimator") in VALUE_ESTIMATORS
-
-
-def need_reference_policy(config: Any) -> bool:
-    """A reference policy runs: KL loss in the actor or KL penalty in the reward."""
-    return bool(cfg_get(config, "actor_rollout_ref.actor.use_kl_loss", False)
-                or cfg_get(config, "algorithm.use_kl_in_reward", False))
 
 
 class RayPPOTrainer:
@@ -74,20 +59,25 @@ class RayPPOTrainer:
     def __init__(self, config: Any, *, model_path: Optional[str | Path] = None, log_dir: Optional[str | Path] = None,
                  tokenizer: Any = None, train_dataloader: Any = None, reward_fn: Any = None,
                  teacher_path: Optional[str | Path] = None):
+        from megatron_rl.config import TrainerRunConfig
+
+        config = config if isinstance(config, TrainerRunConfig) else TrainerRunConfig.from_dict(config)
         self.config = config
         self.log_dir = Path(log_dir or cfg_get(config, "trainer.default_local_dir") or "outputs")
         if model_path is None:
-            from megatron_rl.trainer.main_job import prepare_policy_model
+            from megatron_rl.job.main_job import prepare_policy_model
 
             model_path = prepare_policy_model(config, self.log_dir)
         self.model_path = str(model_path)
         self.teacher_path = None
         if cfg_get(config, "distillation.enabled", False):
-            from megatron_rl.trainer.main_job import prepare_teacher_model
+            from megatron_rl.job.main_job import prepare_teacher_model
 
             self.teacher_path = teacher_path or prepare_teacher_model(config, self.log_dir, self.model_path)
-        self.use_critic = need_critic(config)
-        self.use_reference = need_reference_policy(config)
+        from megatron_rl.algos.needs import resolve_run
+
+        self.needs = resolve_run(config)
+        self.use_critic, self.use_reference = self.needs.critic, self.needs.reference
         self.n = int(cfg_get(config, "actor_rollout_ref.rollout.n", 1))
         self.temperature = float(cfg_get(config, "actor_rollout_ref.rollout.temperature", 1.0))
         self.adv_fn = ADV_ESTIMATORS[cfg_get(config, "algorithm.adv_estimator")]
@@ -103,7 +93,7 @@ class RayPPOTrainer:
             cfg_get(rc, "bypass_mode", False) or cfg_get(rc, "rollout_is") or cfg_get(rc, "rollout_rs")) else None
         distill = cfg_get(config, "distillation")
         self.distillation_loss = cfg_get(distill, "distillation_loss") if cfg_get(distill, "enabled", False) else None
-        self.remax = cfg_get(config, "algorithm.adv_estimator") == "remax"
+        self.remax = self.needs.baseline
         self._weight_sync_connected = False
         self.global_steps = 0
         self.last_reward_error = ""
@@ -163,65 +153,14 @@ class RayPPOTrainer:
 
     def init_workers(self) -> None:
         """Create the roles the config needs, each in its own placement group."""
-        import ray
+        from megatron_rl.trainer.placement import Placement, role_specs
 
-        from megatron_rl.workers.ray_workers import MegatronWorkerGroup, create_rollout_worker
-
-        cfg, world = self.config, int(cfg_get(self.config, "trainer.nnodes", 1)) * int(
-            cfg_get(self.config, "trainer.n_gpus_per_node", 1))
-        need_rm, need_teacher = bool(cfg_get(cfg, "reward.reward_model.enable", False)), self.distillation_loss is not None
-        roles = 1 + int(self.use_reference) + int(self.use_critic) + int(need_rm) + int(need_teacher)
-        on_gpu = cfg_get(cfg, "trainer.device", "cpu") == "cuda"
-        if on_gpu:  # roles (and the rollout) share each GPU, as verl's colocated workers do
-            cpus, gpus = 1.0, 1.0 / (roles + 1)
-        else:  # fractional CPUs so that every rank of every role can start on a small machine
-            cpus, gpus = max(0.01, int(100 * ray.available_resources().get("CPU", 1) / (roles * world + 1)) / 100), 0.0
-        common = dict(hf_dir=self.model_path, num_cpus_per_worker=cpus, num_gpus_per_worker=gpus)
-        arr = cfg_get(cfg, "actor_rollout_ref")
-        actor_meg = cfg_get(arr, "actor.megatron")
-        seed = int(cfg_get(actor_meg, "seed", 42))
-        self.actor = MegatronWorkerGroup("actor", actor_meg, self._actor_engine_config(), world, seed=seed, **common)
-        if self.use_reference:
-            self.ref = MegatronWorkerGroup("ref", cfg_get(arr, "ref.megatron"), cfg_get(arr, "actor"), world,
-                                           seed=seed, **common)
-        if self.use_critic:
-            self.critic = MegatronWorkerGroup("critic", cfg_get(cfg, "critic.megatron"), cfg_get(cfg, "critic"),
-                                              world, hf_dir=cfg_get(cfg, "critic.model.path") or self.model_path,
-                                              num_cpus_per_worker=cpus, num_gpus_per_worker=gpus, seed=seed)
-        if need_rm:
-            rm = cfg_get(cfg, "reward.reward_model")
-            self.rm = MegatronWorkerGroup("reward", cfg_get(rm, "megatron"),
-                                          {"ppo_micro_batch_size_per_gpu": int(cfg_get(rm, "micro_batch_size_per_gpu", 1))},
-                                          world, hf_dir=cfg_get(rm, "model_path"), num_cpus_per_worker=cpus,
-                                          num_gpus_per_worker=gpus, seed=seed)
-        if need_teacher:
-            teacher = cfg_get(cfg, "distillation.teacher_model")
-            mbs = cfg_get(teacher, "log_prob_micro_batch_size_per_gpu") or cfg_get(arr, "actor.ppo_micro_batch_size_per_gpu")
-            self.teacher = MegatronWorkerGroup("teacher", cfg_get(teacher, "megatron"),
-                                               {"ppo_micro_batch_size_per_gpu": int(mbs or 1)}, world,
-                                               hf_dir=self.teacher_path, num_cpus_per_worker=cpus,
-                                               num_gpus_per_worker=gpus, seed=seed)
-        self.rollout, self._rollout_pg = create_rollout_worker(self.model_path, cfg_get(arr, "rollout"),
-                                                               num_cpus=cpus, num_gpus=gpus)
-
-    def _actor_engine_config(self) -> Any:
-        """The actor's config; in rollout-correction bypass mode its policy loss becomes
-        ``bypass_mode`` with the correction settings (verl's ``apply_bypass_mode``)."""
-        import dataclasses
-
-        actor = cfg_get(self.config, "actor_rollout_ref.actor")
-        rc = self.rollout_correction
-        if rc is None or not cfg_get(rc, "bypass_mode", False):
-            return actor
-        from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
-
-        if dataclasses.is_dataclass(actor):
-            return dataclasses.replace(actor, policy_loss=bypass_policy_loss_config(actor.policy_loss, rc))
-        from megatron_rl.workers.ray_workers import _plain
-
-        plain = dict(_plain(actor))
-        plain["policy_loss"] = bypass_policy_loss_config(dict(plain.get("policy_loss") or {}), _plain(rc))
-        return plain
+        specs = role_specs(self.config, self.needs, model_path=self.model_path, teacher_path=self.teacher_path)
+        self.placement = Placement(self.config, specs, model_path=self.model_path)
+        get = self.placement.get
+        self.actor, self.ref, self.critic, self.rm, self.teacher = (get(r) for r in ("actor", "ref", "critic", "reward",
+                                                                                      "teacher"))
+        self.rollout = self.placement.rollout
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
@@ -454,20 +393,22 @@ class RayPPOTrainer:
     def sync_weights(self) -> dict[str, float]:
         """Actor -> rollout engine, in place. ``checkpoint_engine.backend`` ``broadcast`` / ``shm``:
         streamed bucket by bucket from actor rank 0 over a gloo side band (the model is never
-        whole anywhere; ``megatron_rl.workers.weight_sync``). ``colocated`` / ``bytes``: rank 0
+        whole anywhere; ``megatron_rl.rollout.weight_sync``). ``colocated`` / ``bytes``: rank 0
         gathers the HF tensors and hands them over through Ray's object store (small models)."""
         import ray
 
         ce = cfg_get(self.config, "actor_rollout_ref.rollout.checkpoint_engine")
         backend = cfg_get(ce, "backend", "colocated")
         mb = float(cfg_get(ce, "update_weights_bucket_megabytes", 256) or 256)
+        from megatron_rl.workers.weight_sync import connect_weight_sync, export_weights, sync_weights
+
         if backend in ("broadcast", "shm"):
             if not self._weight_sync_connected:
-                self.actor.connect_weight_sync(self.rollout, transport=backend, bucket_megabytes=mb)
+                connect_weight_sync(self.actor, self.rollout, transport=backend, bucket_megabytes=mb)
                 self._weight_sync_connected = True
-            stats = self.actor.sync_weights(self.rollout)
+            stats = sync_weights(self.actor, self.rollout)
         else:
-            stats = ray.get(self.rollout.update_weights.remote(self.actor.export_weights(bucket_bytes=int(mb * 2**20))))
+            stats = ray.get(self.rollout.update_weights.remote(export_weights(self.actor, bucket_bytes=int(mb * 2**20))))
         return {"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": float(stats["seconds"])}
 
     # -- validation ----------------------------------------------------------------------------
@@ -574,7 +515,10 @@ class RayPPOTrainer:
         final = Path(out_dir).resolve()
         if final.exists():
             raise FileExistsError(f"save_hf_checkpoint: {final} exists")
-        weights = ray.get(self.actor.export_weights())
+        from megatron_rl.workers.weight_sync import export_weights
+
+        mb = self.config.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes
+        weights = ray.get(export_weights(self.actor, bucket_bytes=int(mb * 2**20)))
         tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
@@ -601,12 +545,6 @@ class RayPPOTrainer:
 
     def shutdown(self) -> None:
         """Stop every worker and free the placement groups."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        for group in (self.actor, self.ref, self.critic, self.rm, self.teacher):
-            if group is not None:
-                group.shutdown()
-        if self.rollout is not None:
-            ray.kill(self.rollout)
-            remove_placement_group(self._rollout_pg)
+        if getattr(self, "placement", None) is not None:
+            self.placement.shutdown()
+            self.placement = None

@@ -1,358 +1,87 @@
-"""Actor -> rollout weight sync: the actor's sharded Megatron weights streamed into running vLLM engines.
+"""Worker-side glue of actor -> rollout weight sync (the transports live in ``megatron_rl.rollout``).
 
-After every policy update the actor's weights -- sharded over any TP/PP/VPP/EP layout -- go
-through the bridge's bucketed HF export (``parallel.bridge.HFExporter``): each bucket of full,
-HF-named tensors is gathered onto actor rank 0 and handed on before the next bucket is
-gathered, so no rank ever holds the whole model: the export holds at most one bucket plus one
-parameter (``ExportStats``), the transport at most one more bucket. vLLM's reload path then
-fuses q/k/v and gate/up, shards for the engine's *own* TP layout and repacks its kernels, so
-the rollout's parallel layout need not match training's. Nothing touches persistent storage.
-
-Placement decides the transport (``choose_transport``):
-
-    placement    engine                                      transport   API
-    colocated    in-process vLLM (TP=1) in actor rank 0      colocated   sync(rollout) on every actor rank
-    same_node    a rollout worker process on rank 0's node   shm         listen/connect + sync(); receiver
-    other_node   a rollout worker process elsewhere          broadcast   listen/connect + sync(); receiver
-
-* colocated: rank 0 passes its ``VLLMRollout`` to ``sync``; tensors go by reference (an engine
-  handle on rank 0 whose workers run in other processes -- vLLM TP>1 -- takes ``shm``/``bytes``/
-  ``broadcast`` through the same call, see ``VLLMRollout.update_weights``).
-* remote (another process): actor rank 0 and every vLLM worker of every rollout replica form a
-  gloo side-band group. Rank 0 first ``listen``s (binds a port the OS picks -- a port chosen in
-  advance may be taken meanwhile, e.g. by gloo's own listeners) and the driver hands
-  ``(addr, port)`` to the rollout workers; then ``connect`` here and
-  ``RolloutWeightReceiver.connect`` there run concurrently. A sync is one self-describing
-  stream: each bucket starts with a header; with ``broadcast`` the tensors follow over the
-  group, with ``shm`` the bucket is a safetensors file in /dev/shm (one copy in, mapped
-  without a copy on the other side; the header names it, receivers acknowledge once they have
-  mapped it, the sender then unlinks it -- and meanwhile exports and writes the next bucket).
-  The driver (e.g. Ray) only has to start ``ActorWeightSync.sync()`` on the actor ranks and
-  ``RolloutWeightReceiver.receive()`` on the rollout workers at the same time.
-
-Every sync ends with ``reset_prefix_cache()`` on the engine (cached KV is stale).
+* ``WeightSyncRank``: the methods a ``MegatronWorker`` (one actor rank) runs for a sync:
+  the gathered HF export (``export_weights``) and the streamed side band
+  (``weight_sync_listen`` / ``weight_sync_connect`` / ``weight_sync``).
+* ``connect_weight_sync`` / ``sync_weights`` / ``export_weights``: what the driver runs over a
+  worker group and a ``RolloutWorker``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import os
-import tempfile
-import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.config.base import check_choice, check_range
-from megatron_rl.workers.vllm_extension import (
-    _ack,
-    _broadcast,
-    _raw_bytes,
-    bucket_meta,
-    bucket_named_tensors,
-    new_gloo_group,
-    send_header,
-    write_safetensors,
-)
-from parallel.bridge import ExportStats, HFExporter
-from parallel.bridge.collective import raise_together
-
-__all__ = ["PLACEMENTS", "REMOTE_TRANSPORTS", "choose_transport", "ActorWeightSync", "RemoteWeightSender",
-           "RolloutWeightReceiver"]
-
-PLACEMENTS = {"colocated": "colocated", "same_node": "shm", "other_node": "broadcast"}
-REMOTE_TRANSPORTS = ("broadcast", "shm")
-DEFAULT_BUCKET_MB = 128.0  # on CPU 64-128 MiB buckets export fastest (parallel.bridge.export)
+__all__ = ["WeightSyncRank", "connect_weight_sync", "sync_weights", "export_weights"]
 
 
-def choose_transport(placement: str) -> str:
-    """The transport for a placement of the rollout engine relative to actor rank 0 (table above)."""
-    check_choice("placement", placement, list(PLACEMENTS))
-    return PLACEMENTS[placement]
+class WeightSyncRank:
+    """Mixin of ``MegatronWorker``: uses ``self.engine``, ``self.weight_map``, ``self.mesh``, ``self.rank``."""
+
+    _exporter = None
+    _weight_sync = None
+
+    def export_weights(self, bucket_bytes: int, dtype: Optional[str] = None) -> Optional[list]:
+        """Collective: global rank 0 returns the full model as HF ``(name, tensor)`` copies; others None."""
+        from parallel.bridge import HFExporter
+
+        if self.weight_map is None:
+            raise ValueError("export_weights needs the HF family of the model: build the group with hf_dir")
+        if self._exporter is None:
+            self._exporter = HFExporter(self.engine.model, self.weight_map, mesh=self.mesh,
+                                        dtype=getattr(torch, dtype) if dtype else None)
+        out = [(name, t.detach().clone()) for name, t in
+               self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)]
+        return out if self.rank == 0 else None
+
+    def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float,
+                           dtype: Optional[str] = None) -> Optional[tuple[str, int]]:
+        """Collective: build this rank's ``ActorWeightSync``; rank 0 hosts the side-band group and
+        returns ``(addr, port)`` for the rollout worker, the others None."""
+        import ray
+
+        from megatron_rl.rollout.weight_sync import ActorWeightSync
+
+        if self.weight_map is None:
+            raise ValueError("weight sync needs the HF family of the model: build the group with hf_dir")
+        self._weight_sync = ActorWeightSync.from_engine(self.engine, self.weight_map, mesh=self.mesh,
+                                                        dtype=getattr(torch, dtype) if dtype else None,
+                                                        bucket_megabytes=bucket_megabytes)
+        return self._weight_sync.listen(world_size, transport=transport, master_addr=ray.util.get_node_ip_address())
+
+    def weight_sync_connect(self) -> None:
+        self._weight_sync.connect()
+
+    def weight_sync(self) -> dict[str, Any]:
+        """Collective: stream the current weights bucket by bucket (rank 0 sends)."""
+        return self._weight_sync.sync()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def connect_weight_sync(group, rollout, transport: str, bucket_megabytes: float, dtype: Optional[str] = None) -> None:
+    """Join actor rank 0 of ``group`` and the ``RolloutWorker`` actor ``rollout`` in a gloo side band
+    (``transport`` ``broadcast`` or ``shm``, the latter when both share a node); afterwards
+    ``sync_weights(group, rollout)`` streams the weights without gathering the model anywhere."""
+    import ray
+
+    world = 1 + int(ray.get(rollout.tensor_parallel_size.remote()))
+    listened = ray.get([w.weight_sync_listen.remote(world, transport, bucket_megabytes, dtype) for w in group.workers])
+    addr, port = listened[0]
+    ray.get([w.weight_sync_connect.remote() for w in group.workers] + [rollout.weight_sync_connect.remote(addr, port, world)])
 
 
-def _drain(weights: Iterator) -> None:
-    """Finish a collective export generator, so the other actor ranks are not left waiting."""
-    for _ in weights:
-        pass
+def sync_weights(group, rollout) -> dict[str, Any]:
+    """One streamed sync into ``rollout`` (after ``connect_weight_sync``): rank 0's stats merged with
+    the receiver's."""
+    import ray
+
+    sent = [w.weight_sync.remote() for w in group.workers]
+    received = rollout.weight_sync_receive.remote()
+    out = ray.get(sent)[0]
+    return {**out, "receiver_seconds": ray.get(received)["seconds"]}
 
 
-# ----------------------------------------------------------------------------- actor side
-class ActorWeightSync:
-    """The actor side of weight sync; construct and call on every actor rank (collective).
-
-    Args:
-        chunks: this rank's model chunks (``MegatronEngine.model``; DDP wrappers are fine).
-        weight_map: the family's HF <-> Megatron table (``get_family(...).weight_map(model_cfg)``).
-        mesh: ``parallel.mesh.Mesh`` (default: Megatron's parallel state).
-        dtype: cast exported tensors (e.g. bfloat16 for a bf16 engine); None keeps the
-            parameters' dtype.
-        bucket_megabytes: bound of one bucket in MiB (export and transport alike); a single
-            larger tensor travels alone.
-        ignore: regexes of Megatron names to leave out (see ``HFExporter``).
-
-    The plan of the export is built once here (collectively); parameters are referenced, so
-    ``sync`` always sends the current weights.
-    """
-
-    def __init__(self, chunks: Iterable[torch.nn.Module], weight_map, *, mesh=None,
-                 dtype: Optional[torch.dtype] = None, bucket_megabytes: float = DEFAULT_BUCKET_MB,
-                 ignore: Sequence[str] = ()):
-        check_range("bucket_megabytes", bucket_megabytes, low=0, low_inclusive=False)
-        self.bucket_bytes = max(1, int(bucket_megabytes * 2**20))
-        self.exporter = HFExporter(list(chunks), weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
-        self.rank = _rank()
-        self.remote_transport: Optional[str] = None
-        self._sender: Optional[RemoteWeightSender] = None
-
-    @classmethod
-    def from_engine(cls, engine, weight_map, **kwargs: Any) -> "ActorWeightSync":
-        """For a ``MegatronEngine`` (its chunks)."""
-        return cls(engine.model, weight_map, **kwargs)
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of one full sync (every exported HF tensor)."""
-        return sum(t.nbytes for t in self.exporter.tensors)
-
-    def iter_weights(self, stats: Optional[ExportStats] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The bucketed export: ``(hf_name, tensor)`` pairs on rank 0, nothing elsewhere.
-        Collective: exhaust it on every actor rank. Tensors may alias parameters (read-only)."""
-        return self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats)
-
-    # -- remote placement --------------------------------------------------------------------
-    def listen(self, world_size: int, *, transport: str = "broadcast", master_addr: str = "127.0.0.1",
-               port: int = 0, shm_dir: str = "/dev/shm", timeout_s: float = 600.0) -> Optional[tuple[str, int]]:
-        """Remote placement, step 1 (every actor rank): rank 0 hosts the side-band group's store
-        and returns ``(master_addr, port)`` for the rollout workers; the others return None.
-
-        ``world_size`` = 1 + the vLLM workers of all receiving replicas; ``master_addr`` is the
-        address they reach rank 0 at; ``port=0`` lets the OS pick a free one.
-        """
-        check_choice("transport", transport, REMOTE_TRANSPORTS)
-        check_range("world_size", world_size, low=2)
-        self.remote_transport = transport
-        if self.rank != 0:
-            return None
-        self._sender = RemoteWeightSender(world_size, transport=transport, master_addr=master_addr, port=port,
-                                          shm_dir=shm_dir, timeout_s=timeout_s)
-        return master_addr, self._sender.listen()
-
-    def connect(self) -> None:
-        """Remote placement, step 2 (every actor rank): rank 0 blocks until every rollout worker
-        has joined (``RolloutWeightReceiver.connect``, started concurrently)."""
-        if self.remote_transport is None:
-            raise RuntimeError("ActorWeightSync.connect before listen()")
-        if self._sender is not None:
-            self._sender.connect()
-
-    def close(self) -> None:
-        """Leave the side-band group (remote placement)."""
-        self._sender = None
-        self.remote_transport = None
-
-    # -- one sync ----------------------------------------------------------------------------
-    def sync(self, rollout=None, *, transport: Optional[str] = None, allow_partial: bool = False) -> dict[str, Any]:
-        """Push the current weights to the engine(s); collective over the actor ranks.
-
-        Args:
-            rollout: the ``VLLMRollout`` on rank 0 when the engine handle lives there
-                (colocated); None on the other ranks and for the remote placement.
-            transport: for a rollout handle, one of ``VLLMRollout``'s transports (default
-                its ``checkpoint_engine.backend``); must be None for the remote placement
-                (fixed by ``connect``).
-            allow_partial: accept a sync that leaves engine parameters untouched (handle only;
-                the receiver checks for the remote placement).
-
-        Returns:
-            On rank 0 ``{"transport", "bytes", "num_tensors", "num_buckets", "seconds",
-            "export_buckets", "export_max_live_bytes", "export_bound_bytes"}`` (the export held
-            at most ``export_max_live_bytes <= export_bound_bytes`` = bucket + largest
-            parameter at once); on the other ranks ``{"transport", "seconds"}``.
-        """
-        errors = []
-        if self.rank != 0 and rollout is not None:
-            errors.append((ValueError, f"rollout must be None on actor rank {self.rank}: only rank 0 sends"))
-        if self.rank == 0:
-            if self.remote_transport is not None and (rollout is not None or transport is not None):
-                errors.append((ValueError, f"this sync is connected to remote rollout workers (transport="
-                                           f"{self.remote_transport!r}); pass neither rollout nor transport"))
-            if self.remote_transport is None and rollout is None:
-                errors.append((ValueError, "rank 0 has no rollout to sync into: pass its VLLMRollout "
-                                           "(colocated) or listen() and connect() first (remote rollout workers)"))
-            if self._sender is not None and self._sender.group is None:
-                errors.append((RuntimeError, "listen() was called but not connect()"))
-        raise_together(errors)  # all ranks raise alike, before any export collective starts
-        used = self.remote_transport or transport or (rollout.config.checkpoint_engine.backend if rollout else None)
-        start = time.perf_counter()
-        stats = ExportStats()
-        weights = self.iter_weights(stats)
-        if self.rank != 0:
-            _drain(weights)
-            return {"transport": used, "seconds": time.perf_counter() - start}
-        try:
-            if self._sender is not None:
-                out = self._sender.send(weights, self.bucket_bytes)
-            else:
-                out = rollout.update_weights(weights, transport=transport, bucket_megabytes=self.bucket_bytes / 2**20,
-                                             allow_partial=allow_partial)
-        except BaseException:
-            _drain(weights)  # the other actor ranks complete their sends of the export
-            raise
-        return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": out["num_tensors"],
-                "num_buckets": out["num_buckets"], "seconds": time.perf_counter() - start,
-                "export_buckets": stats.num_buckets, "export_max_live_bytes": stats.max_live_bytes,
-                "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes}
-
-
-# ----------------------------------------------------------------------------- remote stream
-class RemoteWeightSender:
-    """Rank 0 of the side-band group: streams buckets to rollout workers in other processes.
-
-    Protocol (received by ``WeightSyncExtension.receive_weight_stream``): per bucket a header
-    (``vllm_extension.send_header``), then for ``broadcast`` the bucket's tensors one by one
-    from their own memory, for ``shm`` nothing more (the header names a safetensors file);
-    finally ``{"kind": "end"}``. A failure while sending sends ``{"kind": "abort"}`` so the
-    receivers raise instead of waiting for the group timeout.
-    """
-
-    def __init__(self, world_size: int, *, transport: str = "broadcast", master_addr: str = "127.0.0.1",
-                 port: int = 0, shm_dir: str = "/dev/shm", timeout_s: float = 600.0):
-        check_choice("transport", transport, REMOTE_TRANSPORTS)
-        if transport == "shm" and not os.path.isdir(shm_dir):
-            raise ValueError(f"shm_dir={shm_dir!r} is not a directory (the shm transport writes its buckets there)")
-        self.master_addr, self.port, self.world_size = master_addr, port, world_size
-        self.transport, self.shm_dir, self.timeout_s = transport, shm_dir, timeout_s
-        self.group = None
-        self._store = None
-
-    def listen(self) -> int:
-        """Host the group's store (rank 0) without waiting for anyone; returns its port."""
-        self._store = dist.TCPStore(self.master_addr, self.port, self.world_size, is_master=True,
-                                    wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.port = self._store.port
-        return self.port
-
-    def connect(self) -> None:
-        """Join the group as rank 0; blocks until all ``world_size`` ranks have joined."""
-        if self._store is None:
-            self.listen()
-        self.group = new_gloo_group(self.master_addr, self.port, 0, self.world_size, timeout_s=self.timeout_s,
-                                    store=self._store)
-
-    def send(self, weights: Iterable[Any], bucket_bytes: int) -> dict[str, Any]:
-        """Stream ``(hf_name, tensor)`` pairs (or buckets) as buckets of at most ``bucket_bytes``."""
-        if self.group is None:
-            raise RuntimeError("RemoteWeightSender.send before connect()")
-        num_tensors = num_bytes = num_buckets = 0
-        pending: Optional[str] = None  # a bucket file the receivers have not acknowledged yet
-        try:
-            for bucket in bucket_named_tensors(weights, bucket_bytes):
-                if self.transport == "broadcast":
-                    self._send_tensors(bucket)
-                else:
-                    path = self._write_file(bucket)
-                    if pending is not None:  # the next file is written while the receivers load
-                        self._retire(pending)
-                    send_header(self.group, {"kind": "file", "path": path})
-                    pending = path
-                num_buckets += 1
-                num_tensors += len(bucket)
-                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if pending is not None:
-                self._retire(pending)
-                pending = None
-            send_header(self.group, {"kind": "end"})
-        except BaseException as exc:
-            if pending is not None:  # receivers still owe its acknowledgement
-                with contextlib.suppress(Exception):
-                    self._retire(pending)
-            with contextlib.suppress(Exception):
-                send_header(self.group, {"kind": "abort", "error": f"{type(exc).__name__}: {exc}"})
-            raise
-        return {"transport": self.transport, "bytes": num_bytes, "num_tensors": num_tensors,
-                "num_buckets": num_buckets}
-
-    def _send_tensors(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        send_header(self.group, {"kind": "tensors", "meta": bucket_meta(bucket)})
-        pending = []
-        for _, tensor in bucket:
-            raw = _raw_bytes(tensor)
-            pending.append((_broadcast(self.group, raw), raw))  # raw stays alive until sent
-        for work, _ in pending:
-            work.wait()
-
-    def _write_file(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        fd, path = tempfile.mkstemp(prefix="megatron_rl_sync_", suffix=".safetensors", dir=self.shm_dir)
-        os.close(fd)
-        try:
-            write_safetensors(path, bucket)
-        except BaseException:
-            os.unlink(path)
-            raise
-        return path
-
-    def _retire(self, path: str) -> None:
-        """Wait until every receiver has mapped ``path``, then unlink it (mappings keep the data)."""
-        try:
-            _ack(self.group)
-        finally:
-            os.unlink(path)
-
-
-# ----------------------------------------------------------------------------- rollout side
-class RolloutWeightReceiver:
-    """The rollout worker's side of the remote placement: its vLLM workers join the group.
-
-    Args:
-        rollout: this process's ``VLLMRollout``.
-        master_addr, port, world_size: the group that actor rank 0 hosts (``ActorWeightSync.connect``).
-        rank_offset: group rank of this engine's first vLLM worker (1 for the first replica,
-            1 + its TP size for the next ...).
-    """
-
-    def __init__(self, rollout, master_addr: str, port: int, world_size: int, *, rank_offset: int = 1,
-                 timeout_s: float = 600.0):
-        check_range("rank_offset", rank_offset, low=1)
-        tp = rollout.config.tensor_model_parallel_size
-        if rank_offset + tp > world_size:
-            raise ValueError(f"rank_offset={rank_offset} + the engine's {tp} worker(s) exceed world_size={world_size}")
-        self.rollout, self.master_addr, self.port, self.world_size = rollout, master_addr, port, world_size
-        self.rank_offset, self.timeout_s = rank_offset, timeout_s
-        self.ranks: list[int] = []
-
-    def connect(self) -> list[int]:
-        """Join the group (blocks until actor rank 0 and every other receiver joined); returns
-        the group ranks of this engine's workers."""
-        self.ranks = self.rollout.rpc("init_weight_sync_group", self.master_addr, self.port, self.rank_offset,
-                                      self.world_size, self.timeout_s)
-        return self.ranks
-
-    def receive(self, *, allow_partial: bool = False) -> dict[str, Any]:
-        """Receive one whole sync into the engine, then reset its prefix cache.
-
-        Returns ``{"bytes", "num_tensors", "num_buckets", "seconds"}``; raises ``ValueError``
-        if the sync left engine parameters untouched (unless ``allow_partial``) and
-        ``RuntimeError`` if the sender aborted.
-        """
-        if not self.ranks:
-            raise RuntimeError("RolloutWeightReceiver.receive before connect()")
-        start = time.perf_counter()
-        stats = self.rollout.rpc("receive_weight_stream")[0]
-        self.rollout.reset_prefix_cache()
-        if stats["not_loaded"] and not allow_partial:
-            raise ValueError(f"weight sync left {len(stats['not_loaded'])} engine parameter(s) unchanged: "
-                             f"{stats['not_loaded'][:8]}; pass allow_partial=True for a partial update")
-        return {"bytes": stats["bytes"], "num_tensors": stats["num_tensors"], "num_buckets": stats["num_buckets"],
-                "seconds": time.perf_counter() - start}
-
-    def close(self) -> None:
-        """Leave the group."""
-        self.rollout.rpc("destroy_weight_sync_group")
-        self.ranks = []
+def export_weights(group, bucket_bytes: int, dtype: Optional[str] = None):
+    """ObjectRef to rank 0's HF ``(name, tensor)`` list (all ranks take part in the gather)."""
+    refs = [w.export_weights.remote(bucket_bytes, dtype) for w in group.workers]
+    return refs[0]

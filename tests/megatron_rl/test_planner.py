@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from megatron_rl.config.loader import load_config
-from megatron_rl.models.gpt import ModelConfig
+from megatron_rl.config.model import ModelConfig
 from megatron_rl.planner import KNOWN_ARCHITECTURES, check_plan, count_params, estimate_role, plan_run
 from parallel.testing import run_distributed
 from tools.measure_memory import DEFAULT_BATCH, DEFAULT_MODEL, measure_train_step

@@ -226,7 +226,7 @@ def test_redirect_training_stack_optimizer_norm_and_clip(compat):
     assert norm.device.type == "cpu" and norm.item() == pytest.approx(6.0)
     optimizer_module.clip_grad_by_total_norm_fp32([param], 1.0, 6.0)
     assert param.grad.tolist() == pytest.approx([0.5] * 4, rel=1e-5)  # scaled by max_norm / total_norm
-    # The whole optimizer step runs in tests/megatron_rl/workers/test_engine.py.
+    # The whole optimizer step runs in tests/megatron_rl/engine/test_engine.py.
 
 
 @cpu_only

@@ -8,6 +8,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.algos.needs import resolve_run
 from megatron_rl.config import ActorConfig, TrainerRunConfig, compose, dump_config, list_recipes, load_config
 from megatron_rl.config.loader import find_recipe
 from parallel.config import ParallelConfig
@@ -31,8 +32,9 @@ EXPECTED = {
 
 
 def _error(recipe, overrides=()):
+    """The ValueError of loading ``recipe`` + ``overrides`` and resolving it against the registries."""
     with pytest.raises(ValueError) as info:
-        load_config(recipe, list(overrides))
+        resolve_run(load_config(recipe, list(overrides)))
     return str(info.value)
 
 
@@ -50,8 +52,8 @@ def test_every_recipe_loads_validates_and_round_trips(name, tmp_path):
     arr = cfg.actor_rollout_ref
     assert (cfg.algorithm.adv_estimator, arr.actor.policy_loss.loss_mode, arr.actor.loss_agg_mode) == (
         estimator, loss_mode, agg)
-    assert (cfg.needs_critic, cfg.needs_reference, cfg.needs_teacher, cfg.needs_reward_model) == (
-        critic, ref, teacher, False)
+    needs = resolve_run(cfg)
+    assert (needs.critic, needs.reference, needs.teacher, needs.reward_model) == (critic, ref, teacher, False)
     # Derived keys are filled from their sources.
     assert arr.actor.rollout_n == cfg.critic.rollout_n == arr.rollout.n
     assert (arr.rollout.prompt_length, arr.rollout.response_length) == (
@@ -290,8 +292,8 @@ def test_cross_section_errors(overrides, message):
     ],
 )
 def test_needs_critic_reference_reward_model(overrides, critic, reference, reward_model):
-    cfg = load_config("grpo", overrides)
-    assert (cfg.needs_critic, cfg.needs_reference, cfg.needs_reward_model) == (critic, reference, reward_model)
+    needs = resolve_run(load_config("grpo", overrides))
+    assert (needs.critic, needs.reference, needs.reward_model) == (critic, reference, reward_model)
 
 
 # ----------------------------------------------------------------------------- inheritance

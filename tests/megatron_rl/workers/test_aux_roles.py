@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.config import ActorConfig, RewardModelConfig
 from parallel.testing import run_distributed
 
 ray = pytest.importorskip("ray")
@@ -87,11 +88,14 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _group(role, hf_dir, tp, engine_config):
-    from megatron_rl.workers.ray_workers import MegatronWorkerGroup
+def _group(role, hf_dir, tp, role_config):
+    from megatron_rl.config import MegatronConfig
+    from megatron_rl.workers.group import MegatronWorkerGroup
+    from megatron_rl.workers.spec import WorkerSpec
 
-    return MegatronWorkerGroup(role, {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}, engine_config,
-                               tp, hf_dir=str(hf_dir), num_cpus_per_worker=1.0 / tp, name=f"{role}_tp{tp}")
+    spec = WorkerSpec(role, MegatronConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1), role_config,
+                      hf_dir=str(hf_dir))
+    return MegatronWorkerGroup(spec, tp, num_cpus_per_worker=1.0 / tp, name=f"{role}_tp{tp}")
 
 
 # ----------------------------------------------------------------------------- reward model
@@ -103,7 +107,7 @@ def test_reward_model_scores_equal_hf_sequence_classification(ray_cluster, tmp_p
         expected = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
     assert expected.abs().max() > 0.1  # O(1) scores, so the tolerance is meaningful
     for tp in layouts:
-        group = _group("reward", tmp_path / "rm", tp, {"ppo_micro_batch_size_per_gpu": 3})
+        group = _group("reward", tmp_path / "rm", tp, RewardModelConfig(micro_batch_size_per_gpu=3))
         try:
             scores = group.compute_rm_score(batch)["rm_scores"]
             scores_mbs1 = group.compute_rm_score(batch, micro_batch_size=1)["rm_scores"]
@@ -116,16 +120,18 @@ def test_reward_model_scores_equal_hf_sequence_classification(ray_cluster, tmp_p
 
 def test_reward_role_rejects_a_causal_lm_checkpoint(tmp_path):
     """Checked before the rank joins any process group (so here without Ray)."""
-    from megatron_rl.workers.ray_workers import MegatronWorker
+    from megatron_rl.config import MegatronConfig
+    from megatron_rl.workers.megatron_worker import MegatronWorker
+    from megatron_rl.workers.spec import WorkerSpec
 
     _hf_model(tmp_path / "lm", "qwen3", "lm", seed=0)
     _hf_model(tmp_path / "rm", "qwen3", "score", seed=0)
     worker = MegatronWorker(0, 1)
     with pytest.raises(ValueError, match=r"reward: .* is not a reward model; it needs an HF "
                                          r"\*ForSequenceClassification checkpoint with num_labels=1"):
-        worker.init_engine("127.0.0.1", 0, "reward", {}, {}, hf_dir=str(tmp_path / "lm"))
+        worker.init_engine("127.0.0.1", 0, WorkerSpec("reward", MegatronConfig(), hf_dir=str(tmp_path / "lm")))
     with pytest.raises(ValueError, match=r"teacher: .* is a \*ForSequenceClassification checkpoint \(no lm_head\)"):
-        worker.init_engine("127.0.0.1", 0, "teacher", {}, {}, hf_dir=str(tmp_path / "rm"))
+        worker.init_engine("127.0.0.1", 0, WorkerSpec("teacher", MegatronConfig(), hf_dir=str(tmp_path / "rm")))
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -133,7 +139,7 @@ def test_teacher_group_log_probs_equal_hf(ray_cluster, tmp_path):
     hf = _hf_model(tmp_path / "teacher", "qwen3", "lm", seed=5)
     batch = make_batch(2)
     temperature = 0.7
-    group = _group("teacher", tmp_path / "teacher", 1, {"ppo_micro_batch_size_per_gpu": 4})
+    group = _group("teacher", tmp_path / "teacher", 1, ActorConfig(ppo_micro_batch_size_per_gpu=4))
     try:
         out = group.compute_log_prob(batch, temperature=temperature)["log_probs"]
     finally:
@@ -166,8 +172,8 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
         compute_forward_kl_topk,
     )
     from megatron_rl.algos.registry import POLICY_LOSSES
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 

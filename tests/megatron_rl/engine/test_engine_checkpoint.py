@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.workers.test_engine import DENSE, make_batch
+from tests.megatron_rl.engine.test_engine import DENSE, make_batch
 
 ADAM = {"optimizer": "adam", "lr": 1e-2, "weight_decay": 0.01, "clip_grad": 1.0, "lr_warmup_steps": 3,
         "lr_warmup_init": 0.0}
@@ -29,8 +29,8 @@ def _step(engine, seed):
 
 
 def _engine(par, seed):
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
@@ -65,7 +65,8 @@ def _load_then_continue(rank, world_size, par, ckpt, final):
 
 def _gather(rank, world_size, paths):
     """Each model-only checkpoint loaded into one unsharded model: its parameters."""
-    from megatron_rl.models.gpt import ModelConfig, build_model, build_transformer_config
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.models.gpt import build_model, build_transformer_config
     from parallel.checkpoint import load_model
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh

@@ -41,14 +41,14 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from megatron_rl.config.base import BaseConfig, check_choice, check_range
-from megatron_rl.workers.vllm_extension import (
+from megatron_rl.config.base import check_choice
+from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
+from megatron_rl.rollout.vllm_extension import (
     BroadcastWeightSender,
     EngineWorld,
     bucket_named_tensors,
@@ -59,153 +59,10 @@ from megatron_rl.workers.vllm_extension import (
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
            "sampling_kwargs", "prompt_token_ids"]
 
-EXTENSION_CLS = "megatron_rl.workers.vllm_extension.WeightSyncExtension"
-TRANSPORTS = ("colocated", "bytes", "shm", "broadcast")
-PROMPT_TOO_LONG = ("error", "truncate_left")
+EXTENSION_CLS = "megatron_rl.rollout.vllm_extension.WeightSyncExtension"
 # Keys a generate() call may override (rollout config names).
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "do_sample", "response_length", "stop",
                  "stop_token_ids", "ignore_eos", "repetition_penalty", "seed")
-
-
-# ----------------------------------------------------------------------------- configs
-@dataclass
-class SamplingConfig(BaseConfig):
-    """Sampling for validation (verl's ``rollout.val_kwargs``); greedy by default as in verl's yaml."""
-
-    temperature: float = 0.0
-    """Softmax temperature; 0 is greedy."""
-    top_k: int = -1
-    """Keep the k most likely tokens; -1 (or 0) keeps all."""
-    top_p: float = 1.0
-    """Nucleus mass to keep; 1 keeps all."""
-    do_sample: bool = False
-    """False forces greedy decoding whatever temperature/top_k/top_p say."""
-    n: int = 1
-    """Samples per prompt."""
-
-    def __post_init__(self):
-        _check_sampling(self, "val_kwargs.")
-
-
-@dataclass
-class WeightSyncConfig(BaseConfig):
-    """How trained weights reach the engine (verl's ``rollout.checkpoint_engine``)."""
-
-    backend: str = "colocated"
-    """Transport: ``colocated`` (tensors by reference, in-process engine), ``bytes``
-    (safetensors blob through the RPC), ``shm`` (safetensors file under ``shm_dir``) or
-    ``broadcast`` (side-band gloo group)."""
-    update_weights_bucket_megabytes: float = 2048
-    """Upper bound of one bucket in MiB (a single larger tensor travels alone)."""
-    shm_dir: str = "/dev/shm"
-    """Directory of the ``shm`` transport's bucket files (a tmpfs)."""
-
-    def __post_init__(self):
-        check_choice("checkpoint_engine.backend", self.backend, TRANSPORTS)
-        check_range("checkpoint_engine.update_weights_bucket_megabytes", self.update_weights_bucket_megabytes,
-                    low=0, low_inclusive=False)
-
-
-@dataclass
-class RolloutConfig(BaseConfig):
-    """vLLM rollout settings, with verl's ``actor_rollout_ref.rollout`` key names."""
-
-    name: str = "vllm"
-    """Rollout engine; only ``vllm`` here."""
-    n: int = 1
-    """Samples per prompt."""
-    temperature: float = 1.0
-    """Sampling temperature; the actor must use the same one for its log-probs."""
-    top_k: int = -1
-    """Keep the k most likely tokens; -1 (or 0) keeps all."""
-    top_p: float = 1.0
-    """Nucleus mass to keep; 1 keeps all."""
-    do_sample: bool = True
-    """False makes training rollouts greedy."""
-    repetition_penalty: float = 1.0
-    """vLLM repetition penalty (1 = off)."""
-    prompt_length: int = 512
-    """Width of the left-padded ``prompts``; longer prompts follow ``prompt_too_long``."""
-    response_length: int = 512
-    """Maximum new tokens, and the width of ``responses``."""
-    prompt_too_long: str = "error"
-    """``error``: ValueError naming the prompt; ``truncate_left``: keep its last tokens."""
-    stop: Optional[list[str]] = None
-    """Stop strings (the tokens that complete one stay in the response)."""
-    stop_token_ids: Optional[list[int]] = None
-    """Extra stop tokens besides eos (kept in the response, like eos)."""
-    ignore_eos: bool = False
-    """Keep generating past eos (benchmarks)."""
-    calculate_log_probs: bool = True
-    """Return ``rollout_log_probs`` (verl's yaml default)."""
-    logprobs_mode: str = "processed_logprobs"
-    """vLLM's log-prob source: ``processed_logprobs`` matches the actor's
-    ``log_softmax(logits / temperature)``; ``raw_logprobs`` ignores temperature."""
-    dtype: str = "auto"
-    """Engine dtype; ``auto`` = float32 on CPU (bf16 drifts from HF after ~10 tokens), bfloat16 on GPU."""
-    tensor_model_parallel_size: int = 1
-    """vLLM tensor parallel size (independent of training's layout)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take (GPU only)."""
-    kv_cache_space_gib: int = 1
-    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``); vLLM's own default takes half the RAM."""
-    enforce_eager: Optional[bool] = None
-    """Disable torch.compile/CUDA graphs; None = eager on CPU, graphs on GPU."""
-    free_cache_engine: bool = True
-    """On GPU, let ``sleep()`` release weights and KV cache while training runs."""
-    max_model_len: Optional[int] = None
-    """Engine context length; None = prompt_length + response_length."""
-    max_num_seqs: int = 1024
-    """Sequences decoded concurrently."""
-    max_num_batched_tokens: int = 8192
-    """Tokens per engine step (raised to max_model_len if smaller)."""
-    enable_prefix_caching: bool = True
-    """Reuse KV of shared prompt prefixes (the cache is reset after every weight sync)."""
-    enable_chunked_prefill: bool = True
-    """Split long prefills across steps."""
-    load_format: str = "auto"
-    """``auto`` loads the checkpoint; ``dummy`` starts from random weights (first sync fills them)."""
-    seed: int = 42
-    """Engine seed."""
-    in_process_engine: bool = True
-    """Run the engine core in this process (fast start; required by ``colocated`` sync)."""
-    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling used by ``generate(..., validate=True)``."""
-    checkpoint_engine: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """Weight-sync transport and bucket size."""
-    engine_kwargs: dict = field(default_factory=dict)
-    """Extra ``vllm.LLM`` arguments under ``engine_kwargs.vllm`` (verl's layout)."""
-
-    def __post_init__(self):
-        if isinstance(self.val_kwargs, Mapping):
-            self.val_kwargs = SamplingConfig.from_dict(self.val_kwargs, path="val_kwargs")
-        if isinstance(self.checkpoint_engine, Mapping):
-            self.checkpoint_engine = WeightSyncConfig.from_dict(self.checkpoint_engine, path="checkpoint_engine")
-        check_choice("rollout.name", self.name, ("vllm",))
-        _check_sampling(self, "rollout.")
-        for key in ("prompt_length", "response_length", "tensor_model_parallel_size", "max_num_seqs",
-                    "kv_cache_space_gib"):
-            check_range(f"rollout.{key}", getattr(self, key), low=1)
-        check_choice("rollout.prompt_too_long", self.prompt_too_long, PROMPT_TOO_LONG)
-        check_choice("rollout.logprobs_mode", self.logprobs_mode, ("processed_logprobs", "raw_logprobs"))
-        check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        check_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, low_inclusive=False)
-        if self.max_model_len is not None and self.max_model_len < self.prompt_length + self.response_length:
-            raise ValueError(
-                f"rollout.max_model_len={self.max_model_len} is smaller than prompt_length + response_length = "
-                f"{self.prompt_length + self.response_length}"
-            )
-        unknown = set(self.engine_kwargs) - {"vllm", "sglang"}
-        if unknown:
-            raise ValueError(f"rollout.engine_kwargs has unknown engine(s) {sorted(unknown)}; "
-                             "allowed: ['vllm', 'sglang']")
-
-
-def _check_sampling(cfg: Any, prefix: str) -> None:
-    check_range(f"{prefix}n", cfg.n, low=1)
-    check_range(f"{prefix}temperature", cfg.temperature, low=0)
-    check_range(f"{prefix}top_p", cfg.top_p, low=0, high=1, low_inclusive=False)
-    check_range(f"{prefix}top_k", cfg.top_k, low=-1)  # -1 and 0 both keep all tokens
 
 
 def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **overrides: Any) -> dict[str, Any]:
@@ -225,7 +82,7 @@ def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **override
     p.update({k: getattr(config, k) for k in shared})
     p["seed"] = None
     p.update(overrides)
-    _check_sampling(SimpleNamespace(**p), "")
+    check_sampling(SimpleNamespace(**p), "")
     if p["response_length"] > config.response_length or p["response_length"] < 1:
         raise ValueError(
             f"response_length={p['response_length']} must lie in [1, rollout.response_length={config.response_length}]"

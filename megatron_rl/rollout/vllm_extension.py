@@ -1,7 +1,7 @@
 """Weight sync into running vLLM engines: the worker extension and the trainer-side sender.
 
 vLLM loads an extension class into each of its workers when the engine is built with
-``LLM(..., worker_extension_cls="megatron_rl.workers.vllm_extension.WeightSyncExtension")``;
+``LLM(..., worker_extension_cls="megatron_rl.rollout.vllm_extension.WeightSyncExtension")``;
 its methods are then callable on every worker through ``llm.collective_rpc(name, args=...)``
 (``self`` is the vLLM ``Worker``). Weights arrive as **full HF-named tensors** (the bridge's
 bucketed export); vLLM's own loader fuses q/k/v and gate/up, shards for its TP layout and

@@ -49,7 +49,7 @@ def test_inline_model_and_sft_warmup(tmp_path):
 
 def test_inline_model_bad_input(tmp_path):
     from megatron_rl.models.tiny import hf_config_kwargs
-    from megatron_rl.trainer.main_job import prepare_policy_model
+    from megatron_rl.job.main_job import prepare_policy_model
 
     inline = load_config("grpo").actor_rollout_ref.model.config
     with pytest.raises(ValueError, match=r"model.family='llama': inline models can be materialised as \['qwen3'\]"):
@@ -76,7 +76,7 @@ def test_main_job_reduced(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_rl.trainer.main_job import run_train
+    from megatron_rl.job.main_job import run_train
 
     out = tmp_path / "run"
     summary = run_train(None, ["trainer.total_training_steps=3", "trainer.sft_warmup_steps=40",

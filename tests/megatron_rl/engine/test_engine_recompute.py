@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.workers.test_engine import DENSE, make_batch
+from tests.megatron_rl.engine.test_engine import DENSE, make_batch
 
 
 def _case(rank, world_size, overrides):
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 

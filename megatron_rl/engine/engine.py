@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from megatron_rl.algos import agg_loss, get_policy_loss_fn
 from megatron_rl.config import ActorConfig, CriticConfig, OptimConfig
 from megatron_rl.algos.distillation import TOPK_LOSS_MODES, distillation_ppo_loss, resolve_distillation_config
-from megatron_rl.models.gpt import ModelConfig, build_model, build_transformer_config, hidden_states_output
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.data.batch import BatchFields, batch_fields, check_fields
+from megatron_rl.models.gpt import build_model, build_transformer_config, hidden_states_output
 from parallel.context_parallel import gather_from_context_parallel, pad_length_for_context_parallel, zigzag_index
 
 __all__ = ["MegatronEngine", "left_align", "response_positions"]
@@ -71,9 +73,7 @@ def _batch_len(batch: Batch) -> int:
 
 
 def _require(batch: Batch, *keys: str) -> None:
-    missing = [k for k in keys if k not in batch]
-    if missing:
-        raise ValueError(f"batch is missing field(s) {missing}; it has {sorted(batch.keys())}")
+    check_fields(batch, BatchFields(keys))
 
 
 # ----------------------------------------------------------------------------- engine
@@ -291,11 +291,11 @@ class MegatronEngine:
         return holder[0]
 
     # -- inference ------------------------------------------------------------------------
+    @batch_fields("input_ids", "attention_mask", "responses")
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
                          micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Log-probs ``[b, r]`` (and ``entropys``) of ``batch["responses"]``; forward only."""
-        _require(batch, "input_ids", "attention_mask", "responses")
 
         def loss_fn(mb, layout, handle, output, *, num_micro):
             lp, ent = self._log_probs(output, mb, layout, handle, temperature=temperature, entropy=calculate_entropy)
@@ -306,10 +306,10 @@ class MegatronEngine:
 
         return self._forward_only(batch, loss_fn, micro_batch_size)
 
+    @batch_fields("input_ids", "attention_mask", "responses", "response_mask")
     @torch.no_grad()
     def compute_values(self, batch: Batch, *, micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Critic values ``[b, r]`` at the positions predicting each response token (masked)."""
-        _require(batch, "input_ids", "attention_mask", "responses", "response_mask")
 
         def loss_fn(mb, layout, handle, output, *, num_micro):
             values = self._values(output, layout, mb["response_mask"])
@@ -317,6 +317,7 @@ class MegatronEngine:
 
         return self._forward_only(batch, loss_fn, micro_batch_size)
 
+    @batch_fields("input_ids", "attention_mask", "responses")
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch, *, micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Reward-model scores ``rm_scores [b]``: the scalar head at the last valid token.
@@ -326,7 +327,6 @@ class MegatronEngine:
         and what HF ``*ForSequenceClassification`` picks (last non-pad token) when pads carry
         ``pad_token_id``. Needs the ``reward`` (or ``critic``) role's scalar head.
         """
-        _require(batch, "input_ids", "attention_mask", "responses")
         if self.role not in ("reward", "critic"):
             raise ValueError(f"compute_rm_score needs a scalar-head engine (role 'reward'); this one is {self.role!r}")
 
@@ -352,6 +352,9 @@ class MegatronEngine:
         return self._broadcast_from_last_stage(result)
 
     # -- training -------------------------------------------------------------------------
+    @batch_fields("input_ids", "attention_mask", "responses", "response_mask",
+                  optional=("old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs",
+                            "teacher_topk_log_probs", "teacher_topk_ids"))
     def update_policy(self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None) -> dict[str, float]:
         """PPO-style update of the actor on this rank's share of the batch; returns verl's metrics.
 
@@ -369,7 +372,6 @@ class MegatronEngine:
         dcfg = resolve_distillation_config(distillation_loss)
         # verl still evaluates the task loss for its metrics in policy-gradient distillation.
         run_task = dcfg is None or dcfg.use_task_rewards or (dcfg.use_policy_gradient and "advantages" in batch)
-        _require(batch, "input_ids", "attention_mask", "responses", "response_mask")
         if run_task:
             _require(batch, "old_log_probs", "advantages")
         topk = dcfg is not None and dcfg.loss_mode in TOPK_LOSS_MODES
@@ -429,6 +431,7 @@ class MegatronEngine:
         return topk_distillation_from_log_probs(student_at_teacher, student_ids, mb["teacher_topk_log_probs"].float(),
                                                 ids, dcfg.log_prob_min_clamp)
 
+    @batch_fields("input_ids", "attention_mask", "responses")
     @torch.no_grad()
     def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
                                micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
@@ -436,7 +439,6 @@ class MegatronEngine:
         ``topk_ids``, both ``[b, r, k]``) -- a distillation teacher's side of ``forward_kl_topk``."""
         from parallel.vocab_parallel_topk import vocab_parallel_topk_log_probs
 
-        _require(batch, "input_ids", "attention_mask", "responses")
         if not self._use_hidden_head():
             raise ValueError(f"compute_topk_log_probs needs a language-model head; this engine is a {self.role!r}")
 
@@ -473,11 +475,11 @@ class MegatronEngine:
             stats["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
         return loss, stats, dict(pg_metrics)
 
+    @batch_fields("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss update of the critic; returns verl's ``critic/*`` metrics."""
         from megatron_rl.algos.value_loss import compute_value_loss
 
-        _require(batch, "input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
         cfg: CriticConfig = self.config
 
         def loss_fn(mb, layout, handle, output, *, num_micro, step_cfg):

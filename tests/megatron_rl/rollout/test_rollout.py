@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("vllm")
 
 from megatron_rl.config.base import BaseConfig  # noqa: E402
-from megatron_rl.workers.rollout import RolloutConfig, SamplingConfig, VLLMRollout, sampling_kwargs  # noqa: E402
-from megatron_rl.workers.rollout_testing import build_tiny_qwen3, chat_prompts, load_hf_model  # noqa: E402
-from megatron_rl.workers.vllm_extension import (  # noqa: E402
+from megatron_rl.rollout.vllm_rollout import RolloutConfig, SamplingConfig, VLLMRollout, sampling_kwargs  # noqa: E402
+from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts, load_hf_model  # noqa: E402
+from megatron_rl.rollout.vllm_extension import (  # noqa: E402
     bucket_meta,
     bucket_named_tensors,
     safetensors_views,

@@ -148,8 +148,8 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
     import json
 
     from megatron_rl.models.families import get_family
-    from megatron_rl.workers.engine import MegatronEngine
-    from megatron_rl.workers.weight_sync import ActorWeightSync
+    from megatron_rl.engine.engine import MegatronEngine
+    from megatron_rl.rollout.weight_sync import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint, save_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
@@ -165,7 +165,7 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
     rollout = None
     if case["transport"] == "colocated" and rank == 0:
-        from megatron_rl.workers.rollout import RolloutConfig, VLLMRollout
+        from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT))  # shares this process with actor rank 0
     res: dict = {}
@@ -244,9 +244,9 @@ def _next_address(ports, thread: threading.Thread, ranks: dict):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Run the three cases: actor ranks in a background thread, the remote engines here."""
-    from megatron_rl.workers.rollout import RolloutConfig, VLLMRollout
-    from megatron_rl.workers.rollout_testing import build_tiny_qwen3, chat_prompts
-    from megatron_rl.workers.weight_sync import RolloutWeightReceiver
+    from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
+    from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts
+    from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
 
     work = tmp_path_factory.mktemp("weight_sync")
     dense = build_tiny_qwen3(work / "qwen3", seed=0)
@@ -357,9 +357,9 @@ def test_placements_and_bad_input_are_named(tmp_path):
     from types import SimpleNamespace
 
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.rollout import RolloutConfig
-    from megatron_rl.workers.weight_sync import (
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.rollout.vllm_rollout import RolloutConfig
+    from megatron_rl.rollout.weight_sync import (
         ActorWeightSync,
         RemoteWeightSender,
         RolloutWeightReceiver,

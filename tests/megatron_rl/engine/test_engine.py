@@ -50,8 +50,8 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
     """One layout: load ``ckpt_in`` (or save the fresh weights there), compute, update, save."""
     import os
 
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
@@ -86,7 +86,8 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
 
 def _load_all(rank, world_size, model_kw, role, paths):
     """Load each checkpoint into one unsharded model; return its parameters."""
-    from megatron_rl.models.gpt import ModelConfig, build_model, build_transformer_config
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.models.gpt import build_model, build_transformer_config
     from parallel.checkpoint import load_model
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
@@ -192,8 +193,8 @@ def test_moe_actor_expert_parallel_equals_single_rank(ckpt_root):
 
 def _naive_reference(rank, world_size, model_kw, temperature):
     """Engine log-probs vs. running each unpadded sequence alone through the model + log_softmax."""
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
@@ -230,8 +231,8 @@ def test_log_probs_match_unpadded_forward_for_any_micro_batch_size(temperature):
 
 def _reference_engine_case(rank, world_size, ckpt):
     """A frozen reference model built from the actor's weights gives the actor's log-probs."""
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
@@ -263,8 +264,8 @@ def test_reference_model_is_a_frozen_copy_of_the_actor(tmp_path):
 
 
 def _offload_case(rank, world_size):
-    from megatron_rl.models.gpt import ModelConfig
-    from megatron_rl.workers.engine import MegatronEngine
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 

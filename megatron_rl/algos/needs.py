@@ -1,0 +1,72 @@
+"""What a run needs, read off the registries: which roles run and what the step must compute.
+
+``resolve_run(config)`` checks the algorithm names of a ``TrainerRunConfig`` against the
+registries (a miss lists the valid names and the nearest), asks the advantage estimator's
+registry entry what it reads (``EstimatorNeeds``: critic values, a greedy baseline, reference
+log-probs), combines that with the config's own switches (KL loss / KL-in-reward, reward model,
+distillation) and has the config check the layouts and batch sizes of exactly the roles that
+run (``TrainerRunConfig.check_roles``). The trainer and the planner both start from its answer,
+so neither tests an estimator's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_rl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorNeeds
+from megatron_rl.config.sections import suggest
+from megatron_rl.config.trainer import TrainerRunConfig
+
+__all__ = ["RunNeeds", "resolve_run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunNeeds:
+    """The roles a run creates and the extra work of its step."""
+
+    critic: bool
+    """A critic is trained and its values feed the estimator."""
+    reference: bool
+    """A frozen reference policy computes ``ref_log_prob``."""
+    reward_model: bool
+    """A reward-model worker scores the responses."""
+    teacher: bool
+    """A distillation teacher computes its log-probs (or top-k) for the student."""
+    baseline: bool
+    """One greedy response per prompt is generated and scored as ``reward_baselines`` (ReMax)."""
+    estimator: EstimatorNeeds
+    """What the advantage estimator declared."""
+
+
+def _check_name(field_name: str, value: object, registry, what: str) -> None:
+    if value not in registry:
+        names = sorted(registry)
+        raise ValueError(f"{field_name}={value!r} is not a registered {what}; choose one of {names}"
+                         f"{suggest(value, names)}")
+
+
+def resolve_run(config: TrainerRunConfig) -> RunNeeds:
+    """Check ``config``'s algorithm names and role layouts; return what the run needs.
+
+    Raises ``ValueError`` naming the field for an unregistered estimator or policy loss, an
+    estimator that needs a critic with ``critic.enable=False``, and every layout / batch-size
+    misfit of a role that runs.
+    """
+    algo, actor = config.algorithm, config.actor_rollout_ref.actor
+    _check_name("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS, "advantage estimator")
+    _check_name("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES,
+                "policy loss")
+    estimator = ADV_ESTIMATORS.traits_of(algo.adv_estimator)
+    if config.critic.enable is False and estimator.values:
+        raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs a critic, but critic.enable=False")
+    needs = RunNeeds(
+        critic=estimator.values if config.critic.enable is None else bool(config.critic.enable),
+        reference=bool(actor.use_kl_loss or algo.use_kl_in_reward or estimator.ref),
+        reward_model=bool(config.reward.reward_model.enable),
+        teacher=bool(config.distillation.enabled),
+        baseline=estimator.baseline,
+        estimator=estimator,
+    )
+    config.check_roles(critic=needs.critic, reference=needs.reference, reward_model=needs.reward_model,
+                       teacher=needs.teacher)
+    return needs

@@ -1,0 +1,1 @@
+"""The main job, ``megatron-rl train``: model preparation, the run, the report."""

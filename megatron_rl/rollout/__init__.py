@@ -1,0 +1,1 @@
+"""Rollout: the vLLM engine wrapper and the vLLM side of weight sync."""

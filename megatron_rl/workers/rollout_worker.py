@@ -1,0 +1,69 @@
+"""``RolloutWorker``: a ``VLLMRollout`` inside a Ray actor, and ``create_rollout_worker`` to place one."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_rl.config.rollout import RolloutConfig
+
+__all__ = ["RolloutWorker", "create_rollout_worker"]
+
+
+class RolloutWorker:
+    """A ``VLLMRollout`` inside a Ray actor (create with ``ray.remote(RolloutWorker)``)."""
+
+    def __init__(self, model_path: str, config: Optional[RolloutConfig] = None, tokenizer_path: Optional[str] = None,
+                 num_threads: int = 1):
+        from megatron_rl.rollout.vllm_rollout import VLLMRollout
+
+        torch.set_num_threads(max(1, num_threads))
+        self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path)
+
+    def generate(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
+        """``VLLMRollout.generate``: the verl-layout rollout batch."""
+        return self.rollout.generate(prompts, **kwargs)
+
+    def update_weights(self, weights: list, **kwargs: Any) -> dict[str, Any]:
+        """``VLLMRollout.update_weights`` from a list of HF ``(name, tensor)`` pairs."""
+        if weights is None:
+            raise ValueError("update_weights got None: pass the export of global rank 0")
+        return self.rollout.update_weights(weights, **kwargs)
+
+    def pad_token_id(self) -> int:
+        return self.rollout.pad_token_id
+
+    def tensor_parallel_size(self) -> int:
+        return int(self.rollout.config.tensor_model_parallel_size)
+
+    def weight_sync_connect(self, addr: str, port: int, world_size: int) -> list[int]:
+        """Join actor rank 0's side-band group (``MegatronWorkerGroup.connect_weight_sync``)."""
+        from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
+
+        self._receiver = RolloutWeightReceiver(self.rollout, addr, port, world_size)
+        return self._receiver.connect()
+
+    def weight_sync_receive(self) -> dict[str, Any]:
+        """Receive one streamed sync (runs while the actor ranks run ``weight_sync``)."""
+        return self._receiver.receive()
+
+    def shutdown(self) -> None:
+        self.rollout.shutdown()
+
+
+def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = None, *, tokenizer_path: Optional[str] = None,
+                          num_cpus: float = 1.0, num_gpus: float = 0.0):
+    """Start a ``RolloutWorker`` actor in its own placement group; returns ``(actor, placement_group)``."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    pg = placement_group([bundle], name="rollout_pg")
+    ray.get(pg.ready(), timeout=600)
+    actor = ray.remote(RolloutWorker).options(
+        num_cpus=num_cpus, num_gpus=num_gpus,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote(model_path, config, tokenizer_path, max(1, round(num_cpus)))
+    return actor, pg
