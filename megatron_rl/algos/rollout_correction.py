@@ -49,6 +49,7 @@ __all__ = [
     "compute_offpolicy_metrics",
     "compute_rollout_correction_and_rejection_mask",
     "compute_rollout_correction_and_add_to_batch",
+    "rollout_correction_kwargs",
     "compute_rollout_corr_metrics_from_logprobs",
     "compute_bypass_mode_correction",
     "apply_bypass_mode",
@@ -534,7 +535,7 @@ def compute_rollout_correction_and_rejection_mask(
     return weights, modified_mask, {f"rollout_corr/{key}": value for key, value in metrics.items()}
 
 
-def _correction_kwargs(config: Any) -> dict[str, Any]:
+def rollout_correction_kwargs(config: Any) -> dict[str, Any]:
     """The five correction keys of a ``rollout_correction`` config (typed, DictConfig or dict).
 
     Read with ``.get`` and verl's defaults so an explicit ``None`` (= disabled) is kept.
@@ -563,7 +564,7 @@ def compute_rollout_correction_and_add_to_batch(
             raise ValueError(f"rollout correction needs batch[{key!r}]; the batch has {sorted(batch.keys())}")
     weights, modified_mask, metrics = compute_rollout_correction_and_rejection_mask(
         batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-        group=group, **_correction_kwargs(rollout_corr_config),
+        group=group, **rollout_correction_kwargs(rollout_corr_config),
     )
     batch["response_mask"] = modified_mask
     if weights is not None:
@@ -597,7 +598,7 @@ def compute_bypass_mode_correction(
         raise ValueError("bypass mode needs policy_loss.rollout_correction; it is None")
     with torch.no_grad():
         return compute_rollout_correction_and_rejection_mask(
-            log_prob, rollout_log_prob, response_mask, group=group, **_correction_kwargs(rollout_corr_config)
+            log_prob, rollout_log_prob, response_mask, group=group, **rollout_correction_kwargs(rollout_corr_config)
         )
 
 

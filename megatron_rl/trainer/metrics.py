@@ -20,8 +20,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["timer", "compute_data_metrics", "compute_timing_metrics", "compute_throughput_metrics",
-           "MetricsLogger", "CONSOLE_KEYS"]
+__all__ = ["timer", "compute_data_metrics", "compute_timing_metrics", "compute_throughput_metrics", "step_metrics",
+           "MetricsLogger", "drop_rows_after", "CONSOLE_KEYS"]
 
 CONSOLE_KEYS = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
                 "actor/grad_norm", "timing_s/step")
@@ -102,6 +102,26 @@ def compute_throughput_metrics(batch: Mapping[str, Any], timing: Mapping[str, fl
     step = float(timing["step"])
     return {"perf/total_num_tokens": total, "perf/time_per_step": step,
             "perf/throughput": total / (step * max(n_devices, 1)) if step > 0 else math.nan}
+
+
+def step_metrics(batch: Optional[Mapping[str, Any]], timing: Mapping[str, float], *, step: int, epoch: int,
+                 use_critic: bool, n_devices: int) -> dict[str, float]:
+    """The step's ``training/*``, data, timing and throughput metrics (only timing for a skipped
+    step, whose ``batch`` is None)."""
+    out = {"training/global_step": step, "training/epoch": epoch}
+    if batch is None:
+        return {**out, **{f"timing_s/{k}": v for k, v in timing.items()}}
+    return {**out, **compute_data_metrics(batch, use_critic), **compute_timing_metrics(batch, timing),
+            **compute_throughput_metrics(batch, timing, n_devices)}
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Remove the lines of ``metrics.jsonl`` at ``path`` logged for steps after ``step`` (a resumed
+    run logs them again)."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(row + "\n" for row in rows))
 
 
 def _jsonable(value: Any) -> Any:

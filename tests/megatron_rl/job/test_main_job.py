@@ -49,7 +49,7 @@ def test_inline_model_and_sft_warmup(tmp_path):
 
 def test_inline_model_bad_input(tmp_path):
     from megatron_rl.models.tiny import hf_config_kwargs
-    from megatron_rl.job.main_job import prepare_policy_model
+    from megatron_rl.job.prepare import prepare_policy_model
 
     inline = load_config("grpo").actor_rollout_ref.model.config
     with pytest.raises(ValueError, match=r"model.family='llama': inline models can be materialised as \['qwen3'\]"):

@@ -67,7 +67,7 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend):
     data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")
     trainer = RayPPOTrainer(_config(tmp_path / "qwen3", data, tmp_path / "run", backend),
                             reward_fn=RewardFunction(model["tokenizer"], varied_score))
-    assert (trainer.use_critic, trainer.use_reference) == (False, False)  # GRPO without KL: actor + rollout only
+    assert (trainer.needs.critic, trainer.needs.reference) == (False, False)  # GRPO without KL: actor + rollout only
     trainer.init_workers()
     try:
         prompts = chat_prompts(model["tokenizer"], ["Copy: 1 2 3", "Copy: 4 5"])
@@ -121,7 +121,7 @@ def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster
     cfg["actor_rollout_ref"]["ref"] = {}  # re-derived from the actor's layout
     cfg["critic"] = {"ppo_micro_batch_size_per_gpu": 4, "rollout_n": 4, "optim": {"lr": 1e-3}}
     trainer = RayPPOTrainer(TrainerRunConfig.from_dict(cfg), reward_fn=RewardFunction(model["tokenizer"], varied_score))
-    assert (trainer.use_critic, trainer.use_reference) == (True, True)
+    assert (trainer.needs.critic, trainer.needs.reference) == (True, True)
     trainer.init_workers()
     try:
         assert (trainer.actor.dp_size, trainer.actor.collect_ranks) == (2, [0, 1])

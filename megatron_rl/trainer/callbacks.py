@@ -1,0 +1,132 @@
+"""The side concerns of the loop, each owning its own "when": ``Checkpointer``, ``Validator``, ``SkipGuard``.
+
+The loop only asks ``should_save(step, last)`` / ``should_validate(step, last)`` and calls
+``save`` / ``validate``; the frequencies (``trainer.save_freq``, ``trainer.test_freq``,
+``trainer.val_before_train``, ``trainer.max_consecutive_skipped_steps``) live here
+(torchtitan's ``checkpointer.save(step, last_step=...)``, OLMo-core's callbacks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_rl.config import TrainerConfig
+from megatron_rl.data.rewards import RewardError
+from megatron_rl.trainer.checkpoint import TRAINER_STATE, StepCheckpoint, find_resume_dir, prune_checkpoints
+
+__all__ = ["Checkpointer", "Validator", "SkipGuard"]
+
+
+class Checkpointer:
+    """Trainer checkpoints under ``root`` (``megatron_rl.trainer.checkpoint`` for the layout).
+
+    Args:
+        root: ``trainer.default_local_dir``.
+        trainer: the ``trainer`` config section (``save_freq``, ``resume_mode``,
+            ``resume_from_path``, ``max_actor_ckpt_to_keep``, ``max_critic_ckpt_to_keep``).
+        groups: ``{part: worker group}`` saved as parts of each step (``actor``, ``critic``).
+    """
+
+    def __init__(self, root: Path, trainer: TrainerConfig, groups: dict[str, Any]):
+        self.root, self.cfg, self.groups = Path(root), trainer, groups
+
+    def should_save(self, step: int, last: bool) -> bool:
+        """Every ``trainer.save_freq`` steps and at the last one (never with ``save_freq`` <= 0)."""
+        freq = self.cfg.save_freq
+        return freq > 0 and (step % freq == 0 or last)
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Every group's state and the driver ``state``, as one atomic ``global_step_N`` directory;
+        old ones pruned by ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep``."""
+        with StepCheckpoint(self.root, step) as ckpt:
+            for part, group in self.groups.items():
+                group.save_checkpoint(ckpt.part(part))
+            final = ckpt.commit(state)
+        keep = [k for k in (self.cfg.max_actor_ckpt_to_keep, self.cfg.max_critic_ckpt_to_keep) if k is not None]
+        prune_checkpoints(self.root, min(keep) if keep else None)
+        return final
+
+    def resume(self) -> Optional[tuple[Path, dict[str, Any]]]:
+        """Load the checkpoint ``trainer.resume_mode`` selects into every group; return its
+        directory and driver state (None: a fresh start)."""
+        path = find_resume_dir(self.root, self.cfg.resume_mode, self.cfg.resume_from_path)
+        if path is None:
+            return None
+        state = json.loads((path / TRAINER_STATE).read_text())
+        for part, group in self.groups.items():
+            if not (path / part).is_dir():
+                raise ValueError(f"{path} has no {part} checkpoint, but this run trains a {part}")
+            group.load_checkpoint(path / part)
+        return path, state
+
+
+class Validator:
+    """Greedy (``rollout.val_kwargs``) generation over the validation set, scored by the reward.
+
+    Args:
+        trainer: the ``trainer`` config section (``test_freq``, ``val_before_train``, ``log_val_generations``).
+        dataloader: the validation ``PromptDataLoader`` (None: no validation set, never validates).
+        generate: ``generate(prompts, validate=True) -> Batch`` (the rollout phase's).
+        reward_fn: the rule reward.
+    """
+
+    def __init__(self, trainer: TrainerConfig, dataloader: Any, generate: Callable, reward_fn: Any):
+        self.cfg, self.dataloader, self.generate, self.reward_fn = trainer, dataloader, generate, reward_fn
+
+    def should_validate_before_training(self) -> bool:
+        return self.dataloader is not None and self.cfg.val_before_train
+
+    def should_validate(self, step: int, last: bool) -> bool:
+        """Every ``trainer.test_freq`` steps and at the last one (never with ``test_freq`` <= 0)."""
+        freq = self.cfg.test_freq
+        return self.dataloader is not None and freq > 0 and (step % freq == 0 or last)
+
+    def validate(self) -> dict[str, float]:
+        """Generate for the whole validation set and score it: ``val-core/<data_source>/reward/mean@<n>``
+        and ``val-aux/...`` for the reward's other keys (verl's names). Prints
+        ``trainer.log_val_generations`` samples."""
+        per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        samples, n = [], 1
+        start = self.dataloader.state_dict()
+        self.dataloader.load_state_dict({**start, "epoch": 0, "batch_in_epoch": 0})
+        for prompts in self.dataloader:
+            batch = self.generate(prompts, validate=True)
+            n = len(batch) // len(prompts["uid"])
+            try:
+                out = self.reward_fn(batch)
+            except RewardError as err:
+                return {"val-aux/num_failed_samples": float(len(err.indices))}
+            sources = batch["data_source"] if "data_source" in batch else ["unknown"] * len(out.scores)
+            for i, src in enumerate(sources):
+                per_source[src]["reward"].append(float(out.scores[i]))
+                for key, values in out.reward_extra_info.items():
+                    if key != "score" and isinstance(values[i], (int, float)) and not isinstance(values[i], bool):
+                        per_source[src][key].append(float(values[i]))
+            prompts_text = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(out.scores)
+            samples.extend(zip(prompts_text, out.response_texts, out.scores.tolist()))
+        for prompt, text, score in samples[: self.cfg.log_val_generations]:
+            print(f"[val] {prompt!r} -> {text!r} (score {score:.3f})", flush=True)
+        metrics = {}
+        for src, keys in per_source.items():
+            for key, values in keys.items():
+                tier = "val-core" if key == "reward" else "val-aux"
+                metrics[f"{tier}/{src}/{key}/mean@{n}"] = sum(values) / len(values)
+        return metrics
+
+
+class SkipGuard:
+    """Counts steps skipped in a row (failed rewards); ``trainer.max_consecutive_skipped_steps`` of
+    them stop the run."""
+
+    def __init__(self, trainer: TrainerConfig):
+        self.limit, self.in_a_row = trainer.max_consecutive_skipped_steps, 0
+
+    def record(self, skipped: bool, last_error: str) -> None:
+        """Count this step; ``RuntimeError`` (naming the last error) once the limit is reached."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.in_a_row and self.in_a_row >= self.limit:
+            raise RuntimeError(f"{self.in_a_row} steps in a row were skipped because the reward failed "
+                               f"(trainer.max_consecutive_skipped_steps={self.limit}); last error: {last_error}")
