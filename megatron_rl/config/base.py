@@ -13,6 +13,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Sequence
 
+from megatron_rl.config import read_tracking
+
 __all__ = ["BaseConfig", "check_choice", "check_range"]
 
 
@@ -39,6 +41,11 @@ def check_range(field: str, value: float, *, low: float | None = None, high: flo
 @dataclasses.dataclass
 class BaseConfig:
     """A dataclass with a read-only mapping interface compatible with ``DictConfig``."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if read_tracking._tracker is not None and name[:1] != "_":  # off unless a test turns it on
+            read_tracking.observe(self, name)
+        return object.__getattribute__(self, name)
 
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)

@@ -383,8 +383,9 @@ class TrainerConfig(BaseConfig):
     RL starts from the warmed model, as from an SFT checkpoint. 0 = off."""
     sft_warmup_lr: float = 3e-3
     """Peak learning rate of the supervised warm-up (AdamW, cosine decay)."""
-    balance_batch: bool = True
-    """Reorder samples so every data-parallel rank gets a similar token count."""
+    balance_batch: bool = False
+    """Reorder samples so every data-parallel rank gets a similar token count (verl's default is True;
+    not implemented here: ``True`` warns, see ``megatron_rl.config.compat``)."""
     resume_mode: str = "auto"
     """``auto`` (latest checkpoint in ``default_local_dir`` if any), ``disable``, or ``resume_path``."""
     resume_from_path: Optional[str] = None

@@ -32,7 +32,9 @@ from dataclasses import field
 from typing import Any, Mapping, Optional
 
 from megatron_rl.config.algorithm import ActorConfig, AlgoConfig, CriticConfig
+from megatron_rl.config import read_tracking
 from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.compat import warn_inert_keys
 from megatron_rl.config.schema import build_config, fill_derived
 from megatron_rl.config.sections import (
     PARALLEL_KEYS,
@@ -91,7 +93,10 @@ class TrainerRunConfig(BaseConfig):
     def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "TrainerRunConfig":
         """Build from a nested mapping (YAML, ``DictConfig``): derived keys are filled where
         missing, unknown keys are errors with the nearest valid keys, leaf types are checked."""
-        return build_config(cls, fill_derived(data or {}, cls, DERIVED_KEYS), path=path)
+        config = build_config(cls, fill_derived(data or {}, cls, DERIVED_KEYS), path=path)
+        read_tracking.tag_paths(config)
+        warn_inert_keys(config)
+        return config
 
     # -- cross-section validation -------------------------------------------------------------
     def __post_init__(self) -> None:

@@ -87,7 +87,6 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
             target.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(dump_config(config))
-    total = int(config.trainer.total_training_steps or 1)
     log(f"megatron-rl train: {recipe or 'grpo'} -> {out_dir}")
 
     if progress:  # the bar replaces the console logger's line per step
@@ -113,6 +112,7 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
 
     try:
         trainer = build_trainer(config, out_dir, log=log)
+        total = trainer.total_steps
         start = time.perf_counter()
         trainer.init_workers()
         log(f"workers started in {time.perf_counter() - start:.1f}s (the first step also waits for them to load)")
@@ -122,7 +122,7 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
         history = trainer.fit(total, on_step=on_step)
         rl_seconds = time.perf_counter() - start
         bar.close()
-        final = trainer.save_hf_checkpoint(out_dir / "final_hf")
+        final = None if config.trainer.val_only else trainer.save_hf_checkpoint(out_dir / "final_hf")
     finally:
         if bar is not None:
             bar.close()
@@ -130,6 +130,13 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
             trainer.shutdown()
         if started_ray:
             ray.shutdown()
+    if config.trainer.val_only:  # nothing was trained: the validation metrics are the result
+        summary = {"val_metrics": history[0] if history else {}, "wall_seconds": time.perf_counter() - wall,
+                   "output_dir": str(out_dir), "metrics": str(out_dir / "metrics.jsonl")}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log("\ndone: validation only (trainer.val_only); " + ", ".join(
+            f"{k}={v:.4g}" for k, v in summary["val_metrics"].items()))
+        return summary
     # The whole run (a resumed one included), training steps that were not skipped.
     history = [row for row in (json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()
                                if line.strip()) if REWARD_KEY in row]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_HF_CONFIGS", "build_tiny_hf_checkpoint"]
+__all__ = ["TINY_HF_CONFIGS", "build_tiny_hf_checkpoint", "build_tiny_reward_model"]
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -84,3 +84,24 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
         str(path))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"path": path, "config": config, "tokenizer_size": len(tokenizer), "state_dict": state}
+
+
+def build_tiny_reward_model(path: str | Path, *, task: str = "toy_reverse", seed: int = 5) -> Path:
+    """A tiny ``Qwen3ForSequenceClassification`` (``num_labels=1``) with the built-in ``task``'s
+    tokenizer at ``path/rm`` (the reward model of the trainer tests); returns that directory."""
+    from transformers import AutoModelForSequenceClassification
+
+    from megatron_rl.data.datasets import toy_rows
+    from megatron_rl.models.tiny import materialize_inline_model, task_texts
+
+    path = Path(path)
+    inline = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=2,
+                  kv_channels=32, vocab_size=512, max_position_embeddings=512, qk_layernorm=True)
+    base = materialize_inline_model(path / "base", inline, "qwen3", task_texts(toy_rows(task, 1024, 1)), seed=seed)
+    config = base["config"]
+    config.architectures, config.num_labels = ["Qwen3ForSequenceClassification"], 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path / "rm"))
+    base["tokenizer"].save_pretrained(str(path / "rm"))
+    return path / "rm"

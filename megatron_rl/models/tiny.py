@@ -22,10 +22,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["INLINE_FAMILIES", "hf_config_kwargs", "materialize_inline_model", "sft_warmup", "task_texts"]
+__all__ = ["INLINE_FAMILIES", "MEGATRON_OPTIONS", "hf_config_kwargs", "megatron_overrides", "materialize_inline_model",
+           "sft_warmup", "task_texts"]
 
 INLINE_FAMILIES = ("qwen3",)
 """Families an inline model can be materialised as."""
+MEGATRON_OPTIONS = ("make_vocab_size_divisible_by", "moe_router_topk", "moe_router_pre_softmax", "moe_aux_loss_coeff",
+                    "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_dtype",
+                    "moe_token_dispatcher_type", "moe_grouped_gemm", "freeze_router", "params_dtype",
+                    "attention_backend")
+"""``ModelConfig`` fields that are Megatron-side options, not architecture an HF config.json holds: an
+inline model's values reach the workers as overrides (``megatron_overrides``)."""
 
 
 def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
@@ -36,8 +43,11 @@ def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
     if family not in INLINE_FAMILIES:
         raise ValueError(f"model.family={family!r}: inline models can be materialised as {list(INLINE_FAMILIES)}")
     get = (lambda k, d=None: getattr(model_cfg, k, d)) if not isinstance(model_cfg, dict) else model_cfg.get
+    # What a dense Qwen3 config.json cannot carry: these must keep Qwen3's values (the MoE-only
+    # fields their dense defaults), or the workers would build another model than the one asked for.
     fixed = {"normalization": ("RMSNorm",), "qk_layernorm": (True,), "swiglu": (True,), "add_qkv_bias": (False, None),
-             "add_bias_linear": (False, None), "num_moe_experts": (None,)}
+             "add_bias_linear": (False, None), "num_moe_experts": (None,), "rotary_percent": (1.0,),
+             "rope_scaling": (False,), "moe_ffn_hidden_size": (None,), "moe_shared_expert_intermediate_size": (None,)}
     for key, allowed in fixed.items():
         if get(key, allowed[0]) not in allowed:
             raise ValueError(f"model.config.{key}={get(key)!r} does not fit family qwen3 (allowed: {list(allowed)})")
@@ -51,6 +61,15 @@ def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
         rms_norm_eps=float(get("layernorm_epsilon", 1e-6)), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         rope_parameters={"rope_type": "default", "rope_theta": float(get("rotary_base", 10000.0))},
     )
+
+
+def megatron_overrides(model_cfg: Any) -> dict[str, Any]:
+    """The ``MEGATRON_OPTIONS`` of inline ``model_cfg`` that differ from ``ModelConfig``'s defaults:
+    the overrides the workers apply on top of the materialised checkpoint's architecture."""
+    from megatron_rl.config.model import ModelConfig
+
+    default = ModelConfig()
+    return {k: getattr(model_cfg, k) for k in MEGATRON_OPTIONS if getattr(model_cfg, k) != getattr(default, k)}
 
 
 def task_texts(rows: Sequence[dict]) -> list[str]:

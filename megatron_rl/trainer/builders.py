@@ -19,11 +19,17 @@ _VAL_SEED_OFFSET = 7919  # the held-out set of a built-in task is drawn with ano
 
 
 def build_tokenizer(config: TrainerRunConfig, model_path: str):
-    """``model.tokenizer_path`` (or the model's own directory) through ``AutoTokenizer``."""
+    """``model.tokenizer_path`` (or the model's own directory) through ``AutoTokenizer``, with
+    ``model.custom_chat_template`` in place of its own template when set (prompts are formatted
+    with it once, on the driver; the rollout engine receives token ids)."""
     from transformers import AutoTokenizer
 
     model = config.actor_rollout_ref.model
-    return AutoTokenizer.from_pretrained(model.tokenizer_path or model_path, trust_remote_code=model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or model_path,
+                                              trust_remote_code=model.trust_remote_code)
+    if model.custom_chat_template is not None:
+        tokenizer.chat_template = model.custom_chat_template
+    return tokenizer
 
 
 def _task_kwargs(config: TrainerRunConfig) -> tuple[int, dict]:

@@ -17,7 +17,43 @@ from megatron_rl.config import TrainerConfig
 from megatron_rl.data.rewards import RewardError
 from megatron_rl.trainer.checkpoint import TRAINER_STATE, StepCheckpoint, find_resume_dir, prune_checkpoints
 
-__all__ = ["Checkpointer", "Validator", "SkipGuard"]
+__all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump"]
+
+
+class GenerationDump:
+    """Samples as ``<dir>/<step>.jsonl`` (verl's ``trainer.rollout_data_dir`` / ``validation_data_dir``
+    format: one line per sample with ``input``, ``output``, ``gts``, ``score``, ``step`` and the
+    reward's per-sample fields)."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory).expanduser()
+
+    @classmethod
+    def create(cls, directory: Optional[str]) -> Optional["GenerationDump"]:
+        """A dump into ``directory``, or None (nothing dumped) when it is None."""
+        return None if directory is None else cls(directory)
+
+    def write(self, step: int, inputs: list, outputs: list, gts: list, scores: list,
+              extra: Optional[dict[str, list]] = None) -> Path:
+        """Write one step's samples (fields of another length than ``inputs`` are left out)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        n = len(inputs)
+        columns = {"input": list(inputs), "output": list(outputs), "gts": list(gts), "score": list(scores),
+                   "step": [step] * n, **{k: list(v) for k, v in (extra or {}).items() if len(v) == n}}
+        path = self.dir / f"{step}.jsonl"
+        with open(path, "w") as f:
+            for i in range(n):
+                f.write(json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False, default=str) + "\n")
+        return path
+
+
+def ground_truths(batch: Any) -> list:
+    """Each sample's ground truth (``ground_truth`` or verl's ``reward_model.ground_truth``), else None."""
+    if "ground_truth" in batch:
+        return list(batch["ground_truth"])
+    if "reward_model" in batch:
+        return [(rm or {}).get("ground_truth") for rm in batch["reward_model"]]
+    return [None] * len(batch)
 
 
 class Checkpointer:
@@ -71,10 +107,12 @@ class Validator:
         dataloader: the validation ``PromptDataLoader`` (None: no validation set, never validates).
         generate: ``generate(prompts, validate=True) -> Batch`` (the rollout phase's).
         reward_fn: the rule reward.
+        dump: where the samples go (``trainer.validation_data_dir``), or None.
     """
 
-    def __init__(self, trainer: TrainerConfig, dataloader: Any, generate: Callable, reward_fn: Any):
-        self.cfg, self.dataloader, self.generate, self.reward_fn = trainer, dataloader, generate, reward_fn
+    def __init__(self, trainer: TrainerConfig, dataloader: Any, generate: Callable, reward_fn: Any,
+                 dump: Optional[GenerationDump] = None):
+        self.cfg, self.dataloader, self.generate, self.reward_fn, self.dump = trainer, dataloader, generate, reward_fn, dump
 
     def should_validate_before_training(self) -> bool:
         return self.dataloader is not None and self.cfg.val_before_train
@@ -84,12 +122,12 @@ class Validator:
         freq = self.cfg.test_freq
         return self.dataloader is not None and freq > 0 and (step % freq == 0 or last)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int = 0) -> dict[str, float]:
         """Generate for the whole validation set and score it: ``val-core/<data_source>/reward/mean@<n>``
         and ``val-aux/...`` for the reward's other keys (verl's names). Prints
-        ``trainer.log_val_generations`` samples."""
+        ``trainer.log_val_generations`` samples; dumps all of them as ``<step>.jsonl`` with a dump."""
         per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        samples, n = [], 1
+        samples, gts, n = [], [], 1
         start = self.dataloader.state_dict()
         self.dataloader.load_state_dict({**start, "epoch": 0, "batch_in_epoch": 0})
         for prompts in self.dataloader:
@@ -107,8 +145,12 @@ class Validator:
                         per_source[src][key].append(float(values[i]))
             prompts_text = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(out.scores)
             samples.extend(zip(prompts_text, out.response_texts, out.scores.tolist()))
+            gts.extend(ground_truths(batch))
         for prompt, text, score in samples[: self.cfg.log_val_generations]:
             print(f"[val] {prompt!r} -> {text!r} (score {score:.3f})", flush=True)
+        if self.dump is not None and samples:
+            inputs, outputs, scores = (list(col) for col in zip(*samples))
+            self.dump.write(step, inputs, outputs, gts, scores)
         metrics = {}
         for src, keys in per_source.items():
             for key, values in keys.items():

@@ -16,41 +16,65 @@ from typing import Optional
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
 from megatron_rl.config import ActorConfig, TrainerRunConfig
+from megatron_rl.models.tiny import megatron_overrides
 from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
 __all__ = ["role_specs", "actor_config", "Placement"]
 
 
-def actor_config(config: TrainerRunConfig):
-    """The actor's config; in rollout-correction bypass mode its policy loss becomes
-    ``bypass_mode`` with the correction settings (verl's ``apply_bypass_mode``)."""
-    actor, rc = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
+def _with_horizon(role_config, total_steps: int):
+    """``role_config`` whose LR schedule spans the run: ``optim.total_training_steps`` set to
+    ``total_steps`` unless the config gives its own (verl's trainer does the same)."""
+    if role_config.optim.total_training_steps > 0:
+        return role_config
+    return dataclasses.replace(role_config, optim=dataclasses.replace(role_config.optim, total_training_steps=total_steps))
+
+
+def actor_config(config: TrainerRunConfig, total_steps: int):
+    """The actor's config: the run's LR horizon; in rollout-correction bypass mode its policy loss
+    becomes ``bypass_mode`` with the correction settings (verl's ``apply_bypass_mode``)."""
+    actor, rc = _with_horizon(config.actor_rollout_ref.actor, total_steps), config.algorithm.rollout_correction
     if rc is None or not rc.bypass_mode:
         return actor
     return dataclasses.replace(actor, policy_loss=bypass_policy_loss_config(actor.policy_loss, rc))
 
 
-def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str,
+def _model_overrides(source) -> dict:
+    """What the workers set on top of the checkpoint's architecture: an inline model's Megatron-side
+    options, then ``model.override_config``."""
+    inline = megatron_overrides(source.config) if source.config is not None else {}
+    return {**inline, **source.override_config}
+
+
+def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int,
                teacher_path: Optional[str] = None) -> dict[str, WorkerSpec]:
-    """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always)."""
+    """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always). ``model_path`` is the
+    policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon."""
     arr = config.actor_rollout_ref
-    specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config), hf_dir=model_path)}
+    policy = dict(hf_dir=model_path, model_overrides=_model_overrides(arr.model))
+    specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config, total_steps), **policy)}
     if needs.reference:
-        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, arr.actor, hf_dir=model_path)
+        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, arr.actor, **policy)
     if needs.critic:
-        specs["critic"] = WorkerSpec("critic", config.critic.megatron, config.critic,
-                                     hf_dir=config.critic.model.path or model_path)
+        critic = config.critic
+        if critic.model.path is None and (critic.model.config != arr.model.config
+                                          or critic.model.family != arr.model.family):
+            raise ValueError("critic.model: an inline critic is the policy's architecture (its value head on the "
+                             "materialised policy); set critic.model.path for another critic model")
+        specs["critic"] = WorkerSpec("critic", critic.megatron, _with_horizon(critic, total_steps),
+                                     hf_dir=critic.model.path or model_path, model_overrides=_model_overrides(critic.model))
     if needs.reward_model:
         rm = config.reward.reward_model
         specs["reward"] = WorkerSpec("reward", rm.megatron, rm, hf_dir=rm.model_path)
     if needs.teacher:
         teacher = config.distillation.teacher_model
         micro = teacher.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+        inline = megatron_overrides(teacher.config) if teacher.config is not None else {}
         specs["teacher"] = WorkerSpec("teacher", teacher.megatron,
                                       ActorConfig(ppo_micro_batch_size_per_gpu=micro,
                                                   logprob_chunk_size=arr.actor.logprob_chunk_size),
-                                      hf_dir=teacher_path)
+                                      hf_dir=teacher_path, model_overrides=inline)
     return specs
 
 

@@ -31,7 +31,7 @@ from megatron_rl.config import TrainerRunConfig
 from megatron_rl.config.distillation import TOPK_LOSS_MODES
 from megatron_rl.data.batch import Batch
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
-from megatron_rl.trainer.callbacks import Checkpointer, SkipGuard, Validator
+from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator
 from megatron_rl.trainer.failures import worker_failure
 from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics, timer
 
@@ -77,6 +77,10 @@ class RayPPOTrainer:
         self.train_dataloader = train_dataloader or build_train_dataloader(self.config, self.tokenizer, self.log_dir)
         self.val_dataloader = build_val_dataloader(self.config, self.tokenizer, self.log_dir)
         self.reward_fn = reward_fn or build_reward_fn(self.config, self.tokenizer)
+        tcfg = self.config.trainer
+        self.total_steps = tcfg.total_training_steps or tcfg.total_epochs * len(self.train_dataloader)
+        if tcfg.val_only and self.val_dataloader is None:
+            raise ValueError("trainer.val_only=True needs a validation set: set data.val_files (or data.task)")
         self.global_steps = 0
         self.placement = self.weight_sync = None
         self.actor = self.ref = self.critic = self.rm = self.teacher = self.rollout = None
@@ -87,33 +91,40 @@ class RayPPOTrainer:
         from megatron_rl.trainer.rollout_phase import RolloutPhase
         from megatron_rl.trainer.weight_sync_interim import WeightSync
 
-        specs = role_specs(self.config, self.needs, model_path=self.model_path, teacher_path=self.teacher_path)
+        specs = role_specs(self.config, self.needs, model_path=self.model_path, total_steps=self.total_steps,
+                           teacher_path=self.teacher_path)
         self.placement = Placement(self.config, specs, model_path=self.model_path)
         self.actor, self.ref, self.critic, self.rm, self.teacher = (
             self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher"))
         self.rollout = self.placement.rollout
         self.weight_sync = WeightSync(self.actor, self.rollout, self.config.actor_rollout_ref.rollout.checkpoint_engine)
         self.rollout_phase = RolloutPhase(self.config, self.needs, self.rollout, self.train_dataloader, self.reward_fn,
-                                          self.rm)
-        self.validator = Validator(self.config.trainer, self.val_dataloader, self.rollout_phase.generate, self.reward_fn)
+                                          self.rm, dump=GenerationDump.create(self.config.trainer.rollout_data_dir))
+        self.validator = Validator(self.config.trainer, self.val_dataloader, self.rollout_phase.generate, self.reward_fn,
+                                   dump=GenerationDump.create(self.config.trainer.validation_data_dir))
         self.checkpointer = Checkpointer(self.log_dir, self.config.trainer,
                                          {"actor": self.actor, **({"critic": self.critic} if self.critic else {})})
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
             ) -> list[dict[str, float]]:
-        """Train until step ``total_steps`` (default ``trainer.total_training_steps``), resuming
-        from the latest checkpoint when ``trainer.resume_mode`` allows; returns this call's metrics.
-        ``on_step(metrics)`` runs after each step is logged (progress bars)."""
+        """Train until step ``total_steps`` (default ``trainer.total_training_steps``, else
+        ``trainer.total_epochs`` passes over the prompts), resuming from the latest checkpoint when
+        ``trainer.resume_mode`` allows; returns this call's metrics. ``on_step(metrics)`` runs after
+        each step is logged (progress bars). With ``trainer.val_only`` it validates once and returns."""
         tcfg = self.config.trainer
-        total = int(total_steps or tcfg.total_training_steps or len(self.train_dataloader))
+        total = int(total_steps or self.total_steps)
         self.resume()
         logger = MetricsLogger(self.log_dir, tcfg.logger, total_steps=total, project=tcfg.project_name,
                                experiment=tcfg.experiment_name)
         skips, history = SkipGuard(tcfg), []
         try:
-            if self.validator.should_validate_before_training():
-                logger.log(self.validator.validate(), step=self.global_steps)
+            if self.validator.should_validate_before_training() or tcfg.val_only:
+                history.append(self.validator.validate(self.global_steps))
+                logger.log(history[-1], step=self.global_steps)
+            if tcfg.val_only:
+                return history
+            history = []
             while self.global_steps < total:
                 self.global_steps += 1
                 step, last, metrics, timing = self.global_steps, self.global_steps >= total, {}, {}
@@ -124,7 +135,7 @@ class RayPPOTrainer:
                 metrics.update(step_metrics(batch, timing, step=step, epoch=self.train_dataloader.epoch,
                                             use_critic=self.critic is not None, n_devices=tcfg.world_size))
                 if self.validator.should_validate(step, last):
-                    metrics.update(self.validator.validate())
+                    metrics.update(self.validator.validate(step))
                 if self.checkpointer.should_save(step, last):
                     with timer("save_checkpoint", timing):
                         self.checkpointer.save(step, self.trainer_state())

