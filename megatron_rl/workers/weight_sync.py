@@ -1,19 +1,30 @@
-"""Worker-side glue of actor -> rollout weight sync (the transports live in ``megatron_rl.rollout``).
+"""Actor -> rollout weight sync as the driver sees it: ``WeightSync``, built once from the config.
 
-* ``WeightSyncRank``: the methods a ``MegatronWorker`` (one actor rank) runs for a sync:
-  the gathered HF export (``export_weights``) and the streamed side band
-  (``weight_sync_listen`` / ``weight_sync_connect`` / ``weight_sync``).
-* ``connect_weight_sync`` / ``sync_weights`` / ``export_weights``: what the driver runs over a
-  worker group and a ``RolloutWorker``.
+``WeightSync(actor_group, rollout_worker, checkpoint_engine)`` picks the path once from
+``checkpoint_engine.backend`` (``megatron_rl.config.rollout.WeightSyncConfig``):
+
+* a streamable transport (``broadcast``, ``shm``): actor rank 0 and the rollout worker's vLLM
+  workers share a gloo side band, connected on the first ``sync()``; every sync then streams the
+  bridge's export bucket by bucket from rank 0 (``megatron_rl.rollout.weight_sync``), so the
+  model is never whole anywhere;
+* ``colocated`` / ``bytes``: rank 0 gathers the HF tensors and hands them to the rollout worker
+  through Ray's object store, which loads them with that transport into its engine (small models).
+
+``export_weights(group, bucket_bytes)`` is the gathered HF export on its own (HF checkpoints).
+``WeightSyncRank`` is the part each actor rank runs (mixed into ``MegatronWorker``).
+``connect_weight_sync`` / ``sync_weights`` are the older two-call form of the streamed path.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["WeightSyncRank", "connect_weight_sync", "sync_weights", "export_weights"]
+from megatron_rl.config.rollout import WeightSyncConfig
+
+__all__ = ["WeightSync", "WeightSyncRank", "export_weights", "connect_weight_sync", "sync_weights"]
 
 
 class WeightSyncRank:
@@ -35,9 +46,9 @@ class WeightSyncRank:
                self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)]
         return out if self.rank == 0 else None
 
-    def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float,
+    def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float, shm_dir: str,
                            dtype: Optional[str] = None) -> Optional[tuple[str, int]]:
-        """Collective: build this rank's ``ActorWeightSync``; rank 0 hosts the side-band group and
+        """Collective: build this rank's ``ActorWeightSync``; rank 0 hosts the side band and
         returns ``(addr, port)`` for the rollout worker, the others None."""
         import ray
 
@@ -45,43 +56,128 @@ class WeightSyncRank:
 
         if self.weight_map is None:
             raise ValueError("weight sync needs the HF family of the model: build the group with hf_dir")
+        if self._weight_sync is not None:
+            self._weight_sync.close()
         self._weight_sync = ActorWeightSync.from_engine(self.engine, self.weight_map, mesh=self.mesh,
                                                         dtype=getattr(torch, dtype) if dtype else None,
                                                         bucket_megabytes=bucket_megabytes)
-        return self._weight_sync.listen(world_size, transport=transport, master_addr=ray.util.get_node_ip_address())
+        return self._weight_sync.listen(world_size, transport=transport, master_addr=ray.util.get_node_ip_address(),
+                                        shm_dir=shm_dir)
 
     def weight_sync_connect(self) -> None:
+        """Collective: rank 0 joins the side band (blocks until the rollout worker has joined)."""
         self._weight_sync.connect()
 
     def weight_sync(self) -> dict[str, Any]:
         """Collective: stream the current weights bucket by bucket (rank 0 sends)."""
         return self._weight_sync.sync()
 
-
-def connect_weight_sync(group, rollout, transport: str, bucket_megabytes: float, dtype: Optional[str] = None) -> None:
-    """Join actor rank 0 of ``group`` and the ``RolloutWorker`` actor ``rollout`` in a gloo side band
-    (``transport`` ``broadcast`` or ``shm``, the latter when both share a node); afterwards
-    ``sync_weights(group, rollout)`` streams the weights without gathering the model anywhere."""
-    import ray
-
-    world = 1 + int(ray.get(rollout.tensor_parallel_size.remote()))
-    listened = ray.get([w.weight_sync_listen.remote(world, transport, bucket_megabytes, dtype) for w in group.workers])
-    addr, port = listened[0]
-    ray.get([w.weight_sync_connect.remote() for w in group.workers] + [rollout.weight_sync_connect.remote(addr, port, world)])
+    def weight_sync_close(self) -> None:
+        """Leave the side band."""
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+            self._weight_sync = None
 
 
-def sync_weights(group, rollout) -> dict[str, Any]:
-    """One streamed sync into ``rollout`` (after ``connect_weight_sync``): rank 0's stats merged with
-    the receiver's."""
-    import ray
+class WeightSync:
+    """The driver's handle on actor -> rollout weight sync; construct once, call ``sync()`` per step.
 
-    sent = [w.weight_sync.remote() for w in group.workers]
-    received = rollout.weight_sync_receive.remote()
-    out = ray.get(sent)[0]
-    return {**out, "receiver_seconds": ray.get(received)["seconds"]}
+    Args:
+        actor_group: the actor's ``MegatronWorkerGroup`` (its ``workers`` are ``WeightSyncRank`` actors).
+        rollout_worker: the ``RolloutWorker`` Ray actor.
+        config: ``actor_rollout_ref.rollout.checkpoint_engine`` (transport, bucket bound, shm directory).
+        dtype: cast the exported tensors (a torch dtype name, e.g. ``"bfloat16"``); None keeps them.
+    """
+
+    def __init__(self, actor_group, rollout_worker, config: WeightSyncConfig, *, dtype: Optional[str] = None):
+        from parallel.transport import get_transport
+
+        self.group, self.rollout, self.config, self.dtype = actor_group, rollout_worker, config, dtype
+        self.streamed = get_transport(config.backend).streamable
+        self.connected = False
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.config.update_weights_bucket_megabytes * 2**20)
+
+    def connect(self) -> None:
+        """Join actor rank 0 and the rollout worker's vLLM workers in a side band (streamed
+        transports only; ``sync()`` calls it the first time)."""
+        import ray
+
+        if not self.streamed:
+            raise ValueError(f"checkpoint_engine.backend={self.config.backend!r} does not stream; nothing to connect")
+        world = 1 + int(ray.get(self.rollout.tensor_parallel_size.remote()))
+        listened = ray.get([w.weight_sync_listen.remote(world, self.config.backend,
+                                                        self.config.update_weights_bucket_megabytes,
+                                                        self.config.shm_dir, self.dtype)
+                            for w in self.group.workers])
+        addr, port = listened[0]
+        ray.get([w.weight_sync_connect.remote() for w in self.group.workers]
+                + [self.rollout.weight_sync_connect.remote(addr, port, world)])
+        self.connected = True
+
+    def sync(self) -> dict[str, Any]:
+        """Push the actor's current weights into the rollout engine.
+
+        Returns ``{"transport", "bytes", "num_tensors", "num_buckets", "seconds", "wall_seconds"}``
+        (``seconds``: the sync as its sender timed it; ``wall_seconds``: as the driver saw it,
+        export and hand-over included); streamed syncs add ``receiver_seconds`` and the export's
+        ``export_*`` figures.
+        """
+        import ray
+
+        start = time.perf_counter()
+        if self.streamed:
+            if not self.connected:
+                self.connect()
+            out = _streamed_sync(self.group, self.rollout)
+        else:
+            weights = export_weights(self.group, self.bucket_bytes, self.dtype)
+            out = ray.get(self.rollout.update_weights.remote(
+                weights, transport=self.config.backend, bucket_megabytes=self.config.update_weights_bucket_megabytes))
+        return {**out, "wall_seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Leave the side band (if connected)."""
+        import ray
+
+        if self.connected:
+            ray.get([w.weight_sync_close.remote() for w in self.group.workers]
+                    + [self.rollout.weight_sync_close.remote()])
+            self.connected = False
 
 
 def export_weights(group, bucket_bytes: int, dtype: Optional[str] = None):
     """ObjectRef to rank 0's HF ``(name, tensor)`` list (all ranks take part in the gather)."""
     refs = [w.export_weights.remote(bucket_bytes, dtype) for w in group.workers]
     return refs[0]
+
+
+# ----------------------------------------------------------------------------- the two-call form
+def connect_weight_sync(group, rollout, transport: str, bucket_megabytes: float, dtype: Optional[str] = None,
+                        shm_dir: Optional[str] = None) -> WeightSync:
+    """Join actor rank 0 of ``group`` and the ``RolloutWorker`` actor ``rollout`` in a side band
+    (``transport`` ``broadcast`` or ``shm``); afterwards ``sync_weights(group, rollout)`` streams the
+    weights. Prefer ``WeightSync``, which also connects on first use. Returns the connected one."""
+    extra = {} if shm_dir is None else {"shm_dir": shm_dir}  # else the config's own default
+    config = WeightSyncConfig(backend=transport, update_weights_bucket_megabytes=bucket_megabytes, **extra)
+    sync = WeightSync(group, rollout, config, dtype=dtype)
+    sync.connect()
+    return sync
+
+
+def sync_weights(group, rollout) -> dict[str, Any]:
+    """One streamed sync into ``rollout`` (after ``connect_weight_sync``): rank 0's stats merged with
+    the receiver's."""
+    return _streamed_sync(group, rollout)
+
+
+def _streamed_sync(group, rollout) -> dict[str, Any]:
+    """Every actor rank sends (rank 0 streams) while the rollout worker receives."""
+    import ray
+
+    sent = [w.weight_sync.remote() for w in group.workers]
+    received = rollout.weight_sync_receive.remote()
+    out = ray.get(sent)[0]
+    return {**out, "receiver_seconds": ray.get(received)["seconds"]}

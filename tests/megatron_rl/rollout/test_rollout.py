@@ -17,14 +17,7 @@ pytest.importorskip("vllm")
 from megatron_rl.config.base import BaseConfig  # noqa: E402
 from megatron_rl.rollout.vllm_rollout import RolloutConfig, SamplingConfig, VLLMRollout, sampling_kwargs  # noqa: E402
 from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts, load_hf_model  # noqa: E402
-from megatron_rl.rollout.vllm_extension import (  # noqa: E402
-    bucket_meta,
-    bucket_named_tensors,
-    safetensors_views,
-    serialize_safetensors,
-    unpack_bucket,
-    write_safetensors,
-)
+from parallel.transport import bucket_named_tensors  # noqa: E402
 
 LOGP_TOL = 1e-4
 PROMPT_LEN, RESPONSE_LEN, TEMPERATURE = 32, 12, 0.7
@@ -110,37 +103,6 @@ def test_sampling_kwargs_training_validation_and_overrides():
         sampling_kwargs(cfg, response_length=65)
     with pytest.raises(ValueError, match=r"^temperature=-1 is out of range"):
         sampling_kwargs(cfg, temperature=-1)
-
-
-def test_buckets_are_bounded_streamed_and_typed():
-    named = [(f"w{i}", torch.full((i + 1, 10), float(i))) for i in range(6)]  # 40, 80, ..., 240 bytes
-    buckets = list(bucket_named_tensors(iter(named), bucket_bytes=200))
-    assert [[n for n, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3"], ["w4"], ["w5"]]  # w5 (240 B) alone
-    as_buckets = list(bucket_named_tensors([named[:2], named[2:]], bucket_bytes=200))  # buckets in, re-bucketed
-    assert [[n for n, _ in b] for b in as_buckets] == [[n for n, _ in b] for b in buckets]
-    with pytest.raises(TypeError, match=r"weights item 1 must be a \(hf_name: str, tensor: torch.Tensor\) pair, got list"):
-        list(bucket_named_tensors([("a", torch.ones(1)), ["b", torch.ones(1)]], 100))
-    with pytest.raises(ValueError, match=r"bucket_bytes=0 must be > 0"):
-        next(bucket_named_tensors(named, 0))
-
-
-def test_wire_formats_round_trip_exactly(tmp_path):
-    from safetensors.torch import load, load_file
-
-    bucket = [("a.weight", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)),
-              ("c", torch.arange(6).view(2, 3).t()), ("d", torch.tensor([True, False]))]  # c is non-contiguous
-    meta = bucket_meta(bucket)
-    assert all(e["offset"] % 64 == 0 for e in meta["tensors"])
-    flat = torch.zeros(meta["total_bytes"], dtype=torch.uint8)
-    for (_, t), e in zip(bucket, meta["tensors"]):
-        flat[e["offset"] : e["offset"] + e["nbytes"]] = t.contiguous().reshape(-1).view(torch.uint8)
-    blob = serialize_safetensors(bucket)
-    write_safetensors(str(tmp_path / "b.safetensors"), bucket)
-    for decoded in (dict(unpack_bucket(flat, meta)), dict(safetensors_views(torch.frombuffer(blob, dtype=torch.uint8))),
-                    load(bytes(blob)), load_file(str(tmp_path / "b.safetensors"))):  # readable by safetensors too
-        assert all(decoded[n].dtype == t.dtype and torch.equal(decoded[n], t) for n, t in bucket)
-    with pytest.raises(ValueError, match=r"tensor name 'a.weight' appears twice in one bucket"):
-        serialize_safetensors(bucket[:1] * 2)
 
 
 # ----------------------------------------------------------------------------- generation

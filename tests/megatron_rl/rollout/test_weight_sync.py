@@ -147,8 +147,9 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
     """One case on one actor rank: load, update, sync, export to HF; returns what rank 0 saw."""
     import json
 
+    from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
-    from megatron_rl.engine.engine import MegatronEngine
+    from megatron_rl.roles import build_role
     from megatron_rl.rollout.weight_sync import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint, save_hf_checkpoint
     from parallel.config import ParallelConfig
@@ -160,8 +161,9 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
     family = get_family(hf_dir)
     model_cfg = family.model_config(hf_dir, make_vocab_size_divisible_by=64)  # padded vocab rows too
     weight_map = family.weight_map(model_cfg)
-    engine = MegatronEngine(model_cfg, pc, role="actor",
-                            config={"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": SGD})
+    actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict(
+        {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": SGD}))
+    engine = actor.engine
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
     rollout = None
     if case["transport"] == "colocated" and rank == 0:
@@ -169,12 +171,12 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT))  # shares this process with actor rank 0
     res: dict = {}
-    res["actor_before"] = engine.compute_log_prob(batch)["log_probs"]
+    res["actor_before"] = actor.compute_log_prob(batch)["log_probs"]
     dp, dp_rank = mesh.size("dp"), mesh.dp_rank
     share = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
     share["old_log_probs"] = res["actor_before"].chunk(dp)[dp_rank]  # on-policy: ratio 1
-    res["metrics"] = engine.update_policy(share)
-    res["actor_after"] = engine.compute_log_prob(batch)["log_probs"]
+    res["metrics"] = actor.update_policy(share)
+    res["actor_after"] = actor.compute_log_prob(batch)["log_probs"]
 
     sync = ActorWeightSync.from_engine(engine, weight_map, mesh=mesh, bucket_megabytes=BUCKET_MB)
     res["num_bytes"] = sync.num_bytes
@@ -186,7 +188,7 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
         res["vllm_greedy"] = greedy(rollout, prompts)
         rollout.shutdown()
     elif case["transport"] != "colocated":
-        address = sync.listen(world_size=2, transport=case["transport"], timeout_s=TIMEOUT_S)
+        address = sync.listen(world_size=2, transport=case["transport"], shm_dir="/dev/shm", timeout_s=TIMEOUT_S)
         if address is not None:
             ports.put((name, address))  # the driver's job: tell the rollout worker where to join
         sync.connect()
@@ -359,12 +361,8 @@ def test_placements_and_bad_input_are_named(tmp_path):
     from megatron_rl.models.families import get_family
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.rollout.vllm_rollout import RolloutConfig
-    from megatron_rl.rollout.weight_sync import (
-        ActorWeightSync,
-        RemoteWeightSender,
-        RolloutWeightReceiver,
-        choose_transport,
-    )
+    from megatron_rl.rollout.weight_sync import ActorWeightSync, RolloutWeightReceiver, choose_transport
+    from parallel.transport import RemoteWeightSender
 
     assert [choose_transport(p) for p in ("colocated", "same_node", "other_node")] == ["colocated", "shm", "broadcast"]
     with pytest.raises(ValueError, match=r"placement='gpu' is not allowed; choose one of \['colocated', 'same_node', 'other_node'\]"):
@@ -372,7 +370,7 @@ def test_placements_and_bad_input_are_named(tmp_path):
     weight_map = get_family("Qwen3ForCausalLM").weight_map(ModelConfig())
     with pytest.raises(ValueError, match=r"bucket_megabytes=0 is out of range; allowed: \(0, inf\)"):
         ActorWeightSync([], weight_map, bucket_megabytes=0)
-    sync = ActorWeightSync([], weight_map)  # no parameters: an empty plan, no process group needed
+    sync = ActorWeightSync([], weight_map, bucket_megabytes=128)  # no parameters: an empty plan, no process group needed
     assert sync.num_bytes == 0 and sync.bucket_bytes == 128 * 2**20
     with pytest.raises(ValueError, match=r"rank 0 has no rollout to sync into: pass its VLLMRollout"):
         sync.sync()
@@ -381,8 +379,8 @@ def test_placements_and_bad_input_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"transport='nccl' is not allowed; choose one of \['broadcast', 'shm'\]"):
         sync.listen(2, transport="nccl")
     with pytest.raises(ValueError, match=r"world_size=1 is out of range"):
-        sync.listen(1)
-    addr, port = sync.listen(2, timeout_s=5)  # binds a port the OS picked; nobody joins
+        sync.listen(1, transport="broadcast")
+    addr, port = sync.listen(2, transport="broadcast", timeout_s=5)  # binds a port the OS picked; nobody joins
     assert addr == "127.0.0.1" and port > 0
     with pytest.raises(RuntimeError, match=r"listen\(\) was called but not connect\(\)"):
         sync.sync()
@@ -391,7 +389,7 @@ def test_placements_and_bad_input_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"shm_dir='.*missing' is not a directory"):
         RemoteWeightSender(2, transport="shm", shm_dir=str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match=r"RemoteWeightSender.send before connect\(\)"):
-        RemoteWeightSender(2).send([], 10)
+        RemoteWeightSender(2, transport="broadcast").send([], 10)
     tp2_rollout = SimpleNamespace(config=RolloutConfig(tensor_model_parallel_size=2))
     with pytest.raises(ValueError, match=r"rank_offset=1 \+ the engine's 2 worker\(s\) exceed world_size=2"):
         RolloutWeightReceiver(tp2_rollout, "127.0.0.1", port, world_size=2)
