@@ -1,44 +1,51 @@
 """Roles over the Megatron engine: actor, reference, critic, reward model, distillation teacher.
 
-INTERIM (re-layering in progress): every role is still the all-in-one ``MegatronEngine``; the
-role modules (heads + loss closures over typed loss inputs) replace it.
+A role is a small class that owns a ``MegatronEngine`` (``.engine``) and builds its heads and loss
+closures from typed loss inputs: ``Actor`` (``actor`` trainable; ``ref`` and ``teacher`` the same
+class over a frozen engine), ``Critic`` (``critic``) and ``RewardModel`` (``reward``). Their
+methods declare the batch fields they read (``megatron_rl.data.batch.batch_fields``); worker
+groups look the class up with ``role_class`` and every rank builds its role with ``build_role``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from megatron_rl.engine.engine import MegatronEngine
+from megatron_rl.engine import MegatronEngine
+from megatron_rl.roles.actor import Actor
+from megatron_rl.roles.critic import Critic
+from megatron_rl.roles.reward import RewardModel
+from megatron_rl.roles.common import check_config
 
-__all__ = ["role_class", "build_role"]
+__all__ = ["ROLE_CLASSES", "TRAINABLE_ROLES", "role_class", "build_role", "Actor", "Critic", "RewardModel"]
 
-_ENGINE_ROLES = {"actor": "actor", "ref": "actor", "teacher": "actor", "critic": "critic", "reward": "reward"}
+ROLE_CLASSES: dict[str, type] = {"actor": Actor, "ref": Actor, "teacher": Actor, "critic": Critic,
+                                 "reward": RewardModel}
+"""Role name -> class. The class's ``head`` is its engine's head."""
 
-
-class _EngineRole:
-    """The engine exposed under a role's interface (``.engine`` + the role methods)."""
-
-    def __init__(self, engine: MegatronEngine):
-        self.engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+TRAINABLE_ROLES = ("actor", "critic")
+"""Roles whose engine has an optimizer; the others are frozen."""
 
 
 def role_class(name: str) -> type:
     """The class whose methods (with their declared batch fields) a role's ranks run."""
-    if name not in _ENGINE_ROLES:
-        raise ValueError(f"role={name!r}; allowed: {sorted(_ENGINE_ROLES)}")
-    return MegatronEngine
+    if name not in ROLE_CLASSES:
+        raise ValueError(f"role={name!r}; allowed: {sorted(ROLE_CLASSES)}")
+    return ROLE_CLASSES[name]
 
 
 def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
-               transformer_overrides: Optional[Mapping[str, Any]] = None) -> _EngineRole:
-    """The role object of one rank: its engine (built on ``mesh``) and its methods."""
-    if name == "reward":  # RewardModelConfig: the engine reads the forward micro-batch from a CriticConfig
-        from megatron_rl.config import CriticConfig
+               transformer_overrides: Optional[Mapping[str, Any]] = None) -> Any:
+    """This rank's role object: its engine, built on ``mesh``, and the role's methods.
 
-        config = CriticConfig(ppo_micro_batch_size_per_gpu=config.micro_batch_size_per_gpu)
-    engine = MegatronEngine(model_cfg, mesh.config, role=_ENGINE_ROLES[name], config=config,
-                            trainable=name in ("actor", "critic"), transformer_overrides=transformer_overrides)
-    return _EngineRole(engine)
+    ``config`` is the role's typed config: ``ActorConfig`` for ``actor`` / ``ref`` / ``teacher``,
+    ``CriticConfig`` for ``critic``, ``RewardModelConfig`` for ``reward``. A trainable role's
+    engine gets ``config.optim``.
+    """
+    cls = role_class(name)
+    check_config(name, config, cls.config_type)  # before the (collective, slow) engine build
+    trainable = name in TRAINABLE_ROLES
+    engine = MegatronEngine(model_cfg, mesh, head=cls.head, trainable=trainable,
+                            optim=config.optim if trainable else None, transformer_overrides=transformer_overrides,
+                            name=name)
+    return cls(engine, config)

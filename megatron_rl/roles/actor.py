@@ -1,0 +1,119 @@
+"""The language-model roles: ``actor`` (trainable policy), ``ref`` and ``teacher`` (frozen).
+
+One class serves all three -- they differ only in whether their engine is trainable. Forward
+methods run a head (``megatron_rl.roles.lm_head``) through ``MegatronEngine.forward``;
+``update_policy`` builds ``PolicyLossInputs`` per micro-batch and runs the ``PolicyObjective``
+through ``update_in_mini_batches``. Every method that takes a batch declares its fields with
+``batch_fields`` (the worker group ships exactly those).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from megatron_rl.algos import get_policy_loss_fn
+from megatron_rl.algos.distillation import TOPK_LOSS_MODES, resolve_distillation_config
+from megatron_rl.config import ActorConfig
+from megatron_rl.data.batch import batch_fields
+from megatron_rl.engine import MegatronEngine, ModelOutput, StepInfo
+from megatron_rl.roles.lm_head import response_log_probs, topk_distillation_terms, topk_log_probs
+from megatron_rl.roles.policy_loss import PolicyLossInputs, PolicyObjective
+from megatron_rl.roles.common import check_config, require_fields, update_in_mini_batches, with_batch_info
+
+__all__ = ["Actor"]
+
+Batch = Mapping[str, torch.Tensor]
+
+
+class Actor:
+    """An LM engine with the actor's methods (``ref`` / ``teacher``: the same over a frozen engine).
+
+    Args:
+        engine: an ``lm``-head ``MegatronEngine`` (trainable for the actor).
+        config: the actor config (loss, batch sizes; ``ppo_micro_batch_size_per_gpu`` is also the
+            default forward micro-batch).
+    """
+
+    head = "lm"
+    config_type = ActorConfig
+
+    def __init__(self, engine: MegatronEngine, config: ActorConfig):
+        if engine.head != self.head:
+            raise ValueError(f"the {engine.name!r} role needs a language-model head; its engine has head {engine.head!r}")
+        check_config(engine.name, config, self.config_type)
+        self.engine, self.config = engine, config
+
+    def _micro_batch_size(self, micro_batch_size: Optional[int]) -> int:
+        return micro_batch_size or self.config.ppo_micro_batch_size_per_gpu
+
+    # -- forward --------------------------------------------------------------------------------
+    @batch_fields("input_ids", "attention_mask", "responses")
+    def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
+                         micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Log-probs ``[b, r]`` (and ``entropys``) of ``batch["responses"]``; forward only."""
+        chunk_size = self.config.logprob_chunk_size
+
+        def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
+            lp, ent = response_log_probs(out, mb["responses"], temperature=temperature, entropy=calculate_entropy,
+                                         chunk_size=chunk_size)
+            return {"log_probs": lp} if ent is None else {"log_probs": lp, "entropys": ent}
+
+        return self.engine.forward(batch, head, micro_batch_size=self._micro_batch_size(micro_batch_size))
+
+    @batch_fields("input_ids", "attention_mask", "responses")
+    def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
+                               micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The ``k`` largest log-probs of every response position and their ids (``topk_log_probs``,
+        ``topk_ids``, both ``[b, r, k]``) -- a distillation teacher's side of ``forward_kl_topk``."""
+
+        def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
+            values, ids = topk_log_probs(out, k, temperature=temperature)
+            return {"topk_log_probs": values.float(), "topk_ids": ids}
+
+        return self.engine.forward(batch, head, micro_batch_size=self._micro_batch_size(micro_batch_size))
+
+    # -- update ---------------------------------------------------------------------------------
+    @batch_fields("input_ids", "attention_mask", "responses", "response_mask",
+                  optional=("old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs",
+                            "teacher_topk_log_probs", "teacher_topk_ids"))
+    def update_policy(self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None) -> dict[str, float]:
+        """PPO-style update of the actor on this rank's share of the batch; returns verl's metrics.
+
+        With ``distillation_loss`` (a ``DistillationLossConfig``, verl's ``distillation`` section or
+        its ``distillation_loss`` part; a section with ``enabled=False`` is off) the loss is verl's
+        ``distillation_ppo_loss``: the distillation loss from the student's log-probs and the
+        batch's ``teacher_log_probs [b, r]`` -- for ``forward_kl_topk`` the teacher's
+        ``teacher_topk_log_probs`` / ``teacher_topk_ids [b, r, k]`` against the student's vocab-parallel
+        logits -- (back-propagated, or as advantages ``-loss`` of a
+        policy loss with ``use_policy_gradient``). With ``use_task_rewards`` it is added, times
+        ``distillation_loss_coef``, to the task loss (policy loss - entropy bonus + KL loss); without,
+        it is the whole loss. Adds ``distillation/*`` metrics (``loss_min``/``loss_max`` reduced by
+        min/max over all tokens, the others like the ``actor/*`` metrics)."""
+        cfg = self.config
+        dcfg = resolve_distillation_config(distillation_loss)
+        # verl still evaluates the task loss for its metrics in policy-gradient distillation.
+        run_task = dcfg is None or dcfg.use_task_rewards or (dcfg.use_policy_gradient and "advantages" in batch)
+        if run_task:
+            require_fields(batch, "old_log_probs", "advantages")
+        topk = dcfg is not None and dcfg.loss_mode in TOPK_LOSS_MODES
+        if dcfg is not None:
+            teacher_keys = ("teacher_topk_log_probs", "teacher_topk_ids") if topk else ("teacher_log_probs",)
+            require_fields(batch, *teacher_keys, *(("old_log_probs",) if dcfg.use_policy_gradient else ()))
+        if cfg.use_kl_loss and run_task:
+            require_fields(batch, "ref_log_prob")
+        policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        need_entropy = cfg.entropy_coeff != 0 or cfg.calculate_entropy
+
+        def loss_fn(mb: dict, out: ModelOutput, step: StepInfo):
+            objective = PolicyObjective(with_batch_info(cfg, step), policy_loss_fn, run_task, dcfg)
+            lp, ent = response_log_probs(out, mb["responses"], temperature=temperature, entropy=need_entropy,
+                                         chunk_size=cfg.logprob_chunk_size)
+            inputs = PolicyLossInputs.from_micro_batch(mb, lp, ent)
+            terms = (lambda inp: topk_distillation_terms(out, inp.teacher_topk_log_probs, inp.teacher_topk_ids,
+                                                         temperature=temperature,
+                                                         log_prob_min_clamp=dcfg.log_prob_min_clamp)) if topk else None
+            return objective(inputs, topk=terms)
+
+        return update_in_mini_batches(self.engine, batch, loss_fn, cfg, section="actor")
