@@ -1,5 +1,6 @@
 """The Megatron engine on real Megatron-Core with gloo ranks: every parallel layout must give
-the single-rank result (log-probs, entropy, values, losses, metrics and updated weights).
+the single-rank result (log-probs, entropy, values, losses, metrics and updated weights), run
+through the roles (``megatron_rl.roles``) that drive it in training.
 
 Weights travel between layouts through Megatron's distributed checkpoints, so the parallel
 runs start from exactly the reference weights, and the updated weights are compared after
@@ -46,23 +47,31 @@ def make_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def make_role(name, model_kw, mesh, train_cfg=None, **kwargs):
+    """``build_role(name, ...)`` with the role's typed config filled from the dict ``train_cfg``."""
+    from megatron_rl.config import ActorConfig, CriticConfig
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.roles import build_role
+
+    config_cls = CriticConfig if name == "critic" else ActorConfig
+    return build_role(name, ModelConfig(**model_kw), mesh, config_cls.from_dict(train_cfg), **kwargs)
+
+
 def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_cfg, dp_split):
     """One layout: load ``ckpt_in`` (or save the fresh weights there), compute, update, save."""
     import os
 
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
     pc = ParallelConfig(**par)
     mesh = init_mesh(pc, seed=1234)
-    engine = MegatronEngine(ModelConfig(**model_kw), pc, role=role, config=train_cfg)
+    worker = make_role(role, model_kw, mesh, train_cfg)
     if os.path.exists(ckpt_in):
-        load_model(engine.model, ckpt_in)
+        load_model(worker.engine.model, ckpt_in)
     else:
-        save_model(engine.model, ckpt_in)
+        save_model(worker.engine.model, ckpt_in)
     batch = make_batch(model_kw["vocab_size"])
     if dp_split:
         dp, dp_rank = mesh.size("dp"), mesh.dp_rank
@@ -71,16 +80,16 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
         batch = {k: v.cuda() for k, v in batch.items()}
     result = {}
     if role == "actor":
-        out = engine.compute_log_prob(batch, calculate_entropy=True)
+        out = worker.compute_log_prob(batch, calculate_entropy=True)
         result.update(out)
         batch["old_log_probs"] = out["log_probs"] + batch["offset"]
-        result["metrics"] = engine.update_policy(batch)
+        result["metrics"] = worker.update_policy(batch)
     else:
-        out = engine.compute_values(batch)
+        out = worker.compute_values(batch)
         result.update(out)
         batch["values"] = out["values"] + 2 * batch["offset"]
-        result["metrics"] = engine.update_critic(batch)
-    save_model(engine.model, ckpt_out)
+        result["metrics"] = worker.update_critic(batch)
+    save_model(worker.engine.model, ckpt_out)
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in result.items()}
 
 
@@ -193,18 +202,14 @@ def test_moe_actor_expert_parallel_equals_single_rank(ckpt_root):
 
 def _naive_reference(rank, world_size, model_kw, temperature):
     """Engine log-probs vs. running each unpadded sequence alone through the model + log_softmax."""
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    pc = ParallelConfig()
-    init_mesh(pc, seed=7)
-    engine = MegatronEngine(ModelConfig(**model_kw), pc, role="actor", config={"ppo_mini_batch_size": BATCH})
+    actor = make_role("actor", model_kw, init_mesh(ParallelConfig(), seed=7), {"ppo_mini_batch_size": BATCH})
     batch = make_batch(model_kw["vocab_size"])
-    out = {mbs: engine.compute_log_prob(batch, temperature=temperature, calculate_entropy=True, micro_batch_size=mbs)
+    out = {mbs: actor.compute_log_prob(batch, temperature=temperature, calculate_entropy=True, micro_batch_size=mbs)
            for mbs in (1, 3, BATCH)}
-    model = engine.model[0].module
+    model = actor.engine.model[0].module
     expected_lp = torch.zeros(BATCH, RESPONSE)
     expected_h = torch.zeros(BATCH, RESPONSE)
     with torch.no_grad():
@@ -231,28 +236,25 @@ def test_log_probs_match_unpadded_forward_for_any_micro_batch_size(temperature):
 
 def _reference_engine_case(rank, world_size, ckpt):
     """A frozen reference model built from the actor's weights gives the actor's log-probs."""
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    pc = ParallelConfig()
-    init_mesh(pc, seed=11)
-    actor = MegatronEngine(ModelConfig(**DENSE), pc, role="actor", config={"ppo_mini_batch_size": BATCH})
-    ref = MegatronEngine(ModelConfig(**DENSE), pc, role="ref", trainable=False)
-    save_model(actor.model, ckpt)
-    load_model(ref.model, ckpt)
+    mesh = init_mesh(ParallelConfig(), seed=11)
+    actor = make_role("actor", DENSE, mesh, {"ppo_mini_batch_size": BATCH})
+    ref = make_role("ref", DENSE, mesh)
+    save_model(actor.engine.model, ckpt)
+    load_model(ref.engine.model, ckpt)
     batch = make_batch(DENSE["vocab_size"])
     mask = batch["response_mask"].bool()
     diff = _max_diff(actor.compute_log_prob(batch)["log_probs"][mask], ref.compute_log_prob(batch)["log_probs"][mask])
-    frozen = all(not p.requires_grad for _, p in ref.named_parameters())
+    frozen = all(not p.requires_grad for _, p in ref.engine.named_parameters())
     try:
         ref.update_policy({**batch, "old_log_probs": torch.zeros(BATCH, RESPONSE), "advantages": batch["advantages"]})
         error = ""
     except ValueError as exc:
         error = str(exc)
-    ref.offload_to_cpu()  # a no-op without CUDA; must not disturb the weights
+    ref.engine.offload_to_cpu()  # a no-op without CUDA; must not disturb the weights
     after = _max_diff(ref.compute_log_prob(batch)["log_probs"][mask], actor.compute_log_prob(batch)["log_probs"][mask])
     return diff, frozen, error, after
 
@@ -264,24 +266,21 @@ def test_reference_model_is_a_frozen_copy_of_the_actor(tmp_path):
 
 
 def _offload_case(rank, world_size):
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    pc = ParallelConfig()
-    init_mesh(pc, seed=5)
-    engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor",
-                            config={"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2})
+    actor = make_role("actor", DENSE, init_mesh(ParallelConfig(), seed=5),
+                      {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2})
+    engine = actor.engine
     batch = {k: v.cuda() for k, v in make_batch(DENSE["vocab_size"]).items()}
-    before = engine.compute_log_prob(batch)["log_probs"]
+    before = actor.compute_log_prob(batch)["log_probs"]
     engine.offload_to_cpu()
     on_cpu = all(p.device.type == "cpu" for _, p in engine.named_parameters())
     free_after_offload = torch.cuda.memory_allocated()
     engine.load_to_device()
-    after = engine.compute_log_prob(batch)["log_probs"]
+    after = actor.compute_log_prob(batch)["log_probs"]
     batch["old_log_probs"], batch["advantages"] = after, batch["advantages"]
-    metrics = engine.update_policy(batch)  # optimizer state survived the round trip
+    metrics = actor.update_policy(batch)  # optimizer state survived the round trip
     return on_cpu, free_after_offload, float((before - after).abs().max()), metrics["actor/grad_norm"]
 
 

@@ -14,52 +14,48 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.engine.test_engine import DENSE, make_batch
+from tests.megatron_rl.engine.test_engine import DENSE, make_batch, make_role
 
 ADAM = {"optimizer": "adam", "lr": 1e-2, "weight_decay": 0.01, "clip_grad": 1.0, "lr_warmup_steps": 3,
         "lr_warmup_init": 0.0}
 TRAIN = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "optim": ADAM}
 
 
-def _step(engine, seed):
+def _step(actor, seed):
     batch = make_batch(DENSE["vocab_size"], seed=seed)
-    out = engine.compute_log_prob(batch)
+    out = actor.compute_log_prob(batch)
     batch["old_log_probs"] = out["log_probs"] + batch["offset"]
-    return engine.update_policy(batch)
+    return actor.update_policy(batch)
 
 
-def _engine(par, seed):
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
+def _actor(par, seed):
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    pc = ParallelConfig(**par)
-    init_mesh(pc, seed=seed)
-    return MegatronEngine(ModelConfig(**DENSE), pc, role="actor", config=TRAIN)
+    return make_role("actor", DENSE, init_mesh(ParallelConfig(**par), seed=seed), TRAIN)
 
 
 def _save_then_continue(rank, world_size, par, ckpt, final):
     """Two steps, save, a third step; also saves the weights after the third step (model only)."""
     from parallel.checkpoint import save_model
 
-    engine = _engine(par, seed=1)
-    _step(engine, 0)
-    _step(engine, 1)
-    engine.save_checkpoint(ckpt)
-    metrics = _step(engine, 2)
-    save_model(engine.model, final)
-    return metrics, engine.scheduler.num_steps
+    actor = _actor(par, seed=1)
+    _step(actor, 0)
+    _step(actor, 1)
+    actor.engine.save_checkpoint(ckpt)
+    metrics = _step(actor, 2)
+    save_model(actor.engine.model, final)
+    return metrics, actor.engine.scheduler.num_steps
 
 
 def _load_then_continue(rank, world_size, par, ckpt, final):
     from parallel.checkpoint import save_model
 
-    engine = _engine(par, seed=99)  # other init: everything must come from the checkpoint
-    engine.load_checkpoint(ckpt)
-    restored_steps = engine.scheduler.num_steps
-    metrics = _step(engine, 2)
-    save_model(engine.model, final)
+    actor = _actor(par, seed=99)  # other init: everything must come from the checkpoint
+    actor.engine.load_checkpoint(ckpt)
+    restored_steps = actor.engine.scheduler.num_steps
+    metrics = _step(actor, 2)
+    save_model(actor.engine.model, final)
     return metrics, restored_steps
 
 
@@ -86,7 +82,7 @@ def _gather(rank, world_size, paths):
 def _bad_restore(rank, world_size, ckpt):
     from parallel.checkpoint import save_model
 
-    engine = _engine({}, seed=1)
+    engine = _actor({}, seed=1).engine
     save_model(engine.model, ckpt)  # model only
     try:
         engine.load_checkpoint(ckpt)

@@ -8,28 +8,24 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.engine.test_engine import DENSE, make_batch
+from tests.megatron_rl.engine.test_engine import DENSE, make_batch, make_role
 
 
 def _case(rank, world_size, overrides):
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    pc = ParallelConfig()
-    init_mesh(pc, seed=3)
+    mesh = init_mesh(ParallelConfig(), seed=3)
     try:
-        engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor",
-                                config={"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4},
-                                transformer_overrides=overrides)
+        actor = make_role("actor", DENSE, mesh, {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4},
+                          transformer_overrides=overrides)
     except ValueError as err:
         return str(err)
     batch = make_batch(DENSE["vocab_size"])
-    out = engine.compute_log_prob(batch)
+    out = actor.compute_log_prob(batch)
     batch["old_log_probs"] = out["log_probs"] + batch["offset"]
-    metrics = engine.update_policy(batch)
-    return metrics, engine.compute_log_prob(batch)["log_probs"], engine.tf_config.recompute_granularity
+    metrics = actor.update_policy(batch)
+    return metrics, actor.compute_log_prob(batch)["log_probs"], actor.engine.tf_config.recompute_granularity
 
 
 @pytest.mark.parametrize("overrides", [

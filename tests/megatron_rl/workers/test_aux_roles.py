@@ -1,5 +1,6 @@
-"""The auxiliary Megatron roles: the reward model (scalar head) and the distillation teacher, and the
-on-policy distillation loss inside ``MegatronEngine.update_policy``.
+"""The auxiliary Megatron roles through their worker groups: the reward model (scalar head) and the
+distillation teacher (the actor role's distillation loss is tested in
+``tests/megatron_rl/roles/test_actor_distillation.py``).
 
 * Reward model: a tiny HF ``Qwen3ForSequenceClassification`` / ``LlamaForSequenceClassification``
   (random weights, built from a config, no hub) is loaded by the ``reward`` worker group at TP=1 and
@@ -9,48 +10,19 @@ on-policy distillation loss inside ``MegatronEngine.update_policy``.
   with its default positions ``arange(seq)``, which only shift a left-padded row's RoPE positions by
   a constant (attention depends on position differences only).
 * Teacher: the ``teacher`` group's log-probs equal HF's causal-LM log-softmax at the same temperature.
-* Distillation: one ``update_policy`` step (k3 back-propagated alone; k1 as policy-gradient advantages
-  combined with the task policy loss) gives the loss, the gradient norm and the SGD weight change of
-  ``compute_distillation_loss`` evaluated by hand with autograd through a plain forward of the model.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_rl.config import ActorConfig, RewardModelConfig
-from parallel.testing import run_distributed
+from tests.megatron_rl.roles.test_actor_distillation import BATCH, PAD, RESPONSE, VOCAB, make_batch
 
 ray = pytest.importorskip("ray")
 
-VOCAB, PAD = 96, 0
-BATCH, PROMPT, RESPONSE = 8, 6, 5
-DENSE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-             vocab_size=VOCAB, max_position_embeddings=64)
-SGD = {"optimizer": "sgd", "lr": 1.0, "weight_decay": 0.0, "clip_grad": 0.0}
 SCORE_TOL = 1e-5
-
-
-def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    """verl's layout: left-padded prompts, right-padded responses (one empty); pads are ``PAD``."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(1, VOCAB, (BATCH, PROMPT), generator=g)
-    responses = torch.randint(1, VOCAB, (BATCH, RESPONSE), generator=g)
-    prompt_len = torch.tensor([6, 3, 4, 6, 1, 5, 2, 6])
-    response_len = torch.tensor([5, 2, 5, 1, 4, 0, 3, 5])
-    prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - prompt_len[:, None]).long()
-    response_mask = (torch.arange(RESPONSE)[None] < response_len[:, None]).long()
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)
-    return {
-        "input_ids": torch.cat([prompts, responses], 1) * attention_mask,  # pads -> PAD = 0
-        "attention_mask": attention_mask,
-        "responses": responses * response_mask,
-        "response_mask": response_mask,
-    }
 
 
 def _redraw(model: torch.nn.Module, seed: int) -> None:
@@ -155,169 +127,3 @@ def test_teacher_group_log_probs_equal_hf(ray_cluster, tmp_path):
     mask = batch["response_mask"].bool()
     assert out.shape == (BATCH, RESPONSE)
     assert float((out[mask] - expected[mask]).abs().max()) < 2e-5
-
-
-# ----------------------------------------------------------------------------- distillation loss
-def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
-    """(engine metrics, hand distillation loss, hand total loss, hand grad norm, max |weight change + lr * hand
-    grad|, bad-input errors). Rank ``d`` of ``world_size`` data-parallel ranks updates on its contiguous shard;
-    the hand computation sees the whole batch. ``empty_rows`` get empty responses."""
-    import dataclasses
-
-    from megatron_rl.algos.distillation import (
-        DistillationInputs,
-        DistillationLossConfig,
-        TopKDistillation,
-        compute_distillation_loss,
-        compute_forward_kl_topk,
-    )
-    from megatron_rl.algos.registry import POLICY_LOSSES
-    from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
-    from parallel.config import ParallelConfig
-    from parallel.mesh import init_mesh
-
-    pc = ParallelConfig()
-    init_mesh(pc, seed=9)
-    engine = MegatronEngine(ModelConfig(**DENSE), pc, role="actor",
-                            config={"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": mbs, "optim": SGD})
-    dcfg = DistillationLossConfig.from_dict(distillation)
-    batch = make_batch(0)
-    for row in empty_rows:
-        batch["response_mask"][row] = 0
-        batch["attention_mask"][row, PROMPT:] = 0
-        batch["input_ids"][row, PROMPT:] = PAD
-    mask = batch["response_mask"]
-    g = torch.Generator().manual_seed(4)
-    student = engine.compute_log_prob(batch, temperature=temperature)["log_probs"]
-    batch["teacher_log_probs"] = (student - 0.3 * torch.rand(BATCH, RESPONSE, generator=g)) * mask
-    if dcfg.use_task_rewards or dcfg.use_policy_gradient:
-        batch["old_log_probs"] = (student + 0.1 * torch.randn(BATCH, RESPONSE, generator=g)) * mask
-    if dcfg.use_task_rewards:
-        batch["advantages"] = torch.randn(BATCH, RESPONSE, generator=g)
-    topk = dcfg.loss_mode == "forward_kl_topk"
-    if topk:  # a teacher distribution per response position; its top-k (k = dcfg.topk)
-        teacher = (2 * torch.randn(BATCH, RESPONSE, DENSE["vocab_size"], generator=g)).log_softmax(-1)
-        batch["teacher_topk_log_probs"], batch["teacher_topk_ids"] = teacher.topk(dcfg.topk, dim=-1)
-
-    # By hand: every unpadded sequence through the plain model, with cloned parameters.
-    module = engine.model[0].module
-    params = {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}
-    rows, topk_rows, teacher_topk, hand_topk, topk_diff, ids_equal = [], [], None, [], 0.0, True
-    for i in range(BATCH):
-        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
-        n = int(mask[i].sum())
-        if n == 0:
-            rows.append(torch.zeros(RESPONSE))
-            topk_rows.append(None)
-            continue
-        logits = torch.func.functional_call(module, params, (ids, torch.arange(ids.shape[1])[None]),
-                                            {"attention_mask": None})[0].float() / temperature
-        lp = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].gather(-1, ids[0, -n:, None]).squeeze(-1)
-        rows.append(torch.cat([lp, torch.zeros(RESPONSE - n)]))
-        if topk:
-            with torch.no_grad():
-                full = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].topk(dcfg.topk, dim=-1)
-            hand_topk.append((i, full.values, full.indices))
-            topk_rows.append(compute_forward_kl_topk(logits[None, ids.shape[1] - n - 1:ids.shape[1] - 1],
-                                                     batch["teacher_topk_log_probs"][i:i + 1, :n],
-                                                     batch["teacher_topk_ids"][i:i + 1, :n], dcfg.log_prob_min_clamp))
-    lp = torch.stack(rows)
-    if topk:  # per-row results padded to [BATCH, RESPONSE]
-        def padded(field):
-            return torch.stack([torch.zeros(RESPONSE) if t is None else
-                                F.pad(getattr(t, field)[0].float(), (0, RESPONSE - getattr(t, field).shape[1]))
-                                for t in topk_rows])
-        teacher_topk = TopKDistillation(padded("distillation_losses"), padded("student_mass"), padded("teacher_mass"),
-                                        padded("overlap_count"), padded("overlap_token_advantage"), dcfg.topk)
-        # The teacher side of the engine (its own top-k, here of the same model) against the hand top-k.
-        own = engine.compute_topk_log_probs(batch, k=dcfg.topk, temperature=temperature)
-        for i, values, ids in hand_topk:
-            n = values.shape[0]
-            topk_diff = max(topk_diff, float((own["topk_log_probs"][i, :n] - values).abs().max()))
-            ids_equal = ids_equal and torch.equal(own["topk_ids"][i, :n], ids)
-    gbi = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": int((mask.sum(-1) > 0).sum())}
-    inputs = DistillationInputs(response_mask=mask, student_log_probs=lp, teacher_log_probs=batch["teacher_log_probs"],
-                                old_log_probs=batch.get("old_log_probs"), topk=teacher_topk)
-    loss, _ = compute_distillation_loss(inputs, dcfg, "token-mean", gbi)
-    hand_distill = float(loss)
-    if dcfg.use_task_rewards:
-        pg_loss, _ = POLICY_LOSSES["vanilla"](
-            old_log_prob=batch["old_log_probs"], log_prob=lp, advantages=batch["advantages"], response_mask=mask,
-            loss_agg_mode="token-mean", config=dataclasses.replace(engine.config, global_batch_info=gbi))
-        loss = pg_loss + dcfg.distillation_loss_coef * loss
-    loss.backward()
-    grads = {n: p.grad for n, p in params.items()}
-    grad_norm = math.sqrt(sum(float((gr.double() ** 2).sum()) for gr in grads.values()))
-
-    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
-    n = BATCH // world_size
-    shard = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
-    metrics = engine.update_policy(shard, temperature=temperature, distillation_loss={"distillation_loss": distillation,
-                                                                                     "enabled": True})
-    weight_diff = max(float((before[n] - p.detach() - SGD["lr"] * grads[n]).abs().max())
-                      for n, p in engine.named_parameters())
-    return metrics, hand_distill, float(loss), grad_norm, weight_diff, _bad_inputs(engine, shard), (topk_diff, ids_equal)
-
-
-def _bad_inputs(engine, batch) -> list[str]:
-    """The errors of a bad loss_mode, of forward_kl_topk without the teacher's top-k, of a batch without
-    teacher log-probs and of compute_rm_score on an LM engine."""
-    batch = {k: v for k, v in batch.items() if not k.startswith("teacher_")}
-    batch.update(old_log_probs=torch.zeros_like(batch["response_mask"], dtype=torch.float32),
-                 advantages=torch.zeros_like(batch["response_mask"], dtype=torch.float32))
-    errors = []
-    for distillation in ({"loss_mode": "k9"}, {"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
-                         {"loss_mode": "k3"}):
-        try:
-            engine.update_policy(batch, distillation_loss=distillation)
-            errors.append("")
-        except ValueError as exc:
-            errors.append(str(exc))
-    try:
-        engine.compute_rm_score(batch)
-        errors.append("")
-    except ValueError as exc:
-        errors.append(str(exc))
-    return errors
-
-
-@pytest.mark.parametrize("distillation,world_size,mbs,empty_rows", [
-    # Supervised reverse-KL (k3) alone: no advantages/old log-probs in the batch; mbs=1 has an empty micro-batch.
-    ({"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": False}, 1, 1, ()),
-    # k1 as policy-gradient reward, added (x0.5) to the task's vanilla PPO loss; two data-parallel ranks.
-    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2, ()),
-    # ... where rank 1's shard has no response token (its metrics lack keys rank 0 has).
-    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2,
-     (4, 6, 7)),
-    # Top-k forward KL (k=8 of 96) against the student's vocab-parallel logits, back-propagated; one empty row.
-    ({"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": False, "use_task_rewards": False}, 1, 2, (5,)),
-    # ... and as a policy-gradient reward next to the task loss.
-    ({"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": True, "use_task_rewards": True,
-      "distillation_loss_coef": 0.5}, 1, 4, ()),
-])
-def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation, world_size, mbs, empty_rows):
-    results = run_distributed(_distill_case, world_size, distillation, mbs, 0.8, empty_rows)
-    metrics, hand_distill, hand_total, grad_norm, weight_diff, errors, (topk_diff, ids_equal) = results[0]
-    assert topk_diff < 1e-5 and ids_equal  # compute_topk_log_probs == the hand top-k of log_softmax
-    assert all(r[0] == metrics for r in results)  # every rank reports the global metrics
-    assert abs(metrics["distillation/loss"] - hand_distill) < 1e-6, (metrics["distillation/loss"], hand_distill)
-    assert abs(metrics["actor/grad_norm"] - grad_norm) < 1e-5 * max(1.0, grad_norm), (metrics["actor/grad_norm"], grad_norm)
-    assert max(r[4] for r in results) < 1e-6, [r[4] for r in results]
-    assert grad_norm > 1e-2  # the step moved the weights
-    assert -math.inf < metrics["distillation/loss_min"] <= metrics["distillation/loss_max"] < math.inf
-    if distillation["loss_mode"] == "forward_kl_topk":  # mass and overlap diagnostics of the top-k
-        assert 0 < metrics["distillation/student_mass"] < 1 and 0 < metrics["distillation/teacher_mass"] < 1
-        assert 0 <= metrics["distillation/overlap_ratio"] <= 1
-    else:
-        assert "distillation/abs_loss" in metrics
-    if distillation["use_task_rewards"]:
-        assert abs(metrics["actor/pg_loss"] + 0.5 * hand_distill - hand_total) < 1e-6
-        assert {"distillation/pg_clipfrac", "distillation/ppo_kl"} <= set(metrics)
-    else:
-        assert "actor/pg_loss" not in metrics
-    bad_mode, topk, missing, rm = errors
-    assert bad_mode.startswith("distillation_loss.loss_mode='k9' is not allowed; choose one of ['forward_kl_topk'")
-    assert topk.startswith("batch is missing field(s) ['teacher_topk_log_probs', 'teacher_topk_ids']")
-    assert missing.startswith("batch is missing field(s) ['teacher_log_probs']")
-    assert rm == "compute_rm_score needs a scalar-head engine (role 'reward'); this one is 'actor'"
