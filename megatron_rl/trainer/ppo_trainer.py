@@ -89,7 +89,7 @@ class RayPPOTrainer:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
         from megatron_rl.trainer.placement import Placement, role_specs
         from megatron_rl.trainer.rollout_phase import RolloutPhase
-        from megatron_rl.trainer.weight_sync_interim import WeightSync
+        from megatron_rl.workers.weight_sync import WeightSync
 
         specs = role_specs(self.config, self.needs, model_path=self.model_path, total_steps=self.total_steps,
                            teacher_path=self.teacher_path)
