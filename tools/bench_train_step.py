@@ -1,4 +1,4 @@
-"""Time one full actor training step (fwd + bwd + optimizer) of MegatronEngine.update_policy.
+"""Time one full actor training step (fwd + bwd + optimizer): the actor role's update_policy.
 
 Runs a GRPO-style policy update on random tokens for a dense or MoE GPT at the sizes given,
 on the current device (one rank), and reports tokens/s, model FLOP utilisation and peak
@@ -45,22 +45,20 @@ def _flops_per_token(m: dict, seq: int) -> float:
 
 
 def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    from megatron_rl.config import ActorConfig, OptimConfig
     from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
+    from megatron_rl.roles import build_role
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
     model_kw = dict(PRESETS[args.preset], params_dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
                     max_position_embeddings=max(args.seq, 128))
-    pc = ParallelConfig()
-    init_mesh(pc, seed=0)
+    mesh = init_mesh(ParallelConfig(), seed=0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.mbs * args.micro_batches
-    engine = MegatronEngine(
-        ModelConfig(**model_kw), pc, role="actor",
-        config={"ppo_mini_batch_size": n, "ppo_micro_batch_size_per_gpu": args.mbs, "optim": {"lr": 1e-6},
-                "calculate_entropy": False},
-    )
+    actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig(
+        ppo_mini_batch_size=n, ppo_micro_batch_size_per_gpu=args.mbs, optim=OptimConfig(lr=1e-6),
+        calculate_entropy=False))
     prompt = args.seq // 4
     response = args.seq - prompt
     g = torch.Generator().manual_seed(0)
@@ -78,7 +76,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             if step == args.warmup:
                 torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        engine.update_policy(batch)
+        actor.update_policy(batch)
         if device == "cuda":
             torch.cuda.synchronize()
         if step >= args.warmup:

@@ -103,8 +103,9 @@ def measure_train_step(rank: int, world_size: int, layouts: list[dict], model_kw
     """For each layout (``ParallelConfig`` kwargs): build the actor engine, run one
     ``update_policy`` step (forward + backward + optimizer step) as warm-up -- Adam creates its
     state lazily -- then a second one under a ``StorageTracker``; return per layout ``{"static": bytes before the step, "peak": peak live bytes}`` for this rank."""
+    from megatron_rl.config import ActorConfig
     from megatron_rl.config.model import ModelConfig
-    from megatron_rl.engine.engine import MegatronEngine
+    from megatron_rl.roles import build_role
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
 
@@ -117,19 +118,19 @@ def measure_train_step(rank: int, world_size: int, layouts: list[dict], model_kw
         cfg = {"ppo_mini_batch_size": batch_kw["batch_size"], "rollout_n": 1,
                "ppo_micro_batch_size_per_gpu": batch_kw["micro_batch_size"], "use_kl_loss": False,
                "optim": {"optimizer": optim, "lr": 1e-4, "clip_grad": 1.0}}
-        engine = MegatronEngine(ModelConfig(**model_kw), pc, role="actor", config=cfg)
+        actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig.from_dict(cfg))
         batch = _batch(model_kw["vocab_size"], batch_kw["batch_size"] * dp, batch_kw["prompt_length"],
                        batch_kw["response_length"])
         batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
-        engine.update_policy(batch)  # warm-up: creates the optimizer state (steady state from here)
+        actor.update_policy(batch)  # warm-up: creates the optimizer state (steady state from here)
         tracker = StorageTracker()
-        for tensor in _static_tensors(engine):
+        for tensor in _static_tensors(actor.engine):
             tracker.register(tensor)
         static = tracker.current
         with tracker:
-            engine.update_policy(batch)
+            actor.update_policy(batch)
         results.append({"layout": par, "static": static, "peak": tracker.peak, "after": tracker.current})
-        del engine
+        del actor
         destroy_mesh(mesh)
     return results
 
