@@ -126,12 +126,11 @@ def leaf_paths(root: type, prefix: str = "") -> Iterator[tuple[str, type, str]]:
 
 
 def _config_class(hint: Any) -> Optional[type]:
+    """The config dataclass inside ``X`` or ``Optional[X]`` (every section is a dataclass), else None."""
     import typing
 
-    from megatron_rl.config.base import BaseConfig
-
     for cand in typing.get_args(hint) or (hint,):
-        if isinstance(cand, type) and issubclass(cand, BaseConfig):
+        if isinstance(cand, type) and dataclasses.is_dataclass(cand):
             return cand
     return None
 
