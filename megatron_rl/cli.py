@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run an RL recipe (default: GRPO on the CPU toy task)",
                        description="Train with a recipe (a name under recipes/ or a YAML path; default: grpo, "
                                    "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "
-                                   "reward_curve.png and an HF checkpoint to trainer.default_local_dir "
-                                   "(default outputs/<experiment_name>).")
+                                   "reward_curve.png and an HF checkpoint to trainer.default_local_dir (the CPU "
+                                   "recipes: outputs/<experiment_name>; verl's default: "
+                                   "checkpoints/<project>/<experiment>).")
     p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (default: grpo)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")

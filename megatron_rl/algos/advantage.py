@@ -417,7 +417,7 @@ def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     return advantages, advantages
 
 
-@register_adv_est("gdpo")
+@register_adv_est("gdpo", needs_reward_fields=True)
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
                                    epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool | None = None,

@@ -35,6 +35,8 @@ class EstimatorNeeds:
     """``reward_baselines`` [batch]: the reward of one greedy response per prompt (ReMax)."""
     ref: bool = False
     """Reference-policy log-probs: a reference model runs."""
+    reward_fields: bool = False
+    """The reward's per-sample fields (``non_tensor_batch``), e.g. GDPO's separate reward components."""
 
 
 ADV_ESTIMATORS = Registry("advantage estimator", traits=EstimatorNeeds)
@@ -47,9 +49,10 @@ loss_agg_mode, config, rollout_is_weights) -> (loss, metrics)``."""
 
 
 def register_adv_est(name: str | Enum, *, needs_values: bool = False, needs_baseline: bool = False,
-                     needs_ref: bool = False) -> Callable[[F], F]:
+                     needs_ref: bool = False, needs_reward_fields: bool = False) -> Callable[[F], F]:
     """Register an advantage estimator (verl's decorator name) with what it needs (``EstimatorNeeds``)."""
-    return ADV_ESTIMATORS.register(name, values=needs_values, baseline=needs_baseline, ref=needs_ref)
+    return ADV_ESTIMATORS.register(name, values=needs_values, baseline=needs_baseline, ref=needs_ref,
+                                   reward_fields=needs_reward_fields)
 
 
 def register_policy_loss(name: str | Enum) -> Callable[[F], F]:

@@ -627,7 +627,8 @@ def bypass_policy_loss_config(policy_loss_config: Any, rollout_corr_config: Any)
     set (typed ``PolicyLossConfig``, DictConfig or dict alike); the config half of ``apply_bypass_mode``."""
     if dataclasses.is_dataclass(policy_loss_config):
         typed = RolloutCorrectionConfig.from_dict(rollout_corr_config)
-        return dataclasses.replace(policy_loss_config, loss_mode="bypass_mode", rollout_correction=typed)
+        replace = getattr(policy_loss_config, "replace", None) or (lambda **kw: dataclasses.replace(policy_loss_config, **kw))
+        return replace(loss_mode="bypass_mode", rollout_correction=typed)
     if isinstance(policy_loss_config, DictConfig):
         updated = copy.deepcopy(policy_loss_config)
         with open_dict(updated):

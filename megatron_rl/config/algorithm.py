@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import field
 from typing import Any, Optional
 
-from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.config.base import INTERNAL, BaseConfig, check_choice, check_range
 
 __all__ = [
     "KLControlConfig",
@@ -250,7 +250,7 @@ class ActorConfig(BaseConfig):
     """KL loss coefficient."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator for the KL loss."""
-    global_batch_info: dict = field(default_factory=dict)
+    global_batch_info: dict = field(default_factory=dict, metadata=INTERNAL)
     """Set by the engine per step: ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
     ``loss_scale_factor`` so ``agg_loss`` normalises by the global batch."""
 
@@ -287,7 +287,7 @@ class CriticConfig(BaseConfig):
     """Constant divisor for ``seq-mean-token-sum-norm``."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule."""
-    global_batch_info: dict = field(default_factory=dict)
+    global_batch_info: dict = field(default_factory=dict, metadata=INTERNAL)
     """Set by the engine per step (see ``ActorConfig.global_batch_info``)."""
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ keys, naming the key and the allowed ones.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from collections.abc import Mapping
@@ -15,7 +16,16 @@ from typing import Any, Sequence
 
 from megatron_rl.config import read_tracking
 
-__all__ = ["BaseConfig", "check_choice", "check_range"]
+__all__ = ["BaseConfig", "INTERNAL", "is_internal", "check_choice", "check_range"]
+
+INTERNAL = {"internal": True}
+"""Field metadata of a value the code sets while it runs (e.g. the per-step ``global_batch_info``):
+not a configuration key -- a recipe or override cannot set it, and ``dump_config`` leaves it out."""
+
+
+def is_internal(field: dataclasses.Field) -> bool:
+    """True for a field marked ``INTERNAL``."""
+    return bool(field.metadata.get("internal"))
 
 
 def check_choice(field: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -62,7 +72,19 @@ class BaseConfig:
         return [f.name for f in dataclasses.fields(self)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The configuration keys as nested plain data (``INTERNAL`` fields left out): what a recipe
+        could hold, and what ``from_dict`` reads back to an equal config."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if is_internal(f):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if isinstance(value, BaseConfig) else copy.deepcopy(value)
+        return out
+
+    def replace(self, **changes: Any) -> "BaseConfig":
+        """A copy with ``changes`` (``dataclasses.replace``) that keeps this section's place in the run's tree."""
+        return read_tracking.copy_tag(self, dataclasses.replace(self, **changes))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "BaseConfig":

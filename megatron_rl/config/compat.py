@@ -33,6 +33,8 @@ INERT_KEYS: dict[str, str] = {
     "critic.model.trust_remote_code": "models are built by Megatron from the HF config; no remote code runs",
     "distillation.distillation_loss.*chunked_topk*": "the vocab-parallel top-k path never materialises a full-vocabulary "
                                                       "log-softmax: there is no memory for chunking to bound",
+    "actor_rollout_ref.actor.policy_loss.rollout_correction.bypass_mode": "bypass mode is switched on by "
+        "algorithm.rollout_correction.bypass_mode (or policy_loss.loss_mode=bypass_mode); the trainer fills this copy",
     "*.strategy": "only 'megatron' is accepted (checked when the config is built): there is nothing to choose",
     "actor_rollout_ref.rollout.name": "only 'vllm' is accepted (checked when the config is built)",
 }
@@ -54,6 +56,8 @@ def inert_reason(path: str) -> str | None:
 def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
     """``(path, value, default)`` of every leaf under the built config section ``config``."""
     for f in dataclasses.fields(config):
+        if f.metadata.get("internal"):
+            continue
         value = getattr(config, f.name)
         path = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

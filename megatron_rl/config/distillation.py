@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
-from megatron_rl.config.base import BaseConfig, check_range
+from megatron_rl.config.base import INTERNAL, BaseConfig, check_range
 
 __all__ = ["DistillationLossConfig", "TOPK_LOSS_MODES", "ESTIMATOR_LOSS_MODES", "validate_modes"]
 
@@ -44,7 +44,7 @@ class DistillationLossConfig(BaseConfig):
     """Lower clip epsilon of that policy loss."""
     clip_ratio_high: float = 0.2
     """Upper clip epsilon of that policy loss."""
-    global_batch_info: dict = field(default_factory=dict)
+    global_batch_info: dict = field(default_factory=dict, metadata=INTERNAL)
     """Filled per step (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``)."""
 
     def __post_init__(self) -> None:

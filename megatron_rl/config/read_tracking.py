@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-__all__ = ["TRACK_ENV", "start", "stop", "tag_paths", "read_paths", "leaf_paths", "observe", "tracking"]
+__all__ = ["TRACK_ENV", "start", "stop", "tag_paths", "copy_tag", "read_paths", "leaf_paths", "observe", "tracking"]
 
 TRACK_ENV = "MEGATRON_RL_TRACK_CONFIG_READS"
 """Directory to record reads in; set, tracking starts when ``megatron_rl.config`` is imported."""
@@ -82,15 +82,35 @@ def observe(obj: Any, name: str) -> None:
     if name not in names:
         return
     frame = sys._getframe(2)  # 0: observe, 1: __getattribute__, 2: the reader
-    while frame is not None and frame.f_code.co_filename in _PASS_THROUGH:
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename in _PASS_THROUGH:
+            frame = frame.f_back
+            continue
+        if not filename.startswith(_CONFIG_DIR):
+            break
+        # Inside the config layer: validation does not act on a value; a section's own accessor
+        # (``MegatronConfig.parallel()``, ``TrainerConfig.world_size``) reads for whoever called it.
+        name_of = frame.f_code.co_name
+        if name_of == "__post_init__" or name_of.lstrip("_").startswith(("check", "validate")):
+            return
+        owner = frame.f_locals.get("self")
+        # A config section's method (every section shares BaseConfig.__getattribute__, which calls us).
+        if getattr(type(owner), "__getattribute__", None) is not type(obj).__getattribute__:
+            return  # schema, loader, compat, tagging: the config's own machinery
         frame = frame.f_back
-    if frame is None:
-        return
-    filename = frame.f_code.co_filename
-    if filename.startswith(_CONFIG_DIR) or any(part in filename for part in _NOT_ACTING):
+    if frame is None or any(part in frame.f_code.co_filename for part in _NOT_ACTING):
         return
     path = object.__getattribute__(obj, "__dict__").get(PATH_ATTR)
     tracker.record(f"{path}.{name}" if path else f"?{cls.__name__}.{name}")
+
+
+def copy_tag(source: Any, copy: Any) -> Any:
+    """``copy`` (a ``dataclasses.replace`` of ``source``) tagged with ``source``'s path; returns it."""
+    path = object.__getattribute__(source, "__dict__").get(PATH_ATTR)
+    if path is not None:
+        object.__setattr__(copy, PATH_ATTR, path)
+    return copy
 
 
 def tag_paths(config: Any, path: str = "") -> None:
@@ -118,6 +138,8 @@ def leaf_paths(root: type, prefix: str = "") -> Iterator[tuple[str, type, str]]:
 
     hints = typing.get_type_hints(root)
     for f in dataclasses.fields(root):
+        if f.metadata.get("internal"):
+            continue  # set by the running code, not a key
         sub = _config_class(hints[f.name])
         if sub is not None:
             yield from leaf_paths(sub, f"{prefix}{f.name}.")

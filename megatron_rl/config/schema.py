@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.base import BaseConfig, is_internal
 
 __all__ = ["build_config", "check_key", "check_keys", "coerce", "config_class", "fill_derived", "plain"]
 
@@ -25,7 +25,7 @@ __all__ = ["build_config", "check_key", "check_keys", "coerce", "config_class", 
 def _fields(cls: type) -> dict[str, Any]:
     """Field name -> resolved type hint of a config dataclass."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not is_internal(f)}
 
 
 def config_class(hint: Any) -> Optional[type]:

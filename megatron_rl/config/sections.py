@@ -84,8 +84,9 @@ class MegatronConfig(BaseConfig):
     optimizer_offload: bool = False
     """Keep optimizer state in host memory while this role is idle."""
     dtype: Optional[str] = None
-    """Training dtype: ``float32``, ``bfloat16`` or ``float16``; None = the model's
-    (``ModelConfig.params_dtype`` of an inline model, ``bfloat16`` for an HF checkpoint)."""
+    """Training dtype (the workers' ``params_dtype``): ``float32``, ``bfloat16`` or ``float16``; None =
+    the model's: an inline model's ``params_dtype``, ``float32`` for an HF checkpoint (its stored
+    dtype is not used; set ``bfloat16`` for GPU runs, as the GPU recipes do)."""
     seed: int = 42
     """Seed of Megatron's model-parallel RNG (weight init of from-scratch models, dropout)."""
     override_transformer_config: dict = field(default_factory=dict)

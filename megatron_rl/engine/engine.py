@@ -35,7 +35,7 @@ from megatron_rl.engine.layout import ModelOutput, prepare_inputs
 from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.state import move_state
-from megatron_rl.models.gpt import build_model, build_transformer_config, hidden_states_output
+from megatron_rl.models.gpt import HEADS, build_model, build_transformer_config, hidden_states_output
 
 __all__ = ["MegatronEngine", "HEADS", "ForwardFn", "LossFn", "ModelOutput", "StepInfo", "LossMetrics"]
 
@@ -45,9 +45,8 @@ ForwardFn = Callable[[dict, ModelOutput], dict]
 LossFn = Callable[[dict, ModelOutput, StepInfo], tuple]
 """``loss_fn(micro_batch, output, step) -> (loss, LossMetrics)`` of ``MegatronEngine.train_step``."""
 
-HEADS = ("lm", "scalar")
-"""``lm``: vocab-parallel output layer (``ModelOutput.hidden_states`` + ``output_weight``);
-``scalar``: one value per token (``ModelOutput.values``), the critic's / reward model's head."""
+# HEADS (models.gpt): ``lm``, the vocab-parallel output layer (``ModelOutput.hidden_states`` +
+# ``output_weight``); ``scalar``, one value per token (``ModelOutput.values``: critic, reward model).
 
 
 def _split(batch: Batch, size: int) -> list[dict[str, torch.Tensor]]:
@@ -66,12 +65,13 @@ class MegatronEngine:
         optim: the optimizer and schedule of a trainable engine.
         transformer_overrides: extra ``TransformerConfig`` fields (verl's
             ``megatron.override_transformer_config``, e.g. ``recompute_granularity: full``).
+        sequence_parallel: shard norm/dropout activations over TP (``megatron.sequence_parallel``).
         name: what this model is called in messages (e.g. the role that owns it).
     """
 
     def __init__(self, model_cfg: ModelConfig, mesh: Any, *, head: str = "lm", trainable: bool = False,
                  optim: Optional[OptimConfig] = None, transformer_overrides: Optional[Mapping[str, Any]] = None,
-                 name: str = "model"):
+                 sequence_parallel: bool = False, name: str = "model"):
         from megatron.core.transformer import TransformerConfig
 
         if head not in HEADS:
@@ -85,9 +85,9 @@ class MegatronEngine:
             raise ValueError(f"megatron.override_transformer_config has unknown TransformerConfig field(s) {unknown}")
         self.name, self.head, self.trainable = name, head, trainable
         self.model_cfg, self.mesh = model_cfg, mesh
-        self.tf_config = build_transformer_config(model_cfg, mesh.config, **overrides)
-        # models.gpt names its two heads after the roles that first used them.
-        chunks = build_model(model_cfg, self.tf_config, role="actor" if head == "lm" else "critic")
+        self.tf_config = build_transformer_config(model_cfg, mesh.config, sequence_parallel=sequence_parallel,
+                                                  **overrides)
+        chunks = build_model(model_cfg, self.tf_config, head=head)
         self.cp_size = mesh.size("cp")
         # Pure DP: the CP ranks of one DP replica hold the same samples, so token counts and
         # metrics reduce over DP only (Megatron's DDP reduces gradients over DP x CP itself).

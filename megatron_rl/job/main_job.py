@@ -6,7 +6,7 @@ Ray, prepare the starting models (``megatron_rl.job.prepare``), ``RayPPOTrainer.
 bar, save the actor as an HF checkpoint, plot the reward curve and print the summary.
 ``build_trainer(config, run_dir)`` is its middle part (models prepared, trainer constructed).
 
-Run directory (``trainer.default_local_dir``, default ``outputs/<experiment_name>``)::
+Run directory (``trainer.default_local_dir``; the CPU recipes set ``outputs/<experiment_name>``)::
 
     base_model/  sft_model/  train.parquet  config.yaml  metrics.jsonl
     reward_curve.png  final_hf/  summary.json
@@ -31,21 +31,16 @@ _RUN_ARTIFACTS = ("base_model", "sft_model", "teacher_base", "teacher_model", "f
                   "reward_curve.png", "summary.json", "train.parquet", "val.parquet")
 
 
-def build_trainer(config: TrainerRunConfig, run_dir: str | Path, *, log=print, **trainer_kwargs: Any):
-    """The ``RayPPOTrainer`` of ``config`` in ``run_dir``, its policy (and teacher) prepared first."""
+def build_trainer(config: TrainerRunConfig, run_dir: Optional[str | Path] = None, *, log=print,
+                  **trainer_kwargs: Any):
+    """The ``RayPPOTrainer`` of ``config`` in ``run_dir`` (default ``trainer.default_local_dir``), its
+    policy (and teacher) prepared first."""
     from megatron_rl.trainer.ppo_trainer import RayPPOTrainer
 
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir if run_dir is not None else config.trainer.default_local_dir).expanduser()
     model_path = prepare_policy_model(config, run_dir, log=log)
     teacher_path = prepare_teacher_model(config, run_dir, model_path, log=log) if config.distillation.enabled else None
     return RayPPOTrainer(config, model_path=model_path, log_dir=run_dir, teacher_path=teacher_path, **trainer_kwargs)
-
-
-def _output_dir(raw: dict) -> Path:
-    trainer = raw.get("trainer") or {}
-    if trainer.get("default_local_dir"):
-        return Path(trainer["default_local_dir"]).expanduser()
-    return Path("outputs") / str(trainer.get("experiment_name") or "run")
 
 
 def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, progress: bool = True,
@@ -66,10 +61,9 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
 
     hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would bury the run's own
     wall = time.perf_counter()
-    raw = compose(recipe, overrides)
-    out_dir = _output_dir(raw).resolve()
-    raw.setdefault("trainer", {})["default_local_dir"] = str(out_dir)
-    config = TrainerRunConfig.from_dict(raw)
+    config = TrainerRunConfig.from_dict(compose(recipe, overrides))
+    out_dir = Path(config.trainer.default_local_dir).expanduser().resolve()
+    config.trainer.default_local_dir = str(out_dir)  # one absolute run directory for every process
     from megatron_rl.planner import check_plan
     from megatron_rl.trainer.checkpoint import find_resume_dir
 

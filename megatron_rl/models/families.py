@@ -70,7 +70,7 @@ class Family:
     def weight_map(self, model_cfg: ModelConfig, *, head: str = "lm") -> WeightMap:
         """The HF <-> Megatron weight table bound to ``model_cfg``'s geometry.
 
-        ``head="score"`` maps the scalar head of a reward model (``build_model(role="reward")``)
+        ``head="score"`` maps the scalar head of a reward model (``build_model(head="scalar")``)
         to HF's ``*ForSequenceClassification`` ``score.weight [1, hidden]`` (``num_labels=1``).
         """
         if head not in ("lm", "score"):

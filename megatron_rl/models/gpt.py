@@ -149,9 +149,12 @@ def _decoder_spec(model_cfg: ModelConfig, transformer_config, vp_stage: Optional
     return TransformerBlockSubmodules(layer_specs=[spec] * num_local, layer_norm=SequenceParallelTorchNorm)
 
 
-def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, **overrides: Any):
+def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, *, sequence_parallel: bool = False,
+                             **overrides: Any):
     """A ``TransformerConfig`` for ``model_cfg`` under ``parallel_cfg`` (a ParallelConfig).
 
+    ``sequence_parallel`` (``megatron.sequence_parallel``) shards norm/dropout activations over
+    TP; it only acts with TP > 1, and is always on for MoE under TP (Megatron requires it).
     Dropout is off (RL needs the log-probs of the policy that sampled). On CPU the settings
     ``parallel.cpu_compat`` requires are applied.
     """
@@ -185,9 +188,8 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, **overri
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
         context_parallel_size=parallel_cfg.context_parallel_size,
-        # Megatron requires sequence parallelism for MoE under TP; it is a pure win elsewhere too.
-        sequence_parallel=parallel_cfg.tensor_model_parallel_size > 1
-        and (bool(getattr(parallel_cfg, "sequence_parallel", False)) or model_cfg.is_moe),
+        # Megatron requires sequence parallelism for MoE under TP.
+        sequence_parallel=parallel_cfg.tensor_model_parallel_size > 1 and (sequence_parallel or model_cfg.is_moe),
         # Micro-batches are trimmed to their longest row, so PP stages exchange shapes first.
         variable_seq_lengths=True,
         moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type,
@@ -236,17 +238,21 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def build_model(model_cfg: ModelConfig, transformer_config, *, role: str = "actor") -> list[torch.nn.Module]:
-    """Build this rank's model chunks (one per virtual pipeline stage) for ``role``.
+HEADS = ("lm", "scalar")
 
-    ``role`` is ``actor``/``ref`` (LM head over the padded vocabulary, vocab-parallel output)
-    or ``critic``/``reward`` (scalar head per token). Requires an initialised mesh.
+
+def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm") -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage) with ``head`` on the last stage.
+
+    ``head`` is ``lm`` (the LM head over the padded vocabulary, vocab-parallel output: actor,
+    reference, teacher) or ``scalar`` (one value per token: critic, reward model). Requires an
+    initialised mesh.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    check_choice("role", role, ("actor", "ref", "critic", "reward"))
-    value_head = role in ("critic", "reward")
+    check_choice("head", head, HEADS)
+    value_head = head == "scalar"
     vocab = padded_vocab_size(model_cfg.vocab_size, transformer_config.tensor_model_parallel_size,
                               model_cfg.make_vocab_size_divisible_by)
     vpp = transformer_config.virtual_pipeline_model_parallel_size or 1

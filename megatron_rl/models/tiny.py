@@ -47,7 +47,7 @@ def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
     # fields their dense defaults), or the workers would build another model than the one asked for.
     fixed = {"normalization": ("RMSNorm",), "qk_layernorm": (True,), "swiglu": (True,), "add_qkv_bias": (False, None),
              "add_bias_linear": (False, None), "num_moe_experts": (None,), "rotary_percent": (1.0,),
-             "rope_scaling": (False,), "moe_ffn_hidden_size": (None,), "moe_shared_expert_intermediate_size": (None,)}
+             "rope_scaling": (False,), "rope_scaling_factor": (8.0,), "moe_ffn_hidden_size": (None,), "moe_shared_expert_intermediate_size": (None,)}
     for key, allowed in fixed.items():
         if get(key, allowed[0]) not in allowed:
             raise ValueError(f"model.config.{key}={get(key)!r} does not fit family qwen3 (allowed: {list(allowed)})")

@@ -35,7 +35,7 @@ def role_class(name: str) -> type:
 
 
 def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
-               transformer_overrides: Optional[Mapping[str, Any]] = None) -> Any:
+               transformer_overrides: Optional[Mapping[str, Any]] = None, sequence_parallel: bool = False) -> Any:
     """This rank's role object: its engine, built on ``mesh``, and the role's methods.
 
     ``config`` is the role's typed config: ``ActorConfig`` for ``actor`` / ``ref`` / ``teacher``,
@@ -47,5 +47,5 @@ def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
     trainable = name in TRAINABLE_ROLES
     engine = MegatronEngine(model_cfg, mesh, head=cls.head, trainable=trainable,
                             optim=config.optim if trainable else None, transformer_overrides=transformer_overrides,
-                            name=name)
+                            sequence_parallel=sequence_parallel, name=name)
     return cls(engine, config)

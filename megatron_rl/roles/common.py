@@ -10,7 +10,6 @@ section prefix.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from typing import Any, Mapping
 
@@ -39,7 +38,7 @@ def with_batch_info(config: Any, step: StepInfo) -> Any:
     gbi = step.global_batch_info()
     if config.loss_scale_factor is not None:
         gbi["loss_scale_factor"] = config.loss_scale_factor
-    return dataclasses.replace(config, global_batch_info=gbi)
+    return config.replace(global_batch_info=gbi)
 
 
 def token_weighted(metrics: Mapping[str, Any], tokens: torch.Tensor) -> dict[str, float]:

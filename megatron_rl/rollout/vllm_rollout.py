@@ -246,7 +246,7 @@ class VLLMRollout:
         return batch
 
     def _fit_prompts(self, ids: list[list[int]]) -> list[list[int]]:
-        limit = self.config.prompt_length
+        limit, too_long = self.config.prompt_length, self.config.prompt_too_long
         if not ids:
             raise ValueError("prompts is empty")
         out = []
@@ -254,7 +254,7 @@ class VLLMRollout:
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) > limit:
-                if self.config.prompt_too_long == "error":
+                if too_long == "error":
                     raise ValueError(
                         f"prompt {i} has {len(p)} tokens, more than rollout.prompt_length={limit}; "
                         f"shorten it, raise prompt_length, or set rollout.prompt_too_long='truncate_left'"

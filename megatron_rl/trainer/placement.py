@@ -10,7 +10,6 @@ on a small machine.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from megatron_rl.algos.needs import RunNeeds
@@ -28,7 +27,7 @@ def _with_horizon(role_config, total_steps: int):
     ``total_steps`` unless the config gives its own (verl's trainer does the same)."""
     if role_config.optim.total_training_steps > 0:
         return role_config
-    return dataclasses.replace(role_config, optim=dataclasses.replace(role_config.optim, total_training_steps=total_steps))
+    return role_config.replace(optim=role_config.optim.replace(total_training_steps=total_steps))
 
 
 def actor_config(config: TrainerRunConfig, total_steps: int):
@@ -37,14 +36,19 @@ def actor_config(config: TrainerRunConfig, total_steps: int):
     actor, rc = _with_horizon(config.actor_rollout_ref.actor, total_steps), config.algorithm.rollout_correction
     if rc is None or not rc.bypass_mode:
         return actor
-    return dataclasses.replace(actor, policy_loss=bypass_policy_loss_config(actor.policy_loss, rc))
+    return actor.replace(policy_loss=bypass_policy_loss_config(actor.policy_loss, rc))
 
 
-def _model_overrides(source) -> dict:
-    """What the workers set on top of the checkpoint's architecture: an inline model's Megatron-side
-    options, then ``model.override_config``."""
-    inline = megatron_overrides(source.config) if source.config is not None else {}
-    return {**inline, **source.override_config}
+def _model_overrides(megatron, source=None, inline=None) -> dict:
+    """What a role's workers set on top of the checkpoint's architecture: an inline model's
+    Megatron-side options, then the source's ``model.override_config``, then the role's
+    ``megatron.dtype`` as ``params_dtype``."""
+    inline = inline if inline is not None else (source.config if source is not None else None)
+    out = {**(megatron_overrides(inline) if inline is not None else {}),
+           **(source.override_config if source is not None else {})}
+    if megatron.dtype is not None:
+        out["params_dtype"] = megatron.dtype
+    return out
 
 
 def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int,
@@ -52,10 +56,11 @@ def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, to
     """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always). ``model_path`` is the
     policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon."""
     arr = config.actor_rollout_ref
-    policy = dict(hf_dir=model_path, model_overrides=_model_overrides(arr.model))
-    specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config, total_steps), **policy)}
+    specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config, total_steps), hf_dir=model_path,
+                                 model_overrides=_model_overrides(arr.actor.megatron, arr.model))}
     if needs.reference:
-        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, arr.actor, **policy)
+        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, arr.actor, hf_dir=model_path,
+                                  model_overrides=_model_overrides(arr.ref.megatron, arr.model))
     if needs.critic:
         critic = config.critic
         if critic.model.path is None and (critic.model.config != arr.model.config
@@ -63,18 +68,20 @@ def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, to
             raise ValueError("critic.model: an inline critic is the policy's architecture (its value head on the "
                              "materialised policy); set critic.model.path for another critic model")
         specs["critic"] = WorkerSpec("critic", critic.megatron, _with_horizon(critic, total_steps),
-                                     hf_dir=critic.model.path or model_path, model_overrides=_model_overrides(critic.model))
+                                     hf_dir=critic.model.path or model_path,
+                                     model_overrides=_model_overrides(critic.megatron, critic.model))
     if needs.reward_model:
         rm = config.reward.reward_model
-        specs["reward"] = WorkerSpec("reward", rm.megatron, rm, hf_dir=rm.model_path)
+        specs["reward"] = WorkerSpec("reward", rm.megatron, rm, hf_dir=rm.model_path,
+                                     model_overrides=_model_overrides(rm.megatron))
     if needs.teacher:
         teacher = config.distillation.teacher_model
         micro = teacher.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
-        inline = megatron_overrides(teacher.config) if teacher.config is not None else {}
         specs["teacher"] = WorkerSpec("teacher", teacher.megatron,
                                       ActorConfig(ppo_micro_batch_size_per_gpu=micro,
                                                   logprob_chunk_size=arr.actor.logprob_chunk_size),
-                                      hf_dir=teacher_path, model_overrides=inline)
+                                      hf_dir=teacher_path,
+                                      model_overrides=_model_overrides(teacher.megatron, inline=teacher.config))
     return specs
 
 

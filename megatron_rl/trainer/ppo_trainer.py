@@ -225,6 +225,8 @@ class RayPPOTrainer:
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
         extra = {"reward_baselines": batch["reward_baselines"]} if self.needs.baseline else {}
+        if self.needs.estimator.reward_fields:  # e.g. GDPO's components, named by algorithm.gdpo_reward_keys
+            extra["non_tensor_batch"] = batch.non_tensor_batch
         batch["advantages"], batch["returns"] = self.adv_fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
             index=np.array(list(batch["uid"]), dtype=object), values=batch.get("values"), gamma=algo.gamma,

@@ -172,8 +172,8 @@ def bridge_ranks(rank, world_size, model_cfgs, dirs, work_dir):
     family = get_family("Qwen2ForCausalLM")
     wm = family.weight_map(qwen2)
 
-    def build(cfg, role="actor"):
-        return build_model(cfg, build_transformer_config(cfg, pc), role=role)
+    def build(cfg, head="lm"):
+        return build_model(cfg, build_transformer_config(cfg, pc), head=head)
 
     chunks = build(qwen2)
     load_hf_checkpoint(chunks, wm, dirs["qwen2"], mesh=mesh)
@@ -225,7 +225,7 @@ def bridge_ranks(rank, world_size, model_cfgs, dirs, work_dir):
     out["planned"] = [(i.name, i.shape) for i in HFExporter(chunks, wm, mesh=mesh).tensors]
 
     # --- a critic: the value head is ignored on load and export ----------------------------------
-    critic = build(qwen2, role="critic")
+    critic = build(qwen2, head="scalar")
     head_before = critic[0].output_layer.weight.detach().clone()
     load_hf_checkpoint(critic, wm, dirs["qwen2"], mesh=mesh, ignore=(r"output_layer\.",))
     names = [n for n, _ in export_hf_weights(critic, wm, mesh=mesh, all_ranks=True, ignore=(r"output_layer\.",))]

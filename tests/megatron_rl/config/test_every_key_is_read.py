@@ -30,15 +30,17 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 RUN = [
-    "trainer.total_training_steps=2", "trainer.sft_warmup_steps=2", "trainer.logger=[console]",
+    "trainer.total_training_steps=null", "trainer.total_epochs=1", "data.task_kwargs={num_samples: 8}",
+    "trainer.sft_warmup_steps=2", "trainer.logger=[console]",
     "trainer.test_freq=2", "trainer.val_before_train=true", "trainer.log_val_generations=1",
     "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1",
     "data.train_batch_size=4", "data.gen_batch_size=4", "data.val_max_samples=4", "data.val_batch_size=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=32",
-    "actor_rollout_ref.actor.use_kl_loss=true", "critic.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1",
+    "critic.ppo_micro_batch_size_per_gpu=8",
     "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl",
-    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.kl_ctrl.type=adaptive", "algorithm.gdpo_reward_keys=[score, acc]", "algorithm.gdpo_reward_weights=[1.0, 0.5]",
     "algorithm.filter_groups={enable: true, metric: score, max_num_gen_batches: 8}",
     "reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4, penalty_factor: 1.0, log: true}",
     "algorithm.rollout_correction={rollout_is: token, rollout_rs: token_k1, rollout_rs_threshold: 0.5_2.0}",
@@ -48,31 +50,37 @@ RUN = [
     "distillation.teacher_model.config={num_layers: 1, hidden_size: 64, ffn_hidden_size: 128, num_attention_heads: 2,"
     " num_query_groups: 2, kv_channels: 32, vocab_size: 512, max_position_embeddings: 512, qk_layernorm: true}",
 ]
-
-
+RESUMED = [  # the same run directory one step further, with the other half of the options
+    "trainer.total_training_steps=3", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+    "algorithm.filter_groups.enable=false",
+    "algorithm.rollout_correction={bypass_mode: true, rollout_is: token, loss_type: reinforce}",
+    "distillation.distillation_loss={loss_mode: forward_kl_topk, topk: 8, use_policy_gradient: false}",
+]
+REWARD = """
 def varied_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Scores that vary inside a group (a random model never reverses digits): every phase has a signal."""
+    # A random model never reverses digits: score the variety inside a group so every phase has a signal.
     return min(1.0, len(set(solution_str)) / 8)
+"""
 
 
 def _config(tmp_path, extra=()):
     from megatron_rl.models.testing import build_tiny_reward_model
 
-    rm = build_tiny_reward_model(tmp_path / "reward_model") if not (tmp_path / "reward_model").exists() \
-        else tmp_path / "reward_model" / "rm"
+    rm = tmp_path / "reward_model" / "rm"
+    if not rm.exists():
+        build_tiny_reward_model(tmp_path / "reward_model")
+        (tmp_path / "reward.py").write_text(REWARD)
     return TrainerRunConfig.from_dict(compose("grpo", [
         *RUN, *extra, f"reward.reward_model.model_path={rm}", f"trainer.default_local_dir={tmp_path / 'run'}",
+        "reward.reward_fn=null", f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+        "reward.custom_reward_function.name=varied_score",
         f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"trainer.validation_data_dir={tmp_path / 'val'}"]))
 
 
-def _train(config, run_dir) -> list[dict]:
-    from megatron_rl.data.rewards import RewardFunction
+def _train(config) -> list[dict]:
     from megatron_rl.job.main_job import build_trainer
 
-    trainer = build_trainer(config, run_dir)
-    trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score, overlong_buffer_cfg=
-                                       config.reward.reward_kwargs.overlong_buffer_cfg,
-                                       max_resp_len=config.reward.reward_kwargs.max_resp_len)
+    trainer = build_trainer(config)
     try:
         trainer.init_workers()
         return trainer.fit()
@@ -100,18 +108,15 @@ def _exercise_algorithms(config) -> None:
     kwargs = dict(token_level_rewards=torch.randn(bs, t, generator=g) * mask, response_mask=mask,
                   index=np.array(index, dtype=object), values=torch.randn(bs, t, generator=g),
                   reward_baselines=torch.randn(bs, generator=g), gamma=algo.gamma, lam=algo.lam,
-                  norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo)
+                  norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo,
+                  old_log_probs=-torch.rand(bs, t, generator=g), sum_pi_squared=torch.rand(bs, t, generator=g) * 0.5)
+    fields = {"score": np.linspace(0, 1, bs), "acc": np.arange(bs) % 2 * 1.0}
     for name, fn in ADV_ESTIMATORS.items():
-        try:
-            fn(**kwargs)
-        except (ValueError, TypeError):  # an estimator may want inputs this generic call lacks (gdpo's keys)
-            pass
+        needs = ADV_ESTIMATORS.traits_of(name)
+        fn(**kwargs, **({"non_tensor_batch": fields} if needs.reward_fields else {}))
     lp, old = torch.randn(bs, t, generator=g), torch.randn(bs, t, generator=g)
     for name, fn in POLICY_LOSSES.items():
-        try:
-            fn(old, lp, torch.randn(bs, t, generator=g), mask, actor.loss_agg_mode, actor, None)
-        except (ValueError, TypeError):
-            pass
+        fn(old, lp, torch.randn(bs, t, generator=g), mask, actor.loss_agg_mode, actor, None)
     get_kl_controller(algo.kl_ctrl)
     dist = config.distillation.distillation_loss
     logits, vocab, k = torch.randn(bs, t, 16, generator=g), 16, 4
@@ -138,8 +143,8 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
         config = _config(tmp_path)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the tracking
         try:
-            first = _train(config, tmp_path / "run")
-            resumed = _train(_config(tmp_path, ["trainer.total_training_steps=3"]), tmp_path / "run")
+            first = _train(config)
+            resumed = _train(_config(tmp_path, RESUMED))
         finally:
             ray.shutdown()
         from megatron_rl.planner import plan_run

@@ -310,7 +310,7 @@ def test_base_inheritance_chain(tmp_path):
     assert child.trainer.total_training_steps == 7                              # the parent's
     assert child.actor_rollout_ref.rollout.n == child.actor_rollout_ref.actor.rollout_n == 4
     assert child.trainer.experiment_name == "megatron_rl_child"                 # interpolation after merging
-    assert child.trainer.default_local_dir == "checkpoints/megatron_rl/megatron_rl_child"
+    assert child.trainer.default_local_dir == "outputs/megatron_rl_child"       # grpo's, interpolated after merging
     assert child.actor_rollout_ref.model == load_config("grpo").actor_rollout_ref.model
     # Overrides apply on top of the whole chain.
     assert load_config(tmp_path / "child.yaml", ["actor_rollout_ref.actor.optim.lr=1e-3"]).actor_rollout_ref.actor.optim.lr == 1e-3

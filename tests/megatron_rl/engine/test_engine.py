@@ -65,9 +65,11 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
+    par = dict(par)
+    sequence_parallel = par.pop("sequence_parallel", False)  # megatron.sequence_parallel, not a ParallelConfig field
     pc = ParallelConfig(**par)
     mesh = init_mesh(pc, seed=1234)
-    worker = make_role(role, model_kw, mesh, train_cfg)
+    worker = make_role(role, model_kw, mesh, train_cfg, sequence_parallel=sequence_parallel)
     if os.path.exists(ckpt_in):
         load_model(worker.engine.model, ckpt_in)
     else:
@@ -104,7 +106,7 @@ def _load_all(rank, world_size, model_kw, role, paths):
     pc = ParallelConfig()
     init_mesh(pc, seed=1)
     mc = ModelConfig(**model_kw)
-    chunks = build_model(mc, build_transformer_config(mc, pc), role=role)
+    chunks = build_model(mc, build_transformer_config(mc, pc), head="lm" if role == "actor" else "scalar")
     out = []
     for path in paths:
         load_model(chunks, path)
@@ -124,6 +126,7 @@ def ckpt_root(tmp_path_factory):
 # name -> (world size, parallel layout, training-config overrides)
 LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2), {}),
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
     "pp2": (2, dict(pipeline_model_parallel_size=2), {}),
     "pp2_vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), {}),
     "dp2": (2, dict(), {}),

@@ -70,7 +70,7 @@ def _gather(rank, world_size, paths):
     pc = ParallelConfig()
     init_mesh(pc, seed=1)
     mc = ModelConfig(**DENSE)
-    chunks = build_model(mc, build_transformer_config(mc, pc), role="actor")
+    chunks = build_model(mc, build_transformer_config(mc, pc), head="lm")
     out = []
     for path in paths:
         load_model(chunks, path)
