@@ -512,7 +512,7 @@ def _zero_tail_cut(lengths: torch.Tensor, gid: torch.Tensor, num_groups: int, me
     return unique_longest, second[gid]
 
 
-@register_adv_est("optimal_token_baseline")
+@register_adv_est("optimal_token_baseline", needs_sum_pi_squared=True)
 @torch.no_grad()
 def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                              index: Any = None, old_log_probs: torch.Tensor | None = None,
@@ -544,7 +544,7 @@ def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, 
     return (returns - baselines) * mask, returns
 
 
-@register_adv_est("tir_optimal_token_baseline")
+@register_adv_est("tir_optimal_token_baseline", needs_sum_pi_squared=True)
 @torch.no_grad()
 def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor,
                                                         response_mask: torch.Tensor, index: Any = None,

@@ -568,7 +568,7 @@ def compute_policy_loss_bypass_mode(
     ``vanilla`` on the rejection-masked tokens without them (its ratio already is the IS
     ratio). The passed ``rollout_is_weights`` are ignored. Metrics add ``rollout_corr/*``.
     """
-    from megatron_rl.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
+    from megatron_rl.algos.rollout_correction import compute_rollout_correction_and_rejection_mask, is_weights_of
 
     config = _actor_config(config)
     _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
@@ -597,7 +597,7 @@ def compute_policy_loss_bypass_mode(
 
     if loss_type == "reinforce":
         pg_loss, pg_metrics = compute_policy_loss_reinforce(
-            old_log_prob, log_prob, advantages, effective_mask, loss_agg_mode, config, is_weights
+            old_log_prob, log_prob, advantages, effective_mask, loss_agg_mode, config, is_weights_of(is_weights)
         )
     else:
         # Applying the IS weights on top of the PPO ratio would count the correction twice.

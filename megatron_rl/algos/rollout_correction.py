@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megatron_rl.algos.utils import check_same_shape, masked_mean, masked_sum
 from megatron_rl.config.algorithm import RolloutCorrectionConfig
+from megatron_rl.data.batch import Batch
 
 __all__ = [
     "SAFETY_BOUND",
@@ -48,6 +49,7 @@ __all__ = [
     "compute_rollout_rejection_mask",
     "compute_offpolicy_metrics",
     "compute_rollout_correction_and_rejection_mask",
+    "is_weights_of",
     "compute_rollout_correction_and_add_to_batch",
     "rollout_correction_kwargs",
     "compute_rollout_corr_metrics_from_logprobs",
@@ -494,7 +496,7 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_rs: Optional[str] = None,
     rollout_rs_threshold: Optional[str | float] = None,
     group: Optional[torch.distributed.ProcessGroup] = None,
-) -> tuple[Optional[torch.Tensor], torch.Tensor, dict[str, float]]:
+) -> tuple[Optional[Batch], torch.Tensor, dict[str, float]]:
     """IS weights + rejection mask + diagnostics in one call (verl's main entry point).
 
     Args:
@@ -507,8 +509,9 @@ def compute_rollout_correction_and_rejection_mask(
         group: process group for the batch normalisation mean.
 
     Returns:
-        ``(rollout_is_weights [bs, T] or None, modified_response_mask [bs, T], metrics)`` with every
-        metric prefixed ``rollout_corr/``.
+        ``(weights, modified_response_mask [bs, T], metrics)`` as verl returns them: ``weights`` is a
+        ``DataProto`` (``megatron_rl.data.batch.Batch``) holding ``rollout_is_weights [bs, T]``, or None
+        without IS weights; every metric is prefixed ``rollout_corr/``.
     """
     check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
     _require_valid_token(response_mask)
@@ -532,7 +535,14 @@ def compute_rollout_correction_and_rejection_mask(
         metrics.update(rs_metrics)
 
     metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
-    return weights, modified_mask, {f"rollout_corr/{key}": value for key, value in metrics.items()}
+    proto = None if weights is None else Batch({"rollout_is_weights": weights})
+    return proto, modified_mask, {f"rollout_corr/{key}": value for key, value in metrics.items()}
+
+
+def is_weights_of(proto: Optional[Batch]) -> Optional[torch.Tensor]:
+    """The ``rollout_is_weights`` tensor of the first value ``compute_rollout_correction_and_rejection_mask``
+    returns (None stays None)."""
+    return None if proto is None else proto.batch["rollout_is_weights"]
 
 
 def rollout_correction_kwargs(config: Any) -> dict[str, Any]:
@@ -568,7 +578,10 @@ def compute_rollout_correction_and_add_to_batch(
     )
     batch["response_mask"] = modified_mask
     if weights is not None:
-        batch["rollout_is_weights"] = weights
+        if isinstance(batch, Batch):
+            batch = batch.union(weights)  # verl's DataProto path
+        else:
+            batch["rollout_is_weights"] = is_weights_of(weights)
     return batch, metrics
 
 
@@ -597,9 +610,10 @@ def compute_bypass_mode_correction(
     if rollout_corr_config is None:
         raise ValueError("bypass mode needs policy_loss.rollout_correction; it is None")
     with torch.no_grad():
-        return compute_rollout_correction_and_rejection_mask(
+        weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
             log_prob, rollout_log_prob, response_mask, group=group, **rollout_correction_kwargs(rollout_corr_config)
         )
+    return is_weights_of(weights), mask, metrics
 
 
 def apply_bypass_mode(

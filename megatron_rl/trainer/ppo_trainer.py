@@ -200,8 +200,8 @@ class RayPPOTrainer:
                 batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
                 **rollout_correction_kwargs(rc))
             batch["response_mask"] = mask  # rejected tokens leave every later phase (verl's semantics)
-            if weights is not None:
-                batch["rollout_is_weights"] = weights
+            if weights is not None:  # a DataProto holding rollout_is_weights, as verl returns it
+                batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
             metrics.update(corr)
         return metrics
 

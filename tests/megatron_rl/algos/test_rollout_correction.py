@@ -237,9 +237,10 @@ def test_offpolicy_metrics_hand_computed():
 def test_identical_policies_have_zero_divergence():
     torch.manual_seed(1)
     lp = -torch.rand(4, 8) * 3
-    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+    proto, mask, metrics = compute_rollout_correction_and_rejection_mask(
         lp, lp.clone(), torch.ones(4, 8), "token", 2.0, False, "token_k1,seq_max_k3", "0.9_1.1,0.01"
     )
+    weights = proto.batch["rollout_is_weights"]  # a DataProto first, as verl returns it
     assert torch.equal(weights, torch.ones(4, 8)) and torch.equal(mask, torch.ones(4, 8))
     for key in ("kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_diff", "rollout_rs_masked_fraction"):
         assert metrics[f"rollout_corr/{key}"] == pytest.approx(0.0, abs=1e-6), key
