@@ -48,8 +48,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.job.main_job import run_train
 
     recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # `megatron-rl train key=value ...`: the default recipe
+    if recipe is not None and ("=" in recipe or recipe.startswith("~")):  # `train key=value ...`: the default recipe
         recipe, overrides = None, [recipe, *overrides]
+    if args.config is not None:  # a verl config file: show which of its keys act before anything starts
+        from megatron_rl.config.loader import key_report
+
+        if recipe is not None:
+            overrides = [recipe, *overrides]
+        recipe = args.config
+        try:
+            report, refused = key_report(recipe, overrides)
+        except ValueError as err:
+            print(f"megatron-rl train: {err}", file=sys.stderr)
+            return 2
+        print(report, flush=True)
+        if refused:
+            print("megatron-rl train: refused keys (see above); nothing was started", file=sys.stderr)
+            return 2
     try:
         run_train(recipe, overrides, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:  # bad input: nothing was trained
@@ -107,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (default: grpo)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="a config file, e.g. a verl 0.9.1 one (Hydra overrides follow: key=value, +key=value, ~key); "
+                        "prints which keys act, have no effect here, or are refused")
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("plan", help="dry run: validate a recipe's layout on a cluster and estimate memory per GPU",
                        description="Validate TP/PP/VPP/EP/ETP/CP/DP and batch sizes against the model and the "

@@ -38,6 +38,7 @@ from megatron_rl.config.sections import (
     TrainerConfig,
 )
 from megatron_rl.config.trainer import TrainerRunConfig
+from megatron_rl.config.verl import omega_conf_to_dataclass
 
 __all__ = [
     "ActorConfig",
@@ -74,4 +75,5 @@ __all__ = [
     "find_recipe",
     "list_recipes",
     "load_config",
+    "omega_conf_to_dataclass",
 ]

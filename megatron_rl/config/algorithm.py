@@ -24,6 +24,7 @@ __all__ = [
     "OptimConfig",
     "LOSS_AGG_MODES",
     "KL_PENALTY_TYPES",
+    "ROLLOUT_CORRECTION_PRESETS",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -95,6 +96,123 @@ class RolloutCorrectionConfig(BaseConfig):
         check_choice("rollout_correction.rollout_is", self.rollout_is, (None, "token", "sequence"))
         check_choice("rollout_correction.loss_type", self.loss_type, ("ppo_clip", "reinforce"))
 
+    # -- verl's named presets (decoupled: three policies; bypass: the rollout's log-probs are the old ones)
+    @classmethod
+    def decoupled_token_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+        """Token-level truncated IS (Token-TIS)."""
+        return cls(rollout_is="token", rollout_is_threshold=threshold, rollout_rs=None)
+
+    @classmethod
+    def decoupled_seq_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+        """Sequence-level truncated IS (Seq-TIS)."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, rollout_rs=None)
+
+    @classmethod
+    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
+        """Token-level IcePop: weights outside ``[threshold_lower, threshold]`` are zeroed."""
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", rollout_rs=None)
+
+    @classmethod
+    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.5_2.0") -> "RolloutCorrectionConfig":
+        """Sequence IS plus sequence rejection on the summed log-ratio (Seq-MIS)."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs(cls, rs_threshold: Any = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Rejection on the geometric-mean ratio (``seq_mean_k1``), no IS weights (Geo-RS)."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def bypass_ppo_clip(cls) -> "RolloutCorrectionConfig":
+        """Bypass mode, PPO-clip loss (its ratio already is the IS ratio)."""
+        return cls(rollout_is=None, rollout_rs=None, bypass_mode=True, loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold: Any = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Bypass mode, PPO-clip loss, Geo-RS."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+                   loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """Bypass mode, PPO-clip loss, rejection on the sequence-mean k3 divergence."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+                   loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_pg_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+        """Bypass mode, REINFORCE loss with sequence-level truncated IS weights."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, rollout_rs=None, bypass_mode=True,
+                   loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
+        """Bypass mode, REINFORCE loss with token-level IcePop weights."""
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", rollout_rs=None,
+                   bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs(cls, rs_threshold: Any = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Bypass mode, REINFORCE loss, Geo-RS."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+                   loss_type="reinforce")
+
+    @classmethod
+    def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+                                 ) -> "RolloutCorrectionConfig":
+        """Geo-RS plus sequence-level truncated IS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+                                   ) -> "RolloutCorrectionConfig":
+        """Geo-RS plus token-level truncated IS."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+                                 ) -> "RolloutCorrectionConfig":
+        """Bypass mode, REINFORCE loss, Geo-RS plus sequence-level truncated IS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+                                   ) -> "RolloutCorrectionConfig":
+        """Bypass mode, REINFORCE loss, Geo-RS plus token-level truncated IS."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """Rejection on the sequence-mean k3 divergence, no IS weights (K3-RS)."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """K3-RS plus sequence-level truncated IS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """K3-RS plus token-level truncated IS."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def disabled(cls) -> "RolloutCorrectionConfig":
+        """Metrics only: no IS weights, no rejection."""
+        return cls(rollout_is=None, rollout_rs=None)
+
+
+ROLLOUT_CORRECTION_PRESETS = tuple(name for name, value in vars(RolloutCorrectionConfig).items()
+                                   if isinstance(value, classmethod) and name not in ("from_dict",))
+"""The names of verl's ``RolloutCorrectionConfig`` presets (classmethods), ``disabled`` included."""
+
 
 @dataclasses.dataclass
 class AlgoConfig(BaseConfig):
@@ -159,6 +277,9 @@ class PolicyLossConfig(BaseConfig):
     """dro: quadratic log-ratio penalty (required for ``dro``)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Rollout correction used inside the loss (bypass mode)."""
+    plugins: Any = field(default=None, metadata=INTERNAL)
+    """Estimators and policy losses registered from user code (``megatron_rl.algos.registry.Plugins``),
+    set by ``resolve_run``; unpickling it in a worker registers them there."""
 
 
 @dataclasses.dataclass
@@ -223,6 +344,12 @@ class ActorConfig(BaseConfig):
     """Tokens per chunk in the vocab-parallel log-prob/entropy computation (bounds memory)."""
     calculate_entropy: bool = True
     """Compute entropy in ``compute_log_prob`` (reported as ``actor/entropy``)."""
+    calculate_sum_pi_squared: bool = False
+    """Also compute ``sum_pi_squared`` (sum over the vocabulary of pi^2 per response token) in the
+    old-log-prob pass, vocab-parallel in the same fused pass as log-probs and entropy; the
+    optimal-token-baseline estimators need it (they turn it on themselves)."""
+    strategy: str = "megatron"
+    """Training backend (verl's key); only ``megatron``."""
 
     clip_ratio: float = 0.2
     """PPO clip epsilon."""
@@ -255,6 +382,7 @@ class ActorConfig(BaseConfig):
     ``loss_scale_factor`` so ``agg_loss`` normalises by the global batch."""
 
     def __post_init__(self) -> None:
+        check_choice("actor.strategy", self.strategy, ("megatron",))
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n", "logprob_chunk_size"):
             check_range(f"actor.{name}", getattr(self, name), low=1)
         if self.clip_ratio_c <= 1.0:
@@ -289,8 +417,11 @@ class CriticConfig(BaseConfig):
     """Optimizer and learning-rate schedule."""
     global_batch_info: dict = field(default_factory=dict, metadata=INTERNAL)
     """Set by the engine per step (see ``ActorConfig.global_batch_info``)."""
+    strategy: str = "megatron"
+    """Training backend (verl's key); only ``megatron``."""
 
     def __post_init__(self) -> None:
+        check_choice("critic.strategy", self.strategy, ("megatron",))
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n"):
             check_range(f"critic.{name}", getattr(self, name), low=1)
         check_choice("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)

@@ -4,17 +4,25 @@ Algorithm code accepts either a verl-style ``DictConfig`` or one of these datacl
 answer ``cfg.key``, ``cfg.get("key", default)`` and ``"key" in cfg``, so one code path serves
 both. ``from_dict`` builds a config from a mapping (YAML, ``DictConfig``) and rejects unknown
 keys, naming the key and the allowed ones.
+
+verl's dicts and keyword arguments are accepted as they are (``megatron_rl.config.verl``): a
+``_target_`` naming a class that fits the section is dropped, verl's deprecated
+``ppo_micro_batch_size`` sets the per-GPU size, and verl-only fields listed in
+``megatron_rl.config.compat.INERT_KEYS`` (``use_dynamic_bsz``, ``profiler`` ...) are kept on the
+section for reading back, with a warning when they differ from verl's default.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import typing
 from collections.abc import Mapping
 from typing import Any, Sequence
 
 from megatron_rl.config import read_tracking
+from megatron_rl.config import verl_keys as _verl
 
 __all__ = ["BaseConfig", "INTERNAL", "is_internal", "check_choice", "check_range"]
 
@@ -48,14 +56,42 @@ def check_range(field: str, value: float, *, low: float | None = None, high: flo
         raise ValueError(f"{field}={value!r} is out of range; allowed: {lo}, {hi}")
 
 
+def _unexpected_keyword(cls: type, key: str) -> TypeError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key.rpartition(".")[2], names, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return TypeError(f"{cls.__name__}() got an unexpected keyword argument {key.rpartition('.')[2]!r}{hint}")
+
+
+class _ConfigMeta(type):
+    """Construction takes verl's keyword arguments: verl-only fields become the section's extras."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        if not set(kwargs) <= names:
+            kwargs = _verl.translate_kwargs(cls, dict(kwargs))
+            kwargs, extras = _verl.take_verl_extras(cls, names, kwargs, unknown=_unexpected_keyword)
+            obj = super().__call__(*args, **kwargs)
+            _verl.warn_verl_extras(cls, extras)
+            return _verl.attach_extras(obj, extras)
+        return super().__call__(*args, **kwargs)
+
+
 @dataclasses.dataclass
-class BaseConfig:
+class BaseConfig(metaclass=_ConfigMeta):
     """A dataclass with a read-only mapping interface compatible with ``DictConfig``."""
 
     def __getattribute__(self, name: str) -> Any:
         if read_tracking._tracker is not None and name[:1] != "_":  # off unless a test turns it on
             read_tracking.observe(self, name)
         return object.__getattribute__(self, name)
+
+    def __getattr__(self, name: str) -> Any:
+        """verl-only fields given to this section read back as given (they have no effect)."""
+        extras = self.__dict__.get("_verl_extras")
+        if extras is not None and name in extras:
+            return extras[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
@@ -104,17 +140,22 @@ class BaseConfig:
         if not isinstance(data, Mapping):
             raise TypeError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
         hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if not is_internal(f)}
+
+        def unknown(section: type, full: str) -> ValueError:
+            return ValueError(f"unknown config key {full!r}; allowed keys: {sorted(names)}")
+
+        own, extras = _verl.take_verl_extras(cls, names, _verl.translate_kwargs(cls, dict(data)), path, unknown=unknown)
         kwargs: dict[str, Any] = {}
-        for key, value in data.items():
+        for key, value in own.items():
             full = f"{path}.{key}" if path else key
-            if key not in names:
-                raise ValueError(f"unknown config key {full!r}; allowed keys: {sorted(names)}")
             sub = _config_class(hints[key])
             if sub is not None and (value is None or isinstance(value, Mapping) or hasattr(value, "items")):
                 value = None if value is None else sub.from_dict(value, path=full)
             kwargs[key] = value
-        return cls(**kwargs)
+        obj = cls(**kwargs)
+        _verl.warn_verl_extras(cls, extras, path)
+        return _verl.attach_extras(obj, extras)
 
 
 def _config_class(hint: Any) -> type[BaseConfig] | None:

@@ -4,7 +4,13 @@ Every other leaf of ``TrainerRunConfig`` is read by the code that acts on it
 (``tests/megatron_rl/config/test_every_key_is_read.py`` proves it by recording the reads of real
 runs). A key in ``INERT_KEYS`` is accepted so that a verl config loads unchanged, and set to a
 value other than its default it warns by name (``InertKeyWarning``) when the config is built.
-Patterns use ``fnmatch`` (``*`` spans dots).
+Patterns use ``fnmatch`` (``*`` spans dots); one entry may hold several patterns separated by
+``|`` that share its reason.
+
+The list covers two kinds of key: fields of the typed tree that have no effect, and verl 0.9.1 keys
+that the tree has no field for (profilers, FSDP, vLLM-server and agent-loop options ...; verl's
+own default of each comes from ``megatron_rl/config/verl/ppo_megatron_trainer.yaml``, see
+``megatron_rl.config.verl``). A verl key that matches no entry and has no field is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import fnmatch
 import warnings
 from typing import Any, Iterator
 
-__all__ = ["INERT_KEYS", "InertKeyWarning", "inert_reason", "warn_inert_keys"]
+__all__ = ["INERT_KEYS", "InertKeyWarning", "inert_pattern", "inert_reason", "warn_inert_keys"]
 
 _OFFLOAD = ("no effect yet: the colocated phase schedule that moves it to host memory between phases is not "
             "built (the memory-choreography issue); the planner assumes it")
@@ -22,7 +28,6 @@ INERT_KEYS: dict[str, str] = {
     "*.megatron.param_offload": _OFFLOAD,
     "*.megatron.grad_offload": _OFFLOAD,
     "*.megatron.optimizer_offload": _OFFLOAD,
-    "trainer.balance_batch": "samples are not reordered for an even token count per data-parallel rank",
     "algorithm.use_pf_ppo": "preference-feedback PPO reweighting is not implemented",
     "algorithm.pf_ppo": "the options of algorithm.use_pf_ppo, which is not implemented",
     "algorithm.filter_groups.max_inflight_gen_batches": "DAPO generation rounds run one at a time",
@@ -37,6 +42,67 @@ INERT_KEYS: dict[str, str] = {
         "algorithm.rollout_correction.bypass_mode (or policy_loss.loss_mode=bypass_mode); the trainer fills this copy",
     "*.strategy": "only 'megatron' is accepted (checked when the config is built): there is nothing to choose",
     "actor_rollout_ref.rollout.name": "only 'vllm' is accepted (checked when the config is built)",
+    # -- verl 0.9.1 keys without a field here ----------------------------------------------------
+    "*profiler*|*.profile|skip.*|ray_kwargs.*|transfer_queue.*|*.rollout.trace.*|*.rollout.prometheus.*"
+    "|*.moe_load_balance_metrics_interval|*.rollout.disable_log_stats":
+        "profiling, tracing, rollout dumps/replay and Ray start-up options of verl's launcher are not wired",
+    "*.megatron.*dist*|*.checkpoint.*|*mbridge*|trainer.default_hdfs_dir|trainer.del_local_ckpt_after_load"
+    "|trainer.checkpoint_callback_class|trainer.esi_redundant_time":
+        "checkpoints are always Megatron distributed checkpoints of model, optimizer and RNG state (saved and "
+        "loaded at any layout through parallel.bridge), with the non-distributed optimizer; verl's format and "
+        "upload switches have nothing to choose",
+    "*.optim.muon_*|*.optim.*_dtype|*.optim.*wsd*|*.optim.weight_decay_incr_style|*.optim.use_*"
+    "|*.optim.override_optimizer_config":
+        "only AdamW / SGD with the configured schedule are built (no Muon, precision-aware or layer-wise "
+        "optimizers, WSD decay, weight-decay schedules or optimizer-state dtypes)",
+    "*.megatron.pad_*|*.model.use_remove_padding|*.megatron.dynamic_context_parallel"
+    "|*.megatron.max_seqlen_per_dp_cp_rank":
+        "packing is *.megatron.use_remove_padding (each micro-batch one THD sequence, aligned only as TP/CP "
+        "need) and token budgets are use_dynamic_bsz / *_max_token_len_per_gpu; verl's padded-layout "
+        "bucketing, its FSDP-side model.use_remove_padding and dynamic context parallelism have no counterpart",
+    "*entropy_from_logits_*|*.use_fused_kernels|*.model.fused_kernel_options.*|*.use_torch_compile|*.model.use_liger"
+    "|*.model.tiled_mlp.*|*.use_prefix_grouper|*.model.enable_activation_offload|*.model.enable_gradient_checkpointing":
+        "log-probs and entropy always come from the chunked vocab-parallel fused pass (actor.logprob_chunk_size); "
+        "kernels and activation recompute are Megatron's (megatron.override_transformer_config.recompute_*)",
+    "*.megatron.router_replay.*|*.enable_rollout_routing_replay|*qat*|*.quantization*|*.model.mtp.*|*.rollout.mtp*"
+    "|*.model.lora*|*.model.target_modules|*.model.exclude_modules|*.freeze_vision_tower|data.image*|data.video_key"
+    "|data.audio_key|data.return_multi_modal_inputs|data.mm_processor_kwargs":
+        "MoE router replay, quantisation, multi-token prediction, LoRA and multimodal inputs are not implemented",
+    "*.megatron.override_ddp_config|*.megatron.override_mcore_model_config|*.megatron.use_megatron_fsdp"
+    "|*.megatron.forward_only|*.hybrid_engine|*.nccl_timeout":
+        "DDP, the model build and which roles train are fixed by the role (model options go in model.override_config); "
+        "actor and rollout always share the devices",
+    "*.rollout.mode|*.rollout.nnodes|*.rollout.n_gpus_per_node|*.rollout.data_parallel_size|*.rollout.expert_parallel_size"
+    "|*.rollout.pipeline_model_parallel_size"
+    "|*.rollout.cudagraph_capture_sizes|*.rollout.scheduling_policy|*.rollout.layered_summon|*.rollout.full_determinism"
+    "|*.rollout.over_sample_rate|*.rollout.multi_stage_wake_up|*.rollout.router_config_path|*.rollout.skip_tokenizer_init"
+    "|*.rollout.log_prob_micro_batch_size*|*.rollout.log_prob_use_dynamic_bsz|*.rollout.log_prob_max_token_len_per_gpu"
+    "|*.rollout.disaggregation.*|*.rollout.checkpoint_engine.engine_kwargs"
+    "|*.rollout.checkpoint_engine.custom_backend_module|*.ref.log_prob_micro_batch_size|*.ref.rollout_n"
+    "|*.ppo_infer_micro_batch_size_per_gpu|*.ppo_infer_max_token_len_per_gpu":
+        "one colocated in-process vLLM engine per run (rollout.tensor_model_parallel_size sets its TP); verl's "
+        "server, disaggregation and engine-pool options, and its separate old-log-prob micro-batch and token "
+        "budget (the actor's training ones are used), have no counterpart",
+    "*.rollout.multi_turn.function_tool_path|*.rollout.multi_turn.use_inference_chat_template"
+    "|*.rollout.multi_turn.num_repeat_rollouts|*.rollout.agent.custom_async_server.*|data.tool_config_path"
+    "|data.function_tool_path|*sandbox_fusion*":
+        "verl's function-tool modules, inference-time chat template switch, repeated rollouts per session, custom "
+        "async servers and the sandbox service are not implemented (tools come from multi_turn.tool_config_path)",
+    "reward.num_workers|reward.reward_manager.*|reward.reward_model.enable_resource_pool|reward.reward_model.nnodes"
+    "|reward.reward_model.n_gpus_per_node|reward.reward_model.rollout.*|reward_model.*|custom_reward_function.*"
+    "|distillation.teacher_models.*|distillation.teacher_key|distillation.n_gpus_per_node|distillation.nnodes":
+        "rewards are scored on the driver (reward.custom_reward_function, the rule rewards or a Megatron reward "
+        "model placed with the other roles) and the teacher is distillation.teacher_model; verl's reward-manager "
+        "and server-pool options and its legacy top-level reward_model / custom_reward_function have no effect",
+    "data.tokenizer|data.use_shm|*.model.use_shm|data.return_raw_input_ids|data.return_raw_chat|data.return_full_prompt"
+    "|data.dataloader_num_workers|data.filter_overlong_prompts_workers|data.trust_remote_code|data.custom_cls.*"
+    "|*.model.hf_config_path|*.model.external_lib|trainer.ray_wait_register_center_timeout":
+        "prompts are tokenised once on the driver with actor_rollout_ref.model's tokenizer (its trust_remote_code); "
+        "verl's dataset-class and loader options are not used",
+    "*.use_rollout_log_probs": "the rollout's log-probs replace the old ones in bypass mode: set "
+                               "algorithm.rollout_correction.bypass_mode=True",
+    "trainer.use_v1|trainer.v1.*":
+        "one synchronous colocated trainer (verl's v1 'sync' mode); the asynchronous v1 modes are not implemented",
 }
 """Dotted-path pattern -> why the key has no effect (shown in the warning)."""
 
@@ -45,12 +111,18 @@ class InertKeyWarning(UserWarning):
     """A key accepted for verl compatibility was set, but it has no effect here."""
 
 
+def inert_pattern(path: str) -> str | None:
+    """The ``INERT_KEYS`` entry (a pattern, or ``|``-separated patterns) that ``path`` matches, or None."""
+    for entry in INERT_KEYS:
+        if any(fnmatch.fnmatchcase(path, pattern) for pattern in entry.split("|")):
+            return entry
+    return None
+
+
 def inert_reason(path: str) -> str | None:
     """Why the leaf at dotted ``path`` has no effect, or None when it is acted on."""
-    for pattern, reason in INERT_KEYS.items():
-        if fnmatch.fnmatchcase(path, pattern):
-            return reason
-    return None
+    entry = inert_pattern(path)
+    return None if entry is None else INERT_KEYS[entry]
 
 
 def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:

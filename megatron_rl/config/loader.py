@@ -7,6 +7,14 @@ relative to the including file, anything else a recipe name), applies Hydra-styl
 overrides, resolves OmegaConf interpolations (``${data.max_prompt_length}``, ``${oc.env:HOME}``)
 and builds the typed tree; keys and types are checked by ``megatron_rl.config.schema``.
 
+A verl config file loads the same way: Hydra's ``defaults:`` list works like ``base:`` (an entry
+names a YAML file beside the including one, or ``ppo_megatron_trainer`` / ``ppo_trainer``, verl's
+own config, kept in ``megatron_rl/config/verl``; ``_self_`` and ``model_engine: megatron`` are
+accepted), a top-level ``hydra:`` section (Hydra's own settings) is dropped, and overrides take
+Hydra's syntax: ``key=value``, ``+key=value`` (add a key the file does not have; an error if it
+does), ``++key=value`` (add or override), ``~key`` / ``~key=value`` (delete; an error if the key
+is missing) and ``key=null``.
+
 Built-in recipes live in the repository's ``recipes/`` directory; an installed wheel carries
 them as package data under ``megatron_rl/recipes`` (see setup.py).
 """
@@ -20,7 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence, Union
 
 from megatron_rl.config.base import BaseConfig
-from megatron_rl.config.schema import check_key, check_keys, coerce, config_class
+from megatron_rl.config.schema import VERL_ONLY, check_key, check_keys, coerce, config_class
 from megatron_rl.config.trainer import TrainerRunConfig
 
 __all__ = [
@@ -31,6 +39,8 @@ __all__ = [
     "find_recipe",
     "recipe_dirs",
     "dump_config",
+    "find_verl_config",
+    "key_report",
 ]
 
 DEFAULT_RECIPE = "grpo"
@@ -75,7 +85,7 @@ def find_recipe(recipe: Union[str, os.PathLike]) -> Path:
 
 
 # ----------------------------------------------------------------------------- YAML + overrides
-def _load_chain(path: Path, stack: tuple[Path, ...]):
+def _load_chain(path: Path, stack: tuple[Path, ...], check: bool = True):
     """The recipe at ``path`` merged on top of its ``base`` chain (a ``DictConfig``, unresolved)."""
     from omegaconf import DictConfig, OmegaConf
 
@@ -86,12 +96,59 @@ def _load_chain(path: Path, stack: tuple[Path, ...]):
     if not isinstance(raw, DictConfig):
         raise ValueError(f"recipe {path} must be a YAML mapping, got {type(raw).__name__}")
     base = raw.pop("base", None)
-    check_keys(TrainerRunConfig, OmegaConf.to_container(raw, resolve=False), source=str(path))
-    if base is None:
+    defaults = raw.pop("defaults", None)
+    raw.pop("hydra", None)  # Hydra's own settings (run dirs, search paths), not the job's config
+    if check:
+        check_keys(TrainerRunConfig, OmegaConf.to_container(raw, resolve=False), source=str(path))
+    bases = [] if base is None else (list(base) if not isinstance(base, str) else [base])
+    resolved = [_resolve_base(str(b), path) for b in bases] + _hydra_defaults(defaults, path)
+    if not resolved:
         return raw
-    bases = list(base) if not isinstance(base, str) else [base]
-    parents = [_load_chain(_resolve_base(str(b), path), (*stack, path)) for b in bases]
+    parents = [_load_chain(p, (*stack, path), check) for p in resolved]
     return OmegaConf.merge(*parents, raw)
+
+
+def _hydra_defaults(defaults: Any, including: Path) -> list[Path]:
+    """The files of a Hydra ``defaults:`` list: ``name`` is ``name.yaml`` beside ``including`` or one of
+    verl's own configs (``ppo_megatron_trainer``, ``ppo_trainer``); ``_self_`` (merge order: this file
+    last) and a ``model_engine: megatron`` choice are accepted, other config-group choices are refused."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if defaults is None:
+        return []
+    entries = OmegaConf.to_container(defaults) if isinstance(defaults, (DictConfig, ListConfig)) else defaults
+    if not isinstance(entries, list):
+        raise ValueError(f"defaults of {including} must be a list, got {entries!r}")
+    files = []
+    for entry in entries:
+        if entry == "_self_":
+            continue
+        if isinstance(entry, str):
+            files.append(find_verl_config(entry, including.parent))
+            continue
+        if isinstance(entry, dict) and len(entry) == 1:
+            group, choice = next(iter(entry.items()))
+            if str(group).replace("override ", "").strip() == "model_engine" and choice == "megatron":
+                continue
+        raise ValueError(f"defaults entry {entry!r} of {including}: only config names, _self_ and "
+                         "'model_engine: megatron' are supported")
+    return files
+
+
+def find_verl_config(name: str, config_dir: Union[str, os.PathLike, None] = None) -> Path:
+    """The YAML file of config ``name`` (``.yaml`` optional): in ``config_dir`` if it is there, else verl's
+    own ``ppo_megatron_trainer`` (``ppo_trainer`` too: verl's default config name; only the Megatron
+    engine is built here), else a recipe or path (``find_recipe``)."""
+    from megatron_rl.config.verl_keys import VERL_CONFIG_DIR
+
+    stem = name[: -len(_SUFFIX)] if name.endswith(_SUFFIX) else name
+    if config_dir is not None:
+        candidate = Path(os.path.expanduser(str(config_dir))) / f"{stem}{_SUFFIX}"
+        if candidate.is_file():
+            return candidate
+    if stem in ("ppo_megatron_trainer", "ppo_trainer"):
+        return VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml"
+    return find_recipe(name)
 
 
 def _resolve_base(base: str, including: Path) -> Path:
@@ -105,45 +162,75 @@ def _resolve_base(base: str, including: Path) -> Path:
         raise ValueError(f"base {base!r} of recipe {including}: {err}") from None
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    """``(op, key, value)`` of one Hydra override; ``op`` is ``set``, ``add`` (``+``), ``force`` (``++``)
+    or ``delete`` (``~``)."""
     from omegaconf import OmegaConf
 
-    if not isinstance(item, str) or "=" not in item:
+    if not isinstance(item, str):
+        raise ValueError(f"override {item!r} must be a string like key=value")
+    if item.startswith("~"):
+        key = item[1:].split("=", 1)[0].strip()
+        if not key:
+            raise ValueError(f"override {item!r} has an empty key")
+        return "delete", key, None
+    if "=" not in item:
         raise ValueError(f"override {item!r} must look like key=value (e.g. algorithm.adv_estimator=rloo)")
     key, value = item.split("=", 1)
     key = key.strip()
-    if key.startswith("~"):
-        raise ValueError(f"override {item!r}: deleting keys (~key) is not supported; set the key to null")
-    key = key.lstrip("+")  # Hydra's "+key" / "++key": every settable key already exists here
+    op = "force" if key.startswith("++") else "add" if key.startswith("+") else "set"
+    key = key.lstrip("+")
     if not key:
         raise ValueError(f"override {item!r} has an empty key")
     # OmegaConf's YAML rules: 1e-5 is a float, null is None, [a,b] a list, {k: v} a mapping.
     parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={value}"]), resolve=False)["value"]
-    return key, parsed
+    return op, key, parsed
 
 
-def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = ()) -> dict:
-    """The merged, interpolation-resolved configuration of ``recipe`` + ``overrides`` as plain
-    data (before derived keys are filled and types are built)."""
+def _has_key(cfg: Any, key: str) -> bool:
     from omegaconf import OmegaConf
+
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    return node is not None and hasattr(node, "keys") and last in node
+
+
+def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = (), *,
+            check: bool = True) -> dict:
+    """The merged, interpolation-resolved configuration of ``recipe`` + ``overrides`` as plain
+    data (before derived keys are filled and types are built). ``check=False`` leaves unknown keys
+    and override types to the caller (``key_report`` lists every refused key at once)."""
+    from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(overrides, str):
         raise TypeError("overrides must be a list of 'key=value' strings, not one string")
-    cfg = _load_chain(find_recipe(DEFAULT_RECIPE if recipe is None else recipe), ())
+    cfg = _load_chain(find_recipe(DEFAULT_RECIPE if recipe is None else recipe), (), check)
     for item in overrides:
-        key, value = _parse_override(item)
+        op, key, value = _parse_override(item)
         source = f"override {item!r}"
-        hint = check_key(TrainerRunConfig, key, source=source)
-        sub = config_class(hint)
+        if op == "delete":
+            if not _has_key(cfg, key):
+                raise ValueError(f"cannot delete {key!r} (in {source}): the configuration has no such key")
+            parent, _, last = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            with open_dict(node):
+                del node[last]
+            continue
+        if op == "add" and _has_key(cfg, key):
+            raise ValueError(f"cannot add {key!r} (in {source}): the configuration already has it; use "
+                             f"{key}=... to change it, or ++{key}=... to add or change it")
+        hint = check_key(TrainerRunConfig, key, source=source, value=value) if check else VERL_ONLY
+        sub = config_class(hint) if hint is not VERL_ONLY else None
         if sub is not None and isinstance(value, Mapping):
             check_keys(TrainerRunConfig, value, source=source, _cls=sub, _prefix=f"{key}.")
-        elif sub is None and not (isinstance(value, str) and "${" in value):
+        elif sub is None and hint is not VERL_ONLY and not (isinstance(value, str) and "${" in value):
             try:
                 value = coerce(hint, value, key)
             except ValueError as err:
                 raise ValueError(f"{err} (in {source})") from None
-        OmegaConf.update(cfg, key, value, merge=False)
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     try:
         return OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
@@ -154,6 +241,15 @@ def load_config(recipe: Union[str, os.PathLike, None] = None, overrides: Sequenc
     """The validated ``TrainerRunConfig`` of ``recipe`` (built-in name or YAML path; None = the
     CPU toy ``grpo``) with Hydra-style ``key=value`` ``overrides`` applied in order."""
     return TrainerRunConfig.from_dict(compose(recipe, overrides))
+
+
+def key_report(recipe: Union[str, os.PathLike, None], overrides: Sequence[str] = ()) -> tuple[str, bool]:
+    """The key table of ``recipe`` + ``overrides`` (``megatron_rl.config.verl.format_key_table``) and
+    whether it refuses a key; a config that cannot even be composed raises ``ValueError``."""
+    from megatron_rl.config.verl import format_key_table, key_table
+
+    table = key_table(compose(recipe, overrides, check=False), TrainerRunConfig)
+    return format_key_table(table, source=str(recipe)), bool(table.refused)
 
 
 def dump_config(cfg: BaseConfig) -> str:

@@ -5,6 +5,9 @@ Every key -- in a YAML file, an override, a mapping given to ``TrainerRunConfig.
 must exist in the schema; an unknown key is a ``ValueError`` naming it, where it came from and
 the nearest valid keys (difflib, plus the same name at other places in the tree). Values are
 type-checked per field (ints become floats where a float is expected; nothing else is converted).
+verl's own keys are the exception (``megatron_rl.config.verl_keys``): ``_target_`` is checked and
+dropped, and a verl key listed in ``INERT_KEYS`` that has no field is kept on its section as an
+extra (warned when it differs from verl's default).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
+from megatron_rl.config import verl_keys as verl
 from megatron_rl.config.base import BaseConfig, is_internal
 
-__all__ = ["build_config", "check_key", "check_keys", "coerce", "config_class", "fill_derived", "plain"]
+__all__ = ["build_config", "check_key", "check_keys", "coerce", "config_class", "fill_derived", "plain", "all_paths",
+           "field_hint"]
 
 @functools.lru_cache(maxsize=None)
 def _fields(cls: type) -> dict[str, Any]:
@@ -43,6 +48,19 @@ def _optional(hint: Any) -> bool:
 def _free_form(hint: Any) -> bool:
     """A field whose value is an open mapping (``dict``/``Any``): keys below it are not checked."""
     return hint is Any or any(a is dict or typing.get_origin(a) is dict for a in (typing.get_args(hint) or (hint,)))
+
+
+def field_hint(cls: type, name: str) -> Optional[tuple[Any, Optional[type]]]:
+    """``(type hint, config section class or None)`` of field ``name`` of ``cls``, or None if there is no such field."""
+    fields = _fields(cls)
+    if name not in fields:
+        return None
+    return fields[name], config_class(fields[name])
+
+
+def all_paths(root: type) -> tuple[str, ...]:
+    """Every dotted key of the schema under ``root`` (config sections included)."""
+    return _all_paths(root)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,13 +94,30 @@ def _unknown_key(root: type, cls: type, full: str, source: Optional[str]) -> Val
                       f"{sorted(names)}")
 
 
-def check_key(root: type, key: str, *, source: Optional[str] = None) -> Any:
-    """Check dotted ``key`` against the schema of ``root``; return the field's type hint (or
-    ``Any`` for a key inside a free-form mapping)."""
+VERL_ONLY = object()
+"""``check_key``'s answer for a verl key that has no field here but is accepted (inert)."""
+
+
+def _verl_only_key(cls: type, full: str, key: str, value: Any = None) -> bool:
+    """True when ``full`` (a key ``cls`` has no field for) is a verl key accepted without effect."""
+    last = key.rpartition(".")[2]
+    if last == "_target_" or verl.TRANSLATED.get(last) in _fields(cls):  # verl's global micro-batch sizes act
+        return True
+    base = verl.section_path(cls, full.rpartition(".")[0]) if "." in full else ""
+    path = f"{base}.{full.rpartition('.')[2]}" if base else full
+    return verl.verl_only_refusal(path, value) is None
+
+
+def check_key(root: type, key: str, *, source: Optional[str] = None, value: Any = None) -> Any:
+    """Check dotted ``key`` (to be set to ``value``) against the schema of ``root``; return the field's
+    type hint (or ``Any`` for a key inside a free-form mapping, ``VERL_ONLY`` for an accepted verl-only key)."""
     cls, parts = root, key.split(".")
     for i, part in enumerate(parts):
         full = ".".join(parts[: i + 1])
         if part not in _fields(cls):
+            last = i == len(parts) - 1
+            if _verl_only_key(cls, key, key, value) if last else verl.verl_only_refusal(key, value) is None:
+                return VERL_ONLY
             raise _unknown_key(root, cls, full, source)
         hint = _fields(cls)[part]
         if i == len(parts) - 1:
@@ -104,6 +139,11 @@ def check_keys(root: type, data: Mapping, *, source: Optional[str] = None, _cls:
     for key, value in data.items():
         full = f"{_prefix}{key}"
         if key not in _fields(cls):
+            if key == "_target_":
+                verl.check_target(cls, value, _prefix[:-1])
+                continue
+            if _verl_only_key(cls, full, full, value):
+                continue
             raise _unknown_key(root, cls, full, source)
         sub = config_class(_fields(cls)[key])
         if sub is not None and isinstance(value, Mapping):
@@ -172,10 +212,10 @@ def build_config(cls: type, data: Any, *, path: str = "", root: Optional[type] =
     if not isinstance(data, Mapping):
         raise ValueError(f"{path or cls.__name__} must be a mapping (a config section), got {data!r}")
     kwargs: dict[str, Any] = {}
+    data, extras = verl.take_verl_extras(cls, set(_fields(cls)), data, path,
+                                         unknown=lambda c, full: _unknown_key(root, c, full, None))
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
-        if key not in _fields(cls):
-            raise _unknown_key(root, cls, full, None)
         hint = _fields(cls)[key]
         sub = config_class(hint)
         if sub is not None and not isinstance(value, sub):
@@ -186,9 +226,11 @@ def build_config(cls: type, data: Any, *, path: str = "", root: Optional[type] =
         else:
             kwargs[key] = coerce(hint, value, full)
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except ValueError as err:
         raise ValueError(_qualify(str(err), path, cls)) from None
+    verl.warn_verl_extras(cls, extras, path)
+    return verl.attach_extras(built, extras)
 
 
 def _qualify(message: str, path: str, cls: type) -> str:
@@ -232,6 +274,7 @@ def fill_derived(data: Any, root: type, derived_keys) -> dict:
     out = copy.deepcopy(plain(data))
     if not isinstance(out, Mapping):
         raise ValueError(f"a run configuration must be a mapping, got {out!r}")
+    verl.normalize(out)  # verl's deprecated global micro-batch sizes, null per-GPU sizes
     for target, source in derived_keys:
         if _get(out, target) is not _MISSING:
             continue

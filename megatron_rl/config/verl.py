@@ -1,0 +1,145 @@
+"""verl's config surface over the typed tree: ``omega_conf_to_dataclass`` and the key table.
+
+``omega_conf_to_dataclass`` is verl's converter (``verl.utils.omega_conf_to_dataclass``): a
+section's ``_target_`` picks our class (``McoreActorConfig`` -> ``ActorRunConfig``, ...).
+``key_table`` / ``format_key_table`` sort a composed config's leaves into acted on / accepted with
+no effect (warned when away from verl's default) / refused (with the nearest valid key), for the
+``megatron-rl train --config`` and ``python -m megatron_rl.main_ppo`` entry points. The rules of
+which verl key is which live in ``megatron_rl.config.verl_keys`` and ``compat.INERT_KEYS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from megatron_rl.config import algorithm, distillation, rollout, sections  # noqa: F401  (every section class)
+from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.compat import inert_reason
+from megatron_rl.config.schema import all_paths, field_hint
+from megatron_rl.config.verl_keys import (
+    TRANSLATED,
+    VERL_CONFIG_DIR,
+    VERL_TARGETS,
+    differs_from_verl,
+    is_verl_key,
+    leaves_of,
+)
+
+__all__ = ["VERL_CONFIG_DIR", "omega_conf_to_dataclass", "KeyTable", "key_table", "format_key_table"]
+
+
+# ----------------------------------------------------------------------------- verl's converter
+def _target_classes() -> dict[str, type]:
+    out: dict[str, type] = {}
+    stack = [BaseConfig]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        for verl_name in VERL_TARGETS.get(cls.__name__, ()):
+            # The run tree's classes win: a McoreActorConfig is a whole actor section (ActorRunConfig).
+            if verl_name not in out or cls.__name__.endswith("RunConfig"):
+                out[verl_name] = cls
+    return out
+
+
+def omega_conf_to_dataclass(config: Any, dataclass_type: Optional[type] = None) -> Any:
+    """verl's ``omega_conf_to_dataclass``: a ``DictConfig`` / dict as the config dataclass
+    ``dataclass_type``, or, without one, as the class its ``_target_`` names (verl's class names map to
+    ours, e.g. ``verl.trainer.config.AlgoConfig`` -> ``AlgoConfig``, ``McoreActorConfig`` ->
+    ``ActorRunConfig``). An empty config gives ``dataclass_type()``; a non-mapping is returned as is."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not config:
+        return dataclass_type() if dataclass_type is not None else dataclass_type
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    if not isinstance(config, Mapping):
+        return config
+    if dataclass_type is None:
+        target = config.get("_target_")
+        if target is None:
+            raise ValueError("omega_conf_to_dataclass: without dataclass_type the config must name its class in "
+                             f"_target_; got keys {sorted(config)}")
+        name = str(target).rpartition(".")[2]
+        classes = _target_classes()
+        if name not in classes:
+            raise ValueError(f"_target_={target!r} names no config class here; known: {sorted(classes)}")
+        dataclass_type = classes[name]
+    if not dataclasses.is_dataclass(dataclass_type):
+        raise ValueError(f"{dataclass_type} must be a dataclass")
+    return dataclass_type.from_dict(config)
+
+
+# ----------------------------------------------------------------------------- the key table
+@dataclasses.dataclass
+class KeyTable:
+    """A config's leaves by kind: acted on, accepted with no effect (and which of those warn), refused."""
+
+    acted: list[str] = dataclasses.field(default_factory=list)
+    inert: list[str] = dataclasses.field(default_factory=list)
+    warned: list[str] = dataclasses.field(default_factory=list)
+    refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """``(key, nearest valid keys)``."""
+
+
+def key_table(data: Mapping[str, Any], root: type) -> KeyTable:
+    """Classify every leaf of the composed config ``data`` against the schema of ``root``."""
+    table = KeyTable()
+    known = all_paths(root)
+
+    def walk(node: Mapping, prefix: str, cls: Optional[type]) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if key == "_target_":
+                continue
+            hint = field_hint(cls, key) if cls is not None else None
+            if hint is not None:
+                sub = hint[1]
+                if sub is not None and isinstance(value, Mapping) and value:
+                    walk(value, f"{path}.", sub)
+                    continue
+                reason = inert_reason(path)
+                (table.inert if reason else table.acted).append(path)
+                continue
+            if key in TRANSLATED and cls is not None and TRANSLATED[key] in {f.name for f in dataclasses.fields(cls)}:
+                table.acted.append(path)
+                continue
+            for leaf, leaf_value in leaves_of(value, path):
+                if inert_reason(leaf) is not None and is_verl_key(leaf):
+                    table.inert.append(leaf)
+                    if differs_from_verl(leaf, leaf_value):
+                        table.warned.append(leaf)
+                else:
+                    table.refused.append((leaf, _nearest(leaf, known)))
+
+    walk(data, "", root)
+    return table
+
+
+def _nearest(path: str, known: tuple[str, ...]) -> str:
+    leaf = path.rpartition(".")[2]
+    parent = path.rpartition(".")[0]
+    same_parent = [p for p in known if p.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(path, same_parent or known, n=1, cutoff=0.6)
+    if not close:
+        close = [p for p in known if p.rpartition(".")[2] == leaf][:1]
+    if not close:
+        close = difflib.get_close_matches(path, known, n=1, cutoff=0.5)
+    return close[0] if close else ""
+
+
+def format_key_table(table: KeyTable, source: str = "config") -> str:
+    """The short table the entry points print: counts, the warned keys, the refused keys with the nearest valid key."""
+    lines = [f"verl keys of {source}:",
+             f"  acted on                  {len(table.acted):4d}",
+             f"  accepted, no effect here  {len(table.inert):4d}  ({len(table.warned)} set away from verl's default, warned)",
+             f"  refused                   {len(table.refused):4d}"]
+    lines += [f"    warned: {key}" for key in table.warned[:20]]
+    if len(table.warned) > 20:
+        lines.append(f"    ... and {len(table.warned) - 20} more warned keys")
+    for key, nearest in table.refused:
+        lines.append(f"    refused: {key}" + (f"  (nearest valid key: {nearest})" if nearest else ""))
+    return "\n".join(lines)
