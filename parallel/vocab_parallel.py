@@ -6,6 +6,7 @@ the vocabulary slice ``[r * V/tp, (r + 1) * V/tp)``. This module computes, per t
 
     log p(label) = x[label] - logsumexp(x)            x = logits / temperature
     H            = logsumexp(x) - sum_v p_v * x_v
+    sum_v p_v^2  = sum_v exp(2 (x_v - M)) / S^2       (optional; M the max, S = sum_v exp(x_v - M))
 
 without ever gathering the full vocabulary: every rank reduces its shard to per-token
 partial statistics (max, sum of exp, sum of exp * logit, the label's logit if it owns it),
@@ -25,6 +26,8 @@ Two entry points:
   whole sequence.
 - :func:`fused_linear_log_probs_and_entropy` from the last hidden state and the
   vocab-sharded output weight; logits exist only one chunk at a time, forward and backward.
+  With ``return_sum_pi_squared`` it also returns ``sum_v p_v^2`` per token (the optimal token
+  baseline's path variance), from the same chunks and the same all-reduce (no gradient).
 
 Math runs in float32 (float64 when the inputs are float64, which ``gradcheck`` needs);
 the input tensors are never modified. With ``tp_group=None`` (or a group of size 1) the
@@ -93,47 +96,58 @@ def _local_index(labels: torch.Tensor, vocab_start: int, vocab_local: int):
     return torch.where(owned, local, torch.zeros_like(local)), owned
 
 
-def _shard_stats(x: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, compute_entropy: bool):
+def _sum_of_squares(e: torch.Tensor) -> torch.Tensor:
+    """``sum_v e_v^2`` per row of ``e: [n, v]`` without an ``[n, v]`` temporary."""
+    return torch.linalg.vector_norm(e, ord=2, dim=-1).square()
+
+
+def _shard_stats(x: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, compute_entropy: bool,
+                 compute_sum_sq: bool = False):
     """Per-token partial statistics of one shard's scaled logits ``x: [n, v]`` (consumed in place).
 
-    Returns ``(m, s, a, t)``: local max, ``sum exp(x - m)``, ``sum exp(x - m) * (x - m)``
-    (``None`` without entropy) and the label's logit (0 where this shard does not own it).
+    Returns ``(m, s, a, t, q)``: local max, ``sum exp(x - m)``, ``sum exp(x - m) * (x - m)``
+    (``None`` without entropy), the label's logit (0 where this shard does not own it) and
+    ``sum exp(2 (x - m))`` (``None`` unless ``compute_sum_sq``).
     """
     m = x.amax(dim=-1)                                                   # [n]
     t = x.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
     x.sub_(m.unsqueeze(-1))                                              # z = x - m
     if not compute_entropy:
-        return m, x.exp_().sum(dim=-1), None, t
+        e = x.exp_()
+        return m, e.sum(dim=-1), None, t, _sum_of_squares(e) if compute_sum_sq else None
     e = torch.exp(x)
     s = e.sum(dim=-1)
+    q = _sum_of_squares(e) if compute_sum_sq else None
     # In place into e: no third [n, v] buffer. (A batched dot, bmm, would avoid it too but
     # accumulates 1e5 terms sequentially on CPU: 20x the rounding error of sum's tree.)
     a = e.mul_(x).sum(dim=-1)
-    return m, s, a, t
+    return m, s, a, t, q
 
 
-def _combine_stats(m, s, a, t, tp_group, tp_size):
-    """All-reduce per-token partial statistics over the TP group -> (log_probs, entropy, logz).
+def _combine_stats(m, s, a, t, tp_group, tp_size, q=None):
+    """All-reduce per-token partial statistics over the TP group -> (log_probs, entropy, logz, sum_pi_sq).
 
     Partial sums taken relative to each rank's own max are rescaled to the global max ``M``
-    (``w = exp(m - M)``), the same merge as online softmax; entropy is formed as
-    ``log S - sum p (x - M)`` so no term of size ``M`` cancels.
+    (``w = exp(m - M)``; squares by ``w^2``), the same merge as online softmax; entropy is formed
+    as ``log S - sum p (x - M)`` so no term of size ``M`` cancels, and ``sum p^2 = Q / S^2``.
     """
     if tp_size > 1:
         big_m = m.clone()
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
         w = torch.exp(m - big_m)
-        parts = [w * s, t] if a is None else [w * s, t, w * (a + (m - big_m) * s)]
-        packed = torch.stack(parts)                                      # [2 or 3, n]
+        parts = [w * s, t] + ([] if a is None else [w * (a + (m - big_m) * s)]) + ([] if q is None else [w * w * q])
+        packed = torch.stack(parts)                                      # [2..4, n]: one SUM for all of them
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
         s, t = packed[0], packed[1]
         a = None if a is None else packed[2]
+        q = None if q is None else packed[-1]
         m = big_m
     log_s = torch.log(s)
     logz = m + log_s
     log_probs = t - logz
     entropy = None if a is None else log_s - a / s
-    return log_probs, entropy, logz
+    sum_pi_sq = None if q is None else q / (s * s)
+    return log_probs, entropy, logz, sum_pi_sq
 
 
 def _grad_from_log_probs(x, entropy, grad_lp, grad_h, index, owned, temperature):
@@ -205,7 +219,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         dtype = _math_dtype(logits.dtype)
         index, owned = _local_index(labels, tp_rank * vocab_local, vocab_local)
 
-        stats = [[], [], [], []]
+        stats = [[], [], [], [], []]
         for lo, hi in _chunks(num_tokens, chunk_size):
             x = _scaled_copy(logits[lo:hi], dtype, temperature)           # [c, vocab/tp] working copy
             for acc, val in zip(stats, _shard_stats(x, index[lo:hi], owned[lo:hi], compute_entropy)):
@@ -213,7 +227,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             del x
         m, s, t = (torch.cat(v) for v in (stats[0], stats[1], stats[3]))
         a = torch.cat(stats[2]) if compute_entropy else None
-        log_probs, entropy, logz = _combine_stats(m, s, a, t, tp_group, tp_size)
+        log_probs, entropy, logz, _ = _combine_stats(m, s, a, t, tp_group, tp_size)
 
         # Only the logits reference and [n]-sized vectors are kept; softmax is recomputed.
         ctx.save_for_backward(logits, index, owned, logz, entropy if compute_entropy else None)
@@ -297,7 +311,8 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     """hidden ``[n, h]`` x weight ``[vocab/tp, h]`` -> log_probs ``[n]`` (+ entropy), logits by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, tp_group, temperature, compute_entropy, chunk_size, vocab_start):
+    def forward(ctx, hidden, weight, labels, tp_group, temperature, compute_entropy, chunk_size, vocab_start,
+                compute_sum_sq=False):
         tp_size, tp_rank = _group_size_rank(tp_group)
         num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         dtype = _math_dtype(hidden.dtype)
@@ -308,32 +323,37 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         weight_t = weight.t()
         if weight.dtype != dtype and not weight.is_cuda:
             weight_t = weight_t.to(dtype)
-        stats = [[], [], [], []]
+        stats = [[], [], [], [], []]
         for lo, hi in _chunks(num_tokens, chunk_size):
             x = _mm_math(hidden[lo:hi], weight_t, dtype)                 # [c, vocab/tp] float32 logits
             if temperature != 1.0:
                 x.div_(temperature)
-            for acc, val in zip(stats, _shard_stats(x, index[lo:hi], owned[lo:hi], compute_entropy)):
+            for acc, val in zip(stats, _shard_stats(x, index[lo:hi], owned[lo:hi], compute_entropy, compute_sum_sq)):
                 acc.append(val)
             del x
         del weight_t
         m, s, t = (torch.cat(v) for v in (stats[0], stats[1], stats[3]))
         a = torch.cat(stats[2]) if compute_entropy else None
-        log_probs, entropy, logz = _combine_stats(m, s, a, t, tp_group, tp_size)
+        q = torch.cat(stats[4]) if compute_sum_sq else None
+        log_probs, entropy, logz, sum_pi_sq = _combine_stats(m, s, a, t, tp_group, tp_size, q)
 
         ctx.save_for_backward(hidden, weight, labels, logz, entropy if compute_entropy else None)
         ctx.tp_group, ctx.tp_rank, ctx.tp_size = tp_group, tp_rank, tp_size
         ctx.temperature, ctx.chunk_size, ctx.vocab_start = temperature, chunk_size, vocab_start
+        ctx.compute_entropy = compute_entropy
         ctx.set_materialize_grads(False)
-        if compute_entropy:
-            return log_probs, entropy
-        return log_probs
+        outputs = (log_probs,) + ((entropy,) if compute_entropy else ())
+        if compute_sum_sq:
+            ctx.mark_non_differentiable(sum_pi_sq)  # a baseline statistic: no gradient flows through it
+            outputs += (sum_pi_sq,)
+        return outputs if len(outputs) > 1 else log_probs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_lp, grad_h=None):
+    def backward(ctx, grad_lp, *grads):
+        grad_h = grads[0] if ctx.compute_entropy and grads else None
         hidden, weight, labels, logz, entropy = ctx.saved_tensors
-        nones = (None,) * 6
+        nones = (None,) * 7
         if grad_lp is None and grad_h is None:
             return (None, None) + nones
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -387,7 +407,8 @@ def fused_linear_log_probs_and_entropy(
     chunk_size: Optional[int] = DEFAULT_LINEAR_CHUNK_SIZE,
     compute_entropy: bool = True,
     vocab_size: Optional[int] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-prob of ``labels`` and entropy straight from the last hidden state.
 
     ``logits = hidden @ weight.T / temperature`` is formed ``chunk_size`` tokens at a time
@@ -408,9 +429,12 @@ def fused_linear_log_probs_and_entropy(
         vocab_size: the real vocabulary when the weight's rows are padded (Megatron pads the
             embedding to a multiple of TP); rows with ids ``>= vocab_size`` are left out of the
             softmax entirely (and get zero gradient). ``None`` = every row is real.
+        return_sum_pi_squared: also return ``sum_v p_v^2 [...]`` (same chunks, same all-reduce;
+            not differentiable).
 
     Returns:
-        ``(log_probs [...], entropy [...] or None)`` in float32 (float64 for float64 inputs).
+        ``(log_probs [...], entropy [...] or None)`` in float32 (float64 for float64 inputs), and
+        ``sum_pi_squared [...]`` third with ``return_sum_pi_squared``.
     """
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
@@ -439,9 +463,11 @@ def fused_linear_log_probs_and_entropy(
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
     out = _FusedLinearLogProbEntropy.apply(
         flat_hidden, weight[:valid_local] if valid_local < padded_local else weight, flat_labels, tp_group,
-        float(temperature), bool(compute_entropy), chunk_size, vocab_start,
+        float(temperature), bool(compute_entropy), chunk_size, vocab_start, bool(return_sum_pi_squared),
     )
-    if compute_entropy:
-        log_probs, entropy = out
-        return log_probs.view(token_shape), entropy.view(token_shape)
-    return out.view(token_shape), None
+    out = out if isinstance(out, tuple) else (out,)
+    log_probs = out[0].view(token_shape)
+    entropy = out[1].view(token_shape) if compute_entropy else None
+    if return_sum_pi_squared:
+        return log_probs, entropy, out[-1].view(token_shape)
+    return log_probs, entropy

@@ -366,3 +366,41 @@ def test_fused_linear_rejects_a_rank_holding_only_padding():
     hidden, weight = torch.randn(2, 4), torch.randn(8, 4)
     with pytest.raises(ValueError, match=r"vocab_size=9 must be in \(0, 8\]"):
         fused_linear_log_probs_and_entropy(hidden, weight, torch.zeros(2, dtype=torch.long), vocab_size=9)
+
+
+def _sum_pi_squared_case(rank, world_size):
+    """``sum_v p_v^2`` from the fused pass (fp32, chunked, padded vocabulary, temperature) on this rank's
+    vocabulary shard, against the full-vocabulary softmax in float64; log-probs / entropy unchanged by it."""
+    import torch.distributed as dist
+
+    from parallel.vocab_parallel import fused_linear_log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(11)
+    vocab, padded, hidden_size, n, temperature = 61, 64, 16, 23, 0.8
+    hidden = torch.randn(n, hidden_size, generator=g) * 2
+    weight = torch.randn(padded, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    probs = ((hidden.double() @ weight[:vocab].double().t()) / temperature).softmax(-1)  # [n, vocab]
+    group = dist.group.WORLD if world_size > 1 else None
+    rows = padded // world_size
+    w_local = weight[rank * rows : (rank + 1) * rows].clone()
+    out = {}
+    for entropy in (True, False):
+        lp, ent, sq = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab,
+                                                         chunk_size=5, temperature=temperature, compute_entropy=entropy,
+                                                         return_sum_pi_squared=True)
+        lp0, ent0 = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab,
+                                                       chunk_size=5, temperature=temperature, compute_entropy=entropy)
+        same = torch.equal(lp, lp0) and (ent is None or torch.equal(ent, ent0))
+        out[entropy] = (float((sq.double() - probs.square().sum(-1)).abs().max()), sq.dtype == torch.float32, same,
+                        sq.requires_grad, sq)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_sum_pi_squared_equals_full_vocabulary_reference(world_size):
+    single = _sum_pi_squared_case(0, 1)
+    for result in run_distributed(_sum_pi_squared_case, world_size):
+        for entropy, (err, fp32, same, grad, sq) in result.items():
+            assert err <= 1e-6 and fp32 and same and not grad, (world_size, entropy, err)
+            assert float((sq - single[entropy][4]).abs().max()) <= 1e-6  # TP=2 equals TP=1
