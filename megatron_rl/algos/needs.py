@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorNeeds
+from megatron_rl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorNeeds, plugins
 from megatron_rl.config.sections import suggest
 from megatron_rl.config.trainer import TrainerRunConfig
 
@@ -50,7 +50,10 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
 
     Raises ``ValueError`` naming the field for an unregistered estimator or policy loss, an
     estimator that needs a critic with ``critic.enable=False``, and every layout / batch-size
-    misfit of a role that runs.
+    misfit of a role that runs. Entries registered from user code (``register_adv_est`` /
+    ``register_policy_loss`` in the driver's script) are put into
+    ``actor_rollout_ref.actor.policy_loss.plugins``, so the workers that receive the actor's config
+    register them too.
     """
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
     _check_name("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS, "advantage estimator")
@@ -69,4 +72,7 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
     )
     config.check_roles(critic=needs.critic, reference=needs.reference, reward_model=needs.reward_model,
                        teacher=needs.teacher)
+    snapshot = plugins()
+    if snapshot is not None:  # losses registered in the driver's script travel to the workers with the config
+        actor.policy_loss.plugins = snapshot
     return needs

@@ -51,14 +51,18 @@ class Actor:
     # -- forward --------------------------------------------------------------------------------
     @batch_fields("input_ids", "attention_mask", "responses")
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
-                         micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """Log-probs ``[b, r]`` (and ``entropys``) of ``batch["responses"]``; forward only."""
+                         micro_batch_size: Optional[int] = None, calculate_sum_pi_squared: bool = False
+                         ) -> dict[str, torch.Tensor]:
+        """Log-probs ``[b, r]`` (and ``entropys``; ``sum_pi_squared``, sum_v pi_v^2, when asked) of
+        ``batch["responses"]``; forward only, one fused vocab-parallel pass."""
         chunk_size = self.config.logprob_chunk_size
 
         def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
-            lp, ent = response_log_probs(out, mb["responses"], temperature=temperature, entropy=calculate_entropy,
-                                         chunk_size=chunk_size)
-            return {"log_probs": lp} if ent is None else {"log_probs": lp, "entropys": ent}
+            lp, ent, *spsq = response_log_probs(out, mb["responses"], temperature=temperature,
+                                                entropy=calculate_entropy, chunk_size=chunk_size,
+                                                sum_pi_squared=calculate_sum_pi_squared)
+            extra = {"sum_pi_squared": spsq[0]} if spsq else {}
+            return {"log_probs": lp, **extra} if ent is None else {"log_probs": lp, "entropys": ent, **extra}
 
         return self.engine.forward(batch, head, micro_batch_size=self._micro_batch_size(micro_batch_size))
 

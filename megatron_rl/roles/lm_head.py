@@ -19,23 +19,27 @@ __all__ = ["response_log_probs", "response_logits", "topk_log_probs", "topk_dist
 
 
 def response_log_probs(out: ModelOutput, responses: torch.Tensor, *, temperature: float, entropy: bool,
-                       chunk_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       chunk_size: int, sum_pi_squared: bool = False) -> tuple[Optional[torch.Tensor], ...]:
     """Log-probs ``[b, r]`` of ``responses`` (and their entropy, or None) at ``temperature``.
 
     Straight from the final hidden states and the vocab-sharded output weight: only the
     positions that predict response tokens are projected, ``chunk_size`` tokens at a time, so
     full logits are never materialised. Under CP every local position is scored, then gathered.
+    With ``sum_pi_squared`` a third value, ``sum_v pi_v^2 [b, r]``, comes from the same fused pass.
     """
     from parallel.vocab_parallel import fused_linear_log_probs_and_entropy
 
     hidden, labels = out.scored_tokens(responses)  # [b, n, h], [b, n]
-    log_probs, ent = fused_linear_log_probs_and_entropy(
+    log_probs, ent, *spsq = fused_linear_log_probs_and_entropy(
         hidden.reshape(-1, hidden.shape[-1]), out.output_weight, labels.reshape(-1), tp_group=out.tp_group,
         temperature=temperature, chunk_size=chunk_size, compute_entropy=entropy,
         vocab_size=out.vocab_size,  # padded embedding rows stay out of the softmax
+        return_sum_pi_squared=sum_pi_squared,
     )
     log_probs = out.to_responses(log_probs.view(labels.shape))
     ent = out.to_responses(ent.view(labels.shape)) if ent is not None else None
+    if sum_pi_squared:
+        return log_probs, ent, out.to_responses(spsq[0].view(labels.shape))
     return log_probs, ent
 
 

@@ -182,7 +182,13 @@ class RayPPOTrainer:
         """Actor log-probs of the sampled tokens (the PPO ratio's denominator) and their entropy;
         then rollout correction: bypass mode takes vLLM's log-probs as the old ones (the loss
         corrects against them), decoupled mode adds IS weights / the rejection mask."""
-        out = self.actor.compute_log_prob(batch, temperature=self.temperature, calculate_entropy=True)
+        # sum_v pi_v^2 from the same fused pass: an estimator that declared the need (the optimal token
+        # baseline), or verl's actor.calculate_sum_pi_squared.
+        spsq = self.needs.estimator.sum_pi_squared or self.config.actor_rollout_ref.actor.calculate_sum_pi_squared
+        out = self.actor.compute_log_prob(batch, temperature=self.temperature, calculate_entropy=True,
+                                          **({"calculate_sum_pi_squared": True} if spsq else {}))
+        if spsq:
+            batch["sum_pi_squared"] = out["sum_pi_squared"]
         mode = self.config.actor_rollout_ref.actor.loss_agg_mode
         metrics = {"actor/entropy": float(agg_loss(out["entropys"], batch["response_mask"], mode))}
         rc = self.rollout_correction
@@ -227,6 +233,9 @@ class RayPPOTrainer:
         extra = {"reward_baselines": batch["reward_baselines"]} if self.needs.baseline else {}
         if self.needs.estimator.reward_fields:  # e.g. GDPO's components, named by algorithm.gdpo_reward_keys
             extra["non_tensor_batch"] = batch.non_tensor_batch
+        if self.needs.estimator.sum_pi_squared:  # the optimal token baseline's path variance (verl's kwargs)
+            extra.update(sum_pi_squared=batch["sum_pi_squared"], old_log_probs=batch["old_log_probs"],
+                         rollout_is_weights=batch.get("rollout_is_weights"))
         batch["advantages"], batch["returns"] = self.adv_fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
             index=np.array(list(batch["uid"]), dtype=object), values=batch.get("values"), gamma=algo.gamma,
