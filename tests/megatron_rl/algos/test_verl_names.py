@@ -1,0 +1,201 @@
+"""verl 0.9.1's algorithm API by verl's names: every listed name called with verl's keyword arguments
+equals what verl itself returned for the same inputs (``data/verl_reference.pt``, written by
+``data/make_verl_reference.py`` in a scratch venv; the project never imports verl)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_rl.algos as algos
+from megatron_rl.algos import (
+    ADV_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
+    SUPPORTED_ROLLOUT_RS_OPTIONS,
+    TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
+    AdvantageEstimator,
+    compute_is_metrics,
+    compute_policy_loss,
+    compute_rewards,
+    compute_rollout_correction_and_add_to_batch,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rs_metrics,
+    get_adv_estimator_fn,
+    get_policy_loss_fn,
+    group_mean_std,
+    register_adv_est,
+    register_policy_loss,
+)
+from megatron_rl.config import ActorConfig, AlgoConfig, RolloutCorrectionConfig, omega_conf_to_dataclass
+from megatron_rl.config.algorithm import ROLLOUT_CORRECTION_PRESETS
+from megatron_rl.data.batch import Batch, DataProto
+
+REF = torch.load(Path(__file__).parent / "data" / "verl_reference.pt", weights_only=False)
+INP = REF["inputs"]
+
+
+def _strip(value):
+    """verl's dataclasses carry a ``_target_`` field (its Hydra class path); ours drop it."""
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k != "_target_"}
+    return value
+
+
+def close_metrics(ours: dict, theirs: dict, tol: float = 1e-6) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        assert ours[key] == pytest.approx(value, rel=tol, abs=tol), key
+
+
+def test_registries_getters_and_enum_are_verls():
+    assert sorted(ADV_ESTIMATOR_REGISTRY) == REF["adv_estimator_names"]
+    assert sorted(POLICY_LOSS_REGISTRY) == REF["policy_loss_names"]
+    assert {m.name: m.value for m in AdvantageEstimator} == REF["advantage_estimator_enum"]
+    assert get_adv_estimator_fn(AdvantageEstimator.GRPO) is ADV_ESTIMATOR_REGISTRY["grpo"]
+    assert get_policy_loss_fn("vanilla") is POLICY_LOSS_REGISTRY["vanilla"]
+    with pytest.raises(ValueError):  # verl's error type for an unknown name
+        get_adv_estimator_fn("nope")
+    with pytest.raises(ValueError):
+        get_policy_loss_fn("nope")
+
+
+def my_est(token_level_rewards, response_mask, **kwargs):
+    """A user's estimator (module level, as in a user's script)."""
+    return token_level_rewards * 2, token_level_rewards
+
+
+def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+            rollout_is_weights=None):
+    """A user's policy loss."""
+    return (-(log_prob * advantages) * response_mask).sum(), {}
+
+
+def test_user_registration_by_decorator_and_by_assignment():
+    try:
+        register_adv_est("my_est")(my_est)
+        POLICY_LOSS_REGISTRY["my_loss"] = my_loss  # verl's registries are dicts
+        assert get_adv_estimator_fn("my_est") is my_est and get_policy_loss_fn("my_loss") is my_loss
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy_loss("my_loss")(lambda *a: None)
+        # The snapshot that travels with the actor's config re-registers them where it is unpickled.
+        snapshot = algos.registry.plugins()
+        assert sorted(snapshot.estimators) == ["my_est"] and sorted(snapshot.losses) == ["my_loss"]
+        del POLICY_LOSS_REGISTRY["my_loss"], ADV_ESTIMATOR_REGISTRY["my_est"]
+        restored = pickle.loads(pickle.dumps(snapshot))
+        assert get_policy_loss_fn("my_loss") is my_loss and get_adv_estimator_fn("my_est") is my_est and restored
+    finally:
+        for reg, name in ((POLICY_LOSS_REGISTRY, "my_loss"), (ADV_ESTIMATOR_REGISTRY, "my_est")):
+            if name in reg:
+                del reg[name]
+
+
+def test_compute_policy_loss_rewards_and_group_mean_std_equal_verl():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ours = compute_policy_loss(old_log_prob=INP["old"], log_prob=INP["new"], advantages=INP["adv"],
+                                   response_mask=INP["mask"], cliprange=0.2, cliprange_low=0.1, cliprange_high=0.28,
+                                   clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean")
+    for a, b in zip(ours, REF["compute_policy_loss"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compute_rewards(INP["scores"], INP["old"], INP["ref"], 0.05), REF["compute_rewards"])
+    for a, b in zip(group_mean_std(INP["scores"].sum(-1), INP["gidx"], eps=1e-6), REF["group_mean_std"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_rollout_rs_option_sets_and_metric_functions_equal_verl():
+    assert sorted(SUPPORTED_ROLLOUT_RS_OPTIONS) == REF["supported_rs"] and isinstance(SUPPORTED_ROLLOUT_RS_OPTIONS, set)
+    assert sorted(TOKEN_LEVEL_ROLLOUT_RS_OPTIONS) == REF["token_level_rs"]
+    mask, log_ratio = INP["mask"], INP["old"] - INP["roll"]
+    raw_tok = torch.exp(log_ratio.clamp(-20, 20)) * mask
+    close_metrics(compute_is_metrics(raw_tok.clamp(max=1.5), raw_tok, log_ratio, mask, "token", 1.5, None),
+                  REF["is_metrics_token"])
+    seq_lr = (log_ratio * mask).sum(-1, keepdim=True)
+    raw_seq = torch.exp(seq_lr.clamp(-20, 20)).expand_as(log_ratio) * mask
+    icepop = torch.where((raw_seq >= 0.5) & (raw_seq <= 2.0), raw_seq, torch.zeros_like(raw_seq))
+    close_metrics(compute_is_metrics(icepop, raw_seq, seq_lr, mask, "sequence", 2.0, 0.5), REF["is_metrics_sequence"])
+    k1 = -log_ratio.clamp(-20, 20)
+    seq_valid = mask.sum(-1) > 0
+    close_metrics(compute_rs_metrics("token_k1", k1, mask, seq_valid, level="token", per_sequence_values=None,
+                                     rollout_rs_threshold=0.3, rollout_rs_threshold_lower=-0.3,
+                                     apply_lower_threshold=True), REF["rs_metrics_token_k1"])
+    k3 = torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio.clamp(-20, 20)
+    seq_k3 = (k3 * mask).sum(-1) / mask.sum(-1)
+    close_metrics(compute_rs_metrics("seq_mean_k3", seq_k3.unsqueeze(-1).expand_as(mask), mask, seq_valid,
+                                     level="sequence", per_sequence_values=seq_k3, rollout_rs_threshold=0.2,
+                                     rollout_rs_threshold_lower=0.0, apply_lower_threshold=False),
+                  REF["rs_metrics_seq_mean_k3"])
+
+
+@pytest.mark.parametrize("preset", sorted(REF["rollout_correction"]))
+def test_rollout_correction_returns_a_dataproto_first_as_verl(preset):
+    theirs = REF["rollout_correction"][preset]
+    cfg = getattr(RolloutCorrectionConfig, preset)()
+    w, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=INP["old"], rollout_log_prob=INP["roll"], response_mask=INP["mask"], rollout_is=cfg.rollout_is,
+        rollout_is_threshold=cfg.rollout_is_threshold, rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
+        rollout_rs=cfg.rollout_rs, rollout_rs_threshold=cfg.rollout_rs_threshold)
+    assert (type(w).__name__ if w is not None else None) == ("Batch" if theirs["weights_type"] else None)
+    assert isinstance(w, DataProto) or w is None
+    if w is not None:
+        torch.testing.assert_close(w.batch["rollout_is_weights"], theirs["weights"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mask, theirs["mask"])
+    close_metrics(metrics, theirs["metrics"], tol=1e-5)
+    # verl's add_to_batch on a DataProto: union of the weights, the rejection mask in place.
+    batch = Batch({"old_log_probs": INP["old"], "rollout_log_probs": INP["roll"], "response_mask": INP["mask"]})
+    batch, _ = compute_rollout_correction_and_add_to_batch(batch, cfg)
+    torch.testing.assert_close(batch.batch["response_mask"], theirs["mask"])
+    assert ("rollout_is_weights" in batch.batch.keys()) == (w is not None)
+
+
+def test_all_presets_equal_verls():
+    ours = {name: dataclasses.asdict(getattr(RolloutCorrectionConfig, name)()) for name in ROLLOUT_CORRECTION_PRESETS}
+    verls = {k: _strip(v) for k, v in REF["presets"].items() if "(" not in k}
+    assert len(ours) == len(verls) == 19  # 18 named presets and disabled()
+    assert ours == verls
+    assert dataclasses.asdict(RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001)) == \
+        _strip(REF["presets"]["decoupled_geo_rs_seq_tis(rs_threshold=1.001)"])
+    assert dataclasses.asdict(RolloutCorrectionConfig.decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)) == \
+        _strip(REF["presets"]["decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)"])
+
+
+def test_config_dataclasses_from_verls_own_yaml_sections():
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.verl_keys import VERL_CONFIG_DIR
+
+    yaml = OmegaConf.load(VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml")
+    algo = omega_conf_to_dataclass(yaml.algorithm)  # by its _target_
+    assert isinstance(algo, AlgoConfig)
+    for key, value in REF["algo_from_yaml"].items():
+        got = getattr(algo, key)
+        assert (dataclasses.asdict(got) if dataclasses.is_dataclass(got) else got) == _strip(value), key
+    algo2 = AlgoConfig.from_dict({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 0.99, "adv_estimator": "grpo"})
+    for key in ("gamma", "adv_estimator", "lam", "norm_adv_by_std_in_grpo"):
+        assert getattr(algo2, key) == REF["algo_from_dict"][key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actor = omega_conf_to_dataclass(OmegaConf.merge(yaml.actor_rollout_ref.actor, {"ppo_micro_batch_size_per_gpu": 2}))
+    assert type(actor).__name__ == "ActorRunConfig" and actor.ppo_micro_batch_size_per_gpu == 2
+    assert actor.use_dynamic_bsz is False and actor.megatron.tensor_model_parallel_size == 1
+
+
+def test_actor_config_takes_verls_keyword_arguments():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = ActorConfig(strategy="megatron", ppo_micro_batch_size=2, ppo_mini_batch_size=4, use_torch_compile=False,
+                          rollout_n=2)
+    assert cfg.ppo_micro_batch_size_per_gpu == 2 and cfg.use_torch_compile is False  # verl's global size, one rank
+    assert [str(w.message).split("=")[0] for w in caught] == ["actor_rollout_ref.actor.use_torch_compile"]
+    with pytest.raises(ValueError, match="strategy='fsdp' is not allowed"):
+        ActorConfig(strategy="fsdp")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'clip_ratoi'; did you mean 'clip_ratio'"):
+        ActorConfig(clip_ratoi=0.3)
+    with pytest.raises(ValueError, match="remove ppo_micro_batch_size"):
+        ActorConfig(ppo_micro_batch_size=2, ppo_micro_batch_size_per_gpu=2)
+    with pytest.raises(ValueError, match=r"_target_='verl.trainer.config.AlgoConfig' names a class that does not fit"):
+        ActorConfig.from_dict({"_target_": "verl.trainer.config.AlgoConfig"})

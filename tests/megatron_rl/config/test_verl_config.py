@@ -1,0 +1,71 @@
+"""A verl 0.9.1 config file and command line, without training: the key table, Hydra's override
+syntax, verl-only keys kept and warned, and the bad inputs (exit 2 with the nearest key)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from megatron_rl.config import TrainerRunConfig, compose
+from megatron_rl.config.compat import InertKeyWarning
+from megatron_rl.config.verl_keys import VERL_CONFIG_DIR, verl_catalogue
+from megatron_rl.main_ppo import main, parse_args
+
+VERL = str(VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml")
+SET = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+
+
+def test_generated_config_builds_and_its_key_table_refuses_nothing():
+    from megatron_rl.config.loader import key_report
+
+    report, refused = key_report(VERL, SET)
+    lines = report.splitlines()
+    assert not refused and lines[3].split() == ["refused", "0"]
+    acted, inert = int(lines[1].split()[-1]), int(lines[2].split()[4])
+    assert acted > 200 and inert > 600 and acted + inert <= len(verl_catalogue())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = TrainerRunConfig.from_dict(compose(VERL, SET))
+    # verl-only keys read back as given; only values away from verl's default warn.
+    assert cfg.actor_rollout_ref.actor.use_torch_compile is True and cfg.trainer.use_v1 is True
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "colocated"  # verl's "naive"
+    texts = [str(w.message) for w in caught if issubclass(w.category, InertKeyWarning)]
+    assert all(not t.startswith(("actor_rollout_ref.actor.use_torch_compile", "trainer.use_v1")) for t in texts)
+
+
+def test_hydra_override_syntax():
+    data = compose(VERL, [*SET, "++trainer.nnodes=2", "+trainer.sft_warmup_steps=3", "~trainer.v1",
+                          "trainer.resume_from_path=null", "actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    assert data["trainer"]["nnodes"] == 2 and data["trainer"]["sft_warmup_steps"] == 3
+    assert "v1" not in data["trainer"] and data["trainer"]["resume_from_path"] is None
+    with pytest.raises(ValueError, match=r"cannot add 'trainer.nnodes' .* already has it"):
+        compose(VERL, ["+trainer.nnodes=2"])
+    with pytest.raises(ValueError, match="both .*ppo_micro_batch_size=8 and .*ppo_micro_batch_size_per_gpu=2"):
+        TrainerRunConfig.from_dict(data)
+    data = compose(VERL, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+                          "trainer.n_gpus_per_node=4"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = TrainerRunConfig.from_dict(data)
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2  # verl's 8 // dp=4
+
+
+def test_command_line_parsing():
+    assert parse_args(["--config-path=config", "--config-name", "ppo_megatron_trainer.yaml", "a.b=1", "~c"]) == (
+        "config", "ppo_megatron_trainer.yaml", ["a.b=1", "~c"])
+    assert parse_args(["-cn", "x"])[1] == "x" and parse_args([])[1] == "ppo_trainer"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*SET, "actor_rollout_ref.actor.clip_ratoi=0.3"],
+     "refused: actor_rollout_ref.actor.clip_ratoi  (nearest valid key: actor_rollout_ref.actor.clip_ratio)"),
+    ([*SET, "~trainer.no_such_key"], "cannot delete 'trainer.no_such_key'"),
+    ([*SET, "algorithm._target_=verl.workers.config.McoreActorConfig"],
+     "algorithm._target_='verl.workers.config.McoreActorConfig' names a class that does not fit this section"),
+    ([*SET, "model_engine=dp"], "model_engine='dp': only 'megatron' is built here"),
+])
+def test_bad_input_exits_2_naming_the_key(argv, message, capsys):
+    assert main(["--config-name=ppo_megatron_trainer", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
