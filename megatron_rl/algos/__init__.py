@@ -49,9 +49,13 @@ from megatron_rl.algos.distillation import DISTILLATION_LOSSES, compute_distilla
 
 # Importing the implementation modules registers their entries.
 from megatron_rl.algos import advantage  # noqa: E402,F401  isort:skip
+from megatron_rl.algos import advantage_otb  # noqa: E402,F401  isort:skip
 from megatron_rl.algos import policy_loss  # noqa: E402,F401  isort:skip
+from megatron_rl.algos import policy_loss_variants  # noqa: E402,F401  isort:skip
 from megatron_rl.algos.advantage import *  # noqa: E402,F401,F403  isort:skip  (verl's estimator function names)
+from megatron_rl.algos.advantage_otb import *  # noqa: E402,F401,F403  isort:skip
 from megatron_rl.algos.policy_loss import *  # noqa: E402,F401,F403  isort:skip  (verl's policy loss function names)
+from megatron_rl.algos.policy_loss_variants import *  # noqa: E402,F401,F403  isort:skip
 from megatron_rl.algos.verl_compat import (  # noqa: E402  isort:skip
     SUPPORTED_ROLLOUT_RS_OPTIONS,
     TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
@@ -62,11 +66,15 @@ from megatron_rl.algos.verl_compat import (  # noqa: E402  isort:skip
     group_mean_std,
 )
 from megatron_rl.algos.advantage import __all__ as _estimator_names  # noqa: E402  isort:skip
+from megatron_rl.algos.advantage_otb import __all__ as _otb_names  # noqa: E402  isort:skip
 from megatron_rl.algos.policy_loss import __all__ as _loss_names  # noqa: E402  isort:skip
+from megatron_rl.algos.policy_loss_variants import __all__ as _variant_loss_names  # noqa: E402  isort:skip
 
 __all__ = [
     *_estimator_names,
+    *_otb_names,
     *_loss_names,
+    *_variant_loss_names,
     "ADV_ESTIMATOR_REGISTRY",
     "ADV_ESTIMATORS",
     "AdvantageEstimator",

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from megatron_rl.algos import POLICY_LOSSES, get_policy_loss_fn
 from megatron_rl.algos.loss_agg import LOSS_AGG_MODES
-from megatron_rl.algos.policy_loss import compute_policy_loss_reinforce
+from megatron_rl.algos.policy_loss_variants import compute_policy_loss_reinforce
 from megatron_rl.config import ActorConfig
 
 ALL_LOSSES = ["vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "sapo", "gpg",
