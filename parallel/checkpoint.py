@@ -10,21 +10,30 @@ Training state: given the Megatron optimizer and ``OptimizerParamScheduler``, th
 checkpoint also holds the optimizer state (sharded like the parameters, so it reshards too), the
 scheduler's state and every rank's RNG states (``rng/rank_<r>.pt``: torch CPU/CUDA generators
 and Megatron's model-parallel CUDA RNG tracker), as Megatron-LM's training checkpoints do.
+
+Damage and full disks are named: ``verify_dist_checkpoint(path)`` lists what is missing or
+truncated, checked against the checkpoint's own index (``.metadata`` records the byte range of
+every tensor in every ``.distcp`` file), without reading the tensors. A save that runs out of
+space raises ``DiskFullError`` (the path, the bytes needed and free) instead of the writer's
+``unexpected pos`` or ``[Errno 28]``; ``check_free_space`` refuses a write that cannot fit.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import uuid
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_model", "load_model", "is_complete_checkpoint", "COMPLETE_MARKER"]
+__all__ = ["save_model", "load_model", "is_complete_checkpoint", "verify_dist_checkpoint", "COMPLETE_MARKER",
+           "DiskFullError", "check_free_space", "free_bytes", "is_disk_full", "fmt_bytes", "dir_bytes"]
 
 COMPLETE_MARKER = "megatron_rl_complete.json"
 
@@ -87,6 +96,124 @@ def _broadcast_str(value: str, group=None) -> str:
     return holder[0]
 
 
+# ----------------------------------------------------------------------------- full disks
+class DiskFullError(RuntimeError):
+    """A write that does not fit on its file system, named: what, where, bytes needed and free."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike = "", needed: Optional[int] = None,
+                 free: Optional[int] = None):
+        super().__init__(message)
+        self.path, self.needed, self.free = str(path), needed, free
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    """``1.5 GiB`` / ``3.2 MiB`` / ``12 B``; ``?`` for None."""
+    if n is None:
+        return "?"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes free (for this user) on the file system that holds ``path`` (or its nearest existing parent)."""
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the regular files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # removed while we looked
+                pass
+    return total
+
+
+def check_free_space(path: str | os.PathLike, needed: int, what: str, *, hint: str = "") -> None:
+    """``DiskFullError`` unless ``needed`` bytes (with 2% slack) are free where ``path`` goes."""
+    free = free_bytes(path)
+    if free < needed * 1.02:
+        raise DiskFullError(f"disk full: {what} needs ~{fmt_bytes(needed)} at {path} but only {fmt_bytes(free)} "
+                            f"are free on that file system{hint}", path=path, needed=needed, free=free)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception it was raised from) is ENOSPC / EDQUOT, in any wrapping
+    (a Ray task error carries the worker's message only; torch's zip writer says ``unexpected pos``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DiskFullError):
+            return True
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "Disk quota exceeded" in text or "DiskFullError" in text:
+            return True
+        exc = exc.__cause__ if exc.__cause__ is not None else None if exc.__suppress_context__ else exc.__context__
+    return False
+
+
+def _disk_full(exc: BaseException, path: Path, what: str) -> DiskFullError:
+    free = free_bytes(path)
+    return DiskFullError(f"disk full: {what} at {path} failed with {type(exc).__name__}: {exc}; "
+                         f"{fmt_bytes(free)} are free on that file system", path=path, free=free)
+
+
+# ----------------------------------------------------------------------------- integrity
+def verify_dist_checkpoint(path: str | os.PathLike) -> list[str]:
+    """What is wrong with the dist checkpoint at ``path`` (empty: nothing found), from its own
+    records: the completion marker, Megatron's ``metadata.json`` and ``common.pt``, the index
+    ``.metadata`` (every ``.distcp`` file must exist and reach the end of its last tensor) and, when
+    the marker says RNG states were saved, ``rng/rank_<r>.pt`` of every rank. Reads no tensor."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} does not exist"]
+    problems = []
+    marker = path / COMPLETE_MARKER
+    info: dict = {}
+    if not marker.is_file():
+        problems.append(f"{marker} is missing (the save did not finish)")
+    else:
+        try:
+            info = json.loads(marker.read_text())
+        except ValueError as exc:
+            problems.append(f"{marker} is not valid JSON ({exc})")
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not (path / name).is_file():
+            problems.append(f"{path / name} is missing")
+    if (path / ".metadata").is_file():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            index = FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - any unreadable index is reported as such
+            problems.append(f"{path / '.metadata'} cannot be read ({type(exc).__name__}: {exc})")
+        else:
+            ends: dict[str, int] = defaultdict(int)
+            for item in (index.storage_data or {}).values():
+                ends[item.relative_path] = max(ends[item.relative_path], int(item.offset) + int(item.length))
+            for name, end in sorted(ends.items()):
+                f = path / name
+                if not f.is_file():
+                    problems.append(f"{f} is missing (the index .metadata lists it)")
+                elif f.stat().st_size < end:
+                    problems.append(f"{f} is truncated: {f.stat().st_size} bytes, its tensors need {end}")
+    if info.get("rng"):
+        for rank in range(int(info.get("world_size", 1))):
+            f = path / "rng" / f"rank_{rank}.pt"
+            if not f.is_file():
+                problems.append(f"{f} is missing (RNG state of rank {rank})")
+    return problems
+
+
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` is a checkpoint whose save finished on every rank."""
     return (Path(path) / COMPLETE_MARKER).is_file()
@@ -109,10 +236,15 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
         tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, scheduler), str(tmp))
-    if save_rng:
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    try:
+        dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, scheduler), str(tmp))
+        if save_rng:
+            (tmp / "rng").mkdir(exist_ok=True)
+            torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise _disk_full(exc, tmp, f"rank {rank} saving the checkpoint") from exc
+        raise
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
@@ -142,6 +274,9 @@ def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, op
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not is_complete_checkpoint(path):
         raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
+    damage = verify_dist_checkpoint(path)
+    if damage:
+        raise ValueError(f"checkpoint {path} is damaged: {'; '.join(damage)}")
     chunks = list(chunks)
     marker = json.loads((path / COMPLETE_MARKER).read_text())
     for name, wanted in (("optimizer", optimizer), ("scheduler", scheduler), ("rng", load_rng)):

@@ -7,7 +7,9 @@
 * side files (tokenizer, generation config, config.json), the tokenizer-vs-vocabulary check,
   the metadata file of a converted Megatron checkpoint, and the logits used by ``--verify``.
 
-A ``ToolError`` is a user-facing failure: printed as ``error: <message>``, exit code 1.
+A ``ToolError`` is a user-facing failure: printed as ``error: <message>``, exit code 1. A full
+disk is named as one (``ensure_space`` before the writing starts; ``run_main`` for a write that
+fails with ENOSPC anyway): the output path, the bytes needed and free.
 """
 
 from __future__ import annotations
@@ -53,8 +55,34 @@ class ToolError(Exception):
     """A failure to report as one message (no traceback), exit code 1."""
 
 
-def run_main(body: Callable[[], int]) -> int:
-    """Run a tool's body; print a ``ToolError`` (or a bad-input error) as ``error: ...`` and return 1."""
+def ensure_space(out_dir: str | os.PathLike, needed: int, what: str) -> None:
+    """``ToolError`` (a full disk: path, bytes needed and free) unless ``needed`` bytes fit where ``out_dir`` goes."""
+    from parallel.checkpoint import DiskFullError, check_free_space
+
+    try:
+        check_free_space(out_dir, needed, what)
+    except DiskFullError as exc:
+        raise ToolError(str(exc)) from None
+
+
+def _disk_full_message(exc: BaseException, output: Optional[str]) -> Optional[str]:
+    """The full-disk message for ``exc`` when it is one (ENOSPC in any rank, or torch's ``unexpected
+    pos`` with the output's file system nearly full), else None."""
+    from parallel.checkpoint import free_bytes, fmt_bytes as fmt, is_disk_full
+
+    if output is None or str(exc).startswith("disk full:"):
+        return None
+    free = free_bytes(output)
+    if is_disk_full(exc) or ("unexpected pos" in str(exc) and free < 64 * 2**20):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f"disk full: writing {Path(output).resolve()} failed ({first}); {fmt(free)} are free on that file "
+                "system; nothing was written (free space, or choose another --out-dir)")
+    return None
+
+
+def run_main(body: Callable[[], int], output: Optional[str] = None) -> int:
+    """Run a tool's body; print a ``ToolError`` (or a bad-input error) as ``error: ...`` and return 1.
+    ``output`` (the ``--out-dir``) lets a write that ran out of space be reported as a full disk."""
     # torchrun (when another rank fails) and schedulers stop ranks with SIGTERM: unwind, so the
     # temporary output is removed.
     previous = None
@@ -62,9 +90,12 @@ def run_main(body: Callable[[], int]) -> int:
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return body()
-    except (ToolError, *_EXPECTED_ERRORS) as exc:
+    except (ToolError, OSError, RuntimeError, *_EXPECTED_ERRORS) as exc:
+        full = _disk_full_message(exc, output)
+        if full is None and not isinstance(exc, (ToolError, *_EXPECTED_ERRORS)):
+            raise
         prefix = f"[rank {os.environ['RANK']}] " if under_torchrun() and os.environ["RANK"] != "0" else ""
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        print(f"{prefix}error: {full or exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         if previous is not None:

@@ -29,7 +29,7 @@ if REPO not in sys.path:
 
 from tools.convert_common import (  # noqa: E402
     DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, check_output_dir,
-    add_layout_args, check_tokenizer, copy_files, dir_bytes, fmt_bytes, hf_logits, is_driver, launch,
+    add_layout_args, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, hf_logits, is_driver, launch,
     load_tokenizer, max_logit_diff, megatron_logits, model_in_dtype, report_verify, resolve_layout, run_main,
     side_files, verify_inputs, verify_settings,
 )
@@ -144,6 +144,7 @@ def _convert(args: argparse.Namespace) -> int:
               f"Megatron checkpoint at {layout} on {world} {device} ranks, {dtype}", flush=True)
 
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
+    ensure_space(out, hf_numel * itemsize, "the Megatron checkpoint")  # before any rank starts
     diff = None
     atomic = AtomicDir(out, args.overwrite)
     with atomic as tmp:
@@ -179,7 +180,7 @@ def main(argv=None, prog: str = "convert_hf_to_mcore.py") -> int:
         args = _parse(argv, prog)
     except SystemExit as exc:  # argparse: --help (0) or bad usage (2)
         return int(exc.code or 0)
-    return run_main(lambda: _convert(args))
+    return run_main(lambda: _convert(args), output=args.out_dir)
 
 
 if __name__ == "__main__":

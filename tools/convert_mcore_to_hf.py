@@ -27,7 +27,7 @@ if REPO not in sys.path:
 
 from tools.convert_common import (  # noqa: E402
     METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
-    check_output_dir, check_tokenizer, copy_files, dir_bytes, fmt_bytes, hf_logits, is_driver, launch,
+    check_output_dir, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, hf_logits, is_driver, launch,
     load_tokenizer, max_logit_diff, megatron_logits, model_in_dtype, report_verify, resolve_layout, run_main,
     side_files, verify_inputs, verify_settings,
 )
@@ -52,7 +52,7 @@ def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespac
 
 def read_metadata(mcore_dir: Path) -> dict:
     """The conversion metadata of ``mcore_dir``; a ``ToolError`` naming what is wrong."""
-    from parallel.checkpoint import COMPLETE_MARKER, is_complete_checkpoint
+    from parallel.checkpoint import COMPLETE_MARKER, is_complete_checkpoint, verify_dist_checkpoint
 
     if not mcore_dir.is_dir():
         raise ToolError(f"--mcore-dir {mcore_dir} is not a directory")
@@ -72,6 +72,9 @@ def read_metadata(mcore_dir: Path) -> dict:
     if meta["format_version"] > METADATA_VERSION:
         raise ToolError(f"{path}: format_version {meta['format_version']} is newer than this tool reads "
                         f"({METADATA_VERSION}); update megatron_rl")
+    damage = verify_dist_checkpoint(mcore_dir)  # truncated or missing .distcp files, named before any rank starts
+    if damage:
+        raise ToolError(f"{mcore_dir} is damaged: {'; '.join(damage)}")
     return meta
 
 
@@ -148,6 +151,7 @@ def _convert(args: argparse.Namespace) -> int:
     compute_dtype, tolerance = verify_settings(args, meta["dtype"])
     extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
+    ensure_space(out, int(meta.get("hf_numel", 0)) * itemsize, "the HF checkpoint")  # before any rank starts
     if is_driver():
         print(f"converting {family.name} Megatron checkpoint {mcore_dir} ({fmt_bytes(dir_bytes(mcore_dir))}, "
               f"{meta['dtype']}) to HF safetensors at {layout} on {world} {device} ranks", flush=True)
@@ -182,7 +186,7 @@ def main(argv=None, prog: str = "convert_mcore_to_hf.py") -> int:
         args = _parse(argv, prog)
     except SystemExit as exc:  # argparse: --help (0) or bad usage (2)
         return int(exc.code or 0)
-    return run_main(lambda: _convert(args))
+    return run_main(lambda: _convert(args), output=args.out_dir)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,15 @@ def test_round_trip_through_the_tools_is_bit_exact(hf_dir, tmp_path):
     assert proc.stderr.strip() == f"error: output directory {back} exists; pass --overwrite to replace it"
     assert sorted(p.name for p in back.iterdir()) == before and _hidden(tmp_path) == []
 
+    # A damaged dist checkpoint is named file by file before any rank starts.
+    damaged = shutil.copytree(mcore, tmp_path / "damaged")
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = _run([*TO_HF_CLI, "--mcore-dir", str(damaged), "--out-dir", str(tmp_path / "from_damaged")])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"error: {damaged} is damaged: {shard} is truncated: 100 bytes, its tensors need " in proc.stderr, proc.stderr
+    assert not (tmp_path / "from_damaged").exists() and _hidden(tmp_path) == []
+
 
 # ---------------------------------------------------------------------------------------------
 # Bad input: all cases run at once (they are mostly start-up time), checked one by one.
@@ -175,6 +184,27 @@ def test_bad_input_fails_cleanly(bad_runs, case):
     else:
         assert not r["out"].exists()
         assert sorted(p.name for p in r["out"].parent.iterdir()) == ["hf"]  # no temporary directory either
+
+
+def test_a_full_disk_is_named_before_any_rank_starts(hf_dir, tmp_path):
+    """The output's file system has less room than the checkpoint needs (a 256 KiB tmpfs; root only)."""
+    import os
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mount -t tmpfs failed")
+    try:
+        proc = _run([*TO_MCORE, "--hf-dir", str(hf_dir), "--out-dir", str(disk / "mcore")])
+        left = sorted(p.name for p in disk.iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert re.search(rf"error: disk full: the Megatron checkpoint needs ~[0-9.]+ [KM]iB at {disk / 'mcore'} but only "
+                     r"[0-9.]+ KiB are free on that file system", proc.stderr), proc.stderr
+    assert left == []
 
 
 @pytest.mark.gpu
