@@ -4,7 +4,8 @@ A ``ModelConfig`` holds the architecture with Megatron's names (the HF families 
 in ``megatron_rl.models.<family>``); ``build_transformer_config`` combines it with a
 ``parallel.config.ParallelConfig``; ``build_model`` returns the model chunks this rank owns
 (one per virtual pipeline stage). Layer specs are data: TransformerEngine's spec when TE
-imports, otherwise the local spec with its core attention swapped for ``SDPAttention``.
+imports, otherwise the local spec with its core attention swapped for ``SDPAttention``
+(``megatron_rl.models.attention``: padded rows and packed THD sequences with a document mask).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from megatron_rl.config.base import check_choice
 from megatron_rl.config.model import ModelConfig
+from megatron_rl.models.attention import SDPAttention
 
 __all__ = [
     "SDPAttention",
@@ -45,55 +47,6 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> i
     """Embedding rows after padding to a multiple of ``divisible_by * tp_size``."""
     multiple = divisible_by * tp_size
     return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-class SDPAttention(torch.nn.Module):
-    """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
-
-    Drop-in for Megatron's ``DotProductAttention`` in the local spec (same constructor and
-    forward). Measured on an H200 it made steps 2.4x faster with 2.5x less memory than the
-    stock unfused attention. Causal with no explicit mask (the engine left-aligns sequences so
-    causal attention is exact for every valid token); an explicit boolean mask (True = masked,
-    Megatron's convention) is honoured too.
-    """
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
-        super().__init__()
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size={config.context_parallel_size} needs TransformerEngine attention; "
-                "SDPAttention supports context_parallel_size=1"
-            )
-        self.config = config
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
-        tp = pg_collection.tp.size()
-        self.num_heads = config.num_attention_heads // tp
-        self.num_groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor attention bias; use the TE spec")
-        # [s, b, heads, d] -> [b, heads, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask = None
-        if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.any():
-            mask = ~attention_mask  # SDPA: True = attend
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
-            enable_gqa=self.num_heads != self.num_groups,
-        )
-        # [b, heads, s, d] -> [s, b, heads*d]
-        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.num_heads * self.head_dim)
 
 
 class SequenceParallelTorchNorm:
