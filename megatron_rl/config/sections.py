@@ -97,6 +97,9 @@ class MegatronConfig(BaseConfig):
         check_choice("megatron.dtype", self.dtype, _DTYPES)
 
     def parallel(self) -> ParallelConfig:
+    use_remove_padding: bool = True
+    """Pack each micro-batch's rows into one THD sequence (no FLOPs on padding; RoPE restarts and
+    attention stops at every row); False pads rows to the micro-batch's longest."""
         """The model-parallel layout as a ``parallel.config.ParallelConfig``."""
         return ParallelConfig(**{k: getattr(self, k) for k in PARALLEL_KEYS})
 
@@ -224,11 +227,18 @@ class RefConfig(BaseConfig):
             check_range("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, low=1)
 
 
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget forward micro-batches; None = ``actor.log_prob_use_dynamic_bsz`` (itself
+    ``actor.use_dynamic_bsz`` by default)."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward micro-batch; None = the actor's forward budget."""
 @dataclasses.dataclass
 class ActorRolloutRefConfig(BaseConfig):
     """``actor_rollout_ref``: the policy model and its three roles."""
 
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_range("ref.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1)
     """The policy model (shared by actor, rollout and reference)."""
     actor: ActorRunConfig = field(default_factory=ActorRunConfig)
     """Policy training."""
@@ -314,9 +324,20 @@ class RewardModelConfig(BaseConfig):
 @dataclasses.dataclass
 class RewardConfig(BaseConfig):
     """``reward``: how responses are scored (verl 0.9's ``reward`` section)."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Token-budget forward micro-batches (verl's reward-model key); None = ``critic.use_dynamic_bsz``
+    (itself the actor's by default)."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward micro-batch; None = ``critic.forward_max_token_len_per_gpu``."""
 
     reward_fn: Optional[str] = None
     """Rule reward for every sample; None = chosen per sample by the ``data.reward_fn_key`` column."""
+        if self.forward_max_token_len_per_gpu is not None:
+            check_range("reward_model.forward_max_token_len_per_gpu", self.forward_max_token_len_per_gpu, low=1)
+
+    def forward_token_budget(self) -> Optional[int]:
+        """Tokens per forward micro-batch with ``use_dynamic_bsz`` (both keys resolved), else None."""
+        return self.forward_max_token_len_per_gpu if self.use_dynamic_bsz else None
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """User scoring function (replaces the built-in rule rewards)."""
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
@@ -463,3 +484,10 @@ class DistillationConfig(BaseConfig):
     """The teacher."""
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
     """Loss mode, top-k, coefficient, clamps, policy-gradient mode."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget forward micro-batches; None = the actor's (``actor.log_prob_use_dynamic_bsz``)."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward micro-batch; None = the actor's forward budget."""
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_range("distillation.teacher_model.log_prob_max_token_len_per_gpu",
+                        self.log_prob_max_token_len_per_gpu, low=1)

@@ -21,6 +21,7 @@ its position (epoch, batch) is the whole resumable state; batches are left-padde
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +37,8 @@ __all__ = [
     "toy_rows",
     "make_toy_dataset",
     "PromptDataset",
+    "inspect_data_file",
+    "column_values",
     "collate_prompts",
     "PromptDataLoader",
     "build_prompt_dataloader",
@@ -120,21 +123,142 @@ def make_toy_dataset(name: str, num_samples: int, seed: int = 0, path: str | Pat
 
 
 # ----------------------------------------------------------------------------- the dataset
+_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+_SHOWN_ROWS = 5
+
+
+def _prompt_is_empty(prompt: Any) -> bool:
+    """True for a prompt with no text: None, a blank string, or messages whose contents are all blank."""
+    if prompt is None:
+        return True
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if isinstance(prompt, Sequence) and prompt:  # [] and messages without content are malformed, not empty
+        return all(isinstance(m, Mapping) and isinstance(m.get("content"), str) and not m["content"].strip()
+                   for m in prompt)
+    return False
+
+
+def _empty_prompt_error(path: str, where: str, empty: list[int], total: int, prompt_key: str) -> ValueError:
+    shown = ", ".join(str(i) for i in empty[:_SHOWN_ROWS]) + (", ..." if len(empty) > _SHOWN_ROWS else "")
+    return ValueError(f"data file {path!r}: {len(empty)} of {total} prompts (column {prompt_key!r}) are empty "
+                      f"({where} {shown}); an empty prompt gives the model nothing to answer -- remove those rows")
+
+
+def _json_rows(path: Path) -> list[tuple[int, dict]]:
+    """``(line, row)`` of a ``.jsonl`` file (or of a ``.json`` array); ``ValueError`` naming the line
+    that is not UTF-8 text, not JSON or not an object."""
+    raw = path.read_bytes()
+    if path.suffix == ".json" and raw.lstrip()[:1] == b"[":  # one JSON array instead of one object per line
+        try:
+            rows = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise ValueError(f"data file {str(path)!r} line {line}: not UTF-8 text (byte {exc.start} of the file is "
+                             f"{raw[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"data file {str(path)!r} line {exc.lineno}: not valid JSON ({exc.msg})") from None
+        return [(i + 1, row) for i, row in enumerate(rows)]
+    out = []
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"data file {str(path)!r} line {number}: not UTF-8 text (byte {exc.start} of the line is "
+                             f"{line[exc.start:exc.start + 1]!r}); save the file as UTF-8") from None
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"data file {str(path)!r} line {number}: not valid JSON ({exc.msg} at column "
+                             f"{exc.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"data file {str(path)!r} line {number}: a row must be a JSON object, got "
+                             f"{type(row).__name__}")
+        out.append((number, row))
+    return out
+
+
+def inspect_data_file(path: str | Path, columns: Sequence[str] = ("prompt",), *, prompt_key: str = "prompt") -> int:
+    """Check one prompt file before anything loads it and return its number of rows.
+
+    ``ValueError`` naming the file (and the row or line) when it has an unsupported suffix, does not
+    exist, is a directory, cannot be read, is empty, is not parquet/JSON, is not UTF-8 text, lacks
+    one of ``columns`` (the available ones are listed), or holds empty prompts in ``prompt_key``.
+    """
+    path = Path(path).expanduser()
+    name = str(path)
+    if path.suffix not in _FORMATS:
+        raise ValueError(f"data file {name!r}: unsupported format {path.suffix or '(no suffix)'!r}; "
+                         "use .parquet, .jsonl or .json")
+    if not path.exists():
+        raise ValueError(f"data file {name!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"data file {name!r} is not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"data file {name!r} is not readable (permission denied)")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data file {name!r} is empty (0 bytes)")
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.ParquetFile(str(path))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ValueError(f"data file {name!r} is not a readable parquet file ({exc})") from None
+        available = list(meta.schema_arrow.names)
+        missing = [c for c in columns if c not in available]
+        if missing:
+            raise ValueError(f"data file {name!r} has no column {missing[0]!r}; available columns: {available}")
+        if meta.metadata.num_rows == 0:
+            raise ValueError(f"data file {name!r} has no rows")
+        prompts = meta.read(columns=[prompt_key]).column(0).to_pylist() if prompt_key in available else []
+        where, index = "rows", list(range(len(prompts)))
+    else:
+        rows = _json_rows(path)
+        if not rows:
+            raise ValueError(f"data file {name!r} has no rows (only blank lines)")
+        for number, row in rows:
+            missing = [c for c in columns if c not in row]
+            if missing:
+                raise ValueError(f"data file {name!r} line {number} has no field {missing[0]!r}; fields there: "
+                                 f"{sorted(row)}")
+        prompts = [row.get(prompt_key) for _, row in rows]
+        where, index = "lines", [number for number, _ in rows]
+    empty = [index[i] for i, p in enumerate(prompts) if _prompt_is_empty(p)]
+    if empty:
+        raise _empty_prompt_error(name, where, empty, len(prompts), prompt_key)
+    return len(prompts)
+
+
+def column_values(path: str | Path, column: str) -> list:
+    """The values of one column of a prompt file (``inspect_data_file`` it first); [] when absent."""
+    path = Path(path).expanduser()
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(str(path))
+        return meta.read(columns=[column]).column(0).to_pylist() if column in meta.schema_arrow.names else []
+    return [row.get(column) for _, row in _json_rows(path)]
+
+
 def _load_file(path: str, cache_dir: Optional[str]):
     import datasets
 
-    if path.endswith(".parquet"):
-        kind = "parquet"
-    elif path.endswith((".jsonl", ".json")):
-        kind = "json"
-    else:
+    suffix = Path(path).suffix
+    if suffix not in _FORMATS:
         raise ValueError(f"data file {path!r}: unsupported format; use .parquet, .jsonl or .json")
     if not Path(path).is_file():
         raise ValueError(f"data file {path!r} does not exist")
     bars_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a "Generating train split" bar per file clutters the run log
     try:
-        return datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache_dir)
+        return datasets.load_dataset(_FORMATS[suffix], data_files=path, split="train", cache_dir=cache_dir)
+    except Exception as exc:  # noqa: BLE001 - HF's errors (DatasetGenerationError ...) name neither file nor row
+        inspect_data_file(path, ())  # raises the named reason when it finds one
+        raise ValueError(f"data file {path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     finally:
         if bars_on:
             datasets.enable_progress_bars()
@@ -217,6 +341,11 @@ class PromptDataset(torch.utils.data.Dataset):
                 if name not in columns:
                     raise ValueError(f"data file {path!r} has no column {name!r}; available columns: {columns}")
             prompts = list(table[self.prompt_key])
+            if not prompts:
+                raise ValueError(f"data file {path!r} has no rows")
+            empty = [i for i, p in enumerate(prompts) if _prompt_is_empty(p)]
+            if empty:
+                raise _empty_prompt_error(path, "rows", empty, len(prompts), self.prompt_key)
             sources = list(table[self.reward_fn_key])
             reward_models = list(table["reward_model"]) if "reward_model" in columns else [None] * len(prompts)
             extra_infos = list(table["extra_info"]) if "extra_info" in columns else [None] * len(prompts)
@@ -415,5 +544,9 @@ def build_prompt_dataloader(data_files: Any, tokenizer: Any, config: Any, *, bat
     size = batch_size or cfg_get(config, "gen_batch_size") or cfg_get(config, "train_batch_size")
     if size is None:
         raise ValueError("no batch size: pass batch_size or set data.train_batch_size")
+    if int(size) > len(dataset):
+        key = "data.gen_batch_size" if cfg_get(config, "gen_batch_size") and not batch_size else "data.train_batch_size"
+        raise ValueError(f"{key}={size} is larger than the dataset: {len(dataset)} prompts in {dataset.files} "
+                         "(after data.train_max_samples / data.filter_overlong_prompts); no batch could be drawn")
     return PromptDataLoader(dataset, int(size), shuffle=bool(cfg_get(config, "shuffle", True)),
                             seed=cfg_get(config, "seed", 0))

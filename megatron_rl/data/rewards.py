@@ -51,6 +51,8 @@ __all__ = [
     "get_reward_fn",
     "default_compute_score",
     "load_custom_reward_fn",
+    "check_custom_reward_file",
+    "finite_means",
     "gsm8k_extract_solution",
     "countdown_extract_solution",
     "RewardError",
@@ -108,14 +110,64 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     return REWARD_FNS[name](data_source, solution_str, ground_truth, extra_info, **kwargs)
 
 
-def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Callable:
-    """Load function ``name`` from the Python file ``path`` (verl's ``custom_reward_function``)."""
-    path = Path(path)
+def _reward_file(path: str | Path) -> Path:
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise ValueError(f"custom_reward_function.path={str(path)!r} is not a file")
+        what = "it is a directory" if path.is_dir() else "it does not exist"
+        raise ValueError(f"reward.custom_reward_function.path={str(path)!r} is not a file ({what})")
+    return path
+
+
+def check_custom_reward_file(path: str | Path, name: str = "compute_score") -> None:
+    """Check a ``custom_reward_function`` file without running it: it exists, compiles (a syntax error
+    names the file and line) and defines ``name`` at its top level (a def, an import or an assignment).
+    ``ValueError`` naming ``reward.custom_reward_function.path`` / ``.name``."""
+    import ast
+
+    path = _reward_file(path)
+    try:
+        source = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"reward.custom_reward_function.path={str(path)!r} is not UTF-8 text ({exc})") from None
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as exc:
+        raise ValueError(f"reward.custom_reward_function.path={str(path)!r}: syntax error at {path}:{exc.lineno}: "
+                         f"{exc.msg}") from None
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if name not in defined and not any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)
+                                       for n in tree.body):
+        functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        raise ValueError(f"reward.custom_reward_function.name={name!r} is not a function in {path}; functions there: "
+                         f"{functions}")
+
+
+def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Callable:
+    """Load function ``name`` from the Python file ``path`` (verl's ``custom_reward_function``).
+
+    ``ValueError`` naming the file (and line) when it is missing, does not compile, raises while it is
+    imported, or has no callable ``name``."""
+    import traceback
+
+    check_custom_reward_file(path, name)
+    path = _reward_file(path)
     spec = importlib.util.spec_from_file_location(f"custom_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's file raises is reported with its line
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+        where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+        raise ValueError(f"reward.custom_reward_function.path={str(path)!r}: importing it raised "
+                         f"{type(exc).__name__}: {exc} (at {where})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"custom_reward_function.name={name!r} is not a function in {path}")
@@ -324,13 +376,26 @@ class RewardOutput:
     response_texts: list[str] = field(default_factory=list)
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Means of ``scores`` and of every numeric ``reward_extra_info`` key (Nones skipped)."""
+        """Means of ``scores`` and of every numeric ``reward_extra_info`` key (Nones skipped; non-finite
+        values counted as ``<key>/num_nonfinite`` and left out of the mean, ``finite_means``)."""
         out = {f"{prefix}score/mean": float(self.scores.mean()) if self.scores.numel() else 0.0}
-        for key, values in self.reward_extra_info.items():
-            nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, str)]
-            if nums and key != "score":
-                out[f"{prefix}{key}/mean"] = sum(nums) / len(nums)
+        out.update(finite_means({k: v for k, v in self.reward_extra_info.items() if k != "score"}, prefix))
         return out
+
+
+def finite_means(fields: Mapping[str, Sequence], prefix: str = "reward/", suffix: str = "/mean") -> dict[str, float]:
+    """``<prefix><key><suffix>``: the mean of the finite numbers of each per-sample field (Nones,
+    strings and bools skipped); a field holding NaN/inf also gets ``<prefix><key>/num_nonfinite``
+    (their count). A secondary reward key that misbehaves is reported, never averaged into NaN."""
+    out: dict[str, float] = {}
+    for key, values in fields.items():
+        nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        finite = [v for v in nums if math.isfinite(v)]
+        if finite:
+            out[f"{prefix}{key}{suffix}"] = sum(finite) / len(finite)
+        if len(finite) < len(nums):
+            out[f"{prefix}{key}/num_nonfinite"] = float(len(nums) - len(finite))
+    return out
 
 
 def _as_list(value: Any, name: str, size: int) -> list:

@@ -22,7 +22,7 @@ from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.data.batch import Batch
-from megatron_rl.data.rewards import RewardError
+from megatron_rl.data.rewards import RewardError, finite_means
 from megatron_rl.trainer.callbacks import ground_truths
 from megatron_rl.trainer.metrics import timer
 
@@ -36,13 +36,9 @@ _SEED_STRIDE = 1_000_003  # > samples per generation round: per-sample seeds nev
 
 
 def reward_metrics(batch: Batch) -> dict[str, float]:
-    """``reward/<key>/mean`` over the samples for every numeric per-sample reward field."""
-    metrics = {}
-    for key in batch.meta_info.get(REWARD_EXTRA_KEYS, ()):
-        nums = [float(v) for v in batch[key] if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if nums:
-            metrics[f"reward/{key}/mean"] = sum(nums) / len(nums)
-    return metrics
+    """``reward/<key>/mean`` over the finite values of every numeric per-sample reward field, and
+    ``reward/<key>/num_nonfinite`` where some were NaN/inf (``finite_means``)."""
+    return finite_means({key: batch[key] for key in batch.meta_info.get(REWARD_EXTRA_KEYS, ())})
 
 
 class RolloutPhase:
