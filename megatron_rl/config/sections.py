@@ -53,6 +53,12 @@ def suggest(value: str, allowed) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
+def _check_rollout_n(value: int) -> None:
+    """``rollout_n`` is copied from ``actor_rollout_ref.rollout.n``: report it under the key users set."""
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.n={value} is out of range (samples per prompt); allowed: [1, inf)")
+
+
 def _check_freq(field_name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise ValueError(f"{field_name}={value!r} is not allowed; use a positive int, or -1/0 to disable")
@@ -91,15 +97,15 @@ class MegatronConfig(BaseConfig):
     """Seed of Megatron's model-parallel RNG (weight init of from-scratch models, dropout)."""
     override_transformer_config: dict = field(default_factory=dict)
     """Extra ``TransformerConfig`` fields (e.g. ``recompute_granularity: full``)."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's rows into one THD sequence (no FLOPs on padding; RoPE restarts and
+    attention stops at every row); False pads rows to the micro-batch's longest."""
 
     def __post_init__(self) -> None:
         self.parallel()  # ParallelConfig's ValueError names the field and its allowed values
         check_choice("megatron.dtype", self.dtype, _DTYPES)
 
     def parallel(self) -> ParallelConfig:
-    use_remove_padding: bool = True
-    """Pack each micro-batch's rows into one THD sequence (no FLOPs on padding; RoPE restarts and
-    attention stops at every row); False pads rows to the micro-batch's longest."""
         """The model-parallel layout as a ``parallel.config.ParallelConfig``."""
         return ParallelConfig(**{k: getattr(self, k) for k in PARALLEL_KEYS})
 
@@ -206,6 +212,7 @@ class ActorRunConfig(ActorConfig):
     """Parallel layout, offload and dtype of the policy."""
 
     def __post_init__(self) -> None:
+        _check_rollout_n(self.rollout_n)
         super().__post_init__()
         check_choice("actor.strategy", self.strategy, ("megatron",))
 
@@ -220,25 +227,25 @@ class RefConfig(BaseConfig):
     """Layout, dtype and offload of the reference; each key left out is copied from the actor's."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per forward micro-batch; None = ``actor.ppo_micro_batch_size_per_gpu``."""
-
-    def __post_init__(self) -> None:
-        check_choice("ref.strategy", self.strategy, ("megatron",))
-        if self.log_prob_micro_batch_size_per_gpu is not None:
-            check_range("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, low=1)
-
-
     log_prob_use_dynamic_bsz: Optional[bool] = None
     """Token-budget forward micro-batches; None = ``actor.log_prob_use_dynamic_bsz`` (itself
     ``actor.use_dynamic_bsz`` by default)."""
     log_prob_max_token_len_per_gpu: Optional[int] = None
     """Token budget of one forward micro-batch; None = the actor's forward budget."""
+
+    def __post_init__(self) -> None:
+        check_choice("ref.strategy", self.strategy, ("megatron",))
+        if self.log_prob_micro_batch_size_per_gpu is not None:
+            check_range("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, low=1)
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_range("ref.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1)
+
+
 @dataclasses.dataclass
 class ActorRolloutRefConfig(BaseConfig):
     """``actor_rollout_ref``: the policy model and its three roles."""
 
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
-        if self.log_prob_max_token_len_per_gpu is not None:
-            check_range("ref.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1)
     """The policy model (shared by actor, rollout and reference)."""
     actor: ActorRunConfig = field(default_factory=ActorRunConfig)
     """Policy training."""
@@ -263,6 +270,7 @@ class CriticRunConfig(CriticConfig):
     """Parallel layout, offload and dtype of the critic."""
 
     def __post_init__(self) -> None:
+        _check_rollout_n(self.rollout_n)
         super().__post_init__()
         check_choice("critic.strategy", self.strategy, ("megatron",))
 
@@ -316,28 +324,28 @@ class RewardModelConfig(BaseConfig):
     """Layout and offload of the reward model."""
     micro_batch_size_per_gpu: int = 1
     """Responses per forward micro-batch."""
-
-    def __post_init__(self) -> None:
-        check_range("reward_model.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, low=1)
-
-
-@dataclasses.dataclass
-class RewardConfig(BaseConfig):
-    """``reward``: how responses are scored (verl 0.9's ``reward`` section)."""
     use_dynamic_bsz: Optional[bool] = None
     """Token-budget forward micro-batches (verl's reward-model key); None = ``critic.use_dynamic_bsz``
     (itself the actor's by default)."""
     forward_max_token_len_per_gpu: Optional[int] = None
     """Token budget of one forward micro-batch; None = ``critic.forward_max_token_len_per_gpu``."""
 
-    reward_fn: Optional[str] = None
-    """Rule reward for every sample; None = chosen per sample by the ``data.reward_fn_key`` column."""
+    def __post_init__(self) -> None:
+        check_range("reward_model.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, low=1)
         if self.forward_max_token_len_per_gpu is not None:
             check_range("reward_model.forward_max_token_len_per_gpu", self.forward_max_token_len_per_gpu, low=1)
 
     def forward_token_budget(self) -> Optional[int]:
         """Tokens per forward micro-batch with ``use_dynamic_bsz`` (both keys resolved), else None."""
         return self.forward_max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+
+@dataclasses.dataclass
+class RewardConfig(BaseConfig):
+    """``reward``: how responses are scored (verl 0.9's ``reward`` section)."""
+
+    reward_fn: Optional[str] = None
+    """Rule reward for every sample; None = chosen per sample by the ``data.reward_fn_key`` column."""
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """User scoring function (replaces the built-in rule rewards)."""
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
@@ -405,9 +413,9 @@ class TrainerConfig(BaseConfig):
     RL starts from the warmed model, as from an SFT checkpoint. 0 = off."""
     sft_warmup_lr: float = 3e-3
     """Peak learning rate of the supervised warm-up (AdamW, cosine decay)."""
-    balance_batch: bool = False
-    """Reorder samples so every data-parallel rank gets a similar token count (verl's default is True;
-    not implemented here: ``True`` warns, see ``megatron_rl.config.compat``)."""
+    balance_batch: bool = True
+    """Reorder each step's samples so every data-parallel rank of the actor gets a near-equal token
+    count (Karmarkar-Karp over verl's attention workload); logs verl's ``global_seqlen/*`` metrics."""
     resume_mode: str = "auto"
     """``auto`` (latest checkpoint in ``default_local_dir`` if any), ``disable``, or ``resume_path``."""
     resume_from_path: Optional[str] = None
@@ -421,6 +429,18 @@ class TrainerConfig(BaseConfig):
     max_consecutive_skipped_steps: int = 3
     """A step whose rewards fail (the reward function raised or returned a non-finite value) is
     reported and skipped; this many skipped in a row stop the run with the error."""
+    phase_timeout_s: Optional[float] = None
+    """Hang watchdog: a step phase (generation, a role's forward or update, weight sync, a checkpoint
+    save, validation) running longer than this many seconds dumps the Python stacks of the driver and
+    every worker to ``<default_local_dir>/stacks/`` and stops the run (exit 1), naming the phase and the
+    last good checkpoint. None = off."""
+    save_on_preemption: bool = False
+    """On SIGTERM (SLURM's preemption and time limit): finish the current step, save a checkpoint, then
+    stop (exit 143). False: abandon the step at once (the last saved checkpoint stays the latest). A
+    second signal stops at once either way."""
+    resume_fallback: bool = True
+    """``resume_mode=auto`` with a damaged latest checkpoint (its manifest's sizes or checksums do not
+    match): resume from the newest complete one and say which file is bad; False: refuse (exit 2)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.logger, str):
@@ -440,6 +460,8 @@ class TrainerConfig(BaseConfig):
             check_range(f"trainer.{name}", getattr(self, name), low=0)
         _check_freq("trainer.save_freq", self.save_freq)
         _check_freq("trainer.test_freq", self.test_freq)
+        if self.phase_timeout_s is not None:
+            check_range("trainer.phase_timeout_s", self.phase_timeout_s, low=0, low_inclusive=False)
         if self.default_local_dir is None:
             self.default_local_dir = f"checkpoints/{self.project_name}/{self.experiment_name}"
 
@@ -463,6 +485,10 @@ class TeacherModelConfig(BaseConfig):
     """Layout, dtype and offload of the teacher (forward only)."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per forward micro-batch; None = ``actor.ppo_micro_batch_size_per_gpu``."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget forward micro-batches; None = the actor's (``actor.log_prob_use_dynamic_bsz``)."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward micro-batch; None = the actor's forward budget."""
     sft_warmup_steps: int = 0
     """Inline teacher only: supervised steps on the built-in task before the run (a teacher must
     know the task better than the student); 0 = a randomly initialised teacher."""
@@ -472,6 +498,9 @@ class TeacherModelConfig(BaseConfig):
         if self.log_prob_micro_batch_size_per_gpu is not None:
             check_range("distillation.teacher_model.log_prob_micro_batch_size_per_gpu",
                         self.log_prob_micro_batch_size_per_gpu, low=1)
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_range("distillation.teacher_model.log_prob_max_token_len_per_gpu",
+                        self.log_prob_max_token_len_per_gpu, low=1)
 
 
 @dataclasses.dataclass
@@ -484,10 +513,3 @@ class DistillationConfig(BaseConfig):
     """The teacher."""
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
     """Loss mode, top-k, coefficient, clamps, policy-gradient mode."""
-    log_prob_use_dynamic_bsz: Optional[bool] = None
-    """Token-budget forward micro-batches; None = the actor's (``actor.log_prob_use_dynamic_bsz``)."""
-    log_prob_max_token_len_per_gpu: Optional[int] = None
-    """Token budget of one forward micro-batch; None = the actor's forward budget."""
-        if self.log_prob_max_token_len_per_gpu is not None:
-            check_range("distillation.teacher_model.log_prob_max_token_len_per_gpu",
-                        self.log_prob_max_token_len_per_gpu, low=1)
