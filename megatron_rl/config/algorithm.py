@@ -330,6 +330,17 @@ class ActorConfig(BaseConfig):
     """Prompts per optimizer step (times ``rollout_n`` responses, split over DP ranks)."""
     ppo_micro_batch_size_per_gpu: int = 1
     """Responses per forward/backward micro-batch on each rank."""
+    use_dynamic_bsz: bool = False
+    """Form training micro-batches by a token budget (``ppo_max_token_len_per_gpu``) instead of
+    ``ppo_micro_batch_size_per_gpu`` samples (verl's dynamic batch size)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one training micro-batch on each rank (``use_dynamic_bsz``); it must hold the
+    longest sample (``data.max_prompt_length + data.max_response_length``)."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget micro-batches for forward passes (the old log-probs; the reference's and teacher's
+    default); None = ``use_dynamic_bsz``."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward micro-batch; None = ``ppo_max_token_len_per_gpu``."""
     ppo_epochs: int = 1
     """Passes over the batch per training step."""
     shuffle: bool = False
@@ -383,12 +394,27 @@ class ActorConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_choice("actor.strategy", self.strategy, ("megatron",))
-        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n", "logprob_chunk_size"):
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n", "logprob_chunk_size",
+                     "ppo_max_token_len_per_gpu"):
             check_range(f"actor.{name}", getattr(self, name), low=1)
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_range("actor.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1)
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c!r} must be > 1.0 (dual-clip lower bound)")
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_kl_type("actor.kl_loss_type", self.kl_loss_type)
+
+    def train_token_budget(self) -> Optional[int]:
+        """Tokens per training micro-batch with ``use_dynamic_bsz``, else None (fixed-size micro-batches)."""
+        return self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+    def forward_token_budget(self) -> Optional[int]:
+        """Tokens per forward micro-batch (``log_prob_*``, defaulting to the training keys), or None."""
+        dynamic = self.use_dynamic_bsz if self.log_prob_use_dynamic_bsz is None else self.log_prob_use_dynamic_bsz
+        if not dynamic:
+            return None
+        budget = self.log_prob_max_token_len_per_gpu
+        return self.ppo_max_token_len_per_gpu if budget is None else budget
 
 
 @dataclasses.dataclass
@@ -399,6 +425,14 @@ class CriticConfig(BaseConfig):
     """Prompts per optimizer step (times ``rollout_n``)."""
     ppo_micro_batch_size_per_gpu: int = 1
     """Responses per micro-batch on each rank."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Token-budget micro-batches (``ppo_max_token_len_per_gpu`` for updates,
+    ``forward_max_token_len_per_gpu`` for values); None = ``actor_rollout_ref.actor.use_dynamic_bsz``
+    (a critic config on its own: off)."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one training micro-batch on each rank (``use_dynamic_bsz``)."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward (values) micro-batch; None = ``ppo_max_token_len_per_gpu``."""
     ppo_epochs: int = 1
     """Passes over the batch per training step."""
     shuffle: bool = False
@@ -422,6 +456,20 @@ class CriticConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_choice("critic.strategy", self.strategy, ("megatron",))
-        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n"):
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n",
+                     "ppo_max_token_len_per_gpu"):
             check_range(f"critic.{name}", getattr(self, name), low=1)
+        if self.forward_max_token_len_per_gpu is not None:
+            check_range("critic.forward_max_token_len_per_gpu", self.forward_max_token_len_per_gpu, low=1)
         check_choice("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+
+    def train_token_budget(self) -> Optional[int]:
+        """Tokens per training micro-batch with ``use_dynamic_bsz``, else None."""
+        return self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+    def forward_token_budget(self) -> Optional[int]:
+        """Tokens per forward (values) micro-batch with ``use_dynamic_bsz``, else None."""
+        if not self.use_dynamic_bsz:
+            return None
+        budget = self.forward_max_token_len_per_gpu
+        return self.ppo_max_token_len_per_gpu if budget is None else budget

@@ -7,12 +7,19 @@ x CP layouts on many GPUs. It is built from a ``parallel.mesh.Mesh`` and reduces
 groups; it knows no roles and no losses. Callers bring the math as closures over a typed
 ``ModelOutput`` (``megatron_rl.engine.layout``):
 
-* ``forward(batch, fn, micro_batch_size=...)``: forward only; ``fn(micro_batch, output)`` returns
-  per-row tensors, concatenated over micro-batches and handed to every pipeline stage.
-* ``train_step(mini_batch, loss_fn, micro_batch_size=...)``: one optimizer step;
-  ``loss_fn(micro_batch, output, step)`` returns the micro-batch's share of the loss (normalised
-  by the global counts in ``step``, a ``StepInfo``, and scaled by ``dp_size`` because DDP
-  averages gradients over DP) and its ``LossMetrics``.
+* ``forward(batch, fn, micro_batch_size=... | max_token_len=...)``: forward only;
+  ``fn(micro_batch, output)`` returns per-row tensors, put back into the batch's order and handed
+  to every pipeline stage.
+* ``train_step(mini_batch, loss_fn, micro_batch_size=... | max_token_len=...)``: one optimizer
+  step; ``loss_fn(micro_batch, output, step)`` returns the micro-batch's share of the loss
+  (normalised by the global counts in ``step``, a ``StepInfo``, and scaled by ``dp_size`` because
+  DDP averages gradients over DP) and its ``LossMetrics``. The loss therefore does not depend on
+  how the samples are cut into micro-batches.
+
+Micro-batches hold ``micro_batch_size`` samples, or as many as a token budget ``max_token_len``
+allows (verl's ``use_dynamic_bsz``; ``megatron_rl.engine.batching``). With ``remove_padding``
+(verl's ``use_remove_padding``, the default) each micro-batch runs as one packed THD sequence
+(``megatron_rl.engine.packing``); otherwise its rows are padded to the longest one.
 
 Batches use verl's field names (``input_ids``, ``attention_mask``, ``responses``, and
 ``response_mask`` for the token counts of a training step) and hold this data-parallel rank's
@@ -31,11 +38,14 @@ import torch.distributed as dist
 
 from megatron_rl.config import OptimConfig
 from megatron_rl.config.model import ModelConfig
+from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
 from megatron_rl.engine.layout import ModelOutput, prepare_inputs
 from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
+from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
 from megatron_rl.engine.state import move_state
-from megatron_rl.models.gpt import HEADS, build_model, build_transformer_config, hidden_states_output
+from megatron_rl.models.attention import check_packing_support
+from megatron_rl.models.gpt import HEADS, build_model, build_transformer_config, hidden_states_output, te_available
 
 __all__ = ["MegatronEngine", "HEADS", "ForwardFn", "LossFn", "ModelOutput", "StepInfo", "LossMetrics"]
 
@@ -47,11 +57,6 @@ LossFn = Callable[[dict, ModelOutput, StepInfo], tuple]
 
 # HEADS (models.gpt): ``lm``, the vocab-parallel output layer (``ModelOutput.hidden_states`` +
 # ``output_weight``); ``scalar``, one value per token (``ModelOutput.values``: critic, reward model).
-
-
-def _split(batch: Batch, size: int) -> list[dict[str, torch.Tensor]]:
-    n = int(batch["input_ids"].shape[0])
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, n, size)]
 
 
 class MegatronEngine:
@@ -66,18 +71,24 @@ class MegatronEngine:
         transformer_overrides: extra ``TransformerConfig`` fields (verl's
             ``megatron.override_transformer_config``, e.g. ``recompute_granularity: full``).
         sequence_parallel: shard norm/dropout activations over TP (``megatron.sequence_parallel``).
+        remove_padding: run every micro-batch as one packed THD sequence (``megatron.use_remove_padding``,
+            verl's default True); False pads rows to the micro-batch's longest.
         name: what this model is called in messages (e.g. the role that owns it).
     """
 
     def __init__(self, model_cfg: ModelConfig, mesh: Any, *, head: str = "lm", trainable: bool = False,
                  optim: Optional[OptimConfig] = None, transformer_overrides: Optional[Mapping[str, Any]] = None,
-                 sequence_parallel: bool = False, name: str = "model"):
+                 sequence_parallel: bool = False, remove_padding: bool = True, name: str = "model"):
         from megatron.core.transformer import TransformerConfig
 
         if head not in HEADS:
             raise ValueError(f"head={head!r} is not allowed; choose one of {list(HEADS)}")
         if trainable and optim is None:
             raise ValueError(f"the {name!r} engine is trainable but has no optim config")
+        if remove_padding:  # before anything is allocated
+            check_packing_support(model_cfg.attention_backend, context_parallel_size=mesh.config.context_parallel_size,
+                                  te_importable=te_available())
+        self.remove_padding = remove_padding
         overrides = dict(transformer_overrides or {})
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(overrides) - known)
@@ -106,9 +117,14 @@ class MegatronEngine:
 
     # -- the two entry points -----------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: Batch, fn: ForwardFn, *, micro_batch_size: int) -> dict[str, torch.Tensor]:
-        """Forward only: ``fn(micro_batch, output)``'s per-row tensors, concatenated over the
-        micro-batches, on every pipeline stage (``fn`` runs on the last one)."""
+    def forward(self, batch: Batch, fn: ForwardFn, *, micro_batch_size: Optional[int] = None,
+                max_token_len: Optional[int] = None, budget_key: str = "max_token_len") -> dict[str, torch.Tensor]:
+        """Forward only: ``fn(micro_batch, output)``'s per-row tensors in the batch's order, on every
+        pipeline stage (``fn`` runs on the last one).
+
+        Micro-batches hold ``micro_batch_size`` rows, or, with ``max_token_len``, as many as that
+        token budget allows (collective over DP; ``budget_key`` names the budget in errors).
+        """
         for chunk in self.model:
             chunk.eval()
 
@@ -116,25 +132,30 @@ class MegatronEngine:
             result = fn(mb, output)
             return torch.zeros((), device=self.device), result
 
-        outputs = self._run(_split(batch, micro_batch_size), loss_func, forward_only=True,
-                            micro_batch_size=micro_batch_size)
+        plan = self.plan_micro_batches(batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                                       budget_key=budget_key)
+        outputs = self._run(plan.split(batch), loss_func, forward_only=True)
         result = None
         if self.mesh.is_last_pp_stage:
-            result = {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]}
+            result = {k: plan.restore(torch.cat([o[k] for o in outputs])) for k in outputs[0]}
         return self._broadcast_from_last_stage(result)
 
-    def train_step(self, mini_batch: Batch, loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, float]:
+    def train_step(self, mini_batch: Batch, loss_fn: LossFn, *, micro_batch_size: Optional[int] = None,
+                   max_token_len: Optional[int] = None, budget_key: str = "max_token_len") -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; the global metrics.
 
         Zeroes the gradients, all-reduces the mini-batch's response-token and sequence counts over
-        DP (``StepInfo``), runs forward + backward of every micro-batch through the schedule, steps
-        the optimizer (and the LR schedule when the step was taken) and reduces ``loss_fn``'s
+        DP (``StepInfo``), runs forward + backward of every micro-batch (``micro_batch_size`` rows,
+        or a ``max_token_len`` token budget as in ``forward``) through the schedule, steps the
+        optimizer (and the LR schedule when the step was taken) and reduces ``loss_fn``'s
         ``LossMetrics`` over micro-batches and DP ranks. Adds ``grad_norm`` and ``lr``.
         """
         self.ensure_trainable()
         for chunk in self.model:
             chunk.train()
-        micro_batches = _split(mini_batch, micro_batch_size)
+        plan = self.plan_micro_batches(mini_batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                                       budget_key=budget_key)
+        micro_batches = plan.split(mini_batch)
         masks = mini_batch["response_mask"]
         counts = torch.tensor([float(masks.sum()), float((masks.sum(-1) > 0).sum())], dtype=torch.float64,
                               device=self.device)
@@ -151,7 +172,7 @@ class MegatronEngine:
             # loss is already its share of the global loss.
             return loss * step.num_micro_batches, metrics
 
-        outputs = self._run(micro_batches, loss_func, forward_only=False, micro_batch_size=micro_batch_size)
+        outputs = self._run(micro_batches, loss_func, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -169,9 +190,44 @@ class MegatronEngine:
         if not self.trainable:
             raise ValueError(f"the {self.name!r} engine is not trainable")
 
+    # -- micro-batches ----------------------------------------------------------------------------
+    @property
+    def sequence_multiple(self) -> int:
+        """What sequence parallelism needs a sequence length to be a multiple of (TP, else 1)."""
+        return self.tf_config.tensor_model_parallel_size if self.tf_config.sequence_parallel else 1
+
+    @property
+    def token_alignment(self) -> int:
+        """Tokens a packed sequence is a multiple of: ``sequence_multiple`` times ``2 * CP`` under CP."""
+        return self.sequence_multiple * (2 * self.cp_size if self.cp_size > 1 else 1)
+
+    def plan_micro_batches(self, batch: Batch, *, micro_batch_size: Optional[int] = None,
+                           max_token_len: Optional[int] = None, budget_key: str = "max_token_len") -> MicroBatchPlan:
+        """The micro-batches of ``batch`` on this rank: ``micro_batch_size`` rows each, or within the
+        token budget ``max_token_len`` (every DP rank the same count; a multiple of the pipeline
+        size under the interleaved schedule). ValueError naming ``budget_key`` for a budget that
+        is not a multiple of ``token_alignment`` or shorter than a sample."""
+        n = int(batch["input_ids"].shape[0])
+        if max_token_len is None:
+            if micro_batch_size is None:
+                raise ValueError(f"the {self.name!r} engine needs micro_batch_size or max_token_len")
+            return fixed_micro_batches(n, micro_batch_size)
+        vpp, pp = len(self.model), self.tf_config.pipeline_model_parallel_size
+        if vpp > 1 and not self.remove_padding:
+            raise ValueError(f"{budget_key}: token-budget micro-batches under the interleaved pipeline schedule "
+                             "(virtual_pipeline_model_parallel_size > 1) need megatron.use_remove_padding=True: "
+                             "padded micro-batches of different row counts cannot share one activation shape")
+        align = self.token_alignment if self.remove_padding else 1
+        if max_token_len % align:
+            raise ValueError(f"{budget_key}={max_token_len} is not a multiple of {align}, the packed-sequence "
+                             "alignment (tensor_model_parallel_size under sequence parallelism x 2 * "
+                             "context_parallel_size); packed micro-batches would exceed it")
+        lengths = row_lengths(batch["attention_mask"], self.cp_size)
+        return token_budget_micro_batches(lengths, max_token_len, dp_group=self.mesh.dp_group,
+                                          multiple_of=pp if vpp > 1 else 1, budget_key=budget_key, device=self.device)
+
     # -- the schedule -------------------------------------------------------------------------
-    def _run(self, micro_batches: list[dict], loss_func: Callable, *, forward_only: bool,
-             micro_batch_size: int) -> list:
+    def _run(self, micro_batches: list[dict], loss_func: Callable, *, forward_only: bool) -> list:
         """Run the micro-batches through the schedule; ``loss_func``'s second outputs (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -183,31 +239,43 @@ class MegatronEngine:
                 f"interleaved pipeline (virtual_pipeline_model_parallel_size={vpp}) needs the number of "
                 f"micro-batches ({num_micro}) to be a multiple of pipeline_model_parallel_size={pp}"
             )
-        max_len = max(int(mb["attention_mask"].sum(-1).max().item()) for mb in micro_batches)
-        step = partial(self._forward_step, loss_func=loss_func, pad_to=max_len if vpp > 1 else 0)
+        if self.remove_padding:
+            # One activation shape [t, 1, h] per micro-batch; the interleaved schedule needs one for all.
+            seq_length = max(packed_length(mb["attention_mask"], tp_multiple=self.sequence_multiple,
+                                           cp_size=self.cp_size) for mb in micro_batches)
+            rows = 1
+        else:
+            seq_length = max(int(mb["attention_mask"].sum(-1).max().item()) for mb in micro_batches)
+            rows = max(int(mb["input_ids"].shape[0]) for mb in micro_batches)
+        step = partial(self._forward_step, loss_func=loss_func, pad_to=seq_length if vpp > 1 else 0)
         iterators = [iter(micro_batches) for _ in range(vpp)]
         return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iterators if vpp > 1 else iterators[0],
             model=self.model if vpp > 1 else self.model[0],
             num_microbatches=num_micro,
-            seq_length=max_len,
-            micro_batch_size=micro_batch_size,
+            seq_length=seq_length,
+            micro_batch_size=rows,
             forward_only=forward_only,
         )
 
     def _forward_step(self, data_iterator, model, *, loss_func: Callable, pad_to: int = 0):
         """Megatron ``forward_step_func``: run one micro-batch; the last stage gets ``loss_func``."""
         mb = next(data_iterator)
-        multiple = self.tf_config.tensor_model_parallel_size if self.tf_config.sequence_parallel else 1
-        ids, pos, layout = prepare_inputs(mb, pad_to=pad_to, multiple=multiple, cp_group=self.mesh.cp_group)
+        multiple = self.sequence_multiple
+        packed = None
+        if self.remove_padding:
+            ids, pos, packed, layout = pack_micro_batch(mb, pad_to=pad_to, tp_multiple=multiple,
+                                                        cp_group=self.mesh.cp_group)
+        else:
+            ids, pos, layout = prepare_inputs(mb, pad_to=pad_to, multiple=multiple, cp_group=self.mesh.cp_group)
         if self.head == "lm":
             # The output layer hands back the hidden states; the closure projects only the
             # positions it needs (full logits are never materialised).
             with hidden_states_output(model) as handle:
-                output = model(ids, pos, attention_mask=None)
+                output = model(ids, pos, attention_mask=None, packed_seq_params=packed)
         else:
-            output, handle = model(ids, pos, attention_mask=None), None
+            output, handle = model(ids, pos, attention_mask=None, packed_seq_params=packed), None
 
         def on_last_stage(output_tensor):
             return loss_func(mb, self._model_output(output_tensor, layout, handle))

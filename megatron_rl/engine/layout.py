@@ -1,13 +1,16 @@
-"""How an RL batch meets the model: left alignment, response positions, CP shares, the model output.
+"""How an RL batch meets the model: padded rows (left alignment, response positions, CP shares)
+and the model output a head or loss closure sees.
 
 RL batches are ``[left-padded prompt | right-padded response]`` (verl's layout: ``input_ids``,
-``attention_mask`` ``[b, s]``, ``responses`` ``[b, r]``). Before the forward pass every row is
+``attention_mask`` ``[b, s]``, ``responses`` ``[b, r]``). Packed (``use_remove_padding``, the
+default) the rows become one THD sequence (``megatron_rl.engine.packing``). Padded, every row is
 rotated so its valid tokens start at column 0 (plain causal attention is then exact, positions
 are ``arange``), trimmed to the micro-batch's longest row and, under context parallelism, cut
-into this CP rank's zigzag share. ``Layout`` remembers where the response tokens went;
+into this CP rank's zigzag share; ``Layout`` remembers where the response tokens went.
 ``ModelOutput`` is what a head or loss closure sees of one micro-batch's forward pass: the final
 hidden states and the vocab-sharded output weight (an LM head) or the per-token scalars (a scalar
-head), with helpers that map them back to the response positions.
+head), with helpers that map them back to verl's ``[b, response_len]`` shapes -- the same calls
+for both layouts.
 """
 
 from __future__ import annotations
@@ -76,6 +79,35 @@ class Layout:
         """Per-position values ``[b, s/cp]`` -> ``[b, r]`` at the positions predicting the responses."""
         return self.gather_sequence(values).gather(1, self.positions)
 
+    # -- what ``ModelOutput`` asks of a layout (``megatron_rl.engine.packing.PackedLayout`` too) --
+    def response_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[b, r, h]`` hidden states at the positions that predict the response tokens."""
+        b, r = self.positions.shape
+        return hidden.gather(1, self.positions[..., None].expand(b, r, hidden.shape[-1]))
+
+    def scored(self, hidden: torch.Tensor, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states to score and the token each predicts: ``([b, r, h], [b, r])``; under CP
+        every local position (``[b, s/cp, h]``, ``[b, s/cp]``)."""
+        if self.cp_size > 1:
+            return hidden, self.local_labels
+        return self.response_hidden(hidden), responses
+
+    def to_responses(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores of ``scored`` -> ``[b, r, ...]``."""
+        return scores if self.cp_size == 1 else self.at_responses(scores)
+
+    def from_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """``[b, r, ...]`` per-response-token values in the scored order (here: unchanged)."""
+        return values
+
+    def response_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position scalars ``[b, s/cp]`` -> ``[b, r]``."""
+        return self.at_responses(values)
+
+    def sequence_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position scalars ``[b, s/cp]`` -> ``[b, s]`` (left-aligned rows, CP shares gathered)."""
+        return self.gather_sequence(values)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
@@ -85,13 +117,14 @@ class ModelOutput:
     materialised for the whole sequence); a scalar-head engine fills ``values``.
     """
 
-    layout: Layout
+    layout: Any
+    """Where the tokens sit: a padded ``Layout`` or a ``megatron_rl.engine.packing.PackedLayout``."""
     hidden_states: Optional[torch.Tensor] = None
-    """LM head: ``[b, s/cp, h]`` final hidden states (after the final norm)."""
+    """LM head: ``[b, s/cp, h]`` final hidden states (after the final norm); packed ``[1, t/cp, h]``."""
     output_weight: Optional[torch.Tensor] = None
     """LM head: ``[vocab/tp, h]`` this TP rank's shard of the output (unembedding) weight."""
     values: Optional[torch.Tensor] = None
-    """Scalar head: ``[b, s/cp]`` one float32 scalar per position."""
+    """Scalar head: ``[b, s/cp]`` one float32 scalar per position; packed ``[1, t/cp]``."""
     vocab_size: int = 0
     """The real vocabulary (rows of ``output_weight`` past it are padding and stay out of softmaxes)."""
     tp_group: Any = None
@@ -100,31 +133,34 @@ class ModelOutput:
     """Its size."""
 
     def response_hidden(self) -> torch.Tensor:
-        """``[b, r, h]`` final hidden states at the positions that predict the response tokens."""
-        positions = self.layout.positions
-        b, r = positions.shape
-        return self.hidden_states.gather(1, positions[..., None].expand(b, r, self.hidden_states.shape[-1]))
+        """Final hidden states at the positions that predict the response tokens: ``[b, r, h]``
+        (packed: ``[1, n, h]`` for the ``n`` valid response tokens)."""
+        return self.layout.response_hidden(self.hidden_states)
 
     def scored_tokens(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The hidden states to score and the token each predicts: ``([b, n, h], [b, n])``.
+        """The hidden states to score and the token each predicts: ``([., n, h], [., n])``.
 
-        Without CP only the response positions are scored (``n = r``); under CP every local
-        position is (``n = s/cp``) and ``to_responses`` gathers the shares afterwards.
+        Padded rows: the ``r`` response positions of every row (``[b, r]``); packed rows: the ``n``
+        valid response tokens (``[1, n]``); under CP every local position; ``to_responses`` maps the
+        scores to ``[b, r]``.
         """
-        if self.layout.cp_size > 1:
-            return self.hidden_states, self.layout.local_labels
-        return self.response_hidden(), responses
+        return self.layout.scored(self.hidden_states, responses)
 
     def to_responses(self, scores: torch.Tensor) -> torch.Tensor:
-        """Per-token scores of ``scored_tokens`` (``[b, n]``) -> ``[b, r]`` at the responses."""
-        if self.layout.cp_size == 1:
-            return scores
-        return self.layout.at_responses(scores)
+        """Per-token scores of ``scored_tokens`` / ``response_logits`` (``[., n, ...]``) -> ``[b, r, ...]``
+        (packed: zero at padding)."""
+        return self.layout.to_responses(scores)
+
+    def from_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-response-token batch values ``[b, r, ...]`` -> the order of ``response_logits``
+        (``[., n, ...]``), e.g. a teacher's top-k ids."""
+        return self.layout.from_responses(values)
 
     def response_logits(self) -> torch.Tensor:
-        """``[b, r, vocab/tp]`` logits (this rank's vocabulary shard) of the positions that predict
-        the response tokens -- only those positions are projected. The hidden state's gradient is
-        summed over TP, as ``ColumnParallelLinear``'s input gradient is."""
+        """``[., n, vocab/tp]`` logits (this rank's vocabulary shard) of the positions that predict the
+        response tokens (``to_responses`` maps them to ``[b, r, ...]``) -- only those positions are
+        projected. The hidden state's gradient is summed over TP, as ``ColumnParallelLinear``'s
+        input gradient is."""
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         if self.layout.cp_size > 1:
@@ -135,12 +171,12 @@ class ModelOutput:
         return hidden @ self.output_weight.t()
 
     def sequence_values(self) -> torch.Tensor:
-        """Scalar head: ``[b, s]`` the scalar of every aligned position (CP shares gathered)."""
-        return self.layout.gather_sequence(self.values)
+        """Scalar head: ``[b, s]`` the scalar of every left-aligned position (CP shares gathered)."""
+        return self.layout.sequence_values(self.values)
 
     def response_values(self) -> torch.Tensor:
         """Scalar head: ``[b, r]`` the scalars at the positions that predict the response tokens."""
-        return self.layout.at_responses(self.values)
+        return self.layout.response_values(self.values)
 
 
 def prepare_inputs(mb: Mapping[str, torch.Tensor], *, pad_to: int, multiple: int, cp_group: Any = None

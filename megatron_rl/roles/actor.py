@@ -25,6 +25,8 @@ from megatron_rl.roles.common import check_config, require_fields, update_in_min
 __all__ = ["Actor"]
 
 Batch = Mapping[str, torch.Tensor]
+_SECTIONS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "teacher": "distillation.teacher_model"}
+"""Where each LM role's keys live (named in token-budget errors)."""
 
 
 class Actor:
@@ -45,8 +47,14 @@ class Actor:
         check_config(engine.name, config, self.config_type)
         self.engine, self.config = engine, config
 
-    def _micro_batch_size(self, micro_batch_size: Optional[int]) -> int:
-        return micro_batch_size or self.config.ppo_micro_batch_size_per_gpu
+    def _forward_batching(self, micro_batch_size: Optional[int]) -> dict[str, Any]:
+        """How ``engine.forward`` cuts a batch: a token budget (``log_prob_use_dynamic_bsz``), else
+        ``micro_batch_size`` rows (default ``ppo_micro_batch_size_per_gpu``)."""
+        budget = self.config.forward_token_budget()
+        if budget is None:
+            return {"micro_batch_size": micro_batch_size or self.config.ppo_micro_batch_size_per_gpu}
+        return {"max_token_len": budget, "budget_key": f"{_SECTIONS.get(self.engine.name, self.engine.name)}."
+                                                       "log_prob_max_token_len_per_gpu"}
 
     # -- forward --------------------------------------------------------------------------------
     @batch_fields("input_ids", "attention_mask", "responses")
@@ -64,7 +72,7 @@ class Actor:
             extra = {"sum_pi_squared": spsq[0]} if spsq else {}
             return {"log_probs": lp, **extra} if ent is None else {"log_probs": lp, "entropys": ent, **extra}
 
-        return self.engine.forward(batch, head, micro_batch_size=self._micro_batch_size(micro_batch_size))
+        return self.engine.forward(batch, head, **self._forward_batching(micro_batch_size))
 
     @batch_fields("input_ids", "attention_mask", "responses")
     def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
@@ -76,7 +84,7 @@ class Actor:
             values, ids = topk_log_probs(out, k, temperature=temperature)
             return {"topk_log_probs": values.float(), "topk_ids": ids}
 
-        return self.engine.forward(batch, head, micro_batch_size=self._micro_batch_size(micro_batch_size))
+        return self.engine.forward(batch, head, **self._forward_batching(micro_batch_size))
 
     # -- update ---------------------------------------------------------------------------------
     @batch_fields("input_ids", "attention_mask", "responses", "response_mask",

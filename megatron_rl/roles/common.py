@@ -3,7 +3,9 @@
 ``update_in_mini_batches`` follows verl's ``ppo_epochs`` / ``ppo_mini_batch_size`` / ``shuffle``
 semantics: a rank's share of the step's batch is cut into local mini-batches of
 ``ppo_mini_batch_size * rollout_n / dp`` samples (reshuffled every epoch with a seeded generator
-when ``shuffle``); each mini-batch is one ``MegatronEngine.train_step``. The returned metrics are
+when ``shuffle``); each mini-batch is one ``MegatronEngine.train_step``, its micro-batches
+``ppo_micro_batch_size_per_gpu`` samples or, with ``use_dynamic_bsz``, a
+``ppo_max_token_len_per_gpu`` token budget. The returned metrics are
 the means over all optimizer steps, with the engine's ``grad_norm`` / ``lr`` under the role's
 section prefix.
 """
@@ -19,6 +21,8 @@ from megatron_rl.data.batch import BatchFields, check_fields
 from megatron_rl.engine import LossFn, MegatronEngine, StepInfo
 
 __all__ = ["update_in_mini_batches", "with_batch_info", "require_fields", "token_weighted", "check_config"]
+
+_SECTIONS = {"actor": "actor_rollout_ref.actor", "critic": "critic"}
 
 
 def check_config(role: str, config: Any, config_type: type) -> None:
@@ -64,6 +68,8 @@ def update_in_mini_batches(engine: MegatronEngine, batch: Mapping[str, torch.Ten
     local_mini = min(mini // dp_size, n)
     if n % local_mini:
         raise ValueError(f"{section}: local batch of {n} samples is not a multiple of the mini-batch {local_mini}")
+    budget = config.train_token_budget()
+    budget_key = f"{_SECTIONS.get(section, section)}.ppo_max_token_len_per_gpu"
     history: dict[str, list[float]] = defaultdict(list)
     generator = torch.Generator().manual_seed(config.data_loader_seed)
     for _epoch in range(config.ppo_epochs):
@@ -71,7 +77,8 @@ def update_in_mini_batches(engine: MegatronEngine, batch: Mapping[str, torch.Ten
         for start in range(0, n, local_mini):
             idx = order[start : start + local_mini]
             mini_batch = {k: v[idx] for k, v in batch.items()}
-            metrics = engine.train_step(mini_batch, loss_fn, micro_batch_size=config.ppo_micro_batch_size_per_gpu)
+            metrics = engine.train_step(mini_batch, loss_fn, micro_batch_size=config.ppo_micro_batch_size_per_gpu,
+                                        max_token_len=budget, budget_key=budget_key)
             metrics[f"{section}/grad_norm"] = metrics.pop("grad_norm")
             metrics[f"{section}/lr"] = metrics.pop("lr")
             for key, value in metrics.items():

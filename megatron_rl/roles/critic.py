@@ -81,11 +81,17 @@ class Critic:
 
     @batch_fields("input_ids", "attention_mask", "responses", "response_mask")
     def compute_values(self, batch: Batch, *, micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """Critic values ``[b, r]`` at the positions predicting each response token (masked)."""
+        """Critic values ``[b, r]`` at the positions predicting each response token (masked); micro-batches
+        of ``micro_batch_size`` (default ``ppo_micro_batch_size_per_gpu``) or, with ``use_dynamic_bsz``,
+        ``forward_max_token_len_per_gpu`` tokens."""
 
         def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
             return {"values": out.response_values() * mb["response_mask"]}
 
+        budget = self.config.forward_token_budget()
+        if budget is not None:  # use_dynamic_bsz: a token budget per micro-batch
+            return self.engine.forward(batch, head, max_token_len=budget,
+                                       budget_key="critic.forward_max_token_len_per_gpu")
         mbs = micro_batch_size or self.config.ppo_micro_batch_size_per_gpu
         return self.engine.forward(batch, head, micro_batch_size=mbs)
 

@@ -44,7 +44,8 @@ def response_log_probs(out: ModelOutput, responses: torch.Tensor, *, temperature
 
 
 def response_logits(out: ModelOutput) -> torch.Tensor:
-    """``[b, r, vocab/tp]`` logits of the response positions (top-k needs them; not under CP yet)."""
+    """``[., n, vocab/tp]`` logits of the response positions (padded rows ``[b, r, .]``, packed
+    ``[1, n, .]``; ``out.to_responses`` maps results to ``[b, r, ...]``). Top-k needs them; not under CP yet."""
     if out.layout.cp_size > 1:
         raise ValueError("top-k distillation (forward_kl_topk) does not support context parallelism yet")
     return out.response_logits()
@@ -54,8 +55,9 @@ def topk_log_probs(out: ModelOutput, k: int, *, temperature: float) -> tuple[tor
     """The ``k`` largest log-probs of every response position and their ids: ``[b, r, k]`` each."""
     from parallel.vocab_parallel_topk import vocab_parallel_topk_log_probs
 
-    return vocab_parallel_topk_log_probs(response_logits(out), k, tp_group=out.tp_group, temperature=temperature,
-                                         vocab_size=out.vocab_size)
+    values, ids = vocab_parallel_topk_log_probs(response_logits(out), k, tp_group=out.tp_group,
+                                                temperature=temperature, vocab_size=out.vocab_size)
+    return out.to_responses(values), out.to_responses(ids)
 
 
 def topk_distillation_terms(out: ModelOutput, teacher_topk_log_probs: torch.Tensor, teacher_topk_ids: torch.Tensor,
@@ -67,7 +69,7 @@ def topk_distillation_terms(out: ModelOutput, teacher_topk_log_probs: torch.Tens
     logits = response_logits(out)
     ids = teacher_topk_ids.long()
     kw = dict(tp_group=out.tp_group, temperature=temperature, vocab_size=out.vocab_size)
-    student_at_teacher = vocab_parallel_gather_log_probs(logits, ids, **kw)
+    student_at_teacher = out.to_responses(vocab_parallel_gather_log_probs(logits, out.from_responses(ids), **kw))
     _, student_ids = vocab_parallel_topk_log_probs(logits.detach(), ids.shape[-1], **kw)
-    return topk_distillation_from_log_probs(student_at_teacher, student_ids, teacher_topk_log_probs.float(), ids,
-                                            log_prob_min_clamp)
+    return topk_distillation_from_log_probs(student_at_teacher, out.to_responses(student_ids),
+                                            teacher_topk_log_probs.float(), ids, log_prob_min_clamp)

@@ -50,9 +50,13 @@ class RewardModel:
 
         def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
             values = out.sequence_values()  # [b, s]
-            # Sequences are left-aligned: the last valid token sits at column length - 1.
+            # Rows are left-aligned (packed rows unpacked so): the last valid token sits at column length - 1.
             last = (mb["attention_mask"].sum(-1).long() - 1).clamp(min=0)  # [b]
             return {"rm_scores": values.gather(1, last[:, None]).squeeze(1)}
 
+        budget = self.config.forward_token_budget()
+        if budget is not None:  # use_dynamic_bsz: a token budget per micro-batch
+            return self.engine.forward(batch, head, max_token_len=budget,
+                                       budget_key="reward.reward_model.forward_max_token_len_per_gpu")
         mbs = micro_batch_size or self.config.micro_batch_size_per_gpu
         return self.engine.forward(batch, head, micro_batch_size=mbs)

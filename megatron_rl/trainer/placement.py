@@ -10,7 +10,8 @@ on a small machine.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
@@ -19,7 +20,7 @@ from megatron_rl.models.tiny import megatron_overrides
 from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
-__all__ = ["role_specs", "actor_config", "Placement"]
+__all__ = ["role_specs", "role_token_budgets", "RoleBudget", "actor_config", "check_token_budget", "Placement"]
 
 
 def _with_horizon(role_config, total_steps: int):
@@ -51,15 +52,108 @@ def _model_overrides(megatron, source=None, inline=None) -> dict:
     return out
 
 
+def _pick(value, default):
+    """A role's own setting, or (None) the one it defaults to (verl's ``${oc.select:...}``)."""
+    return default if value is None else value
+
+
+def check_token_budget(key: str, budget: Optional[int], megatron, data) -> None:
+    """ValueError, before any worker starts, for a token budget (``key``) that cannot hold the
+    longest sample (``data.max_prompt_length + data.max_response_length``) or, packed, is not a
+    multiple of the THD alignment (TP under sequence parallelism x ``2 * CP``). None: fixed-size
+    micro-batches, nothing to check."""
+    if budget is None:
+        return
+    longest = data.max_prompt_length + data.max_response_length
+    if budget < longest:
+        raise ValueError(f"{key}={budget} is smaller than the longest sample: data.max_prompt_length + "
+                         f"data.max_response_length = {data.max_prompt_length}+{data.max_response_length} = {longest}")
+    tp, cp = megatron.tensor_model_parallel_size, megatron.context_parallel_size
+    align = (tp if megatron.sequence_parallel and tp > 1 else 1) * (2 * cp if cp > 1 else 1)
+    if megatron.use_remove_padding and budget % align:
+        raise ValueError(f"{key}={budget} is not a multiple of {align}, the packed-sequence alignment of its layout "
+                         f"(tensor_model_parallel_size={tp} with sequence_parallel x 2 * context_parallel_size={cp})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleBudget:
+    """One role's micro-batch token budgets (None = fixed-size micro-batches) and where they are set."""
+
+    train: Optional[int]
+    """Tokens per training micro-batch (trainable roles)."""
+    forward: Optional[int]
+    """Tokens per forward micro-batch."""
+    section: str
+    """The role's config section (``actor_rollout_ref.actor`` ...)."""
+    train_key: Optional[str]
+    """The key of ``train`` in that section (None for frozen roles)."""
+    forward_key: str
+    """The key of ``forward`` in that section."""
+    megatron: Any
+    """The role's ``MegatronConfig`` (the layout the budgets must align with)."""
+
+    def check(self, data: Any) -> None:
+        """``check_token_budget`` for both budgets."""
+        if self.train_key:
+            check_token_budget(f"{self.section}.{self.train_key}", self.train, self.megatron, data)
+        check_token_budget(f"{self.section}.{self.forward_key}", self.forward, self.megatron, data)
+
+
+def role_token_budgets(config: TrainerRunConfig) -> dict[str, RoleBudget]:
+    """Every role's ``RoleBudget``, with what a role leaves at None taken from what it defaults to
+    (verl's interpolations): the reference's and teacher's forward budget from the actor's, the
+    critic's ``use_dynamic_bsz`` from the actor's, the reward model's from the critic's. The one
+    place these defaults are resolved (placement and the planner read it)."""
+    arr, critic, rm = config.actor_rollout_ref, config.critic, config.reward.reward_model
+    teacher, actor = config.distillation.teacher_model, arr.actor
+    forward_dynamic = actor.forward_token_budget() is not None
+    forward_budget = _pick(actor.log_prob_max_token_len_per_gpu, actor.ppo_max_token_len_per_gpu)
+    critic_dynamic = _pick(critic.use_dynamic_bsz, actor.use_dynamic_bsz)
+    critic_forward = _pick(critic.forward_max_token_len_per_gpu, critic.ppo_max_token_len_per_gpu)
+
+    def when(dynamic, budget):
+        return budget if dynamic else None
+
+    lp = "log_prob_max_token_len_per_gpu"
+    return {
+        "actor": RoleBudget(actor.train_token_budget(), actor.forward_token_budget(), "actor_rollout_ref.actor",
+                            "ppo_max_token_len_per_gpu", lp, actor.megatron),
+        "ref": RoleBudget(None, when(_pick(arr.ref.log_prob_use_dynamic_bsz, forward_dynamic),
+                                     _pick(arr.ref.log_prob_max_token_len_per_gpu, forward_budget)),
+                          "actor_rollout_ref.ref", None, lp, arr.ref.megatron),
+        "critic": RoleBudget(when(critic_dynamic, critic.ppo_max_token_len_per_gpu), when(critic_dynamic, critic_forward),
+                             "critic", "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu", critic.megatron),
+        "reward": RoleBudget(None, when(_pick(rm.use_dynamic_bsz, critic_dynamic),
+                                        _pick(rm.forward_max_token_len_per_gpu, critic_forward)),
+                             "reward.reward_model", None, "forward_max_token_len_per_gpu", rm.megatron),
+        "teacher": RoleBudget(None, when(_pick(teacher.log_prob_use_dynamic_bsz, forward_dynamic),
+                                         _pick(teacher.log_prob_max_token_len_per_gpu, forward_budget)),
+                              "distillation.teacher_model", None, lp, teacher.megatron),
+    }
+
+
 def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int,
                teacher_path: Optional[str] = None) -> dict[str, WorkerSpec]:
     """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always). ``model_path`` is the
-    policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon."""
+    policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon.
+    Each role's config carries its token budgets (``role_token_budgets``, checked here, before any
+    worker starts)."""
     arr = config.actor_rollout_ref
+    budgets = role_token_budgets(config)
+    for role, runs in (("actor", True), ("ref", needs.reference), ("critic", needs.critic),
+                       ("reward", needs.reward_model), ("teacher", needs.teacher)):
+        if runs:
+            budgets[role].check(config.data)
+
+    def lm_forward(role_config, role):
+        fwd = budgets[role].forward
+        return role_config.replace(log_prob_use_dynamic_bsz=fwd is not None,
+                                   log_prob_max_token_len_per_gpu=fwd or role_config.ppo_max_token_len_per_gpu)
+
     specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config, total_steps), hf_dir=model_path,
                                  model_overrides=_model_overrides(arr.actor.megatron, arr.model))}
     if needs.reference:
-        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, arr.actor, hf_dir=model_path,
+        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, lm_forward(arr.actor, "ref"), hf_dir=model_path,
                                   model_overrides=_model_overrides(arr.ref.megatron, arr.model))
     if needs.critic:
         critic = config.critic
@@ -67,20 +161,22 @@ def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, to
                                           or critic.model.family != arr.model.family):
             raise ValueError("critic.model: an inline critic is the policy's architecture (its value head on the "
                              "materialised policy); set critic.model.path for another critic model")
-        specs["critic"] = WorkerSpec("critic", critic.megatron, _with_horizon(critic, total_steps),
+        critic_config = _with_horizon(critic, total_steps).replace(use_dynamic_bsz=budgets["critic"].train is not None)
+        specs["critic"] = WorkerSpec("critic", critic.megatron, critic_config,
                                      hf_dir=critic.model.path or model_path,
                                      model_overrides=_model_overrides(critic.megatron, critic.model))
     if needs.reward_model:
         rm = config.reward.reward_model
-        specs["reward"] = WorkerSpec("reward", rm.megatron, rm, hf_dir=rm.model_path,
+        fwd = budgets["reward"].forward
+        rm_config = rm.replace(use_dynamic_bsz=fwd is not None, forward_max_token_len_per_gpu=fwd)
+        specs["reward"] = WorkerSpec("reward", rm.megatron, rm_config, hf_dir=rm.model_path,
                                      model_overrides=_model_overrides(rm.megatron))
     if needs.teacher:
         teacher = config.distillation.teacher_model
         micro = teacher.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
-        specs["teacher"] = WorkerSpec("teacher", teacher.megatron,
-                                      ActorConfig(ppo_micro_batch_size_per_gpu=micro,
-                                                  logprob_chunk_size=arr.actor.logprob_chunk_size),
-                                      hf_dir=teacher_path,
+        teacher_config = lm_forward(ActorConfig(ppo_micro_batch_size_per_gpu=micro,
+                                                logprob_chunk_size=arr.actor.logprob_chunk_size), "teacher")
+        specs["teacher"] = WorkerSpec("teacher", teacher.megatron, teacher_config, hf_dir=teacher_path,
                                       model_overrides=_model_overrides(teacher.megatron, inline=teacher.config))
     return specs
 

@@ -80,7 +80,8 @@ class MegatronWorker(WeightSyncRank):
         self.mesh = init_mesh(spec.megatron.parallel(), seed=spec.megatron.seed)
         self.role = build_role(role, model_cfg, self.mesh, spec.config,
                                transformer_overrides=spec.megatron.override_transformer_config,
-                               sequence_parallel=spec.megatron.sequence_parallel)
+                               sequence_parallel=spec.megatron.sequence_parallel,
+                               remove_padding=spec.megatron.use_remove_padding)
         self.engine = self.role.engine
         if spec.hf_dir is not None:
             # A critic from a causal LM keeps its value head's fresh initialisation; one from a

@@ -2,6 +2,14 @@
 the single-rank result (log-probs, entropy, values, losses, metrics and updated weights), run
 through the roles (``megatron_rl.roles``) that drive it in training.
 
+The reference is one rank with padded micro-batches of 2 rows. The layouts mix the engine's two
+input paths: padded rows (``megatron.use_remove_padding=False``) and packed THD sequences, with
+fixed-size micro-batches or token budgets of 12, 16 and 32 tokens (``use_dynamic_bsz``); on a
+ragged batch (rows of 1 token, rows at the length limit, empty responses), packed / dynamic at
+TP=2 (sequence parallel), PP=2, PP=2 x VPP=2, DP=2 and EP=2 (MoE) equals padded single-rank to
+1e-5 -- the loss does not depend on the budget (normalisation by the global token count).
+Actor and critic run in the same spawned processes, on the same mesh.
+
 Weights travel between layouts through Megatron's distributed checkpoints, so the parallel
 runs start from exactly the reference weights, and the updated weights are compared after
 loading every layout's checkpoint back into one unsharded model.
@@ -22,16 +30,20 @@ MOE = dict(DENSE, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, 
 BATCH, PROMPT, RESPONSE = 8, 6, 5
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
 LOGPROB_TOL = 2e-5
+PACKED_TOL = 1e-5  # packed / token-budget layouts against the padded reference
 WEIGHT_TOL = 2e-5
+RAGGED_PROMPTS, RAGGED_RESPONSES = [6, 1, 4, 6, 1, 1, 2, 6], [5, 0, 5, 1, 4, 0, 3, 5]
+"""Rows of 11 tokens (the limit), 1 token (a lone prompt token), empty responses."""
 
 
-def make_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Left-padded prompts + right-padded responses of varying lengths (one response is empty)."""
+def make_batch(vocab: int, seed: int = 0, ragged: bool = False) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses of varying lengths (one response is empty;
+    ``ragged``: two rows of a single token, two at the full length)."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab, (BATCH, PROMPT), generator=g)
     responses = torch.randint(0, vocab, (BATCH, RESPONSE), generator=g)
-    prompt_len = torch.tensor([6, 3, 4, 6, 1, 5, 2, 6])
-    response_len = torch.tensor([5, 2, 5, 1, 4, 0, 3, 5])
+    prompt_len = torch.tensor(RAGGED_PROMPTS if ragged else [6, 3, 4, 6, 1, 5, 2, 6])
+    response_len = torch.tensor(RAGGED_RESPONSES if ragged else [5, 2, 5, 1, 4, 0, 3, 5])
     prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - prompt_len[:, None]).long()
     response_mask = (torch.arange(RESPONSE)[None] < response_len[:, None]).long()
     input_ids = torch.cat([prompts, responses], 1) * torch.cat([prompt_mask, response_mask], 1)
@@ -57,8 +69,9 @@ def make_role(name, model_kw, mesh, train_cfg=None, **kwargs):
     return build_role(name, ModelConfig(**model_kw), mesh, config_cls.from_dict(train_cfg), **kwargs)
 
 
-def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_cfg, dp_split):
-    """One layout: load ``ckpt_in`` (or save the fresh weights there), compute, update, save."""
+def _run_layout(rank, world_size, par, model_kw, train_cfgs, ckpts, dp_split):
+    """One layout, both roles on one mesh: per role load ``ckpts[role][0]`` (or save the fresh
+    weights there), compute, update, save to ``ckpts[role][1]``."""
     import os
 
     from parallel.checkpoint import load_model, save_model
@@ -66,37 +79,41 @@ def _run_layout(rank, world_size, par, model_kw, role, ckpt_in, ckpt_out, train_
     from parallel.mesh import init_mesh
 
     par = dict(par)
-    sequence_parallel = par.pop("sequence_parallel", False)  # megatron.sequence_parallel, not a ParallelConfig field
-    pc = ParallelConfig(**par)
-    mesh = init_mesh(pc, seed=1234)
-    worker = make_role(role, model_kw, mesh, train_cfg, sequence_parallel=sequence_parallel)
-    if os.path.exists(ckpt_in):
-        load_model(worker.engine.model, ckpt_in)
-    else:
-        save_model(worker.engine.model, ckpt_in)
-    batch = make_batch(model_kw["vocab_size"])
-    if dp_split:
-        dp, dp_rank = mesh.size("dp"), mesh.dp_rank
-        batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
-    if torch.cuda.is_available():
-        batch = {k: v.cuda() for k, v in batch.items()}
-    result = {}
-    if role == "actor":
-        out = worker.compute_log_prob(batch, calculate_entropy=True)
-        result.update(out)
-        batch["old_log_probs"] = out["log_probs"] + batch["offset"]
-        result["metrics"] = worker.update_policy(batch)
-    else:
-        out = worker.compute_values(batch)
-        result.update(out)
-        batch["values"] = out["values"] + 2 * batch["offset"]
-        result["metrics"] = worker.update_critic(batch)
-    save_model(worker.engine.model, ckpt_out)
-    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in result.items()}
+    options = {"sequence_parallel": par.pop("sequence_parallel", False),  # megatron.* keys, not ParallelConfig fields
+               "remove_padding": par.pop("remove_padding", True)}
+    mesh = init_mesh(ParallelConfig(**par), seed=1234)
+    results = {}
+    for role, train_cfg in train_cfgs.items():
+        worker = make_role(role, model_kw, mesh, train_cfg, **options)
+        ckpt_in, ckpt_out = ckpts[role]
+        if os.path.exists(ckpt_in):
+            load_model(worker.engine.model, ckpt_in)
+        else:
+            save_model(worker.engine.model, ckpt_in)
+        batch = make_batch(model_kw["vocab_size"], ragged=True)
+        if dp_split:
+            dp, dp_rank = mesh.size("dp"), mesh.dp_rank
+            batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+        if torch.cuda.is_available():
+            batch = {k: v.cuda() for k, v in batch.items()}
+        result = {}
+        if role == "actor":
+            out = worker.compute_log_prob(batch, calculate_entropy=True)
+            result.update(out)
+            batch["old_log_probs"] = out["log_probs"] + batch["offset"]
+            result["metrics"] = worker.update_policy(batch)
+        else:
+            out = worker.compute_values(batch)
+            result.update(out)
+            batch["values"] = out["values"] + 2 * batch["offset"]
+            result["metrics"] = worker.update_critic(batch)
+        save_model(worker.engine.model, ckpt_out)
+        results[role] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in result.items()}
+    return results
 
 
-def _load_all(rank, world_size, model_kw, role, paths):
-    """Load each checkpoint into one unsharded model; return its parameters."""
+def _load_roles(rank, world_size, model_kw, paths_by_role):
+    """Per role, load each checkpoint into one unsharded model; return its parameters."""
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.models.gpt import build_model, build_transformer_config
     from parallel.checkpoint import load_model
@@ -106,11 +123,14 @@ def _load_all(rank, world_size, model_kw, role, paths):
     pc = ParallelConfig()
     init_mesh(pc, seed=1)
     mc = ModelConfig(**model_kw)
-    chunks = build_model(mc, build_transformer_config(mc, pc), head="lm" if role == "actor" else "scalar")
-    out = []
-    for path in paths:
-        load_model(chunks, path)
-        out.append({k: v.detach().cpu().clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k})
+    out = {}
+    for role, paths in paths_by_role.items():
+        chunks = build_model(mc, build_transformer_config(mc, pc), head="lm" if role == "actor" else "scalar")
+        out[role] = []
+        for path in paths:
+            load_model(chunks, path)
+            out[role].append({k: v.detach().cpu().clone() for k, v in chunks[0].state_dict().items()
+                              if torch.is_tensor(v) and "_extra_state" not in k})
     return out
 
 
@@ -123,45 +143,64 @@ def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("engine_ckpts")
 
 
-# name -> (world size, parallel layout, training-config overrides)
+def _budget(tokens: int) -> dict:
+    """Training-config overrides for token-budget micro-batches of ``tokens`` (both roles' keys)."""
+    return {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": tokens}
+
+
+PADDED = {"remove_padding": False}
+# name -> (world size, parallel layout + megatron options, training-config overrides)
 LAYOUTS = {
-    "tp2": (2, dict(tensor_model_parallel_size=2), {}),
-    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
-    "pp2": (2, dict(pipeline_model_parallel_size=2), {}),
-    "pp2_vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), {}),
-    "dp2": (2, dict(), {}),
-    "mbs1": (1, dict(), {"ppo_micro_batch_size_per_gpu": 1}),
+    "tp2": (2, dict(tensor_model_parallel_size=2, **PADDED), {}),
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), _budget(16)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2), _budget(12)),
+    "pp2_vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), _budget(16)),
+    "dp2": (2, dict(), _budget(12)),
+    "mbs1": (1, dict(PADDED), {"ppo_micro_batch_size_per_gpu": 1}),
     "mbs8": (1, dict(), {"ppo_micro_batch_size_per_gpu": 8}),
+    "budget32": (1, dict(), _budget(32)),
 }
+ACTOR_CFG = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD,
+             "clip_ratio_low": 0.02, "clip_ratio_high": 0.03, "entropy_coeff": 0.01}
+CRITIC_CFG = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD, "cliprange_value": 0.05}
 
 
-def _compare(role, model_kw, ckpt_root, layouts, train_cfg, backend="gloo"):
-    init = str(ckpt_root / f"{role}_{model_kw.get('num_moe_experts', 0)}_init")
-    ref_out = str(ckpt_root / f"{role}_{model_kw.get('num_moe_experts', 0)}_ref")
-    (ref,) = run_distributed(_run_layout, 1, {}, model_kw, role, init, ref_out, train_cfg, False, backend=backend)
-    results, paths = {}, [ref_out]
+def _compare(train_cfgs, model_kw, ckpt_root, layouts, backend="gloo", reference=PADDED):
+    """Reference run + every layout, for every role of ``train_cfgs``: ``{role: (ref, results, weights)}``."""
+    tag = f"{model_kw.get('num_moe_experts', 0)}_{model_kw.get('attention_backend', 'auto')}"
+
+    def ckpts(name):
+        return {role: (str(ckpt_root / f"{role}_{tag}_init"), str(ckpt_root / f"{role}_{tag}_{name}"))
+                for role in train_cfgs}
+
+    (ref,) = run_distributed(_run_layout, 1, reference, model_kw, train_cfgs, ckpts("ref"), False, backend=backend)
+    results = {role: {} for role in train_cfgs}
+    paths = {role: [ckpts("ref")[role][1]] for role in train_cfgs}
     for name, (world, par, overrides) in layouts.items():
-        out = str(ckpt_root / f"{role}_{model_kw.get('num_moe_experts', 0)}_{name}")
         dp_split = name.startswith("dp") or name.startswith("ep")
-        res = run_distributed(_run_layout, world, par, model_kw, role, init, out, {**train_cfg, **overrides}, dp_split,
-                              backend=backend)
-        if dp_split:  # each DP rank holds half the batch
-            merged = {k: torch.cat([r[k] for r in res]) for k in res[0] if k != "metrics"}
-            merged["metrics"] = res[0]["metrics"]
-            assert res[0]["metrics"] == pytest.approx(res[1]["metrics"], rel=1e-6, abs=1e-9)
-            res = [merged]
-        results[name] = res[0]
-        paths.append(out)
-    weights = run_distributed(_load_all, 1, model_kw, role, paths, backend=backend)[0]
-    return ref, results, weights
+        cfgs = {role: {**cfg, **overrides} for role, cfg in train_cfgs.items()}
+        res = run_distributed(_run_layout, world, par, model_kw, cfgs, ckpts(name), dp_split, backend=backend)
+        for role in train_cfgs:
+            role_res = [r[role] for r in res]
+            if dp_split:  # each DP rank holds half the batch
+                merged = {k: torch.cat([r[k] for r in role_res]) for k in role_res[0] if k != "metrics"}
+                merged["metrics"] = role_res[0]["metrics"]
+                assert role_res[0]["metrics"] == pytest.approx(role_res[1]["metrics"], rel=1e-6, abs=1e-9)
+                role_res = [merged]
+            results[role][name] = role_res[0]
+            paths[role].append(ckpts(name)[role][1])
+    weights = run_distributed(_load_roles, 1, model_kw, paths, backend=backend)[0]
+    return {role: (ref[role], results[role], weights[role]) for role in train_cfgs}
 
 
-def _check(ref, results, weights, keys):
-    mask = make_batch(DENSE["vocab_size"])["response_mask"].bool()  # padding positions carry no meaning
+def _check(ref, results, weights, keys, layouts=LAYOUTS):
+    mask = make_batch(DENSE["vocab_size"], ragged=True)["response_mask"].bool()  # padding positions carry no meaning
     for name, res in results.items():
+        packed = layouts[name][1].get("remove_padding", True)
         for key in keys:
             diff = _max_diff(res[key][mask], ref[key][mask])
             assert diff < LOGPROB_TOL, (name, key, diff)
+            assert not packed or diff < PACKED_TOL, (name, key, diff)
         for metric, value in ref["metrics"].items():
             assert math.isclose(res["metrics"][metric], value, rel_tol=1e-4, abs_tol=1e-5), (name, metric, res["metrics"][metric], value)
     ref_w = weights[0]
@@ -171,36 +210,44 @@ def _check(ref, results, weights, keys):
         assert worst < WEIGHT_TOL, (name, worst)
 
 
-def test_actor_layouts_equal_single_rank(ckpt_root):
-    train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD,
-                 "clip_ratio_low": 0.02, "clip_ratio_high": 0.03, "entropy_coeff": 0.01}
-    ref, results, weights = _compare("actor", DENSE, ckpt_root, LAYOUTS, train_cfg)
+@pytest.fixture(scope="module")
+def dense_runs(ckpt_root):
+    """Both roles through the reference and every layout of ``LAYOUTS``, once for the module."""
+    return _compare({"actor": ACTOR_CFG, "critic": CRITIC_CFG}, DENSE, ckpt_root, LAYOUTS)
+
+
+EP_LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2), _budget(16))}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(ckpt_root):
+    """Both MoE roles: padded single rank vs packed token-budget EP=2."""
+    actor = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD}
+    return _compare({"actor": actor, "critic": CRITIC_CFG}, MOE, ckpt_root, EP_LAYOUTS)
+
+
+def test_actor_layouts_equal_single_rank(dense_runs):
+    ref, results, weights = dense_runs["actor"]
     _check(ref, results, weights, ["log_probs", "entropys"])
     # The update moved the weights and clipping was active, so the comparison had teeth.
     assert ref["metrics"]["actor/pg_clipfrac"] > 0
     assert ref["metrics"]["actor/grad_norm"] > 0
 
 
-def test_critic_layouts_equal_single_rank(ckpt_root):
-    train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD, "cliprange_value": 0.05}
-    layouts = {k: LAYOUTS[k] for k in ("tp2", "pp2")}
-    ref, results, weights = _compare("critic", DENSE, ckpt_root, layouts, train_cfg)
+def test_critic_layouts_equal_single_rank(dense_runs):
+    ref, results, weights = dense_runs["critic"]
     _check(ref, results, weights, ["values"])
     assert ref["metrics"]["critic/vf_clipfrac"] > 0
 
 
-def test_moe_critic_expert_parallel_equals_single_rank(ckpt_root):
-    train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD, "cliprange_value": 0.05}
-    layouts = {"ep2": (2, dict(expert_model_parallel_size=2), {})}
-    ref, results, weights = _compare("critic", MOE, ckpt_root, layouts, train_cfg)
-    _check(ref, results, weights, ["values"])
+def test_moe_critic_expert_parallel_equals_single_rank(moe_runs):
+    ref, results, weights = moe_runs["critic"]
+    _check(ref, results, weights, ["values"], EP_LAYOUTS)
 
 
-def test_moe_actor_expert_parallel_equals_single_rank(ckpt_root):
-    train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD}
-    layouts = {"ep2": (2, dict(expert_model_parallel_size=2), {})}
-    ref, results, weights = _compare("actor", MOE, ckpt_root, layouts, train_cfg)
-    _check(ref, results, weights, ["log_probs", "entropys"])
+def test_moe_actor_expert_parallel_equals_single_rank(moe_runs):
+    ref, results, weights = moe_runs["actor"]
+    _check(ref, results, weights, ["log_probs", "entropys"], EP_LAYOUTS)
 
 
 def _naive_reference(rank, world_size, model_kw, temperature):
@@ -300,6 +347,9 @@ def test_context_parallel_actor_equals_single_rank(ckpt_root):
         pytest.skip("needs 2 GPUs")
     train_cfg = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD}
     model_kw = dict(DENSE, attention_backend="te")
-    layouts = {"cp2": (2, dict(context_parallel_size=2), {})}
-    ref, results, weights = _compare("actor", model_kw, ckpt_root, layouts, train_cfg, backend="nccl")
-    _check(ref, results, weights, ["log_probs", "entropys"])
+    # Padded CP (zigzag of the padded rows) and packed THD CP (zigzag per row, TE's THD attention),
+    # both against padded single-rank TE.
+    layouts = {"cp2_padded": (2, dict(context_parallel_size=2, **PADDED), {}),
+               "cp2_thd": (2, dict(context_parallel_size=2), _budget(16))}
+    ref, results, weights = _compare({"actor": train_cfg}, model_kw, ckpt_root, layouts, backend="nccl")["actor"]
+    _check(ref, results, weights, ["log_probs", "entropys"], layouts)
