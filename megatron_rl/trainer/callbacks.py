@@ -14,8 +14,16 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_rl.config import TrainerConfig
-from megatron_rl.data.rewards import RewardError
-from megatron_rl.trainer.checkpoint import TRAINER_STATE, StepCheckpoint, find_resume_dir, prune_checkpoints
+from megatron_rl.data.rewards import RewardError, finite_means
+from megatron_rl.trainer.checkpoint import (
+    StepCheckpoint,
+    ensure_space_for_checkpoint,
+    estimate_checkpoint_bytes,
+    last_good_checkpoint,
+    prune_checkpoints,
+    select_checkpoint,
+)
+from parallel.checkpoint import DiskFullError, free_bytes, fmt_bytes, is_disk_full
 
 __all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump"]
 
@@ -76,22 +84,43 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Every group's state and the driver ``state``, as one atomic ``global_step_N`` directory;
-        old ones pruned by ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep``."""
-        with StepCheckpoint(self.root, step) as ckpt:
-            for part, group in self.groups.items():
-                group.save_checkpoint(ckpt.part(part))
-            final = ckpt.commit(state)
+        old ones pruned by ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep``.
+
+        The free space is checked against the checkpoint's estimated size first; a save that fills
+        the disk anyway is reported as ``DiskFullError`` (path, bytes needed and free, the last good
+        checkpoint, which stays the latest)."""
+        needed = estimate_checkpoint_bytes(self.root, self.groups)
+        ensure_space_for_checkpoint(self.root, step, needed)
+        try:
+            with StepCheckpoint(self.root, step) as ckpt:
+                for part, group in self.groups.items():
+                    group.save_checkpoint(ckpt.part(part))
+                final = ckpt.commit(state)
+        except Exception as err:
+            if is_disk_full(err):
+                raise DiskFullError(f"disk full: saving checkpoint global_step_{step} under {self.root} failed "
+                                    f"({type(err).__name__}); it needs ~{fmt_bytes(needed)}, "
+                                    f"{fmt_bytes(free_bytes(self.root))} are free now; "
+                                    f"{last_good_checkpoint(self.root)}", path=self.root, needed=needed,
+                                    free=free_bytes(self.root)) from err
+            raise
         keep = [k for k in (self.cfg.max_actor_ckpt_to_keep, self.cfg.max_critic_ckpt_to_keep) if k is not None]
         prune_checkpoints(self.root, min(keep) if keep else None)
         return final
 
     def resume(self) -> Optional[tuple[Path, dict[str, Any]]]:
-        """Load the checkpoint ``trainer.resume_mode`` selects into every group; return its
-        directory and driver state (None: a fresh start)."""
-        path = find_resume_dir(self.root, self.cfg.resume_mode, self.cfg.resume_from_path)
-        if path is None:
+        """Load the checkpoint ``trainer.resume_mode`` selects into every group -- verified against
+        its manifest first, past damaged ones with ``trainer.resume_fallback`` (``select_checkpoint``)
+        -- and return its directory and driver state (None: a fresh start)."""
+        choice = select_checkpoint(self.root, self.cfg.resume_mode, self.cfg.resume_from_path,
+                                   fallback=self.cfg.resume_fallback)
+        if choice.path is None:
             return None
-        state = json.loads((path / TRAINER_STATE).read_text())
+        if choice.skipped:
+            from tqdm import tqdm
+
+            tqdm.write(f"resume: {choice.describe()}")
+        path, state = choice.path, choice.state()
         for part, group in self.groups.items():
             if not (path / part).is_dir():
                 raise ValueError(f"{path} has no {part} checkpoint, but this run trains a {part}")
@@ -114,8 +143,10 @@ class Validator:
                  dump: Optional[GenerationDump] = None):
         self.cfg, self.dataloader, self.generate, self.reward_fn, self.dump = trainer, dataloader, generate, reward_fn, dump
 
-    def should_validate_before_training(self) -> bool:
-        return self.dataloader is not None and self.cfg.val_before_train
+    def should_validate_before_training(self, step: int = 0) -> bool:
+        """``trainer.val_before_train`` with a validation set, on a fresh start only: a resumed run's
+        step was validated (or not) by the run that saved it -- no second row for the same step."""
+        return self.dataloader is not None and self.cfg.val_before_train and step == 0
 
     def should_validate(self, step: int, last: bool) -> bool:
         """Every ``trainer.test_freq`` steps and at the last one (never with ``test_freq`` <= 0)."""
@@ -124,8 +155,17 @@ class Validator:
 
     def validate(self, step: int = 0) -> dict[str, float]:
         """Generate for the whole validation set and score it: ``val-core/<data_source>/reward/mean@<n>``
-        and ``val-aux/...`` for the reward's other keys (verl's names). Prints
-        ``trainer.log_val_generations`` samples; dumps all of them as ``<step>.jsonl`` with a dump."""
+        and ``val-aux/...`` for the reward's other keys (verl's names; non-finite values are counted as
+        ``.../num_nonfinite``, not averaged). Prints ``trainer.log_val_generations`` samples (through
+        ``tqdm.write``, so that a progress bar stays intact); dumps all of them as ``<step>.jsonl``."""
+        from megatron_rl.trainer.watchdog import phase
+
+        with phase("testing", {}):  # verl's name of the validation phase
+            return self._validate(step)
+
+    def _validate(self, step: int) -> dict[str, float]:
+        from tqdm import tqdm
+
         per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         samples, gts, n = [], [], 1
         start = self.dataloader.state_dict()
@@ -141,13 +181,13 @@ class Validator:
             for i, src in enumerate(sources):
                 per_source[src]["reward"].append(float(out.scores[i]))
                 for key, values in out.reward_extra_info.items():
-                    if key != "score" and isinstance(values[i], (int, float)) and not isinstance(values[i], bool):
-                        per_source[src][key].append(float(values[i]))
+                    if key != "score":
+                        per_source[src][key].append(values[i])
             prompts_text = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(out.scores)
             samples.extend(zip(prompts_text, out.response_texts, out.scores.tolist()))
             gts.extend(ground_truths(batch))
         for prompt, text, score in samples[: self.cfg.log_val_generations]:
-            print(f"[val] {prompt!r} -> {text!r} (score {score:.3f})", flush=True)
+            tqdm.write(f"[val] {_one_line(prompt_text(prompt))} -> {_one_line(text)} (score {score:.3f})")
         if self.dump is not None and samples:
             inputs, outputs, scores = (list(col) for col in zip(*samples))
             self.dump.write(step, inputs, outputs, gts, scores)
@@ -155,8 +195,21 @@ class Validator:
         for src, keys in per_source.items():
             for key, values in keys.items():
                 tier = "val-core" if key == "reward" else "val-aux"
-                metrics[f"{tier}/{src}/{key}/mean@{n}"] = sum(values) / len(values)
+                metrics.update(finite_means({key: values}, prefix=f"{tier}/{src}/", suffix=f"/mean@{n}"))
         return metrics
+
+
+def prompt_text(prompt: Any) -> str:
+    """The text of a prompt: a string as it is; of chat messages, the last user turn's content."""
+    if isinstance(prompt, str):
+        return prompt
+    turns = [m.get("content", "") for m in prompt or () if isinstance(m, dict) and m.get("role") == "user"]
+    return str(turns[-1] if turns else prompt)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = str(text).replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SkipGuard:

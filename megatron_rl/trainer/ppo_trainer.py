@@ -33,7 +33,8 @@ from megatron_rl.data.batch import Batch
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
 from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator
 from megatron_rl.trainer.failures import worker_failure
-from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics, timer
+from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics
+from megatron_rl.trainer.watchdog import guard_fit, phase as timer  # timed phases the hang watchdog sees
 
 __all__ = ["RayPPOTrainer"]
 
@@ -106,6 +107,7 @@ class RayPPOTrainer:
                                          {"actor": self.actor, **({"critic": self.critic} if self.critic else {})})
 
     # -- the loop ---------------------------------------------------------------------------
+    @guard_fit  # trainer.phase_timeout_s and SIGTERM/SIGINT (trainer.save_on_preemption): trainer.watchdog
     def fit(self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
             ) -> list[dict[str, float]]:
         """Train until step ``total_steps`` (default ``trainer.total_training_steps``, else
@@ -119,7 +121,7 @@ class RayPPOTrainer:
                                experiment=tcfg.experiment_name)
         skips, history = SkipGuard(tcfg), []
         try:
-            if self.validator.should_validate_before_training() or tcfg.val_only:
+            if self.validator.should_validate_before_training(self.global_steps) or tcfg.val_only:
                 history.append(self.validator.validate(self.global_steps))
                 logger.log(history[-1], step=self.global_steps)
             if tcfg.val_only:

@@ -24,7 +24,7 @@ from megatron_rl.config import TrainerRunConfig
 from megatron_rl.data.batch import Batch
 from megatron_rl.data.rewards import RewardError, finite_means
 from megatron_rl.trainer.callbacks import ground_truths
-from megatron_rl.trainer.metrics import timer
+from megatron_rl.trainer.watchdog import phase as timer  # phases the hang watchdog sees
 
 __all__ = ["RolloutPhase", "PROMPT_FIELDS", "reward_metrics"]
 

@@ -104,6 +104,14 @@ class MegatronWorker(WeightSyncRank):
         """Collective: restore ``save_checkpoint``'s state (any layout for the model and optimizer)."""
         self.engine.load_checkpoint(path, load_optimizer=load_optimizer)
 
+    def enable_stack_dumps(self, directory: str, name: str) -> int:
+        """Dump this process's Python stacks into ``directory`` whenever the driver's hang watchdog asks
+        (``megatron_rl.workers.stacks``), even while a call hangs; returns the pid."""
+        from megatron_rl.workers.stacks import StackDumpListener
+
+        self._stack_dumps = StackDumpListener(directory, name)
+        return os.getpid()
+
     def shutdown(self) -> None:
         from parallel.mesh import destroy_mesh
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -57,6 +58,14 @@ class RolloutWorker:
         receiver, self._receiver = self._receiver, None
         if receiver is not None:
             receiver.close()
+
+    def enable_stack_dumps(self, directory: str, name: str) -> int:
+        """Dump this process's Python stacks into ``directory`` whenever the driver's hang watchdog asks
+        (``megatron_rl.workers.stacks``), even while a call hangs; returns the pid."""
+        from megatron_rl.workers.stacks import StackDumpListener
+
+        self._stack_dumps = StackDumpListener(directory, name)
+        return os.getpid()
 
     def shutdown(self) -> None:
         self.rollout.shutdown()
