@@ -25,6 +25,10 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
   twice (logits and their exp) and a weight-gradient of the output layer in backward,
   never the full ``[tokens, vocab]`` logits.
 
+A micro-batch holds ``micro_batch_size`` sequences of ``seq_length`` tokens, or with a token
+budget (``use_dynamic_bsz``: ``max_token_len``) at most that many tokens -- one packed sequence
+(``use_remove_padding``), all of whose tokens may be response tokens the head scores.
+
 On CPU the activations are float32 (``ModelConfig.params_dtype``); on GPU the training dtype.
 """
 
@@ -165,9 +169,10 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
                   distributed_optimizer: bool = False, sequence_parallel: bool = True,
                   micro_batch_size: int = 1, seq_length: int = 1024, response_length: int = 512,
                   num_microbatches: int = 1, recompute: Optional[dict] = None,
-                  logprob_chunk_size: int = 1024) -> RoleMemory:
+                  logprob_chunk_size: int = 1024, max_token_len: Optional[int] = None) -> RoleMemory:
     """Per-rank memory of ``role`` under one layout for micro-batches of ``micro_batch_size``
-    sequences of ``seq_length`` tokens (``response_length`` of them scored)."""
+    sequences of ``seq_length`` tokens (``response_length`` of them scored), or of ``max_token_len``
+    tokens (a token budget: every one may be scored)."""
     etp = etp or tp
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not allowed; choose one of {sorted(DTYPE_BYTES)}")
@@ -187,16 +192,22 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
             opt_bytes = n_params * per_param
 
     # -- activations and scratch, per pipeline stage; the plan keeps the worst stage ---------
-    tokens = micro_batch_size * seq_length / cp
+    if max_token_len is not None and max_token_len < 1:
+        raise ValueError(f"max_token_len={max_token_len!r} must be >= 1 (or None)")
+    full_tokens = max_token_len if max_token_len is not None else micro_batch_size * seq_length
+    tokens = full_tokens / cp
     per_layer = layer_activation_elements(m, tp=tp, etp=etp, sequence_parallel=sp, act_bytes=e) * tokens * e
     if trainable and (recompute or {}).get("recompute_granularity") == "selective":
         per_layer -= m.num_attention_heads / tp * m.head_dim * tokens * e  # core attention output recomputed
     layer_input = m.hidden_size * tokens / (tp if sp else 1) * e
     vocab_local = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by) // tp
     if value_head:
-        head = micro_batch_size * seq_length * 4 * 2
+        head = full_tokens * 4 * 2
     else:
-        scored = micro_batch_size * (response_length if cp == 1 else seq_length) / cp
+        if max_token_len is not None:
+            scored = max_token_len / cp
+        else:
+            scored = micro_batch_size * (response_length if cp == 1 else seq_length) / cp
         head = 2 * min(scored, logprob_chunk_size) * vocab_local * 4 + scored * m.hidden_size * e
         if trainable:
             head += vocab_local * m.hidden_size * e  # output-layer weight gradient before it joins the buffer

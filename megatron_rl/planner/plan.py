@@ -188,7 +188,15 @@ class _Context:
     """What stays fixed while layouts are searched: config, model, budget."""
 
     def __init__(self, cfg, needs: RunNeeds, model: ModelConfig, from_table: bool, budget: int):
+        from megatron_rl.trainer.placement import role_token_budgets
+
         self.cfg, self.needs, self.model, self.from_table, self.budget = cfg, needs, model, from_table, budget
+        # use_dynamic_bsz: each role's micro-batch is a token budget, not micro x seq tokens
+        self.token_budgets = role_token_budgets(cfg)
+        for role, runs in (("actor", True), ("ref", needs.reference), ("critic", needs.critic),
+                           ("reward", needs.reward_model), ("teacher", needs.teacher)):
+            if runs:
+                self.token_budgets[role].check(cfg.data)
 
     def _role(self, role: str, megatron, model: ModelConfig, par: ParallelConfig, micro: int, trainable: bool,
               optim: Any, mini: Optional[int], world: int, gpus: int, strict: bool) -> tuple[RoleMemory, dict]:
@@ -198,7 +206,10 @@ class _Context:
             dp = par.sizes(world)["dp"]
         except ValueError as err:
             raise ValueError(f"{_WHERE[role]}.megatron: {err}") from None
+        tokens = self.token_budgets[role].train if trainable else self.token_budgets[role].forward
         num_micro = max(mini * n // (dp * micro), 1) if mini else None
+        if mini and tokens:  # at most this many budget-sized micro-batches per optimizer step
+            num_micro = max(math.ceil(mini * n // dp * seq / tokens), 1)
         sizes = _validate_model_layout(role if not strict else _WHERE[role], model, par, world, gpus, seq,
                                        num_micro if par.virtual_pipeline_model_parallel_size else None,
                                        megatron.sequence_parallel)
@@ -211,7 +222,8 @@ class _Context:
             sequence_parallel=megatron.sequence_parallel, micro_batch_size=micro, seq_length=seq,
             response_length=data.max_response_length, num_microbatches=num_micro or 1,
             recompute=megatron.override_transformer_config,
-            logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024))
+            logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024),
+            max_token_len=tokens)
         return mem, sizes
 
     def evaluate(self, actor_par: ParallelConfig, micro: int, *, strict: bool = False) -> Plan:

@@ -2,8 +2,8 @@
 
 ``RayPPOTrainer.fit()`` is the loop of verl's ``RayPPOTrainer.fit`` (ARCHITECTURE.md, "One
 training step"), on one screen: the rollout phase (``RolloutPhase``: generation, rewards, DAPO
-rounds, ReMax's baseline) -> old log-probs (actor; rollout correction) -> reference log-probs
--> teacher log-probs -> values -> KL-in-reward and advantages (the estimator's registry entry,
+rounds, ReMax's baseline) -> DP balance -> old log-probs (actor; rollout correction) -> reference
+log-probs -> teacher log-probs -> values -> KL-in-reward and advantages (the estimator's registry entry,
 on the driver) -> critic update -> actor update -> weight sync. Which roles exist is decided
 once by ``megatron_rl.algos.needs.resolve_run`` (the estimator's declared needs and the config's
 switches); the side concerns -- checkpoints, validation, skipped steps, metrics -- are callbacks
@@ -155,6 +155,10 @@ class RayPPOTrainer:
     # -- one step after the rollout -------------------------------------------------------------
     def train_step(self, batch: Batch, metrics: dict, timing: dict) -> None:
         """Everything after scoring: log-probs, advantages, updates, weight sync."""
+        if self.config.trainer.balance_batch:  # even token counts over the actor's DP ranks
+            from megatron_rl.trainer.balance import balance_batch
+
+            metrics.update(balance_batch(batch, self.actor.dp_size))
         with timer("old_log_prob", timing):
             metrics.update(self.compute_old_log_prob(batch))
         if self.ref is not None:

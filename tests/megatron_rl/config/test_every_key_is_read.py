@@ -39,6 +39,10 @@ RUN = [
     "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=32",
     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1",
     "critic.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+    "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu=256", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=192",
+    "critic.forward_max_token_len_per_gpu=320", "reward.reward_model.forward_max_token_len_per_gpu=224",
+    "distillation.teacher_model.log_prob_max_token_len_per_gpu=288",
     "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl",
     "algorithm.kl_ctrl.type=adaptive", "algorithm.gdpo_reward_keys=[score, acc]", "algorithm.gdpo_reward_weights=[1.0, 0.5]",
     "algorithm.filter_groups={enable: true, metric: score, max_num_gen_batches: 8}",
@@ -54,6 +58,9 @@ RESUMED = [  # the same run directory one step further, with the other half of t
     "trainer.total_training_steps=3", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
     "algorithm.filter_groups.enable=false",
     "algorithm.rollout_correction={bypass_mode: true, rollout_is: token, loss_type: reinforce}",
+    "actor_rollout_ref.actor.megatron.use_remove_padding=false", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
+    "distillation.teacher_model.log_prob_use_dynamic_bsz=false", "reward.reward_model.use_dynamic_bsz=false",
+    "trainer.balance_batch=false",
     "distillation.distillation_loss={loss_mode: forward_kl_topk, topk: 8, use_policy_gradient: false}",
 ]
 REWARD = """
@@ -178,7 +185,7 @@ def test_inert_keys_warn_by_name_and_the_list_is_short():
             assert any(inert_reason(p) is not None and fnmatch.fnmatchcase(p, pattern) for p in leaves), \
                 f"INERT_KEYS pattern {pattern!r} (of {entry!r}) matches no key"
     base = compose("grpo")
-    for override in ("actor_rollout_ref.actor.megatron.param_offload=true", "trainer.balance_batch=true",
+    for override in ("actor_rollout_ref.actor.megatron.param_offload=true", "critic.model.trust_remote_code=true",
                      "algorithm.use_pf_ppo=true", "reward.reward_model.tokenizer_path=/tok",
                      "actor_rollout_ref.actor.profiler.enable=true", "trainer.use_v1=false"):
         key = override.split("=")[0]
