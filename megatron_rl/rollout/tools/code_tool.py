@@ -1,0 +1,44 @@
+"""``CodeInterpreterTool``: runs the model's Python in the sandbox and returns what it printed.
+
+Tool-config ``config`` keys (all optional): ``wall_seconds`` (10), ``cpu_seconds`` (5),
+``memory_mb`` (512), ``max_output_bytes`` (8192), ``max_file_bytes`` (1 MiB) -- the
+``SandboxLimits`` of every call -- and the loop's ``timeout`` (default: the wall limit + 5 s).
+A call whose code fails or exceeds a limit is an error observation with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from megatron_rl.rollout.tools.base import BaseTool, ToolResponse, ToolSchema
+from megatron_rl.rollout.tools.sandbox import SandboxLimits, run_python
+
+__all__ = ["CodeInterpreterTool"]
+
+_LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(SandboxLimits))
+
+
+class CodeInterpreterTool(BaseTool):
+    """Executes ``{"code": "print(48213 * 9174)"}`` in ``megatron_rl.rollout.tools.sandbox``."""
+
+    def __init__(self, config: Optional[Mapping[str, Any]] = None, tool_schema: Optional[ToolSchema] = None):
+        config = dict(config or {})
+        unknown = set(config) - set(_LIMIT_KEYS) - {"type", "timeout"}
+        if unknown:
+            raise ValueError(f"code tool config has unknown key(s) {sorted(unknown)}; allowed: "
+                             f"{['type', 'timeout', *_LIMIT_KEYS]}")
+        self.limits = SandboxLimits(**{k: config[k] for k in _LIMIT_KEYS if k in config})
+        config.setdefault("timeout", self.limits.wall_seconds + 5.0)
+        super().__init__(config, tool_schema)
+
+    @classmethod
+    def default_schema(cls) -> ToolSchema:
+        return ToolSchema.from_dict({"type": "function", "function": {
+            "name": "code_interpreter", "description": "Run Python code and return what it prints.",
+            "parameters": {"type": "object", "properties": {"code": {
+                "type": "string", "description": "a Python program; print the result"}}, "required": ["code"]}}})
+
+    def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
+        result = run_python(parameters["code"], self.limits)
+        return ToolResponse(result.observation(self.limits), error=not result.ok)

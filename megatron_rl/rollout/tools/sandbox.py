@@ -1,0 +1,219 @@
+"""Run model-written Python in a separate, limited process: ``run_python(code, limits)``.
+
+What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the in-process parts):
+
+* **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
+  whole process group, and with it the PID namespace);
+* **memory**: ``memory_mb`` of address space (RLIMIT_AS: the code gets MemoryError);
+* **output**: stdout / stderr go to files capped by ``max_file_bytes`` (RLIMIT_FSIZE: SIGXFSZ
+  beyond), and at most ``max_output_bytes`` of each is returned;
+* **files**: a private temporary working directory (HOME and TMPDIR too), removed afterwards;
+  in a private mount namespace every other mount is read-only (else, running as root, the code
+  drops to ``nobody``); an audit hook refuses writes outside it as well;
+* **network**: a fresh network namespace (no interfaces up) where ``unshare`` may create one
+  (as root, or unprivileged through a user namespace), else the audit hook refuses sockets;
+* **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
+  every process left in it --, else the process group is killed; process creation, signals and
+  ctypes are refused by the audit hook.
+
+A sandbox that cannot start, or code that fails or exceeds a limit, is a ``SandboxResult`` with
+its ``status``, never an exception: the caller turns it into an observation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["SandboxLimits", "SandboxResult", "Isolation", "isolation", "run_python"]
+
+RUNNER = str(Path(__file__).with_name("sandbox_runner.py"))
+_EXIT_MEMORY = 86  # sandbox_runner.EXIT_MEMORY (not imported: the runner is a script)
+_NOBODY = 65534
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one run (see the module docstring)."""
+
+    wall_seconds: float = 10.0
+    cpu_seconds: int = 5
+    memory_mb: int = 512
+    max_output_bytes: int = 8192
+    max_file_bytes: int = 1 << 20
+    max_open_files: int = 64
+
+    def __post_init__(self):
+        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_output_bytes", "max_file_bytes",
+                     "max_open_files"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sandbox limit {name}={getattr(self, name)!r} must be > 0")
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    """How a run ended.
+
+    ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception), ``timeout`` (wall
+    limit), ``cpu_limit``, ``memory_limit``, ``output_limit`` (file-size limit) or
+    ``sandbox_error`` (the sandbox itself could not run; ``stderr`` says why).
+    """
+
+    status: str
+    stdout: str
+    stderr: str
+    exit_code: Optional[int]
+    seconds: float
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def observation(self, limits: SandboxLimits) -> str:
+        """The text the model sees: stdout, stderr, and what stopped the run when it failed."""
+        parts = [self.stdout] if self.stdout else []
+        if self.stderr:
+            parts.append(f"[stderr]\n{self.stderr}")
+        why = {"timeout": f"killed: wall-time limit of {limits.wall_seconds:g} s exceeded",
+               "cpu_limit": f"killed: CPU-time limit of {limits.cpu_seconds} s exceeded",
+               "memory_limit": f"killed: memory limit of {limits.memory_mb} MiB exceeded",
+               "output_limit": f"killed: output limit of {limits.max_file_bytes} bytes exceeded",
+               "error": f"exit code {self.exit_code}", "sandbox_error": "the sandbox failed to run the code"}
+        if self.status in why:
+            parts.append(f"[{why[self.status]}]")
+        if self.truncated:
+            parts.append(f"[output truncated to {limits.max_output_bytes} bytes]")
+        return "\n".join(parts) if parts else "[no output]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """What this machine lets the sandbox use (``isolation()`` probes it once per process)."""
+
+    prefix: tuple[str, ...]
+    """Command prefix entering the namespaces (empty: none available)."""
+    network_namespace: bool
+    pid_namespace: bool
+    readonly_mounts: bool
+    """A private mount namespace in which everything but the working directory is read-only."""
+    drop_uid: Optional[int]
+    """uid the code runs as after leaving root (None: it keeps this process's user)."""
+
+
+_NAMESPACES = ("--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-child")
+
+
+@functools.lru_cache(maxsize=None)
+def isolation() -> Isolation:
+    """Probe ``unshare`` once: network + PID + mount namespaces as root, else inside a user namespace;
+    without them the code runs in a plain process group (as ``nobody`` when this process is root)."""
+    unshare = shutil.which("unshare")
+    root = os.geteuid() == 0
+    candidates = []
+    if unshare is not None:
+        if root:
+            candidates.append((unshare, *_NAMESPACES))
+        candidates.append((unshare, "--user", "--map-root-user", *_NAMESPACES))
+    for prefix in candidates:
+        scratch = tempfile.mkdtemp(prefix="mrl-sandbox-probe-")
+        probe = (f"import sys; sys.path.insert(0, {str(Path(RUNNER).parent)!r}); import sandbox_runner; "
+                 f"sandbox_runner._readonly_mounts({scratch!r})")
+        try:
+            ok = subprocess.run([*prefix, sys.executable, "-I", "-c", probe], capture_output=True,
+                                timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if ok:
+            return Isolation(tuple(prefix), True, True, True, None)
+    return Isolation((), False, False, False, _NOBODY if root else None)
+
+
+def _read(path: Path, limit: int) -> tuple[str, bool]:
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
+
+
+def _status(code: Optional[int], timed_out: bool) -> str:
+    if timed_out:
+        return "timeout"
+    if code == 0:
+        return "ok"
+    signals = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "output_limit"}
+    sig = -code if code < 0 else code - 128 if code > 128 else None
+    if sig in signals:
+        return signals[sig]
+    if code == _EXIT_MEMORY:
+        return "memory_limit"
+    if sig == signal.SIGKILL:  # the hard CPU limit (soft + 1 s) sends SIGKILL
+        return "cpu_limit"
+    return "error"
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, refuse_sockets: Optional[bool] = None,
+               python_guards: bool = True) -> SandboxResult:
+    """Run ``code`` in the sandbox (module docstring); never raises for what the code does.
+
+    ``refuse_sockets``: the audit hook's socket refusal; default on unless a network namespace
+    isolates the code. ``python_guards=False`` leaves the audit hook out (tests show that the
+    kernel-side isolation alone holds).
+    """
+    iso = isolation()
+    refuse = (not iso.network_namespace) if refuse_sockets is None else refuse_sockets
+    start = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="mrl-sandbox-")
+    proc = None
+    try:
+        code_path = Path(workdir) / "main.py"
+        code_path.write_text(code)
+        if iso.drop_uid is not None:
+            os.chown(workdir, iso.drop_uid, iso.drop_uid)
+        spec = {"workdir": workdir, "code_path": str(code_path), "cpu_seconds": limits.cpu_seconds,
+                "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_bytes,
+                "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
+                "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards}
+        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+        out_path, err_path = Path(workdir) / ".stdout", Path(workdir) / ".stderr"
+        timed_out = False
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", RUNNER, json.dumps(spec)],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=workdir, env=env,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=limits.wall_seconds)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            _kill_group(proc)
+        stdout, cut_out = _read(out_path, limits.max_output_bytes)
+        stderr, cut_err = _read(err_path, limits.max_output_bytes)
+        return SandboxResult(_status(proc.returncode, timed_out), stdout, stderr, None if timed_out else proc.returncode,
+                             time.monotonic() - start, cut_out or cut_err)
+    except OSError as err:  # the sandbox itself failed (no temp space, no interpreter ...): an observation
+        return SandboxResult("sandbox_error", "", f"{type(err).__name__}: {err}", None, time.monotonic() - start)
+    finally:
+        if proc is not None and proc.returncode is None:
+            _kill_group(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (the PID namespace dies with its init) and reap the child."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

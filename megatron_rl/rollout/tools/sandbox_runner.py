@@ -1,0 +1,188 @@
+"""Runs inside the sandbox process: limits, privileges and guards first, then the model's code.
+
+Started by ``megatron_rl.rollout.tools.sandbox.run_python`` as ``python -I sandbox_runner.py
+SPEC`` (SPEC: JSON). Imports only the standard library, so it starts fast. When it is the init
+process of a fresh PID namespace (``spec["init"]``) it forks once and only reaps: the code then
+runs as an ordinary process (signals such as SIGXCPU act on it), and when the init ends the
+kernel kills everything left in the namespace.
+
+Order in the code's process: in a private mount namespace (``spec["readonly_mounts"]``) every
+mount becomes read-only except a bind mount of the working directory; resource limits (CPU
+seconds, address space, file size, open files, no core files); drop root to ``nobody``
+(``spec["drop_uid"]``, only without a mount namespace); enter the private working directory;
+install an audit hook (it cannot be removed from Python) that refuses process creation, signals,
+ctypes, writes outside the working directory, Unix sockets and -- when no network namespace
+isolates the process -- every socket; then ``exec`` the code as ``__main__``.
+"""
+
+import json
+import os
+import resource
+import signal
+import sys
+import traceback
+
+EXIT_MEMORY = 86
+"""Exit status of code that ran out of its address-space limit (MemoryError)."""
+_BLOCKED = frozenset({
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
+    "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle",
+    "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.call_function", "os.setuid", "os.setgid", "sys.setprofile"})
+# event -> positions of the path arguments that a write touches
+_PATH_EVENTS = {"os.remove": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.rmdir": (0,), "os.symlink": (1,),
+                "os.link": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
+                "shutil.rmtree": (0,), "shutil.copyfile": (1,), "shutil.copytree": (1,), "os.mkfifo": (0,),
+                "os.mknod": (0,)}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_WRITABLE_DEVICES = ("/dev/null",)
+
+
+def _unix_socket(event: str, args: tuple) -> bool:
+    if event == "socket.__new__":
+        return len(args) > 1 and args[1] == getattr(__import__("socket"), "AF_UNIX", 1)
+    return event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg") and len(args) > 1 \
+        and isinstance(args[1], (str, bytes))
+
+
+def _install_guard(workdir: str, refuse_sockets: bool) -> None:
+    root = os.path.realpath(workdir)
+    busy = []
+
+    def inside(path) -> bool:
+        if isinstance(path, int):  # an already open descriptor: its open was checked
+            return True
+        path = os.fsdecode(path)
+        if path in _WRITABLE_DEVICES:
+            return True
+        real = os.path.realpath(os.path.join(root, path))
+        return real == root or real.startswith(root + os.sep)
+
+    def hook(event, args):
+        if busy:  # our own realpath calls
+            return
+        if event in _BLOCKED:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event.startswith("socket.") and (refuse_sockets or _unix_socket(event, args)):
+            # A network namespace does not cover Unix sockets on the file system (e.g. Ray's).
+            raise PermissionError("sandbox: network access is not allowed")
+        paths = ()
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None))[:3]
+            writing = (isinstance(flags, int) and flags & _WRITE_FLAGS) or (
+                isinstance(mode, str) and any(c in mode for c in "wax+"))
+            paths = (path,) if writing else ()
+        elif event in _PATH_EVENTS:
+            paths = tuple(args[i] for i in _PATH_EVENTS[event] if i < len(args))
+        if not paths:
+            return
+        busy.append(1)
+        try:
+            for path in paths:
+                if path is not None and not inside(path):
+                    raise PermissionError(f"sandbox: writing {os.fsdecode(path)!r} outside the working directory "
+                                          "is not allowed")
+        finally:
+            busy.pop()
+
+    sys.addaudithook(hook)
+
+
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND = 1, 32, 4096
+_MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21,
+                "strictatime": 1 << 24}  # per-mount flags a remount must keep (a user namespace locks them)
+
+
+def _readonly_mounts(workdir: str) -> None:
+    """Every mount of this (private) mount namespace read-only, the working directory writable."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(source, target: str, flags: int) -> None:
+        if libc.mount(source, target.encode(), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+    mount(workdir.encode(), workdir, _MS_BIND)  # its own mount, left writable below
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    for row in rows:
+        target = row[4].encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
+        if target == workdir:
+            continue
+        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY
+        for option in row[5].split(","):
+            flags |= _MOUNT_FLAGS.get(option, 0)
+        try:
+            mount(None, target, flags)
+        except OSError:
+            if target == "/":
+                raise
+            # a mount hidden under another one (stacked on the same point) cannot be reached
+
+
+def _limit(spec: dict) -> None:
+    cpu = int(spec["cpu_seconds"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_bytes"], spec["file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (spec["max_open_files"], spec["max_open_files"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the output limit must end the run
+
+
+def _run(spec: dict) -> None:
+    with open(spec["code_path"]) as f:
+        code = f.read()
+    if spec.get("readonly_mounts"):
+        _readonly_mounts(spec["workdir"])
+    _limit(spec)
+    if spec.get("drop_uid") is not None:
+        os.setgroups([])
+        os.setgid(spec["drop_uid"])
+        os.setuid(spec["drop_uid"])
+    os.chdir(spec["workdir"])
+    if spec["python_guards"]:
+        _install_guard(spec["workdir"], spec["refuse_sockets"])
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(code, "<code>", "exec"), namespace)
+    except MemoryError:
+        sys.stdout.flush()
+        sys.stderr.write(f"MemoryError: the sandbox's memory limit ({spec['memory_bytes'] >> 20} MiB) was exceeded\n")
+        sys.stderr.flush()
+        os._exit(EXIT_MEMORY)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # the model's own error: its traceback, without this runner's frame
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        traceback.print_exception(type(exc), exc, tb, limit=8)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def main() -> None:
+    """Entry point (see the module docstring)."""
+    spec = json.loads(sys.argv[1])
+    sys.path[:1] = []  # not this directory: the model's imports must not find our modules
+    if spec.get("init"):
+        child = os.fork()
+        if child:
+            code = 1
+            while True:  # reap every orphan re-parented to us until our own child ends
+                try:
+                    pid, status = os.wait()
+                except ChildProcessError:
+                    break
+                if pid == child:
+                    code = os.waitstatus_to_exitcode(status)
+                    break
+            os._exit(code if code >= 0 else 128 - code)
+    _run(spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The sandboxed code tool: every limit holds, and nothing escapes or stays behind.
+
+Where this machine lets ``unshare`` create namespaces, each check also runs with the in-process
+audit hook off (``python_guards=False``): the kernel-side isolation (network, PID and read-only
+mount namespaces) holds on its own.
+"""
+
+from __future__ import annotations
+
+import glob
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from megatron_rl.rollout.tools.code_tool import CodeInterpreterTool
+from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
+
+GUARDS = [True, False] if isolation().network_namespace else [True]
+
+
+def test_infinite_loop_is_killed_at_the_wall_limit():
+    res = run_python("import time\nwhile True: time.sleep(0.01)", SandboxLimits(wall_seconds=1.0, cpu_seconds=30))
+    assert res.status == "timeout" and res.exit_code is None
+    assert 1.0 <= res.seconds < 4.0
+    assert res.observation(SandboxLimits(wall_seconds=1.0)).endswith("[killed: wall-time limit of 1 s exceeded]")
+
+
+def test_busy_loop_is_killed_at_the_cpu_limit():
+    res = run_python("while True: pass", SandboxLimits(wall_seconds=20, cpu_seconds=1))
+    assert res.status == "cpu_limit", res
+
+
+def test_memory_bomb_is_stopped_at_the_memory_limit():
+    res = run_python("blocks = []\nwhile True: blocks.append(bytearray(16 << 20))", SandboxLimits(memory_mb=128))
+    assert res.status == "memory_limit"
+    assert "MemoryError: the sandbox's memory limit (128 MiB) was exceeded" in res.stderr
+    assert run_python("x = bytearray(64 << 20); print(len(x))", SandboxLimits(memory_mb=256)).stdout == f"{64 << 20}\n"
+
+
+def test_output_is_truncated_and_bounded():
+    res = run_python("print('y' * 100000)", SandboxLimits(max_output_bytes=1000))
+    assert res.ok and res.truncated and res.stdout == "y" * 1000
+    res = run_python("import sys\nwhile True: sys.stdout.write('z' * 65536)", SandboxLimits(max_file_bytes=1 << 20))
+    assert res.status == "output_limit"
+
+
+@pytest.mark.parametrize("guards", GUARDS)
+def test_writes_outside_the_working_dir_fail(guards, tmp_path):
+    target = tmp_path / "escape.txt"
+    code = (f"open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())\n"
+            f"open({str(target)!r}, 'w').write('escaped')")
+    res = run_python(code, python_guards=guards)
+    assert res.status == "error" and res.stdout == "ok\n"
+    assert ("PermissionError: sandbox: writing" if guards else "Read-only file system") in res.stderr
+    assert not target.exists()
+    for path in ("/tmp/mrl_escape.txt", "/dev/shm/mrl_escape.txt"):
+        assert run_python(f"open({path!r}, 'w').write('x')", python_guards=guards).status == "error"
+        assert not glob.glob(path)
+
+
+@pytest.mark.parametrize("guards", GUARDS)
+def test_socket_connect_fails(guards):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        code = f"import socket\ns = socket.socket()\ns.settimeout(3)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+        res = run_python(code, python_guards=guards)
+        assert res.status == "error" and "connected" not in res.stdout
+        if isolation().network_namespace:  # no interface is up in the fresh network namespace
+            assert "Network is unreachable" in res.stderr or "network access is not allowed" in res.stderr
+    finally:
+        server.close()
+    res = run_python("import socket\nsocket.socket(socket.AF_UNIX).connect('/tmp/ray/session_latest/sockets/raylet')")
+    assert "PermissionError: sandbox: network access is not allowed" in res.stderr
+
+
+def test_processes_cannot_be_started_and_none_stay_behind():
+    res = run_python("import os\nos.fork()")
+    assert "PermissionError: sandbox: os.fork is not allowed" in res.stderr
+    res = run_python("import subprocess\nsubprocess.run(['sleep', '60'])")
+    assert "PermissionError: sandbox: subprocess.Popen is not allowed" in res.stderr
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_hundred_concurrent_calls_leave_no_process_or_directory():
+    codes = ["import time\ntime.sleep(60)", "while True: pass", "print(sum(range(10**5)))",
+             "x = bytearray(1 << 31)"]
+    limits = SandboxLimits(wall_seconds=3, cpu_seconds=2, memory_mb=128)
+    before = set(glob.glob("/tmp/mrl-sandbox-*"))
+    earlier = {c.pid for c in psutil.Process().children(recursive=True)}  # e.g. an engine other tests keep
+    with ThreadPoolExecutor(100) as pool:
+        results = list(pool.map(lambda i: run_python(codes[i % 4], limits), range(100)))
+    statuses = [r.status for r in results]
+    assert statuses[2::4] == ["ok"] * 25 and all(r.stdout == f"{sum(range(10**5))}\n" for r in results[2::4])
+    assert set(statuses[0::4]) == {"timeout"} and set(statuses[3::4]) == {"memory_limit"}
+    assert set(statuses[1::4]) <= {"timeout", "cpu_limit"}
+    # The kernel tears a PID namespace down asynchronously once its init is killed: allow it 5 s.
+    deadline = time.monotonic() + 5
+    while True:
+        left = [(p.pid, p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+                if any("sandbox_runner" in c for c in p.info["cmdline"] or [])]
+        left += [(c.pid, c.name()) for c in psutil.Process().children(recursive=True)
+                 if c.pid not in earlier and _alive(c)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == []
+    assert set(glob.glob("/tmp/mrl-sandbox-*")) == before
+    assert threading.active_count() < 10
+
+
+def test_code_tool_observation():
+    tool = CodeInterpreterTool({"type": "native", "wall_seconds": 5, "memory_mb": 256})
+    out = tool.execute("id", {"code": "print(48213 * 9174)"})
+    assert (out.text, out.error) == (f"{48213 * 9174}\n", False)
+    out = tool.execute("id", {"code": "1/0"})
+    assert out.error and "ZeroDivisionError: division by zero" in out.text and out.text.endswith("[exit code 1]")
+    with pytest.raises(ValueError, match=r"code tool config has unknown key\(s\) \['wall'\]"):
+        CodeInterpreterTool({"wall": 1})
