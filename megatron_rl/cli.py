@@ -65,19 +65,58 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if refused:
             print("megatron-rl train: refused keys (see above); nothing was started", file=sys.stderr)
             return 2
+    return _run_and_exit_code(run_train, recipe, overrides, progress=not args.no_progress)
+
+
+EXIT_CODES = {0: "success", 1: "a failure during the run (named; the last good checkpoint is intact)",
+              2: "bad input (nothing trained, nothing changed)", 130: "SIGINT (Ctrl-C)", 143: "SIGTERM (preemption)"}
+"""``megatron-rl train``'s exit codes (README: "When things go wrong")."""
+
+
+def _run_and_exit_code(run_train, *args, **kwargs) -> int:
+    """``run_train(...)`` -> an exit code of ``EXIT_CODES``, with one line naming what went wrong (no traceback,
+    except for an error of an unexpected kind: a bug)."""
+    from megatron_rl.trainer.watchdog import Stopped
+
     try:
-        run_train(recipe, overrides, progress=not args.no_progress)
+        run_train(*args, **kwargs)
     except (ValueError, FileNotFoundError) as err:  # bad input: nothing was trained
         print(f"megatron-rl train: {err}", file=sys.stderr)
         return 2
-    except RuntimeError as err:  # the run failed (a worker died, rewards kept failing, ...)
+    except RuntimeError as err:  # the run failed (a worker died, rewards kept failing, a full disk, a hang ...)
         print(f"megatron-rl train: {err}", file=sys.stderr)
+        return 1
+    except Stopped as stop:  # SIGTERM / SIGINT: the run shut down cleanly
+        print(f"megatron-rl train: {stop}", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:
+        print("megatron-rl train: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - an unexpected kind of error: a bug, keep its traceback
+        import traceback
+
+        traceback.print_exc()
+        print(f"megatron-rl train: unexpected {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     return 0
 
 
+def _gpu_memory_gb(text: str) -> float:
+    """``--gpu-memory-gb``: a finite number > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of GiB > 0")
+    return value
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_rl.config.loader import load_config
+    from megatron_rl.job.layout_hint import with_layout_hint
+    from megatron_rl.job.main_job import load_run_config
     from megatron_rl.planner import format_plan, plan_run
 
     overrides = list(args.overrides)
@@ -86,13 +125,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus_per_node is not None:
         overrides.append(f"trainer.n_gpus_per_node={args.gpus_per_node}")
     try:
-        plan = plan_run(load_config(args.recipe, overrides), gpu_memory_gb=args.gpu_memory_gb,
-                        architecture=args.architecture)
+        config, raw = load_run_config(args.recipe, overrides)
+        with with_layout_hint(raw):  # an invalid layout gets the nearest valid one, as a misfit one does
+            plan = plan_run(config, gpu_memory_gb=args.gpu_memory_gb, architecture=args.architecture)
     except (ValueError, FileNotFoundError) as err:
         print(f"megatron-rl plan: {err}", file=sys.stderr)
         return 2
     print(format_plan(plan))
     return 0 if plan.fits else 1
+
+
+def _train_epilog() -> str:
+    """``train --help``'s list of the built-in recipes and the exit codes."""
+    import textwrap
+
+    from megatron_rl.config.loader import list_recipes
+
+    recipes = textwrap.fill(", ".join(list_recipes()), width=96, initial_indent="  ", subsequent_indent="  ")
+    codes = "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES.items())
+    return f"built-in recipes:\n{recipes}\n\nexit codes:\n{codes}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "
                                    "reward_curve.png and an HF checkpoint to trainer.default_local_dir (the CPU "
                                    "recipes: outputs/<experiment_name>; verl's default: "
-                                   "checkpoints/<project>/<experiment>).")
+                                   "checkpoints/<project>/<experiment>).",
+                       epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (default: grpo)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")
@@ -136,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's trainer.nnodes)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    p.add_argument("--gpu-memory-gb", type=_gpu_memory_gb, default=80.0, help="memory per GPU in GiB (default 80)")
     p.add_argument("--architecture", default=None,
                    help="built-in architecture when the checkpoint is not local (qwen3_30b_a3b, qwen3_235b_a22b, "
                         "llama3_1_70b); default: inferred from the checkpoint path")

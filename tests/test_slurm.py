@@ -14,7 +14,8 @@ slurmctld and slurmd, and stops them by PID at the end (checking they are gone).
 * the wait itself, with no Ray head at all, times out after RAY_JOIN_TIMEOUT_S naming the nodes;
 * a training failure (an unknown adv_estimator) is the job's exit status, and Ray is torn down;
 * a worker started by srun joins the head; a head that cannot start fails the job at once;
-  scancel tears Ray down (exit 143);
+  scancel tears Ray down (exit 143); SIGTERM to the batch script alone (``--signal=B:TERM@120``,
+  the time limit's warning) lets the training save a checkpoint before it stops (exit 143);
 * submit_ray_job.sh: argument errors and the address it asks; the real ``ray job submit`` run
   where Ray's dashboard dependencies are installed.
 """
@@ -296,6 +297,45 @@ def test_scancel_tears_ray_down(slurm, tmp_path, ray_tmp):
     out = out_file.read_text()
     assert "received SIGTERM: stopping the command and Ray" in out and "Ray stopped in" in out, out
     assert "ExitCode=143:0" in info  # 128 + SIGTERM, from the script's trap
+    assert _ray_procs(ray_tmp) == []
+
+
+def test_preemption_signal_to_the_batch_script_saves_a_checkpoint(slurm, tmp_path, ray_tmp):
+    """SIGTERM to the batch script only (what ``#SBATCH --signal=B:TERM@120`` sends before the time limit;
+    here ``scancel --signal=TERM --batch``): the training finishes its step, saves a checkpoint
+    (trainer.save_on_preemption) and stops; Ray is torn down; the job's exit status is 143."""
+    from megatron_rl.trainer.checkpoint import verify_step
+
+    run_dir = tmp_path / "run"
+    env = _job_env(slurm, ray_tmp)
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *CPU_JOB, str(SBATCH), "grpo",
+                           *TOY, "trainer.total_training_steps=50", "trainer.val_before_train=false",
+                           "trainer.test_freq=-1", "trainer.save_on_preemption=true",
+                           f"trainer.default_local_dir={run_dir}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    train_log = tmp_path / "logs" / job / "train.log"
+    deadline = time.monotonic() + 300
+    while not (train_log.exists() and "step 1/50 " in train_log.read_text()):
+        assert time.monotonic() < deadline, train_log.read_text() if train_log.exists() else "no train.log"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=slurm.env, check=True)
+    start = time.monotonic()
+    while True:
+        info = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True,
+                              text=True).stdout
+        if re.search(r"JobState=(COMPLETED|FAILED|CANCELLED)", info):
+            break
+        assert time.monotonic() - start < 120, info
+        time.sleep(0.5)
+    out, log = (tmp_path / f"slurm-{job}.out").read_text(), train_log.read_text()
+    assert "ExitCode=143:0" in info, info
+    assert "received SIGTERM: stopping the command and Ray" in out and "Ray stopped in" in out, out
+    saved = re.search(r"megatron-rl train: stopped by SIGTERM after step (\d+); checkpoint (\S+) saved", log)
+    assert saved, log[-3000:]
+    assert Path(saved.group(2)) == run_dir / f"global_step_{saved.group(1)}"
+    assert verify_step(saved.group(2)) == []
     assert _ray_procs(ray_tmp) == []
 
 

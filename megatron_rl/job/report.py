@@ -1,40 +1,88 @@
-"""The main job's report: the reward-curve PNG."""
+"""The main job's report: the algorithm's display name, the reward-curve PNG and the summary numbers."""
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
-__all__ = ["plot_reward_curve", "REWARD_KEY"]
+__all__ = ["plot_reward_curve", "REWARD_KEY", "algorithm_label", "validation_reward", "as_number", "fmt_ratio"]
 
 REWARD_KEY = "critic/score/mean"
 """The per-step mean training reward (rule score of every sampled response)."""
+_VAL_CORE = re.compile(r"^val-core/.+/reward/mean@\d+$")
+_ESTIMATOR_LABELS = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "remax": "ReMax",
+                     "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
+                     "gdpo": "GDPO", "opo": "OPO", "grpo_passk": "GRPO-pass@k"}
 
 
-def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "", window: int = 10) -> Path:
-    """Mean training reward per step, its ``window``-step moving average and (when logged) the
-    exact-answer rate ``reward/acc/mean``, as a PNG at ``path``."""
+def algorithm_label(config: Any) -> str:
+    """The algorithm a recipe runs, as its users call it: OPD (distillation), DAPO (dynamic sampling),
+    GSPO (sequence-level policy loss), Dr. GRPO (unnormalised GRPO), PPO (GAE), GRPO, RLOO, ..."""
+    algo, actor = config.algorithm, config.actor_rollout_ref.actor
+    if config.distillation.enabled:
+        return "OPD"
+    if algo.filter_groups is not None and algo.filter_groups.enable:
+        return "DAPO"
+    if actor.policy_loss.loss_mode == "gspo":
+        return "GSPO"
+    if algo.adv_estimator == "grpo" and not algo.norm_adv_by_std_in_grpo and \
+            actor.loss_agg_mode == "seq-mean-token-sum-norm":
+        return "Dr.GRPO"
+    return _ESTIMATOR_LABELS.get(algo.adv_estimator, algo.adv_estimator.upper())
+
+
+def as_number(value: Any) -> Optional[float]:
+    """``value`` as a finite float (metrics.jsonl writes NaN as ``"nan"``), else None."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def fmt_ratio(value: Any) -> str:
+    """``12.5%`` for a finite ratio, ``n/a`` otherwise."""
+    number = as_number(value)
+    return "n/a" if number is None else f"{number:.1%}"
+
+
+def validation_reward(row: dict) -> Optional[float]:
+    """The mean of a metrics row's ``val-core/<source>/reward/mean@<n>`` values, or None without any."""
+    values = [v for k, v in row.items() if _VAL_CORE.match(k) and as_number(v) is not None]
+    return sum(float(v) for v in values) / len(values) if values else None
+
+
+def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "", window: int = 10,
+                      validation: Sequence[tuple[int, float]] = ()) -> Path:
+    """Mean training reward per step, its ``window``-step moving average, (when logged) the
+    exact-answer rate ``reward/acc/mean`` and the validation reward at the steps in ``validation``
+    (``(step, reward)``), as a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
     steps = [int(h["training/global_step"]) for h in history]
-    mean = [float(h[REWARD_KEY]) for h in history]
+    mean = [as_number(h[REWARD_KEY]) or 0.0 for h in history]
     smooth = [sum(mean[max(0, i - window + 1):i + 1]) / len(mean[max(0, i - window + 1):i + 1]) for i in range(len(mean))]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, mean, color="C0", alpha=0.35, linewidth=1, label="mean reward")
     ax.plot(steps, smooth, color="C0", linewidth=2, label=f"mean reward ({window}-step avg)")
-    if all("reward/acc/mean" in h for h in history):
-        ax.plot(steps, [float(h["reward/acc/mean"]) for h in history], color="C1", alpha=0.7, linewidth=1,
-                label="exact answers")
+    acc = [(s, as_number(h.get("reward/acc/mean"))) for s, h in zip(steps, history)]
+    if acc and all(v is not None for _, v in acc):
+        ax.plot([s for s, _ in acc], [v for _, v in acc], color="C1", alpha=0.7, linewidth=1, label="exact answers")
+    if validation:
+        ax.plot([s for s, _ in validation], [v for _, v in validation], color="C2", marker="o", markersize=4,
+                linewidth=1.5, label="validation reward")
     ax.set_xlabel("step")
-    ax.set_ylabel("training reward")
+    ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(str(path))
+    fig.savefig(str(path), format="png")
     plt.close(fig)
     return Path(path)

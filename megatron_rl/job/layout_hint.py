@@ -1,0 +1,112 @@
+"""The nearest valid layout, named when a configuration's parallel layout is refused.
+
+A layout that does not fit the memory gets the planner's nearest fitting layout; one that is
+invalid (TP that does not divide the world size, a micro-batch the mini-batch cannot be split
+into, ...) is refused while the config is built. ``with_layout_hint(raw)`` adds to such a refusal
+the valid layout closest to the one asked for -- fewest doublings/halvings of TP, PP, EP and the
+micro-batch of the refused section -- that also fits the planner's memory estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import math
+import re
+import warnings
+from typing import Any, Iterator, Optional
+
+__all__ = ["with_layout_hint", "nearest_valid_layout"]
+
+_SECTION = re.compile(r"\b(actor_rollout_ref\.actor|actor_rollout_ref\.ref|critic|reward\.reward_model|"
+                      r"distillation\.teacher_model)\.megatron\b")
+_LAYOUT_WORDS = ("parallel_size", "divisible", "micro_batch", "world_size")
+_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
+_MICRO = {"actor_rollout_ref.actor": "ppo_micro_batch_size_per_gpu", "critic": "ppo_micro_batch_size_per_gpu"}
+
+
+def _get(data: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part, {}) if isinstance(data, dict) else {}
+    return data
+
+
+def _section_of(message: str) -> str:
+    match = _SECTION.search(message)
+    if match:
+        return match.group(1)
+    return "critic" if message.startswith("critic") else "actor_rollout_ref.actor"
+
+
+def _valid(raw: dict) -> Optional[str]:
+    """The peak-memory note of ``raw`` when it builds, its roles check and the planner says it fits; else None."""
+    from megatron_rl.algos.needs import resolve_run
+    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.planner import plan_run
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = TrainerRunConfig.from_dict(raw)
+            resolve_run(config)
+            plan = plan_run(config, suggest=False)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return f"peak {plan.peak_bytes / 2**30:.1f} GiB in '{plan.peak_phase}'" if plan.fits else None
+
+
+def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") -> Optional[str]:
+    """``key=value`` overrides of the valid, fitting layout of ``section`` nearest to ``raw``'s, or None."""
+    megatron = _get(raw, f"{section}.megatron") or {}
+    trainer = raw.get("trainer", {})
+    world = int(trainer.get("nnodes", 1)) * int(trainer.get("n_gpus_per_node", 8))
+    micro_key = _MICRO.get(section)
+    current = {k: int(megatron.get(name) or 1) for k, name in _KEYS.items()}
+    if micro_key:
+        current["micro"] = int(_get(raw, f"{section}.{micro_key}") or 1)
+    pow2 = [2 ** i for i in range(0, 8)]
+    options = {"tp": [t for t in pow2 if t <= world], "pp": [p for p in pow2 if p <= world],
+               "ep": [e for e in pow2 if e <= world]}
+    if micro_key:
+        options["micro"] = sorted({m for m in pow2 + [current["micro"]] if m <= max(current["micro"], 1)})
+    names = list(options)
+    candidates = []
+    for values in itertools.product(*(options[k] for k in names)):
+        cand = dict(zip(names, values))
+        distance = sum(abs(math.log2(cand[k] / max(current[k], 1))) for k in names)
+        if distance > 0:
+            candidates.append((distance, cand))
+    for _, cand in sorted(candidates, key=lambda c: c[0])[:200]:
+        trial = copy.deepcopy(raw)
+        node = trial
+        for part in f"{section}.megatron".split("."):
+            node = node.setdefault(part, {})
+        for k, name in _KEYS.items():
+            node[name] = cand[k]
+        node.pop("virtual_pipeline_model_parallel_size", None)
+        if micro_key:
+            _get(trial, section)[micro_key] = cand["micro"]
+        note = _valid(trial)
+        if note is not None:
+            changes = [f"{section}.megatron.{name}={cand[k]}" for k, name in _KEYS.items() if cand[k] != current[k]]
+            if micro_key and cand["micro"] != current["micro"]:
+                changes.append(f"{section}.{micro_key}={cand['micro']}")
+            return " ".join(changes) + f" ({note})"
+    return None
+
+
+@contextlib.contextmanager
+def with_layout_hint(raw: dict) -> Iterator[None]:
+    """Re-raise a layout ``ValueError`` of the block with the nearest valid layout appended."""
+    try:
+        yield
+    except ValueError as err:
+        message = str(err)
+        if not any(word in message for word in _LAYOUT_WORDS) or "Nearest layout" in message or \
+                "No layout" in message or "nearest valid layout" in message:
+            raise
+        hint = nearest_valid_layout(raw, _section_of(message))
+        if hint is None:
+            raise
+        raise ValueError(f"{message}; nearest valid layout: {hint}") from None
