@@ -2,18 +2,24 @@
 
 Runs a GRPO-style policy update on random tokens for a dense or MoE GPT at the sizes given,
 on the current device (one rank), and reports tokens/s, model FLOP utilisation and peak
-memory. Presets: ``tiny`` (CPU default), ``dense-1b`` (h2048, 16 layers, GQA 16/8, SwiGLU
-6144, vocab 151936 - the model of notes/gpu-baselines.md) and ``moe`` (h1024, 8 layers,
-16 experts top-2). Prints, last, one JSON line.
+memory. Presets: ``tiny`` (CPU default), ``tiny-moe`` (CPU), ``dense-1b`` (h2048, 16 layers, GQA
+16/8, SwiGLU 6144, vocab 151936 - the model of notes/gpu-baselines.md) and ``moe`` (h1024, 8
+layers, 16 experts top-2). Micro-batches are packed THD sequences (the engine's default);
+``--padded`` runs them as padded rows (``megatron.use_remove_padding=False``). ``--offload`` also
+times the engine's host-memory round trip (``offload_to_cpu`` + ``load_to_device`` of parameters,
+gradient buffers and optimizer state; a no-op without CUDA) and checks a step still runs after it.
+Prints, last, one JSON line.
 
     python tools/bench_train_step.py                         # tiny, CPU
     python tools/bench_train_step.py --preset dense-1b --seq 4096 --mbs 2 --dtype bf16   # GPU
+    python tools/bench_train_step.py --preset dense-1b --seq 1024 --mbs 1 --dtype bf16 --offload
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -23,6 +29,8 @@ import torch
 PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
                  vocab_size=2048),
+    "tiny-moe": dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                     vocab_size=2048, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128),
     "dense-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
                      num_query_groups=8, vocab_size=151936),
     "moe": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16, num_query_groups=8,
@@ -58,7 +66,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     n = args.mbs * args.micro_batches
     actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig(
         ppo_mini_batch_size=n, ppo_micro_batch_size_per_gpu=args.mbs, optim=OptimConfig(lr=1e-6),
-        calculate_entropy=False))
+        calculate_entropy=False), remove_padding=not args.padded)
     prompt = args.seq // 4
     response = args.seq - prompt
     g = torch.Generator().manual_seed(0)
@@ -89,12 +97,38 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
+    offload = _offload_round_trip(actor, batch, device) if args.offload else {}
+    return {**offload,
         "preset": args.preset, "device": device, "dtype": args.dtype, "seq": args.seq, "mbs": args.mbs,
         "micro_batches": args.micro_batches, "step_ms": round(step_s * 1e3, 2),
         "tokens_per_s": round(tokens / step_s, 1), "model_tflops": round(tflops, 3),
         "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None, "peak_bytes": int(peak),
+        "packed": not args.padded,
     }
+
+
+def _offload_round_trip(actor, batch: dict, device: str) -> dict:
+    """Time ``offload_to_cpu`` and ``load_to_device``; the device bytes they free and restore; one
+    update afterwards (the optimizer state survived)."""
+    engine = actor.engine
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+    before = allocated()
+    t0 = time.perf_counter()
+    engine.offload_to_cpu()
+    t1 = time.perf_counter()
+    after_offload = allocated()
+    engine.load_to_device()
+    t2 = time.perf_counter()
+    restored = allocated()
+    metrics = actor.update_policy(batch)
+    moved = before - after_offload
+    return {"offload_s": round(t1 - t0, 4), "reload_s": round(t2 - t1, 4), "offloaded_bytes": int(moved),
+            "restored_bytes": int(restored - after_offload),
+            "offload_gb_per_s": round(moved / (t1 - t0) / 1e9, 2) if moved else None,
+            "update_after_reload_ok": bool(math.isfinite(metrics["actor/grad_norm"]))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--peak-tflops", type=float, default=989.0 if torch.cuda.is_available() else 0.0,
                    help="device peak for MFU (H100/H200 dense bf16: 989)")
+    p.add_argument("--padded", action="store_true", help="padded micro-batches instead of packed THD sequences")
+    p.add_argument("--offload", action="store_true", help="also time the host-memory offload round trip")
     args = p.parse_args(argv)
     for name in ("seq", "mbs", "micro_batches", "steps"):
         if getattr(args, name) < 1:

@@ -1,0 +1,30 @@
+"""tools/bench_gpu.sh --smoke: every benchmark of the GPU run, at tiny sizes on CPU, one JSON line each
+(so the one-command GPU run cannot rot)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_gpu_smoke_prints_one_json_line_per_benchmark():
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "bench_gpu.sh"), "--smoke"], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert [line["benchmark"] for line in lines] == ["packing", "train_dense", "train_moe", "logprob", "offload",
+                                                     "algos", "bridge", "weight_sync"]
+    by_name = {line["benchmark"]: line for line in lines}
+    assert not [line for line in lines if "error" in line]
+    assert {"padding_fraction", "ideal_speedup", "speedup", "peak_ratio"} <= set(by_name["packing"])
+    assert by_name["train_dense"]["preset"] == "tiny" and by_name["train_moe"]["preset"] == "tiny-moe"
+    assert by_name["train_dense"]["packed"] is True and by_name["train_moe"]["step_ms"] > 0
+    assert by_name["offload"]["update_after_reload_ok"] is True
+    if not torch.cuda.is_available():  # nothing to move on CPU
+        assert by_name["offload"]["offloaded_bytes"] == 0
+    assert "fused_ms" in by_name["logprob"] and "export_s" in by_name["bridge"]
+    assert by_name["weight_sync"]["skipped"].startswith("smoke")
+    assert all(line["wall_s"] >= 0 for line in lines if "wall_s" in line)
