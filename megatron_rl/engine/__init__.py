@@ -6,7 +6,7 @@ micro-batches (fixed sizes, token budgets, Karmarkar-Karp partitions); ``packing
 micro-batch into one packed THD sequence (the default), ``layout.py`` into padded, left-aligned
 rows (with CP shares), and defines the ``ModelOutput`` the closures see for both; ``metrics.py``
 the ``StepInfo`` / ``LossMetrics`` protocol of a training step; ``optim.py`` DDP + optimizer + LR
-schedule; ``state.py`` host offload. Roles live above, in ``megatron_rl.roles``.
+schedule; ``offload.py`` host offload of parameters, gradient buffers and optimizer state. Roles live above, in ``megatron_rl.roles``.
 """
 
 from megatron_rl.engine.batching import MicroBatchPlan, balanced_partitions, token_budget_micro_batches

@@ -43,7 +43,7 @@ from megatron_rl.engine.layout import ModelOutput, prepare_inputs
 from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
-from megatron_rl.engine.state import move_state
+from megatron_rl.engine.offload import CATEGORIES, OffloadStore, resident_bytes
 from megatron_rl.models.attention import check_packing_support
 from megatron_rl.models.gpt import HEADS, build_model, build_transformer_config, hidden_states_output, te_available
 
@@ -106,6 +106,7 @@ class MegatronEngine:
         # Collectives on small host values still need device tensors under NCCL.
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.optimizer = self.scheduler = None
+        self._offload = OffloadStore()
         if trainable:
             self.model = wrap_ddp(chunks, self.tf_config)
             self.optimizer, self.scheduler = build_optimizer(self.model, self.tf_config, optim)
@@ -125,6 +126,7 @@ class MegatronEngine:
         Micro-batches hold ``micro_batch_size`` rows, or, with ``max_token_len``, as many as that
         token budget allows (collective over DP; ``budget_key`` names the budget in errors).
         """
+        self._check_resident("params")
         for chunk in self.model:
             chunk.eval()
 
@@ -151,6 +153,7 @@ class MegatronEngine:
         ``LossMetrics`` over micro-batches and DP ranks. Adds ``grad_norm`` and ``lr``.
         """
         self.ensure_trainable()
+        self._check_resident(*CATEGORIES)
         for chunk in self.model:
             chunk.train()
         plan = self.plan_micro_batches(mini_batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
@@ -327,11 +330,30 @@ class MegatronEngine:
         load_model(self.model, path, optimizer=self.optimizer if full else None,
                    scheduler=self.scheduler if full else None, load_rng=full)
 
-    def offload_to_cpu(self) -> None:
-        """Move parameters, gradient buffers and optimizer state to host memory (no-op on CPU)."""
-        move_state(self.model, self.optimizer, "cpu")
+    # -- host offload (megatron_rl.engine.offload) ------------------------------------------------
+    def offload_to_cpu(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Move the chosen parts of this rank's state (parameters and module buffers, DDP gradient
+        buffers, optimizer state and fp32 master weights) to host memory, leaving the module tensors
+        empty; the bytes moved. Parts already offloaded stay where they are."""
+        chosen = [c for c, on in zip(CATEGORIES, (params, grads, optimizer)) if on]
+        return self._offload.offload(self.model, self.optimizer, chosen)
 
-    def load_to_device(self) -> None:
-        """Bring parameters, gradient buffers and optimizer state back to the GPU (no-op on CPU)."""
-        move_state(self.model, self.optimizer, "cuda")
+    def load_to_device(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Bring back what ``offload_to_cpu`` moved (the chosen parts); the bytes moved."""
+        chosen = [c for c, on in zip(CATEGORIES, (params, grads, optimizer)) if on]
+        return self._offload.onload(chosen)
 
+    def offloaded(self) -> dict[str, bool]:
+        """``{params|grads|optimizer: offloaded?}``."""
+        return {c: self._offload.offloaded(c) for c in CATEGORIES}
+
+    def resident_bytes(self, device: Optional[str] = None) -> dict[str, int]:
+        """Bytes of storage this rank's state holds, by part (on ``device``'s type only, when given)."""
+        return resident_bytes(self.model, self.optimizer, device)
+
+    def _check_resident(self, *parts: str) -> None:
+        """RuntimeError when a part the computation needs is offloaded (a schedule out of order)."""
+        away = [p for p in parts if self._offload.offloaded(p)]
+        if away:
+            raise RuntimeError(f"the {self.name!r} engine's {away} are offloaded to host memory; call "
+                               "load_to_device() first (the phase schedule onloads a role before it computes)")

@@ -304,7 +304,8 @@ def _reference_engine_case(rank, world_size, ckpt):
         error = ""
     except ValueError as exc:
         error = str(exc)
-    ref.engine.offload_to_cpu()  # a no-op without CUDA; must not disturb the weights
+    ref.engine.offload_to_cpu()  # the round trip must not disturb the weights
+    ref.engine.load_to_device()
     after = _max_diff(ref.compute_log_prob(batch)["log_probs"][mask], actor.compute_log_prob(batch)["log_probs"][mask])
     return diff, frozen, error, after
 
@@ -325,7 +326,7 @@ def _offload_case(rank, world_size):
     batch = {k: v.cuda() for k, v in make_batch(DENSE["vocab_size"]).items()}
     before = actor.compute_log_prob(batch)["log_probs"]
     engine.offload_to_cpu()
-    on_cpu = all(p.device.type == "cpu" for _, p in engine.named_parameters())
+    on_cpu = not any(engine.resident_bytes(device="cuda").values())  # nothing of the state left on the GPU
     free_after_offload = torch.cuda.memory_allocated()
     engine.load_to_device()
     after = actor.compute_log_prob(batch)["log_probs"]
