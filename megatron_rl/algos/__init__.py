@@ -56,6 +56,7 @@ from megatron_rl.algos.advantage import *  # noqa: E402,F401,F403  isort:skip  (
 from megatron_rl.algos.advantage_otb import *  # noqa: E402,F401,F403  isort:skip
 from megatron_rl.algos.policy_loss import *  # noqa: E402,F401,F403  isort:skip  (verl's policy loss function names)
 from megatron_rl.algos.policy_loss_variants import *  # noqa: E402,F401,F403  isort:skip
+from megatron_rl.algos.multi_trajectory import compute_advantage_for_multi_trajectories  # noqa: E402  isort:skip
 from megatron_rl.algos.verl_compat import (  # noqa: E402  isort:skip
     SUPPORTED_ROLLOUT_RS_OPTIONS,
     TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
@@ -83,6 +84,7 @@ __all__ = [
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
     "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS",
     "apply_bypass_mode",
+    "compute_advantage_for_multi_trajectories",
     "compute_is_metrics",
     "compute_offpolicy_metrics",
     "compute_policy_loss",

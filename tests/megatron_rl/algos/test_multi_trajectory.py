@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_rl.algos.advantage import compute_grpo_outcome_advantage
+from megatron_rl.algos import compute_advantage_for_multi_trajectories
 from megatron_rl.algos.multi_trajectory import (
-    compute_advantage_for_multi_trajectories,
     parse_trajectory_key,
     trajectory_keys,
 )
