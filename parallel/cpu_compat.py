@@ -437,3 +437,16 @@ def revert_cpu_compat() -> list[str]:
         _UNDO.pop()()
     _APPLIED.clear()
     return active
+
+
+def redirect_yarn_current_device() -> bool:
+    """``torch.cuda.current_device()`` -> ``"cpu"`` inside Megatron's YaRN RoPE module (issue 20).
+
+    ``YarnRotaryEmbedding`` (MLA's RoPE for DeepSeek-V3-style models) calls it when it is built
+    and at every ``get_emb``; the model builder calls this before building an MLA model with YaRN
+    on CPU. Idempotent; undone by ``revert_cpu_compat``; returns whether it acted (False with CUDA).
+    """
+    if torch.cuda.is_available():
+        return False
+    _override_in(("models.common.embeddings.yarn_rotary_pos_embedding",), "cuda.current_device", _cpu_current_device)
+    return True

@@ -156,9 +156,13 @@ class SDPAttention(torch.nn.Module):
     inputs' device).
     """
 
+    v_dim: Optional[int] = None
+    """Value width per head when it differs from ``head_dim`` (MLA); None = ``head_dim``."""
+
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -173,7 +177,9 @@ class SDPAttention(torch.nn.Module):
         tp = pg_collection.tp.size()
         self.num_heads = config.num_attention_heads // tp
         self.num_groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # MLA (Megatron's MLASelfAttention) passes its query/key and value widths, which differ.
+        self.head_dim = k_channels or config.kv_channels
+        self.v_dim = v_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.impl: Optional[str] = None
@@ -191,7 +197,7 @@ class SDPAttention(torch.nn.Module):
             impl = self.impl or packed_attention_impl(query.device)
             out = document_attention(query, key, value, _segment_bounds(packed_seq_params), scale=self.softmax_scale,
                                      impl=impl, packed_seq_params=packed_seq_params)
-            return out.reshape(out.shape[0], self.num_heads * self.head_dim)  # [t, heads*d]
+            return out.reshape(out.shape[0], self.num_heads * (self.v_dim or self.head_dim))  # [t, heads*d_v]
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None
@@ -203,4 +209,5 @@ class SDPAttention(torch.nn.Module):
             enable_gqa=self.num_heads != self.num_groups,
         )
         # [b, heads, s, d] -> [s, b, heads*d]
-        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.num_heads * self.head_dim)
+        width = self.num_heads * (self.v_dim or self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], width)

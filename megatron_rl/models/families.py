@@ -23,7 +23,7 @@ import os
 import pkgutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 from parallel.bridge import WeightMap, WeightRule
@@ -39,9 +39,12 @@ __all__ = [
     "llama_like_kwargs",
     "reject",
     "hf_head",
+    "MLA_ATTENTION_RULES",
+    "shared_expert_rules",
+    "expert_bias_rule",
 ]
 
-_NOT_FAMILY_MODULES = {"gpt", "families"}
+_NOT_FAMILY_MODULES = {"gpt", "families", "extended"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,15 @@ class Family:
     raises ``ValueError`` for settings Megatron's GPTModel cannot represent."""
     mlp_rules: tuple[WeightRule, ...]
     """Weight rules of the MLP block (dense or MoE); attention, norms and embeddings are shared."""
+    attention_rules: Optional[tuple[WeightRule, ...]] = None
+    """Weight rules of the attention block and the layer norms; None = Llama-style GQA
+    (``MLA_ATTENTION_RULES`` for DeepSeek-V3's multi-latent attention)."""
+    config_class: type = ModelConfig
+    """The config dataclass ``model_config`` builds (``ExtendedModelConfig`` for MLA / sigmoid routing)."""
+    mtp_layers_unsupported: bool = False
+    """Hub checkpoints carry multi-token-prediction layers after the decoder layers
+    (``model.layers.{num_layers + i}``), which the Megatron model does not build: loading refuses
+    them by name instead of calling them tensors of another family."""
 
     def model_config(self, hf_config: Any, **overrides: Any) -> ModelConfig:
         """``ModelConfig`` for ``hf_config`` (dict, path or PretrainedConfig); ``overrides``
@@ -65,7 +77,7 @@ class Family:
         clash = sorted(set(overrides) & set(kwargs))
         if clash:
             raise ValueError(f"{self.name}: overrides {clash} would change the architecture read from the HF config")
-        return ModelConfig(**kwargs, **overrides)
+        return self.config_class(**kwargs, **overrides)
 
     def weight_map(self, model_cfg: ModelConfig, *, head: str = "lm") -> WeightMap:
         """The HF <-> Megatron weight table bound to ``model_cfg``'s geometry.
@@ -75,7 +87,8 @@ class Family:
         """
         if head not in ("lm", "score"):
             raise ValueError(f"{self.name}: head={head!r} is not allowed; choose 'lm' or 'score'")
-        rules = decoder_rules(self.mlp_rules, tie_word_embeddings=model_cfg.tie_word_embeddings and head == "lm")
+        rules = decoder_rules(self.mlp_rules, tie_word_embeddings=model_cfg.tie_word_embeddings and head == "lm",
+                              attention_rules=self.attention_rules)
         if head == "score":
             rules = tuple(WeightRule("output_layer.weight", "score.weight") if r.megatron == "output_layer.weight"
                           else r for r in rules)
@@ -88,6 +101,10 @@ class Family:
             # Tied checkpoints sometimes carry lm_head anyway; old ones carry RoPE buffers.
             optional_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
             + ((r"lm_head\.weight",) if model_cfg.tie_word_embeddings and head == "lm" else ()),
+            unsupported_hf=((mtp_layer_pattern(model_cfg.num_layers),
+                             f"{self.name}: multi-token-prediction layers (model.layers.{model_cfg.num_layers}+) are "
+                             "not built by the Megatron model; load a checkpoint without them"),)
+            if self.mtp_layers_unsupported else (),
         )
 
 
@@ -117,6 +134,41 @@ DENSE_MLP_RULES = (
 )
 
 
+# Multi-latent attention (Megatron's MLASelfAttention <-> HF DeepseekV3Attention). The local spec's
+# down projections are column-parallel (rows split over TP), the TE spec's are replicated; both are
+# plain copies. The TE spec fuses the latent norms into the up projections.
+MLA_ATTENTION_RULES = (
+    WeightRule(_L + "input_layernorm.weight", _H + "input_layernorm.weight"),
+    WeightRule(_L + "self_attention.linear_q_proj.weight", _H + "self_attn.q_proj.weight"),
+    WeightRule(_L + "self_attention.linear_q_down_proj.weight", _H + "self_attn.q_a_proj.weight"),
+    WeightRule(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_a_layernorm.weight"),
+    WeightRule(_L + "self_attention.linear_q_up_proj.layer_norm_weight", _H + "self_attn.q_a_layernorm.weight"),
+    WeightRule(_L + "self_attention.linear_q_up_proj.weight", _H + "self_attn.q_b_proj.weight"),
+    WeightRule(_L + "self_attention.linear_kv_down_proj.weight", _H + "self_attn.kv_a_proj_with_mqa.weight"),
+    WeightRule(_L + "self_attention.kv_layernorm.weight", _H + "self_attn.kv_a_layernorm.weight"),
+    WeightRule(_L + "self_attention.linear_kv_up_proj.layer_norm_weight", _H + "self_attn.kv_a_layernorm.weight"),
+    WeightRule(_L + "self_attention.linear_kv_up_proj.weight", _H + "self_attn.kv_b_proj.weight"),
+    WeightRule(_L + "self_attention.linear_proj.weight", _H + "self_attn.o_proj.weight"),
+    WeightRule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight"),
+    WeightRule(_L + "mlp.linear_fc1.layer_norm_weight", _H + "post_attention_layernorm.weight"),
+)
+
+
+def shared_expert_rules(prefix: str = "mlp.shared_experts.") -> tuple[WeightRule, ...]:
+    """Rules of an always-on shared expert (SwiGLU); ``prefix`` is relative to ``model.layers.{layer}.``."""
+    s = _L + "mlp.shared_experts."
+    return (
+        WeightRule(s + "linear_fc1.weight", (_H + prefix + "gate_proj.weight", _H + prefix + "up_proj.weight"),
+                   "gate_up"),
+        WeightRule(s + "linear_fc2.weight", _H + prefix + "down_proj.weight"),
+    )
+
+
+def expert_bias_rule(hf: str = "mlp.gate.e_score_correction_bias") -> WeightRule:
+    """The router's expert bias (a Megatron buffer, float32) <-> HF's ``e_score_correction_bias``."""
+    return WeightRule(_L + "mlp.router.expert_bias", _H + hf)
+
+
 def moe_mlp_rules(router: str, expert: str, gate: str, up: str, down: str) -> tuple[WeightRule, ...]:
     """Rules of a routed-experts block; names are relative to ``model.layers.{layer}.``, and
     ``expert`` contains ``{expert}`` (e.g. ``mlp.experts.{expert}.``)."""
@@ -128,8 +180,9 @@ def moe_mlp_rules(router: str, expert: str, gate: str, up: str, down: str) -> tu
     )
 
 
-def decoder_rules(mlp_rules: Sequence[WeightRule], *, tie_word_embeddings: bool) -> tuple[WeightRule, ...]:
-    """All rules of a Llama-style decoder with the given MLP rules.
+def decoder_rules(mlp_rules: Sequence[WeightRule], *, tie_word_embeddings: bool,
+                  attention_rules: Optional[Sequence[WeightRule]] = None) -> tuple[WeightRule, ...]:
+    """All rules of a Llama-style decoder with the given MLP (and attention) rules.
 
     Rules for parameters a model does not have (QKV bias, QK-norm, TE fused norms) match
     nothing and cost nothing; HF tensors they would read are then reported as unexpected.
@@ -141,11 +194,17 @@ def decoder_rules(mlp_rules: Sequence[WeightRule], *, tie_word_embeddings: bool)
         output = WeightRule("output_layer.weight", "lm_head.weight", "vocab")
     return (
         WeightRule("embedding.word_embeddings.weight", "model.embed_tokens.weight", "vocab"),
-        *_ATTENTION_RULES,
+        *(_ATTENTION_RULES if attention_rules is None else attention_rules),
         *mlp_rules,
         WeightRule("decoder.final_layernorm.weight", "model.norm.weight"),
         output,
     )
+
+
+def mtp_layer_pattern(num_layers: int) -> str:
+    """Regex of HF tensors under ``model.layers.{k}`` for any ``k >= num_layers`` (MTP layers)."""
+    below = "|".join(str(k) for k in range(num_layers))
+    return rf"model\.layers\.(?!(?:{below})\.)\d+\..+" if below else r"model\.layers\.\d+\..+"
 
 
 # ------------------------------------------------------------------------------------------
@@ -156,8 +215,10 @@ def reject(family: str, field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{family}: HF config {field}={value!r} is not supported; allowed: {allowed}")
 
 
-def _rope_kwargs(family: str, cfg: Any) -> dict[str, Any]:
-    """RoPE theta and scaling as GPTModel expresses them (plain, or Llama-3.1 scaling).
+def _rope_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) -> dict[str, Any]:
+    """RoPE theta and scaling as GPTModel expresses them (plain, or Llama-3.1 scaling); with
+    ``partial_rotary`` a ``partial_rotary_factor`` becomes ``rotary_percent`` (GLM-4.5: the first
+    fraction of each head is rotated, rotate-half style, as Megatron does).
 
     Megatron's ``RotaryEmbedding._apply_scaling`` takes only ``factor``; it fixes
     low_freq_factor=1, high_freq_factor=4 and original_max_position_embeddings=8192 (the
@@ -169,10 +230,14 @@ def _rope_kwargs(family: str, cfg: Any) -> dict[str, Any]:
         reject(family, "rope_theta", theta, "a number")
     if float(theta) != int(theta):
         reject(family, "rope_theta", theta, "an integer value (GPTModel takes rotary_base as an int)")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        reject(family, "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"], "1.0")
+    partial = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+    if partial != 1.0 and not (partial_rotary and 0.0 < partial < 1.0):
+        reject(family, "rope_parameters.partial_rotary_factor", partial,
+               "in (0, 1]" if partial_rotary else "1.0")
     rope_type = params.get("rope_type", params.get("type", "default"))
     out: dict[str, Any] = {"rotary_base": float(theta)}
+    if partial != 1.0:
+        out["rotary_percent"] = partial
     if rope_type == "default":
         return out
     if rope_type != "llama3":
@@ -186,8 +251,9 @@ def _rope_kwargs(family: str, cfg: Any) -> dict[str, Any]:
     return out
 
 
-def llama_like_kwargs(family: str, cfg: Any) -> dict[str, Any]:
-    """``ModelConfig`` kwargs shared by Llama-style decoders (RMSNorm, SwiGLU, RoPE, GQA)."""
+def llama_like_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) -> dict[str, Any]:
+    """``ModelConfig`` kwargs shared by Llama-style decoders (RMSNorm, SwiGLU, RoPE, GQA);
+    ``partial_rotary`` accepts a ``partial_rotary_factor`` (``rotary_percent``)."""
     if getattr(cfg, "hidden_act", "silu") != "silu":
         reject(family, "hidden_act", cfg.hidden_act, "'silu' (SwiGLU)")
     heads = cfg.num_attention_heads
@@ -204,7 +270,7 @@ def llama_like_kwargs(family: str, cfg: Any) -> dict[str, Any]:
         layernorm_epsilon=float(cfg.rms_norm_eps),
         swiglu=True,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        **_rope_kwargs(family, cfg),
+        **_rope_kwargs(family, cfg, partial_rotary=partial_rotary),
     )
 
 

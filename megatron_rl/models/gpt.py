@@ -67,23 +67,32 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def get_layer_spec(model_cfg: ModelConfig):
-    """The transformer layer spec: TE's when available/asked, else local with SDPA attention."""
+def get_layer_spec(model_cfg: ModelConfig, *, moe: bool = True):
+    """The transformer layer spec: TE's when available/asked, else local with SDPA attention.
+
+    ``moe=False`` gives the dense-MLP layer of a model whose ``moe_layer_freq`` mixes dense and
+    MoE layers; MLA (``ExtendedModelConfig.multi_latent_attention``) swaps the attention module.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     backend = model_cfg.attention_backend
+    experts = model_cfg.num_moe_experts if moe else None
+    mla = bool(getattr(model_cfg, "multi_latent_attention", False))
     if backend == "te" or (backend == "auto" and te_available()):
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model_cfg.num_moe_experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
-            qk_layernorm=model_cfg.qk_layernorm,
+            num_experts=experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+            qk_layernorm=model_cfg.qk_layernorm or mla, multi_latent_attention=mla,
         )
     spec = specs.get_gpt_layer_local_spec(
-        num_experts=model_cfg.num_moe_experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
-        qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization,
+        num_experts=experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+        qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization, multi_latent_attention=mla,
     )
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    if model_cfg.qk_layernorm:  # Megatron all-reduces q/k-norm grads over TP by name
+    if mla:  # MLA always normalises its compressed query and key/value latents
+        spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelTorchNorm
+        spec.submodules.self_attention.submodules.kv_layernorm = SequenceParallelTorchNorm
+    elif model_cfg.qk_layernorm:  # Megatron all-reduces q/k-norm grads over TP by name
         spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelTorchNorm
         spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelTorchNorm
     if backend in ("auto", "sdpa"):
@@ -94,12 +103,25 @@ def get_layer_spec(model_cfg: ModelConfig):
 def _decoder_spec(model_cfg: ModelConfig, transformer_config, vp_stage: Optional[int]):
     """Layer spec, or (local spec) a block spec whose final norm also supports sequence parallelism."""
     spec = get_layer_spec(model_cfg)
-    if spec.submodules.input_layernorm is not SequenceParallelTorchNorm:
+    layer_is_moe = getattr(model_cfg, "layer_is_moe", None)
+    mixed = layer_is_moe is not None and getattr(model_cfg, "moe_layer_freq", None) is not None
+    if spec.submodules.input_layernorm is not SequenceParallelTorchNorm and not mixed:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     num_local = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_local, layer_norm=SequenceParallelTorchNorm)
+    specs = [spec] * num_local
+    if mixed:  # first-k-dense and other dense/MoE patterns: each local layer by its global index
+        offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
+        dense = get_layer_spec(model_cfg, moe=False)
+        specs = [spec if layer_is_moe(offset + i) else dense for i in range(num_local)]
+    if spec.submodules.input_layernorm is not SequenceParallelTorchNorm:  # TE: Megatron's own pattern parser
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(transformer_config, use_transformer_engine=True,
+                                          normalization=model_cfg.normalization, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelTorchNorm)
 
 
 def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, *, sequence_parallel: bool = False,
@@ -161,12 +183,20 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, *, seque
             moe_grouped_gemm=model_cfg.moe_grouped_gemm,
             moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
         )
+    config_cls = TransformerConfig
+    megatron_kwargs = getattr(model_cfg, "megatron_kwargs", None)
+    if megatron_kwargs is not None:  # ExtendedModelConfig: MLA, YaRN, sigmoid/grouped routing, layer pattern
+        kwargs.update(megatron_kwargs())
+        if kwargs.get("multi_latent_attention"):
+            from megatron.core.transformer import MLATransformerConfig
+
+            config_cls = MLATransformerConfig
     if not torch.cuda.is_available():
         from parallel.cpu_compat import cpu_transformer_config_overrides
 
         kwargs.update(cpu_transformer_config_overrides())
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 class ValueHead(torch.nn.Module):
@@ -194,6 +224,20 @@ class ValueHead(torch.nn.Module):
 HEADS = ("lm", "scalar")
 
 
+def _mla_without_te() -> None:
+    """Megatron-Core 0.16.1's MLA module believes TE is present when it is not.
+
+    ``megatron.core.extensions.transformer_engine`` imports without TransformerEngine and leaves
+    ``TELinear`` a ``MagicMock``, so ``multi_latent_attention.HAVE_TE`` is True and its
+    ``isinstance(self.linear_proj, TELinear)`` raises TypeError. Without TE, say so.
+    """
+    if te_available():
+        return
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm") -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) with ``head`` on the last stage.
 
@@ -209,6 +253,12 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm")
     vocab = padded_vocab_size(model_cfg.vocab_size, transformer_config.tensor_model_parallel_size,
                               model_cfg.make_vocab_size_divisible_by)
     vpp = transformer_config.virtual_pipeline_model_parallel_size or 1
+    if getattr(transformer_config, "multi_latent_attention", False) and not torch.cuda.is_available():
+        from parallel.cpu_compat import redirect_yarn_current_device
+
+        redirect_yarn_current_device()  # MLA's YaRN RoPE allocates on torch.cuda.current_device()
+    if getattr(transformer_config, "multi_latent_attention", False):
+        _mla_without_te()
     chunks = []
     for vp_stage in range(vpp):
         vp = vp_stage if vpp > 1 else None

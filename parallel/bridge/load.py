@@ -64,7 +64,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     Raises on every rank alike: ``FileNotFoundError`` for a missing directory or shard files,
     ``ValueError`` for a corrupt file, an HF tensor whose shape disagrees with the model (both
     shapes named), HF tensors the model needs but the checkpoint lacks, and HF tensors no rule
-    accounts for (a checkpoint of another family).
+    accounts for (a checkpoint of another family); tensors the weight map lists as unsupported
+    (``WeightMap.unsupported_hf``) are refused with its reason.
     """
     chunks = list(chunks)
     errors: list[str] = []
@@ -104,6 +105,15 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                           + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else ""))
         all_known = set().union(*all_gather_object(sorted(set(known))))
         unexpected = sorted(n for n in reader.keys() if n not in all_known and not weight_map.is_optional(n))
+        refused: dict[str, list[str]] = {}
+        for n in unexpected:
+            why = weight_map.unsupported_reason(n)
+            if why is not None:
+                refused.setdefault(why, []).append(n)
+        for why, names in refused.items():
+            errors.append(f"{reader.path}: {len(names)} HF tensors cannot be loaded into this model ({why}): "
+                          f"{names[:10]}" + (f" (and {len(names) - 10} more)" if len(names) > 10 else ""))
+        unexpected = [n for n in unexpected if weight_map.unsupported_reason(n) is None]
         if unexpected:
             errors.append(f"{reader.path}: HF tensors that no weight rule of this model accounts for "
                           f"(wrong family or config?): {unexpected[:10]}"

@@ -83,6 +83,9 @@ class WeightMap:
     optional_hf: tuple[str, ...] = ()
     """Regexes of HF tensors a checkpoint may hold that are not loaded (e.g. ``lm_head.weight``
     of a tied-embedding model); any other unknown HF tensor is an error."""
+    unsupported_hf: tuple[tuple[str, str], ...] = ()
+    """``(regex, reason)`` of HF tensors a real checkpoint holds that this model cannot (e.g.
+    DeepSeek-V3's multi-token-prediction layers): loading refuses them with the reason."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
@@ -105,6 +108,10 @@ class WeightMap:
 
     def is_optional(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.optional_hf)
+
+    def unsupported_reason(self, hf_name: str) -> Optional[str]:
+        """Why this model cannot hold ``hf_name`` (an ``unsupported_hf`` match), else None."""
+        return next((why for p, why in self.unsupported_hf if re.fullmatch(p, hf_name)), None)
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\Z")
@@ -180,6 +187,7 @@ def resolve_params(chunks, weight_map: WeightMap, mesh, ignore: Sequence[str]) -
     """This rank's parameters with rules and shard coordinates; plus the HF names of the ones
     ``ignore`` (regexes matched at the start of global names) leaves out.
 
+    Buffers a rule matches (Megatron's router ``expert_bias``) are included like parameters.
     TP-split parameters carry Megatron's ``tensor_model_parallel``/``partition_dim``
     attributes; expert parameters are split over the expert-tensor-parallel group.
     """
@@ -187,13 +195,17 @@ def resolve_params(chunks, weight_map: WeightMap, mesh, ignore: Sequence[str]) -
     params, ignored_hf, errors = [], [], []
     for chunk in chunks:
         chunk = _unwrap(chunk)
-        for local_name, p in chunk.named_parameters():
+        # Buffers count only where a rule names them (a router's expert bias): the others are
+        # derived state (RoPE tables, token counters).
+        tensors = [(n, p, False) for n, p in chunk.named_parameters()] + \
+            [(n, b, True) for n, b in chunk.named_buffers()]
+        for local_name, p, is_buffer in tensors:
             name = global_param_name(chunk, local_name)
             skip = any(re.match(pat, name) for pat in ignore)
             try:
                 rule, hf_names = weight_map.resolve(name)
             except ValueError as exc:
-                if not skip:
+                if not skip and not is_buffer:
                     errors.append(str(exc))
                 continue
             if skip:
