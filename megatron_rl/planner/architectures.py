@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from megatron_rl.config.model import ModelConfig
+from megatron_rl.models.extended import ExtendedModelConfig
 
 __all__ = ["KNOWN_ARCHITECTURES", "resolve_architecture", "architecture_from_path"]
 
@@ -43,6 +44,35 @@ KNOWN_ARCHITECTURES: dict[str, ModelConfig] = {
         kv_channels=128, vocab_size=128256, max_position_embeddings=131072, rotary_base=500_000.0,
         rope_scaling=True, rope_scaling_factor=8.0, params_dtype="bfloat16"),
 }
+# deepseek-ai/DeepSeek-V3 (and -R1, same architecture) config.json: MLA, YaRN x40, 3 dense layers then
+# 256 sigmoid-routed experts in 8 groups (4 chosen), top-8, one shared expert; 671.0B parameters
+# (37.6B active) without the MTP layer.
+KNOWN_ARCHITECTURES["deepseek_v3"] = ExtendedModelConfig(
+    num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, num_query_groups=128,
+    kv_channels=128, vocab_size=129280, max_position_embeddings=163840, layernorm_epsilon=1e-6,
+    multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+    v_head_dim=128, rope_type="yarn", rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+    mscale=1.0, mscale_all_dim=1.0, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+    moe_shared_expert_intermediate_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=8,
+    moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, params_dtype="bfloat16")
+KNOWN_ARCHITECTURES["deepseek_r1"] = KNOWN_ARCHITECTURES["deepseek_v3"]
+# zai-org/GLM-4.5 config.json: GQA 96/8 heads with QKV bias and QK-norm, half-rotary, 3 dense layers
+# then 160 sigmoid-routed experts, top-8, one shared expert; 352.8B parameters without the MTP layer.
+KNOWN_ARCHITECTURES["glm4_5"] = ExtendedModelConfig(
+    num_layers=92, hidden_size=5120, ffn_hidden_size=12288, num_attention_heads=96, num_query_groups=8,
+    kv_channels=128, vocab_size=151552, max_position_embeddings=131072, rotary_base=1_000_000.0, rotary_percent=0.5,
+    layernorm_epsilon=1e-5, qk_layernorm=True, add_qkv_bias=True, num_moe_experts=160, moe_router_topk=8,
+    moe_ffn_hidden_size=1536, moe_shared_expert_intermediate_size=1536, moe_layer_freq=(0,) * 3 + (1,) * 89,
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+    params_dtype="bfloat16")
+# zai-org/GLM-4.5-Air config.json: 1 dense layer then 128 experts, no QK-norm; 106.9B parameters.
+KNOWN_ARCHITECTURES["glm4_5_air"] = ExtendedModelConfig(
+    num_layers=46, hidden_size=4096, ffn_hidden_size=10944, num_attention_heads=96, num_query_groups=8,
+    kv_channels=128, vocab_size=151552, max_position_embeddings=131072, rotary_base=1_000_000.0, rotary_percent=0.5,
+    layernorm_epsilon=1e-5, add_qkv_bias=True, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1408,
+    moe_shared_expert_intermediate_size=1408, moe_layer_freq=(0,) + (1,) * 45, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, params_dtype="bfloat16")
 """Published architectures (name -> ``ModelConfig``), for checkpoints not present locally."""
 
 

@@ -267,3 +267,39 @@ def test_mtp_layers_are_refused_by_name_not_dropped(tmp_path):
     assert msg is not None and "3 HF tensors cannot be loaded into this model (deepseek_v3: multi-token-prediction " \
         "layers (model.layers.2+) are not built" in msg, msg
     assert "model.layers.2.eh_proj.weight" in msg and "no weight rule" not in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's table rows are what the families make of the published config.json files.
+# ---------------------------------------------------------------------------------------------
+PUBLISHED_DEEPSEEK_V3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+    num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000, rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0,
+    mscale_all_dim=1.0, original_max_position_embeddings=4096, type="yarn"), tie_word_embeddings=False,
+    num_nextn_predict_layers=1)
+PUBLISHED_GLM45 = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552, hidden_size=5120,
+    intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92, num_attention_heads=96,
+    num_key_value_heads=8, head_dim=128, n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8,
+    first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True,
+    partial_rotary_factor=0.5, rope_theta=1000000, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    attention_bias=True, use_qk_norm=True, tie_word_embeddings=False, num_nextn_predict_layers=1)
+PUBLISHED_GLM45_AIR = dict(PUBLISHED_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+    n_routed_experts=128, first_k_dense_replace=1, routed_scaling_factor=1.0, use_qk_norm=False)
+
+
+@pytest.mark.parametrize("name,published,billions,basename", [
+    ("deepseek_v3", PUBLISHED_DEEPSEEK_V3, 671.03, "DeepSeek-V3-0324"),
+    ("glm4_5", PUBLISHED_GLM45, 352.80, "GLM-4.5-FP8"),
+    ("glm4_5_air", PUBLISHED_GLM45_AIR, 106.85, "GLM-4.5-Air"),
+])
+def test_planner_rows_are_the_published_architectures(name, published, billions, basename):
+    from megatron_rl.models.families import get_family, load_hf_config
+    from megatron_rl.planner.architectures import KNOWN_ARCHITECTURES, architecture_from_path
+
+    hf = load_hf_config(published)
+    assert KNOWN_ARCHITECTURES[name] == get_family(hf).model_config(hf, params_dtype="bfloat16")
+    assert round(KNOWN_ARCHITECTURES[name].num_params() / 1e9, 2) == billions
+    assert architecture_from_path(f"~/models/{basename}") == name
