@@ -34,6 +34,21 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=48,
                     num_local_experts=4, num_experts_per_tok=2),
+    # MLA (q LoRA, KV latent, YaRN), first layer dense, 8 sigmoid-routed experts in 4 groups, a shared expert.
+    "deepseek_v3": dict(_BASE, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
+                        rms_norm_eps=1e-6, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
+                        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0}),
+    # QKV bias, QK-norm, half-rotary heads, first layer dense, 8 sigmoid-routed experts, a shared expert.
+    "glm4_moe": dict(_BASE, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], head_dim=16,
+                     moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                     attention_bias=True, use_qk_norm=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 """config.json of a tiny model per family (``vocab_size`` is set from the tokenizer)."""
 
@@ -78,6 +93,9 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
                 p.normal_(1.0, 0.1)
             else:  # router logits a bit wider, so top-k choices are not near-ties
                 p.normal_(0.0, 0.5 if "gate.weight" in name else 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routers' expert bias: make it matter
+                b.normal_(0.0, 0.05)
     model = model.to(dtype)
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
