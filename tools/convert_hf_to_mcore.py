@@ -28,10 +28,10 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tools.convert_common import (  # noqa: E402
-    DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, check_output_dir,
-    add_layout_args, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, hf_logits, is_driver, launch,
-    load_tokenizer, max_logit_diff, megatron_logits, model_in_dtype, report_verify, resolve_layout, run_main,
-    side_files, verify_inputs, verify_settings,
+    DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, apply_fault,
+    check_logits, check_output_dir, add_layout_args, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes,
+    is_driver, launch, load_tokenizer, resolve_layout, run_main, side_files, verify_forwards, verify_inputs,
+    verify_settings,
 )
 
 
@@ -84,8 +84,8 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
             progress.stage(stages[0])
             chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
             progress.stage(stages[1])
-            report = load_hf_checkpoint(chunks, get_family(spec["architecture"]).weight_map(model_cfg),
-                                        spec["hf_dir"], mesh=mesh)
+            weight_map = apply_fault(get_family(spec["architecture"]).weight_map(model_cfg), model_cfg)
+            report = load_hf_checkpoint(chunks, weight_map, spec["hf_dir"], mesh=mesh)
             progress.stage(stages[2])
             done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
             try:
@@ -100,8 +100,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                         for param in chunk.parameters():
                             param.fill_(float("nan"))
                 load_model(chunks, tmp)
-                verify_chunks = model_in_dtype(chunks, model_cfg, pc, spec["verify_dtype"])
-                logits = megatron_logits(verify_chunks, mesh, spec["verify_ids"], model_cfg.vocab_size)
+                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"])
     finally:
         destroy_mesh(mesh)
     return {"logits": logits, "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes}
@@ -137,7 +136,7 @@ def _convert(args: argparse.Namespace) -> int:
     tokenizer_size = check_tokenizer(tokenizer, model_cfg.vocab_size, hf_dir)
     verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
                            if args.verify else (None, None))
-    compute_dtype, tolerance = verify_settings(args, dtype)
+    verify_dtypes = verify_settings(args, dtype)
     extra = side_files(hf_dir)
     if is_driver():
         print(f"converting {family.name} checkpoint {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) to a "
@@ -149,7 +148,7 @@ def _convert(args: argparse.Namespace) -> int:
     atomic = AtomicDir(out, args.overwrite)
     with atomic as tmp:
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=architecture, family=family.name,
-                    hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtype=compute_dtype,
+                    hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtypes=verify_dtypes,
                     expected_bytes=hf_numel * itemsize)
         result = launch(convert_ranks, world, spec, device=device)
         if is_driver():
@@ -162,9 +161,8 @@ def _convert(args: argparse.Namespace) -> int:
                             tokenizer_size=tokenizer_size, side_files=[f.name for f in extra], source=str(hf_dir))
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
             if args.verify:
-                reference = hf_logits(hf_dir, verify_ids, model_cfg.dtype, getattr(torch, compute_dtype))
-                diff = max_logit_diff(result["logits"], reference, lengths)
-                report_verify(diff, tolerance, lengths, compute_dtype)
+                diff = max(check_logits(result["logits"], hf_dir, verify_ids, model_cfg.dtype, lengths,
+                                        args.tolerance).values())
             atomic.commit()
     if is_driver():
         line = (f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "

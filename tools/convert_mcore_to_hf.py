@@ -27,9 +27,8 @@ if REPO not in sys.path:
 
 from tools.convert_common import (  # noqa: E402
     METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
-    check_output_dir, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, hf_logits, is_driver, launch,
-    load_tokenizer, max_logit_diff, megatron_logits, model_in_dtype, report_verify, resolve_layout, run_main,
-    side_files, verify_inputs, verify_settings,
+    check_logits, check_output_dir, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, is_driver,
+    launch, load_tokenizer, resolve_layout, run_main, side_files, verify_forwards, verify_inputs, verify_settings,
 )
 
 
@@ -102,9 +101,7 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
             logits = None
             if spec["verify_ids"] is not None:
                 progress.stage("verify: forward")
-                verify_chunks = model_in_dtype(chunks, model_cfg, pc, spec["verify_dtype"])
-                logits = megatron_logits(verify_chunks, mesh, spec["verify_ids"], model_cfg.vocab_size)
-                del verify_chunks
+                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"])
             progress.stage("export HF safetensors")
             stats = ExportStats()
             done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
@@ -148,7 +145,7 @@ def _convert(args: argparse.Namespace) -> int:
     check_tokenizer(tokenizer, model_cfg.vocab_size, mcore_dir)
     verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
                            if args.verify else (None, None))
-    compute_dtype, tolerance = verify_settings(args, meta["dtype"])
+    verify_dtypes = verify_settings(args, meta["dtype"])
     extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
     ensure_space(out, int(meta.get("hf_numel", 0)) * itemsize, "the HF checkpoint")  # before any rank starts
@@ -161,16 +158,15 @@ def _convert(args: argparse.Namespace) -> int:
     with atomic as tmp:
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=meta["architecture"],
                     hf_config=meta["hf_config"], mcore_dir=str(mcore_dir), tmp=str(tmp), verify_ids=verify_ids,
-                    verify_dtype=compute_dtype, max_shard_bytes=int(args.max_shard_mb * 2**20),
+                    verify_dtypes=verify_dtypes, max_shard_bytes=int(args.max_shard_mb * 2**20),
                     expected_bytes=int(meta.get("hf_numel", 0)) * itemsize)
         result = launch(export_ranks, world, spec, device=device)
         if is_driver():
             copy_files(extra, tmp)
             (tmp / "config.json").write_text(_config_text(meta, mcore_dir))
             if args.verify:
-                reference = hf_logits(tmp, verify_ids, model_cfg.dtype, getattr(torch, compute_dtype))
-                diff = max_logit_diff(reference, result["logits"], lengths)
-                report_verify(diff, tolerance, lengths, compute_dtype)
+                diff = max(check_logits(result["logits"], tmp, verify_ids, model_cfg.dtype, lengths,
+                                        args.tolerance).values())
             atomic.commit()
     if is_driver():
         line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors, "
