@@ -22,12 +22,15 @@ from typing import Any, Iterator
 
 __all__ = ["INERT_KEYS", "InertKeyWarning", "inert_pattern", "inert_reason", "warn_inert_keys"]
 
-_OFFLOAD = ("no effect yet: the colocated phase schedule that moves it to host memory between phases is not "
-            "built (the memory-choreography issue); the planner assumes it")
 INERT_KEYS: dict[str, str] = {
-    "*.megatron.param_offload": _OFFLOAD,
-    "*.megatron.grad_offload": _OFFLOAD,
-    "*.megatron.optimizer_offload": _OFFLOAD,
+    "reward.reward_model.megatron.*_offload|actor_rollout_ref.ref.megatron.use_distributed_optimizer"
+    "|reward.reward_model.megatron.use_distributed_optimizer|distillation.teacher_model.megatron.use_distributed_optimizer"
+    "|actor_rollout_ref.ref.megatron.grad_offload"
+    "|actor_rollout_ref.ref.megatron.optimizer_offload|distillation.teacher_model.megatron.grad_offload"
+    "|distillation.teacher_model.megatron.optimizer_offload":
+        "the reward model scores inside the rollout phase and stays resident; frozen roles (reference, teacher, "
+        "reward model) have no gradients or optimizer state to offload or shard (their param_offload acts: "
+        "megatron_rl.trainer.schedule)",
     "algorithm.use_pf_ppo": "preference-feedback PPO reweighting is not implemented",
     "algorithm.pf_ppo": "the options of algorithm.use_pf_ppo, which is not implemented",
     "algorithm.filter_groups.max_inflight_gen_batches": "DAPO generation rounds run one at a time",
@@ -46,11 +49,12 @@ INERT_KEYS: dict[str, str] = {
     "*profiler*|*.profile|skip.*|ray_kwargs.*|transfer_queue.*|*.rollout.trace.*|*.rollout.prometheus.*"
     "|*.moe_load_balance_metrics_interval|*.rollout.disable_log_stats":
         "profiling, tracing, rollout dumps/replay and Ray start-up options of verl's launcher are not wired",
-    "*.megatron.*dist*|*.checkpoint.*|*mbridge*|trainer.default_hdfs_dir|trainer.del_local_ckpt_after_load"
+    "*.megatron.*dist_c*|*.megatron.distrib_optim*|*.checkpoint.*"
+    "|*mbridge*|trainer.default_hdfs_dir|trainer.del_local_ckpt_after_load"
     "|trainer.checkpoint_callback_class|trainer.esi_redundant_time":
         "checkpoints are always Megatron distributed checkpoints of model, optimizer and RNG state (saved and "
-        "loaded at any layout through parallel.bridge), with the non-distributed optimizer; verl's format and "
-        "upload switches have nothing to choose",
+        "loaded at any layout through parallel.bridge, the optimizer state resharded over DP under "
+        "megatron.use_distributed_optimizer); verl's format and upload switches have nothing to choose",
     "*.optim.muon_*|*.optim.*_dtype|*.optim.*wsd*|*.optim.weight_decay_incr_style|*.optim.use_*"
     "|*.optim.override_optimizer_config":
         "only AdamW / SGD with the configured schedule are built (no Muon, precision-aware or layer-wise "

@@ -89,6 +89,10 @@ class MegatronConfig(BaseConfig):
     """Keep gradient buffers in host memory while this role is idle."""
     optimizer_offload: bool = False
     """Keep optimizer state in host memory while this role is idle."""
+    use_distributed_optimizer: bool = False
+    """Shard a trainable role's optimizer state (Adam moments, fp32 masters) over data parallelism
+    (Megatron's ZeRO-1 ``DistributedOptimizer``; on CPU through ``parallel.cpu_compat``). verl's
+    default is True; here False until the planner's pinned unsharded figures move with it."""
     dtype: Optional[str] = None
     """Training dtype (the workers' ``params_dtype``): ``float32``, ``bfloat16`` or ``float16``; None =
     the model's: an inline model's ``params_dtype``, ``float32`` for an HF checkpoint (its stored

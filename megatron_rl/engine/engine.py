@@ -73,12 +73,15 @@ class MegatronEngine:
         sequence_parallel: shard norm/dropout activations over TP (``megatron.sequence_parallel``).
         remove_padding: run every micro-batch as one packed THD sequence (``megatron.use_remove_padding``,
             verl's default True); False pads rows to the micro-batch's longest.
+        distributed_optimizer: a trainable engine's Adam state sharded over DP (Megatron's
+            ``DistributedOptimizer``, ``megatron.use_distributed_optimizer``).
         name: what this model is called in messages (e.g. the role that owns it).
     """
 
     def __init__(self, model_cfg: ModelConfig, mesh: Any, *, head: str = "lm", trainable: bool = False,
                  optim: Optional[OptimConfig] = None, transformer_overrides: Optional[Mapping[str, Any]] = None,
-                 sequence_parallel: bool = False, remove_padding: bool = True, name: str = "model"):
+                 sequence_parallel: bool = False, remove_padding: bool = True, distributed_optimizer: bool = False,
+                 name: str = "model"):
         from megatron.core.transformer import TransformerConfig
 
         if head not in HEADS:
@@ -106,10 +109,12 @@ class MegatronEngine:
         # Collectives on small host values still need device tensors under NCCL.
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.optimizer = self.scheduler = None
+        self.distributed_optimizer = bool(distributed_optimizer and trainable)
         self._offload = OffloadStore()
         if trainable:
-            self.model = wrap_ddp(chunks, self.tf_config)
-            self.optimizer, self.scheduler = build_optimizer(self.model, self.tf_config, optim)
+            self.model = wrap_ddp(chunks, self.tf_config, distributed_optimizer=distributed_optimizer)
+            self.optimizer, self.scheduler = build_optimizer(self.model, self.tf_config, optim,
+                                                             distributed_optimizer=distributed_optimizer)
         else:
             self.model = chunks
             for chunk in chunks:
@@ -318,7 +323,7 @@ class MegatronEngine:
         Megatron distributed checkpoint, written atomically; see ``parallel.checkpoint``)."""
         from parallel.checkpoint import save_model
 
-        return str(save_model(self.model, path, overwrite=True, metadata=metadata, optimizer=self.optimizer,
+        return str(save_model(self.model, path, overwrite=True, metadata=metadata, optimizer=self._ckpt_optimizer(),
                               scheduler=self.scheduler, save_rng=self.trainable))
 
     def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> None:
@@ -327,8 +332,22 @@ class MegatronEngine:
         from parallel.checkpoint import load_model
 
         full = self.trainable and load_optimizer
-        load_model(self.model, path, optimizer=self.optimizer if full else None,
+        if full and self.distributed_optimizer:
+            # A fresh DistributedOptimizer has no state to load into (its state_dict needs Adam's
+            # 'step'): Megatron's own loader first takes one zero-gradient step; the load overwrites it.
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if not opt.optimizer.state:
+                    opt._init_optimizer_states_with_dummy_values()
+        load_model(self.model, path, optimizer=self._ckpt_optimizer() if full else None,
                    scheduler=self.scheduler if full else None, load_rng=full)
+
+    def _ckpt_optimizer(self) -> Any:
+        """The optimizer as checkpoints see it: a distributed optimizer saves its state in Megatron's
+        ``fully_reshardable`` layout (one tensor per parameter, so it loads at any DP size); its
+        default layout needs ``flattened_range`` shards that Megatron-Core 0.16's checkpoints refuse."""
+        if not self.distributed_optimizer or self.optimizer is None:
+            return self.optimizer
+        return _ReshardableOptimizerState(self.optimizer)
 
     # -- host offload (megatron_rl.engine.offload) ------------------------------------------------
     def offload_to_cpu(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
@@ -357,3 +376,17 @@ class MegatronEngine:
         if away:
             raise RuntimeError(f"the {self.name!r} engine's {away} are offloaded to host memory; call "
                                "load_to_device() first (the phase schedule onloads a role before it computes)")
+
+
+class _ReshardableOptimizerState:
+    """A distributed optimizer whose ``sharded_state_dict`` uses the ``fully_reshardable`` layout."""
+
+    def __init__(self, optimizer: Any):
+        self._optimizer = optimizer
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **kwargs: Any) -> dict:
+        metadata = {**(kwargs.pop("metadata", None) or {}), "distrib_optim_sharding_type": "fully_reshardable"}
+        return self._optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

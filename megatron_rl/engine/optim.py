@@ -3,7 +3,7 @@
 Gradients go through Megatron's ``DistributedDataParallel`` (fp32 gradient buffers, reduced over
 DP x CP by ``finalize_model_grads`` at the end of the schedule); the optimizer is
 ``get_megatron_optimizer`` (Adam or SGD, global gradient-norm clipping over all model-parallel
-ranks) and the schedule Megatron's ``OptimizerParamScheduler``, both filled from an
+ranks; optionally the ZeRO-1 ``DistributedOptimizer``, its state sharded over DP) and the schedule Megatron's ``OptimizerParamScheduler``, both filled from an
 ``OptimConfig``.
 """
 
@@ -18,12 +18,17 @@ from megatron_rl.config import OptimConfig
 __all__ = ["wrap_ddp", "build_optimizer"]
 
 
-def wrap_ddp(chunks: list[torch.nn.Module], tf_config: Any) -> list[torch.nn.Module]:
-    """The chunks in Megatron DDP (only the first one bucketed); sets the schedule's hooks on ``tf_config``."""
+def wrap_ddp(chunks: list[torch.nn.Module], tf_config: Any, *, distributed_optimizer: bool = False
+             ) -> list[torch.nn.Module]:
+    """The chunks in Megatron DDP (only the first one bucketed); sets the schedule's hooks on ``tf_config``.
+
+    ``distributed_optimizer``: the buffers are laid out for ZeRO-1 (a contiguous parameter buffer
+    the parameters are views of, buckets padded to a multiple of ``lcm(DP, 128)``; gradients are
+    reduce-scattered and the updated shards all-gathered)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
     wrapped = [
         DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
@@ -35,8 +40,13 @@ def wrap_ddp(chunks: list[torch.nn.Module], tf_config: Any) -> list[torch.nn.Mod
     return wrapped
 
 
-def build_optimizer(model: list[torch.nn.Module], tf_config: Any, optim: OptimConfig) -> tuple[Any, Any]:
+def build_optimizer(model: list[torch.nn.Module], tf_config: Any, optim: OptimConfig, *,
+                    distributed_optimizer: bool = False) -> tuple[Any, Any]:
     """``(optimizer, scheduler)`` for the DDP-wrapped ``model`` chunks.
+
+    ``distributed_optimizer`` (``megatron.use_distributed_optimizer``): Megatron's
+    ``DistributedOptimizer``, each DP rank keeping the Adam state (and fp32 masters) of its shard of
+    the buffers only; the chunks must have been wrapped with the same setting.
 
     ``total_training_steps <= 0`` means an open-ended run (a horizon that is never reached);
     ``lr_warmup_steps < 0`` takes the warm-up from ``lr_warmup_steps_ratio`` of the horizon.
@@ -48,7 +58,7 @@ def build_optimizer(model: list[torch.nn.Module], tf_config: Any, optim: OptimCo
         optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=float(optim.betas[0]), adam_beta2=float(optim.betas[1]), adam_eps=optim.eps,
         clip_grad=optim.clip_grad, bf16=tf_config.bf16, fp16=tf_config.fp16,
-        params_dtype=tf_config.params_dtype, use_distributed_optimizer=False,
+        params_dtype=tf_config.params_dtype, use_distributed_optimizer=distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     total = optim.total_training_steps if optim.total_training_steps > 0 else 1_000_000_000

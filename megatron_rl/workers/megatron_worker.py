@@ -14,6 +14,7 @@ torch to ``max(1, round(num_cpus))`` threads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Mapping
@@ -81,7 +82,9 @@ class MegatronWorker(WeightSyncRank):
         self.role = build_role(role, model_cfg, self.mesh, spec.config,
                                transformer_overrides=spec.megatron.override_transformer_config,
                                sequence_parallel=spec.megatron.sequence_parallel,
-                               remove_padding=spec.megatron.use_remove_padding)
+                               remove_padding=spec.megatron.use_remove_padding,
+                               distributed_optimizer=role in ("actor", "critic")
+                               and spec.megatron.use_distributed_optimizer)
         self.engine = self.role.engine
         if spec.hf_dir is not None:
             # A critic from a causal LM keeps its value head's fresh initialisation; one from a
@@ -97,12 +100,50 @@ class MegatronWorker(WeightSyncRank):
         return getattr(self.role, method)(resolve_shard(shard), **kwargs)
 
     def save_checkpoint(self, path: str) -> str:
-        """Collective: the engine's model / optimizer / schedule / RNG to ``path`` (atomic)."""
-        return self.engine.save_checkpoint(path)
+        """Collective: the engine's model / optimizer / schedule / RNG to ``path`` (atomic; offloaded
+        parts come back for the save and leave again)."""
+        with self._onloaded():
+            return self.engine.save_checkpoint(path)
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
         """Collective: restore ``save_checkpoint``'s state (any layout for the model and optimizer)."""
-        self.engine.load_checkpoint(path, load_optimizer=load_optimizer)
+        with self._onloaded():
+            self.engine.load_checkpoint(path, load_optimizer=load_optimizer)
+
+    # -- host offload between phases (megatron_rl.trainer.phases.PhaseRunner) ----------------------
+    def offload(self, parts: list[str]) -> int:
+        """Move ``parts`` (``params`` / ``grads`` / ``optimizer``) of the engine to host memory; bytes moved."""
+        return self.engine.offload_to_cpu(**{p: p in parts for p in ("params", "grads", "optimizer")})
+
+    def onload(self, parts: list[str]) -> int:
+        """Bring ``parts`` back to the compute device; bytes moved."""
+        return self.engine.load_to_device(**{p: p in parts for p in ("params", "grads", "optimizer")})
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Bytes the engine keeps on its compute device by part, the device's peak allocated / reserved
+        bytes (on CPU the process's peak RSS) and the host memory in use."""
+        import resource
+
+        import psutil
+
+        cuda = torch.cuda.is_available()
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"resident": self.engine.resident_bytes(device="cuda" if cuda else "cpu"),
+                "max_allocated": torch.cuda.max_memory_allocated() if cuda else peak_rss,
+                "max_reserved": torch.cuda.max_memory_reserved() if cuda else peak_rss,
+                "cpu_used": psutil.virtual_memory().used}
+
+    @contextlib.contextmanager
+    def _onloaded(self):
+        """Everything on device inside the block; what was offloaded leaves again after it."""
+        away = [p for p, off in self.engine.offloaded().items() if off] if self.engine is not None else []
+        if away:
+            self.onload(away)
+        try:
+            yield
+        finally:
+            if away:
+                self.offload(away)
 
     def enable_stack_dumps(self, directory: str, name: str) -> int:
         """Dump this process's Python stacks into ``directory`` whenever the driver's hang watchdog asks

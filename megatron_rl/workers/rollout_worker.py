@@ -49,6 +49,14 @@ class RolloutWorker:
             raise ValueError("update_weights got None: pass the export of global rank 0")
         return self.rollout.update_weights(weights, **kwargs)
 
+    def sleep(self, level: int = 1) -> None:
+        """``VLLMRollout.sleep``: release the engine's GPU memory (the phase schedule, between generations)."""
+        self.rollout.sleep(level)
+
+    def wake_up(self, tags: Optional[list] = None) -> None:
+        """``VLLMRollout.wake_up``: re-allocate ``tags`` (``weights`` / ``kv_cache``; default both)."""
+        self.rollout.wake_up(tags)
+
     def pad_token_id(self) -> int:
         return self.rollout.pad_token_id
 

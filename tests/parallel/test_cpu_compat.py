@@ -29,6 +29,7 @@ ALL_REDIRECTS = [
     "_noop_tensor_cuda",
     "_fix_moe_te_general_gemm",
     "_fix_alltoall_dispatcher_stream",
+    "_distributed_optimizer_on_cpu",
 ]
 
 
@@ -559,3 +560,35 @@ def test_pipeline_parallel_matches_single_rank():
         assert (loss_diff or 0.0) < 1e-5 and grad_diff < 1e-6, got
     # Batched p2p under interleaving gives wrong losses (a gloo/Megatron pairing issue, see _pipeline).
     assert results[1]["interleaved_batched"][0] > 1e-4, results[1]
+
+
+def _distributed_optimizer_case(rank, world_size, ckpt):
+    """Without the redirect Megatron's DistributedOptimizer refuses CPU parameters; with it, it builds,
+    steps, checkpoints and loads with one Adam ``step`` tensor per parameter."""
+    from parallel import cpu_compat
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+    from tests.megatron_rl.engine.test_distributed_optimizer import _actor, _step
+    from tests.megatron_rl.engine.test_engine import DENSE, make_batch
+
+    mesh = init_mesh(ParallelConfig(), seed=1)
+    cpu_compat.revert_cpu_compat()
+    cpu_compat.apply_cpu_compat(skip=["_distributed_optimizer_on_cpu"])
+    refused = _error(_actor, mesh, True)
+    cpu_compat.apply_cpu_compat()
+    role = _actor(mesh, True)
+    _step(role, make_batch(DENSE["vocab_size"]), mesh)
+    role.engine.save_checkpoint(ckpt)
+    fresh = _actor(mesh, True)
+    fresh.engine.load_checkpoint(ckpt)
+    inner = fresh.engine.optimizer.chained_optimizers[0]
+    steps = [s["step"] for s in inner.optimizer.state.values()]
+    return refused, type(inner).__name__, len({id(t) for t in steps}) == len(steps), sorted({float(t) for t in steps})
+
+
+@cpu_only
+def test_distributed_optimizer_on_cpu(tmp_path):
+    refused, kind, distinct, steps = run_distributed(_distributed_optimizer_case, 2, str(tmp_path / "ckpt"))[0]
+    assert refused.startswith("TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor"), refused
+    assert kind == "DistributedOptimizer" and distinct and steps == [1.0]
+    # DP=2 equality with the plain optimizer and DP resharding: tests/megatron_rl/engine/test_distributed_optimizer.py

@@ -41,6 +41,11 @@ RUN = [
     "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=32",
     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1",
     "critic.ppo_micro_batch_size_per_gpu=8",
+    # the colocated phase schedule moves every offloadable part to host memory between its phases
+    "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
+    "actor_rollout_ref.actor.megatron.optimizer_offload=true", "critic.megatron.param_offload=true",
+    "critic.megatron.grad_offload=true", "critic.megatron.optimizer_offload=true",
+    "distillation.teacher_model.megatron.param_offload=true",
     "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
     "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu=256", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=192",
     "critic.forward_max_token_len_per_gpu=320", "reward.reward_model.forward_max_token_len_per_gpu=224",
@@ -173,6 +178,15 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
         read_tracking.stop()
     assert [int(h["training/global_step"]) for h in first if "training/global_step" in h] == [1, 2]
     assert [int(h["training/global_step"]) for h in resumed if "training/global_step" in h] == [3]
+    # the colocated phases ran in the schedule's order, and offloaded roles kept nothing on the device
+    step = next(h for h in first if "training/global_step" in h)
+    assert [k.split("@")[1] for k in step if k.startswith("memory/actor/resident_gb@")] == [
+        "gen", "actor_log_prob", "ref_log_prob", "teacher_log_prob", "critic_values", "critic_update", "actor_update",
+        "weight_sync"]
+    assert step["memory/actor/resident_gb@gen"] == step["memory/critic/resident_gb@actor_update"] == 0.0
+    assert step["memory/ref/resident_gb@gen"] == step["memory/teacher/resident_gb@gen"] == 0.0
+    assert step["memory/actor/resident_gb@actor_update"] > 0 and step["memory/reward/resident_gb@gen"] > 0
+    assert step["perf/max_memory_allocated_gb"] > 0 and step["perf/cpu_memory_used_gb"] > 0
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl", "3.jsonl"]
 
     reads = read_tracking.read_paths(reads_dir)
@@ -196,7 +210,7 @@ def test_inert_keys_warn_by_name_and_the_list_is_short():
             assert any(inert_reason(p) is not None and fnmatch.fnmatchcase(p, pattern) for p in leaves), \
                 f"INERT_KEYS pattern {pattern!r} (of {entry!r}) matches no key"
     base = compose("grpo")
-    for override in ("actor_rollout_ref.actor.megatron.param_offload=true", "critic.model.trust_remote_code=true",
+    for override in ("reward.reward_model.megatron.param_offload=true", "critic.model.trust_remote_code=true",
                      "algorithm.use_pf_ppo=true", "reward.reward_model.tokenizer_path=/tok",
                      "actor_rollout_ref.actor.profiler.enable=true", "trainer.use_v1=false"):
         key = override.split("=")[0]

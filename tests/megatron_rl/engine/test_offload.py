@@ -104,3 +104,30 @@ def test_offload_leaves_nothing_resident_and_the_next_step_is_unchanged(par):
             assert r["weights_equal"], name
         partial = res["partial"]
         assert partial["params"] == 0 and partial["grads"] > 0 and partial["optimizer"] > 0
+
+
+def _gpu_offload_case(rank, world_size):
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.planner.memory import estimate_role
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    role = make_role("actor", DENSE, init_mesh(ParallelConfig(), seed=5), TRAIN)
+    batch = {k: v.cuda() for k, v in make_batch(DENSE["vocab_size"]).items()}
+    _step("actor", role, batch)  # Adam state exists
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    held = sum(role.engine.resident_bytes(device="cuda").values())
+    role.engine.offload_to_cpu()
+    dropped = before - torch.cuda.memory_allocated()
+    planned = estimate_role(ModelConfig(**DENSE), dtype="float32", sequence_parallel=False).state_bytes
+    role.engine.load_to_device()
+    return dropped, held, planned
+
+
+@pytest.mark.gpu
+def test_offload_frees_the_planned_gpu_bytes():
+    """On a GPU: torch.cuda.memory_allocated drops by what the engine held and the planner's state bytes."""
+    dropped, held, planned = run_distributed(_gpu_offload_case, 1, backend="nccl")[0]
+    assert dropped == pytest.approx(held, rel=0.01)
+    assert dropped == pytest.approx(planned, rel=0.02)

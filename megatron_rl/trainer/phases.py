@@ -1,0 +1,102 @@
+"""``PhaseRunner``: the trainer's executor of the colocated ``StepSchedule`` (``trainer.schedule``).
+
+``enter(phase, metrics)`` performs the transitions ``StepSchedule.transitions`` lists between the
+devices' current state and the phase -- offload / onload of role parts on every rank of the role's
+worker group (``MegatronWorker.offload`` / ``onload``), ``sleep`` / ``wake_up`` of the rollout
+engine -- then logs, for every role, the bytes it keeps on its compute device
+(``memory/<role>/resident_gb@<phase>``, the maximum over its ranks). Phases must come in the
+schedule's order (``gen`` starts a new cycle; phases a step skips, such as the actor update during
+``trainer.critic_warmup``, may be left out). ``memory_metrics()`` adds verl's
+``perf/max_memory_allocated_gb``, ``perf/max_memory_reserved_gb`` and ``perf/cpu_memory_used_gb``.
+
+Without worker groups (``dry=True``) the runner only records: ``history`` (phases entered),
+``actions`` (the transitions) and ``state`` (what is on the devices after applying them), which
+is how the tests compare the run's phases with the planner's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_rl.trainer.schedule import StepSchedule, Transition
+
+__all__ = ["PhaseRunner"]
+
+GB = 1024 ** 3
+
+
+class PhaseRunner:
+    """Executes (or, ``dry``, records) a ``StepSchedule``'s transitions between phases."""
+
+    def __init__(self, schedule: StepSchedule, groups: Optional[dict[str, Any]] = None, rollout: Any = None, *,
+                 dry: bool = False):
+        self.schedule, self.groups, self.rollout, self.dry = schedule, dict(groups or {}), rollout, dry
+        self.state = schedule.initial()
+        self.history: list[str] = []
+        self.actions: list[tuple[str, Transition]] = []
+
+    def enter(self, name: str, metrics: Optional[dict] = None) -> None:
+        """Move the devices into phase ``name``; with ``metrics``, log every role's resident bytes."""
+        names = self.schedule.names
+        if name not in names:
+            raise KeyError(f"no phase {name!r} in this step; phases: {names}")
+        if self.history and name != "gen" and names.index(name) <= names.index(self.history[-1]):
+            raise RuntimeError(f"phase {name!r} entered after {self.history[-1]!r}: the schedule is {names}")
+        for transition in self.schedule.transitions(self.state, name):
+            self._apply(transition)
+            self.actions.append((name, transition))
+            have = set(self.state[transition.target])
+            have = have - set(transition.parts) if transition.action in ("offload", "sleep") else have | set(
+                transition.parts)
+            self.state[transition.target] = tuple(sorted(have))
+        self.history.append(name)
+        if metrics is not None and not self.dry:
+            metrics.update(self.resident_metrics(name))
+
+    def restore(self) -> None:
+        """Bring every role's parts back on device and wake the rollout (end of training: exports,
+        checkpoints and callers after ``fit`` see the models whole)."""
+        initial = self.schedule.initial()
+        for target, parts in initial.items():
+            missing = tuple(p for p in parts if p not in self.state.get(target, ()))
+            if missing:
+                self._apply(Transition(target, "wake_up" if target == "rollout" else "onload", missing))
+        self.state = initial
+        self.history.append("restore")
+
+    def _apply(self, t: Transition) -> None:
+        if self.dry:
+            return
+        import ray
+
+        if t.target == "rollout":
+            if self.rollout is None:
+                return
+            call = (self.rollout.sleep.remote(self.schedule.sleep_level) if t.action == "sleep"
+                    else self.rollout.wake_up.remote(list(t.parts)))
+            ray.get(call)
+            return
+        group = self.groups.get(t.target)
+        if group is None:
+            return
+        ray.get([getattr(w, t.action).remote(list(t.parts)) for w in group.workers])
+
+    def _stats(self) -> dict[str, list[dict]]:
+        import ray
+
+        return {role: ray.get([w.memory_stats.remote() for w in group.workers]) for role, group in self.groups.items()}
+
+    def resident_metrics(self, phase: str) -> dict[str, float]:
+        """``memory/<role>/resident_gb@<phase>``: the most a rank of each role keeps on its device."""
+        return {f"memory/{role}/resident_gb@{phase}": max(sum(s["resident"].values()) for s in stats) / GB
+                for role, stats in self._stats().items()}
+
+    def memory_metrics(self) -> dict[str, float]:
+        """verl's ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb`` (the largest over all
+        ranks; on CPU the peak RSS of a rank, the compute device being the host) and ``perf/cpu_memory_used_gb``."""
+        if self.dry or not self.groups:
+            return {}
+        stats = [s for per_role in self._stats().values() for s in per_role]
+        return {"perf/max_memory_allocated_gb": max(s["max_allocated"] for s in stats) / GB,
+                "perf/max_memory_reserved_gb": max(s["max_reserved"] for s in stats) / GB,
+                "perf/cpu_memory_used_gb": max(s["cpu_used"] for s in stats) / GB}
