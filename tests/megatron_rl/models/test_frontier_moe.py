@@ -209,6 +209,7 @@ def test_yarn_rope_equals_hf():
     ("deepseek_v3", dict(rope_parameters=dict(YARN, truncate=False)), "rope_parameters.truncate=False"),
     ("deepseek_v3", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
      "rope_parameters.rope_type='linear' is not supported; allowed: 'default' or 'yarn'"),
+    ("deepseek_v3", dict(topk_method="greedy"), "topk_method='greedy' is not supported; allowed: 'noaux_tc'"),
     ("glm4_moe", dict(hidden_act="gelu"), "glm4_moe: HF config hidden_act='gelu' is not supported"),
     ("glm4_moe", dict(n_group=2, topk_group=2), "topk_group=2 is not supported; allowed: num_experts_per_tok // 2 = 1"),
 ])

