@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "measure_train_step", "DEFAULT_MODEL", "DEFAULT_BATCH"]
+__all__ = ["StorageTracker", "measure_train_step", "measure_offload_phases", "DEFAULT_MODEL", "DEFAULT_BATCH"]
 
 DEFAULT_MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=8,
                      num_query_groups=4, vocab_size=4096, max_position_embeddings=512)
@@ -133,6 +133,51 @@ def measure_train_step(rank: int, world_size: int, layouts: list[dict], model_kw
         del actor
         destroy_mesh(mesh)
     return results
+
+
+def measure_offload_phases(rank: int, world_size: int, model_kw: dict, batch_kw: dict) -> dict[str, dict]:
+    """The actor's colocated phases with every part offloaded outside them (``megatron.param_offload``,
+    ``grad_offload``, ``optimizer_offload`` on): per phase the bytes it keeps resident (``resident``)
+    and the peak of live tensor bytes while the phase computes (``peak``) -- ``gen`` (nothing of the
+    actor), ``actor_log_prob`` (parameters onloaded, forward) and ``actor_update`` (everything)."""
+    from megatron_rl.config import ActorConfig
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.roles import build_role
+    from parallel.config import ParallelConfig
+    from parallel.mesh import destroy_mesh, init_mesh
+
+    torch.manual_seed(0)
+    mesh = init_mesh(ParallelConfig(), seed=1234)
+    cfg = {"ppo_mini_batch_size": batch_kw["batch_size"], "rollout_n": 1,
+           "ppo_micro_batch_size_per_gpu": batch_kw["micro_batch_size"], "use_kl_loss": False,
+           "optim": {"optimizer": "adam", "lr": 1e-4, "clip_grad": 1.0}}
+    actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig.from_dict(cfg))
+    engine = actor.engine
+    batch = _batch(model_kw["vocab_size"], batch_kw["batch_size"], batch_kw["prompt_length"],
+                   batch_kw["response_length"])
+    actor.update_policy(batch)  # warm-up: Adam's state exists from here
+
+    def tracked(fn) -> dict:
+        tracker = StorageTracker()
+        for tensor in _static_tensors(engine):
+            if tensor.untyped_storage().nbytes():  # offloaded storages are empty: not resident
+                tracker.register(tensor)
+        resident = tracker.current
+        if fn is not None:
+            with tracker:
+                fn()
+        return {"resident": resident, "peak": tracker.peak}
+
+    out = {}
+    engine.offload_to_cpu()
+    out["gen"] = tracked(None)
+    engine.load_to_device(params=True, grads=False, optimizer=False)
+    out["actor_log_prob"] = tracked(lambda: actor.compute_log_prob(batch, calculate_entropy=True))  # as the trainer
+    engine.load_to_device()
+    out["actor_update"] = tracked(lambda: actor.update_policy(batch))
+    del actor, engine
+    destroy_mesh(mesh)
+    return out
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,9 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
   MLP (fc1 output, activation, product); a MoE layer saves fp32 router logits/probs and, per
   routed token, ``3 * hidden + 5 * moe_ffn / ETP``. This is Korthikanti et al.'s accounting
   (Reducing Activation Recomputation, 2022) redone for SwiGLU/GQA/MoE layers; full
-  recompute keeps only each layer's input plus one layer's activations;
+  recompute keeps only each layer's input plus one layer's activations; forward only (log-probs,
+  values) keeps a layer's input and output, and one layer's intermediates or the head's logits
+  chunk at a time (scratch);
 * the output head: the actor's fused log-prob path forms ``chunk x vocab/TP`` fp32 logits
   twice (logits and their exp) and a weight-gradient of the output layer in backward,
   never the full ``[tokens, vocab]`` logits.
@@ -148,8 +150,8 @@ def in_flight_chunks(stage: int, pp: int, vpp: Optional[int], num_microbatches: 
 def _stage_activations(m: ModelConfig, stage: int, pp: int, vpp: Optional[int], num_microbatches: int,
                        per_layer: float, layer_input: float, trainable: bool, recompute: Optional[dict]) -> float:
     """Saved activations of one pipeline stage at its fullest."""
-    if not trainable:  # forward only: activations are dropped layer by layer
-        return per_layer + 2 * layer_input
+    if not trainable:  # forward only: a layer's input and output stay; its intermediates are scratch
+        return 2 * layer_input
     chunks = in_flight_chunks(stage, pp, vpp, num_microbatches)
     layers_per_chunk = m.num_layers / pp / (vpp or 1)
     recompute = dict(recompute or {})
@@ -217,7 +219,8 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
     for stage in range(pp):
         acts = _stage_activations(m, stage, pp, vpp, num_microbatches if trainable else 1, per_layer, layer_input,
                                   trainable, recompute)
-        scratch = max(head if stage == pp - 1 else 0, layer_backward)
+        # forward only: one layer's intermediates live at a time, never together with the head's logits
+        scratch = max(head if stage == pp - 1 else 0, layer_backward if trainable else per_layer)
         if acts + scratch > sum(best):
             best = (acts, scratch)
     activations, transient = best
