@@ -33,9 +33,29 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["save_model", "load_model", "is_complete_checkpoint", "verify_dist_checkpoint", "COMPLETE_MARKER",
-           "DiskFullError", "check_free_space", "free_bytes", "is_disk_full", "fmt_bytes", "dir_bytes"]
+           "DiskFullError", "check_free_space", "free_bytes", "is_disk_full", "fmt_bytes", "dir_bytes",
+           "resolve_checkpoint_dir", "TRACKER_FILE"]
 
 COMPLETE_MARKER = "megatron_rl_complete.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's tracker: ``release`` or an iteration number, naming ``release/`` or ``iter_0000042/``."""
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The dist checkpoint directory of ``path``: ``path`` itself, or -- when ``path`` is a Megatron-LM
+    ``--load`` directory (``latest_checkpointed_iteration.txt``) -- the ``release/`` or
+    ``iter_XXXXXXX/`` directory its tracker names, as Megatron-LM's ``get_checkpoint_name`` does."""
+    path = Path(path)
+    tracker = path / TRACKER_FILE
+    if not tracker.is_file():
+        return path
+    text = tracker.read_text().strip()
+    if text == "release":
+        return path / "release"
+    try:
+        return path / f"iter_{int(text):07d}"
+    except ValueError:
+        raise ValueError(f"{tracker}: {text!r} is not an iteration number or 'release'") from None
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -173,7 +193,7 @@ def verify_dist_checkpoint(path: str | os.PathLike) -> list[str]:
     records: the completion marker, Megatron's ``metadata.json`` and ``common.pt``, the index
     ``.metadata`` (every ``.distcp`` file must exist and reach the end of its last tensor) and, when
     the marker says RNG states were saved, ``rng/rank_<r>.pt`` of every rank. Reads no tensor."""
-    path = Path(path)
+    path = resolve_checkpoint_dir(path)
     if not path.is_dir():
         return [f"{path} does not exist"]
     problems = []
@@ -216,15 +236,20 @@ def verify_dist_checkpoint(path: str | os.PathLike) -> list[str]:
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` is a checkpoint whose save finished on every rank."""
-    return (Path(path) / COMPLETE_MARKER).is_file()
+    try:
+        return (resolve_checkpoint_dir(path) / COMPLETE_MARKER).is_file()
+    except ValueError:
+        return False
 
 
 def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, overwrite: bool = False,
-               metadata: Optional[dict] = None, optimizer=None, scheduler=None, save_rng: bool = False) -> Path:
+               metadata: Optional[dict] = None, optimizer=None, scheduler=None, save_rng: bool = False,
+               common: Optional[dict] = None) -> Path:
     """Save the model chunks of every rank to ``path`` atomically; call on all ranks.
 
     With ``optimizer`` (a Megatron optimizer) / ``scheduler`` / ``save_rng`` the checkpoint also
-    holds the training state (module docstring)."""
+    holds the training state (module docstring). ``common``: plain values stored beside the
+    sharded tensors in ``common.pt`` (Megatron-LM reads ``checkpoint_version`` and ``iteration``)."""
     from megatron.core import dist_checkpointing
 
     final = Path(path).resolve()
@@ -237,7 +262,7 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
     if dist.is_initialized():
         dist.barrier()
     try:
-        dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, scheduler), str(tmp))
+        dist_checkpointing.save({**(common or {}), **_sharded_state_dict(chunks, optimizer, scheduler)}, str(tmp))
         if save_rng:
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
@@ -269,7 +294,7 @@ def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, op
     saving world size (a resharded load keeps this run's seeds, with a warning)."""
     from megatron.core import dist_checkpointing
 
-    path = Path(path)
+    path = resolve_checkpoint_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not is_complete_checkpoint(path):

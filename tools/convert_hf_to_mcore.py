@@ -45,6 +45,10 @@ def _parse(argv=None, prog: str = "convert_hf_to_mcore.py") -> argparse.Namespac
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the embedding to a multiple of this x TP (Megatron-LM's default 128)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
+    p.add_argument("--ckpt-layout", choices=("megatron-lm", "flat"), default="megatron-lm",
+                   help="megatron-lm (default): Megatron-LM's --load layout (latest_checkpointed_iteration.txt = "
+                        "release, the dist checkpoint in release/, megatron_args.json beside it); flat: the dist "
+                        "checkpoint files directly in --out-dir (older conversions; both are read back)")
     add_verify_args(p)
     args = p.parse_args(argv)
     for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
@@ -75,6 +79,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
 
     pc = ParallelConfig.from_dict(spec["layout"])
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
+    ckpt = tmp / spec["ckpt_subdir"] if spec["ckpt_subdir"] else tmp
     mesh = init_mesh(pc)
     stages = ["build model", "load HF weights (sliced)", "save dist checkpoint"]
     progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
@@ -89,7 +94,9 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
             progress.stage(stages[2])
             done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
             try:
-                save_model(chunks, tmp, metadata={"family": spec["family"], "layout": spec["layout"]})
+                # checkpoint_version 3.0: Megatron-LM would otherwise treat it as a pre-2.0 checkpoint.
+                save_model(chunks, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
+                           common={"checkpoint_version": 3.0, "iteration": 0})
             finally:
                 done.set()
             logits = None
@@ -99,7 +106,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                     for chunk in chunks:
                         for param in chunk.parameters():
                             param.fill_(float("nan"))
-                load_model(chunks, tmp)
+                load_model(chunks, ckpt)
                 logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"])
     finally:
         destroy_mesh(mesh)
@@ -149,7 +156,8 @@ def _convert(args: argparse.Namespace) -> int:
     with atomic as tmp:
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=architecture, family=family.name,
                     hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtypes=verify_dtypes,
-                    expected_bytes=hf_numel * itemsize)
+                    expected_bytes=hf_numel * itemsize,
+                    ckpt_subdir="release" if args.ckpt_layout == "megatron-lm" else "")
         result = launch(convert_ranks, world, spec, device=device)
         if is_driver():
             copy_files(extra, tmp)
@@ -158,8 +166,16 @@ def _convert(args: argparse.Namespace) -> int:
                             architecture=architecture, dtype=dtype, layout=pc.to_dict(),
                             world_size=world, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                             hf_config=config_dict, hf_tensors=len(names), hf_numel=hf_numel, hf_bytes=hf_bytes,
-                            tokenizer_size=tokenizer_size, side_files=[f.name for f in extra], source=str(hf_dir))
+                            tokenizer_size=tokenizer_size, ckpt_layout=args.ckpt_layout,
+                            side_files=[f.name for f in extra], source=str(hf_dir))
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+            if args.ckpt_layout == "megatron-lm":
+                from megatron_rl.models.gpt import padded_vocab_size
+                from tools.convert_megatron_lm import megatron_lm_args, write_megatron_lm_files
+
+                padded = padded_vocab_size(model_cfg.vocab_size, pc.tensor_model_parallel_size,
+                                           model_cfg.make_vocab_size_divisible_by)
+                write_megatron_lm_files(tmp, out, megatron_lm_args(model_cfg, pc, padded))
             if args.verify:
                 diff = max(check_logits(result["logits"], hf_dir, verify_ids, model_cfg.dtype, lengths,
                                         args.tolerance).values())
