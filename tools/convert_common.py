@@ -328,13 +328,19 @@ class AtomicDir:
     ``commit()`` renames it to ``final`` (replacing an old ``final`` only with ``overwrite``).
     Leaving the block without ``commit()``, or with an exception, removes ``tmp`` and any
     ``.<tmp>.tmp-*`` directory a crashed writer left. Only the driver process touches disk.
+    A conversion killed outright (SIGKILL, the OOM killer) cannot clean up: its temporary
+    directory carries the host and pid of its driver, and the next conversion to the same
+    output removes those whose driver no longer runs on this host (``sweep_stale``).
     """
 
     def __init__(self, final: str | os.PathLike, overwrite: bool):
         self.final = Path(final).resolve()
         self.overwrite = overwrite
-        self.tmp = Path(broadcast_str(str(self.final.parent / f".{self.final.name}.convert-{uuid.uuid4().hex[:8]}")))
+        tag = f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp = Path(broadcast_str(str(self.final.parent / f".{self.final.name}.convert-{tag}")))
         self.committed = False
+        if is_driver():
+            self.sweep_stale()
         self.new_parents = []  # ancestors the writers will create: removed again on failure
         parent = self.final.parent
         while not parent.exists():
@@ -343,6 +349,20 @@ class AtomicDir:
 
     def __enter__(self) -> Path:
         return self.tmp
+
+    def sweep_stale(self) -> list[Path]:
+        """Remove the temporary directories of earlier conversions to ``final`` whose driver process
+        (same host) is gone; returns them."""
+        removed = []
+        prefix = f".{self.final.name}.convert-{_host()}-"
+        if not self.final.parent.is_dir():
+            return removed
+        for leftover in self.final.parent.glob(f"{glob_escape(prefix)}*"):
+            pid = leftover.name[len(prefix):].split("-")[0].split(".")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                shutil.rmtree(leftover, ignore_errors=True)
+                removed.append(leftover)
+        return removed
 
     def commit(self) -> None:
         if not is_driver():
@@ -368,6 +388,29 @@ class AtomicDir:
                 parent.rmdir()
             except OSError:
                 break
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname().replace("-", "_").replace(".", "_")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def glob_escape(text: str) -> str:
+    """``text`` with glob metacharacters escaped."""
+    import glob
+
+    return glob.escape(text)
 
 
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool, *sources: str | os.PathLike) -> Path:
@@ -678,8 +721,31 @@ def apply_fault(weight_map, model_cfg):
 
 
 # ------------------------------------------------------------------------------------------
-# Progress.
+# Progress and the summary line.
 # ------------------------------------------------------------------------------------------
+def max_rss() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_peaks() -> list[int]:
+    """Every rank's peak resident memory (collective; one entry without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [max_rss()]
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, max_rss())
+    return peaks
+
+
+def peak_summary(peaks: list[int]) -> str:
+    """``peak memory 1.2 GiB (2 ranks' max RSS, summed, + this process 0.3 GiB)`` for the done line."""
+    own = max_rss() if not under_torchrun() else 0
+    text = f"peak memory {fmt_bytes(sum(peaks) + own)} ({len(peaks)} ranks' max RSS summed"
+    return text + (f" + this process {fmt_bytes(own)})" if own else ")")
 class Progress:
     """A tqdm bar (stderr, one process only) over a conversion's stages; ``watch`` adds a
     byte counter for a stage that writes files, by polling the sizes under a directory."""
@@ -719,13 +785,16 @@ class Progress:
         if self.bar.disable:
             return done
 
+        began = time.monotonic()
+
         def poll() -> None:
             while not done.wait(0.5):
                 try:
                     written = sum(dir_bytes(p) for p in parent.glob(prefix + "*") if p.is_dir())
                 except OSError:  # a file renamed or removed while we looked
                     continue
-                self.bar.set_postfix_str(f"{fmt_bytes(written)} / ~{fmt_bytes(total)}")
+                rate = written / 2**20 / max(time.monotonic() - began, 1e-3)
+                self.bar.set_postfix_str(f"{fmt_bytes(written)} / ~{fmt_bytes(total)}, {rate:.1f} MB/s")
 
         threading.Thread(target=poll, daemon=True).start()
         return done

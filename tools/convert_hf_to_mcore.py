@@ -30,8 +30,8 @@ if REPO not in sys.path:
 from tools.convert_common import (  # noqa: E402
     DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, apply_fault,
     check_logits, check_output_dir, add_layout_args, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes,
-    is_driver, launch, load_tokenizer, resolve_layout, run_main, side_files, verify_forwards, verify_inputs,
-    verify_settings,
+    is_driver, launch, load_tokenizer, peak_summary, rank_peaks, resolve_layout, run_main, side_files,
+    verify_forwards, verify_inputs, verify_settings,
 )
 
 
@@ -108,9 +108,11 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                             param.fill_(float("nan"))
                 load_model(chunks, ckpt)
                 logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"])
+        peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
-    return {"logits": logits, "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes}
+    return {"logits": logits, "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
+            "peaks": peaks}
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -183,7 +185,7 @@ def _convert(args: argparse.Namespace) -> int:
     if is_driver():
         line = (f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "
                 f"(Megatron dist checkpoint, {fmt_bytes(dir_bytes(out))}) at {layout} on {world} {device} ranks, "
-                f"{dtype}, in {time.perf_counter() - start:.1f} s")
+                f"{dtype}, in {time.perf_counter() - start:.1f} s, {peak_summary(result['peaks'])}")
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 

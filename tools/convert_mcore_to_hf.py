@@ -28,7 +28,8 @@ if REPO not in sys.path:
 from tools.convert_common import (  # noqa: E402
     METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
     check_logits, check_output_dir, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, is_driver,
-    launch, load_tokenizer, resolve_layout, run_main, side_files, verify_forwards, verify_inputs, verify_settings,
+    launch, load_tokenizer, peak_summary, rank_peaks, resolve_layout, run_main, side_files, verify_forwards,
+    verify_inputs, verify_settings,
 )
 
 
@@ -110,10 +111,11 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
                                    spec["hf_config"], mesh=mesh, max_shard_bytes=spec["max_shard_bytes"], stats=stats)
             finally:
                 done.set()
+        peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
     return {"logits": logits, "num_tensors": stats.num_tensors, "bytes": stats.total_bytes,
-            "num_buckets": stats.num_buckets}
+            "num_buckets": stats.num_buckets, "peaks": peaks}
 
 
 def _config_text(meta: dict, mcore_dir: Path) -> str:
@@ -171,7 +173,8 @@ def _convert(args: argparse.Namespace) -> int:
     if is_driver():
         line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors, "
                 f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
-                f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s")
+                f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s, "
+                f"{peak_summary(result['peaks'])}")
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 
