@@ -83,7 +83,9 @@ class WeightSyncExtension:
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
                 fn()
-        names = {n for n, _ in model.named_parameters()}
+        # vLLM's MLA derives W_UK_T / W_UV from kv_b_proj after loading (absorbed decode weights):
+        # no checkpoint tensor names them, and finalize_layerwise_reload recomputes them.
+        names = {n for n, _ in model.named_parameters() if not n.endswith((".W_UK_T", ".W_UV"))}
         return {"num_tensors": state["num_tensors"], "bytes": state["bytes"],
                 "not_loaded": sorted(names - state["loaded"])}
 

@@ -55,11 +55,11 @@ def _actor_step(rank, world_size, par, hf_dir, model_cfg, with_vllm):
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT))
         out["vllm_stale"] = vllm_log_probs(rollout, full)
-        # vLLM's MLA keeps two parameters derived from kv_b_proj (the absorbed W_UK_T / W_UV), which
-        # it recomputes after loading: no checkpoint tensor names them, so the sync would call the
-        # update partial (the log-prob check below shows they were recomputed).
+        # vLLM's MLA keeps two parameters derived from kv_b_proj (the absorbed W_UK_T / W_UV) that it
+        # recomputes after loading: the sync must count the update complete without them (the
+        # log-prob check below shows they were recomputed).
         ActorWeightSync.from_engine(actor.engine, weight_map, mesh=mesh, bucket_megabytes=0.05).sync(
-            rollout, transport="colocated", allow_partial=True)
+            rollout, transport="colocated")
         out["vllm_synced"] = vllm_log_probs(rollout, full)
         out["actor_after"] = actor.compute_log_prob(full)["log_probs"]
         rollout.shutdown()
