@@ -54,6 +54,15 @@ VERIFY_PROMPTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n",
     "Question: what is 12 times 7? Answer:",
 )
+
+
+def skip_init(tensor: torch.Tensor) -> None:
+    """An ``init_method`` that draws nothing (the converters overwrite every value)."""
+
+
+NO_INIT = {"init_method": skip_init, "output_layer_init_method": skip_init}
+"""``build_transformer_config`` overrides for a model whose weights are all loaded: Megatron still
+sets its TP attributes (``perform_initialization=False`` would drop them) but draws no random numbers."""
 _EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
 
 
@@ -654,7 +663,7 @@ def model_in_dtype(chunks, model_cfg, parallel_config, dtype: str):
     if model_cfg.params_dtype == dtype:
         return chunks
     cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
-    copies = build_model(cfg, build_transformer_config(cfg, parallel_config))
+    copies = build_model(cfg, build_transformer_config(cfg, parallel_config, **NO_INIT))
     with torch.no_grad():
         for copy, chunk in zip(copies, chunks):
             source = dict(chunk.named_parameters())

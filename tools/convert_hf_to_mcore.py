@@ -28,7 +28,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tools.convert_common import (  # noqa: E402
-    DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, apply_fault,
+    NO_INIT, DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, apply_fault,
     check_logits, check_output_dir, add_layout_args, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes,
     is_driver, launch, load_tokenizer, peak_summary, rank_peaks, resolve_layout, run_main, side_files,
     verify_forwards, verify_inputs, verify_settings,
@@ -87,7 +87,8 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     try:
         with progress:
             progress.stage(stages[0])
-            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
+            # No random draws: every value is overwritten (init off would also drop the TP attributes).
+            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc, **NO_INIT))
             progress.stage(stages[1])
             weight_map = apply_fault(get_family(spec["architecture"]).weight_map(model_cfg), model_cfg)
             report = load_hf_checkpoint(chunks, weight_map, spec["hf_dir"], mesh=mesh)

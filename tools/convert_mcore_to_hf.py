@@ -26,7 +26,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tools.convert_common import (  # noqa: E402
-    METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
+    NO_INIT, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
     check_logits, check_output_dir, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, is_driver,
     launch, load_tokenizer, peak_summary, rank_peaks, resolve_layout, run_main, side_files, verify_forwards,
     verify_inputs, verify_settings,
@@ -96,7 +96,8 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
     try:
         with progress:
             progress.stage("build model")
-            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
+            # No random draws: the checkpoint overwrites every value.
+            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc, **NO_INIT))
             progress.stage("load dist checkpoint")
             load_model(chunks, spec["mcore_dir"])
             logits = None
