@@ -9,6 +9,10 @@ Each rank reads only the slices of the safetensors it owns (``parallel.bridge``)
 is saved with ``megatron.core.dist_checkpointing`` (loadable at any other layout). Next to it go
 config.json, generation_config.json, the tokenizer files and ``megatron_rl_conversion.json``
 (family, HF config, layout, dtype), so ``convert_mcore_to_hf.py`` needs no other arguments.
+By default the directory is a Megatron-LM ``--load`` directory (``tools/convert_megatron_lm.py``):
+``latest_checkpointed_iteration.txt`` = ``release``, the dist checkpoint in ``release/``, and
+``megatron_args.json`` (the ``pretrain_gpt.py`` arguments); ``--ckpt-layout flat`` puts the dist
+checkpoint files directly in ``--out-dir``.
 The output is built in a hidden sibling directory and renamed into place at the end: an error
 (or a failed ``--verify``) leaves no output directory. ``--verify`` reloads the written
 checkpoint and compares its logits with the HF model's (transformers) on a few fixed prompts.
