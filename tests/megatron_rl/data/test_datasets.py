@@ -62,7 +62,7 @@ def test_toy_rows_are_deterministic_and_correct():
         assert row["reward_model"]["ground_truth"] == str(seq.split().count(head.removeprefix("Count ")))
     for row in toy_rows("toy_copy", 5, seed=5):
         assert row["prompt"][0]["content"] == "Copy: " + row["reward_model"]["ground_truth"]
-    with pytest.raises(ValueError, match="unknown toy task 'toy_sort'; valid names: toy_copy, toy_count, toy_reverse"):
+    with pytest.raises(ValueError, match="unknown toy task 'toy_sort'; valid names: toy_copy, toy_count, toy_multiply, toy_reverse"):
         toy_rows("toy_sort", 3)
     with pytest.raises(ValueError, match="must end in .parquet, .jsonl or .json"):
         make_toy_dataset("toy_copy", 3, path="x.csv")
