@@ -34,6 +34,7 @@ class PhaseRunner:
         self.state = schedule.initial()
         self.history: list[str] = []
         self.actions: list[tuple[str, Transition]] = []
+        self._resident: dict[str, float] = {}  # role -> bytes its fullest rank keeps on device, as last read
 
     def enter(self, name: str, metrics: Optional[dict] = None) -> None:
         """Move the devices into phase ``name``; with ``metrics``, log every role's resident bytes."""
@@ -80,16 +81,28 @@ class PhaseRunner:
         if group is None:
             return
         ray.get([getattr(w, t.action).remote(list(t.parts)) for w in group.workers])
+        self._resident.pop(t.target, None)  # moved: read it again
 
-    def _stats(self) -> dict[str, list[dict]]:
+    def _stats(self, roles: Optional[list[str]] = None) -> dict[str, list[dict]]:
         import ray
 
-        return {role: ray.get([w.memory_stats.remote() for w in group.workers]) for role, group in self.groups.items()}
+        stats = {role: ray.get([w.memory_stats.remote() for w in self.groups[role].workers])
+                 for role in (self.groups if roles is None else roles)}
+        for role, per_rank in stats.items():
+            self._resident[role] = max(sum(s["resident"].values()) for s in per_rank)
+        return stats
 
     def resident_metrics(self, phase: str) -> dict[str, float]:
-        """``memory/<role>/resident_gb@<phase>``: the most a rank of each role keeps on its device."""
-        return {f"memory/{role}/resident_gb@{phase}": max(sum(s["resident"].values()) for s in stats) / GB
-                for role, stats in self._stats().items()}
+        """``memory/<role>/resident_gb@<phase>``: the most a rank of each role keeps on its device.
+
+        Only roles moved since their last reading (or never read) are asked again: a role nothing
+        moved keeps what it had at the last reading (``memory_metrics`` reads every role at the
+        end of each step), so a phase without moves makes no worker call before its own work --
+        a hung worker is then found in the phase's call, where the watchdog names it."""
+        stale = [role for role in self.groups if role not in self._resident]
+        if stale:
+            self._stats(stale)
+        return {f"memory/{role}/resident_gb@{phase}": self._resident[role] / GB for role in self.groups}
 
     def memory_metrics(self) -> dict[str, float]:
         """verl's ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb`` (the largest over all

@@ -183,36 +183,36 @@ class RayPPOTrainer:
 
             metrics.update(balance_batch(batch, self.actor.dp_size))
         phases = self.phases
-        phases.enter("actor_log_prob", metrics)
-        with timer("old_log_prob", timing):
+        with timer("old_log_prob", timing):  # the watchdog names the phase its moves hang in
+            phases.enter("actor_log_prob", metrics)
             metrics.update(self.compute_old_log_prob(batch))
         if self.ref is not None:
-            phases.enter("ref_log_prob", metrics)
             with timer("ref", timing):
+                phases.enter("ref_log_prob", metrics)
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
                 batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature,
                                                                   micro_batch_size=micro)["log_probs"]
         if self.teacher is not None:
-            phases.enter("teacher_log_prob", metrics)
             with timer("teacher", timing):
+                phases.enter("teacher_log_prob", metrics)
                 self.compute_teacher_log_probs(batch)
         if self.critic is not None:
-            phases.enter("critic_values", metrics)
             with timer("values", timing):
+                phases.enter("critic_values", metrics)
                 batch["values"] = self.critic.compute_values(batch)["values"]
         with timer("adv", timing):
             metrics.update(self.compute_advantage(batch))
         if self.critic is not None:
-            phases.enter("critic_update", metrics)
             with timer("update_critic", timing):
+                phases.enter("critic_update", metrics)
                 metrics.update(self.critic.update_critic(batch))
         if self.global_steps > self.config.trainer.critic_warmup:
-            phases.enter("actor_update", metrics)
             with timer("update_actor", timing):
+                phases.enter("actor_update", metrics)
                 distill = {} if self.distillation_loss is None else {"distillation_loss": self.distillation_loss}
                 metrics.update(self.actor.update_policy(batch, temperature=self.temperature, **distill))
-            phases.enter("weight_sync", metrics)
             with timer("update_weights", timing):
+                phases.enter("weight_sync", metrics)
                 metrics.update(self.sync_weights())
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
