@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = ["INLINE_FAMILIES", "MEGATRON_OPTIONS", "hf_config_kwargs", "megatron_overrides", "materialize_inline_model",
-           "sft_warmup", "task_texts"]
+           "sft_train", "sft_warmup", "task_texts"]
 
 INLINE_FAMILIES = ("qwen3",)
 """Families an inline model can be materialised as."""
@@ -109,15 +109,77 @@ def materialize_inline_model(path: str | Path, model_cfg: Any, family: str, text
     return {"path": str(path), "tokenizer": tokenizer, "config": config}
 
 
-def _sft_examples(tokenizer, rows: Sequence[dict]) -> list[tuple[list[int], int]]:
-    """``(token ids, prompt length)`` per row: chat prompt + answer + eos."""
+def _sft_examples(tokenizer, rows: Sequence[dict]) -> list[tuple[list[int], list[int]]]:
+    """``(token ids, loss mask)`` per row: chat prompt + answer + eos, the loss on answer + eos."""
     out = []
     for row in rows:
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         p_ids = tokenizer.encode(prompt, add_special_tokens=False)
         a_ids = tokenizer.encode(str(row["extra_info"]["answer"]), add_special_tokens=False)
-        out.append((p_ids + a_ids + [tokenizer.eos_token_id], len(p_ids)))
+        out.append((p_ids + a_ids + [tokenizer.eos_token_id], [0] * len(p_ids) + [1] * (len(a_ids) + 1)))
     return out
+
+
+def sft_train(model_dir: str | Path, out_dir: str | Path, examples: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              steps: int, batch_size: int, lr: float, seed: int, warmup_ratio: float = 0.1,
+              log: Optional[list] = None, record: Optional[dict] = None, num_threads: Optional[int] = None) -> Path:
+    """Train the HF model in ``model_dir`` for ``steps`` AdamW steps on ``(ids, loss_mask)`` examples;
+    save it (with its tokenizer and generation config) to ``out_dir`` and return that path.
+
+    Each step draws ``batch_size`` examples with replacement (``seed``), right-pads them and takes
+    the mean cross-entropy over the tokens whose mask is 1; the lr warms up linearly over
+    ``warmup_ratio`` of the steps, then decays on a cosine; gradients are clipped to norm 1.
+    ``log`` (a list) receives the loss per step; ``sft_warmup.json`` records the settings, the
+    losses and ``record``. ``num_threads`` sets torch's intra-op threads for the duration (None:
+    unchanged -- a different count changes the float sums, so runs compare only at the same one).
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warm = max(1, int(warmup_ratio * steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
+    pad = tokenizer.pad_token_id
+    threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        for _ in range(steps):
+            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+            width = max(len(ids) for ids, _ in batch)
+            input_ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [b, s], right-padded
+            labels = torch.full((batch_size, width), -100, dtype=torch.long)
+            attention = torch.zeros((batch_size, width), dtype=torch.long)
+            for r, (ids, mask) in enumerate(batch):
+                row = torch.tensor(ids)
+                input_ids[r, :len(ids)] = row
+                labels[r, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
+                attention[r, :len(ids)] = 1
+            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if log is not None:
+                log.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    if (model_dir / "generation_config.json").exists():
+        shutil.copy(model_dir / "generation_config.json", out_dir / "generation_config.json")
+    (out_dir / "sft_warmup.json").write_text(json.dumps({"steps": steps, "batch_size": batch_size, "lr": lr,
+                                                         **(record or {}), "losses": log}))
+    return out_dir
 
 
 def sft_warmup(model_dir: str | Path, out_dir: str | Path, rows: Sequence[dict], *, steps: int,
@@ -127,52 +189,15 @@ def sft_warmup(model_dir: str | Path, out_dir: str | Path, rows: Sequence[dict],
     it (with the tokenizer files) to ``out_dir`` and return that path.
 
     Loss: mean cross-entropy over the answer tokens and the closing eos (prompt tokens are
-    masked), cosine-decayed ``lr`` after a linear warm-up. ``log`` (a list) receives the loss
-    per step.
+    masked), cosine-decayed ``lr`` after a linear warm-up (``sft_train``). ``log`` (a list)
+    receives the loss per step.
     """
-    import shutil
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if steps < 1:
         raise ValueError(f"sft_warmup: steps={steps} must be >= 1")
     if not rows:
         raise ValueError("sft_warmup: rows is empty")
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.train()
-    examples = _sft_examples(tokenizer, rows)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, int(warmup_ratio * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
-    pad = tokenizer.pad_token_id
-    for _ in range(steps):
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        batch = [examples[i] for i in idx]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [b, s], right-padded
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for r, (ids, plen) in enumerate(batch):
-            input_ids[r, :len(ids)] = torch.tensor(ids)
-            labels[r, plen:len(ids)] = torch.tensor(ids[plen:])  # answer + eos only
-            attention[r, :len(ids)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log is not None:
-            log.append(loss.item())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
-    if (model_dir / "generation_config.json").exists():
-        shutil.copy(model_dir / "generation_config.json", out_dir / "generation_config.json")
-    (out_dir / "sft_warmup.json").write_text(json.dumps({"steps": steps, "batch_size": batch_size, "lr": lr,
-                                                         "losses": log if log is not None else None}))
-    return out_dir
+    examples = _sft_examples(AutoTokenizer.from_pretrained(str(model_dir)), rows)
+    return sft_train(model_dir, out_dir, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                     warmup_ratio=warmup_ratio, log=log)

@@ -14,14 +14,10 @@ then cover the tool-call syntax and the tools' system block); ``agent_sft_warmup
 
 from __future__ import annotations
 
-import json
-import math
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
 
 from megatron_rl.data.agent_tasks import AGENT_DEMOS, DEMO_TOOL_FRACTION
 from megatron_rl.rollout.agent.chat import TOOL_CHATML_TEMPLATE, ChatFormat
@@ -112,61 +108,20 @@ def agent_sft_warmup(model_dir: str | Path, out_dir: str | Path, task: str, rows
     Loss: mean cross-entropy over the model-turn tokens (eos included), cosine-decayed ``lr``
     after a linear warm-up, as ``megatron_rl.models.tiny.sft_warmup``; ``log`` receives the losses.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from megatron_rl.models.tiny import sft_train
 
     if steps < 1:
         raise ValueError(f"agent_sft_warmup: steps={steps} must be >= 1")
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tools = load_tools(tool_config_path)
     chat = ChatFormat(tokenizer, [t.tool_schema.to_openai() for t in tools.values()] or None, chat_template)
     convs = demonstrations(task, rows, seed, tool_names=list(tools))
     examples = agent_sft_examples(chat, convs, [len(r["prompt"]) for r in rows])
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.train()
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, int(warmup_ratio * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
-    pad = tokenizer.pad_token_id
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from more threads; on a busy machine they cost ~5x
-    try:
-        _train(model, opt, sched, examples, steps, batch_size, pad, gen, log)
-    finally:
-        torch.set_num_threads(threads)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
-    if (model_dir / "generation_config.json").exists():
-        shutil.copy(model_dir / "generation_config.json", out_dir / "generation_config.json")
-    (out_dir / "sft_warmup.json").write_text(json.dumps({"steps": steps, "batch_size": batch_size, "lr": lr,
-                                                         "task": task, "losses": log}))
-    return out_dir
-
-
-def _train(model, opt, sched, examples, steps: int, batch_size: int, pad: int, gen, log) -> None:
-    """``steps`` optimizer steps on random batches of ``(ids, loss_mask)`` examples."""
-    for _ in range(steps):
-        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), pad, dtype=torch.long)  # [b, s], right-padded
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for r, (ids, mask) in enumerate(batch):
-            row = torch.tensor(ids)
-            input_ids[r, :len(ids)] = row
-            labels[r, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
-            attention[r, :len(ids)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log is not None:
-            log.append(loss.item())
+    # One thread: a tiny model gains nothing from more; on a busy machine they cost ~5x.
+    return sft_train(model_dir, out_dir, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                     warmup_ratio=warmup_ratio, log=log, record={"task": task}, num_threads=1)
 
 
 # -- the main job's entry points (megatron_rl.job.prepare) ----------------------------------------
