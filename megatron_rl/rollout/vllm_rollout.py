@@ -138,6 +138,17 @@ def prompt_token_ids(prompts: Any) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- the worker
+def _file_store_path(llm) -> str | None:
+    """The rendezvous file of an in-process engine's worker (vLLM's uniprocess executor uses a
+    ``file://$TMPDIR/vllm_dist_<hex>`` init method and never removes the file), or None."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    executor = getattr(getattr(core, "engine_core", None), "model_executor", None)
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    method = getattr(worker, "distributed_init_method", None) or ""
+    path = method[len("file://"):] if method.startswith("file://") else ""
+    return path if os.path.basename(path).startswith("vllm_dist_") else None
+
+
 class VLLMRollout:
     """A ``vllm.LLM`` engine that returns verl-layout rollout batches and takes weight syncs.
 
@@ -162,6 +173,7 @@ class VLLMRollout:
         self._world = EngineWorld(isolate=cfg.in_process_engine)  # an engine core elsewhere needs none
         with _env(**env), self._world.engine():
             self.llm = LLM(**self._engine_kwargs(model_path, tokenizer_path))
+            self._store_file = _file_store_path(self.llm)  # vLLM's rendezvous file, removed at shutdown
         tokenizer = self.llm.get_tokenizer()
         if pad_token_id is None:
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -457,3 +469,6 @@ class VLLMRollout:
             if core is not None and self.config.in_process_engine:
                 core.shutdown()
         del llm
+        if self._store_file is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._store_file)

@@ -8,6 +8,7 @@ come from HF ``Qwen3ForCausalLM`` in float32 holding the same weights. Log-prob 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -250,3 +251,14 @@ def test_partial_weight_sync_is_refused_unless_allowed(rollout, models):
     assert rollout.generate([prompt], validate=True)["responses"][0].tolist() == hf_greedy(m0["hf"], prompt, RESPONSE_LEN)
     with pytest.raises(ValueError, match=r"transport='nccl' is not allowed"):
         rollout.update_weights(subset, transport="nccl")
+
+
+def test_shutdown_removes_the_engines_rendezvous_file(models):
+    """vLLM's in-process worker rendezvous through a ``$TMPDIR/vllm_dist_<hex>`` file it never
+    removes; ``shutdown`` does (one file per engine start would pile up in /tmp)."""
+    engine = VLLMRollout(models[0]["path"], RolloutConfig(prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
+                                                          kv_cache_space_gib=1))
+    store = engine._store_file
+    assert store is not None and os.path.basename(store).startswith("vllm_dist_") and os.path.exists(store)
+    engine.shutdown()
+    assert not os.path.exists(store)
