@@ -2,6 +2,11 @@
 
     python tools/bench_convert.py --hf-dir Qwen3-0.6B --tp 2          # a real checkpoint
     python tools/bench_convert.py --smoke                             # a tiny Qwen3, built here
+    python tools/bench_convert.py --synth qwen3-30b-a3b --layers 2 --tp 2 --work-dir /tmp/17   # real shapes
+
+``--synth NAME`` writes a checkpoint with the real shapes of ``NAME`` (``SYNTH_CONFIGS``; fewer
+layers with ``--layers``) and random bf16 weights, straight into safetensors shards (no HF model is
+built: names and shapes come from a meta-device one), with a small byte-level tokenizer.
 
 In one run: (1) the floor -- every safetensors file of ``--hf-dir`` read whole and written again
 with ``safetensors.torch.save_file`` (page cache warm for both); (2) the conversion without
@@ -25,6 +30,64 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+              num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+              tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              dtype="bfloat16")
+SYNTH_CONFIGS = {
+    "qwen3-0.6b": _QWEN3,
+    "qwen3-30b-a3b": dict(_QWEN3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          tie_word_embeddings=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+}
+"""config.json of the models ``--synth`` imitates (the hub configs' shapes)."""
+
+
+def synth_checkpoint(path: Path, name: str, layers: int | None, shard_bytes: int = 2**30) -> Path:
+    """Write an HF checkpoint with ``name``'s shapes (``layers`` decoder layers) and random bf16
+    weights (matrices ~ N(0, 0.02^2), norms ~ N(1, 0.02^2)) into ``path``; returns ``path``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_rl.data.tokenizer import train_byte_bpe_tokenizer
+    from megatron_rl.models.families import load_hf_config
+
+    path.mkdir(parents=True)
+    tokenizer = train_byte_bpe_tokenizer(None, 300, path)
+    data = dict(SYNTH_CONFIGS[name], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if layers:
+        data["num_hidden_layers"] = layers
+    config = load_hf_config(data)
+    config.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        str(path))
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    gen = torch.Generator().manual_seed(0)
+    shards, current, size = [], {}, 0
+    for n, shape in shapes.items():
+        mean = 1.0 if len(shape) == 1 and "norm" in n else 0.0
+        current[n] = (torch.randn(shape, generator=gen) * 0.02 + mean).to(torch.bfloat16)
+        size += current[n].numel() * 2
+        if size >= shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+    if current:
+        shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in shard})
+    total = sum(t.numel() * 2 for s in shards for t in s.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return path
 
 
 def _tree_memory(pid: int) -> int:
@@ -100,10 +163,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hf-dir", help="HF checkpoint to convert (not needed with --smoke)")
     p.add_argument("--smoke", action="store_true", help="build a tiny Qwen3 checkpoint here and benchmark it")
+    p.add_argument("--synth", choices=sorted(SYNTH_CONFIGS), help="write a checkpoint with these real shapes here")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the --synth checkpoint")
     p.add_argument("--work-dir", help="where outputs go (default: a temporary directory, removed)")
     args, convert_args = p.parse_known_args(argv)
-    if not args.smoke and not args.hf_dir:
-        p.error("give --hf-dir or --smoke")
+    if sum(map(bool, (args.smoke, args.hf_dir, args.synth))) != 1:
+        p.error("give one of --hf-dir, --smoke or --synth")
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         work = Path(tmp)
         if args.smoke:
@@ -111,6 +176,8 @@ def main(argv=None) -> int:
             from megatron_rl.models.testing import build_tiny_hf_checkpoint
 
             hf_dir = build_tiny_hf_checkpoint(work / "hf", "qwen3")["path"]
+        elif args.synth:
+            hf_dir = synth_checkpoint(work / "hf", args.synth, args.layers)
         else:
             hf_dir = Path(args.hf_dir).resolve()
         (work / "floor").mkdir()

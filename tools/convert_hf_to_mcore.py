@@ -32,11 +32,13 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tools.convert_common import (  # noqa: E402
-    NO_INIT, DTYPES, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_verify_args, apply_fault,
-    check_logits, check_output_dir, add_layout_args, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes,
-    is_driver, launch, load_tokenizer, peak_summary, rank_peaks, resolve_layout, run_main, side_files,
-    verify_forwards, verify_inputs, verify_settings,
+    DTYPES, METADATA_FILE, METADATA_VERSION, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
+    fmt_bytes, load_tokenizer, run_main, side_files,
 )
+from tools.convert_fault import apply_fault  # noqa: E402
+from tools.convert_launch import add_layout_args, is_driver, launch, prestart, resolve_layout  # noqa: E402
+from tools.convert_output import AtomicDir, Progress, check_output_dir, peak_summary, rank_peaks  # noqa: E402
+from tools.convert_verify import add_verify_args, check_logits, verify_forwards, verify_inputs, verify_settings  # noqa: E402
 
 
 def _parse(argv=None, prog: str = "convert_hf_to_mcore.py") -> argparse.Namespace:
@@ -75,11 +77,11 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     import torch
 
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.gpt import build_model, build_transformer_config
     from parallel.bridge import load_hf_checkpoint
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
+    from tools.convert_stream import build_empty_model
 
     pc = ParallelConfig.from_dict(spec["layout"])
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
@@ -91,13 +93,14 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     try:
         with progress:
             progress.stage(stages[0])
-            # No random draws: every value is overwritten (init off would also drop the TP attributes).
-            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc, **NO_INIT))
+            # On the meta device, then empty CPU storage: no init, no float32 master weights; the
+            # loader reads every shard straight into it.
+            chunks = build_empty_model(model_cfg, pc)
             progress.stage(stages[1])
             weight_map = apply_fault(get_family(spec["architecture"]).weight_map(model_cfg), model_cfg)
             report = load_hf_checkpoint(chunks, weight_map, spec["hf_dir"], mesh=mesh)
             progress.stage(stages[2])
-            done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
+            done = progress.watch(tmp, spec["expected_bytes"])
             try:
                 # checkpoint_version 3.0: Megatron-LM would otherwise treat it as a pre-2.0 checkpoint.
                 save_model(chunks, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
@@ -112,7 +115,8 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                         for param in chunk.parameters():
                             param.fill_(float("nan"))
                 load_model(chunks, ckpt)
-                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"])
+                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"],
+                                         release=True)
         peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
@@ -122,6 +126,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
 
 def _convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    prestart(args.device)  # the ranks' fork server imports Megatron while we check the inputs
     import torch
 
     import megatron_rl

@@ -26,11 +26,12 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tools.convert_common import (  # noqa: E402
-    NO_INIT, METADATA_FILE, METADATA_VERSION, AtomicDir, Progress, ToolError, add_layout_args, add_verify_args,
-    check_logits, check_output_dir, check_tokenizer, copy_files, dir_bytes, ensure_space, fmt_bytes, is_driver,
-    launch, load_tokenizer, peak_summary, rank_peaks, resolve_layout, run_main, side_files, verify_forwards,
-    verify_inputs, verify_settings,
+    METADATA_FILE, METADATA_VERSION, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
+    fmt_bytes, load_tokenizer, run_main, side_files,
 )
+from tools.convert_launch import add_layout_args, is_driver, launch, prestart, resolve_layout  # noqa: E402
+from tools.convert_output import AtomicDir, Progress, check_output_dir, peak_summary, rank_peaks  # noqa: E402
+from tools.convert_verify import add_verify_args, check_logits, verify_forwards, verify_inputs, verify_settings  # noqa: E402
 
 
 def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespace:
@@ -79,39 +80,40 @@ def read_metadata(mcore_dir: Path) -> dict:
 
 
 def export_ranks(rank: int, world: int, spec: dict) -> dict:
-    """One rank: build the model at the layout, load the dist checkpoint, (verify: logits on
-    rank 0), stream the HF safetensors into ``spec["tmp"]`` (rank 0 writes)."""
+    """One rank: build the model at the layout (empty storage), load the dist checkpoint into it,
+    stream the HF safetensors into ``spec["tmp"]`` (rank 0 writes), then (verify) logits on rank 0."""
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.gpt import build_model, build_transformer_config
     from parallel.bridge import ExportStats, save_hf_checkpoint
     from parallel.checkpoint import load_model
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
+    from tools.convert_stream import build_empty_model
 
     pc = ParallelConfig.from_dict(spec["layout"])
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
     mesh = init_mesh(pc)
-    stages = ["build model", "load dist checkpoint"] + (["verify: forward"] if spec["verify_ids"] is not None else [])
-    progress = Progress(stages + ["export HF safetensors"], enabled=rank == 0)
+    stages = ["build model", "load dist checkpoint", "export HF safetensors"]
+    progress = Progress(stages + (["verify: forward"] if spec["verify_ids"] is not None else []), enabled=rank == 0)
     try:
         with progress:
             progress.stage("build model")
-            # No random draws: the checkpoint overwrites every value.
-            chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc, **NO_INIT))
+            # On the meta device, then empty CPU storage that the checkpoint fills (no init, no copy).
+            chunks = build_empty_model(model_cfg, pc)
             progress.stage("load dist checkpoint")
             load_model(chunks, spec["mcore_dir"])
-            logits = None
-            if spec["verify_ids"] is not None:
-                progress.stage("verify: forward")
-                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"])
             progress.stage("export HF safetensors")
             stats = ExportStats()
-            done = progress.watch(tmp.parent, f".{tmp.name}", spec["expected_bytes"])
+            done = progress.watch(tmp, spec["expected_bytes"])
             try:
                 save_hf_checkpoint(chunks, get_family(spec["architecture"]).weight_map(model_cfg), tmp,
                                    spec["hf_config"], mesh=mesh, max_shard_bytes=spec["max_shard_bytes"], stats=stats)
             finally:
                 done.set()
+            logits = None
+            if spec["verify_ids"] is not None:  # after the export: it may give the model up as it goes
+                progress.stage("verify: forward")
+                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"],
+                                         release=True)
         peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
@@ -133,6 +135,7 @@ def _config_text(meta: dict, mcore_dir: Path) -> str:
 
 def _convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    prestart(args.device)  # the ranks' fork server imports Megatron while we check the inputs
     import torch
 
     from megatron_rl.models.families import get_family

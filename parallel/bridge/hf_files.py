@@ -71,6 +71,7 @@ class HFCheckpointReader:
                                     f"{self.path}: {missing}")
         self._stack = contextlib.ExitStack()
         self._files: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}
         try:
             for f in files:
                 try:
@@ -85,6 +86,11 @@ class HFCheckpointReader:
                 absent = sorted(listed - set(handle.keys()))
                 if absent:
                     raise ValueError(f"{index}: lists {absent[:5]} in {f}, which does not contain them")
+            self._layout = {f: _data_layout(self.path / f) for f in files}
+            for f in files:
+                fd = os.open(self.path / f, os.O_RDONLY)
+                self._stack.callback(os.close, fd)
+                self._fds[f] = fd
         except BaseException:
             self._stack.close()
             raise
@@ -116,15 +122,82 @@ class HFCheckpointReader:
         dtype = self._files[self._where[name]].get_slice(name).get_dtype()
         return math.prod(self.shape(name)) * _ST_ITEM_BYTES.get(dtype, 1)
 
-    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """Tensor ``name``, or only indices [start, stop) along ``dim``."""
-        sl = self._files[self._where[name]].get_slice(name)
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of tensor ``name`` in the file (no data read)."""
+        return self._layout[self._where[name]][name][0]
+
+    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None, *,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tensor ``name``, or only indices [start, stop) along ``dim``; into ``out`` when given (a
+        contiguous CPU tensor of that shape and the file's dtype), else a new tensor.
+
+        Read with ``pread`` into a tensor that owns its memory: no page of the file is mapped into
+        this process (a memory-mapped read would keep every page it touched resident beside the
+        copy), and a row range along the first non-trivial dimension is one read straight into
+        the result. A slice along a later dimension reads blocks of whole rows (at most
+        ``_BLOCK_BYTES`` at a time) and keeps the wanted columns."""
+        f = self._where[name]
+        dtype, shape, begin = self._layout[f][name]
+        shape = list(shape)
+        if dim is not None:
+            stop = shape[dim] if stop is None else min(stop, shape[dim])
+            start = min(max(start, 0), stop)
+        want = shape if dim is None else shape[:dim] + [stop - start] + shape[dim + 1:]
+        if out is None:
+            out = torch.empty(want, dtype=dtype)
+        elif list(out.shape) != want or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"reading {name!r} {want} {dtype} into a {list(out.shape)} {out.dtype} "
+                             f"{'contiguous' if out.is_contiguous() else 'strided'} {out.device} tensor")
         if dim is None:
-            out = sl[:]
+            _pread_into(self._fds[f], out, begin)
+        elif all(n == 1 for n in shape[:dim]):
+            _pread_into(self._fds[f], out, begin + start * math.prod(shape[dim + 1:]) * out.element_size())
         else:
-            out = sl[(slice(None),) * dim + (slice(start, stop),)]
+            outer, size, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+            flat = out.view(outer, stop - start, inner)
+            item = out.element_size()
+            per = max(1, _BLOCK_BYTES // max(1, size * inner * item))
+            block = torch.empty(min(per, outer), size, inner, dtype=dtype)
+            for row in range(0, outer, per):
+                n = min(per, outer - row)
+                _pread_into(self._fds[f], block[:n], begin + row * size * inner * item)
+                flat[row: row + n] = block[:n, start:stop]
+            del block
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+
+_BLOCK_BYTES = 64 * 2**20
+"""Largest temporary buffer of a column-sliced read."""
+_ST_TORCH = {v: k for k, v in ST_DTYPES.items()}
+
+
+def _data_layout(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    """{tensor name: (dtype, shape, absolute byte offset of its data)} from a safetensors header."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _ST_TORCH:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which this reader does not read")
+        out[name] = (_ST_TORCH[entry["dtype"]], tuple(entry["shape"]), 8 + length + int(entry["data_offsets"][0]))
+    return out
+
+
+def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous tensor ``out`` with the bytes of ``fd`` at ``offset``."""
+    if out.numel() == 0:
+        return
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"unexpected end of file reading {len(view)} bytes at offset {offset}")
+        done += n
 
 
 class SafetensorsStreamWriter:

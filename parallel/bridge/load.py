@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -22,36 +22,36 @@ class LoadReport:
     checkpoint_bytes: int
 
 
-def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap) -> torch.Tensor:
-    """This rank's shard of ``p`` assembled from slices of the HF tensors."""
+def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's shard of ``p`` assembled from slices of the HF tensors, read into ``out`` when
+    given (contiguous, ``p``'s shape and the file's dtype: each slice lands in place, no copy)."""
     shape, k = tuple(p.tensor.shape), p.shard
     names, t = p.hf_names, p.rule.transform
     if t == "copy":
         if p.partition_dim is None:
-            return reader.read(names[0])
+            return reader.read(names[0], out=out)
         size = shape[p.partition_dim]
-        return reader.read(names[0], p.partition_dim, k * size, (k + 1) * size)
-    dtype = None
-    out = None
+        return reader.read(names[0], p.partition_dim, k * size, (k + 1) * size, out=out)
     if t == "vocab":
         rows = shape[0]
         start, stop = k * rows, min((k + 1) * rows, wm.vocab_size)
-        part = reader.read(names[0], 0, start, stop) if stop > start else None
-        dtype = part.dtype if part is not None else p.tensor.dtype
-        out = torch.zeros(shape, dtype=dtype)
-        if part is not None:
-            out[: stop - start] = part
+        if out is None:
+            out = torch.empty(shape, dtype=reader.dtype(names[0]))
+        if stop > start:
+            reader.read(names[0], 0, start, stop, out=out[: stop - start])
+        out[max(stop - start, 0):] = 0
         return out
+    if out is None:
+        out = torch.empty(shape, dtype=reader.dtype(names[0]))
     if t == "gate_up":
         half = shape[0] // 2
-        return torch.cat([reader.read(names[i], 0, k * half, (k + 1) * half) for i in (0, 1)])
-    rows = shape[0]  # qkv
-    start = k * rows
-    pieces = [(row - start, reader.read(names[which], 0, hf_row, hf_row + length))
-              for which, hf_row, row, length in qkv_runs(start, start + rows, wm)]
-    out = torch.empty(shape, dtype=pieces[0][1].dtype)
-    for offset, piece in pieces:
-        out[offset: offset + piece.shape[0]] = piece
+        for i in (0, 1):
+            reader.read(names[i], 0, k * half, (k + 1) * half, out=out[i * half: (i + 1) * half])
+        return out
+    start = k * shape[0]  # qkv: runs of rows of q, k and v
+    for which, hf_row, row, length in qkv_runs(start, start + shape[0], wm):
+        reader.read(names[which], 0, hf_row, hf_row + length, out=out[row - start: row - start + length])
     return out
 
 
@@ -59,7 +59,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                        mesh=None, ignore: Sequence[str] = ()) -> LoadReport:
     """Load HF safetensors from ``hf_dir`` into this rank's model chunks; call on all ranks.
 
-    Each rank reads only the rows/columns of its own shards. ``ignore`` holds regexes of global
+    Each rank reads only the rows/columns of its own shards. A contiguous CPU parameter of the file's
+    dtype is read into in place (``pread``, no temporary); others get a temporary shard copied in. ``ignore`` holds regexes of global
     Megatron names to leave untouched (a critic's value head: ``("output_layer\\.",)``).
     Raises on every rank alike: ``FileNotFoundError`` for a missing directory or shard files,
     ``ValueError`` for a corrupt file, an HF tensor whose shape disagrees with the model (both
@@ -99,7 +100,12 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                     errors.extend(f"HF tensor {n!r} has shape {list(got)} but the model config expects {list(e)} "
                                   f"(Megatron parameter {p.global_name!r})" for n, got, e in bad)
                     continue
-                p.tensor.data.copy_(_read_shard(reader, p, weight_map))
+                target = p.tensor.data
+                if (target.device.type == "cpu" and target.is_contiguous()
+                        and all(reader.dtype(n) == target.dtype for n in p.hf_names)):
+                    _read_shard(reader, p, weight_map, out=target)  # straight into the parameter
+                else:  # another dtype or device: one shard in flight, then copied
+                    target.copy_(_read_shard(reader, p, weight_map))
         if missing:
             errors.append(f"{reader.path}: the model needs HF tensors the checkpoint lacks: {sorted(set(missing))[:10]}"
                           + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else ""))

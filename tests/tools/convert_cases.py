@@ -24,7 +24,7 @@ def main() -> None:
     """Run the cases named in ``sys.argv[1]`` one after another."""
     from parallel.testing import find_free_port
     from tools import convert_hf_to_mcore, convert_mcore_to_hf
-    from tools.convert_common import quiet_warnings
+    from tools.convert_launch import quiet_warnings
 
     quiet_warnings()
     tools = {"hf-to-mcore": convert_hf_to_mcore.main, "mcore-to-hf": convert_mcore_to_hf.main}
