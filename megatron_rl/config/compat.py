@@ -76,7 +76,7 @@ INERT_KEYS: dict[str, str] = {
     "|*.megatron.forward_only|*.hybrid_engine|*.nccl_timeout":
         "DDP, the model build and which roles train are fixed by the role (model options go in model.override_config); "
         "actor and rollout always share the devices",
-    "*.rollout.mode|*.rollout.nnodes|*.rollout.n_gpus_per_node|*.rollout.data_parallel_size|*.rollout.expert_parallel_size"
+    "*.rollout.mode|*.rollout.data_parallel_size|*.rollout.expert_parallel_size"
     "|*.rollout.pipeline_model_parallel_size"
     "|*.rollout.cudagraph_capture_sizes|*.rollout.scheduling_policy|*.rollout.layered_summon|*.rollout.full_determinism"
     "|*.rollout.over_sample_rate|*.rollout.multi_stage_wake_up|*.rollout.router_config_path|*.rollout.skip_tokenizer_init"
@@ -84,7 +84,8 @@ INERT_KEYS: dict[str, str] = {
     "|*.rollout.disaggregation.*|*.rollout.checkpoint_engine.engine_kwargs"
     "|*.rollout.checkpoint_engine.custom_backend_module|*.ref.log_prob_micro_batch_size|*.ref.rollout_n"
     "|*.ppo_infer_micro_batch_size_per_gpu|*.ppo_infer_max_token_len_per_gpu":
-        "one colocated in-process vLLM engine per run (rollout.tensor_model_parallel_size sets its TP); verl's "
+        "one in-process vLLM engine per run, colocated or on its own resources (rollout.nnodes / n_gpus_per_node; "
+        "rollout.tensor_model_parallel_size sets its TP); verl's "
         "server, disaggregation and engine-pool options, and its separate old-log-prob micro-batch and token "
         "budget (the actor's training ones are used), have no counterpart",
     "*.rollout.multi_turn.function_tool_path|*.rollout.multi_turn.use_inference_chat_template"
@@ -105,8 +106,14 @@ INERT_KEYS: dict[str, str] = {
         "verl's dataset-class and loader options are not used",
     "*.use_rollout_log_probs": "the rollout's log-probs replace the old ones in bypass mode: set "
                                "algorithm.rollout_correction.bypass_mode=True",
-    "trainer.use_v1|trainer.v1.*":
-        "one synchronous colocated trainer (verl's v1 'sync' mode); the asynchronous v1 modes are not implemented",
+    "trainer.use_v1": "the V1 loop is always the one that runs; trainer.v1.trainer_mode picks sync / colocate_async "
+                      "/ separate_async (megatron_rl.config.v1)",
+    "trainer.v1.sync|trainer.v1.sampler.sync_refill_failed_groups":
+        "sync mode has no options here and a failed reward skips the whole step (trainer.max_consecutive_skipped_steps)",
+    "trainer.v1.separate_async.hybrid_rollout.*":
+        "switching idle trainer devices to rollout is not implemented: the separate rollout keeps its own resources",
+    "trainer.v1.sampler.custom_sampler.*|trainer.v1.sampler.sampler_kwargs":
+        "the replay buffer's sampler is fixed (megatron_rl.trainer.replay_buffer: FIFO with the staleness bound)",
 }
 """Dotted-path pattern -> why the key has no effect (shown in the warning)."""
 

@@ -178,6 +178,11 @@ class RolloutConfig(BaseConfig):
     """``auto`` loads the checkpoint; ``dummy`` starts from random weights (first sync fills them)."""
     seed: int = 42
     """Engine seed."""
+    nnodes: int = 0
+    """Nodes of the rollout's own resources; 0 = colocated with the trainer (verl's default). With
+    ``trainer.v1.trainer_mode=separate_async``: >= 1 (on CPU: 1, the rollout's own process)."""
+    n_gpus_per_node: int = 1
+    """Devices per rollout node when ``nnodes`` >= 1 (on CPU: the CPUs given to the rollout's process)."""
     in_process_engine: bool = True
     """Run the engine core in this process (fast start; required by ``colocated`` sync)."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)

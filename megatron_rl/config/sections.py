@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import field
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from megatron_rl.config.algorithm import ActorConfig, CriticConfig
@@ -19,6 +20,7 @@ from megatron_rl.config.base import BaseConfig, check_choice, check_range
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.distillation import DistillationLossConfig
 from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.v1 import V1Config
 from parallel.config import ParallelConfig
 
 __all__ = [
@@ -445,8 +447,13 @@ class TrainerConfig(BaseConfig):
     resume_fallback: bool = True
     """``resume_mode=auto`` with a damaged latest checkpoint (its manifest's sizes or checksums do not
     match): resume from the newest complete one and say which file is bad; False: refuse (exit 2)."""
+    v1: V1Config = field(default_factory=V1Config)
+    """verl's V1 trainer modes: ``sync`` (default), ``colocate_async`` (one-step off-policy),
+    ``separate_async`` (fully async, bounded staleness): ``megatron_rl.config.v1``."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.v1, Mapping):
+            self.v1 = V1Config.from_dict(self.v1, path="v1")
         if isinstance(self.logger, str):
             self.logger = [self.logger]
         for name in self.logger:

@@ -36,6 +36,7 @@ from megatron_rl.config import read_tracking
 from megatron_rl.config.base import BaseConfig
 from megatron_rl.config.compat import warn_inert_keys
 from megatron_rl.config.schema import build_config, fill_derived
+from megatron_rl.config.v1 import check_async_run
 from megatron_rl.config.sections import (
     PARALLEL_KEYS,
     ActorRolloutRefConfig,
@@ -127,6 +128,7 @@ class TrainerRunConfig(BaseConfig):
             raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide "
                              f"world_size={world} (trainer.nnodes * trainer.n_gpus_per_node = "
                              f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})")
+        check_async_run(self)  # trainer.v1 modes against placement, batch sizes and run length
 
     def check_roles(self, *, critic: bool, reference: bool, reward_model: bool, teacher: bool) -> None:
         """Check what the roles that run need of the configuration: their models, layouts and batch

@@ -190,19 +190,31 @@ class Placement:
         from megatron_rl.workers.group import MegatronWorkerGroup
         from megatron_rl.workers.rollout_worker import create_rollout_worker
 
-        world = config.trainer.world_size
+        world, rollout_cfg = config.trainer.world_size, config.actor_rollout_ref.rollout
         if config.trainer.device == "cuda":  # roles (and the rollout) share each GPU, as verl's colocated workers do
             cpus, gpus = 1.0, 1.0 / (len(specs) + 1)
         else:  # fractional CPUs so that every rank of every role can start on a small machine
             cpus, gpus = max(0.01, int(100 * ray.available_resources().get("CPU", 1) / (len(specs) * world + 1)) / 100), 0.0
+        rollout_cpus, rollout_gpus = cpus, gpus
+        own = float(rollout_cfg.nnodes * rollout_cfg.n_gpus_per_node)  # 0: colocated
+        if own > 0:  # separate rollout (trainer.v1 separate_async): its own devices / CPU share
+            if config.trainer.device == "cuda":
+                cpus, gpus, rollout_cpus, rollout_gpus = 1.0, 1.0 / len(specs), 1.0, own
+            else:
+                left = ray.available_resources().get("CPU", 1) - own
+                if left <= 0:
+                    raise ValueError(f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_cfg.n_gpus_per_node} CPUs for "
+                                     f"the separate rollout leave none of Ray's "
+                                     f"{ray.available_resources().get('CPU', 1)} for the trainer's roles")
+                cpus, rollout_cpus = max(0.01, int(100 * left / (len(specs) * world)) / 100), own
         self.shards = ShardCache()
         self.groups: dict[str, MegatronWorkerGroup] = {}
         try:
             for role, spec in specs.items():
                 self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=cpus, num_gpus_per_worker=gpus,
                                                         shards=self.shards)
-            self.rollout, self._rollout_pg = create_rollout_worker(model_path, config.actor_rollout_ref.rollout,
-                                                                   num_cpus=cpus, num_gpus=gpus)
+            self.rollout, self._rollout_pg = create_rollout_worker(model_path, rollout_cfg, num_cpus=rollout_cpus,
+                                                                   num_gpus=rollout_gpus)
         except BaseException:
             self.shutdown()
             raise

@@ -35,6 +35,7 @@ from megatron_rl.data.batch import Batch
 from megatron_rl.rollout.agent.batch import agent_batch_keys
 from megatron_rl.rollout.agent.reward import FinalAnswerReward
 from megatron_rl.rollout.agent.runner import check_agent_config
+from megatron_rl.trainer.async_loop import async_run_config, check_async_trainer, fit_async
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
 from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator
 from megatron_rl.trainer.failures import worker_failure
@@ -63,6 +64,7 @@ class RayPPOTrainer:
                  teacher_path: Optional[str | Path] = None, tokenizer: Any = None, train_dataloader: Any = None,
                  reward_fn: Any = None):
         self.config = config if isinstance(config, TrainerRunConfig) else TrainerRunConfig.from_dict(config)
+        self.config = async_run_config(self.config)  # trainer.v1 separate_async forces bypass mode
         self.needs = resolve_run(self.config)
         if self.needs.teacher and teacher_path is None:
             raise ValueError("distillation.enabled=True needs the teacher's HF directory (teacher_path)")
@@ -89,6 +91,7 @@ class RayPPOTrainer:
             check_agent_config(self.config.actor_rollout_ref.rollout)
         tcfg = self.config.trainer
         self.total_steps = tcfg.total_training_steps or tcfg.total_epochs * len(self.train_dataloader)
+        check_async_trainer(self.config, self.needs, self.total_steps)  # before any worker starts
         if tcfg.val_only and self.val_dataloader is None:
             raise ValueError("trainer.val_only=True needs a validation set: set data.val_files (or data.task)")
         # the colocated phases (offload / rollout sleep); bad offload settings fail here, before any worker
@@ -96,6 +99,7 @@ class RayPPOTrainer:
         for message in self.schedule.warnings:
             warnings.warn(message, RolloutSleepUnsupported, stacklevel=2)
         self.global_steps = 0
+        self.weight_version = 0  # weight pushes into the rollout engine (its rollouts carry the version they used)
         self.placement = self.weight_sync = self.phases = None
         self.actor = self.ref = self.critic = self.rm = self.teacher = self.rollout = None
 
@@ -146,6 +150,8 @@ class RayPPOTrainer:
             if tcfg.val_only:
                 return history
             history = []
+            if tcfg.v1.is_async:  # trainer.v1.trainer_mode colocate_async / separate_async
+                return fit_async(self, total, logger, skips, on_step)
             while self.global_steps < total:
                 self.global_steps += 1
                 step, last, metrics, timing = self.global_steps, self.global_steps >= total, {}, {}
@@ -288,6 +294,7 @@ class RayPPOTrainer:
     def sync_weights(self) -> dict[str, float]:
         """Actor -> rollout engine, in place, through the transport ``checkpoint_engine.backend`` names."""
         stats = self.weight_sync.sync()
+        self.weight_version += 1
         return {"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": float(stats["seconds"])}
 
     # -- checkpoint / resume -----------------------------------------------------------------

@@ -89,6 +89,18 @@ class RolloutPhase:
         out = ray.get(self.rollout.generate.remote(
             {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
             uids=list(prompts["uid"]), **kwargs))
+        return self.to_batch(prompts, out)
+
+    def submit(self, prompts: dict[str, Any], *, step: int, gen_round: int = 0) -> Any:
+        """Start the training generation ``generate`` would run, without waiting: the Ray future of
+        ``RolloutWorker.generate_tagged`` (the asynchronous trainer collects it with ``to_batch``)."""
+        return self.rollout.generate_tagged.remote(
+            {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
+            uids=list(prompts["uid"]), n=self.n, seed=self.seed + _SEED_STRIDE * (step * 64 + gen_round))
+
+    def to_batch(self, prompts: dict[str, Any], out: dict[str, Any]) -> Batch:
+        """The rollout worker's output for ``prompts`` as a ``Batch``; each prompt's
+        ``PROMPT_FIELDS`` follow its samples."""
         batch = Batch.from_single_dict(out)
         repeats = len(batch) // len(prompts["uid"])
         for key in PROMPT_FIELDS:

@@ -24,10 +24,32 @@ class RolloutWorker:
         self._receiver = None  # RolloutWeightReceiver once a side band is joined
         self._tokenizer_path = tokenizer_path or model_path
         self._agents: dict = {}  # chat template -> AgentRunner, built on the first agent rollout
+        self.policy_version = 0  # weight updates received; tags what generate_tagged produced
 
     def generate(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
         """``VLLMRollout.generate``: the verl-layout rollout batch."""
         return self.rollout.generate(prompts, **kwargs)
+
+    def generate_tagged(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
+        """``generate``, tagged for the asynchronous trainer (``megatron_rl.trainer.async_loop``):
+        ``{"batch": the rollout batch, "policy_version": weight updates this engine had received
+        when it generated it, "start"/"end": wall-clock seconds of the call}``. Calls run one at a
+        time, so every token of the batch comes from that one version."""
+        import time
+
+        start, version = time.time(), self.policy_version
+        out = self.rollout.generate(prompts, **kwargs)
+        return {"batch": out, "policy_version": version, "start": start, "end": time.time()}
+
+    def pin_cpus(self, cpus: list) -> list:
+        """Pin every thread of this process to ``cpus`` (benchmarks: rollout and trainer on their own
+        cores); returns the affinity now in effect."""
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), set(cpus))
+            except OSError:  # a thread that ended meanwhile
+                pass
+        return sorted(os.sched_getaffinity(0))
 
     def run_agent_sessions(self, messages: list, *, chat_template: Optional[str] = None, **kwargs: Any
                            ) -> dict[str, Any]:
@@ -47,7 +69,9 @@ class RolloutWorker:
         ``bucket_megabytes``, ``allow_partial`` as there)."""
         if weights is None:
             raise ValueError("update_weights got None: pass the export of global rank 0")
-        return self.rollout.update_weights(weights, **kwargs)
+        out = self.rollout.update_weights(weights, **kwargs)
+        self.policy_version += 1
+        return out
 
     def sleep(self, level: int = 1) -> None:
         """``VLLMRollout.sleep``: release the engine's GPU memory (the phase schedule, between generations)."""
@@ -74,7 +98,9 @@ class RolloutWorker:
         """Receive one streamed sync (runs while the actor ranks run ``weight_sync``)."""
         if self._receiver is None:
             raise RuntimeError("weight_sync_receive before weight_sync_connect")
-        return self._receiver.receive()
+        out = self._receiver.receive()
+        self.policy_version += 1
+        return out
 
     def weight_sync_close(self) -> None:
         """Leave the side band."""

@@ -110,7 +110,8 @@ def _train(config) -> list[dict]:
 
 
 def _exercise_algorithms(config) -> None:
-    """Every registered estimator, policy loss and distillation loss, with the run's tracked sections."""
+    """Every registered estimator, policy loss and distillation loss, and the asynchronous loop's
+    settings (``trainer.v1``), with the run's tracked sections."""
     from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES, get_kl_controller
     from megatron_rl.algos.distillation import (
         DISTILLATION_LOSSES,
@@ -149,6 +150,11 @@ def _exercise_algorithms(config) -> None:
         mode = dataclasses.replace(dist, loss_mode=name, use_policy_gradient=name not in ("forward_kl_topk",))
         loss, metrics = compute_distillation_loss(inputs, mode, actor.loss_agg_mode)
         combine_with_policy_loss(loss, metrics, mode, policy_loss=loss, policy_metrics={})
+    # trainer.v1 (the runs above are synchronous): the settings the asynchronous loop runs with, per mode
+    from megatron_rl.trainer.async_loop import async_settings
+
+    for mode in ("colocate_async", "separate_async"):
+        async_settings(config.trainer.v1.replace(trainer_mode=mode))
 
 
 def _covered(path: str, cls: type, name: str, reads: set[str], classes_at: dict[type, int]) -> bool:

@@ -1,0 +1,379 @@
+"""The asynchronous training loops of ``trainer.v1.trainer_mode`` (``colocate_async``, ``separate_async``).
+
+``RayPPOTrainer.fit`` hands over to ``fit_async`` when the mode is not ``sync``. A rollouter
+(``Rollouter``) draws prompt batches, has the Ray rollout worker generate them with whatever
+weights it holds (``RolloutWorker.generate_tagged`` tags each call with the engine's policy
+version: the weight pushes it had received), scores them on the driver and streams the finished
+prompt groups into the bounded ``ReplayBuffer``; the trainer takes ``data.train_batch_size``
+groups when they are ready, trains on them (``RayPPOTrainer.train_step``: old log-probs, advantages,
+update, weight push) and moves the buffer's window.
+
+* ``colocate_async`` (one-step off-policy with ``num_warmup_batches=1``): the driver itself submits
+  the generation of the batches ahead before training the current one; the rollout worker runs
+  them while the actor trains, and the weight push queues behind them on the worker. Step k
+  therefore trains on rollouts of the weights after step k-2; step 1 is synchronous. Decoupled
+  rollout correction (the actor recomputes old log-probs) stays available.
+* ``separate_async``: a rollouter thread keeps one generation in flight at a time (so a push
+  waits for at most one generation), scores it and fills the buffer up to ``num_warmup_batches``
+  batches ahead; the rollout worker runs on its own resources (``placement``). Bypass mode is
+  forced (``async_run_config``): the rollout's log-probs are the old ones, as in verl's V1.
+
+Every sample carries ``rollout_policy_version`` (all its tokens come from that one version: a
+generation is never paused). Metrics per step: ``async/staleness_mean`` / ``async/staleness_max``
+(policy versions behind the trainer, over the step's response tokens),
+``async/token_fraction/staleness_<d>``, ``async/queue_depth``, ``async/in_flight_groups``,
+``async/trainer_idle_s`` (waiting for a batch), ``async/rollout_idle_s`` (the step's wall time the
+engine was not generating), ``training/off_policy/evicted_samples``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_rl.data.batch import Batch
+from megatron_rl.data.rewards import RewardError
+from megatron_rl.trainer.metrics import MetricsLogger, step_metrics
+from megatron_rl.trainer.replay_buffer import Group, ReplayBuffer
+from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
+from megatron_rl.trainer.watchdog import phase as timer
+
+__all__ = ["AsyncSettings", "async_settings", "async_run_config", "check_async_trainer", "fit_async", "Rollouter",
+           "staleness_metrics"]
+
+
+def async_run_config(config: Any) -> Any:
+    """``config`` with what its ``trainer.v1`` mode forces: ``separate_async`` switches on bypass mode
+    (``algorithm.rollout_correction.bypass_mode=True``; old log-probs = the rollout's), warning when
+    the config had decoupled correction or none."""
+    if config.trainer.v1.trainer_mode != "separate_async":
+        return config
+    from megatron_rl.config.algorithm import RolloutCorrectionConfig
+
+    rc = config.algorithm.rollout_correction
+    if rc is not None and rc.bypass_mode:
+        return config
+    warnings.warn("trainer.v1.trainer_mode='separate_async' forces algorithm.rollout_correction.bypass_mode=True "
+                  "(the rollout's log-probs are the old ones; verl's V1 does the same)", UserWarning, stacklevel=3)
+    rc = RolloutCorrectionConfig(rollout_is=None, bypass_mode=True) if rc is None else rc.replace(bypass_mode=True)
+    return config.replace(algorithm=config.algorithm.replace(rollout_correction=rc))
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    """What the asynchronous loop runs with, read off ``trainer.v1`` (``async_settings``)."""
+
+    mode: str
+    lookahead: int
+    threshold: Optional[int]
+    strategy: str
+    mini_batches_per_push: Optional[int]  # separate_async: verl's parameter_sync_step; None otherwise
+
+
+def async_settings(v1: Any) -> AsyncSettings:
+    """The loop's settings from the ``trainer.v1`` section (refuses ``partial_rollout``)."""
+    if v1.partial_rollout:  # refused when the config is built; kept for callers that bypass it
+        raise ValueError("trainer.v1.partial_rollout=True is not supported: the engine cannot pause a generation")
+    sampler = v1.sampler
+    push = v1.separate_async.parameter_sync_step if v1.trainer_mode == "separate_async" else None
+    return AsyncSettings(v1.trainer_mode, v1.lookahead(), sampler.max_off_policy_threshold,
+                         sampler.max_off_policy_strategy, push)
+
+
+def check_async_trainer(config: Any, needs: Any, total_steps: int) -> None:
+    """What the asynchronous loops cannot run, refused before any worker starts (``ValueError``):
+    an estimator's greedy baseline (ReMax) and warm-up batches that reach past the run's last step."""
+    v1 = config.trainer.v1
+    if not v1.is_async:
+        return
+    if needs.baseline:
+        raise ValueError(f"trainer.v1.trainer_mode={v1.trainer_mode!r} with algorithm.adv_estimator="
+                         f"{config.algorithm.adv_estimator!r} (a greedy baseline per prompt) is not supported; "
+                         "use trainer_mode='sync'")
+    ahead = v1.lookahead()
+    if ahead >= total_steps:
+        raise ValueError(f"trainer.v1.{v1.trainer_mode}.num_warmup_batches={ahead} is not smaller than the run's "
+                         f"{total_steps} steps: the batches generated ahead would never be trained on")
+
+
+def _split_groups(batch: Batch) -> list[tuple[str, list[int]]]:
+    """``(uid, row indices)`` per prompt group, in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, uid in enumerate(batch["uid"]):
+        groups.setdefault(str(uid), []).append(i)
+    return list(groups.items())
+
+
+class Rollouter:
+    """Draws prompt batches, generates and scores them, and streams groups into ``buffer``.
+
+    Args:
+        phase: the run's ``RolloutPhase`` (dataloader, reward, rollout worker).
+        buffer: the ``ReplayBuffer`` (its window bounds what may be submitted).
+        threaded: True (``separate_async``): a thread keeps one generation in flight; False
+            (``colocate_async``): the driver submits in ``pump()`` and collects in ``wait_batch``.
+        max_failed: consecutive chunks whose reward failed before the run stops
+            (``trainer.max_consecutive_skipped_steps``).
+    """
+
+    def __init__(self, phase: Any, buffer: ReplayBuffer, *, threaded: bool, max_failed: int = 3):
+        self.phase, self.buffer, self.threaded, self.max_failed = phase, buffer, threaded, max_failed
+        dl = phase.dataloader  # prompt batches drawn so far (a resumed run continues the count): the seed index
+        self.chunks = dl.epoch * dl.num_batches + dl.batch_in_epoch
+        self.pending: list[tuple[Any, dict, list[Group]]] = []  # submitted, not collected: (future, prompts, groups)
+        self.drawn: list[tuple[dict, list[Group]]] = []  # (dataloader state before the draw, its groups), unsettled
+        self.busy: list[tuple[float, float]] = []  # the engine's (start, end) generation intervals
+        self.failed_in_a_row, self.failed_samples, self.last_error = 0, 0, ""
+        self.cond = threading.Condition()
+        self.error: Optional[BaseException] = None
+        self.stopping = False
+        self.thread: Optional[threading.Thread] = None
+
+    # -- submitting -------------------------------------------------------------------------
+    def _submit_one(self) -> bool:
+        """Draw one prompt batch and submit its generation if the window allows; True if submitted."""
+        size = self.phase.dataloader.batch_size
+        if self.buffer.budget() < size:
+            return False
+        before = self.phase.dataloader.state_dict()
+        prompts = self.phase.dataloader.next_batch()
+        uids = [str(u) for u in prompts["uid"]]
+        groups = [Group(uid=u, size=self.phase.n) for u in uids]
+        self.buffer.reserve(groups)
+        self.drawn.append((before, groups))
+        self.chunks += 1
+        self.pending.append((self.phase.submit(prompts, step=self.chunks), prompts, groups))
+        return True
+
+    def pump(self) -> None:
+        """Submit generations while the window allows (the driver-side mode)."""
+        while self._submit_one():
+            pass
+
+    # -- collecting -------------------------------------------------------------------------
+    def _finish(self, out: dict, prompts: dict, groups: list[Group]) -> None:
+        """Score one finished generation and put its groups into the buffer (the reward's failure
+        frees their slots instead)."""
+        batch = self.phase.to_batch(prompts, out["batch"])
+        self.busy.append((float(out["start"]), float(out["end"])))
+        version = int(out["policy_version"])
+        batch["rollout_policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
+        try:
+            self.phase.score(batch)
+        except RewardError as err:
+            self.failed_in_a_row += 1
+            self.failed_samples += len(batch)
+            self.last_error = str(err)
+            print(f"rollout chunk {self.chunks}: reward failed, its groups are dropped: {err}", flush=True)
+            for group in groups:
+                self.buffer.discard(group)
+            if self.failed_in_a_row >= self.max_failed:
+                raise RuntimeError(f"{self.failed_in_a_row} rollout chunks in a row failed their reward "
+                                   f"(trainer.max_consecutive_skipped_steps={self.max_failed}): {err}") from err
+            return
+        self.failed_in_a_row = 0
+        rows = dict(_split_groups(batch))
+        for group in groups:
+            group.payload = batch.select_idxs(rows[group.uid])
+            self.buffer.put(group, version)
+
+    def _collect_oldest(self) -> None:
+        import ray
+
+        future, prompts, groups = self.pending.pop(0)
+        self._finish(ray.get(future), prompts, groups)
+
+    def wait_batch(self, trainer_version: int) -> tuple[list[Group], dict[str, float], float]:
+        """Block until the next batch is ready; ``(groups, buffer metrics, seconds waited)``."""
+        start = time.perf_counter()
+        if not self.threaded:
+            while not self.buffer.ready(trainer_version):
+                if not self.pending:
+                    self.pump()
+                    if not self.pending:
+                        raise RuntimeError("async rollouter: the window is full but the next batch is not ready")
+                self._collect_oldest()
+            groups, metrics = self.buffer.take(trainer_version)
+            return groups, metrics, time.perf_counter() - start
+        with self.cond:
+            while self.error is None and not self.buffer.ready(trainer_version):
+                self.cond.wait(timeout=1.0)
+            if self.error is not None:
+                raise RuntimeError(f"async rollouter failed: {self.error}") from self.error
+            groups, metrics = self.buffer.take(trainer_version)
+            self.cond.notify_all()
+        return groups, metrics, time.perf_counter() - start
+
+    def step_done(self) -> None:
+        """The trainer pushed its weights: move the window and let the rollouter submit more."""
+        with self.cond:
+            self.buffer.step_done()
+            self.cond.notify_all()
+        if not self.threaded:
+            self.pump()
+
+    # -- the thread (separate_async) --------------------------------------------------------
+    def start(self) -> None:
+        """Begin generating: the first submissions (driver mode) or the rollouter thread."""
+        if not self.threaded:
+            self.pump()
+            return
+        self.thread = threading.Thread(target=self._run, name="async-rollouter", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            while True:
+                with self.cond:
+                    while not self.stopping and self.buffer.budget() < self.phase.dataloader.batch_size:
+                        self.cond.wait(timeout=1.0)
+                    if self.stopping:
+                        return
+                    self._submit_one()
+                future, prompts, groups = self.pending[-1]
+                out = ray.get(future)  # the engine generates while the trainer trains
+                with self.cond:
+                    self.pending.pop()
+                    self._finish(out, prompts, groups)
+                    self.cond.notify_all()
+        except BaseException as err:  # surfaced by wait_batch in the driver's thread
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop submitting and wait for what is in flight (the engine finishes its call)."""
+        import ray
+
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout=600)
+        for future, _, _ in self.pending:
+            try:
+                ray.get(future)
+            except Exception:  # already failing: nothing more to do with an abandoned generation
+                pass
+        self.pending = []
+
+    def resume_dataloader_state(self) -> dict:
+        """The dataloader position a resumed run must restart from so that no prompt group is lost or
+        trained twice: before the oldest drawn batch none of whose groups settled yet (its groups and
+        all later ones are re-drawn and re-generated, with the resumed weights). Groups of a batch
+        partly taken (possible only after evictions or failed rewards) are not re-drawn."""
+        with self.cond:
+            self.drawn = [(state, groups) for state, groups in self.drawn if not all(g.settled for g in groups)]
+            for state, groups in self.drawn:
+                if not any(g.settled for g in groups):
+                    return dict(state)
+            return self.phase.dataloader.state_dict()
+
+    def busy_within(self, start: float, end: float) -> float:
+        """Seconds the engine generated within the wall-clock window ``[start, end]``."""
+        return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.busy)
+
+
+def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
+    """``async/staleness_mean`` / ``_max`` over the batch's response tokens (policy versions behind
+    the trainer) and ``async/token_fraction/staleness_<d>`` per lag."""
+    lag = (trainer_version - batch["rollout_policy_version"]).double()
+    tokens = batch["response_mask"].sum(-1).double()
+    total = float(tokens.sum()) or 1.0
+    out = {"async/staleness_mean": float((lag * tokens).sum()) / total, "async/staleness_max": float(lag.max()),
+           "async/trainer_policy_version": float(trainer_version),
+           "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min())}
+    for d in sorted(set(lag.long().tolist())):
+        out[f"async/token_fraction/staleness_{d}"] = float(tokens[lag.long() == d].sum()) / total
+    return out
+
+
+def _assemble(groups: list[Group]) -> Batch:
+    """The groups' rows as one batch (reward fields missing from some chunk become None)."""
+    parts = [g.payload for g in groups]
+    keys = list(dict.fromkeys(k for b in parts for k in b.meta_info.get(REWARD_EXTRA_KEYS, ())))
+    for b in parts:
+        for key in keys:
+            if key not in b:
+                b[key] = [None] * len(b)
+    batch = Batch.concat(parts)
+    batch.meta_info = {**batch.meta_info, REWARD_EXTRA_KEYS: keys}
+    return batch
+
+
+def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
+              on_step: Optional[Callable[[dict], None]] = None) -> list[dict[str, float]]:
+    """The asynchronous loop (see the module docstring) from ``trainer.global_steps`` to ``total``;
+    the per-step tail (validation, checkpoints, logging) is the synchronous loop's."""
+    from megatron_rl.trainer.failures import worker_failure
+
+    cfg, tcfg = trainer.config, trainer.config.trainer
+    settings = async_settings(tcfg.v1)
+    if settings.mini_batches_per_push is not None:  # one push per step = parameter_sync_step optimizer steps
+        per_step = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        if per_step != settings.mini_batches_per_push:
+            raise ValueError(f"trainer.v1.separate_async.parameter_sync_step={settings.mini_batches_per_push} but a "
+                             f"step has {per_step} mini-batches")
+    phase = trainer.rollout_phase
+    buffer = ReplayBuffer(cfg.data.train_batch_size, settings.lookahead, settings.threshold, settings.strategy)
+    rollouter = Rollouter(phase, buffer, threaded=settings.mode == "separate_async",
+                          max_failed=tcfg.max_consecutive_skipped_steps)
+    trainer.async_versions = {trainer.weight_version: trainer.global_steps}  # policy version -> step it came after
+    trainer.async_trained_versions = {}  # step -> the policy versions of the rollouts it trained on
+    trainer.async_trained_uids = {}  # step -> the prompt groups it trained on
+    history: list[dict[str, float]] = []
+    rollouter.start()
+    try:
+        while trainer.global_steps < total:
+            trainer.global_steps += 1
+            step, last, metrics, timing = trainer.global_steps, trainer.global_steps >= total, {}, {}
+            wall_start = time.time()
+            with timer("step", timing), worker_failure(step, trainer.log_dir):
+                trainer.phases.enter("gen", metrics)
+                with timer("gen", timing):
+                    version = trainer.weight_version
+                    groups, buffer_metrics, waited = rollouter.wait_batch(version)
+                batch = _assemble(groups)
+                metrics.update(buffer_metrics)
+                metrics.update(reward_metrics(batch))
+                metrics.update(staleness_metrics(batch, version))
+                metrics["async/trainer_idle_s"] = waited
+                trainer.async_trained_versions[step] = sorted(set(batch["rollout_policy_version"].tolist()))
+                trainer.async_trained_uids[step] = sorted(set(str(u) for u in batch["uid"]))
+                if phase.dump is not None:
+                    phase._dump(step, batch)
+                trainer.train_step(batch, metrics, timing)
+                trainer.async_versions[trainer.weight_version] = step
+                rollouter.step_done()
+            metrics["async/rollout_idle_s"] = max(0.0, (time.time() - wall_start)
+                                                  - rollouter.busy_within(wall_start, time.time()))
+            if rollouter.failed_samples:
+                metrics["reward/num_failed_samples"], rollouter.failed_samples = float(rollouter.failed_samples), 0
+            metrics.update(step_metrics(batch, timing, step=step, epoch=trainer.train_dataloader.epoch,
+                                        use_critic=trainer.critic is not None, n_devices=tcfg.world_size))
+            metrics.update(trainer.phases.memory_metrics())
+            if trainer.validator.should_validate(step, last):
+                trainer.phases.enter("gen")
+                metrics.update(trainer.validator.validate(step))
+            if trainer.checkpointer.should_save(step, last):
+                with timer("save_checkpoint", timing):  # the queue is drained by rewinding the prompts
+                    state = {**trainer.trainer_state(), "dataloader": rollouter.resume_dataloader_state()}
+                    trainer.checkpointer.save(step, state)
+                metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+            logger.log(metrics, step=step)
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+            skips.record(False, "")
+            trainer.placement.shards.clear()
+    finally:
+        rollouter.stop()
+    trainer.phases.restore()
+    return history
