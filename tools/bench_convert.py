@@ -68,6 +68,15 @@ def synth_checkpoint(path: Path, name: str, layers: int | None, shard_bytes: int
         shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
+    for n in [n for n in shapes if n.endswith("mlp.experts.gate_up_proj") or n.endswith("mlp.experts.down_proj")]:
+        # transformers fuses the experts in memory; hub files (what save_pretrained writes) hold one per expert
+        prefix, experts = n.rsplit(".", 1)[0], shapes.pop(n)[0]
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        for e in range(experts):
+            if n.endswith("gate_up_proj"):
+                shapes[f"{prefix}.{e}.gate_proj.weight"] = shapes[f"{prefix}.{e}.up_proj.weight"] = (inter, hidden)
+            else:
+                shapes[f"{prefix}.{e}.down_proj.weight"] = (hidden, inter)
     gen = torch.Generator().manual_seed(0)
     shards, current, size = [], {}, 0
     for n, shape in shapes.items():

@@ -83,6 +83,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     from parallel.mesh import destroy_mesh, init_mesh
     from tools.convert_stream import build_empty_model
 
+    marks = {"started": time.time()}  # wall clock: the driver's start is spec["t0"]
     pc = ParallelConfig.from_dict(spec["layout"])
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
     ckpt = tmp / spec["ckpt_subdir"] if spec["ckpt_subdir"] else tmp
@@ -96,9 +97,11 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
             # On the meta device, then empty CPU storage: no init, no float32 master weights; the
             # loader reads every shard straight into it.
             chunks = build_empty_model(model_cfg, pc)
+            marks["built"] = time.time()
             progress.stage(stages[1])
             weight_map = apply_fault(get_family(spec["architecture"]).weight_map(model_cfg), model_cfg)
             report = load_hf_checkpoint(chunks, weight_map, spec["hf_dir"], mesh=mesh)
+            marks["read"] = time.time()
             progress.stage(stages[2])
             done = progress.watch(tmp, spec["expected_bytes"])
             try:
@@ -107,6 +110,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                            common={"checkpoint_version": 3.0, "iteration": 0})
             finally:
                 done.set()
+            marks["saved"] = time.time()
             logits = None
             if spec["verify_ids"] is not None:
                 progress.stage("verify: reload + forward")
@@ -121,11 +125,20 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     finally:
         destroy_mesh(mesh)
     return {"logits": logits, "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
-            "peaks": peaks}
+            "peaks": peaks, "marks": marks}
+
+
+def _timings(result: dict, t0: float) -> str:
+    """Where the time went, from rank 0's marks: until the ranks ran, the model build, the read, the save."""
+    m = result["marks"]
+    read = m["read"] - m["built"]
+    return (f"ranks up at {m['started'] - t0:.1f} s, model built in {m['built'] - m['started']:.1f} s, rank 0 read "
+            f"{fmt_bytes(result['bytes_read'])} in {read:.1f} s ({result['bytes_read'] / 2**20 / max(read, 1e-3):.0f} "
+            f"MB/s), saved in {m['saved'] - m['read']:.1f} s")
 
 
 def _convert(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
+    start, t0 = time.perf_counter(), time.time()
     prestart(args.device)  # the ranks' fork server imports Megatron while we check the inputs
     import torch
 
@@ -168,7 +181,7 @@ def _convert(args: argparse.Namespace) -> int:
     with atomic as tmp:
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=architecture, family=family.name,
                     hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtypes=verify_dtypes,
-                    expected_bytes=hf_numel * itemsize,
+                    expected_bytes=hf_numel * itemsize, t0=t0,
                     ckpt_subdir="release" if args.ckpt_layout == "megatron-lm" else "")
         result = launch(convert_ranks, world, spec, device=device)
         if is_driver():
@@ -195,7 +208,8 @@ def _convert(args: argparse.Namespace) -> int:
     if is_driver():
         line = (f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "
                 f"(Megatron dist checkpoint, {fmt_bytes(dir_bytes(out))}) at {layout} on {world} {device} ranks, "
-                f"{dtype}, in {time.perf_counter() - start:.1f} s, {peak_summary(result['peaks'])}")
+                f"{dtype}, in {time.perf_counter() - start:.1f} s ({_timings(result, t0)}), "
+                f"{peak_summary(result['peaks'])}")
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 
