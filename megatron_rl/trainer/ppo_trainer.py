@@ -32,6 +32,7 @@ from megatron_rl.algos.rollout_correction import (
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.config.distillation import TOPK_LOSS_MODES
 from megatron_rl.data.batch import Batch
+from megatron_rl.engine.router_replay import ROUTED_EXPERTS, check_run_router_replay, save_routing
 from megatron_rl.rollout.agent.batch import agent_batch_keys
 from megatron_rl.rollout.agent.reward import FinalAnswerReward
 from megatron_rl.rollout.agent.runner import check_agent_config
@@ -96,12 +97,30 @@ class RayPPOTrainer:
             raise ValueError("trainer.val_only=True needs a validation set: set data.val_files (or data.task)")
         # the colocated phases (offload / rollout sleep); bad offload settings fail here, before any worker
         self.schedule = step_schedule(self.config, self.needs)
+        self._check_router_replay()
         for message in self.schedule.warnings:
             warnings.warn(message, RolloutSleepUnsupported, stacklevel=2)
         self.global_steps = 0
         self.weight_version = 0  # weight pushes into the rollout engine (its rollouts carry the version they used)
         self.placement = self.weight_sync = self.phases = None
         self.actor = self.ref = self.critic = self.rm = self.teacher = self.rollout = None
+
+    def _check_router_replay(self) -> None:
+        """Router replay (``*.megatron.router_replay``) that cannot work fails here, before any worker."""
+        from megatron_rl.models.families import get_family, load_hf_config
+        from megatron_rl.rollout.vllm_rollout import routed_experts_unsupported
+
+        arr = self.config.actor_rollout_ref
+        actor, ref = arr.actor.megatron.router_replay, arr.ref.megatron.router_replay
+        self.router_replay, self.ref_router_replay = actor, (ref if self.needs.reference else None)
+        modes = (actor.mode, ref.mode if self.needs.reference else "disabled")
+        if modes == ("disabled", "disabled"):
+            return
+        hf = load_hf_config(self.model_path)
+        is_moe = get_family(hf).model_config(hf).is_moe
+        lacks = routed_experts_unsupported() if "R3" in modes else None
+        check_run_router_replay(actor.mode, ref.mode if self.needs.reference else None, is_moe=is_moe,
+                                rollout_lacks=lacks)
 
     def init_workers(self) -> None:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
@@ -196,8 +215,9 @@ class RayPPOTrainer:
             with timer("ref", timing):
                 phases.enter("ref_log_prob", metrics)
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+                replay = {"routing": "replay"} if self.ref_router_replay.enabled else {}  # R2: the actor's record
                 batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature,
-                                                                  micro_batch_size=micro)["log_probs"]
+                                                                  micro_batch_size=micro, **replay)["log_probs"]
         if self.teacher is not None:
             with timer("teacher", timing):
                 phases.enter("teacher_log_prob", metrics)
@@ -216,10 +236,14 @@ class RayPPOTrainer:
             with timer("update_actor", timing):
                 phases.enter("actor_update", metrics)
                 distill = {} if self.distillation_loss is None else {"distillation_loss": self.distillation_loss}
+                if self.router_replay.enabled:
+                    distill["routing_source"] = "rollout" if self.router_replay.mode == "R3" else "old"
                 metrics.update(self.actor.update_policy(batch, temperature=self.temperature, **distill))
             with timer("update_weights", timing):
                 phases.enter("weight_sync", metrics)
                 metrics.update(self.sync_weights())
+        if ROUTED_EXPERTS in batch:  # [b, s, layers, topk] ids: freed with the step
+            batch.pop([ROUTED_EXPERTS])
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         """Actor log-probs of the sampled tokens (the PPO ratio's denominator) and their entropy;
@@ -229,11 +253,13 @@ class RayPPOTrainer:
         # baseline), or verl's actor.calculate_sum_pi_squared.
         spsq = self.needs.estimator.sum_pi_squared or self.config.actor_rollout_ref.actor.calculate_sum_pi_squared
         out = self.actor.compute_log_prob(batch, temperature=self.temperature, calculate_entropy=True,
-                                          **({"calculate_sum_pi_squared": True} if spsq else {}))
+                                          **({"calculate_sum_pi_squared": True} if spsq else {}),
+                                          **self._old_log_prob_routing(batch))
+        metrics = self._routing_metrics(batch, out)
         if spsq:
             batch["sum_pi_squared"] = out["sum_pi_squared"]
         mode = self.config.actor_rollout_ref.actor.loss_agg_mode
-        metrics = {"actor/entropy": float(agg_loss(out["entropys"], batch["response_mask"], mode))}
+        metrics["actor/entropy"] = float(agg_loss(out["entropys"], batch["response_mask"], mode))
         rc = self.rollout_correction
         if rc is not None and "rollout_log_probs" not in batch:
             raise ValueError("algorithm.rollout_correction needs the rollout's log-probs; set "
@@ -252,6 +278,24 @@ class RayPPOTrainer:
             if weights is not None:  # a DataProto holding rollout_is_weights, as verl returns it
                 batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
             metrics.update(corr)
+        return metrics
+
+    def _old_log_prob_routing(self, batch: Batch) -> dict[str, str]:
+        """How the old-log-prob pass routes: R2 records, R3 replays the rollout's experts (refused
+        before workers start until the rollout returns them), else as the routers pick."""
+        rr = self.router_replay
+        return {"routing": "record" if rr.mode == "R2" else "replay"} if rr.enabled else {}
+
+    def _routing_metrics(self, batch: Batch, out: dict) -> dict[str, float]:
+        """Take the old-log-prob pass's routing into the batch (R2), save it (``record_file``) and, when
+        the pass replayed the rollout's (R3), how often the actor's routers agreed with it."""
+        rr, metrics = self.router_replay, {}
+        if ROUTED_EXPERTS in out:
+            batch[ROUTED_EXPERTS] = out[ROUTED_EXPERTS]
+        if "router_agreement" in out and rr.mode == "R3":
+            metrics["actor/router_agreement/rollout_vs_old"] = float(out["router_agreement"].float().mean())
+        if rr.enabled and rr.record_file is not None:
+            save_routing(rr.record_file, self.global_steps, batch)
         return metrics
 
     def compute_teacher_log_probs(self, batch: Batch) -> None:

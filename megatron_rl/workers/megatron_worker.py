@@ -84,7 +84,8 @@ class MegatronWorker(WeightSyncRank):
                                sequence_parallel=spec.megatron.sequence_parallel,
                                remove_padding=spec.megatron.use_remove_padding,
                                distributed_optimizer=role in ("actor", "critic")
-                               and spec.megatron.use_distributed_optimizer)
+                               and spec.megatron.use_distributed_optimizer,
+                               routing_replay=role in ("actor", "ref") and spec.megatron.router_replay.enabled)
         self.engine = self.role.engine
         if spec.hf_dir is not None:
             # A critic from a causal LM keeps its value head's fresh initialisation; one from a

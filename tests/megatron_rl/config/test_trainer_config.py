@@ -17,6 +17,7 @@ ALGOS = ["dapo", "dr_grpo", "grpo", "gspo", "opd", "ppo", "reinforce_plus_plus",
 GPU = [f"gpu/qwen3_30b_a3b_{name}" for name in ALGOS]
 GPU_SCALE = [f"gpu/{model}_{algo}" for model in ("llama3_1_70b", "qwen3_235b_a22b") for algo in ("dapo", "grpo")]
 AGENT = ["tool_agent"]  # tests/megatron_rl/rollout/agent/test_tool_agent_recipe.py runs it
+MOE = ["grpo_moe"]  # tests/megatron_rl/trainer/test_recipes.py runs it (EP=2, router replay R2)
 ASYNC = ["grpo_async"]  # tests/megatron_rl/trainer/test_async_trainer.py runs it (separate_async)
 
 # recipe -> (adv_estimator, loss_mode, loss_agg_mode, needs_critic, needs_reference, needs_teacher)
@@ -42,7 +43,7 @@ def _error(recipe, overrides=()):
 
 # ----------------------------------------------------------------------------- recipes
 def test_recipe_list_is_complete():
-    assert list_recipes() == sorted(ALGOS + GPU + GPU_SCALE + AGENT + ASYNC)
+    assert list_recipes() == sorted(ALGOS + GPU + GPU_SCALE + AGENT + MOE + ASYNC)
 
 
 @pytest.mark.parametrize("name", ALGOS + GPU)
@@ -200,7 +201,7 @@ def test_unknown_key_in_yaml_names_file_and_suggestion(tmp_path):
 
 def test_unknown_recipe_lists_the_built_in_ones():
     assert _error("grpx") == (f"unknown recipe 'grpx': not a file and not a built-in recipe; built-in recipes: "
-                              f"{sorted(ALGOS + GPU + GPU_SCALE + AGENT + ASYNC)}; did you mean 'grpo' or 'dr_grpo' or 'gspo'?")
+                              f"{sorted(ALGOS + GPU + GPU_SCALE + AGENT + MOE + ASYNC)}; did you mean 'grpo' or 'dr_grpo' or 'gspo'?")
 
 
 # ----------------------------------------------------------------------------- names and numbers

