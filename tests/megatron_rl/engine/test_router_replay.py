@@ -1,6 +1,6 @@
 """MoE router replay (R2) on real Megatron-Core with gloo ranks: the update routes exactly as the
 old-log-prob pass did, whatever the router weights became, at EP=2, TP=2 x EP=2 (sequence
-parallel; expert TP 1) and PP=2, on the packed THD layout.
+parallel; expert TP 1) on the packed THD layout and PP=2 on padded rows (``use_remove_padding=False``).
 
 One spawn per layout runs every assertion: (1) the recorded ``routed_experts`` equal the
 single-rank recording of the same weights (the layout mapping is right, not just self-consistent);
@@ -22,9 +22,10 @@ MOE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads
            max_position_embeddings=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
            moe_aux_loss_coeff=0.0)
 BATCH, PROMPT, RESPONSE = 8, 6, 5
-PROMPT_LENS, RESPONSE_LENS = [6, 3, 4, 6, 1, 5, 2, 6], [5, 2, 5, 1, 4, 2, 3, 5]
-"""Every pair of rows holds an even number of tokens: no alignment padding at TP=2 (every routed
-token is a real one, so routing maps compare whole)."""
+PROMPT_LENS, RESPONSE_LENS = [6, 6, 3, 4, 1, 2, 5, 6], [5, 5, 2, 1, 4, 3, 5, 4]
+"""The two rows of each micro-batch are equally long (and hold an even number of tokens): neither
+padded rows nor sequence parallelism at TP=2 add padding, so every routed token is a real one and
+routing maps compare whole."""
 ROUTER_SCALE = 20.0  # wide router logits: no near-ties whose top-k could flip between layouts
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
 ACTOR = dict(ppo_mini_batch_size=BATCH, ppo_micro_batch_size_per_gpu=2, rollout_n=1, optim=SGD, shuffle=False)
@@ -73,8 +74,11 @@ def _case(rank, world_size, par, ckpt, save):
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
+    par = dict(par)
+    remove_padding = par.pop("remove_padding", True)  # a megatron.* key, not a ParallelConfig field
     mesh = init_mesh(ParallelConfig(**par), seed=1234)
-    actor = build_role("actor", ModelConfig(**MOE), mesh, ActorConfig.from_dict(ACTOR), routing_replay=True)
+    actor = build_role("actor", ModelConfig(**MOE), mesh, ActorConfig.from_dict(ACTOR), routing_replay=True,
+                       remove_padding=remove_padding)
     engine = actor.engine
     if save:
         save_model(engine.model, ckpt)
@@ -145,7 +149,7 @@ def _maps_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 LAYOUTS = {
     "ep2": (2, dict(expert_model_parallel_size=2)),
     "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
-    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "pp2_padded": (2, dict(pipeline_model_parallel_size=2, remove_padding=False)),  # padded rows, not THD
 }
 
 
