@@ -16,6 +16,10 @@ groups; it knows no roles and no losses. Callers bring the math as closures over
   DDP averages gradients over DP) and its ``LossMetrics``. The loss therefore does not depend on
   how the samples are cut into micro-batches.
 
+An MoE engine built with ``routing_replay`` records its routers' top-k experts in ``forward``
+(``routing="record"``: a ``routed_experts`` field) and replays a batch's in ``forward`` /
+``train_step`` (``megatron_rl.engine.router_replay``, verl's router replay R2 / R3).
+
 Micro-batches hold ``micro_batch_size`` samples, or as many as a token budget ``max_token_len``
 allows (verl's ``use_dynamic_bsz``; ``megatron_rl.engine.batching``). With ``remove_padding``
 (verl's ``use_remove_padding``, the default) each micro-batch runs as one packed THD sequence
