@@ -143,6 +143,13 @@ class OffloadStore:
         """Move ``categories`` of the engine's state to host memory; the bytes moved."""
         categories = _check(categories)
         storages = state_storages(model, optimizer)
+        fixed = [(c, s.nbytes()) for c in categories if not self._held[c] for s in storages[c]
+                 if s.nbytes() and not s.resizable()]
+        if fixed:  # refuse before anything moved (a storage that cannot be released would stay taken)
+            raise RuntimeError(
+                f"cannot offload {fixed[0][0]}: {len(fixed)} storage(s) of it ({fixed[0][1]} bytes first) are not "
+                "resizable: a numpy / Ray object-store buffer (torch.from_numpy, ray.get of a tensor) now backs them; "
+                "whatever replaced the engine's own storage must copy into it instead")
         pin = torch.cuda.is_available()
         moved = 0
         for category in categories:

@@ -131,3 +131,19 @@ def test_offload_frees_the_planned_gpu_bytes():
     dropped, held, planned = run_distributed(_gpu_offload_case, 1, backend="nccl")[0]
     assert dropped == pytest.approx(held, rel=0.01)
     assert dropped == pytest.approx(planned, rel=0.02)
+
+
+def test_a_storage_that_cannot_be_released_is_refused_before_anything_moves():
+    from megatron_rl.engine.offload import OffloadStore, resident_bytes
+
+    model = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))]
+    import numpy as np
+
+    # a numpy buffer (what ray.get hands back for a tensor) cannot be resized: offload could not free it
+    model[0][1].weight.data = torch.from_numpy(np.ones((2, 4), dtype=np.float32))
+    before = resident_bytes(model, None)
+    store = OffloadStore()
+    with pytest.raises(RuntimeError, match=r"cannot offload params: 1 storage\(s\) of it \(32 bytes first\) are not "
+                                           r"resizable"):
+        store.offload(model, None, ["params"])
+    assert resident_bytes(model, None) == before and not store.offloaded("params")
