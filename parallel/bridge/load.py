@@ -9,6 +9,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from parallel.bridge.collective import all_gather_object, raise_together
+from parallel.bridge.fp8 import open_dequantizing
 from parallel.bridge.hf_files import HFCheckpointReader
 from parallel.bridge.rules import ParamShard, WeightMap, full_hf_shapes, qkv_runs, resolve_params
 
@@ -72,7 +73,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     errors: list[str] = []
     reader, opened = None, []
     try:
-        reader = HFCheckpointReader(hf_dir)
+        # FP8 block-quantised checkpoints (DeepSeek-V3's format) are dequantised as they are read.
+        reader = open_dequantizing(HFCheckpointReader(hf_dir), hf_dir)
     except (FileNotFoundError, ValueError) as exc:
         opened.append((type(exc), str(exc)))
     raise_together(opened)  # first collective: every rank learns whether all could open it
