@@ -109,11 +109,16 @@ def count_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: 
     embed = vocab_rows * m.hidden_size
     head = m.hidden_size if value_head else (0 if (m.tie_word_embeddings and pp == 1) else embed)
     per_stage = []
+    per_layer = getattr(m, "layer_params", None)  # ExtendedModelConfig: MLA and first-k-dense, layer by layer
     for s in range(pp):
-        d = layers * dense_layer
+        if per_layer is None:
+            d, e = layers * dense_layer, layers * expert_layer
+        else:
+            counts = [per_layer(s * layers + i, tp=tp, ep=ep, etp=etp) for i in range(layers)]
+            d, e = sum(c[0] for c in counts), sum(c[1] for c in counts)
         d += embed if s == 0 else 0
         d += (head + m.hidden_size) if s == pp - 1 else 0  # output layer + final norm
-        per_stage.append((d, layers * expert_layer))
+        per_stage.append((d, e))
     if stage is not None:
         return per_stage[stage]
     return max(per_stage, key=lambda x: x[0] + x[1])
