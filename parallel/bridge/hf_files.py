@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import math
@@ -191,7 +192,10 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
     """Fill the contiguous tensor ``out`` with the bytes of ``fd`` at ``offset``."""
     if out.numel() == 0:
         return
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    # A ctypes view of the tensor's own memory: Tensor.numpy() would mark its storage
+    # non-resizable for good, and the engine's offload (storage.resize_(0)) could then never
+    # release a parameter loaded through here.
+    view = memoryview((ctypes.c_ubyte * (out.numel() * out.element_size())).from_address(out.data_ptr())).cast("B")
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)

@@ -100,6 +100,13 @@ def test_reader_reads_only_requested_slices(qwen2_dir):
         part = reader.read(name, 1, 48, 96)
         assert torch.equal(part, source[name][:, 48:])
         assert reader.bytes_read == 64 * 48 * 4
+        # Read in place, the target stays releasable: the engine's offload frees a loaded
+        # parameter with storage.resize_(0) (Tensor.numpy() would have pinned its storage).
+        out = torch.empty(64, 96)
+        reader.read(name, out=out)
+        assert torch.equal(out, source[name])
+        out.untyped_storage().resize_(0)
+        assert out.untyped_storage().nbytes() == 0
 
 
 def _copy(src: Path, dst: Path) -> Path:
