@@ -35,6 +35,7 @@ from megatron_rl.models.families import (
     MLA_ATTENTION_RULES,
     Family,
     expert_bias_rule,
+    llama_like_kwargs,
     moe_mlp_rules,
     reject,
     shared_expert_rules,
@@ -127,8 +128,6 @@ def sigmoid_router_kwargs(family: str, cfg: Any) -> dict[str, Any]:
 
 def _config_kwargs(cfg: Any) -> dict[str, Any]:
     f = "deepseek_v3"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        reject(f, "hidden_act", cfg.hidden_act, "'silu' (SwiGLU)")
     if getattr(cfg, "attention_bias", False):
         reject(f, "attention_bias", cfg.attention_bias, "False (Megatron's MLA projections have no bias)")
     if not getattr(cfg, "rope_interleave", True):
@@ -142,18 +141,9 @@ def _config_kwargs(cfg: Any) -> dict[str, Any]:
         reject(f, "rms_norm_eps", cfg.rms_norm_eps, "1e-06 (HF's MLA latent norms always use 1e-6)")
     v_dim = cfg.v_head_dim
     return dict(
-        num_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=heads,
+        llama_like_kwargs(f, cfg, rope=False),  # RMSNorm, SwiGLU (hidden_act checked), sizes, vocab
         num_query_groups=heads,
         kv_channels=v_dim,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.rms_norm_eps),
-        swiglu=True,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         multi_latent_attention=True,
         q_lora_rank=cfg.q_lora_rank,
         kv_lora_rank=cfg.kv_lora_rank,

@@ -251,9 +251,10 @@ def _rope_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) -> dict
     return out
 
 
-def llama_like_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) -> dict[str, Any]:
+def llama_like_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False, rope: bool = True) -> dict[str, Any]:
     """``ModelConfig`` kwargs shared by Llama-style decoders (RMSNorm, SwiGLU, RoPE, GQA);
-    ``partial_rotary`` accepts a ``partial_rotary_factor`` (``rotary_percent``)."""
+    ``partial_rotary`` accepts a ``partial_rotary_factor`` (``rotary_percent``); ``rope=False``
+    leaves the RoPE settings to the caller (DeepSeek-V3's MLA reads its own, YaRN included)."""
     if getattr(cfg, "hidden_act", "silu") != "silu":
         reject(family, "hidden_act", cfg.hidden_act, "'silu' (SwiGLU)")
     heads = cfg.num_attention_heads
@@ -270,7 +271,7 @@ def llama_like_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) ->
         layernorm_epsilon=float(cfg.rms_norm_eps),
         swiglu=True,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        **_rope_kwargs(family, cfg, partial_rotary=partial_rotary),
+        **(_rope_kwargs(family, cfg, partial_rotary=partial_rotary) if rope else {}),
     )
 
 
