@@ -16,7 +16,7 @@ def test_bench_gpu_smoke_prints_one_json_line_per_benchmark():
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert [line["benchmark"] for line in lines] == ["packing", "train_dense", "train_moe", "logprob", "offload",
-                                                     "algos", "bridge", "weight_sync"]
+                                                     "algos", "bridge", "transports", "weight_sync"]
     by_name = {line["benchmark"]: line for line in lines}
     assert not [line for line in lines if "error" in line]
     assert {"padding_fraction", "ideal_speedup", "speedup", "peak_ratio"} <= set(by_name["packing"])
@@ -27,4 +27,9 @@ def test_bench_gpu_smoke_prints_one_json_line_per_benchmark():
         assert by_name["offload"]["offloaded_bytes"] == 0
     assert "fused_ms" in by_name["logprob"] and "export_s" in by_name["bridge"]
     assert by_name["weight_sync"]["skipped"].startswith("smoke")
+    transports = {row["transport"]: row for row in by_name["transports"]["rows"]}
+    assert list(transports) == ["shm", "broadcast", "cuda_ipc", "nccl"]
+    assert transports["shm"]["gb_per_s"] > 0 and transports["broadcast"]["over_floor"] > 0
+    if not torch.cuda.is_available():
+        assert transports["cuda_ipc"]["skipped"] == transports["nccl"]["skipped"] == "needs CUDA"
     assert all(line["wall_s"] >= 0 for line in lines if "wall_s" in line)

@@ -8,6 +8,8 @@
 #   logprob       tools/bench_logprob.py, bf16, 8192 tokens x hidden 4096 -> vocab 151936
 #   offload       tools/bench_train_step.py --offload: the engine's host-memory round trip
 #   algos, bridge tools/bench_algos.py, tools/bench_bridge.py (CPU-side figures of the same machine)
+#   transports    tools/bench_transports.py: 1 GiB streamed process to process by shm, broadcast,
+#                 cuda_ipc (one GPU) and nccl (GPU 0 -> GPU 1; skipped with one GPU), vs one copy
 #   weight_sync   tools/bench_weight_sync.py (needs vLLM; a "skipped" line without it)
 #
 #   tools/bench_gpu.sh            # on a GPU machine
@@ -57,6 +59,7 @@ if [[ $smoke == 1 ]]; then
   run algos       $PY tools/bench_algos.py --num-responses 64 --group-size 4 --response-length 16 --repeats 1
   run bridge      $PY tools/bench_bridge.py --hidden 64 --ffn 128 --layers 2 --heads 4 --kv-heads 2 --vocab 512 \
                     --bucket-mb 0.05 --repeats 1
+  run transports  $PY tools/bench_transports.py --smoke
   # tests/test_tools_bench_weight_sync.py runs the vLLM benchmark itself; starting vLLM here would double it.
   $PY -c 'import json; print(json.dumps({"benchmark": "weight_sync", "skipped": "smoke: run by tests/test_tools_bench_weight_sync.py"}))'
 else
@@ -67,6 +70,7 @@ else
   run offload     $PY tools/bench_train_step.py --preset dense-1b --seq 1024 --mbs 1 --dtype bf16 --steps 1 --offload
   run algos       $PY tools/bench_algos.py
   run bridge      $PY tools/bench_bridge.py
+  run transports  $PY tools/bench_transports.py
   if $PY -c 'import vllm' 2>/dev/null; then
     run weight_sync $PY tools/bench_weight_sync.py --transport shm
   else

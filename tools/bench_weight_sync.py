@@ -12,9 +12,15 @@ exported tensor's bytes into a fresh buffer), timed right before each sync so bo
 machine load. Both report the median. CPU default (~230 MB float32)::
 
     python tools/bench_weight_sync.py --transport colocated [--tp 2]
+    python tools/bench_weight_sync.py --transport all     # one row per transport, one engine
 
 The last line printed is one JSON object: ``bytes``, ``sync_s``, ``floor_s``,
-``sync_over_floor`` (target <= 4), the transport and the settings.
+``sync_over_floor`` (target <= 4), the transport and the settings. With ``--transport all``
+every transport of the registry gets a row of the printed table (the transport column) and an
+entry of ``rows`` in the JSON, in registry order, all through the same engine; a transport this
+machine cannot run says why instead (``nccl`` / ``cuda_ipc`` without CUDA: "needs CUDA"; with
+CUDA they are measured by ``tools/bench_gpu.sh``'s ``transports`` case, between processes and
+GPUs, not through this CPU engine).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from parallel.transport import TRANSPORTS  # noqa: E402
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--transport", default="colocated", choices=list(TRANSPORTS))
+    p.add_argument("--transport", default="colocated", choices=list(TRANSPORTS) + ["all"],
+                   help="a parallel.transport name, or 'all' (one row per transport)")
     p.add_argument("--tp", type=int, default=1, help="actor tensor parallel size (spawned gloo ranks)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1536)
@@ -95,30 +102,47 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(prompt_length=16, response_length=4))
     sync = ActorWeightSync.from_engine(engine, weight_map, mesh=mesh, bucket_megabytes=args.bucket_mb)
-    target = {"rollout": rollout, "transport": args.transport}
-    sync.sync(**target)  # warm-up (the first reload builds vLLM's metadata)
     # The floor's source: the exported tensors themselves, copied out once (untimed).
     exported = [t.clone() for _, t in sync.iter_weights()]
     params = [p for _, p in engine.named_parameters()]
-    sync_s, floor_s, stats = [], [], None
-    for i in range(args.repeats):  # floor and sync interleaved: both see the same machine load
-        with torch.no_grad():
-            for p in params:
-                p.neg_()
-        if rank == 0:
-            floor_s.append(_floor_seconds(exported))
-        stats = sync.sync(**target)
-        if rank == 0:
-            sync_s.append(stats["seconds"])
-            print(f"repeat {i}: sync {sync_s[-1]:.4f} s ({stats['num_buckets']} buckets), floor {floor_s[-1]:.4f} s",
-                  flush=True)
+    rows = {}
+    for transport in (list(TRANSPORTS) if args.transport == "all" else [args.transport]):
+        why = _cannot_run(transport)
+        if why:
+            rows[transport] = {"skipped": why}
+            continue
+        target = {"rollout": rollout, "transport": transport}
+        sync.sync(**target)  # warm-up (the first reload builds vLLM's metadata; a transport's first use)
+        sync_s, floor_s, stats = [], [], None
+        for i in range(args.repeats):  # floor and sync interleaved: both see the same machine load
+            with torch.no_grad():
+                for p in params:
+                    p.neg_()
+            if rank == 0:
+                floor_s.append(_floor_seconds(exported))
+            stats = sync.sync(**target)
+            if rank == 0:
+                sync_s.append(stats["seconds"])
+                print(f"{transport} repeat {i}: sync {sync_s[-1]:.4f} s ({stats['num_buckets']} buckets), "
+                      f"floor {floor_s[-1]:.4f} s", flush=True)
+        rows[transport] = {"sync": sync_s, "floor": floor_s, "stats": stats}
     if rollout is not None:
         rollout.shutdown()
     destroy_mesh(mesh)
     if rank != 0:
         return None
-    return {"sync": sync_s, "floor": floor_s, "stats": stats,
-            "floor_bytes": sum(t.numel() * t.element_size() for t in exported)}
+    return {"rows": rows, "floor_bytes": sum(t.numel() * t.element_size() for t in exported)}
+
+
+def _cannot_run(transport: str):
+    """Why this benchmark cannot measure ``transport`` here (None when it can)."""
+    import torch
+
+    from parallel.transport import get_transport
+
+    if get_transport(transport).requires_cuda:
+        return "needs CUDA" if not torch.cuda.is_available() else "GPU transport: measured by tools/bench_gpu.sh"
+    return None
 
 
 def main(argv=None) -> dict:
@@ -134,30 +158,46 @@ def main(argv=None) -> dict:
         build_tiny_qwen3(tmp, seed=0, **overrides)
         out = run_distributed(_bench_rank, args.tp, args, tmp, timeout_s=1800,
                               env={"VLLM_LOGGING_LEVEL": os.environ["VLLM_LOGGING_LEVEL"]})[0]
-    stats = out["stats"]
-    if out["floor_bytes"] != stats["bytes"]:
-        raise RuntimeError(f"floor copied {out['floor_bytes']} bytes but the sync moved {stats['bytes']}")
-    floor_s = statistics.median(out["floor"])
-    sync_s = statistics.median(out["sync"])
-    result = {
+    rows = {name: _row(name, row, out["floor_bytes"]) for name, row in out["rows"].items()}
+    settings = {"source": "megatron_bridge_export", "tp": args.tp, "bucket_mb": args.bucket_mb,
+                "repeats": args.repeats, "model": overrides}
+    print(f"{'transport':<10} {'MiB':>8} {'sync_s':>9} {'floor_s':>9} {'ratio':>6} {'buckets':>7}")
+    for name, row in rows.items():
+        if "skipped" in row:
+            print(f"{name:<10} {row['skipped']}")
+        else:
+            print(f"{name:<10} {row['bytes'] / 2**20:>8.1f} {row['sync_s']:>9.4f} {row['floor_s']:>9.4f} "
+                  f"{row['sync_over_floor']:>6.2f} {row['num_buckets']:>7}")
+    if args.transport == "all":
+        result = {"transport": "all", "rows": list(rows.values()), **settings}
+        print(json.dumps(result), flush=True)
+        return result
+    result = {**rows[args.transport], **settings}
+    print(f"{result['bytes'] / 2**20:.1f} MiB from the TP={args.tp} actor via {result['transport']}: sync "
+          f"{result['sync_s']:.4f} s, one-copy floor {result['floor_s']:.4f} s, ratio {result['sync_over_floor']:.2f}")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _row(name: str, row: dict, floor_bytes: int) -> dict:
+    """One transport's figures (medians), or why it was not measured."""
+    if "skipped" in row:
+        return {"transport": name, "skipped": row["skipped"]}
+    stats = row["stats"]
+    if floor_bytes != stats["bytes"]:
+        raise RuntimeError(f"floor copied {floor_bytes} bytes but the sync moved {stats['bytes']}")
+    floor_s = statistics.median(row["floor"])
+    sync_s = statistics.median(row["sync"])
+    return {
         "bytes": stats["bytes"],
         "sync_s": sync_s,
         "floor_s": floor_s,
         "sync_over_floor": sync_s / floor_s,
         "transport": stats["transport"],
-        "source": "megatron_bridge_export",
-        "tp": args.tp,
         "num_tensors": stats["num_tensors"],
         "num_buckets": stats["num_buckets"],
         "export_max_live_bytes": stats["export_max_live_bytes"],
-        "bucket_mb": args.bucket_mb,
-        "repeats": args.repeats,
-        "model": overrides,
     }
-    print(f"{stats['bytes'] / 2**20:.1f} MiB from the TP={args.tp} actor via {stats['transport']}: sync {sync_s:.4f} s, "
-          f"one-copy floor {floor_s:.4f} s, ratio {sync_s / floor_s:.2f}")
-    print(json.dumps(result), flush=True)
-    return result
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from megatron_rl.config.base import BaseConfig, check_choice, check_range
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "MultiTurnConfig", "AgentLoopConfig", "TRANSPORTS",
            "PROMPT_TOO_LONG", "TOOL_CALL_FORMATS", "TRUNCATE_SIDES", "SANITY_CHECK_MODES", "check_sampling"]
 
-TRANSPORTS = ("colocated", "bytes", "shm", "broadcast")
+TRANSPORTS = ("colocated", "bytes", "shm", "broadcast", "nccl", "cuda_ipc")
 PROMPT_TOO_LONG = ("error", "truncate_left")
 TOOL_CALL_FORMATS = ("hermes",)
 """``multi_turn.format`` values (the tool-call parsers of ``megatron_rl.rollout.agent.parser``)."""
@@ -45,10 +45,12 @@ class WeightSyncConfig(BaseConfig):
 
     backend: str = "colocated"
     """Transport: ``colocated`` (tensors by reference, in-process engine), ``bytes``
-    (safetensors blob through the RPC), ``shm`` (safetensors file under ``shm_dir``) or
-    ``broadcast`` (side-band gloo group)."""
+    (safetensors blob through the RPC), ``shm`` (safetensors file under ``shm_dir``),
+    ``broadcast`` (side-band gloo group), ``nccl`` (GPU to GPU over an NCCL group: engines on
+    other GPUs) or ``cuda_ipc`` (CUDA IPC handles: engines on the actor's GPU); the last two need CUDA."""
     update_weights_bucket_megabytes: float = 2048
-    """Upper bound of one bucket in MiB (a single larger tensor travels alone)."""
+    """Upper bound of one bucket in MiB, and of any single piece: a larger tensor travels as row
+    pieces; an expert's tensors are never split, so the bound must hold one expert shard."""
     shm_dir: str = "/dev/shm"
     """Directory of the ``shm`` transport's bucket files (a tmpfs)."""
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from parallel.transport import DEFAULT_TIMEOUT_S, Receiver, SideBand, new_receiver, receive_stream
+from parallel.bridge.export import PieceAssembler
+from parallel.transport import DEFAULT_TIMEOUT_S, Receiver, SideBand, link_group, new_receiver, receive_stream
 
 __all__ = ["WeightSyncExtension", "EngineWorld"]
 
@@ -57,7 +58,9 @@ class WeightSyncExtension:
             raise RuntimeError("begin_weight_sync: a weight update session is already open")
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
-        self._weight_sync_state = {"num_tensors": 0, "bytes": 0, "loaded": set()}
+        self._weight_sync_closed_by_abort = False
+        # pieces: row pieces of tensors larger than the bucket, reassembled before loading
+        self._weight_sync_state = {"num_tensors": 0, "bytes": 0, "loaded": set(), "pieces": PieceAssembler()}
 
     def finish_weight_sync(self) -> dict[str, Any]:
         """Close the session: process layers still pending, restore untouched ones.
@@ -69,6 +72,11 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         state = getattr(self, "_weight_sync_state", None)
+        if state is None and getattr(self, "_weight_sync_closed_by_abort", False):
+            # receive_bucket aborted this session already: report it (the caller re-raises its error)
+            self._weight_sync_closed_by_abort = False
+            return {"num_tensors": self._weight_sync_aborted["completed_tensors"], "bytes": 0, "not_loaded": [],
+                    "pieces_pending": [], "aborted": dict(self._weight_sync_aborted)}
         if state is None:
             raise RuntimeError("finish_weight_sync without begin_weight_sync")
         model = self.model_runner.get_model()
@@ -86,8 +94,55 @@ class WeightSyncExtension:
         # vLLM's MLA derives W_UK_T / W_UV from kv_b_proj after loading (absorbed decode weights):
         # no checkpoint tensor names them, and finalize_layerwise_reload recomputes them.
         names = {n for n, _ in model.named_parameters() if not n.endswith((".W_UK_T", ".W_UV"))}
+        self._weight_sync_aborted = None  # a complete sync ends any mixed state
         return {"num_tensors": state["num_tensors"], "bytes": state["bytes"],
-                "not_loaded": sorted(names - state["loaded"])}
+                "not_loaded": sorted(names - state["loaded"]), "pieces_pending": state["pieces"].pending}
+
+    def abort_weight_sync(self) -> dict[str, Any]:
+        """Close a failed session without finalising it: every layer whose weights had not all
+        arrived keeps its previous tensors (``finish_weight_sync`` would process such a layer with
+        the missing rows uninitialised); layers completed before the failure keep their new
+        values. Returns ``{"completed_tensors", "restored_layers"}`` and records them in
+        ``weight_sync_status()`` until the next complete sync."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import (LOADING_LAYERS, _place_kernel_tensors,
+                                                                       get_layerwise_info)
+
+        state = getattr(self, "_weight_sync_state", None)
+        if state is None:
+            return {"completed_tensors": 0, "restored_layers": []}
+        model = self.model_runner.get_model()
+        restored, restored_names = [], set()
+        try:
+            for name, layer in model.named_modules():
+                info = get_layerwise_info(layer)
+                if not info.can_load():
+                    continue
+                if info.kernel_tensors is not None:  # the old tensors were set aside: put them back
+                    _place_kernel_tensors(layer, info)
+                    if is_deferred_attention_layer(layer):  # as finalize does for an untouched attention layer
+                        with set_current_vllm_config(self.vllm_config):
+                            layer.process_weights_after_loading(self.vllm_config.model_config.dtype)
+                    if info.load_numel:
+                        restored.append(name)
+                        restored_names.update(f"{name}.{p}" if name else p for p, _ in layer.named_parameters())
+                info.reset()
+            LOADING_LAYERS.clear()
+            if hasattr(model, "_original_do_torchao_reload"):
+                model._do_torchao_reload = model._original_do_torchao_reload
+            _repack_reloaded_cpu_experts(model, state["loaded"] - restored_names)  # the completed ones only
+        finally:
+            self._weight_sync_state = None
+        self._weight_sync_aborted = {"completed_tensors": state["num_tensors"], "restored_layers": restored}
+        self._weight_sync_closed_by_abort = True
+        return dict(self._weight_sync_aborted)
+
+    def weight_sync_status(self) -> dict[str, Any]:
+        """``{"open": a session is open, "aborted": None or abort_weight_sync's record of the last
+        failed sync (the engine then mixes completed new layers with old ones)}``."""
+        return {"open": getattr(self, "_weight_sync_state", None) is not None,
+                "aborted": getattr(self, "_weight_sync_aborted", None)}
 
     def _load_hf_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors: into the open session, else as one complete reload (a
@@ -103,6 +158,7 @@ class WeightSyncExtension:
             return nbytes
         from vllm.config import set_current_vllm_config
 
+        named = state["pieces"].feed(named)  # whole tensors; pieces wait for their siblings
         with set_current_vllm_config(self.vllm_config):
             loaded = self.model_runner.get_model().load_weights(iter(named))
         state["loaded"].update(loaded or ())
@@ -118,12 +174,22 @@ class WeightSyncExtension:
             receivers = self._weight_receivers = {}
         if transport not in receivers:
             side_band = getattr(self, "_weight_sync_side_band", None)
-            receivers[transport] = new_receiver(transport, group=side_band.data_group if side_band else None)
+            receivers[transport] = new_receiver(transport, group=link_group(transport, side_band))
         return receivers[transport]
 
     def receive_bucket(self, transport: str, message: Any) -> int:
-        """Load one bucket whose ``message`` (``parallel.transport``) came with this call; returns its bytes."""
-        return self._load_hf_weights(self._receiver(transport).receive_bucket(message))
+        """Load one bucket whose ``message`` (``parallel.transport``) came with this call; returns its bytes.
+
+        The whole bucket is received (for ``cuda_ipc``: every handle rebuilt and checked) before
+        any of it loads; if receiving or loading fails inside a session, the session is aborted
+        (``abort_weight_sync``: no layer left half-loaded) and the error re-raised."""
+        try:
+            bucket = self._receiver(transport).receive_bucket(message)
+            return self._load_hf_weights(bucket)
+        except BaseException:
+            if getattr(self, "_weight_sync_state", None) is not None:
+                self.abort_weight_sync()
+            raise
 
     def init_weight_sync_group(self, master_addr: str, port: int, rank_offset: int, world_size: int,
                                timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
@@ -148,9 +214,12 @@ class WeightSyncExtension:
         try:
             for bucket in receive_stream(side_band, self._receiver):
                 self._load_hf_weights(bucket)
+                del bucket  # the receiver may free or reuse its buffer
                 num_buckets += 1
-        finally:
-            stats = self.finish_weight_sync()
+        except BaseException:
+            self.abort_weight_sync()  # no layer is left half-loaded
+            raise
+        stats = self.finish_weight_sync()
         return {**stats, "num_buckets": num_buckets}
 
     def destroy_weight_sync_group(self) -> None:

@@ -15,6 +15,12 @@ Placement decides the transport (``choose_transport``):
     same_node    a rollout worker process on rank 0's node   shm         listen/connect + sync(); receiver
     other_node   a rollout worker process elsewhere          broadcast   listen/connect + sync(); receiver
 
+On GPUs the same listen/connect + sync() path takes ``nccl`` (rollout workers on other GPUs: the
+side band's ranks also form an NCCL group) or ``cuda_ipc`` (engine processes on actor rank 0's
+GPU: each bucket packed into one GPU buffer whose IPC handle travels as the stream header).
+Tensors larger than the bucket travel as row pieces that the engine reassembles, so the bucket
+bound also bounds every piece; a bucket smaller than one expert shard is refused at construction.
+
 * colocated: rank 0 passes its ``VLLMRollout`` to ``sync``; tensors go by reference (an engine
   handle on rank 0 whose workers run in other processes -- vLLM TP>1 -- takes ``shm``/``bytes``/
   ``broadcast`` through the same call, see ``VLLMRollout.update_weights``).
@@ -48,12 +54,13 @@ from megatron_rl.config.base import check_choice, check_range
 from parallel.bridge import ExportStats, HFExporter
 from parallel.bridge.collective import raise_together
 from parallel.transport import DEFAULT_TIMEOUT_S, STREAMABLE, RemoteWeightSender, get_transport
+from parallel.transport.cuda import require_cuda
 
 __all__ = ["PLACEMENTS", "REMOTE_TRANSPORTS", "choose_transport", "ActorWeightSync", "RemoteWeightSender",
            "RolloutWeightReceiver"]
 
 PLACEMENTS = {"colocated": "colocated", "same_node": "shm", "other_node": "broadcast"}
-REMOTE_TRANSPORTS = STREAMABLE  # ("broadcast", "shm"): the transports that stream to another process
+REMOTE_TRANSPORTS = STREAMABLE  # ("broadcast", "cuda_ipc", "nccl", "shm"): they stream to another process
 
 
 def choose_transport(placement: str) -> str:
@@ -96,6 +103,9 @@ class ActorWeightSync:
         check_range("bucket_megabytes", bucket_megabytes, low=0, low_inclusive=False)
         self.bucket_bytes = max(1, int(bucket_megabytes * 2**20))
         self.exporter = HFExporter(list(chunks), weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
+        # Pieces never exceed the bucket (split export); an expert shard cannot be split: refuse now.
+        self.exporter.check_bucket(self.bucket_bytes,
+                                   what=f"checkpoint_engine.update_weights_bucket_megabytes={bucket_megabytes:g}")
         self.rank = _rank()
         self.remote_transport: Optional[str] = None
         self._sender: Optional[RemoteWeightSender] = None
@@ -115,6 +125,12 @@ class ActorWeightSync:
         Collective: exhaust it on every actor rank. Tensors may alias parameters (read-only)."""
         return self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats)
 
+    def iter_buckets(self, stats: Optional[ExportStats] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """What ``sync`` sends: the export one bucket at a time, tensors larger than the bucket as
+        row pieces (``parallel.bridge.export``; receivers reassemble them), so no bucket and no
+        single piece exceeds the bound. Collective, like ``iter_weights``."""
+        return self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats, split=True)
+
     # -- remote placement --------------------------------------------------------------------
     def listen(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
                shm_dir: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Optional[tuple[str, int]]:
@@ -125,7 +141,8 @@ class ActorWeightSync:
         ``REMOTE_TRANSPORTS``; ``master_addr`` is the address they reach rank 0 at; ``port=0``
         lets the OS pick a free one; ``shm_dir`` (``checkpoint_engine.shm_dir``) is required by ``shm``.
         """
-        get_transport(transport, allowed=REMOTE_TRANSPORTS)
+        if get_transport(transport, allowed=REMOTE_TRANSPORTS).requires_cuda:
+            require_cuda(transport)  # on every rank, before anything is bound
         check_range("world_size", world_size, low=2)
         self.remote_transport = transport
         if self.rank != 0:
@@ -166,7 +183,8 @@ class ActorWeightSync:
             On rank 0 ``{"transport", "bytes", "num_tensors", "num_buckets", "seconds",
             "export_buckets", "export_max_live_bytes", "export_bound_bytes"}`` (the export held
             at most ``export_max_live_bytes <= export_bound_bytes`` = bucket + largest
-            parameter at once); on the other ranks ``{"transport", "seconds"}``.
+            piece at once), ``export_pieces`` (row pieces of tensors larger than the bucket)
+            and ``export_max_piece_bytes``; on the other ranks ``{"transport", "seconds"}``.
         """
         errors = []
         if self.rank != 0 and rollout is not None:
@@ -184,7 +202,7 @@ class ActorWeightSync:
         used = self.remote_transport or transport or (rollout.config.checkpoint_engine.backend if rollout else None)
         start = time.perf_counter()
         stats = ExportStats()
-        weights = self.iter_weights(stats)
+        weights = self.iter_buckets(stats)
         if self.rank != 0:
             _drain(weights)
             return {"transport": used, "seconds": time.perf_counter() - start}
@@ -197,10 +215,12 @@ class ActorWeightSync:
         except BaseException:
             _drain(weights)  # the other actor ranks complete their sends of the export
             raise
-        return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": out["num_tensors"],
+        whole = out["num_tensors"] - stats.num_pieces + stats.num_split_tensors  # HF tensors, not pieces
+        return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": whole,
                 "num_buckets": out["num_buckets"], "seconds": time.perf_counter() - start,
                 "export_buckets": stats.num_buckets, "export_max_live_bytes": stats.max_live_bytes,
-                "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes}
+                "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes,
+                "export_pieces": stats.num_pieces, "export_max_piece_bytes": stats.max_piece_bytes}
 
 
 # ----------------------------------------------------------------------------- rollout side

@@ -83,8 +83,12 @@ class Transport:
     same_process: bool
     """Receivers must live in the sender's process (tensors pass by reference)."""
     needs_group: bool
-    """Its bytes travel over the side band's data group (connect one before the first bucket)."""
+    """Its bytes travel over a group of the side band's ranks (connect one before the first bucket)."""
     summary: str
+    group_backend: str = "gloo"
+    """Which group of the side band carries its bytes (``SideBand.group_for``): ``gloo`` or ``nccl``."""
+    requires_cuda: bool = False
+    """Both halves need CUDA (``parallel.transport.cuda.require_cuda``)."""
 
 
 @dataclasses.dataclass

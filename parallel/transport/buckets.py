@@ -54,33 +54,60 @@ def bucket_named_tensors(weights: Iterable[Any], bucket_bytes: int) -> Iterator[
     """Regroup a stream of HF-named tensors into buckets of at most ``bucket_bytes`` bytes.
 
     ``weights`` is either a flat iterable of ``(hf_name, tensor)`` pairs or an iterable of
-    buckets (lists of pairs, e.g. the bridge's export); both are streamed, never
-    materialised. A single tensor larger than ``bucket_bytes`` travels alone.
+    buckets (lists of pairs, e.g. the bridge's ``HFExporter.iter_buckets``); both are streamed,
+    never materialised. An input bucket that fits the bound passes through as it is (never
+    merged with its neighbours, so the source may build the next bucket only once this one is
+    dropped); a larger one is split. A single tensor larger than ``bucket_bytes`` travels alone.
+    No reference to a bucket is kept once it has been yielded.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     bucket: Bucket = []
     size = 0
-    for name, tensor in _flatten(weights):
+    index = 0
+    weights = iter(weights)
+    while True:
+        item = next(weights, None)
+        if item is None:
+            break
+        if isinstance(item, list) and item and isinstance(item[0], str):  # ["name", tensor]: not a bucket
+            check_pair(item, index)
+        if isinstance(item, list):  # a bucket: flush the pairs before it, then pass it on or split it
+            pairs = [check_pair(p, index + i) for i, p in enumerate(item)]
+            index += len(pairs)
+            del item
+            if bucket:
+                yield bucket
+                bucket, size = [], 0
+            if sum(nbytes(t) for _, t in pairs) <= bucket_bytes:
+                if pairs:
+                    yield pairs
+                del pairs
+                continue
+            for pair in pairs:
+                n = nbytes(pair[1])
+                if bucket and size + n > bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append(pair)
+                size += n
+            del pairs, pair
+            if bucket:
+                yield bucket
+                bucket, size = [], 0
+            continue
+        name, tensor = check_pair(item, index)
+        index += 1
+        del item
         n = nbytes(tensor)
         if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
+        del tensor
         size += n
     if bucket:
         yield bucket
-
-
-def _flatten(weights: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    index = 0
-    for item in weights:
-        if isinstance(item, list) and item and isinstance(item[0], str):  # ["name", tensor]: not a bucket
-            check_pair(item, index)
-        pairs = [item] if isinstance(item, tuple) else item  # a pair, or a bucket of pairs
-        for pair in pairs:
-            yield check_pair(pair, index)
-            index += 1
 
 
 def bucket_meta(bucket: NamedTensors) -> dict[str, Any]:

@@ -85,15 +85,21 @@ def transfer(sender: Sender, buckets: Iterable[Bucket], channel: Channel) -> Tra
         sender.release()
 
     try:
-        for bucket in buckets:
+        buckets = iter(buckets)
+        while True:
+            bucket = next(buckets, None)
+            if bucket is None:
+                break
             message = sender.send_bucket(bucket)
+            stats.add(bucket)
+            del bucket  # before the source builds the next one: the sender holds what it still needs
             if channel.pipelined and unconfirmed:
                 confirm_oldest()  # the previous bucket, now that this one is ready
             channel.deliver(message)
+            del message
             unconfirmed += 1
             if not channel.pipelined:
                 confirm_oldest()
-            stats.add(bucket)
         while unconfirmed:
             confirm_oldest()
         channel.end()

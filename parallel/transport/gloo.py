@@ -78,18 +78,21 @@ class SideBand:
     The sender ``listen()``s first (binds the store; ``port=0`` lets the OS pick one -- a port
     chosen in advance may be taken meanwhile, e.g. by gloo's own listeners), hands
     ``(master_addr, port)`` to the receivers, then every rank calls ``connect()`` concurrently
-    (it blocks until all have joined).
+    (it blocks until all have joined). With ``nccl=True`` on rank 0 (the ``nccl`` transport) every
+    rank also brings up an NCCL group of the same ranks in ``connect`` (``group_for("nccl")``).
     """
 
     def __init__(self, master_addr: str, port: int, rank: int, world_size: int, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, nccl: bool = False):
         if world_size < 2:
             raise ValueError(f"world_size={world_size} is out of range; allowed: [2, inf)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
         self.master_addr, self.port, self.rank, self.world_size = master_addr, port, rank, world_size
         self.timeout_s = timeout_s
+        self.nccl = nccl  # rank 0's choice; the others read it from the store when they connect
         self.data_group = self.control_group = None
+        self._nccl_group = None
         self._store: Optional[dist.TCPStore] = None
 
     @property
@@ -103,6 +106,7 @@ class SideBand:
         if self._store is None:
             self._store = dist.TCPStore(self.master_addr, self.port, self.world_size, is_master=True,
                                         wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store.set("weight_sync/nccl", "1" if self.nccl else "0")
             self.port = self._store.port
         return self.port
 
@@ -118,9 +122,43 @@ class SideBand:
                                          prefix="weight_sync/data", **make)
         self.control_group = new_gloo_group(self.master_addr, self.port, self.rank, self.world_size,
                                             prefix="weight_sync/control", **make)
+        self.nccl = store.get("weight_sync/nccl") == b"1"
+        if self.nccl:  # NCCL's first collective blocks until every rank joins: do it now, while all are here
+            import torch
+
+            group = self.group_for("nccl")
+            broadcast(group, torch.zeros(1, device=torch.cuda.current_device())).wait()
+            torch.cuda.synchronize()
         return self
+
+    def group_for(self, backend: str):
+        """The group a transport's bytes travel over: ``gloo`` (the data group) or ``nccl`` (an
+        NCCL group of the same ranks over the same store, made on first use: every rank asks for
+        it in the same order -- when its transport's first half is built -- and NCCL itself
+        rendezvouses on the first collective; ``connect`` runs that one when rank 0 was built with
+        ``nccl=True``). None before ``connect``."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"side band backend={backend!r} is not allowed; choose 'gloo' or 'nccl'")
+        if not self.connected:
+            return None
+        if backend == "gloo":
+            return self.data_group
+        if self._nccl_group is None:
+            import torch
+
+            from parallel.transport.cuda import require_cuda
+
+            require_cuda("nccl")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = datetime.timedelta(seconds=self.timeout_s)
+            self._nccl_group = dist.ProcessGroupNCCL(dist.PrefixStore("weight_sync/nccl", self._store), self.rank,
+                                                     self.world_size, options)
+            self._nccl_device = torch.cuda.current_device()
+        return self._nccl_group
 
     def close(self) -> None:
         """Drop the groups and the store (their sockets close with them)."""
-        self.data_group = self.control_group = None
+        if self._nccl_group is not None:
+            self._nccl_group.shutdown()
+        self.data_group = self.control_group = self._nccl_group = None
         self._store = None

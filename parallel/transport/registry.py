@@ -2,8 +2,8 @@
 
 ``checkpoint_engine.backend`` (``megatron_rl.config.rollout.WeightSyncConfig``) names an entry;
 ``get_transport(name)`` is the only lookup, and an unknown name is a ``ValueError`` listing
-the valid ones. ``nccl`` and ``cuda_ipc`` are reserved for GPU transports that are not built
-yet: they fail with the same error and say so.
+the valid ones. ``nccl`` (verl's backend name) and ``cuda_ipc`` need CUDA: building either half
+without it is a ``ValueError`` naming the key (``parallel.transport.cuda.require_cuda``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from parallel.transport.base import Receiver, Sender, Transport
 from parallel.transport.broadcast import BroadcastReceiver, BroadcastSender
 from parallel.transport.bytes_blob import BytesReceiver, BytesSender
 from parallel.transport.colocated import ColocatedReceiver, ColocatedSender
+from parallel.transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from parallel.transport.nccl import NcclReceiver, NcclSender
 from parallel.transport.shm import ShmReceiver, ShmSender
 
-__all__ = ["TRANSPORTS", "RESERVED", "STREAMABLE", "get_transport", "new_sender", "new_receiver"]
+__all__ = ["TRANSPORTS", "RESERVED", "STREAMABLE", "GPU_TRANSPORTS", "get_transport", "new_sender", "new_receiver",
+           "link_group"]
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
     Transport("colocated", ColocatedSender, ColocatedReceiver, streamable=False, same_process=True, needs_group=False,
@@ -27,9 +30,17 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
               summary="one safetensors file per bucket under a tmpfs directory; receivers map it"),
     Transport("broadcast", BroadcastSender, BroadcastReceiver, streamable=True, same_process=False, needs_group=True,
               summary="tensor bytes broadcast over the side band's gloo data group"),
+    Transport("nccl", NcclSender, NcclReceiver, streamable=True, same_process=False, needs_group=True,
+              group_backend="nccl", requires_cuda=True,
+              summary="tensor bytes broadcast GPU to GPU over an NCCL group of the side band's ranks"),
+    Transport("cuda_ipc", CudaIpcSender, CudaIpcReceiver, streamable=True, same_process=False, needs_group=False,
+              requires_cuda=True,
+              summary="one GPU buffer per bucket shared by CUDA IPC handle with engines on that GPU"),
 )}
-RESERVED = {"nccl": "an NCCL broadcast group between GPUs", "cuda_ipc": "CUDA IPC handles between GPU processes"}
-STREAMABLE = tuple(sorted(name for name, t in TRANSPORTS.items() if t.streamable))  # ("broadcast", "shm")
+RESERVED: dict[str, str] = {}  # names kept for transports not built yet (none now)
+STREAMABLE = tuple(sorted(name for name, t in TRANSPORTS.items() if t.streamable))
+# ("broadcast", "cuda_ipc", "nccl", "shm")
+GPU_TRANSPORTS = tuple(name for name, t in TRANSPORTS.items() if t.requires_cuda)  # ("nccl", "cuda_ipc")
 
 
 def get_transport(name: str, *, allowed: Optional[tuple[str, ...]] = None) -> Transport:
@@ -49,3 +60,11 @@ def new_sender(name: str, *, group=None, shm_dir: Optional[str] = None) -> Sende
 def new_receiver(name: str, *, group=None) -> Receiver:
     """A receiver for transport ``name`` (see ``Receiver.create``)."""
     return get_transport(name).receiver.create(group=group)
+
+
+def link_group(name: str, side_band):
+    """The group of ``side_band`` that transport ``name``'s bytes travel over (None if it needs none)."""
+    entry = get_transport(name)
+    if side_band is None or not entry.needs_group:
+        return None
+    return side_band.group_for(entry.group_backend)

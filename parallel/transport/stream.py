@@ -10,7 +10,7 @@ side, ``receive_stream(side_band, ...)`` on the other. On the control group ever
 
 and the stream ends with ``{"kind": "end"}``, or ``{"kind": "abort", "error"}`` when the sender
 failed, which makes every receiver raise ``RuntimeError("weight sync aborted by the sender:
-...")``. Only ``streamable`` transports (``shm``, ``broadcast``) can stream.
+...")``. Only ``streamable`` transports (``shm``, ``broadcast``, ``nccl``, ``cuda_ipc``) can stream.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from parallel.transport.base import Receiver
 from parallel.transport.buckets import Bucket, bucket_named_tensors
 from parallel.transport.execution import transfer
 from parallel.transport.gloo import DEFAULT_TIMEOUT_S, SideBand, ack, recv_header, send_header
-from parallel.transport.registry import STREAMABLE, get_transport, new_receiver
+from parallel.transport.cuda import require_cuda
+from parallel.transport.registry import STREAMABLE, get_transport, link_group, new_receiver
 
 __all__ = ["StreamChannel", "RemoteWeightSender", "receive_stream", "stream_receivers"]
 
@@ -54,7 +55,7 @@ def stream_receivers(side_band: SideBand) -> Callable[[str], Receiver]:
     def receiver(name: str) -> Receiver:
         if name not in made:
             get_transport(name, allowed=STREAMABLE)
-            made[name] = new_receiver(name, group=side_band.data_group)
+            made[name] = new_receiver(name, group=link_group(name, side_band))
         return made[name]
 
     return receiver
@@ -89,7 +90,7 @@ class RemoteWeightSender:
 
     Args:
         world_size: 1 + the number of receiving processes (every vLLM worker of every replica).
-        transport: a streamable transport (``broadcast`` or ``shm``).
+        transport: a streamable transport (``broadcast``, ``shm``, ``nccl`` or ``cuda_ipc``).
         master_addr: the address receivers reach this process at; ``port=0`` lets the OS pick.
         shm_dir: the tmpfs directory of the ``shm`` transport's files (required for it).
     """
@@ -97,8 +98,11 @@ class RemoteWeightSender:
     def __init__(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
                  shm_dir: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.entry = get_transport(transport, allowed=STREAMABLE)
+        if self.entry.requires_cuda:
+            require_cuda(transport)  # before any port is bound
         self.transport = transport
-        self.side_band = SideBand(master_addr, port, 0, world_size, timeout_s=timeout_s)
+        self.side_band = SideBand(master_addr, port, 0, world_size, timeout_s=timeout_s,
+                                  nccl=self.entry.group_backend == "nccl")
         self.shm_dir = shm_dir
         # A transport without a group is built (and its settings checked) now, one with a group once connected.
         self._sender = None if self.entry.needs_group else self.entry.sender.create(shm_dir=shm_dir)
@@ -116,7 +120,8 @@ class RemoteWeightSender:
         """Join the side band as rank 0; blocks until all ``world_size`` ranks have joined."""
         self.side_band.connect()
         if self._sender is None:
-            self._sender = self.entry.sender.create(group=self.side_band.data_group, shm_dir=self.shm_dir)
+            self._sender = self.entry.sender.create(group=link_group(self.transport, self.side_band),
+                                                    shm_dir=self.shm_dir)
 
     def send(self, weights: Iterable[Any], bucket_bytes: int) -> dict[str, Any]:
         """Stream ``(hf_name, tensor)`` pairs (or buckets) as buckets of at most ``bucket_bytes``.

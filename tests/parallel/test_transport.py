@@ -104,20 +104,20 @@ def test_a_bucket_holds_at_most_the_bound_unless_one_tensor_is_larger():
 
 
 # ----------------------------------------------------------------------------- registry
-def test_registry_names_every_transport_and_reserves_gpu_ones():
-    assert list(TRANSPORTS) == ["colocated", "bytes", "shm", "broadcast"]
-    assert STREAMABLE == ("broadcast", "shm")
+def test_registry_names_every_transport_gpu_ones_included():
+    assert list(TRANSPORTS) == ["colocated", "bytes", "shm", "broadcast", "nccl", "cuda_ipc"]
+    assert STREAMABLE == ("broadcast", "cuda_ipc", "nccl", "shm")
     assert [n for n, t in TRANSPORTS.items() if t.same_process] == ["colocated"]
-    assert [n for n, t in TRANSPORTS.items() if t.needs_group] == ["broadcast"]
+    assert [n for n, t in TRANSPORTS.items() if t.needs_group] == ["broadcast", "nccl"]
+    assert [(n, t.group_backend) for n, t in TRANSPORTS.items() if t.needs_group] == [("broadcast", "gloo"),
+                                                                                      ("nccl", "nccl")]
+    assert [n for n, t in TRANSPORTS.items() if t.requires_cuda] == ["nccl", "cuda_ipc"]
+    assert RESERVED == {}  # nccl and cuda_ipc were reserved until built
     with pytest.raises(ValueError, match=r"^transport='gpu' is not allowed; choose one of "
-                                         r"\['colocated', 'bytes', 'shm', 'broadcast'\]$"):
+                                         r"\['colocated', 'bytes', 'shm', 'broadcast', 'nccl', 'cuda_ipc'\]$"):
         get_transport("gpu")
-    for name in ("nccl", "cuda_ipc"):
-        assert name in RESERVED
-        with pytest.raises(ValueError, match=rf"^transport='{name}' is not allowed; choose one of .*"
-                                             rf"\('{name}' is reserved for .*, not built yet\)$"):
-            get_transport(name)
-    with pytest.raises(ValueError, match=r"transport='bytes' is not allowed; choose one of \['broadcast', 'shm'\]"):
+    with pytest.raises(ValueError, match=r"transport='bytes' is not allowed; choose one of "
+                                         r"\['broadcast', 'cuda_ipc', 'nccl', 'shm'\]"):
         get_transport("bytes", allowed=STREAMABLE)
 
 

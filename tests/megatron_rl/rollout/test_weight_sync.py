@@ -376,8 +376,12 @@ def test_placements_and_bad_input_are_named(tmp_path):
         sync.sync()
     with pytest.raises(RuntimeError, match=r"ActorWeightSync.connect before listen\(\)"):
         sync.connect()
-    with pytest.raises(ValueError, match=r"transport='nccl' is not allowed; choose one of \['broadcast', 'shm'\]"):
-        sync.listen(2, transport="nccl")
+    with pytest.raises(ValueError, match=r"transport='bytes' is not allowed; choose one of "
+                                         r"\['broadcast', 'cuda_ipc', 'nccl', 'shm'\]"):
+        sync.listen(2, transport="bytes")
+    if not torch.cuda.is_available():  # a GPU transport without CUDA: refused before any port is bound
+        with pytest.raises(ValueError, match=r"checkpoint_engine.backend='nccl' needs CUDA"):
+            sync.listen(2, transport="nccl")
     with pytest.raises(ValueError, match=r"world_size=1 is out of range"):
         sync.listen(1, transport="broadcast")
     addr, port = sync.listen(2, transport="broadcast", timeout_s=5)  # binds a port the OS picked; nobody joins
