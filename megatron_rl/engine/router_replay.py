@@ -33,8 +33,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MODES", "ROUTED_EXPERTS", "RoutingReplay", "RoutingSession", "routing_dtype", "check_router_replay",
-           "check_run_router_replay", "save_routing"]
+__all__ = ["MODES", "ROUTED_EXPERTS", "RoutingReplay", "RoutingSession", "token_sources", "routing_dtype",
+           "check_router_replay", "check_run_router_replay", "save_routing"]
 
 MODES = ("disabled", "R2", "R3")
 """verl's ``router_replay.mode``: off; R2 replays the old-log-prob pass's routing; R3 the rollout's."""
@@ -85,6 +85,35 @@ def _replay_classes():
             return probs, used
 
     return CountingReplay, RouterReplayAction
+
+
+def token_sources(mb: dict, layout: Any, *, tp_size: int = 1, tp_rank: int = 0) -> torch.Tensor:
+    """``[n]``: for each token this rank's routers see in micro-batch ``mb`` (in the order they route
+    them), its flat index into ``mb``'s ``[b, s]`` (``row * s + column``), or -1 for padding the layout
+    added. ``layout``: the micro-batch's ``PackedLayout`` (THD, ``[1, t]``: row i's k-th valid token at
+    ``starts[i] + k``) or padded ``Layout`` (left-aligned rows, routed as ``[s', b]``), either with this
+    rank's CP share; ``tp_size`` / ``tp_rank``: the contiguous sequence slice of sequence parallelism."""
+    mask = mb["attention_mask"].bool().cpu()
+    b, s = mask.shape
+    lengths = mask.sum(-1)
+    shift = (mask.long().cumsum(-1) == 0).sum(-1)  # leading pads
+    if hasattr(layout, "starts"):
+        full = torch.full((layout.seq_len,), -1, dtype=torch.long)
+        rows = torch.arange(b).repeat_interleave(lengths)
+        within = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[rows]
+        full[layout.starts.cpu()[rows] + within] = rows * s + shift[rows] + within
+        if layout.cp_size > 1:
+            full = full[layout.cp_indices[dist.get_rank(layout.cp_group)].cpu()]
+        full = full[:, None]  # [t, 1]
+    else:
+        j = torch.arange(layout.seq_len)[:, None]
+        full = torch.where(j < lengths[None], torch.arange(b)[None] * s + shift[None] + j,
+                           torch.full((), -1, dtype=torch.long))
+        if layout.cp_size > 1:
+            full = full[layout.local_index.cpu()]
+    if tp_size > 1:
+        full = full.chunk(tp_size, dim=0)[tp_rank]
+    return full.reshape(-1)
 
 
 class RoutingReplay:
@@ -173,31 +202,10 @@ class RoutingSession:
             state.counts.zero_()
             state.set_router_replay_action(replay.action.RECORD if action == "record" else replay.action.REPLAY_FORWARD)
 
-    # -- where this rank's router tokens come from --------------------------------------------
     def token_sources(self, mb: dict, layout: Any) -> torch.Tensor:
-        """``[n]``: for each token this rank's routers see in ``mb`` (in their order), its flat index
-        into ``mb``'s ``[b, s]`` (``row * s + column``), or -1 for padding the layout added."""
-        mask = mb["attention_mask"].bool()
-        b, s = mask.shape
-        lengths = mask.sum(-1)
-        shift = (mask.long().cumsum(-1) == 0).sum(-1)
-        if hasattr(layout, "starts"):  # packed THD: [1, t], row i's k-th valid token at starts[i] + k
-            full = torch.full((layout.seq_len,), -1, dtype=torch.long)
-            rows = torch.arange(b).repeat_interleave(lengths.cpu())
-            within = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths).cpu()[rows]
-            full[layout.starts.cpu()[rows] + within] = rows * s + shift.cpu()[rows] + within
-            if layout.cp_size > 1:
-                full = full[layout.cp_indices[dist.get_rank(layout.cp_group)].cpu()]
-            full = full[:, None]  # [t, 1]
-        else:  # padded rows, left-aligned: [b, s'] -> the router's [s', b]
-            j = torch.arange(layout.seq_len)[:, None]
-            full = torch.where(j < lengths.cpu()[None], torch.arange(b)[None] * s + shift.cpu()[None] + j,
-                               torch.full((), -1, dtype=torch.long))
-            if layout.cp_size > 1:
-                full = full[layout.local_index.cpu()]
-        if self.sequence_parallel:  # this TP rank's contiguous slice of the sequence
-            full = full.chunk(self.mesh.size("tp"), dim=0)[self.mesh.tp_rank]
-        return full.reshape(-1)
+        """``token_sources`` of this rank (its TP slice under sequence parallelism)."""
+        tp = (self.mesh.size("tp"), self.mesh.tp_rank) if self.sequence_parallel else (1, 0)
+        return token_sources(mb, layout, tp_size=tp[0], tp_rank=tp[1])
 
     # -- around each micro-batch's forward on a chunk -------------------------------------------
     def before_forward(self, chunk: Any, index: int, mb: dict, layout: Any) -> None:

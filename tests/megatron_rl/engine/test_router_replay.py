@@ -8,7 +8,8 @@ single-rank recording of the same weights (the layout mapping is right, not just
 pass's log-probs and routes exactly as recorded; (3) after the router weights are perturbed, a
 replayed update still routes exactly as recorded (``router_agreement/used`` 1.0, the natural
 agreement below 1) and the routers still get gradients; (4) with replay off the routing differs.
-Routing is compared through forward hooks on Megatron's ``TopKRouter`` (its ``routing_map``).
+Routing is compared through forward hooks on Megatron's ``TopKRouter`` (its ``routing_map``). A spawn
+without a model checks ``token_sources`` (which token each routed position is) under CP=2 and SP too.
 """
 
 from __future__ import annotations
@@ -188,3 +189,44 @@ def test_r2_replays_recorded_routing(layout, reference):
         assert not res["same_maps_off"]
         assert res["freed"]
 
+
+
+def _token_sources_case(rank, world_size):
+    """Every layout's router tokens, mapped back by ``token_sources``, are the tokens the rank feeds the
+    model: packed / padded, whole or split over 2 CP ranks (zigzag), whole or cut into TP=2 SP slices."""
+    import torch.distributed as dist
+
+    from megatron_rl.engine.layout import prepare_inputs
+    from megatron_rl.engine.packing import pack_micro_batch
+    from megatron_rl.engine.router_replay import token_sources
+
+    batch = make_batch(MOE["vocab_size"])
+    mb = {k: v[2:6] for k, v in batch.items()}  # rows of 5, 5, 5 and 5 tokens: CP pads each to 8
+    flat = mb["input_ids"].reshape(-1)
+    group = dist.new_group(list(range(world_size)))
+    out = {}
+    for name, cp_group in (("whole", None), ("cp2", group)):
+        for tp in (1, 2):
+            packed_ids, _, _, packed = pack_micro_batch(mb, tp_multiple=tp, cp_group=cp_group)
+            padded_ids, _, padded = prepare_inputs(mb, pad_to=0, multiple=tp, cp_group=cp_group)
+            # the routers see [s, b] (packed: [t, 1]); sequence parallelism slices the s axis
+            for layout_name, ids, layout in (("packed", packed_ids.t(), packed), ("padded", padded_ids.t(), padded)):
+                for tp_rank in range(tp):
+                    src = token_sources(mb, layout, tp_size=tp, tp_rank=tp_rank)
+                    routed = ids.reshape(-1) if tp == 1 else ids.chunk(tp, dim=0)[tp_rank].reshape(-1)
+                    valid = src >= 0
+                    key = f"{name}/tp{tp}/{layout_name}/{tp_rank}"
+                    out[key] = (bool(torch.equal(routed[valid], flat[src[valid]])), src[valid].tolist())
+    return out
+
+
+def test_token_sources_follow_every_layout():
+    results = run_distributed(_token_sources_case, 2)
+    mask = make_batch(MOE["vocab_size"])["attention_mask"][2:6].reshape(-1).bool()
+    every_valid = sorted(torch.nonzero(mask).flatten().tolist())
+    for key in results[0]:
+        assert all(res[key][0] for res in results), key  # the ids the routers see are the batch's tokens
+        split = key.startswith("cp2")
+        seen = sorted(i for res in (results if split else results[:1]) for k, (_, ids) in res.items()
+                      if k.rsplit("/", 1)[0] == key.rsplit("/", 1)[0] for i in ids)
+        assert seen == every_valid, key  # each valid token routed exactly once across the CP / SP shares
