@@ -62,6 +62,15 @@ def _check_rollout_n(value: int) -> None:
         raise ValueError(f"actor_rollout_ref.rollout.n={value} is out of range (samples per prompt); allowed: [1, inf)")
 
 
+def _check_distributed_optimizer(where: str, megatron: "MegatronConfig", optim: Any) -> None:
+    """Megatron's ``DistributedOptimizer`` shards Adam's state and refuses any other optimizer (an
+    assertion inside the workers, after allocation): name the keys here instead."""
+    if megatron.use_distributed_optimizer and optim.optimizer != "adam":
+        raise ValueError(f"{where}.megatron.use_distributed_optimizer=True is not allowed with {where}.optim.optimizer="
+                         f"{optim.optimizer!r}: Megatron's DistributedOptimizer shards only Adam's state; set "
+                         f"{where}.megatron.use_distributed_optimizer=False or {where}.optim.optimizer=adam")
+
+
 def _check_freq(field_name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise ValueError(f"{field_name}={value!r} is not allowed; use a positive int, or -1/0 to disable")
@@ -117,10 +126,12 @@ class MegatronConfig(BaseConfig):
     """Keep gradient buffers in host memory while this role is idle."""
     optimizer_offload: bool = False
     """Keep optimizer state in host memory while this role is idle."""
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = True
     """Shard a trainable role's optimizer state (Adam moments, fp32 masters) over data parallelism
-    (Megatron's ZeRO-1 ``DistributedOptimizer``; on CPU through ``parallel.cpu_compat``). verl's
-    default is True; here False until the planner's pinned unsharded figures move with it."""
+    (Megatron's ZeRO-1 ``DistributedOptimizer``; on CPU through ``parallel.cpu_compat``), as verl's
+    default. At DP=1 it steps like the plain optimizer up to float32 rounding (it sums the gradient
+    norm in another order); Adam only (``optim.optimizer=sgd`` needs False). Megatron pads each bucket
+    to a multiple of lcm(DP, 128), so every DP size shards evenly."""
     dtype: Optional[str] = None
     """Training dtype (the workers' ``params_dtype``): ``float32``, ``bfloat16`` or ``float16``; None =
     the model's: an inline model's ``params_dtype``, ``float32`` for an HF checkpoint (its stored
@@ -249,6 +260,7 @@ class ActorRunConfig(ActorConfig):
         _check_rollout_n(self.rollout_n)
         super().__post_init__()
         check_choice("actor.strategy", self.strategy, ("megatron",))
+        _check_distributed_optimizer("actor_rollout_ref.actor", self.megatron, self.optim)
 
 
 @dataclasses.dataclass
@@ -307,6 +319,7 @@ class CriticRunConfig(CriticConfig):
         _check_rollout_n(self.rollout_n)
         super().__post_init__()
         check_choice("critic.strategy", self.strategy, ("megatron",))
+        _check_distributed_optimizer("critic", self.megatron, self.optim)
 
 
 # ----------------------------------------------------------------------------- reward

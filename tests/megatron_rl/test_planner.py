@@ -27,6 +27,8 @@ GPU_RECIPES = ["gpu/qwen3_30b_a3b_grpo", "gpu/qwen3_30b_a3b_dapo", "gpu/qwen3_30
                "gpu/qwen3_235b_a22b_grpo", "gpu/qwen3_235b_a22b_dapo", "gpu/llama3_1_70b_grpo",
                "gpu/llama3_1_70b_dapo"]
 TP, PP = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+# Figures computed with Adam state replicated on every DP rank (the default shards it: use_distributed_optimizer=True)
+UNSHARDED = ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false", "critic.megatron.use_distributed_optimizer=false"]
 
 
 def test_published_parameter_counts():
@@ -66,18 +68,20 @@ def test_published_cluster_sizes():
     assert plan_run(load_config("gpu/llama3_1_70b_grpo", ["trainer.nnodes=8"])).fits
     # 235B on 8 nodes: TP=4 with EP=32 does not fit (unsharded Adam state); TP=8 does.
     ep32 = "actor_rollout_ref.actor.megatron.expert_model_parallel_size=32"
-    plan = plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32]))
+    plan = plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32, *UNSHARDED]))
     assert not plan.fits and plan.suggestion.startswith("Nearest layout that fits: tensor_model_parallel_size=8 "
                                                          "pipeline_model_parallel_size=2 expert_model_parallel_size=32")
-    assert plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32, f"{TP}=8"])).fits
+    assert plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32, f"{TP}=8", *UNSHARDED])).fits
+    # With the Adam state sharded over DP (the default), TP=4 with EP=32 fits
+    assert plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32])).fits
 
 
 def test_llama70b_unsharded_refused_with_suggestion():
-    cfg = load_config("gpu/llama3_1_70b_grpo", [f"{TP}=1", f"{PP}=1"])
+    cfg = load_config("gpu/llama3_1_70b_grpo", [f"{TP}=1", f"{PP}=1", *UNSHARDED])
     with pytest.raises(ValueError, match=r"needs 1194\.\d GiB per GPU.*optimizer state.*Nearest layout that fits: "
                                          r"tensor_model_parallel_size=8 pipeline_model_parallel_size=2"):
         check_plan(cfg)
-    one_node = plan_run(load_config("gpu/llama3_1_70b_grpo", ["trainer.nnodes=1", f"{TP}=1", f"{PP}=1"]))
+    one_node = plan_run(load_config("gpu/llama3_1_70b_grpo", ["trainer.nnodes=1", f"{TP}=1", f"{PP}=1", *UNSHARDED]))
     assert not one_node.fits and one_node.suggestion.startswith("No layout fits on 1 node(s); on 2 nodes")
 
 
