@@ -81,7 +81,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_stream import build_empty_model
+    from tools.convert_stream import build_empty_model, fork_write_queue, restore_released, state_for_save
 
     marks = {"started": time.time()}  # wall clock: the driver's start is spec["t0"]
     pc = ParallelConfig.from_dict(spec["layout"])
@@ -105,15 +105,19 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
             progress.stage(stages[2])
             done = progress.watch(tmp, spec["expected_bytes"])
             try:
+                fork_write_queue()
+                prebuilt, released = state_for_save(chunks)  # every byte once: no clones of views
                 # checkpoint_version 3.0: Megatron-LM would otherwise treat it as a pre-2.0 checkpoint.
-                save_model(chunks, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
+                save_model(prebuilt, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
                            common={"checkpoint_version": 3.0, "iteration": 0})
+                del prebuilt
             finally:
                 done.set()
             marks["saved"] = time.time()
             logits = None
             if spec["verify_ids"] is not None:
                 progress.stage("verify: reload + forward")
+                restore_released(released)
                 with torch.no_grad():  # every value the forward sees must come from the files just written
                     for chunk in chunks:
                         for param in chunk.parameters():

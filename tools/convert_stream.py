@@ -60,3 +60,70 @@ def build_empty_model(model_cfg: Any, parallel_config: Any) -> list[torch.nn.Mod
     if leftovers:
         raise RuntimeError(f"the model keeps meta tensors outside its parameters and buffers: {leftovers[:5]}")
     return chunks
+
+
+class _Prebuilt:
+    """A chunk stand-in for ``parallel.checkpoint.save_model``: its ``sharded_state_dict()`` is given."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def sharded_state_dict(self) -> dict:
+        """The state dict built by ``state_for_save``."""
+        return self._state
+
+
+def state_for_save(chunks: list[torch.nn.Module]) -> tuple[list[Any], dict]:
+    """Stand-ins for ``chunks`` whose sharded state dicts hold no views, and the parameters given up.
+
+    Megatron's writer clones every tensor that is a view before it writes anything (a view would
+    otherwise be saved with its whole storage): the gate and up halves of every gated MLP's fc1
+    (a third of a dense model, two thirds of an MoE's experts) would exist twice during the save.
+    Here the factories are applied (as ``dist_checkpointing.save`` applies them) and each
+    parameter's views are cloned one parameter at a time, its own storage released right after,
+    so the state dict holds every byte once. Returns the stand-ins (for ``save_model``) and
+    {parameter: shape} of the released parameters (``restore_released`` gives them storage again).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    owners = {p.untyped_storage().data_ptr(): p for c in chunks for p in c.parameters() if p.numel()}
+    states, views = [], {}
+    for chunk in chunks:
+        state = chunk.sharded_state_dict()
+        apply_factories(state)
+        for leaf in nested_values(state):
+            if isinstance(leaf, ShardedTensor) and isinstance(leaf.data, torch.Tensor) and leaf.data.numel():
+                storage = leaf.data.untyped_storage()
+                if storage.nbytes() != leaf.data.numel() * leaf.data.element_size():
+                    views.setdefault(storage.data_ptr(), []).append(leaf)
+        states.append(state)
+    released = {}
+    with torch.no_grad():
+        for ptr, leaves in views.items():
+            for leaf in leaves:
+                leaf.data = leaf.data.clone()
+            owner = owners.get(ptr)
+            if owner is not None:  # every reference to its storage was a view, now cloned
+                released[owner] = tuple(owner.shape)
+                owner.data = torch.empty(0, dtype=owner.dtype)
+    return [_Prebuilt(s) for s in states], released
+
+
+def restore_released(released: dict) -> None:
+    """Give the parameters ``state_for_save`` released empty storage of their shape again."""
+    for param, shape in released.items():
+        param.data = torch.empty(shape, dtype=param.dtype)
+
+
+def fork_write_queue() -> None:
+    """Megatron's torch_dist writer reports through a ``multiprocessing`` Manager queue that it
+    starts with ``spawn`` on first use: a fresh interpreter that imports torch to unpickle the
+    results (seconds, and a private torch-sized process beside the rank). A manager forked from
+    this rank starts at once and shares its pages; set it before the first save."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
