@@ -88,6 +88,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
     ckpt = tmp / spec["ckpt_subdir"] if spec["ckpt_subdir"] else tmp
     mesh = init_mesh(pc)
+    fork_write_queue()  # before the weights exist
     stages = ["build model", "load HF weights (sliced)", "save dist checkpoint"]
     progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
                         enabled=rank == 0)
@@ -105,7 +106,6 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
             progress.stage(stages[2])
             done = progress.watch(tmp, spec["expected_bytes"])
             try:
-                fork_write_queue()
                 prebuilt, released = state_for_save(chunks)  # every byte once: no clones of views
                 # checkpoint_version 3.0: Megatron-LM would otherwise treat it as a pre-2.0 checkpoint.
                 save_model(prebuilt, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},

@@ -120,10 +120,17 @@ def fork_write_queue() -> None:
     """Megatron's torch_dist writer reports through a ``multiprocessing`` Manager queue that it
     starts with ``spawn`` on first use: a fresh interpreter that imports torch to unpickle the
     results (seconds, and a private torch-sized process beside the rank). A manager forked from
-    this rank starts at once and shares its pages; set it before the first save."""
+    this rank starts at once and shares its pages. Call it early, before the weights exist (the
+    manager then shares none of them); ``gc.freeze`` keeps the manager's collections from touching,
+    and so copying, every page of Python objects it inherited."""
+    import gc
     import multiprocessing as mp
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        gc.freeze()
+        try:
+            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        finally:
+            gc.unfreeze()
