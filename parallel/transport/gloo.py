@@ -158,7 +158,8 @@ class SideBand:
 
     def close(self) -> None:
         """Drop the groups and the store (their sockets close with them)."""
-        if self._nccl_group is not None:
-            self._nccl_group.shutdown()
+        shutdown = getattr(self._nccl_group, "shutdown", None)  # frees the NCCL communicator now
+        if shutdown is not None:
+            shutdown()
         self.data_group = self.control_group = self._nccl_group = None
         self._store = None

@@ -81,8 +81,8 @@ def test_config_is_verl_keyed_and_validated():
         RolloutConfig(top_p=0.0)
     with pytest.raises(ValueError, match=r"rollout.top_k=-2 is out of range"):
         RolloutConfig(top_k=-2)
-    with pytest.raises(ValueError, match=r"checkpoint_engine.backend='nccl' is not allowed"):
-        RolloutConfig(checkpoint_engine={"backend": "nccl"})
+    with pytest.raises(ValueError, match=r"checkpoint_engine.backend='hccl' is not allowed"):  # nccl is built now
+        RolloutConfig(checkpoint_engine={"backend": "hccl"})
     with pytest.raises(ValueError, match=r"rollout.max_model_len=100 is smaller than prompt_length \+ response_length = 1024"):
         RolloutConfig(max_model_len=100)
 
@@ -249,8 +249,11 @@ def test_partial_weight_sync_is_refused_unless_allowed(rollout, models):
     assert stats["num_tensors"] == len(subset)
     prompt = m0["prompts"][0]
     assert rollout.generate([prompt], validate=True)["responses"][0].tolist() == hf_greedy(m0["hf"], prompt, RESPONSE_LEN)
-    with pytest.raises(ValueError, match=r"transport='nccl' is not allowed"):
-        rollout.update_weights(subset, transport="nccl")
+    with pytest.raises(ValueError, match=r"transport='hccl' is not allowed"):
+        rollout.update_weights(subset, transport="hccl")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"checkpoint_engine.backend='nccl' needs CUDA"):
+            rollout.update_weights(subset, transport="nccl")
 
 
 def test_shutdown_removes_the_engines_rendezvous_file(models):
