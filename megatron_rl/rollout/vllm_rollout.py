@@ -52,7 +52,8 @@ import torch
 from megatron_rl.config.base import check_choice
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
 from megatron_rl.rollout.vllm_extension import EngineWorld
-from parallel.transport import CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, new_sender, transfer
+from parallel.transport import (CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, link_group, new_sender,
+                                transfer)
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
            "sampling_kwargs", "prompt_token_ids", "routed_experts_unsupported"]
@@ -400,8 +401,13 @@ class VLLMRollout:
         self._rpc("begin_weight_sync")
         try:
             stats = transfer(sender, bucket_named_tensors(weights, bucket_bytes), channel)
-        finally:
-            loaded = self._rpc("finish_weight_sync")[0]
+        except BaseException:
+            # The sender failed (or a bucket did): no layer may stay half-loaded, so the session is
+            # aborted, not finished (a no-op when the failed bucket's receiver aborted it already).
+            with contextlib.suppress(Exception):
+                self._rpc("abort_weight_sync")
+            raise
+        loaded = self._rpc("finish_weight_sync")[0]
         self.reset_prefix_cache()
         seconds = time.perf_counter() - start
         if loaded["not_loaded"] and not allow_partial:
@@ -414,15 +420,16 @@ class VLLMRollout:
         to its own workers first when the transport travels over one)."""
         if transport not in self._senders:
             if get_transport(transport).needs_group and self._side_band is None:
-                self._connect_side_band()
-            group = self._side_band.data_group if self._side_band is not None else None
+                self._connect_side_band(nccl=get_transport(transport).group_backend == "nccl")
+            group = link_group(transport, self._side_band)  # the gloo data group, or NCCL's for 'nccl'
             self._senders[transport] = new_sender(transport, group=group,
                                                   shm_dir=self.config.checkpoint_engine.shm_dir)
         return self._senders[transport]
 
-    def _connect_side_band(self) -> None:
-        """Create the gloo side band from this process (rank 0) to the engine's own workers."""
-        side_band = SideBand("127.0.0.1", 0, 0, 1 + self.config.tensor_model_parallel_size)
+    def _connect_side_band(self, nccl: bool = False) -> None:
+        """Create the gloo side band from this process (rank 0) to the engine's own workers
+        (``nccl``: every rank also brings up the NCCL group of the same ranks while connecting)."""
+        side_band = SideBand("127.0.0.1", 0, 0, 1 + self.config.tensor_model_parallel_size, nccl=nccl)
         port = side_band.listen()
         errors: list[BaseException] = []
 

@@ -256,6 +256,39 @@ def test_partial_weight_sync_is_refused_unless_allowed(rollout, models):
             rollout.update_weights(subset, transport="nccl")
 
 
+@pytest.mark.parametrize("transport", ["bytes", "broadcast"])
+def test_a_sync_whose_sender_fails_midway_is_aborted_not_finished(rollout, models, transport):
+    """The weights stream breaks after the bucket with q_proj of layer 0 (v_proj not sent): the
+    session is aborted, not finished -- the half-loaded layer gets its old tensors back (finishing
+    would process it with v's rows uninitialised) and the engine reports the failed sync; the next
+    complete sync makes it exact again."""
+    m0, m1 = models
+    prompts = m0["prompts"][:2]
+    buckets = list(bucket_named_tensors(m1["state_dict"].items(), int(SMALL_BUCKET_MB * 2**20)))
+
+    where = {n: i for i, b in enumerate(buckets) for n, _ in b}
+    q, v = where["model.layers.0.self_attn.q_proj.weight"], where["model.layers.0.self_attn.v_proj.weight"]
+    assert q < v
+
+    def broken():
+        yield from buckets[:q + 1]
+        raise OSError("the trainer's export failed")
+
+    try:
+        with pytest.raises(OSError, match="export failed"):
+            rollout.update_weights(broken(), transport=transport)
+        status = rollout._rpc("weight_sync_status")[0]
+        assert not status["open"] and status["aborted"] is not None, status
+        if transport == "bytes":  # bucket by bucket: q_proj reached the engine before the stream broke
+            assert any("layers.0.self_attn" in name for name in status["aborted"]["restored_layers"]), status
+    finally:
+        rollout.update_weights(m0["state_dict"].items(), transport="colocated")
+    assert rollout._rpc("weight_sync_status")[0]["aborted"] is None
+    greedy = rollout.generate(prompts, validate=True)
+    for row, p in enumerate(prompts):
+        assert greedy["responses"][row].tolist() == hf_greedy(m0["hf"], p, RESPONSE_LEN)
+
+
 def test_shutdown_removes_the_engines_rendezvous_file(models):
     """vLLM's in-process worker rendezvous through a ``$TMPDIR/vllm_dist_<hex>`` file it never
     removes; ``shutdown`` does (one file per engine start would pile up in /tmp)."""
