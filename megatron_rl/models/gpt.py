@@ -259,6 +259,10 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm")
         redirect_yarn_current_device()  # MLA's YaRN RoPE allocates on torch.cuda.current_device()
     if getattr(transformer_config, "multi_latent_attention", False):
         _mla_without_te()
+    if transformer_config.num_moe_experts and not torch.cuda.is_available():
+        from parallel.cpu_compat import redirect_uneven_tp_collectives
+
+        redirect_uneven_tp_collectives()  # ETP>1 with EP>1: the dispatcher's uneven expert-TP gathers
     chunks = []
     for vp_stage in range(vpp):
         vp = vp_stage if vpp > 1 else None

@@ -1,7 +1,7 @@
 """DeepSeek-V3 and GLM-4.5 end to end: tiny random HF models with their real structural features
 (MLA with a query LoRA and YaRN, first-k dense layers, sigmoid routing with an expert bias,
 group-limited routing, a routed scaling factor, shared experts; GLM's partial rotary, QKV bias and
-QK-norm) loaded into Megatron at TP=2, TP=1, PP=2 and EP=2 must reproduce HF's logits, export back
+QK-norm) loaded into Megatron at TP=2, TP=1, PP=2, EP=2 and TP=2 x EP=2 (4 ranks) must reproduce HF's logits, export back
 to HF bit for bit (the expert bias included), and survive a Megatron distributed checkpoint saved
 at TP=2. The layout matrix is ``test_families``' own (``matrix_ranks``), one spawn for both.
 """
@@ -104,6 +104,68 @@ def test_frontier_family_matches_hf_across_layouts(name, matrix):
             assert r["ckpt_equal"], (name, label)
         for r in (r for r in layout if "names_equal" in r):
             assert r["names_equal"] and r["not_bit_equal"] == [], (name, label, r)
+
+
+TP_EP_LAYOUTS = {
+    # Expert-TP = TP (Megatron's default): the alltoall dispatcher gathers tokens over expert-TP with
+    # uneven per-rank counts (parallel.cpu_compat.redirect_uneven_tp_collectives makes gloo take them).
+    "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+    # Expert-TP = 1, the usual MoE layout: experts whole, attention split.
+    "tp2ep2etp1": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+}
+
+
+def _tp_ep_ranks(rank, world_size, cases):
+    """TP=2 x EP=2 on 4 ranks (expert-TP 2 and 1): HF load, logits, bit-exact export on every rank."""
+    import traceback
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_model, build_transformer_config
+    from parallel.bridge import load_hf_checkpoint
+    from parallel.config import ParallelConfig
+    from parallel.mesh import destroy_mesh, init_mesh
+    from tests.megatron_rl.models.test_families import _export_check, pipeline_logits
+
+    out: dict = {}
+    for label, par in TP_EP_LAYOUTS.items():
+        pc = ParallelConfig(**par)
+        mesh = init_mesh(pc, seed=1234)
+        for c in cases:
+            try:
+                chunks = build_model(c["model_cfg"], build_transformer_config(c["model_cfg"], pc))
+                weight_map = get_family(c["architecture"]).weight_map(c["model_cfg"])
+                load_hf_checkpoint(chunks, weight_map, c["hf_dir"], mesh=mesh)
+                logits = pipeline_logits(chunks, mesh, c["input_ids"], c["model_cfg"].vocab_size)
+                res = _export_check(chunks, weight_map, mesh, read_hf_tensors(c["hf_dir"]), bucket_bytes=20_000,
+                                    all_ranks=True)
+                res["diff"] = float((logits - c["hf_logits"]).abs().max())
+            except Exception:  # noqa: BLE001 - reported per family and layout
+                res = {"error": traceback.format_exc()}
+            out[(c["name"], label)] = res
+        destroy_mesh(mesh)
+    return out
+
+
+def test_frontier_families_match_hf_at_tp2_x_ep2(tmp_path):
+    """4 ranks, TP=2 x EP=2 with expert-TP 2 and 1: logits equal HF's, export bit-exact on every rank."""
+    from megatron_rl.models.families import get_family
+
+    cases = []
+    for name in CASES:
+        model, hf_dir = build_hf_model(name), tmp_path / name
+        model.save_pretrained(hf_dir, max_shard_size="60KB")
+        with torch.no_grad():
+            logits = model(make_input_ids()).logits.float()
+        cases.append(dict(name=name, architecture=CASES[name][0]["architectures"][0], hf_dir=str(hf_dir),
+                          hf_logits=logits, model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64),
+                          input_ids=make_input_ids()))
+    results = run_distributed(_tp_ep_ranks, 4, cases, timeout_s=400)
+    for per_rank in results:
+        assert sorted(per_rank) == sorted((n, label) for n in CASES for label in TP_EP_LAYOUTS)
+        for key, res in per_rank.items():
+            assert "error" not in res, f"{key}:\n{res['error']}"
+            assert res["diff"] < LOGIT_TOL, (key, res["diff"])
+            assert res["names_equal"] and res["not_bit_equal"] == [], (key, res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,3 +394,18 @@ def test_planner_rows_are_the_published_architectures(name, published, billions,
     assert KNOWN_ARCHITECTURES[name] == get_family(hf).model_config(hf, params_dtype="bfloat16")
     assert round(KNOWN_ARCHITECTURES[name].num_params() / 1e9, 2) == billions
     assert architecture_from_path(f"~/models/{basename}") == name
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_5", "glm4_5_air"])
+def test_planner_memory_counts_mla_and_dense_layers(name):
+    """The planner's per-rank parameter count (``planner.memory.count_params``) uses the family's
+    own layer counts: MLA's projections (not GQA's) and the first-k dense layers (not MoE); at
+    TP=EP=1 it is the model's exact size (it counted DeepSeek-V3 7.5% too large before)."""
+    from megatron_rl.planner.architectures import KNOWN_ARCHITECTURES
+    from megatron_rl.planner.memory import count_params
+
+    m = KNOWN_ARCHITECTURES[name]
+    assert sum(count_params(m)) == m.num_params()
+    dense, expert = count_params(m, tp=8, ep=8)
+    per_layer = [m.layer_params(i, tp=8, ep=8) for i in range(m.num_layers)]
+    assert expert == sum(e for _, e in per_layer) and dense > sum(d for d, _ in per_layer)
