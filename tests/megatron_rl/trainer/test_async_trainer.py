@@ -96,7 +96,9 @@ def test_threshold_zero_separate_async_reproduces_the_synchronous_run(toy_model,
 def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model, ray_cluster):
     one_step_off = ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
                     "trainer.v1.sampler.max_off_policy_threshold=1"]
-    history, _, trainer = _run(toy_model, "one_step_off", "grpo", [*one_step_off, "trainer.save_freq=2"])
+    history, _, trainer = _run(toy_model, "one_step_off", "grpo", [*one_step_off, "trainer.save_freq=2",
+                                                                    "trainer.test_freq=3", "data.val_max_samples=4"])
+    assert "val-core/toy_reverse/reward/mean@1" in history[-1]  # validation runs in the async loop
     after_step = {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()}
     assert after_step == {k: [max(0, k - 2)] for k in range(1, STEPS + 1)}  # step 1 synchronous, then k-2
     assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0]
