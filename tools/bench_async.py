@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -183,18 +184,21 @@ def main(argv=None) -> dict:
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import prepare_policy_model
 
-    root = tempfile.mkdtemp(prefix="bench_async_")
-    base = TrainerRunConfig.from_dict(compose("grpo", [*_overrides(args, "sync")[1],
-                                                        f"trainer.sft_warmup_steps={args.sft_steps}"]))
-    model_path = prepare_policy_model(base, f"{root}/model")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    root = tempfile.mkdtemp(prefix="bench_async_")  # the model and the runs' checkpoints; removed at the end
     results = {}
     try:
-        for mode in args.modes:
-            results[mode] = _run_mode(args, mode, model_path, root)
-            print(f"{mode}: {json.dumps(results[mode])}", flush=True)
+        base = TrainerRunConfig.from_dict(compose("grpo", [*_overrides(args, "sync")[1],
+                                                            f"trainer.sft_warmup_steps={args.sft_steps}"]))
+        model_path = prepare_policy_model(base, f"{root}/model")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            for mode in args.modes:
+                results[mode] = _run_mode(args, mode, model_path, root)
+                print(f"{mode}: {json.dumps(results[mode])}", flush=True)
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
     out = {f"steps_per_min_{m}": r["steps_per_min"] for m, r in results.items()}
     if "sync" in results:
         out.update({f"speedup_{m}": r["steps_per_min"] / results["sync"]["steps_per_min"]
