@@ -122,13 +122,16 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
 
 
 def _config_text(meta: dict, mcore_dir: Path) -> str:
-    """config.json: the original file, with its dtype field updated if the weights changed dtype."""
+    """config.json: the original file, with its dtype field updated if the weights changed dtype,
+    and without a ``quantization_config`` (an FP8 source was dequantised on load; the export
+    writes plain tensors, which a loader told they are block-quantised would misread)."""
     original = mcore_dir / "config.json"
     text = original.read_text() if original.is_file() else json.dumps(meta["hf_config"], indent=2) + "\n"
     config = json.loads(text)
     keys = [k for k in ("dtype", "torch_dtype") if k in config]
-    if any(config[k] != meta["dtype"] for k in keys):
+    if any(config[k] != meta["dtype"] for k in keys) or "quantization_config" in config:
         config.update({k: meta["dtype"] for k in keys})
+        config.pop("quantization_config", None)
         text = json.dumps(config, indent=2) + "\n"
     return text
 

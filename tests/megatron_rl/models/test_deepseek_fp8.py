@@ -154,3 +154,16 @@ def test_unsupported_quantization_config_is_named():
         fp8_block_size({"quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match=r"weight_block_size=\[128\] is not supported"):
         fp8_block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
+
+
+def test_export_config_drops_the_quantization_config(tmp_path):
+    """mcore -> HF writes dequantised tensors: config.json must not keep an FP8 source's
+    ``quantization_config`` (a loader would read the plain weights as block-quantised)."""
+    from tools.convert_mcore_to_hf import _config_text
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "dtype": "bfloat16",
+                                                      "quantization_config": {"quant_method": "fp8"}}))
+    config = json.loads(_config_text({"dtype": "bfloat16", "hf_config": {}}, tmp_path))
+    assert config == {"model_type": "deepseek_v3", "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "dtype": "float32"}) + "\n")
+    assert json.loads(_config_text({"dtype": "bfloat16", "hf_config": {}}, tmp_path))["dtype"] == "bfloat16"
