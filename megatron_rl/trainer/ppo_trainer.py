@@ -108,7 +108,7 @@ class RayPPOTrainer:
     def _check_router_replay(self) -> None:
         """Router replay (``*.megatron.router_replay``) that cannot work fails here, before any worker."""
         from megatron_rl.models.families import get_family, load_hf_config
-        from megatron_rl.rollout.vllm_rollout import routed_experts_unsupported
+        from megatron_rl.rollout.vllm_rollout import ROUTED_EXPERTS_KWARG, routed_experts_unsupported
 
         arr = self.config.actor_rollout_ref
         actor, ref = arr.actor.megatron.router_replay, arr.ref.megatron.router_replay
@@ -119,8 +119,14 @@ class RayPPOTrainer:
         hf = load_hf_config(self.model_path)
         is_moe = get_family(hf).model_config(hf).is_moe
         lacks = routed_experts_unsupported() if "R3" in modes else None
+        if lacks is None and "R3" in modes and self.multi_turn:
+            lacks = "agent sessions (rollout.multi_turn) do not carry the routed experts of their turns"
         check_run_router_replay(actor.mode, ref.mode if self.needs.reference else None, is_moe=is_moe,
                                 rollout_lacks=lacks)
+        if "R3" in modes:  # the rollout engine returns the experts it routed every token to
+            rollout = arr.rollout
+            rollout.engine_kwargs = {**rollout.engine_kwargs,
+                                     "vllm": {**(rollout.engine_kwargs.get("vllm") or {}), ROUTED_EXPERTS_KWARG: True}}
 
     def init_workers(self) -> None:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
