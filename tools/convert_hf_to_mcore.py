@@ -9,6 +9,8 @@ Each rank reads only the slices of the safetensors it owns (``parallel.bridge``)
 is saved with ``megatron.core.dist_checkpointing`` (loadable at any other layout). Next to it go
 config.json, generation_config.json, the tokenizer files and ``megatron_rl_conversion.json``
 (family, HF config, layout, dtype), so ``convert_mcore_to_hf.py`` needs no other arguments.
+DeepSeek-V3 / GLM-4.5 multi-token-prediction layers (not built by the model) are checked, then
+carried bit for bit in ``mtp/mtp.safetensors`` (their names in the metadata's ``mtp_tensors``).
 By default the directory is a Megatron-LM ``--load`` directory (``tools/convert_megatron_lm.py``):
 ``latest_checkpointed_iteration.txt`` = ``release``, the dist checkpoint in ``release/``, and
 ``megatron_args.json`` (the ``pretrain_gpt.py`` arguments); ``--ckpt-layout flat`` puts the dist
@@ -141,6 +143,37 @@ def _timings(result: dict, t0: float) -> str:
             f"MB/s), saved in {m['saved'] - m['read']:.1f} s")
 
 
+def _check_mtp(hf_dir: Path, mtp):
+    """The family's MTP layout when ``hf_dir`` holds MTP tensors (all checked), else None."""
+    from parallel.bridge import HFCheckpointReader
+    from parallel.bridge.fp8 import open_dequantizing
+    from parallel.bridge.mtp import num_mtp_layers
+
+    if mtp is None:
+        return None
+    count = num_mtp_layers(hf_dir)
+    with open_dequantizing(HFCheckpointReader(hf_dir), hf_dir) as reader:
+        errors = mtp.check(reader, count)
+        if errors:
+            raise ToolError(f"{hf_dir}: bad multi-token-prediction layers (num_nextn_predict_layers={count}): "
+                            + "; ".join(errors))
+        return mtp if mtp.names(reader, count) else None
+
+
+def _copy_mtp(hf_dir: Path, mtp, tmp: Path) -> list[str]:
+    """Carry the MTP tensors (not built by the model) bit for bit into ``tmp/MTP_FILE``; their names."""
+    if mtp is None:
+        return []
+    from parallel.bridge import HFCheckpointReader
+    from parallel.bridge.fp8 import open_dequantizing
+    from parallel.bridge.mtp import MTP_FILE, read_mtp_tensors, write_mtp_file
+
+    with open_dequantizing(HFCheckpointReader(hf_dir), hf_dir) as reader:
+        tensors = read_mtp_tensors(reader, mtp, hf_dir)
+    write_mtp_file(tmp / MTP_FILE, tensors)
+    return sorted(tensors)
+
+
 def _convert(args: argparse.Namespace) -> int:
     start, t0 = time.perf_counter(), time.time()
     prestart(args.device)  # the ranks' fork server imports Megatron while we check the inputs
@@ -149,6 +182,7 @@ def _convert(args: argparse.Namespace) -> int:
     import megatron_rl
     from megatron_rl.models.families import get_family, load_hf_config
     from parallel.bridge import HFCheckpointReader
+    from parallel.bridge.mtp import MTP_FILE
 
     hf_dir = Path(args.hf_dir).resolve()
     if not (hf_dir / "config.json").is_file():
@@ -168,6 +202,7 @@ def _convert(args: argparse.Namespace) -> int:
     model_cfg = family.model_config(hf_config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                     params_dtype=dtype)
     pc, world, device, layout = resolve_layout(args, model_cfg)
+    mtp = _check_mtp(hf_dir, family.weight_map(model_cfg).mtp)  # incomplete / mis-shaped: named, nothing written
     tokenizer = load_tokenizer(hf_dir)
     tokenizer_size = check_tokenizer(tokenizer, model_cfg.vocab_size, hf_dir)
     verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
@@ -190,13 +225,15 @@ def _convert(args: argparse.Namespace) -> int:
         result = launch(convert_ranks, world, spec, device=device)
         if is_driver():
             copy_files(extra, tmp)
+            mtp_names = _copy_mtp(hf_dir, mtp, tmp)
             metadata = dict(format_version=METADATA_VERSION, written_by="tools/convert_hf_to_mcore.py",
                             megatron_rl_version=megatron_rl.__version__, family=family.name,
                             architecture=architecture, dtype=dtype, layout=pc.to_dict(),
                             world_size=world, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                             hf_config=config_dict, hf_tensors=len(names), hf_numel=hf_numel, hf_bytes=hf_bytes,
                             tokenizer_size=tokenizer_size, ckpt_layout=args.ckpt_layout,
-                            side_files=[f.name for f in extra], source=str(hf_dir))
+                            side_files=[f.name for f in extra], source=str(hf_dir),
+                            **({"mtp_file": MTP_FILE, "mtp_tensors": mtp_names} if mtp_names else {}))
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
             if args.ckpt_layout == "megatron-lm":
                 from megatron_rl.models.gpt import padded_vocab_size

@@ -10,6 +10,8 @@ choose another: distributed checkpoints load at any layout) and exported through
 original file), generation_config.json and the tokenizer files are copied next to them. The
 output appears only once complete (temporary sibling + rename). ``--verify`` compares the
 logits of the written HF checkpoint (transformers) with the Megatron model's on fixed prompts.
+Multi-token-prediction layers carried from the HF source (``mtp/mtp.safetensors``) are written back
+unchanged as ``model-mtp.safetensors``, listed in the index.
 """
 
 from __future__ import annotations
@@ -136,6 +138,26 @@ def _config_text(meta: dict, mcore_dir: Path) -> str:
     return text
 
 
+def _read_mtp(meta: dict, mcore_dir: Path) -> dict:
+    """The multi-token-prediction tensors ``convert_hf_to_mcore`` carried beside the dist checkpoint
+    (``meta["mtp_file"]``, exactly the names in ``meta["mtp_tensors"]``); {} when there are none."""
+    if not meta.get("mtp_tensors"):
+        return {}
+    from safetensors.torch import load_file
+
+    path = mcore_dir / meta["mtp_file"]
+    if not path.is_file():
+        raise ToolError(f"{mcore_dir}: {meta['mtp_file']} (the source's {len(meta['mtp_tensors'])} MTP tensors) "
+                        "is missing")
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file, named
+        raise ToolError(f"{path}: not a readable safetensors file: {exc}") from None
+    if sorted(tensors) != sorted(meta["mtp_tensors"]):
+        raise ToolError(f"{path}: holds {sorted(set(tensors) ^ set(meta['mtp_tensors']))[:5]} unlike its metadata")
+    return tensors
+
+
 def _convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     prestart(args.device)  # the ranks' fork server imports Megatron while we check the inputs
@@ -156,6 +178,7 @@ def _convert(args: argparse.Namespace) -> int:
                            if args.verify else (None, None))
     verify_dtypes = verify_settings(args, meta["dtype"])
     extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
+    mtp = _read_mtp(meta, mcore_dir)  # the MTP layers carried from the HF source, checked before any rank starts
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
     ensure_space(out, int(meta.get("hf_numel", 0)) * itemsize, "the HF checkpoint")  # before any rank starts
     if is_driver():
@@ -172,13 +195,18 @@ def _convert(args: argparse.Namespace) -> int:
         result = launch(export_ranks, world, spec, device=device)
         if is_driver():
             copy_files(extra, tmp)
+            if mtp:
+                from parallel.bridge.mtp import add_mtp_shard
+
+                add_mtp_shard(tmp, mtp)
             (tmp / "config.json").write_text(_config_text(meta, mcore_dir))
             if args.verify:
                 diff = max(check_logits(result["logits"], tmp, verify_ids, model_cfg.dtype, lengths,
                                         args.tolerance).values())
             atomic.commit()
     if is_driver():
-        line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors, "
+        carried = f" + {len(mtp)} MTP tensors carried" if mtp else ""
+        line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors{carried}, "
                 f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
                 f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s, "
                 f"{peak_summary(result['peaks'])}")

@@ -19,10 +19,12 @@ routed_scaling_factor           moe_router_topk_scaling_factor
 n_shared_experts                moe_shared_expert_intermediate_size
 ==============================  ==============================================
 
-Multi-token prediction: HF's model has no MTP module (a hub checkpoint's MTP layers sit at
-``model.layers.{num_hidden_layers + i}`` and transformers ignores them). Loading such a
-checkpoint is refused by ``load_hf_checkpoint`` with the MTP tensors named (they are never dropped
-silently); ``num_nextn_predict_layers`` in config.json alone changes nothing.
+Multi-token prediction: neither HF's model nor the Megatron model here builds the MTP module (a
+hub checkpoint's ``num_nextn_predict_layers`` MTP layers sit at ``model.layers.{num_hidden_layers + i}``).
+``load_hf_checkpoint`` checks them (complete, shaped like the last decoder layer; each bad tensor
+named) and warns that they are not trained; ``megatron-rl convert`` and the trainer's HF export
+carry them through bit for bit (``parallel.bridge.mtp``). Tensors of further layers are refused by
+name. MTP training (``actor_rollout_ref.model.mtp.*``) is not implemented (inert, with a warning).
 """
 
 from __future__ import annotations
@@ -171,5 +173,5 @@ FAMILY = Family(
     mlp_rules=MOE_RULES,
     attention_rules=MLA_ATTENTION_RULES,
     config_class=ExtendedModelConfig,
-    mtp_layers_unsupported=True,
+    mtp_layers=True,
 )

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 from parallel.bridge import WeightMap, WeightRule
+from parallel.bridge.mtp import MTPLayers
 
 __all__ = [
     "Family",
@@ -65,10 +66,12 @@ class Family:
     (``MLA_ATTENTION_RULES`` for DeepSeek-V3's multi-latent attention)."""
     config_class: type = ModelConfig
     """The config dataclass ``model_config`` builds (``ExtendedModelConfig`` for MLA / sigmoid routing)."""
-    mtp_layers_unsupported: bool = False
+    mtp_layers: bool = False
     """Hub checkpoints carry multi-token-prediction layers after the decoder layers
-    (``model.layers.{num_layers + i}``), which the Megatron model does not build: loading refuses
-    them by name instead of calling them tensors of another family."""
+    (``model.layers.{num_layers + i}``, ``i < num_nextn_predict_layers``), which the Megatron model
+    does not build: loading checks them (``parallel.bridge.mtp``) and leaves them out, conversion
+    carries them through; tensors of further layers are refused by name instead of being called
+    tensors of another family."""
 
     def model_config(self, hf_config: Any, **overrides: Any) -> ModelConfig:
         """``ModelConfig`` for ``hf_config`` (dict, path or PretrainedConfig); ``overrides``
@@ -104,7 +107,9 @@ class Family:
             unsupported_hf=((mtp_layer_pattern(model_cfg.num_layers),
                              f"{self.name}: multi-token-prediction layers (model.layers.{model_cfg.num_layers}+) are "
                              "not built by the Megatron model; load a checkpoint without them"),)
-            if self.mtp_layers_unsupported else (),
+            if self.mtp_layers else (),
+            mtp=(MTPLayers(model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
+                 if self.mtp_layers else None),
         )
 
 

@@ -5,7 +5,8 @@ expert bias and a shared expert (DeepSeek-V3's MoE, ``deepseek_v3.MOE_RULES``).
 ``partial_rotary_factor`` becomes ``rotary_percent`` (the first fraction of each head is rotated,
 rotate-half style, in both), ``use_qk_norm`` ``qk_layernorm``, ``attention_bias`` ``add_qkv_bias``
 (HF's ``o_proj`` has no bias). Multi-token prediction layers in a hub checkpoint
-(``model.layers.{num_hidden_layers + i}``) are refused by name at load, never dropped.
+(``model.layers.{num_hidden_layers + i}``) are handled as DeepSeek-V3's: checked at load, not
+trained (a warning), carried through conversion and export bit for bit.
 """
 
 from __future__ import annotations
@@ -35,5 +36,5 @@ FAMILY = Family(
     config_kwargs=_config_kwargs,
     mlp_rules=MOE_RULES,
     config_class=ExtendedModelConfig,
-    mtp_layers_unsupported=True,
+    mtp_layers=True,
 )

@@ -57,7 +57,7 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0, tokenizer_vocab_size: int = 300,
-                             max_shard_size: str = "60KB", dtype: torch.dtype = torch.float32,
+                             max_shard_size: str = "60KB", dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
                              **config_overrides: Any) -> dict[str, Any]:
     """Write a tiny random HF checkpoint of ``family`` with a tokenizer into ``path``.
 
@@ -70,6 +70,10 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
         max_shard_size: ``save_pretrained`` shard bound; the small default gives several shard
             files and an index, as large hub checkpoints have.
         dtype: weight dtype on disk.
+        mtp_layers: multi-token-prediction layers written the way hub DeepSeek-V3 / GLM-4.5
+            checkpoints hold them (``model.layers.{num_hidden_layers + i}``: a decoder block like the
+            last layer's plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``/``head``,
+            ``embed_tokens``; ``num_nextn_predict_layers`` in config.json), in ``model-mtp.safetensors``.
         config_overrides: config.json fields replacing the family's.
 
     Returns:
@@ -89,6 +93,8 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
     data.update(config_overrides)
     config = load_hf_config(data)
     torch.manual_seed(seed)
+    if mtp_layers:  # built with the MTP layers' decoder blocks as extra layers, cut off when saved
+        config.num_hidden_layers += mtp_layers
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -101,10 +107,37 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
                 b.normal_(0.0, 0.05)
     model = model.to(dtype)
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
+    if mtp_layers:
+        _cut_off_mtp_layers(path, config, mtp_layers, dtype)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
         str(path))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if mtp_layers:
+        from safetensors.torch import load_file
+
+        state.update(load_file(str(path / "model-mtp.safetensors")))
     return {"path": path, "config": config, "tokenizer_size": len(tokenizer), "state_dict": state}
+
+
+def _cut_off_mtp_layers(path: Path, config: Any, count: int, dtype: torch.dtype) -> None:
+    """Turn the last ``count`` decoder layers saved in ``path`` into MTP layers: config.json gets
+    ``num_hidden_layers - count`` and ``num_nextn_predict_layers = count``; each MTP layer gets its
+    own norms, projection, head and embedding (random) in ``model-mtp.safetensors``, in the index."""
+    from parallel.bridge.mtp import add_mtp_shard
+
+    config.num_hidden_layers -= count
+    config.num_nextn_predict_layers = count
+    config.save_pretrained(str(path))
+    h, v = config.hidden_size, config.vocab_size
+    extra: dict[str, torch.Tensor] = {}
+    for i in range(count):
+        p = f"model.layers.{config.num_hidden_layers + i}."
+        extra.update({p + "enorm.weight": 1.0 + 0.1 * torch.randn(h), p + "hnorm.weight": 1.0 + 0.1 * torch.randn(h),
+                      p + "eh_proj.weight": 0.1 * torch.randn(h, 2 * h),
+                      p + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h),
+                      p + "shared_head.head.weight": 0.1 * torch.randn(v, h),
+                      p + "embed_tokens.weight": 0.1 * torch.randn(v, h)})
+    add_mtp_shard(path, {k: t.to(dtype) for k, t in extra.items()})  # + its index entries
 
 
 def build_tiny_reward_model(path: str | Path, *, task: str = "toy_reverse", seed: int = 5) -> Path:

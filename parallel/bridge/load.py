@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from parallel.bridge.collective import all_gather_object, raise_together
 from parallel.bridge.fp8 import open_dequantizing
 from parallel.bridge.hf_files import HFCheckpointReader
+from parallel.bridge.mtp import num_mtp_layers
 from parallel.bridge.rules import ParamShard, WeightMap, full_hf_shapes, qkv_runs, resolve_params
 
 
@@ -56,6 +59,28 @@ def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap,
     return out
 
 
+def _check_mtp(reader, weight_map: WeightMap, hf_dir, errors: list[str]) -> list[str]:
+    """The checkpoint's multi-token-prediction tensors (checked into ``errors``), which the model
+    does not build: rank 0 warns that they are not trained."""
+    if weight_map.mtp is None:
+        return []
+    try:
+        count = num_mtp_layers(hf_dir)
+    except ValueError as exc:
+        errors.append(str(exc))
+        return []
+    bad = weight_map.mtp.check(reader, count)
+    errors.extend(f"{reader.path}: {e}" for e in bad)
+    names = weight_map.mtp.names(reader, count)
+    if names and not bad and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"{reader.path}: the checkpoint's {count} multi-token-prediction layer(s) "
+                      f"(num_nextn_predict_layers={count}, {len(names)} tensors under model.layers."
+                      f"{weight_map.mtp.num_layers}+) are not trained: the model has no MTP block (MTP training is "
+                      "not implemented); megatron-rl convert and the trainer's HF export carry them through unchanged",
+                      stacklevel=3)
+    return names
+
+
 def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, hf_dir: str | os.PathLike, *,
                        mesh=None, ignore: Sequence[str] = ()) -> LoadReport:
     """Load HF safetensors from ``hf_dir`` into this rank's model chunks; call on all ranks.
@@ -67,7 +92,9 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     ``ValueError`` for a corrupt file, an HF tensor whose shape disagrees with the model (both
     shapes named), HF tensors the model needs but the checkpoint lacks, and HF tensors no rule
     accounts for (a checkpoint of another family); tensors the weight map lists as unsupported
-    (``WeightMap.unsupported_hf``) are refused with its reason.
+    (``WeightMap.unsupported_hf``) are refused with its reason. A family's multi-token-prediction
+    layers (``WeightMap.mtp``, ``num_nextn_predict_layers`` in config.json) are checked (complete,
+    shaped like the last decoder layer) and left out of the model, with a warning.
     """
     chunks = list(chunks)
     errors: list[str] = []
@@ -112,6 +139,7 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
             errors.append(f"{reader.path}: the model needs HF tensors the checkpoint lacks: {sorted(set(missing))[:10]}"
                           + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else ""))
         all_known = set().union(*all_gather_object(sorted(set(known))))
+        all_known.update(_check_mtp(reader, weight_map, hf_dir, errors))
         unexpected = sorted(n for n in reader.keys() if n not in all_known and not weight_map.is_optional(n))
         refused: dict[str, list[str]] = {}
         for n in unexpected:

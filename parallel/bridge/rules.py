@@ -15,6 +15,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from parallel.bridge.mtp import MTPLayers
+
 
 _TRANSFORM_ARITY = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
 _FIELDS = ("layer", "expert")
@@ -86,6 +88,10 @@ class WeightMap:
     unsupported_hf: tuple[tuple[str, str], ...] = ()
     """``(regex, reason)`` of HF tensors a real checkpoint holds that this model cannot (e.g.
     DeepSeek-V3's multi-token-prediction layers): loading refuses them with the reason."""
+    mtp: Optional[MTPLayers] = None
+    """Where the family's hub checkpoints keep multi-token-prediction layers
+    (``model.layers.{num_layers + i}``, ``i < num_nextn_predict_layers``): the loader checks them
+    and leaves them out of the model; conversion carries them through (``parallel.bridge.mtp``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))

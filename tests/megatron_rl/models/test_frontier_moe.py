@@ -311,12 +311,13 @@ def _load_one_rank(rank, world_size, hf_dir, model_cfg):
 
 def test_mtp_layers_are_refused_by_name_not_dropped(tmp_path):
     """A hub DeepSeek-V3 checkpoint carries its MTP layer as model.layers.{num_hidden_layers}: the
-    load names those tensors and why, instead of dropping them or blaming the family."""
+    load names those tensors and why, instead of dropping them or blaming the family. (With
+    num_nextn_predict_layers=1 they are the MTP layer, checked and carried: test_frontier_moe_mtp.py.)"""
     from safetensors.torch import save_file
 
     from megatron_rl.models.families import get_family
 
-    model = build_hf_model("deepseek_v3", num_hidden_layers=2)
+    model = build_hf_model("deepseek_v3", num_hidden_layers=2, num_nextn_predict_layers=0)
     model.save_pretrained(tmp_path, max_shard_size="60KB")
     mtp = {"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.enorm.weight": torch.ones(64),
            "model.layers.2.self_attn.q_a_proj.weight": torch.zeros(32, 64)}
@@ -336,14 +337,14 @@ def test_mtp_layers_are_refused_by_name_not_dropped(tmp_path):
 def test_megatron_rl_convert_round_trip_of_deepseek_v3_is_bit_exact(tmp_path):
     """``megatron-rl convert`` both ways at TP=2 (the layout where peers' MLA conversions went wrong):
     the HF -> Megatron step's --verify logits equal HF's, and the HF tensors come back bit for bit
-    (the expert bias included)."""
+    (the expert bias and the MTP layer included)."""
     import re
     import subprocess
     import sys
 
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
 
-    hf = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3")["path"]
+    hf = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3", mtp_layers=1)["path"]  # + one MTP layer
     root = Path(__file__).resolve().parents[3]
     cli = [sys.executable, "-m", "megatron_rl.cli", "convert"]
     to_mcore = subprocess.run([*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out-dir", str(tmp_path / "mcore"), "--tp",
@@ -356,6 +357,7 @@ def test_megatron_rl_convert_round_trip_of_deepseek_v3_is_bit_exact(tmp_path):
     assert back.returncode == 0, back.stderr[-4000:]
     source, written = read_hf_tensors(hf), read_hf_tensors(tmp_path / "back")
     assert sorted(written) == sorted(source) and any("e_score_correction_bias" in n for n in source)
+    assert "model.layers.2.eh_proj.weight" in source  # the MTP layer, carried bit for bit at TP=2
     assert [n for n in source if not torch.equal(source[n], written[n])] == []
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
 

@@ -1,0 +1,165 @@
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 HF checkpoints, carried as side data.
+
+Hub checkpoints of these families hold ``num_nextn_predict_layers`` MTP layers after the decoder:
+``model.layers.{num_layers + i}.`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
+optionally their own ``embed_tokens`` / ``shared_head.head``, and a full decoder block shaped like
+the last decoder layer. The Megatron model does not build them (MTP training is not implemented),
+so the loader checks they are complete and well-shaped and leaves them untouched; conversion and
+the trainer's HF export carry them through bit for bit (``read_mtp_tensors`` / ``write_mtp_file``).
+A checkpoint that declares MTP layers but holds none of their tensors (what transformers'
+``save_pretrained`` writes) has nothing to carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["MTPLayers", "MTP_FILE", "MTP_SHARD", "add_mtp_shard", "num_mtp_layers", "read_mtp_tensors",
+           "source_mtp_tensors", "write_mtp_file"]
+
+MTP_FILE = "mtp/mtp.safetensors"
+"""Where a Megatron checkpoint written by ``convert_hf_to_mcore`` keeps the MTP tensors."""
+MTP_SHARD = "model-mtp.safetensors"
+"""The safetensors file an HF export adds for the MTP tensors (listed in the index)."""
+
+_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+_OWN_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def num_mtp_layers(hf_dir: str | os.PathLike) -> int:
+    """``num_nextn_predict_layers`` of ``hf_dir``'s config.json (0 when absent)."""
+    config = Path(hf_dir) / "config.json"
+    if not config.is_file():
+        return 0
+    value = json.loads(config.read_text()).get("num_nextn_predict_layers") or 0
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{config}: num_nextn_predict_layers={value!r} is not allowed; use an integer >= 0")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPLayers:
+    """Where a family's MTP layers sit and what shapes they must have (bound to one model)."""
+
+    num_layers: int
+    """Decoder layers: MTP layer ``i`` is ``model.layers.{num_layers + i}``."""
+    hidden_size: int
+    vocab_size: int
+
+    def names(self, reader, count: int) -> list[str]:
+        """The tensors of ``reader`` under the first ``count`` MTP layers."""
+        layers = "|".join(str(self.num_layers + i) for i in range(count))
+        if not layers:
+            return []
+        pattern = re.compile(rf"model\.layers\.(?:{layers})\..+")
+        return sorted(n for n in reader.keys() if pattern.fullmatch(n))
+
+    def check(self, reader, count: int) -> list[str]:
+        """Errors (each naming the tensor) for incomplete or mis-shaped MTP layers; [] when the
+        checkpoint holds none of them or all of them, as expected."""
+        present = set(self.names(reader, count))
+        if not present:
+            return []
+        template = f"model.layers.{self.num_layers - 1}."
+        block = {n[len(template):]: tuple(reader.shape(n)) for n in reader.keys() if n.startswith(template)}
+        h, v = self.hidden_size, self.vocab_size
+        own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+               "shared_head.norm.weight": (h,)}
+        optional = {"embed_tokens.weight": (v, h), "shared_head.head.weight": (v, h)}
+        errors: list[str] = []
+        for i in range(count):
+            prefix = f"model.layers.{self.num_layers + i}."
+            expected = {**block, **own}
+            for suffix, shape in {**expected, **optional}.items():
+                name = prefix + suffix
+                if name not in present:
+                    if suffix in expected:
+                        errors.append(f"MTP tensor {name!r} is missing (MTP layer {i} of num_nextn_predict_layers="
+                                      f"{count} needs it, shape {list(shape)})")
+                    continue
+                got = tuple(reader.shape(name))
+                if got != shape:
+                    errors.append(f"MTP tensor {name!r} has shape {list(got)} but {list(shape)} is expected")
+            unknown = sorted(n for n in present if n.startswith(prefix)
+                             and n[len(prefix):] not in expected and n[len(prefix):] not in optional)
+            errors.extend(f"MTP tensor {n!r} is not part of an MTP layer (the last decoder layer has no "
+                          f"{n[len(prefix):]!r})" for n in unknown)
+        return errors
+
+
+def read_mtp_tensors(reader, mtp: Optional[MTPLayers], hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All MTP tensors of ``reader`` (checked first: ValueError naming each bad tensor)."""
+    count = num_mtp_layers(hf_dir)
+    if mtp is None or count == 0:
+        return {}
+    errors = mtp.check(reader, count)
+    if errors:
+        raise ValueError(f"{hf_dir}: bad multi-token-prediction layers: " + "; ".join(errors))
+    return {n: reader.read(n) for n in mtp.names(reader, count)}
+
+
+def write_mtp_file(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``tensors`` as one safetensors file at ``path``, atomically (temporary + rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def add_mtp_shard(hf_dir: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Add ``tensors`` to the HF checkpoint being written in ``hf_dir`` as ``MTP_SHARD``, listed in
+    ``model.safetensors.index.json`` (written from the single ``model.safetensors`` if there is none)."""
+    from safetensors import safe_open
+
+    from parallel.bridge.hf_files import INDEX_FILE, SINGLE_FILE
+
+    hf_dir = Path(hf_dir)
+    write_mtp_file(hf_dir / MTP_SHARD, tensors)
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        data = json.loads(index.read_text())
+    else:
+        with safe_open(str(hf_dir / SINGLE_FILE), "pt") as f:
+            names = list(f.keys())
+        data = {"metadata": {"total_size": 0}, "weight_map": {n: SINGLE_FILE for n in names}}
+        data["metadata"]["total_size"] = os.path.getsize(hf_dir / SINGLE_FILE)  # an upper bound (header included)
+    clash = sorted(set(tensors) & set(data["weight_map"]))
+    if clash:
+        raise ValueError(f"{hf_dir}: MTP tensors {clash[:5]} are already in the exported model")
+    data["weight_map"].update({n: MTP_SHARD for n in tensors})
+    if "total_size" in data.get("metadata", {}):
+        data["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    tmp = index.parent / f".{index.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, index)
+
+
+def source_mtp_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The MTP tensors of the HF checkpoint ``hf_dir`` (checked; FP8 ones dequantised), read by its
+    config.json alone (``num_hidden_layers``, ``num_nextn_predict_layers``); {} when it has none."""
+    from parallel.bridge.fp8 import open_dequantizing
+    from parallel.bridge.hf_files import HFCheckpointReader
+
+    count = num_mtp_layers(hf_dir)
+    if not count:
+        return {}
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    mtp = MTPLayers(int(config["num_hidden_layers"]), int(config["hidden_size"]), int(config["vocab_size"]))
+    with open_dequantizing(HFCheckpointReader(hf_dir), hf_dir) as reader:
+        return read_mtp_tensors(reader, mtp, hf_dir)
