@@ -152,12 +152,13 @@ def add_mtp_shard(hf_dir: str | os.PathLike, tensors: dict[str, torch.Tensor]) -
 
 def source_mtp_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The MTP tensors of the HF checkpoint ``hf_dir`` (checked; FP8 ones dequantised), read by its
-    config.json alone (``num_hidden_layers``, ``num_nextn_predict_layers``); {} when it has none."""
+    config.json alone (``num_hidden_layers``, ``num_nextn_predict_layers``); {} when it has none
+    (or no safetensors at all)."""
     from parallel.bridge.fp8 import open_dequantizing
-    from parallel.bridge.hf_files import HFCheckpointReader
+    from parallel.bridge.hf_files import INDEX_FILE, SINGLE_FILE, HFCheckpointReader
 
     count = num_mtp_layers(hf_dir)
-    if not count:
+    if not count or not any((Path(hf_dir) / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)):
         return {}
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     mtp = MTPLayers(int(config["num_hidden_layers"]), int(config["hidden_size"]), int(config["vocab_size"]))

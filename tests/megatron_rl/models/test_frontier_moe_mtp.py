@@ -132,7 +132,7 @@ def _load_warnings(rank, world_size, hf_dir):
     return [str(w.message) for w in caught if "multi-token" in str(w.message)]
 
 
-def test_trainer_load_warns_mtp_layers_are_not_trained_and_export_reads_them(mtp_ckpts):
+def test_trainer_load_warns_mtp_layers_are_not_trained_and_export_reads_them(mtp_ckpts, tmp_path):
     from parallel.bridge.mtp import source_mtp_tensors
 
     hf = mtp_ckpts["glm4_moe"]
@@ -143,6 +143,8 @@ def test_trainer_load_warns_mtp_layers_are_not_trained_and_export_reads_them(mtp
     carried = source_mtp_tensors(hf)  # what trainer/export.py adds to final_hf
     assert sorted(carried) == sorted(n for n in source if n.startswith("model.layers.2."))
     assert all(torch.equal(carried[n], source[n]) for n in carried)
+    (tmp_path / "config.json").write_text((hf / "config.json").read_text())  # declared, but no weights here
+    assert source_mtp_tensors(tmp_path) == {}
 
 
 def test_mtp_training_switch_stays_inert_with_its_reason():
