@@ -161,17 +161,18 @@ def _check_mtp(hf_dir: Path, mtp):
 
 
 def _copy_mtp(hf_dir: Path, mtp, tmp: Path) -> list[str]:
-    """Carry the MTP tensors (not built by the model) bit for bit into ``tmp/MTP_FILE``; their names."""
+    """Carry the (checked) MTP tensors, not built by the model, bit for bit into ``tmp/MTP_FILE``,
+    streamed one tensor at a time; their names."""
     if mtp is None:
         return []
     from parallel.bridge import HFCheckpointReader
     from parallel.bridge.fp8 import open_dequantizing
-    from parallel.bridge.mtp import MTP_FILE, read_mtp_tensors, write_mtp_file
+    from parallel.bridge.mtp import MTP_FILE, copy_mtp_tensors, num_mtp_layers
 
     with open_dequantizing(HFCheckpointReader(hf_dir), hf_dir) as reader:
-        tensors = read_mtp_tensors(reader, mtp, hf_dir)
-    write_mtp_file(tmp / MTP_FILE, tensors)
-    return sorted(tensors)
+        names = mtp.names(reader, num_mtp_layers(hf_dir))
+        copy_mtp_tensors(reader, names, tmp / MTP_FILE)
+    return sorted(names)
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -138,24 +138,25 @@ def _config_text(meta: dict, mcore_dir: Path) -> str:
     return text
 
 
-def _read_mtp(meta: dict, mcore_dir: Path) -> dict:
-    """The multi-token-prediction tensors ``convert_hf_to_mcore`` carried beside the dist checkpoint
-    (``meta["mtp_file"]``, exactly the names in ``meta["mtp_tensors"]``); {} when there are none."""
+def _mtp_file(meta: dict, mcore_dir: Path):
+    """The file of multi-token-prediction tensors ``convert_hf_to_mcore`` carried beside the dist
+    checkpoint (``meta["mtp_file"]``, holding exactly ``meta["mtp_tensors"]``); None when there are none."""
     if not meta.get("mtp_tensors"):
-        return {}
-    from safetensors.torch import load_file
+        return None
+    from safetensors import safe_open
 
     path = mcore_dir / meta["mtp_file"]
     if not path.is_file():
         raise ToolError(f"{mcore_dir}: {meta['mtp_file']} (the source's {len(meta['mtp_tensors'])} MTP tensors) "
                         "is missing")
     try:
-        tensors = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            names = list(f.keys())
     except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file, named
         raise ToolError(f"{path}: not a readable safetensors file: {exc}") from None
-    if sorted(tensors) != sorted(meta["mtp_tensors"]):
-        raise ToolError(f"{path}: holds {sorted(set(tensors) ^ set(meta['mtp_tensors']))[:5]} unlike its metadata")
-    return tensors
+    if sorted(names) != sorted(meta["mtp_tensors"]):
+        raise ToolError(f"{path}: holds {sorted(set(names) ^ set(meta['mtp_tensors']))[:5]} unlike its metadata")
+    return path
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -178,7 +179,7 @@ def _convert(args: argparse.Namespace) -> int:
                            if args.verify else (None, None))
     verify_dtypes = verify_settings(args, meta["dtype"])
     extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
-    mtp = _read_mtp(meta, mcore_dir)  # the MTP layers carried from the HF source, checked before any rank starts
+    mtp = _mtp_file(meta, mcore_dir)  # the MTP layers carried from the HF source, checked before any rank starts
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
     ensure_space(out, int(meta.get("hf_numel", 0)) * itemsize, "the HF checkpoint")  # before any rank starts
     if is_driver():
@@ -205,7 +206,7 @@ def _convert(args: argparse.Namespace) -> int:
                                         args.tolerance).values())
             atomic.commit()
     if is_driver():
-        carried = f" + {len(mtp)} MTP tensors carried" if mtp else ""
+        carried = f" + {len(meta['mtp_tensors'])} MTP tensors carried" if mtp else ""
         line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors{carried}, "
                 f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
                 f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s, "

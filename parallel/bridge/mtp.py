@@ -18,12 +18,12 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["MTPLayers", "MTP_FILE", "MTP_SHARD", "add_mtp_shard", "num_mtp_layers", "read_mtp_tensors",
-           "source_mtp_tensors", "write_mtp_file"]
+__all__ = ["MTPLayers", "MTP_FILE", "MTP_SHARD", "add_mtp_shard", "copy_mtp_tensors", "num_mtp_layers",
+           "read_mtp_tensors", "source_mtp_tensors", "stream_tensors", "write_mtp_file"]
 
 MTP_FILE = "mtp/mtp.safetensors"
 """Where a Megatron checkpoint written by ``convert_hf_to_mcore`` keeps the MTP tensors."""
@@ -95,6 +95,37 @@ class MTPLayers:
         return errors
 
 
+def stream_tensors(path: str | os.PathLike, infos: list, read: Callable[[str], torch.Tensor]) -> Path:
+    """Write the tensors ``infos`` (``HFTensorInfo``s) to one safetensors file at ``path``, read one
+    at a time by ``read(name)`` (one tensor in memory, not the whole MTP layer); atomic."""
+    from parallel.bridge.hf_files import SafetensorsStreamWriter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        writer = SafetensorsStreamWriter(tmp, infos)
+        try:
+            for info in infos:
+                writer.write(info.name, read(info.name))
+        finally:
+            writer.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def copy_mtp_tensors(reader, names: Sequence[str], path: str | os.PathLike) -> Path:
+    """Stream the (checked) MTP tensors ``names`` of ``reader`` bit for bit into the safetensors
+    file ``path`` (FP8 ones as the reader dequantises them)."""
+    from parallel.bridge.hf_files import HFTensorInfo
+
+    infos = [HFTensorInfo(n, tuple(reader.shape(n)), reader.dtype(n)) for n in sorted(names)]
+    return stream_tensors(path, infos, reader.read)
+
+
 def read_mtp_tensors(reader, mtp: Optional[MTPLayers], hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All MTP tensors of ``reader`` (checked first: ValueError naming each bad tensor)."""
     count = num_mtp_layers(hf_dir)
@@ -122,32 +153,44 @@ def write_mtp_file(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) ->
     return path
 
 
-def add_mtp_shard(hf_dir: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
-    """Add ``tensors`` to the HF checkpoint being written in ``hf_dir`` as ``MTP_SHARD``, listed in
-    ``model.safetensors.index.json`` (written from the single ``model.safetensors`` if there is none)."""
+def add_mtp_shard(hf_dir: str | os.PathLike, source: str | os.PathLike | dict[str, torch.Tensor]) -> list[str]:
+    """Add the MTP tensors ``source`` (a safetensors file, copied tensor by tensor, or a dict) to the
+    HF checkpoint being written in ``hf_dir`` as ``MTP_SHARD``, listed in
+    ``model.safetensors.index.json`` (written from the single ``model.safetensors`` if there is
+    none); returns their names."""
     from safetensors import safe_open
 
-    from parallel.bridge.hf_files import INDEX_FILE, SINGLE_FILE
+    from parallel.bridge.hf_files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, HFTensorInfo
 
     hf_dir = Path(hf_dir)
-    write_mtp_file(hf_dir / MTP_SHARD, tensors)
+    if isinstance(source, dict):
+        write_mtp_file(hf_dir / MTP_SHARD, source)
+        infos = [HFTensorInfo(n, tuple(t.shape), t.dtype) for n, t in source.items()]
+    else:
+        dtypes = {v: k for k, v in ST_DTYPES.items()}
+        with safe_open(str(source), "pt") as f:
+            infos = [HFTensorInfo(n, tuple(f.get_slice(n).get_shape()), dtypes[f.get_slice(n).get_dtype()])
+                     for n in sorted(f.keys())]
+            stream_tensors(hf_dir / MTP_SHARD, infos, f.get_tensor)
     index = hf_dir / INDEX_FILE
     if index.is_file():
         data = json.loads(index.read_text())
     else:
         with safe_open(str(hf_dir / SINGLE_FILE), "pt") as f:
             names = list(f.keys())
-        data = {"metadata": {"total_size": 0}, "weight_map": {n: SINGLE_FILE for n in names}}
-        data["metadata"]["total_size"] = os.path.getsize(hf_dir / SINGLE_FILE)  # an upper bound (header included)
-    clash = sorted(set(tensors) & set(data["weight_map"]))
+        # total_size: the file's size, an upper bound of its tensors' bytes (the header is included)
+        data = {"metadata": {"total_size": os.path.getsize(hf_dir / SINGLE_FILE)},
+                "weight_map": {n: SINGLE_FILE for n in names}}
+    clash = sorted({i.name for i in infos} & set(data["weight_map"]))
     if clash:
         raise ValueError(f"{hf_dir}: MTP tensors {clash[:5]} are already in the exported model")
-    data["weight_map"].update({n: MTP_SHARD for n in tensors})
+    data["weight_map"].update({i.name: MTP_SHARD for i in infos})
     if "total_size" in data.get("metadata", {}):
-        data["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        data["metadata"]["total_size"] += sum(i.nbytes for i in infos)
     tmp = index.parent / f".{index.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, index)
+    return [i.name for i in infos]
 
 
 def source_mtp_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
