@@ -20,7 +20,8 @@ def test_role_names_map_to_classes_and_heads():
 
 
 def test_every_batch_method_declares_its_fields():
-    assert fields_of(Actor.compute_log_prob).all == FORWARD
+    log_prob = fields_of(Actor.compute_log_prob)  # router replay R3 replays the rollout's routed_experts
+    assert (log_prob.required, tuple(log_prob.optional)) == (FORWARD, ("routed_experts",))
     assert fields_of(Actor.compute_topk_log_probs).all == FORWARD
     assert fields_of(RewardModel.compute_rm_score).all == FORWARD
     assert fields_of(Critic.compute_values).all == FORWARD + ("response_mask",)
@@ -28,7 +29,8 @@ def test_every_batch_method_declares_its_fields():
     update = fields_of(Actor.update_policy)
     assert update.required == FORWARD + ("response_mask",)
     assert set(update.optional) == {"old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
-                                    "teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids"}
+                                    "teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids",
+                                    "routed_experts"}
 
 
 @pytest.mark.parametrize("name,config,expected", [
