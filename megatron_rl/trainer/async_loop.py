@@ -38,7 +38,7 @@ import torch
 
 from megatron_rl.data.batch import Batch
 from megatron_rl.data.rewards import RewardError
-from megatron_rl.trainer.metrics import MetricsLogger, step_metrics
+from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.replay_buffer import Group, ReplayBuffer
 from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
 from megatron_rl.trainer.watchdog import phase as timer
@@ -356,17 +356,9 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                                                   - rollouter.busy_within(wall_start, time.time()))
             if rollouter.failed_samples:
                 metrics["reward/num_failed_samples"], rollouter.failed_samples = float(rollouter.failed_samples), 0
-            metrics.update(step_metrics(batch, timing, step=step, epoch=trainer.train_dataloader.epoch,
-                                        use_critic=trainer.critic is not None, n_devices=tcfg.world_size))
-            metrics.update(trainer.phases.memory_metrics())
-            if trainer.validator.should_validate(step, last):
-                trainer.phases.enter("gen")
-                metrics.update(trainer.validator.validate(step))
-            if trainer.checkpointer.should_save(step, last):
-                with timer("save_checkpoint", timing):  # the queue is drained by rewinding the prompts
-                    state = {**trainer.trainer_state(), "dataloader": rollouter.resume_dataloader_state()}
-                    trainer.checkpointer.save(step, state)
-                metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+            # a checkpoint drains the queue by rewinding the prompts to the oldest untrained batch
+            trainer.end_step(batch, metrics, timing, step=step, last=last, state=lambda: {
+                **trainer.trainer_state(), "dataloader": rollouter.resume_dataloader_state()})
             logger.log(metrics, step=step)
             history.append(metrics)
             if on_step is not None:

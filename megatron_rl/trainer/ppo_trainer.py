@@ -185,16 +185,7 @@ class RayPPOTrainer:
                     batch = self.rollout_phase.run(step, metrics, timing)  # None: the rewards failed
                     if batch is not None:
                         self.train_step(batch, metrics, timing)
-                metrics.update(step_metrics(batch, timing, step=step, epoch=self.train_dataloader.epoch,
-                                            use_critic=self.critic is not None, n_devices=tcfg.world_size))
-                metrics.update(self.phases.memory_metrics())
-                if self.validator.should_validate(step, last):
-                    self.phases.enter("gen")
-                    metrics.update(self.validator.validate(step))
-                if self.checkpointer.should_save(step, last):
-                    with timer("save_checkpoint", timing):
-                        self.checkpointer.save(step, self.trainer_state())
-                    metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+                self.end_step(batch, metrics, timing, step=step, last=last)
                 logger.log(metrics, step=step)
                 history.append(metrics)
                 if on_step is not None:
@@ -207,6 +198,23 @@ class RayPPOTrainer:
         return history
 
     # -- one step after the rollout -------------------------------------------------------------
+    def end_step(self, batch: Optional[Batch], metrics: dict, timing: dict, *, step: int, last: bool,
+                 state: Optional[Callable[[], dict]] = None) -> None:
+        """The end of step ``step`` (synchronous or asynchronous loop): its step and memory metrics,
+        validation and checkpoint when due; ``state`` builds the checkpoint's trainer state (default
+        ``trainer_state``)."""
+        tcfg = self.config.trainer
+        metrics.update(step_metrics(batch, timing, step=step, epoch=self.train_dataloader.epoch,
+                                    use_critic=self.critic is not None, n_devices=tcfg.world_size))
+        metrics.update(self.phases.memory_metrics())
+        if self.validator.should_validate(step, last):
+            self.phases.enter("gen")
+            metrics.update(self.validator.validate(step))
+        if self.checkpointer.should_save(step, last):
+            with timer("save_checkpoint", timing):
+                self.checkpointer.save(step, (state or self.trainer_state)())
+            metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+
     def train_step(self, batch: Batch, metrics: dict, timing: dict) -> None:
         """Everything after scoring: log-probs, advantages, updates, weight sync."""
         if self.config.trainer.balance_batch:  # even token counts over the actor's DP ranks
