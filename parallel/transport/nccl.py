@@ -12,13 +12,13 @@ not reused while NCCL still reads it.
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Optional
 
 import torch
 
-from parallel.transport.base import Receiver, Sender
-from parallel.transport.buckets import Bucket, bucket_meta, raw_bytes, unpack_bucket
+from parallel.transport.base import Receiver
+from parallel.transport.broadcast import BroadcastSender
+from parallel.transport.buckets import Bucket, unpack_bucket
 from parallel.transport.cuda import require_cuda
 from parallel.transport.gloo import broadcast
 
@@ -31,16 +31,16 @@ def _need_group(group, side: str) -> None:
                          f"(SideBand.group_for('nccl'))")
 
 
-class NcclSender(Sender):
-    """Rank 0 of an NCCL ``group``; the message is the bucket's ``bucket_meta``."""
+class NcclSender(BroadcastSender):
+    """Rank 0 of an NCCL ``group``: the gloo ``broadcast`` sender's protocol (the message is the
+    bucket's ``bucket_meta``), for CUDA tensors, waiting for the stream on release."""
 
     name = "nccl"
 
     def __init__(self, group, cuda_available: Optional[bool] = None):
         require_cuda(self.name, cuda_available)
         _need_group(group, "sender")
-        self.group = group
-        self._works: collections.deque[list[tuple[Any, torch.Tensor]]] = collections.deque()
+        super().__init__(group)
 
     @classmethod
     def create(cls, *, group=None, shm_dir: Optional[str] = None) -> "NcclSender":
@@ -48,26 +48,16 @@ class NcclSender(Sender):
         return cls(group)
 
     def send_bucket(self, bucket: Bucket) -> dict[str, Any]:
-        meta = bucket_meta(bucket)
         off_gpu = sorted({f"{n} ({t.device})" for n, t in bucket if t.device.type != "cuda"})
         if off_gpu:
             raise ValueError(f"the nccl transport sends CUDA tensors; not on a GPU: {off_gpu[:4]}")
-        works = []
-        for _, tensor in bucket:
-            raw = raw_bytes(tensor)
-            works.append((broadcast(self.group, raw), raw))  # raw stays referenced until released
-        self._works.append(works)
-        return meta
+        return super().send_bucket(bucket)
 
     def release(self) -> None:
-        works = self._works.popleft()
-        for work, _ in works:
-            work.wait()
-        if works:
+        works = self._works[0]
+        super().release()
+        if works:  # the export may free a tensor next: NCCL must be done reading it
             torch.cuda.current_stream(works[0][1].device).synchronize()
-
-    def abort(self) -> None:
-        self._works.clear()  # NCCL keeps the tensors of unfinished works alive itself
 
 
 class NcclReceiver(Receiver):
