@@ -50,7 +50,8 @@ TIMEOUT_S = 240.0
 
 
 # ----------------------------------------------------------------------------- models and data
-def build_tiny_qwen3_moe(path: Path, seed: int = 0) -> Path:
+def build_tiny_qwen3_moe(path: Path, seed: int = 0, *, num_experts: int = 4, top_k: int = 2,
+                         norm_topk_prob: bool = False) -> Path:
     """A tiny Qwen3-MoE checkpoint (hub tensor names: one tensor per expert) + tokenizer.
 
     Written with ``save_pretrained`` so the experts carry the hub's per-expert names (the
@@ -63,8 +64,9 @@ def build_tiny_qwen3_moe(path: Path, seed: int = 0) -> Path:
 
     tokenizer = train_byte_bpe_tokenizer(None, 384, path)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob, num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, dtype="float32")

@@ -46,30 +46,9 @@ ROLLOUT = dict(prompt_length=32, response_length=4, kv_cache_space_gib=1)
 
 def build_qwen3_moe_128(path: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen3-MoE with 128 experts (top-8, normalised top-k as Qwen3-30B-A3B), hub names."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig
+    from tests.megatron_rl.rollout.test_weight_sync import build_tiny_qwen3_moe
 
-    from megatron_rl.data.tokenizer import train_byte_bpe_tokenizer
-
-    tokenizer = train_byte_bpe_tokenizer(None, 384, path)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, dtype="float32")
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.2)
-    model.save_pretrained(str(path))
-    generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    generation.save_pretrained(str(path))
-    return path
+    return build_tiny_qwen3_moe(path, seed, num_experts=NUM_EXPERTS, top_k=TOP_K, norm_topk_prob=True)
 
 
 def _exact_tracker():
