@@ -44,6 +44,9 @@ def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespac
     p.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file, in MiB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
     add_verify_args(p)
+    p.add_argument("--export-fp8", action="store_true",
+                   help="write DeepSeek-V3's FP8 block format (float8_e4m3fn + weight_scale_inv per block) instead of "
+                        "plain tensors (parallel.bridge.fp8.write_fp8_export; --verify checks the plain tensors first)")
     args = p.parse_args(argv)
     for name in ("tp", "pp", "ep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -204,6 +207,10 @@ def _convert(args: argparse.Namespace) -> int:
             if args.verify:
                 diff = max(check_logits(result["logits"], tmp, verify_ids, model_cfg.dtype, lengths,
                                         args.tolerance).values())
+            if args.export_fp8:  # the source's FP8 scales are kept where its weights are unchanged
+                from parallel.bridge.fp8 import fp8_block_size, write_fp8_export
+
+                write_fp8_export(tmp, block=fp8_block_size(meta["hf_config"]), source_dir=meta.get("source"))
             atomic.commit()
     if is_driver():
         carried = f" + {len(meta['mtp_tensors'])} MTP tensors carried" if mtp else ""
