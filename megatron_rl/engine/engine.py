@@ -110,6 +110,9 @@ class MegatronEngine:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ValueError(f"megatron.override_transformer_config has unknown TransformerConfig field(s) {unknown}")
+        from parallel.bridge.mtp import check_mtp_layout
+
+        check_mtp_layout(mesh.config, overrides)  # MTP fields / layout stages: refused before the model is built
         self.name, self.head, self.trainable = name, head, trainable
         self.model_cfg, self.mesh = model_cfg, mesh
         self.tf_config = build_transformer_config(model_cfg, mesh.config, sequence_parallel=sequence_parallel,

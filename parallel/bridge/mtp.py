@@ -8,6 +8,15 @@ so the loader checks they are complete and well-shaped and leaves them untouched
 the trainer's HF export carry them through bit for bit (``read_mtp_tensors`` / ``write_mtp_file``).
 A checkpoint that declares MTP layers but holds none of their tensors (what transformers'
 ``save_pretrained`` writes) has nothing to carry.
+
+Pipeline layouts: carried as side data, the MTP layers are never placed on a pipeline stage, so
+conversion and training take every PP / VPP layout. What would place them is refused by
+``check_mtp_layout`` before a model is built: Megatron-Core builds an MTP block (on the last stage,
+with its own replica of the word embedding tied to the first stage's) only when
+``mtp_num_layers`` is set, and a ``pipeline_model_parallel_layout`` may name MTP stages (``m``);
+here neither has an MTP block to build, and both would break the model (Megatron would split the
+last stage's hidden states for MTP layers that do not exist, cf. NeMo-RL#2471 for the shared
+embedding it would also place on the last stage).
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["MTPLayers", "MTP_FILE", "MTP_SHARD", "add_mtp_shard", "copy_mtp_tensors", "num_mtp_layers",
+__all__ = ["MTPLayers", "MTP_FILE", "MTP_SHARD", "MTP_TRANSFORMER_FIELDS", "add_mtp_shard", "check_mtp_layout",
+           "copy_mtp_tensors", "num_mtp_layers",
            "read_mtp_tensors", "source_mtp_tensors", "stream_tensors", "write_mtp_file"]
 
 MTP_FILE = "mtp/mtp.safetensors"
@@ -43,6 +53,52 @@ def num_mtp_layers(hf_dir: str | os.PathLike) -> int:
     if not isinstance(value, int) or value < 0:
         raise ValueError(f"{config}: num_nextn_predict_layers={value!r} is not allowed; use an integer >= 0")
     return value
+
+
+MTP_TRANSFORMER_FIELDS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+"""``TransformerConfig`` fields that build (or only act with) Megatron-Core's MTP block."""
+
+
+def _layout_mtp_stages(layout) -> list[int]:
+    """Stages (0-based, in order: pipeline x virtual) of a ``pipeline_model_parallel_layout`` -- a
+    string (``"Et|tmL"``) or per-stage lists -- that hold an MTP layer (``m`` / ``"mtp"``)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    stages = PipelineParallelLayerLayout.parse_str_to_list(layout) if isinstance(layout, str) else layout
+    if not isinstance(stages, (list, tuple)):
+        return []
+    return [i for i, stage in enumerate(stages)
+            if any(t == LayerType.mtp or str(t) in ("m", "mtp") for t in (stage if isinstance(stage, (list, tuple))
+                                                                            else [stage]))]
+
+
+def check_mtp_layout(parallel, overrides=None, *, key: str = "megatron.override_transformer_config") -> None:
+    """Refuse (ValueError naming the key, its value and what is allowed) a layout that would place
+    MTP layers: ``overrides`` (``TransformerConfig`` fields, verl's ``megatron.override_transformer_config``)
+    setting ``mtp_num_layers`` / ``mtp_loss_scaling_factor``, or a ``pipeline_model_parallel_layout``
+    with MTP (``m``) stages. ``parallel`` (a ``ParallelConfig``) is named in the message. Every
+    PP / VPP layout without them is allowed: the checkpoint's MTP layers are side data (module docstring)."""
+    overrides = dict(overrides or {})
+    pp = parallel.pipeline_model_parallel_size
+    for name in MTP_TRANSFORMER_FIELDS:
+        value = overrides.get(name)
+        if value is not None and not (name == "mtp_num_layers" and value == 0):
+            effect = (f"at pipeline_model_parallel_size={pp} Megatron-Core would expect the block and a replica of the "
+                      f"shared word embedding on the last stage and split that stage's hidden states for MTP layers "
+                      f"that have no weights" if name == "mtp_num_layers" else "it acts only on that block")
+            raise ValueError(
+                f"{key}.{name}={value!r} is not allowed: the Megatron model builds no multi-token-prediction block "
+                f"(MTP training, actor_rollout_ref.model.mtp.*, is not implemented; a checkpoint's MTP layers are "
+                f"loaded, checked and exported as side data at any layout); {effect}. Allowed: leave {name} unset")
+    layout = overrides.get("pipeline_model_parallel_layout")
+    stages = _layout_mtp_stages(layout) if layout is not None else []
+    if stages:
+        raise ValueError(
+            f"{key}.pipeline_model_parallel_layout={layout!r} places MTP layers ('m') on pipeline stage(s) {stages} "
+            f"of pipeline_model_parallel_size={pp}: the model builds no multi-token-prediction block, so no stage can "
+            f"hold MTP layers or the word-embedding replica they share. Allowed: a layout of embedding ('E'), "
+            f"decoder ('t') and loss ('L') stages only, or no pipeline_model_parallel_layout")
 
 
 @dataclasses.dataclass(frozen=True)

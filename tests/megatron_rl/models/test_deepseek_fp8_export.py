@@ -45,7 +45,8 @@ def tiny_deepseek(tmp_path_factory):
 
 def test_fp8_checkpoint_round_trips_bit_exactly_through_convert(tiny_deepseek, tmp_path):
     """16 x 16 blocks; the source quantises a set unlike FP8_WEIGHTS (no kv_a_proj_with_mqa), the
-    export follows the source's set; MTP tensors (carried dequantised) are re-quantised too."""
+    export follows the source's set; MTP tensors (carried dequantised) are re-quantised too. At PP=2
+    (stored and exported): the MTP layer, side data, is placed on no stage."""
     fp8 = tmp_path / "fp8"
     source = write_fp8_checkpoint(tiny_deepseek, fp8, (16, 16))
     for f in tiny_deepseek.iterdir():  # tokenizer + generation config
@@ -55,7 +56,7 @@ def test_fp8_checkpoint_round_trips_bit_exactly_through_convert(tiny_deepseek, t
     assert any(n.startswith("model.layers.2.") for n in quantised)  # the MTP layer's block
     assert not any("kv_a_proj_with_mqa" in n for n in quantised)
     mcore, back = tmp_path / "mcore", tmp_path / "back"
-    run = _run("hf-to-mcore", "--hf-dir", str(fp8), "--out-dir", str(mcore), "--tp", "1")
+    run = _run("hf-to-mcore", "--hf-dir", str(fp8), "--out-dir", str(mcore), "--tp", "1", "--pp", "2")
     assert run.returncode == 0, run.stderr[-4000:]
     run = _run("mcore-to-hf", "--mcore-dir", str(mcore), "--out-dir", str(back), "--export-fp8")
     assert run.returncode == 0, run.stderr[-4000:]
