@@ -2,6 +2,14 @@
 
 The reference is HF's float32 forward of the same (rounded) weights; a bf16/fp16 Megatron
 forward is judged against HF's own forward in that dtype (``check_logits``).
+
+By default (``--verify-layers-per-group N``, N >= 1; default ``DEFAULT_LAYERS_PER_GROUP``) the
+check runs layer group by layer group: HF's forward streams its weights from the safetensors one
+part at a time (``tools.convert_verify_hf``), the Megatron forward runs on the converted model
+itself, in another dtype through a twin filled one module at a time (``tools.convert_verify_groups``),
+and the hidden states leaving each group of N decoder layers are compared too, so a failure names
+the first group that diverges. Verifying then needs the converted model plus about one layer
+group, not the model twice. ``--verify-layers-per-group 0`` loads both whole models as before.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 GAP_FACTOR = 3.0
 """A bf16/fp16 forward passes when it is within GAP_FACTOR x HF's own low-precision-vs-fp32 gap of the
 fp32 reference (two correct implementations round differently: Megatron measured 1.0-1.4x the gap)."""
+DEFAULT_LAYERS_PER_GROUP = 1
+"""Decoder layers whose HF weights are read at a time by the layer-group verify (the least memory;
+each group's hidden states are compared, so the first wrong layer is named)."""
 VERIFY_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n",
@@ -125,8 +136,26 @@ def mean_logit_diff(a: torch.Tensor, b: torch.Tensor, lengths: list[int]) -> flo
     return float(per_token.mean())
 
 
+class VerifySettings(list):
+    """The compute dtypes of ``--verify``'s Megatron forwards (a list, float32 first), carrying
+    ``layers_per_group`` (0: whole models) to the ranks' ``verify_forwards``."""
+
+    def __init__(self, dtypes, layers_per_group: int = 0):
+        super().__init__(dtypes)
+        self.layers_per_group = layers_per_group
+
+
+class ForwardResults(dict):
+    """{compute dtype: Megatron float32 logits} from ``verify_forwards``, carrying ``hidden``
+    ({dtype: {last layer of each group: hidden states}}) and ``layers_per_group`` to ``check_logits``."""
+
+    def __init__(self, logits: dict, hidden: Optional[dict] = None, layers_per_group: int = 0):
+        super().__init__(logits)
+        self.hidden, self.layers_per_group = hidden or {}, layers_per_group
+
+
 def add_verify_args(p) -> None:
-    """--verify / --verify-dtype / --tolerance (both converters)."""
+    """--verify / --verify-dtype / --tolerance / --verify-layers-per-group (both converters)."""
     p.add_argument("--verify", action="store_true", help="compare logits with the other side on fixed prompts")
     p.add_argument("--verify-dtype", choices=("fp32", "model", "both"), default="fp32",
                    help="compute dtype of the Megatron forward: fp32 (default; the converted weights' values, "
@@ -136,12 +165,35 @@ def add_verify_args(p) -> None:
     p.add_argument("--tolerance", type=float, default=None,
                    help="bound on max |logit diff| in every dtype (default: 1e-4 for fp32 compute; for bf16/fp16 "
                         f"compute a bound on the per-token mean, {GAP_FACTOR:g} x HF's own gap, at least 2e-2)")
+    p.add_argument("--verify-layers-per-group", type=int, default=DEFAULT_LAYERS_PER_GROUP, metavar="N",
+                   help="verify layer group by layer group: HF's reference reads the weights of N decoder layers at a "
+                        "time from the safetensors and the Megatron forward runs on the converted model (another "
+                        "dtype one module at a time), so verifying needs about the checkpoint plus one group in RAM; "
+                        "the hidden states after each group are compared too and a failure names the first group "
+                        f"that diverges (default {DEFAULT_LAYERS_PER_GROUP}; 0: both whole models at once, about "
+                        "twice the checkpoint or more)")
 
 
-def verify_settings(args, model_dtype: str) -> list[str]:
-    """Compute dtypes of the Megatron forwards ``--verify`` runs (fp32 first)."""
+def verify_settings(args, model_dtype: str) -> VerifySettings:
+    """Compute dtypes of the Megatron forwards ``--verify`` runs (fp32 first), with the group size;
+    a ``ValueError`` naming ``--verify-layers-per-group`` when it is negative."""
+    from tools.convert_verify_hf import layer_groups
+
+    per_group = getattr(args, "verify_layers_per_group", 0)
+    layer_groups(1, per_group)  # checks it
     dtypes = {"fp32": ["float32"], "model": [model_dtype], "both": ["float32", model_dtype]}[args.verify_dtype]
-    return list(dict.fromkeys(dtypes))
+    return VerifySettings(dict.fromkeys(dtypes), per_group)
+
+
+def _references(hf_dir, input_ids: torch.Tensor, weight_dtype: torch.dtype, low: list[str], layers_per_group: int):
+    """HF's logits [float32, *low] and, layer group by layer group, its hidden states (else Nones)."""
+    dtypes = (torch.float32, *(getattr(torch, d) for d in low))
+    if not layers_per_group:
+        return list(hf_logits(hf_dir, input_ids, weight_dtype, dtypes)), [None] * len(dtypes)
+    from tools.convert_verify_hf import hf_stream_forward
+
+    runs = [hf_stream_forward(hf_dir, input_ids, weight_dtype, d, layers_per_group) for d in dtypes]
+    return [r[0] for r in runs], [r[1] for r in runs]
 
 
 def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,
@@ -154,10 +206,15 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
     its per-token mean |logit diff| (``mean_logit_diff``: robust to the few tokens whose MoE routing
     a rounding flips, which dominate the max) must stay within ``GAP_FACTOR`` x the same figure of
     HF's own forward in that dtype on the same prompts (at least ``TOLERANCES[dtype]``); the max
-    is printed beside it. A given ``tolerance`` bounds the max instead, in every dtype."""
+    is printed beside it. A given ``tolerance`` bounds the max instead, in every dtype.
+
+    ``logits`` from the layer-group verify (a ``ForwardResults`` with ``layers_per_group`` >= 1):
+    HF's forwards stream their weights group by group, and each group's hidden states are compared
+    too (``tools.convert_verify_groups.compare_groups``: one more line per dtype); the logits stay
+    the verdict, and a failure names the first layer group that diverges."""
+    per_group = getattr(logits, "layers_per_group", 0)
     low = [d for d in logits if d != "float32"]
-    refs = hf_logits(hf_dir, input_ids, weight_dtype,
-                     (torch.float32, *(getattr(torch, d) for d in low)))
+    refs, ref_hidden = _references(hf_dir, input_ids, weight_dtype, low, per_group)
     reference, diffs, failed = refs[0], {}, []
     for dtype, mine in logits.items():
         diff = max_logit_diff(mine, reference, lengths)
@@ -177,9 +234,23 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
                    f"(that gap: per-token mean {mean_gap:.3e}, max {gap:.3e})")
         print(f"verify ({dtype} forward): {line} over {len(lengths)} prompts ({sum(lengths)} tokens), tolerance "
               f"{bound:.3e}{how}: {'OK' if ok else 'FAILED'}", flush=True)
+        where = None
+        if per_group:
+            from tools.convert_verify_groups import compare_groups
+            from tools.convert_verify_hf import layer_groups
+
+            groups = layer_groups(max(ref_hidden[0]) + 1, per_group)  # HF's decoder layers
+            own_hidden = None if dtype == "float32" else ref_hidden[1 + low.index(dtype)]
+            group_line, where = compare_groups(dtype, logits.hidden[dtype], ref_hidden[0], own_hidden, groups,
+                                               lengths)
+            print(group_line, flush=True)
         if not ok:
             failed.append(f"{line.split(' = ')[0]} {line.split(' = ')[1].split(' ')[0]} of the {dtype} forward "
                           f"exceeds the tolerance {bound:.3e}")
+            if per_group:
+                failed[-1] += (f" (first diverging: {where})" if where else
+                               " (the hidden states of every layer group agree: it arises after the last decoder "
+                               "layer, in the final norm or the output layer)")
     if failed:
         raise ToolError(f"--verify: {'; '.join(failed)}; the output was not written (raise --tolerance to accept "
                         f"it)")
@@ -215,9 +286,19 @@ def verify_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.T
                     release: bool = False) -> dict:
     """{compute dtype: full float32 logits on rank 0 (None elsewhere)} of the model in each dtype
     (in that order); collective. ``release``: ``chunks`` is given up (``model_in_dtype``), so a
-    verify in another dtype holds one model at a time -- the float32 one at most."""
+    verify in another dtype holds one model at a time -- the float32 one at most.
+
+    ``dtypes`` from ``verify_settings`` with ``layers_per_group`` >= 1: the layer-group verify
+    (``tools.convert_verify_groups.grouped_forwards``: ``chunks`` kept, another dtype one module at
+    a time), returning a ``ForwardResults`` with the groups' hidden states; ``release`` is moot."""
     import dataclasses
 
+    per_group = getattr(dtypes, "layers_per_group", 0)
+    if per_group:
+        from tools.convert_verify_groups import grouped_forwards
+
+        logits, hidden = grouped_forwards(chunks, model_cfg, parallel_config, mesh, input_ids, list(dtypes), per_group)
+        return ForwardResults(logits, hidden, per_group)
     out, current, cfg = {}, chunks, model_cfg
     for dtype in dtypes:
         nxt = model_in_dtype(current, cfg, parallel_config, dtype, release=release)
