@@ -8,6 +8,8 @@ tensors), and they are dropped right after. The parts are the embedding, each gr
 ``layers_per_group`` decoder layers, and the head (final norm + output layer), so the reference
 holds one part at a time, never the whole model. The hidden states leaving each group are kept
 (float32), so a wrong mapping can be traced to the first group where the two sides part.
+An FP8 block-quantised checkpoint (DeepSeek-V3's ``quantization_config``) is dequantised as it is
+read (``parallel.bridge.fp8``, as the converters read it) into a plain model of its config.
 """
 
 from __future__ import annotations
@@ -19,10 +21,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
-HEAD = "head"
-EMBEDDING = "embedding"
-
 
 def layer_groups(num_layers: int, layers_per_group: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]``: the decoder layers in consecutive groups of ``layers_per_group``
@@ -74,8 +72,14 @@ class _Streamer:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.modeling_utils import LoadStateDictConfig
 
+        from parallel.bridge.fp8 import fp8_block_size
+
         self.hf_dir, self.compute_dtype = hf_dir, compute_dtype
         config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+        self.fp8_block = fp8_block_size(json.loads((hf_dir / "config.json").read_text()))
+        if self.fp8_block is not None:  # dequantised on read: the model is a plain one
+            config.quantization_config = None
+            delattr(config, "quantization_config")
         with _parameters_on_meta():
             self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype,
                                                           attn_implementation="eager").eval()
@@ -103,10 +107,13 @@ class _Streamer:
             if name.startswith(prefixes):
                 wanted.setdefault(file, []).append(name)
         with contextlib.ExitStack() as stack:
-            state = {}
+            handles, state = {}, {}
             for file, names in wanted.items():
-                handle = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt", backend="pread"))
-                state.update({n: handle.get_slice(n) for n in names})
+                handles[file] = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt",
+                                                              backend="pread"))
+                state.update({n: handles[file].get_slice(n) for n in names})
+            if self.fp8_block is not None:
+                self._dequantize(state, handles, stack)
             convert_and_load_state_dict_in_model(self.model, state, self.load_config)
         if self.tied and self.head in modules:
             self.head.weight = self.embedding.weight
@@ -119,6 +126,22 @@ class _Streamer:
                     param.data = param.data.to(self.compute_dtype)  # an upcast of the rounded weights: exact
         if missing:
             raise ValueError(f"{self.hf_dir}: the checkpoint does not hold {missing[:5]} (HF reference for --verify)")
+
+    def _dequantize(self, state: dict, handles: dict, stack) -> None:
+        """Replace the FP8 weights in ``state`` by their float32 values and drop their scales."""
+        from safetensors import safe_open
+
+        from parallel.bridge.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks
+
+        for name in [n for n in state if state[n].get_dtype().startswith("F8")]:
+            scale_name, file = name + SCALE_SUFFIX, self.files.get(name + SCALE_SUFFIX)
+            if file is None:
+                raise ValueError(f"{self.hf_dir}: {name!r} is FP8 but {scale_name!r} is missing")
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt",
+                                                              backend="pread"))
+            state[name] = dequantize_fp8_blocks(state[name][:], handles[file].get_tensor(scale_name), self.fp8_block)
+            state.pop(scale_name, None)
 
     @staticmethod
     def release(modules: list[torch.nn.Module]) -> None:

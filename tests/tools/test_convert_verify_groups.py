@@ -3,7 +3,8 @@ and a wrong layer named.
 
 * ``hf_stream_forward`` (weights read one part at a time) gives HF's own whole-model forward bit
   for bit -- logits and every layer's hidden states, float32 and bf16, tied and MoE -- while at most
-  one part (embedding, one layer group, head) holds weights.
+  one part (embedding, one layer group, head) holds weights; an FP8 block-quantised checkpoint is
+  dequantised as it is read.
 * The Megatron side (``verify_forwards`` with a group size: the converted bf16 model, its float32
   forward through the module-by-module twin) gives the single-rank logits and hidden states at
   TP=2 (an MoE: sequence-parallel), PP=2 x VPP=2 and EP=2, and passes ``check_logits`` there.
@@ -91,6 +92,32 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
             assert max(held[1:-1]) == per_group * layer and total > 4 * layer + embedding
 
 
+def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path):
+    """DeepSeek-V3's FP8 block format (which transformers cannot load on CPU without accelerate):
+    the stream dequantises each weight as it reads it, and equals HF's forward of the dequantised
+    checkpoint written out plainly."""
+    from safetensors.torch import save_file
+
+    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from parallel.bridge.fp8 import dequantize_fp8_blocks
+    from tests.megatron_rl.models.test_deepseek_fp8 import write_fp8_checkpoint
+    from tools.convert_verify import hf_logits
+    from tools.convert_verify_hf import hf_stream_forward
+
+    src = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3")["path"]
+    fp8, plain = tmp_path / "fp8", tmp_path / "plain"
+    written = write_fp8_checkpoint(src, fp8, (16, 16))
+    plain.mkdir()
+    save_file({n: dequantize_fp8_blocks(t, written[n + "_scale_inv"], (16, 16)) if t.dtype == torch.float8_e4m3fn
+               else t for n, t in written.items() if not n.endswith("_scale_inv")}, str(plain / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    assert sum(t.dtype == torch.float8_e4m3fn for t in written.values()) > 10
+    ids, _ = _ids()
+    logits, hidden = hf_stream_forward(fp8, ids, torch.float32, torch.float32, 1)
+    assert torch.equal(logits, hf_logits(plain, ids, torch.float32, torch.float32)) and sorted(hidden) == [0, 1]
+
+
 def test_layer_groups():
     from tools.convert_verify_hf import layer_groups
 
@@ -151,7 +178,7 @@ def _rank(rank: int, world: int, cases: list, per_group: int) -> dict:
 @pytest.fixture(scope="module")
 def single(ckpts, tmp_path_factory):
     """Single-rank runs, checked against the right checkpoints and one whose layer 1 is wrong."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     wrong = tmp_path_factory.mktemp("wrong") / "qwen3"
     shutil.copytree(ckpts["qwen3"], wrong)
