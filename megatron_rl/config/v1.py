@@ -5,7 +5,7 @@
       colocate_async           num_warmup_batches (batches generated ahead of the trainer)
       separate_async           num_warmup_batches, parameter_sync_step (mini-batches per weight push)
       sampler                  max_off_policy_threshold, max_off_policy_strategy (drop | wait)
-      partial_rollout          refused: the vLLM engine here cannot pause a generation
+      partial_rollout          a weight push pauses in-flight generations; they continue with the new weights
 
 ``sync`` is today's loop. ``colocate_async`` keeps the rollout on the trainer's resources and
 generates ``num_warmup_batches`` batches ahead (1 = one-step off-policy: step k trains on rollouts
@@ -18,6 +18,14 @@ ones), as verl's V1 ``trainer_separate_async`` does.
 Staleness here counts policy versions behind the trainer (0 = on-policy); verl's replay buffer
 counts the versions a trajectory *spans* (1 = on-policy). ``max_off_policy_threshold=0`` is
 therefore allowed here and means strictly on-policy; None disables the bound.
+
+``partial_rollout`` (async modes only, verl's ``async_training.partial_rollout``): a weight push
+pauses the rollout's in-flight generations between two vLLM engine steps (the engine is driven step
+by step; ``megatron_rl.rollout.partial``), loads the new weights and continues them: each unfinished
+sample is re-submitted as prompt + its tokens so far (token ids), so its KV cache is recomputed with
+the new weights and the tokens after the push -- and their rollout log-probs -- come from them.
+Every token carries the version that produced it (``rollout_policy_versions`` [b, R]); a sample's
+``rollout_policy_version`` (what the staleness bound uses) is its oldest token's.
 """
 
 from __future__ import annotations
@@ -93,8 +101,9 @@ class V1Config(BaseConfig):
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     """Staleness bound at dequeue."""
     partial_rollout: bool = False
-    """Pause in-flight generations at a weight push and continue them with the new weights: not
-    implemented (the in-process vLLM engine here cannot pause a request); True is refused."""
+    """A weight push pauses in-flight generations between engine steps and they continue with the new
+    weights (KV recomputed from prompt + tokens so far; tokens after the push tagged with the new
+    version). Needs an async ``trainer_mode`` and the in-process vLLM engine (see the module docstring)."""
 
     def __post_init__(self) -> None:
         for name, cls in (("colocate_async", ColocateAsyncConfig), ("separate_async", SeparateAsyncConfig),
@@ -102,10 +111,11 @@ class V1Config(BaseConfig):
             if isinstance(getattr(self, name), Mapping):
                 setattr(self, name, cls.from_dict(getattr(self, name), path=name))
         check_choice("trainer.v1.trainer_mode", self.trainer_mode, TRAINER_MODES)
-        if self.partial_rollout:
-            raise ValueError("trainer.v1.partial_rollout=True is not supported: the rollout engine here (vLLM in "
-                             "process, one generate call at a time) cannot pause in-flight generations and resume "
-                             "them with new weights; set trainer.v1.partial_rollout=false")
+        if self.partial_rollout and self.trainer_mode == "sync":
+            raise ValueError("trainer.v1.partial_rollout=True is not supported: the rollout engine pauses "
+                             "generations only for weight pushes that arrive while it generates, and "
+                             "trainer.v1.trainer_mode='sync' never pushes then; use trainer_mode='colocate_async' "
+                             "or 'separate_async', or set trainer.v1.partial_rollout=false")
 
     @property
     def is_async(self) -> bool:
@@ -148,6 +158,10 @@ def check_async_run(config: Any) -> None:
                          "of the machine in trainer.v1.trainer_mode='sync'; use separate_async, or nnodes=0")
     if mode == "sync":
         return
+    if v1.partial_rollout and not rollout.in_process_engine:
+        raise ValueError("trainer.v1.partial_rollout=True needs actor_rollout_ref.rollout.in_process_engine=True: "
+                         "the pause between engine steps drives the in-process vLLM engine (got "
+                         "in_process_engine=False, an engine core in its own process, which cannot be paused here)")
     if trainer.device == "cuda" and rollout.free_cache_engine:
         raise ValueError(f"trainer.v1.trainer_mode={mode!r} generates while the actor trains, so the engine must "
                          "stay awake: set actor_rollout_ref.rollout.free_cache_engine=false")

@@ -13,6 +13,8 @@ GPUs) and returns batches with verl's field names and layout:
                                   sampled from, 0 on padding
     uid               list[str]   the prompt's uid, repeated for its n samples
     finish_reasons    list[str]   vLLM's "stop" (eos / stop token / stop string) or "length"
+    rollout_policy_versions [b*n, R]  partial rollouts only (``generate(pause=...)``): the weight
+                                  version each token was generated with (``rollout.partial``)
 
 Samples are prompt-major (prompt 0's n samples first), like verl's ``repeat(interleave=True)``.
 
@@ -45,12 +47,13 @@ import threading
 import time
 import uuid
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_rl.config.base import check_choice
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
+from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.vllm_extension import EngineWorld
 from parallel.transport import (CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, link_group, new_sender,
                                 transfer)
@@ -291,6 +294,7 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------------- generation
     def generate(self, prompts: Any, *, uids: Sequence[str] | None = None, validate: bool = False,
+                 pause: Optional[PauseGate] = None, on_step: Optional[Callable[[int], None]] = None,
                  **overrides: Any) -> dict[str, Any]:
         """Sample ``n`` responses per prompt; return the verl-layout batch (see module doc).
 
@@ -302,6 +306,11 @@ class VLLMRollout:
             overrides: per-call sampling keys (``SAMPLING_KEYS``), e.g. ``n=4`` or ``seed=1``
                 (with a seed, prompt ``i`` draws with ``seed + i * n`` and its samples with
                 consecutive seeds, so the call is reproducible).
+            pause: a ``megatron_rl.rollout.partial.PauseGate``: a partial rollout -- a weight push
+                through the gate pauses the generation between engine steps and it continues with
+                the new weights; the batch then also has ``rollout_policy_versions`` [b*n, R] (the
+                gate's version each token was generated with; padding repeats the row's last one).
+            on_step: with ``pause``: called after every engine step with the gate's step count.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -315,6 +324,8 @@ class VLLMRollout:
             raise ValueError(f"uids has {len(uids)} entries for {len(ids)} prompts")
         kw = sampling_kwargs(self.config, validate=validate, **overrides)
         n, seed = kw["n"], kw.pop("seed")
+        if pause is not None:
+            return self._generate_pausable(ids, uids, kw, n, seed, pause, on_step)
         params = [SamplingParams(**kw, seed=None if seed is None else seed + i * n) for i in range(len(ids))]
         with self._world.engine():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
@@ -337,6 +348,39 @@ class VLLMRollout:
                                                            kw["max_tokens"])
         batch["uid"] = row_uids
         batch["finish_reasons"] = reasons
+        return batch
+
+    def _generate_pausable(self, ids: list[list[int]], uids: Sequence[str], kw: dict[str, Any], n: int,
+                           seed: Optional[int], pause: PauseGate, on_step: Optional[Callable[[int], None]]
+                           ) -> dict[str, Any]:
+        """``generate`` as a partial rollout (``megatron_rl.rollout.partial``): one n=1 request per
+        sample, seeded as vLLM seeds its n children (``seed + i * n + k``), driven step by step."""
+        from vllm import SamplingParams
+
+        if self.returns_routed_experts:
+            raise ValueError(f"partial rollouts (trainer.v1.partial_rollout) with engine_kwargs.vllm."
+                             f"{ROUTED_EXPERTS_KWARG}=True are not supported: a continuation's routing would "
+                             "restart at the pause")
+        one = {**kw, "n": 1}
+        params, row_prompts, row_uids = [], [], []
+        for i, p in enumerate(ids):
+            for k in range(n):
+                params.append(SamplingParams(**one, seed=None if seed is None else seed + i * n + k))
+                row_prompts.append(p)
+                row_uids.append(uids[i])
+        samples = generate_pausable(self.llm.llm_engine, row_prompts, params, pause,
+                                    engine_context=self._world.engine, on_step=on_step)
+        rows = [s.tokens for s in samples]
+        logps = [s.log_probs for s in samples] if kw["logprobs"] is not None else None
+        batch = self._pad_batch(row_prompts, rows, logps, kw["max_tokens"])
+        versions = torch.zeros(len(samples), kw["max_tokens"], dtype=torch.long)
+        for j, s in enumerate(samples):
+            last = s.versions[-1] if s.versions else pause.version
+            versions[j] = last
+            versions[j, : len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+        batch["rollout_policy_versions"] = versions
+        batch["uid"] = row_uids
+        batch["finish_reasons"] = [s.finish_reason for s in samples]
         return batch
 
     def generate_turns(self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], *,

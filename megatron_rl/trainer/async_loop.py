@@ -18,8 +18,12 @@ update, weight push) and moves the buffer's window.
   batches ahead; the rollout worker runs on its own resources (``placement``). Bypass mode is
   forced (``async_run_config``): the rollout's log-probs are the old ones, as in verl's V1.
 
-Every sample carries ``rollout_policy_version`` (all its tokens come from that one version: a
-generation is never paused). Metrics per step: ``async/staleness_mean`` / ``async/staleness_max``
+Every sample carries ``rollout_policy_version`` (all its tokens come from that one version, unless
+``trainer.v1.partial_rollout``: then a push pauses the generation in flight, which continues with
+the new weights, every token carries its own version in ``rollout_policy_versions`` [b, R], the
+sample's is its oldest token's, and the staleness metrics count tokens by their own version;
+``async/partial/partial_ratio`` / ``total_partial_num`` / ``max_partial_span`` are verl's
+``fully_async/partial/*``). Metrics per step: ``async/staleness_mean`` / ``async/staleness_max``
 (policy versions behind the trainer, over the step's response tokens),
 ``async/token_fraction/staleness_<d>``, ``async/queue_depth``, ``async/in_flight_groups``,
 ``async/trainer_idle_s`` (waiting for a batch), ``async/rollout_idle_s`` (the step's wall time the
@@ -44,7 +48,7 @@ from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
 from megatron_rl.trainer.watchdog import phase as timer
 
 __all__ = ["AsyncSettings", "async_settings", "async_run_config", "check_async_trainer", "fit_async", "Rollouter",
-           "staleness_metrics"]
+           "staleness_metrics", "partial_staleness_metrics"]
 
 
 def async_run_config(config: Any) -> Any:
@@ -76,9 +80,7 @@ class AsyncSettings:
 
 
 def async_settings(v1: Any) -> AsyncSettings:
-    """The loop's settings from the ``trainer.v1`` section (refuses ``partial_rollout``)."""
-    if v1.partial_rollout:  # refused when the config is built; kept for callers that bypass it
-        raise ValueError("trainer.v1.partial_rollout=True is not supported: the engine cannot pause a generation")
+    """The loop's settings from the ``trainer.v1`` section."""
     sampler = v1.sampler
     push = v1.separate_async.parameter_sync_step if v1.trainer_mode == "separate_async" else None
     return AsyncSettings(v1.trainer_mode, v1.lookahead(), sampler.max_off_policy_threshold,
@@ -163,6 +165,9 @@ class Rollouter:
         self.busy.append((float(out["start"]), float(out["end"])))
         version = int(out["policy_version"])
         batch["rollout_policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
+        if "rollout_policy_versions" in batch:  # partial rollouts: a sample's version is its oldest token's
+            tokens = batch["rollout_policy_versions"].masked_fill(~batch["response_mask"].bool(), 2**62)
+            batch["rollout_policy_version"] = torch.minimum(tokens.min(-1).values, batch["rollout_policy_version"])
         try:
             self.phase.score(batch)
         except RewardError as err:
@@ -180,7 +185,7 @@ class Rollouter:
         rows = dict(_split_groups(batch))
         for group in groups:
             group.payload = batch.select_idxs(rows[group.uid])
-            self.buffer.put(group, version)
+            self.buffer.put(group, int(group.payload["rollout_policy_version"].min()))
 
     def _collect_oldest(self) -> None:
         import ray
@@ -283,7 +288,10 @@ class Rollouter:
 
 def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
     """``async/staleness_mean`` / ``_max`` over the batch's response tokens (policy versions behind
-    the trainer) and ``async/token_fraction/staleness_<d>`` per lag."""
+    the trainer) and ``async/token_fraction/staleness_<d>`` per lag; with partial rollouts each token
+    counts with its own version (``rollout_policy_versions``, see ``partial_staleness_metrics``)."""
+    if "rollout_policy_versions" in batch:
+        return partial_staleness_metrics(batch, trainer_version)
     lag = (trainer_version - batch["rollout_policy_version"]).double()
     tokens = batch["response_mask"].sum(-1).double()
     total = float(tokens.sum()) or 1.0
@@ -292,6 +300,30 @@ def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
            "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min())}
     for d in sorted(set(lag.long().tolist())):
         out[f"async/token_fraction/staleness_{d}"] = float(tokens[lag.long() == d].sum()) / total
+    return out
+
+
+def partial_staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
+    """``staleness_metrics`` over per-token versions (partial rollouts), plus verl's partial-rollout
+    statistics: ``async/partial/total_partial_num`` (samples whose tokens span several versions),
+    ``partial_ratio`` (their share) and ``max_partial_span`` (most versions one sample spans, minus 1)."""
+    mask = batch["response_mask"].bool()
+    versions = batch["rollout_policy_versions"].long()
+    lag = (trainer_version - versions)[mask]
+    total = float(mask.sum()) or 1.0
+    out = {"async/staleness_mean": float(lag.double().sum()) / total,
+           "async/staleness_max": float(lag.max()) if lag.numel() else 0.0,
+           "async/trainer_policy_version": float(trainer_version),
+           "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min())}
+    for d in sorted(set(lag.tolist())):
+        out[f"async/token_fraction/staleness_{d}"] = float((lag == d).sum()) / total
+    big = 2**62
+    newest = versions.masked_fill(~mask, -big).max(-1).values
+    oldest = versions.masked_fill(~mask, big).min(-1).values
+    span = torch.where(mask.any(-1), newest - oldest, torch.zeros_like(newest))
+    out["async/partial/total_partial_num"] = float((span > 0).sum())
+    out["async/partial/partial_ratio"] = float((span > 0).double().mean())
+    out["async/partial/max_partial_span"] = float(span.max())
     return out
 
 

@@ -213,8 +213,9 @@ class Placement:
             for role, spec in specs.items():
                 self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=cpus, num_gpus_per_worker=gpus,
                                                         shards=self.shards)
-            self.rollout, self._rollout_pg = create_rollout_worker(model_path, rollout_cfg, num_cpus=rollout_cpus,
-                                                                   num_gpus=rollout_gpus)
+            self.rollout, self._rollout_pg = create_rollout_worker(  # partial rollouts: pushes pause its generations
+                model_path, rollout_cfg, num_cpus=rollout_cpus, num_gpus=rollout_gpus,
+                partial_rollout=config.trainer.v1.partial_rollout)
         except BaseException:
             self.shutdown()
             raise

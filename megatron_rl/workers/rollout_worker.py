@@ -1,7 +1,16 @@
-"""``RolloutWorker``: a ``VLLMRollout`` inside a Ray actor, and ``create_rollout_worker`` to place one."""
+"""``RolloutWorker``: a ``VLLMRollout`` inside a Ray actor, and ``create_rollout_worker`` to place one.
+
+With partial rollouts (``trainer.v1.partial_rollout``) the worker holds a
+``megatron_rl.rollout.partial.PauseGate`` and is started as ``partial_worker_class()``: its weight
+pushes (``update_weights``, ``weight_sync_receive``) run in a Ray concurrency group of their own
+(``weights``), so a push arrives while a generation runs, pauses it between two engine steps, loads
+the weights and lets it continue with them. Without partial rollouts every call runs in the
+actor's one default thread, in order (a push queues behind the generations submitted before it).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Optional
 
@@ -16,7 +25,8 @@ class RolloutWorker:
     """A ``VLLMRollout`` inside a Ray actor (create with ``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, model_path: str, config: Optional[RolloutConfig] = None, tokenizer_path: Optional[str] = None,
-                 num_threads: int = 1):
+                 num_threads: int = 1, partial_rollout: bool = False):
+        from megatron_rl.rollout.partial import PauseGate
         from megatron_rl.rollout.vllm_rollout import VLLMRollout
 
         torch.set_num_threads(max(1, num_threads))
@@ -24,21 +34,43 @@ class RolloutWorker:
         self._receiver = None  # RolloutWeightReceiver once a side band is joined
         self._tokenizer_path = tokenizer_path or model_path
         self._agents: dict = {}  # chat template -> AgentRunner, built on the first agent rollout
-        self.policy_version = 0  # weight updates received; tags what generate_tagged produced
+        self._version = 0  # weight updates received without a gate
+        self.gate = PauseGate() if partial_rollout else None  # partial rollouts: pushes pause generations
+
+    @property
+    def policy_version(self) -> int:
+        """Weight updates this engine has received (tags what ``generate_tagged`` produces)."""
+        return self.gate.version if self.gate is not None else self._version
+
+    def _push(self):
+        """Context of one weight push: through the gate with partial rollouts (it pauses a running
+        generation and counts the push when it succeeds), else the version counts after it."""
+        if self.gate is not None:
+            return self.gate.push()
+        return _counted(self)
 
     def generate(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
-        """``VLLMRollout.generate``: the verl-layout rollout batch."""
-        return self.rollout.generate(prompts, **kwargs)
+        """``VLLMRollout.generate``: the verl-layout rollout batch (not paused: with partial rollouts a
+        push waits for it)."""
+        with self.gate.hold() if self.gate is not None else contextlib.nullcontext():
+            return self.rollout.generate(prompts, **kwargs)
 
     def generate_tagged(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
         """``generate``, tagged for the asynchronous trainer (``megatron_rl.trainer.async_loop``):
         ``{"batch": the rollout batch, "policy_version": weight updates this engine had received
         when it generated it, "start"/"end": wall-clock seconds of the call}``. Calls run one at a
-        time, so every token of the batch comes from that one version."""
+        time, so without partial rollouts every token of the batch comes from that one version;
+        with them a push may pause the call: the batch's ``rollout_policy_versions`` [b, R] tag each
+        token and ``policy_version`` is the oldest of them (the version the call started with)."""
         import time
 
         start, version = time.time(), self.policy_version
-        out = self.rollout.generate(prompts, **kwargs)
+        if self.gate is not None:
+            out = self.rollout.generate(prompts, pause=self.gate, **kwargs)
+            tagged = out["rollout_policy_versions"][out["response_mask"].bool()]
+            version = int(tagged.min()) if tagged.numel() else version
+        else:
+            out = self.rollout.generate(prompts, **kwargs)
         return {"batch": out, "policy_version": version, "start": start, "end": time.time()}
 
     def pin_cpus(self, cpus: list) -> list:
@@ -69,9 +101,8 @@ class RolloutWorker:
         ``bucket_megabytes``, ``allow_partial`` as there)."""
         if weights is None:
             raise ValueError("update_weights got None: pass the export of global rank 0")
-        out = self.rollout.update_weights(weights, **kwargs)
-        self.policy_version += 1
-        return out
+        with self._push():
+            return self.rollout.update_weights(weights, **kwargs)
 
     def sleep(self, level: int = 1) -> None:
         """``VLLMRollout.sleep``: release the engine's GPU memory (the phase schedule, between generations)."""
@@ -98,9 +129,8 @@ class RolloutWorker:
         """Receive one streamed sync (runs while the actor ranks run ``weight_sync``)."""
         if self._receiver is None:
             raise RuntimeError("weight_sync_receive before weight_sync_connect")
-        out = self._receiver.receive()
-        self.policy_version += 1
-        return out
+        with self._push():
+            return self._receiver.receive()
 
     def weight_sync_close(self) -> None:
         """Leave the side band."""
@@ -120,9 +150,43 @@ class RolloutWorker:
         self.rollout.shutdown()
 
 
+@contextlib.contextmanager
+def _counted(worker: RolloutWorker):
+    """A push without a gate: the version counts once the body succeeded."""
+    yield
+    worker._version += 1
+
+
+def partial_worker_class() -> type:
+    """``RolloutWorker`` with its weight pushes in the ``weights`` concurrency group (partial
+    rollouts: a push runs while a generation does and pauses it; see the module docstring)."""
+    import ray
+
+    class PartialRolloutWorker(RolloutWorker):
+        """A ``RolloutWorker`` whose pushes pause its generations (``partial_rollout=True``)."""
+
+        @ray.method(concurrency_group="weights")
+        def update_weights(self, weights: list, **kwargs: Any) -> dict[str, Any]:
+            """``RolloutWorker.update_weights``, on the push thread (pauses a running generation)."""
+            return super().update_weights(weights, **kwargs)
+
+        @ray.method(concurrency_group="weights")
+        def weight_sync_receive(self) -> dict[str, Any]:
+            """``RolloutWorker.weight_sync_receive``, on the push thread (pauses a running generation)."""
+            return super().weight_sync_receive()
+
+        @ray.method(concurrency_group="weights")
+        def pause_stats(self) -> dict[str, int]:
+            """``{"version", "pauses", "steps"}`` of the gate (answers while a generation runs)."""
+            return {"version": self.gate.version, "pauses": self.gate.pauses, "steps": self.gate.steps}
+
+    return PartialRolloutWorker
+
+
 def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = None, *, tokenizer_path: Optional[str] = None,
-                          num_cpus: float = 1.0, num_gpus: float = 0.0):
-    """Start a ``RolloutWorker`` actor in its own placement group; returns ``(actor, placement_group)``."""
+                          num_cpus: float = 1.0, num_gpus: float = 0.0, partial_rollout: bool = False):
+    """Start a ``RolloutWorker`` actor in its own placement group; returns ``(actor, placement_group)``.
+    ``partial_rollout``: weight pushes pause its generations (``partial_worker_class``)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -130,8 +194,10 @@ def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = Non
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     pg = placement_group([bundle], name="rollout_pg")
     ray.get(pg.ready(), timeout=600)
-    actor = ray.remote(RolloutWorker).options(
+    remote = (ray.remote(concurrency_groups={"weights": 1})(partial_worker_class()) if partial_rollout
+              else ray.remote(RolloutWorker))
+    actor = remote.options(
         num_cpus=num_cpus, num_gpus=num_gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote(model_path, config, tokenizer_path, max(1, round(num_cpus)))
+    ).remote(model_path, config, tokenizer_path, max(1, round(num_cpus)), partial_rollout)
     return actor, pg
