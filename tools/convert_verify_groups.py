@@ -35,6 +35,8 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
     """Yield chunks that compute in ``dtype`` with ``chunks``' values: ``chunks`` themselves when
     already in ``dtype``, else a twin whose parameters are filled one module at a time (see the
     module docstring). The hooks are removed and the twin dropped on exit."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
     from tools.convert_stream import build_empty_model
 
     if model_cfg.params_dtype == dtype:
@@ -56,6 +58,15 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
                 param.data = torch.empty(0, dtype=target, device=param.device)
         return hook
 
+    def lookup(pairs):
+        def hook(*_):
+            for param, source in pairs:
+                param.data = source.data  # rows picked in the stored dtype, upcast after: the same values
+        return hook
+
+    def upcast(_module, _inputs, output):
+        return output.to(target)
+
     with torch.no_grad():
         for twin, chunk in zip(twins, chunks):
             sources = dict(chunk.named_modules())
@@ -73,7 +84,13 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
                     continue
                 for param, _ in pairs:
                     param.data = torch.empty(0, dtype=target, device=param.device)
-                handles.append(module.register_forward_pre_hook(fill(pairs)))
+                if isinstance(module, VocabParallelEmbedding):
+                    # A lookup (and its TP sum with zeros) is exact in any dtype: no float32 copy
+                    # of the vocabulary matrix for the embedding (the output layer still needs one).
+                    handles.append(module.register_forward_pre_hook(lookup(pairs)))
+                    handles.append(module.register_forward_hook(upcast))
+                else:
+                    handles.append(module.register_forward_pre_hook(fill(pairs)))
                 handles.append(module.register_forward_hook(empty(pairs)))
     try:
         yield twins

@@ -178,7 +178,7 @@ def _rank(rank: int, world: int, cases: list, per_group: int) -> dict:
 @pytest.fixture(scope="module")
 def single(ckpts, tmp_path_factory):
     """Single-rank runs, checked against the right checkpoints and one whose layer 1 is wrong."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     wrong = tmp_path_factory.mktemp("wrong") / "qwen3"
     shutil.copytree(ckpts["qwen3"], wrong)
