@@ -5,7 +5,9 @@ directly. A forward in another dtype (the float32 check of a bf16 model) runs on
 same layout built with the other ``params_dtype`` (Megatron fixes dtype-dependent paths at build
 time, e.g. the softmax's bf16 handling), whose parameters hold no storage until their module
 runs: a pre-forward hook fills them from the converted model's parameters (an upcast: exact) and
-a post-forward hook empties them again, so the twin costs one module's weights, not a model.
+a post-forward hook empties them again, so the twin costs one module's weights, not a model. The
+vocabulary matrices, the largest, never exist whole in the other dtype: the embedding looks rows up
+in the stored dtype and upcasts them, the output layer runs its own forward on blocks of rows.
 
 Forward hooks on the decoder layers that end a layer group keep their output hidden states
 (gathered over TP when sequence-parallel, sent to rank 0), which ``compare_groups`` sets against
@@ -75,11 +77,17 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
                 buf.copy_(buffers[name])
             for name, module in twin.named_modules():
                 pairs = [(p, sources[name]._parameters[n]) for n, p in module._parameters.items() if p is not None]
-                if name.endswith("output_layer") and getattr(twin, "share_embeddings_and_output_weights", False) \
-                        and getattr(twin, "pre_process", False):
-                    # The output layer reads the embedding's matrix (passed in as its weight).
-                    word = twin.embedding.word_embeddings
-                    pairs.append((word.weight, chunk.embedding.word_embeddings.weight))
+                tied = getattr(twin, "share_embeddings_and_output_weights", False) and getattr(twin, "pre_process",
+                                                                                               False)
+                if name.endswith("output_layer") and module.bias is None and not module.gather_output:
+                    # The output layer reads the embedding's matrix when tied (passed in as its weight).
+                    source = chunk.embedding.word_embeddings.weight if tied else pairs[0][1]
+                    module.forward = _in_row_blocks(module, source, target)
+                    for param, _ in pairs:
+                        param.data = torch.empty(0, dtype=target, device=param.device)
+                    continue
+                if name.endswith("output_layer") and tied:
+                    pairs.append((twin.embedding.word_embeddings.weight, chunk.embedding.word_embeddings.weight))
                 if not pairs:
                     continue
                 for param, _ in pairs:
@@ -97,6 +105,33 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
     finally:
         for h in handles:
             h.remove()
+
+
+OUTPUT_BLOCK_BYTES = 64 * 2**20
+"""Bytes of the output layer's matrix held in the twin's dtype at a time (a block of vocabulary rows)."""
+
+
+def _in_row_blocks(module, source: torch.nn.Parameter, target: torch.dtype):
+    """``module``'s (a bias-free, vocab-parallel output layer's) own forward, run on blocks of
+    ``OUTPUT_BLOCK_BYTES`` of rows of ``source`` cast to ``target``, the logits concatenated: each
+    logit is the same dot product, and the output layer's matrix (the largest in most models) never
+    exists whole in ``target``."""
+    forward = type(module).forward
+
+    def blocked(input_, weight=None, runtime_gather_output=None, **kwargs):
+        rows, full = source.shape[0], module.output_size_per_partition
+        step = max(1, OUTPUT_BLOCK_BYTES // max(1, source.shape[1] * target.itemsize))
+        out = []
+        try:
+            for start in range(0, rows, step):
+                block = source.data[start: start + step].to(target)
+                module.output_size_per_partition = block.shape[0]  # what its shape check expects
+                out.append(forward(module, input_, weight=block, runtime_gather_output=False, **kwargs)[0])
+        finally:
+            module.output_size_per_partition = full
+        return torch.cat(out, dim=-1), None
+
+    return blocked
 
 
 @contextlib.contextmanager
