@@ -1,7 +1,7 @@
 """HF's reference forward for ``--verify``, streamed layer group by layer group.
 
 ``hf_stream_forward`` runs transformers' own forward (the model class of config.json, eager
-attention, CPU) on a model whose parameters live on the meta device: just before a part of the
+attention and experts, CPU) on a model whose parameters live on the meta device: just before a part of the
 model runs, its weights are read from the safetensors (``pread``, no mapping: only what is read
 is resident) through transformers' own loader (its renamings and conversions, e.g. fused expert
 tensors), and they are dropped right after. The parts are the embedding, each group of
@@ -81,8 +81,10 @@ class _Streamer:
             config.quantization_config = None
             delattr(config, "quantization_config")
         with _parameters_on_meta():
-            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype,
-                                                          attn_implementation="eager").eval()
+            # Eager experts: a loop over the experts' own matrices (the grouped-mm default copies
+            # every expert's matrix transposed: a layer's worth of weights more, per MoE layer).
+            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, attn_implementation="eager",
+                                                          experts_implementation="eager").eval()
         self.config = config
         self.files = _tensor_files(hf_dir)
         self.load_config = LoadStateDictConfig(dtype=weight_dtype, dtype_plan=self.model._get_dtype_plan(weight_dtype),

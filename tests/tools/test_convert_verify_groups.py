@@ -70,7 +70,8 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
 
     monkeypatch.setattr(convert_verify_hf._Streamer, "load", spy)
     for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager",
+                                                     experts_implementation="eager").eval()
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
         total = sum(p.numel() for p in model.parameters())
@@ -95,8 +96,8 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
 
 def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path):
     """DeepSeek-V3's FP8 block format (which transformers cannot load on CPU without accelerate):
-    the stream dequantises each weight as it reads it, and equals HF's forward of the dequantised
-    checkpoint written out plainly."""
+    the stream dequantises each weight as it reads it, and equals the stream of the dequantised
+    checkpoint written out plainly (logits and hidden states), which is HF's forward of it."""
     from safetensors.torch import save_file
 
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
@@ -116,7 +117,11 @@ def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path
     assert sum(t.dtype == torch.float8_e4m3fn for t in written.values()) > 10
     ids, _ = _ids()
     logits, hidden = hf_stream_forward(fp8, ids, torch.float32, torch.float32, 1)
-    assert torch.equal(logits, hf_logits(plain, ids, torch.float32, torch.float32)) and sorted(hidden) == [0, 1]
+    plain_logits, plain_hidden = hf_stream_forward(plain, ids, torch.float32, torch.float32, 1)
+    assert torch.equal(logits, plain_logits) and sorted(hidden) == [0, 1]
+    assert all(torch.equal(hidden[k], plain_hidden[k]) for k in hidden)
+    # and that is HF's whole-model forward of the plain checkpoint (its grouped-mm experts: same sums, reordered)
+    torch.testing.assert_close(logits, hf_logits(plain, ids, torch.float32, torch.float32), rtol=0, atol=1e-5)
 
 
 def test_layer_groups():
