@@ -156,29 +156,42 @@ def generate_pausable(engine: Any, prompts: Sequence[Sequence[int]], params: Seq
                 request_id = f"partial-{tag}-{j}-{sample.pauses}"
                 engine.add_request(request_id, TokensPrompt(prompt_token_ids=tokens), sp)
                 live[request_id] = sample
-            while live:
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"the engine finished without reporting requests {sorted(live)[:4]}")
-                for out in engine.step():
-                    sample = live.get(out.request_id)
-                    if sample is None:  # not ours: nothing else runs on this engine meanwhile
-                        continue
-                    comp = out.outputs[0]
-                    new = list(comp.token_ids)
-                    sample.tokens += new
-                    sample.versions += [version] * len(new)
-                    if sample.params.logprobs is not None:
-                        sample.log_probs += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
-                    if out.finished:
-                        sample.finish_reason = comp.finish_reason
-                        del live[out.request_id]
-                gate.steps += 1
-                if on_step is not None:
-                    on_step(gate.steps)
-                if live and gate.push_pending:  # pause: keep what was generated, continue after the push
-                    engine.abort_request(list(live))
-                    for sample in live.values():
-                        sample.pauses += 1
-                    gate.pauses += 1
-                    break
+            try:
+                _run_segment(engine, live, version, gate, on_step)
+            except BaseException:  # leave no request of ours behind in the engine for its next caller
+                if live:
+                    with contextlib.suppress(Exception):
+                        engine.abort_request(list(live))
+                raise
     return samples
+
+
+def _run_segment(engine: Any, live: dict[str, PartialSample], version: int, gate: PauseGate,
+                 on_step: Optional[Callable[[int], None]]) -> None:
+    """Step the engine until the ``live`` requests finish or a push is pending (then abort the rest:
+    their tokens so far stay in their samples, which the caller continues)."""
+    while live:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine finished without reporting requests {sorted(live)[:4]}")
+        for out in engine.step():
+            sample = live.get(out.request_id)
+            if sample is None:  # not ours: nothing else runs on this engine meanwhile
+                continue
+            comp = out.outputs[0]
+            new = list(comp.token_ids)
+            sample.tokens += new
+            sample.versions += [version] * len(new)
+            if sample.params.logprobs is not None:
+                sample.log_probs += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
+            if out.finished:
+                sample.finish_reason = comp.finish_reason
+                del live[out.request_id]
+        gate.steps += 1
+        if on_step is not None:
+            on_step(gate.steps)
+        if live and gate.push_pending:  # pause: keep what was generated, continue after the push
+            engine.abort_request(list(live))
+            for sample in live.values():
+                sample.pauses += 1
+            live.clear()
+            gate.pauses += 1
