@@ -168,10 +168,8 @@ def check_async_run(config: Any) -> None:
     if config.actor_rollout_ref.rollout.multi_turn.enable:
         raise ValueError(f"trainer.v1.trainer_mode={mode!r} with actor_rollout_ref.rollout.multi_turn.enable=True "
                          "is not supported (agent sessions run synchronously)")
-    fg = config.algorithm.filter_groups
-    if fg is not None and fg.enable:
-        raise ValueError(f"trainer.v1.trainer_mode={mode!r} with algorithm.filter_groups.enable=True (DAPO dynamic "
-                         "sampling) is not supported yet; use trainer_mode='sync'")
+    # DAPO dynamic sampling (algorithm.filter_groups) works here: the rollouter filters each finished
+    # group before the replay buffer and the trainer waits for enough kept ones
     gen, train_prompts = config.data.gen_batch_size, config.data.train_batch_size
     if gen is not None and train_prompts % gen:
         raise ValueError(f"data.gen_batch_size={gen} must divide data.train_batch_size={train_prompts} in "

@@ -18,6 +18,18 @@ update, weight push) and moves the buffer's window.
   batches ahead; the rollout worker runs on its own resources (``placement``). Bypass mode is
   forced (``async_run_config``): the rollout's log-probs are the old ones, as in verl's V1.
 
+DAPO dynamic sampling (``algorithm.filter_groups``) filters each finished group before the buffer
+(its slot is freed and refilled; the trainer waits for ``train_batch_size`` kept groups). ReMax's
+greedy baseline (``colocate_async`` only) is queued on the rollout worker right behind its samples,
+so one policy version generates both. Checkpoints drain the queue deterministically
+(``replay_buffer.DrawLedger``): the trainer state records the dataloader position before the oldest
+drawn batch with an unsettled group and the uids settled from there on (``async_settled_uids``); a
+resumed run re-draws from there, leaves those out and generates the rest again with the
+checkpoint's weights. No prompt group is lost or trained twice; one evicted, filtered or whose
+reward failed before the checkpoint never comes back. Every step's trained sample ids
+(``<epoch>-<row>/<j>``) and the ids evicted or filtered since the step before go to
+``async_samples.jsonl`` in the run directory (``SampleLedger``).
+
 Every sample carries ``rollout_policy_version`` (all its tokens come from that one version, unless
 ``trainer.v1.partial_rollout``: then a push pauses the generation in flight, which continues with
 the new weights, every token carries its own version in ``rollout_policy_versions`` [b, R], the
@@ -33,9 +45,11 @@ engine was not generating), ``training/off_policy/evicted_samples``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -43,12 +57,12 @@ import torch
 from megatron_rl.data.batch import Batch
 from megatron_rl.data.rewards import RewardError
 from megatron_rl.trainer.metrics import MetricsLogger
-from megatron_rl.trainer.replay_buffer import Group, ReplayBuffer
+from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
 from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
 from megatron_rl.trainer.watchdog import phase as timer
 
 __all__ = ["AsyncSettings", "async_settings", "async_run_config", "check_async_trainer", "fit_async", "Rollouter",
-           "staleness_metrics", "partial_staleness_metrics"]
+           "SampleLedger", "SAMPLES_FILE", "staleness_metrics", "partial_staleness_metrics"]
 
 
 def async_run_config(config: Any) -> Any:
@@ -89,14 +103,20 @@ def async_settings(v1: Any) -> AsyncSettings:
 
 def check_async_trainer(config: Any, needs: Any, total_steps: int) -> None:
     """What the asynchronous loops cannot run, refused before any worker starts (``ValueError``):
-    an estimator's greedy baseline (ReMax) and warm-up batches that reach past the run's last step."""
+    an estimator's greedy baseline (ReMax) outside ``colocate_async`` or with partial rollouts, and
+    warm-up batches that reach past the run's last step."""
     v1 = config.trainer.v1
     if not v1.is_async:
         return
-    if needs.baseline:
+    # colocate_async submits a batch's greedy baseline right behind its samples from the driver, which
+    # also pushes the weights: both come from one policy version. The rollouter thread of
+    # separate_async races the trainer's pushes, and partial rollouts pause the samples mid-way.
+    if needs.baseline and (v1.trainer_mode != "colocate_async" or v1.partial_rollout):
+        why = "with trainer.v1.partial_rollout=True" if v1.partial_rollout else "outside colocate_async"
         raise ValueError(f"trainer.v1.trainer_mode={v1.trainer_mode!r} with algorithm.adv_estimator="
-                         f"{config.algorithm.adv_estimator!r} (a greedy baseline per prompt) is not supported; "
-                         "use trainer_mode='sync'")
+                         f"{config.algorithm.adv_estimator!r} (a greedy baseline per prompt) is not supported {why} "
+                         "(the baseline must come from the weights that generated its samples); use "
+                         "trainer_mode='colocate_async' without partial rollouts, or 'sync'")
     ahead = v1.lookahead()
     if ahead >= total_steps:
         raise ValueError(f"trainer.v1.{v1.trainer_mode}.num_warmup_batches={ahead} is not smaller than the run's "
@@ -121,14 +141,22 @@ class Rollouter:
             (``colocate_async``): the driver submits in ``pump()`` and collects in ``wait_batch``.
         max_failed: consecutive chunks whose reward failed before the run stops
             (``trainer.max_consecutive_skipped_steps``).
+        settled_before: uids settled before the checkpoint the run resumed from (its
+            ``async_settled_uids``): the re-drawn prompt batches leave them out (``DrawLedger``).
     """
 
-    def __init__(self, phase: Any, buffer: ReplayBuffer, *, threaded: bool, max_failed: int = 3):
+    def __init__(self, phase: Any, buffer: ReplayBuffer, *, threaded: bool, max_failed: int = 3,
+                 settled_before: Any = ()):
         self.phase, self.buffer, self.threaded, self.max_failed = phase, buffer, threaded, max_failed
+        self.ledger = DrawLedger(settled_before)
+        fg = getattr(phase, "filter_groups", None)  # DAPO dynamic sampling: groups filtered before the buffer
+        self.filter = fg
+        self.finished_groups = self.kept_groups = self.finished_chunks = 0  # since the trainer's last take
+        self.filtered_uids: list[str] = []  # groups DAPO filtered since the last take
         dl = phase.dataloader  # prompt batches drawn so far (a resumed run continues the count): the seed index
         self.chunks = dl.epoch * dl.num_batches + dl.batch_in_epoch
         self.pending: list[tuple[Any, dict, list[Group]]] = []  # submitted, not collected: (future, prompts, groups)
-        self.drawn: list[tuple[dict, list[Group]]] = []  # (dataloader state before the draw, its groups), unsettled
+        self.carry: Optional[tuple[dict, list[Group]]] = None  # a drawn batch's groups not submitted yet
         self.busy: list[tuple[float, float]] = []  # the engine's (start, end) generation intervals
         self.failed_in_a_row, self.failed_samples, self.last_error = 0, 0, ""
         self.cond = threading.Condition()
@@ -138,18 +166,38 @@ class Rollouter:
 
     # -- submitting -------------------------------------------------------------------------
     def _submit_one(self) -> bool:
-        """Draw one prompt batch and submit its generation if the window allows; True if submitted."""
-        size = self.phase.dataloader.batch_size
-        if self.buffer.budget() < size:
+        """Submit the generation of the next prompt groups the window has room for (the rest of the
+        last drawn batch first, else a new draw); True if submitted. A batch is submitted in parts
+        only when evicted or filtered groups left the window room for fewer than its groups."""
+        budget = self.buffer.budget()
+        if budget < 1:
             return False
-        before = self.phase.dataloader.state_dict()
-        prompts = self.phase.dataloader.next_batch()
-        uids = [str(u) for u in prompts["uid"]]
-        groups = [Group(uid=u, size=self.phase.n) for u in uids]
+        if self.carry is None:
+            while True:  # after a resume, batches whose every group settled before the checkpoint are passed over
+                before = self.phase.dataloader.state_dict()
+                prompts = self.phase.dataloader.next_batch()
+                self.chunks += 1  # the per-batch sampling seed follows the draw, skipped or not
+                keep, skipped = self.ledger.split([str(u) for u in prompts["uid"]])
+                if skipped:
+                    prompts = _select_prompts(prompts, keep)
+                groups = [Group(uid=str(u), size=self.phase.n) for u in prompts["uid"]]
+                self.ledger.record(before, groups, skipped)
+                if groups:
+                    break
+            self.carry = (prompts, groups)
+        prompts, groups = self.carry
+        if len(groups) > budget:  # the rest waits in carry (unsettled: a checkpoint re-draws its batch)
+            self.carry = (_select_prompts(prompts, list(range(budget, len(groups)))), groups[budget:])
+            prompts, groups = _select_prompts(prompts, list(range(budget))), groups[:budget]
+        else:
+            self.carry = None
         self.buffer.reserve(groups)
-        self.drawn.append((before, groups))
-        self.chunks += 1
-        self.pending.append((self.phase.submit(prompts, step=self.chunks), prompts, groups))
+        future = self.phase.submit(prompts, step=self.chunks)
+        if self.phase.baseline:  # ReMax: the greedy response per prompt, queued right behind the samples
+            future = [future, self.phase.rollout.generate_tagged.remote(
+                {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
+                uids=list(prompts["uid"]), n=1, do_sample=False)]
+        self.pending.append((future, prompts, groups))
         return True
 
     def pump(self) -> None:
@@ -160,7 +208,8 @@ class Rollouter:
     # -- collecting -------------------------------------------------------------------------
     def _finish(self, out: dict, prompts: dict, groups: list[Group]) -> None:
         """Score one finished generation and put its groups into the buffer (the reward's failure
-        frees their slots instead)."""
+        frees their slots instead). ``out`` is ``[samples, greedy baseline]`` for ReMax."""
+        out, base = out if isinstance(out, list) else (out, None)
         batch = self.phase.to_batch(prompts, out["batch"])
         self.busy.append((float(out["start"]), float(out["end"])))
         version = int(out["policy_version"])
@@ -170,6 +219,8 @@ class Rollouter:
             batch["rollout_policy_version"] = torch.minimum(tokens.min(-1).values, batch["rollout_policy_version"])
         try:
             self.phase.score(batch)
+            if base is not None:
+                self._score_baseline(batch, prompts, base, int(out["policy_version"]))
         except RewardError as err:
             self.failed_in_a_row += 1
             self.failed_samples += len(batch)
@@ -183,9 +234,69 @@ class Rollouter:
             return
         self.failed_in_a_row = 0
         rows = dict(_split_groups(batch))
+        keep = self._dapo_keep(batch)
+        self.finished_chunks += 1
         for group in groups:
+            self.finished_groups += 1
+            if keep is not None and not keep[rows[group.uid][0]]:
+                self.buffer.discard(group, "filtered")
+                self.filtered_uids.append(group.uid)
+                continue
+            self.kept_groups += 1
             group.payload = batch.select_idxs(rows[group.uid])
             self.buffer.put(group, int(group.payload["rollout_policy_version"].min()))
+
+    def _score_baseline(self, batch: Batch, prompts: dict, base: dict, version: int) -> None:
+        """ReMax: ``reward_baselines`` = the reward of each prompt's greedy response, which the same
+        policy version generated (``RuntimeError`` otherwise: the push got between them)."""
+        if int(base["policy_version"]) != version:
+            raise RuntimeError(f"ReMax baseline generated by policy version {base['policy_version']}, its samples by "
+                               f"{version}: a weight push got between them")
+        try:
+            scores = self.phase.reward_fn(self.phase.to_batch(prompts, base["batch"])).scores  # [prompts]
+        except RewardError as err:
+            err.args = (f"greedy baseline: {err}",)
+            raise
+        batch["reward_baselines"] = scores.repeat_interleave(self.phase.n)
+
+    def _dapo_keep(self, batch: Batch) -> Optional[torch.Tensor]:
+        """Per sample, whether DAPO dynamic sampling (``algorithm.filter_groups``) keeps its group
+        (its metric varies within the group); None without filtering."""
+        if self.filter is None:
+            return None
+        from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
+
+        extra = {k: list(batch[k]) for k in batch.meta_info.get(REWARD_EXTRA_KEYS, ())}
+        values = compute_filter_metric(self.filter.metric or "seq_reward", batch["token_level_scores"],
+                                       batch["token_level_scores"], extra)
+        keep, _, _ = filter_groups(values, [str(u) for u in batch["uid"]])
+        return keep
+
+    def _check_dapo_rounds(self) -> None:
+        """``RuntimeError`` when DAPO filtering keeps the trainer waiting past
+        ``filter_groups.max_num_gen_batches`` generation batches (beyond the window's lookahead)."""
+        if self.filter is None or self.filter.max_num_gen_batches <= 0:
+            return
+        size = self.phase.dataloader.batch_size
+        ahead = self.buffer.lookahead * self.buffer.batch_groups // size
+        limit = self.filter.max_num_gen_batches
+        if self.finished_chunks > limit + ahead:
+            raise RuntimeError(
+                f"DAPO dynamic sampling: {self.finished_chunks} generation batches since the last step gave "
+                f"{self.kept_groups} informative prompt groups, fewer than data.train_batch_size="
+                f"{self.buffer.batch_groups} (algorithm.filter_groups.max_num_gen_batches={limit}, plus {ahead} "
+                "generated ahead); the data may be too hard or too easy for the model -- raise max_num_gen_batches "
+                "(0 = unbounded) or data.gen_batch_size")
+
+    def take_metrics(self) -> dict[str, float]:
+        """DAPO's ``filter_groups/*`` since the trainer's last take (empty without filtering); resets them."""
+        if self.filter is None:
+            return {}
+        out = {"filter_groups/num_gen_batches": float(self.finished_chunks),
+               "filter_groups/kept_group_ratio": self.kept_groups / max(1, self.finished_groups),
+               "filter_groups/num_filtered_groups": float(self.finished_groups - self.kept_groups)}
+        self.finished_groups = self.kept_groups = self.finished_chunks = 0
+        return out
 
     def _collect_oldest(self) -> None:
         import ray
@@ -198,19 +309,23 @@ class Rollouter:
         start = time.perf_counter()
         if not self.threaded:
             while not self.buffer.ready(trainer_version):
+                self._check_dapo_rounds()
                 if not self.pending:
                     self.pump()
                     if not self.pending:
                         raise RuntimeError("async rollouter: the window is full but the next batch is not ready")
                 self._collect_oldest()
             groups, metrics = self.buffer.take(trainer_version)
+            metrics.update(self.take_metrics())
             return groups, metrics, time.perf_counter() - start
         with self.cond:
             while self.error is None and not self.buffer.ready(trainer_version):
+                self._check_dapo_rounds()
                 self.cond.wait(timeout=1.0)
             if self.error is not None:
                 raise RuntimeError(f"async rollouter failed: {self.error}") from self.error
             groups, metrics = self.buffer.take(trainer_version)
+            metrics.update(self.take_metrics())
             self.cond.notify_all()
         return groups, metrics, time.perf_counter() - start
 
@@ -237,7 +352,7 @@ class Rollouter:
         try:
             while True:
                 with self.cond:
-                    while not self.stopping and self.buffer.budget() < self.phase.dataloader.batch_size:
+                    while not self.stopping and self.buffer.budget() < 1:
                         self.cond.wait(timeout=1.0)
                     if self.stopping:
                         return
@@ -269,21 +384,33 @@ class Rollouter:
                 pass
         self.pending = []
 
-    def resume_dataloader_state(self) -> dict:
-        """The dataloader position a resumed run must restart from so that no prompt group is lost or
-        trained twice: before the oldest drawn batch none of whose groups settled yet (its groups and
-        all later ones are re-drawn and re-generated, with the resumed weights). Groups of a batch
-        partly taken (possible only after evictions or failed rewards) are not re-drawn."""
+    def resume_state(self) -> dict[str, Any]:
+        """What a checkpoint taken now records so that a resumed run loses no prompt group and trains
+        none twice (``DrawLedger.resume_point``): ``dataloader`` -- the position before the oldest
+        drawn batch with a group not yet settled (it and every later batch are re-drawn and their
+        unsettled groups generated again, with the checkpoint's weights) -- and
+        ``async_settled_uids``, the groups of those batches already taken, evicted, discarded or
+        filtered, which the resumed run leaves out."""
         with self.cond:
-            self.drawn = [(state, groups) for state, groups in self.drawn if not all(g.settled for g in groups)]
-            for state, groups in self.drawn:
-                if not any(g.settled for g in groups):
-                    return dict(state)
-            return self.phase.dataloader.state_dict()
+            point = self.ledger.resume_point(self.phase.dataloader.state_dict())
+        return {"dataloader": point["dataloader"], "async_settled_uids": point["settled_uids"]}
 
     def busy_within(self, start: float, end: float) -> float:
         """Seconds the engine generated within the wall-clock window ``[start, end]``."""
         return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.busy)
+
+
+def _select_prompts(prompts: dict[str, Any], idx: list[int]) -> dict[str, Any]:
+    """The prompts at positions ``idx`` of a dataloader batch (tensors and per-prompt lists)."""
+    out = {}
+    for key, value in prompts.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value[torch.as_tensor(idx, dtype=torch.long)]
+        elif isinstance(value, (list, tuple)):
+            out[key] = [value[i] for i in idx]
+        else:
+            out[key] = value
+    return out
 
 
 def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
@@ -340,6 +467,31 @@ def _assemble(groups: list[Group]) -> Batch:
     return batch
 
 
+SAMPLES_FILE = "async_samples.jsonl"
+"""Per step, the ids of the samples it trained on (``<uid>/<j>``: prompt group ``<epoch>-<row>``, sample
+``j`` of the group) and of the groups evicted or filtered since the step before, in the run directory."""
+
+
+class SampleLedger:
+    """``async_samples.jsonl`` (``SAMPLES_FILE``): one line per step, ``{"step", "trained", "evicted",
+    "filtered"}``; a resumed run first drops the lines of steps after its checkpoint (they are re-run)."""
+
+    def __init__(self, path: Path, resumed_step: int):
+        from megatron_rl.trainer.metrics import drop_rows_after
+
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(path, resumed_step)
+
+    def write(self, step: int, groups: list[Group], *, evicted: list[str], filtered: list[str], n: int) -> None:
+        """Append step ``step``'s line (flushed before the step's checkpoint can be written)."""
+        trained = [f"{g.uid}/{j}" for g in groups for j in range(len(g.payload))]
+        row = {"step": step, "trained": trained, "evicted": [f"{u}/{j}" for u in evicted for j in range(n)],
+               "filtered": [f"{u}/{j}" for u in filtered for j in range(n)]}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
               on_step: Optional[Callable[[dict], None]] = None) -> list[dict[str, float]]:
     """The asynchronous loop (see the module docstring) from ``trainer.global_steps`` to ``total``;
@@ -355,8 +507,11 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                              f"step has {per_step} mini-batches")
     phase = trainer.rollout_phase
     buffer = ReplayBuffer(cfg.data.train_batch_size, settings.lookahead, settings.threshold, settings.strategy)
+    resumed = getattr(trainer, "resume_state", None) or {}  # the checkpoint's trainer state, if one was loaded
     rollouter = Rollouter(phase, buffer, threaded=settings.mode == "separate_async",
-                          max_failed=tcfg.max_consecutive_skipped_steps)
+                          max_failed=tcfg.max_consecutive_skipped_steps,
+                          settled_before=resumed.get("async_settled_uids", ()))
+    ledger = SampleLedger(Path(trainer.log_dir) / SAMPLES_FILE, trainer.global_steps)
     trainer.async_versions = {trainer.weight_version: trainer.global_steps}  # policy version -> step it came after
     trainer.async_trained_versions = {}  # step -> the policy versions of the rollouts it trained on
     trainer.async_trained_uids = {}  # step -> the prompt groups it trained on
@@ -379,6 +534,8 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                 metrics["async/trainer_idle_s"] = waited
                 trainer.async_trained_versions[step] = sorted(set(batch["rollout_policy_version"].tolist()))
                 trainer.async_trained_uids[step] = sorted(set(str(u) for u in batch["uid"]))
+                ledger.write(step, groups, evicted=buffer.last_evicted, filtered=rollouter.filtered_uids, n=phase.n)
+                rollouter.filtered_uids = []
                 if phase.dump is not None:
                     phase._dump(step, batch)
                 trainer.train_step(batch, metrics, timing)
@@ -388,9 +545,9 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                                                   - rollouter.busy_within(wall_start, time.time()))
             if rollouter.failed_samples:
                 metrics["reward/num_failed_samples"], rollouter.failed_samples = float(rollouter.failed_samples), 0
-            # a checkpoint drains the queue by rewinding the prompts to the oldest untrained batch
-            trainer.end_step(batch, metrics, timing, step=step, last=last, state=lambda: {
-                **trainer.trainer_state(), "dataloader": rollouter.resume_dataloader_state()})
+            # a checkpoint drains the queue: the prompts rewind to the oldest unsettled batch (DrawLedger)
+            trainer.end_step(batch, metrics, timing, step=step, last=last,
+                             state=lambda: {**trainer.trainer_state(), **rollouter.resume_state()})
             logger.log(metrics, step=step)
             history.append(metrics)
             if on_step is not None:

@@ -101,6 +101,7 @@ class RayPPOTrainer:
         for message in self.schedule.warnings:
             warnings.warn(message, RolloutSleepUnsupported, stacklevel=2)
         self.global_steps = 0
+        self.resume_state: Optional[dict] = None  # the trainer state of the checkpoint resumed from
         self.weight_version = 0  # weight pushes into the rollout engine (its rollouts carry the version they used)
         self.placement = self.weight_sync = self.phases = None
         self.actor = self.ref = self.critic = self.rm = self.teacher = self.rollout = None
@@ -370,6 +371,7 @@ class RayPPOTrainer:
         if found is None:
             return None
         path, state = found
+        self.resume_state = state  # the async loop reads its queue's resume point from it
         self.train_dataloader.load_state_dict(state["dataloader"])
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = float(state["kl_coef"])

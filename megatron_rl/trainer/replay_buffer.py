@@ -21,6 +21,14 @@ its staleness is at most ``lookahead`` policy versions.
   argument above keeps every group within it.
 
 ``take`` checks the bound on every group it returns (``RuntimeError`` if it were ever broken).
+
+``DrawLedger`` is what a checkpoint of an asynchronous run records instead of the queue's
+contents: the dataloader position before the oldest drawn prompt batch that still has a group
+not *settled* (taken, evicted, discarded or filtered), and the uids of the groups settled from
+there on. A resumed run re-draws from that position and skips those uids, so every prompt group
+is trained at most once and none in flight or queued at the checkpoint is lost (they are
+generated again, with the checkpoint's weights); a group evicted, discarded or filtered before
+the checkpoint never comes back.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["Group", "ReplayBuffer"]
+__all__ = ["Group", "ReplayBuffer", "DrawLedger", "SETTLED"]
+
+SETTLED = ("taken", "evicted", "discarded", "filtered")
+"""Group states that will not reach the trainer (again)."""
 
 
 @dataclasses.dataclass
@@ -46,12 +57,13 @@ class Group:
     payload: Any = None
     """The group's rows (a ``Batch``), opaque to the buffer."""
     state: str = "new"
-    """``new`` -> ``in_flight`` -> ``ready`` -> ``taken``, or ``evicted`` (stale) / ``discarded`` (failed)."""
+    """``new`` -> ``in_flight`` -> ``ready`` -> ``taken``, or ``evicted`` (stale) / ``discarded`` (failed) /
+    ``filtered`` (DAPO dynamic sampling: no signal in the group)."""
 
     @property
     def settled(self) -> bool:
-        """Taken, evicted or discarded: the group will not reach the trainer (again)."""
-        return self.state in ("taken", "evicted", "discarded")
+        """Taken, evicted, discarded or filtered: the group will not reach the trainer (again)."""
+        return self.state in SETTLED
 
 
 class ReplayBuffer:
@@ -80,8 +92,9 @@ class ReplayBuffer:
         self._taken_total = 0
         self._in_flight: dict[int, Group] = {}
         self._ready: dict[int, Group] = {}
-        self._evicted: list[tuple[int, int]] = []  # (samples, staleness) since the last take
+        self._evicted: list[tuple[int, int, str]] = []  # (samples, staleness, uid) since the last take
         self.total_evicted_groups = 0
+        self.last_evicted: list[str] = []  # uids of the groups evicted before the last take
 
     # -- the rollouter's side -------------------------------------------------------------------
     def budget(self) -> int:
@@ -106,11 +119,14 @@ class ReplayBuffer:
         group.version, group.state = int(version), "ready"
         self._ready[group.seq] = group
 
-    def discard(self, group: Group) -> None:
-        """A reserved group will never finish (its generation or reward failed): free its slot."""
+    def discard(self, group: Group, state: str = "discarded") -> None:
+        """A reserved group will never reach the trainer -- its generation or reward failed
+        (``discarded``) or DAPO dynamic sampling dropped it (``filtered``): free its slot."""
+        if state not in ("discarded", "filtered"):
+            raise ValueError(f"ReplayBuffer.discard: state={state!r}; allowed: 'discarded', 'filtered'")
         self._in_flight.pop(group.seq, None)
         self._ready.pop(group.seq, None)
-        group.state = "discarded"
+        group.state = state
         self._live -= 1
 
     # -- the trainer's side ---------------------------------------------------------------------
@@ -122,7 +138,7 @@ class ReplayBuffer:
             group.state = "evicted"
             self._live -= 1
             self.total_evicted_groups += 1
-            self._evicted.append((group.size, trainer_version - group.version))
+            self._evicted.append((group.size, trainer_version - group.version, group.uid))
 
     def _head(self) -> list[int]:
         """The seqs of the next batch in FIFO order (finished or not)."""
@@ -149,11 +165,12 @@ class ReplayBuffer:
         self._live -= len(groups)
         self._taken_total += len(groups)
         evicted, self._evicted = self._evicted, []
-        metrics = {"training/off_policy/evicted_samples": float(sum(n for n, _ in evicted)),
+        self.last_evicted = [uid for _, _, uid in evicted]
+        metrics = {"training/off_policy/evicted_samples": float(sum(n for n, _, _ in evicted)),
                    "async/queue_depth": float(len(self._ready)), "async/in_flight_groups": float(len(self._in_flight))}
         if evicted:
-            metrics["training/off_policy/evicted_samples_staleness/mean"] = sum(s for _, s in evicted) / len(evicted)
-            metrics["training/off_policy/evicted_samples_staleness/max"] = float(max(s for _, s in evicted))
+            metrics["training/off_policy/evicted_samples_staleness/mean"] = sum(s for _, s, _ in evicted) / len(evicted)
+            metrics["training/off_policy/evicted_samples_staleness/max"] = float(max(s for _, s, _ in evicted))
         return groups, metrics
 
     def step_done(self) -> None:
@@ -169,3 +186,51 @@ class ReplayBuffer:
     def depth(self) -> int:
         """Finished groups waiting for the trainer."""
         return len(self._ready)
+
+
+@dataclasses.dataclass
+class _Draw:
+    state: dict  # the dataloader's state before the draw
+    groups: list[Group]  # the groups submitted from it
+    skipped: list[str]  # its uids settled before the checkpoint this run resumed from (not submitted)
+
+    @property
+    def settled(self) -> bool:
+        return all(g.settled for g in self.groups)
+
+
+class DrawLedger:
+    """The prompt batches an asynchronous run drew, for its checkpoints' resume point (module docstring).
+
+    Args:
+        settled_before: uids settled before the checkpoint this run resumed from (``resume_point``'s
+            ``settled_uids`` of that checkpoint): ``split`` leaves them out of the batches re-drawn.
+    """
+
+    def __init__(self, settled_before: Any = ()):
+        self.skip = {str(u) for u in settled_before}
+        self.draws: list[_Draw] = []
+
+    def split(self, uids: list[str]) -> tuple[list[int], list[str]]:
+        """The positions of ``uids`` (one drawn batch) to generate, and the uids to skip (settled
+        before the checkpoint this run resumed from)."""
+        keep = [i for i, u in enumerate(uids) if str(u) not in self.skip]
+        return keep, [str(u) for u in uids if str(u) in self.skip]
+
+    def record(self, state: dict, groups: list[Group], skipped: list[str] = ()) -> None:
+        """One drawn batch: the dataloader ``state`` before the draw, the ``groups`` submitted from it
+        and the uids ``skipped``; fully settled batches at the head are forgotten."""
+        self.draws.append(_Draw(dict(state), list(groups), list(skipped)))
+        while self.draws and self.draws[0].settled:
+            self.draws.pop(0)
+
+    def resume_point(self, current_state: dict) -> dict[str, Any]:
+        """Where a run resumed from a checkpoint taken now restarts: ``{"dataloader": state,
+        "settled_uids": [...]}`` -- the state before the oldest batch with an unsettled group (or
+        ``current_state`` when every drawn group settled) and the uids settled from there on."""
+        while self.draws and self.draws[0].settled:
+            self.draws.pop(0)
+        if not self.draws:
+            return {"dataloader": dict(current_state), "settled_uids": []}
+        settled = [u for d in self.draws for u in (*d.skipped, *(g.uid for g in d.groups if g.settled))]
+        return {"dataloader": dict(self.draws[0].state), "settled_uids": settled}

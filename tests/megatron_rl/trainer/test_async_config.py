@@ -76,9 +76,13 @@ def test_bad_input_is_refused_by_name(overrides, message):
         _build(*overrides)
 
 
-def test_dapo_in_async_mode_is_refused():
-    with pytest.raises(ValueError, match="algorithm.filter_groups.enable=True \\(DAPO dynamic sampling\\) is not supported"):
-        _build("trainer.v1.trainer_mode=colocate_async", "data.gen_batch_size=32", recipe="dapo")
+def test_dapo_in_async_mode_is_accepted_with_whole_prompt_batches():
+    """DAPO dynamic sampling runs in async modes now (groups filtered before the buffer); the
+    rollouter's prompt batches (data.gen_batch_size) must still divide the training batch."""
+    cfg = _build("trainer.v1.trainer_mode=colocate_async", "data.gen_batch_size=8", recipe="dapo")
+    assert cfg.algorithm.filter_groups.enable and cfg.trainer.v1.is_async
+    with pytest.raises(ValueError, match="data.gen_batch_size=24 must divide data.train_batch_size=32"):
+        _build("trainer.v1.trainer_mode=colocate_async", "data.gen_batch_size=24", recipe="dapo")
 
 
 def test_trainer_level_checks_before_any_worker():
@@ -87,8 +91,10 @@ def test_trainer_level_checks_before_any_worker():
     from megatron_rl.trainer.async_loop import async_run_config, async_settings, check_async_trainer
 
     cfg = _build("trainer.v1.trainer_mode=colocate_async")
-    with pytest.raises(ValueError, match="adv_estimator='grpo' \\(a greedy baseline per prompt\\) is not supported"):
-        check_async_trainer(cfg, types.SimpleNamespace(baseline=True), 10)
+    check_async_trainer(cfg, types.SimpleNamespace(baseline=True), 10)  # ReMax runs in colocate_async
+    with pytest.raises(ValueError, match="adv_estimator='grpo' \\(a greedy baseline per prompt\\) is not supported "
+                                         "outside colocate_async"):
+        check_async_trainer(_build(*ASYNC), types.SimpleNamespace(baseline=True), 10)
     with pytest.raises(ValueError, match="num_warmup_batches=1 is not smaller than the run's 1 steps"):
         check_async_trainer(cfg, types.SimpleNamespace(baseline=False), 1)
     check_async_trainer(cfg, types.SimpleNamespace(baseline=False), 2)

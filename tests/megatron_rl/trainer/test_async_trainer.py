@@ -47,7 +47,14 @@ def toy_model(tmp_path_factory):
     return root, prepare_policy_model(TrainerRunConfig.from_dict(compose("grpo", SMALL)), root / "model")
 
 
-def _run(toy_model, name, recipe, overrides):
+def half_flat_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Prompts whose answer starts with an even digit score 0.5 whatever the response (their groups carry
+    no signal: DAPO filters them); the others score ``varied_score``. ``flat`` marks the first kind."""
+    flat = int(str(ground_truth).split()[0]) % 2 == 0
+    return {"score": 0.5 if flat else varied_score(data_source, solution_str, ground_truth), "flat": float(flat)}
+
+
+def _run(toy_model, name, recipe, overrides, score=varied_score):
     """Train ``STEPS`` steps of ``recipe``; (history, final HF weights, trainer)."""
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
@@ -58,7 +65,7 @@ def _run(toy_model, name, recipe, overrides):
     root, model_path = toy_model
     config = TrainerRunConfig.from_dict(compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={root / name}"]))
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=root / name)
-    trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score)
+    trainer.reward_fn = RewardFunction(trainer.tokenizer, score)
     trainer.init_workers()
     try:
         history = trainer.fit()
@@ -101,7 +108,7 @@ def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model
     assert "val-core/toy_reverse/reward/mean@1" in history[-1]  # validation runs in the async loop
     after_step = {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()}
     assert after_step == {k: [max(0, k - 2)] for k in range(1, STEPS + 1)}  # step 1 synchronous, then k-2
-    assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0]
+    assert history[0]["async/staleness_max"] == 0.0 and max(h["async/staleness_max"] for h in history) <= 1.0
     assert [h["async/staleness_mean"] for h in history] == [0.0, 1.0, 1.0]
     assert history[1]["async/token_fraction/staleness_1"] == 1.0
     for h in history:
@@ -121,3 +128,28 @@ def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model
     assert resumed.async_trained_uids == {3: trainer.async_trained_uids[3]}
     trained = [u for step in (1, 2) for u in trainer.async_trained_uids[step]] + resumed.async_trained_uids[3]
     assert len(trained) == len(set(trained)) == 3 * 2  # 2 prompt groups per step, none twice
+
+
+def test_remax_and_dapo_dynamic_sampling_in_colocate_async(toy_model, ray_cluster):
+    """ReMax (its greedy baseline generated right behind the samples, by the same policy version) with
+    algorithm.filter_groups, one step off-policy: groups without signal are filtered before the
+    buffer and the trainer waits for enough kept ones -- no flat group is trained, every step is full.
+    A filtered group leaves the window room for only part of the next prompt batch (its rest waits)."""
+    import json
+
+    history, _, trainer = _run(toy_model, "remax_dapo_async", "remax", [
+        "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
+        "trainer.v1.sampler.max_off_policy_threshold=1", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.max_num_gen_batches=0"],
+        score=half_flat_score)
+    assert trainer.needs.baseline and trainer.config.algorithm.filter_groups.enable
+    for h in history:
+        assert h["reward/flat/mean"] == 0.0  # only informative groups reach the trainer
+        assert 0.0 < h["filter_groups/kept_group_ratio"] <= 1.0 and math.isfinite(h["actor/pg_loss"])
+    assert sum(h["filter_groups/num_filtered_groups"] for h in history) > 0  # filtering really happened
+    assert history[0]["async/staleness_max"] == 0.0 and max(h["async/staleness_max"] for h in history) <= 1.0
+    root, _ = toy_model
+    rows = [json.loads(x) for x in (root / "remax_dapo_async" / "async_samples.jsonl").read_text().splitlines()]
+    trained = [s for r in rows for s in r["trained"]]
+    filtered = [s for r in rows for s in r["filtered"]]
+    assert len(trained) == len(set(trained)) == STEPS * 2 * 4 and filtered and not set(trained) & set(filtered)
