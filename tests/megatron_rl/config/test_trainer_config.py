@@ -16,6 +16,8 @@ from parallel.config import ParallelConfig
 ALGOS = ["dapo", "dr_grpo", "grpo", "gspo", "opd", "ppo", "reinforce_plus_plus", "remax", "rloo"]
 GPU = [f"gpu/qwen3_30b_a3b_{name}" for name in ALGOS]
 GPU_SCALE = [f"gpu/{model}_{algo}" for model in ("llama3_1_70b", "qwen3_235b_a22b") for algo in ("dapo", "grpo")]
+# tests/megatron_rl/config/test_frontier_recipes.py plans them (DeepSeek-V3 671B, GLM-4.5-Air, GLM-4.5 355B)
+GPU_SCALE += [f"gpu/{model}_grpo" for model in ("deepseek_v3_671b", "glm4_5_air", "glm4_5_355b")]
 AGENT = ["tool_agent"]  # tests/megatron_rl/rollout/agent/test_tool_agent_recipe.py runs it
 MOE = ["grpo_moe"]  # tests/megatron_rl/trainer/test_recipes.py runs it (EP=2, router replay R2)
 ASYNC = ["grpo_async"]  # tests/megatron_rl/trainer/test_async_trainer.py runs it (separate_async)
