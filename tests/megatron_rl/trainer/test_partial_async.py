@@ -95,3 +95,22 @@ def test_partial_rollouts_with_an_engine_that_cannot_pause_are_refused_by_name(o
             "trainer.v1.partial_rollout=true", f"trainer.v1.trainer_mode={mode}",
             f"actor_rollout_ref.rollout.nnodes={nnodes}"]))
         assert cfg.trainer.v1.partial_rollout
+
+
+def test_staleness_is_counted_over_tokens_by_their_own_version():
+    """Trainer version 3; sample 0: 2 tokens of version 1 then 2 of version 3 (paused once); sample
+    1: 3 tokens of version 2 (one padding position, its tag ignored)."""
+    from megatron_rl.data.batch import Batch
+    from megatron_rl.trainer.async_loop import staleness_metrics
+
+    batch = Batch.from_single_dict({
+        "rollout_policy_versions": torch.tensor([[1, 1, 3, 3], [2, 2, 2, 0]]),
+        "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+        "rollout_policy_version": torch.tensor([1, 2])})
+    out = staleness_metrics(batch, 3)
+    assert out["async/staleness_mean"] == (2 * 2 + 2 * 0 + 3 * 1) / 7 and out["async/staleness_max"] == 2.0
+    assert {k: v for k, v in out.items() if "token_fraction" in k} == {
+        "async/token_fraction/staleness_0": 2 / 7, "async/token_fraction/staleness_1": 3 / 7,
+        "async/token_fraction/staleness_2": 2 / 7}
+    assert (out["async/partial/total_partial_num"], out["async/partial/partial_ratio"],
+            out["async/partial/max_partial_span"]) == (1.0, 0.5, 2.0)
