@@ -10,11 +10,13 @@ built: names and shapes come from a meta-device one), with a small byte-level to
 
 In one run: (1) the floor -- every safetensors file of ``--hf-dir`` read whole and written again
 with ``safetensors.torch.save_file`` (page cache warm for both); (2) the conversion without
-``--verify``; (3) with ``--verify``. While a conversion runs, the memory of its whole process tree
+``--verify``; (3) with ``--verify`` (``--skip-verify`` leaves it out); (4) ``convert_mcore_to_hf.py``
+of (2)'s output back to HF at the same layout (``--skip-back`` leaves it out). While a conversion runs, the memory of its whole process tree
 (the tool and its spawned ranks) is sampled every 0.1 s (PSS where the kernel reports it, else
 RSS) and its peak kept. Startup is the time from launch until the first byte of output exists.
 Prints one line per stage, then a JSON line (last) with ``mb_per_s``, ``floor_mb_per_s``,
-``peak_over_checkpoint``, ``peak_over_checkpoint_verify``, ``startup_s`` and the raw figures.
+``peak_over_checkpoint``, ``peak_over_checkpoint_verify``, ``startup_s``, ``mcore_to_hf_mb_per_s``,
+``mcore_to_hf_peak_over_checkpoint``, ``mcore_to_hf_startup_s`` and the raw figures (null for a skipped stage).
 MB/s is checkpoint bytes (MiB) per second of wall time.
 """
 
@@ -129,10 +131,10 @@ def _first_byte(parent: Path, name: str) -> bool:
     return (parent / name).exists()
 
 
-def run_conversion(argv: list[str], out: Path) -> dict:
-    """Run the converter with ``argv``; its wall time, peak tree memory, startup and output."""
+def run_conversion(argv: list[str], out: Path, tool: str = "convert_hf_to_mcore.py") -> dict:
+    """Run the converter ``tool`` with ``argv``; its wall time, peak tree memory, startup and output."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), *argv],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / tool), *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     peak, startup = [0], [None]
 
@@ -175,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--synth", choices=sorted(SYNTH_CONFIGS), help="write a checkpoint with these real shapes here")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the --synth checkpoint")
     p.add_argument("--work-dir", help="where outputs go (default: a temporary directory, removed)")
+    p.add_argument("--skip-verify", action="store_true", help="leave out stage (3): its figures are null")
+    p.add_argument("--skip-back", action="store_true", help="leave out stage (4), mcore -> HF: its figures are null")
     args, convert_args = p.parse_known_args(argv)
     if sum(map(bool, (args.smoke, args.hf_dir, args.synth))) != 1:
         p.error("give one of --hf-dir, --smoke or --synth")
@@ -201,18 +205,37 @@ def main(argv=None) -> int:
         print(f"convert: {plain['seconds']:.2f} s = {mib / plain['seconds']:.1f} MB/s, startup {plain['startup_s']} s, "
               f"peak {plain['peak_bytes'] / 2**20:.0f} MiB = {plain['peak_bytes'] / size:.2f} x the checkpoint\n  "
               f"{plain['summary']}", flush=True)
-        verify = run_conversion(["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore_verify"), "--verify",
-                                 *convert_args], work / "mcore_verify")
-        print(f"convert --verify: {verify['seconds']:.2f} s = {mib / verify['seconds']:.1f} MB/s, peak "
-              f"{verify['peak_bytes'] / 2**20:.0f} MiB = {verify['peak_bytes'] / size:.2f} x the checkpoint\n  "
-              f"{verify['summary']}", flush=True)
+        verify = None
+        if not args.skip_verify:
+            verify = run_conversion(["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore_verify"), "--verify",
+                                     *convert_args], work / "mcore_verify")
+            print(f"convert --verify: {verify['seconds']:.2f} s = {mib / verify['seconds']:.1f} MB/s, peak "
+                  f"{verify['peak_bytes'] / 2**20:.0f} MiB = {verify['peak_bytes'] / size:.2f} x the checkpoint\n  "
+                  f"{verify['summary']}", flush=True)
+        back = None
+        if not args.skip_back:  # (4) the way back, from (2)'s output at the same layout
+            back = run_conversion(["--mcore-dir", str(work / "mcore"), "--out-dir", str(work / "hf_back")],
+                                  work / "hf_back", tool="convert_mcore_to_hf.py")
+            print(f"mcore-to-hf: {back['seconds']:.2f} s = {mib / back['seconds']:.1f} MB/s, startup "
+                  f"{back['startup_s']} s, peak {back['peak_bytes'] / 2**20:.0f} MiB = "
+                  f"{back['peak_bytes'] / size:.2f} x the checkpoint\n  {back['summary']}", flush=True)
+
+        def figure(stage, value):
+            return None if stage is None else value(stage)
+
         result = dict(checkpoint_bytes=size, mb_per_s=mib / plain["seconds"], floor_mb_per_s=floor_rate,
                       speed_over_floor=(mib / plain["seconds"]) / floor_rate,
                       peak_over_checkpoint=plain["peak_bytes"] / size,
-                      peak_over_checkpoint_verify=verify["peak_bytes"] / size, startup_s=plain["startup_s"],
-                      seconds=plain["seconds"], seconds_verify=verify["seconds"], floor_seconds=base["seconds"],
-                      peak_bytes=plain["peak_bytes"], peak_bytes_verify=verify["peak_bytes"],
-                      mb_per_s_verify=mib / verify["seconds"], convert_args=convert_args, hf_dir=str(hf_dir))
+                      peak_over_checkpoint_verify=figure(verify, lambda v: v["peak_bytes"] / size),
+                      startup_s=plain["startup_s"], seconds=plain["seconds"],
+                      seconds_verify=figure(verify, lambda v: v["seconds"]), floor_seconds=base["seconds"],
+                      peak_bytes=plain["peak_bytes"], peak_bytes_verify=figure(verify, lambda v: v["peak_bytes"]),
+                      mb_per_s_verify=figure(verify, lambda v: mib / v["seconds"]),
+                      mcore_to_hf_mb_per_s=figure(back, lambda b: mib / b["seconds"]),
+                      mcore_to_hf_peak_over_checkpoint=figure(back, lambda b: b["peak_bytes"] / size),
+                      mcore_to_hf_startup_s=figure(back, lambda b: b["startup_s"]),
+                      mcore_to_hf_seconds=figure(back, lambda b: b["seconds"]),
+                      convert_args=convert_args, hf_dir=str(hf_dir))
         print(json.dumps(result), flush=True)
     return 0
 

@@ -21,9 +21,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# No torch (nor transformers) at import: the drivers start the ranks' fork server before anything
+# heavy is loaded (``tools.convert_launch.prestart``).
 
 METADATA_FILE = "megatron_rl_conversion.json"
 """Written next to the Megatron checkpoint: family, HF config, layout, dtype."""
@@ -105,6 +109,23 @@ def run_main(body: Callable[[], int], output: Optional[str] = None) -> int:
                 dist.destroy_process_group()
 
 
+def exit_now(code: int) -> None:
+    """End a converter's process with ``code`` as soon as its work is done: flush the output, run
+    the ``atexit`` handlers (multiprocessing's clean-up among them), then ``os._exit``. Skipped is
+    only the interpreter's teardown of torch / transformers / Megatron (seconds of freeing objects
+    one by one, the memory goes back with the process anyway). For ``if __name__ == "__main__"``."""
+    import atexit
+
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 def side_files(directory: str | os.PathLike) -> list[Path]:
     """The tokenizer / generation-config / config.json files present in ``directory``."""
     return [Path(directory) / n for n in SIDE_FILES if (Path(directory) / n).is_file()]
@@ -153,11 +174,97 @@ def load_tokenizer(directory: str | os.PathLike):
         return None
 
 
+_PLAIN_TOKENIZER_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+"""``tokenizer_class`` values whose ``len()`` is the ``tokenizer.json`` backend's size plus the tokens
+its config names (classes of their own may add defaults of their own: those go through transformers)."""
+
+
+def _named_tokens(config: dict) -> Optional[list[tuple[str, Optional[int]]]]:
+    """(content, id or None) of every token ``tokenizer_config.json`` names; None if one is unreadable."""
+    tokens: list[tuple[str, Optional[int]]] = []
+
+    def add(value: Any, token_id: Optional[int] = None) -> bool:
+        if isinstance(value, dict):
+            value = value.get("content")
+        if not isinstance(value, str):
+            return False
+        tokens.append((value, token_id))
+        return True
+
+    for key, value in config.items():
+        if key.endswith("_token") and value is not None and not add(value):
+            return None
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        values = config.get(key) or []
+        values = values.values() if isinstance(values, dict) else values
+        if not all(add(v) for v in values):
+            return None
+    for token_id, value in (config.get("added_tokens_decoder") or {}).items():
+        if not str(token_id).isdigit() or not add(value, int(token_id)):
+            return None
+    return tokens
+
+
+def fast_tokenizer_size(directory: str | os.PathLike) -> Optional[int]:
+    """``len(AutoTokenizer.from_pretrained(directory))`` read from ``tokenizer.json`` with the
+    ``tokenizers`` library alone (transformers' tokenizer import costs seconds), where it is sure to be
+    the same: a ``tokenizer.json``, no remote code, a plain fast ``tokenizer_class``, and every token its
+    ``tokenizer_config.json`` names already in the vocabulary at its id (transformers would add the
+    others). None otherwise: the caller loads the tokenizer with transformers (``load_tokenizer``)."""
+    import json
+
+    d = Path(directory)
+    if not (d / "tokenizer.json").is_file():
+        return None
+    try:
+        config = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() \
+            else {}
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(str(d / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - unreadable here: transformers decides (and warns)
+        return None
+    if not isinstance(config, dict) or "auto_map" in config or config.get("tokenizer_class") not in \
+            _PLAIN_TOKENIZER_CLASSES:
+        return None
+    tokens = _named_tokens(config)
+    if tokens is None:
+        return None
+    for content, token_id in tokens:
+        found = backend.token_to_id(content)
+        if found is None or (token_id is not None and found != token_id):
+            return None
+    return backend.get_vocab_size(with_added_tokens=True)
+
+
+def fast_hf_config(config_dict: dict):
+    """``megatron_rl.models.families.load_hf_config(config_dict)`` -- the same transformers config
+    class, defaults and checks -- without the seconds transformers spends on generated docstrings:
+    a config class's ``@auto_docstring`` imports the modeling auto-classes (and with them
+    ``transformers.generation``) only to write its ``__doc__``. While the class is first imported,
+    the decorator leaves the class as it is (its only other effect: ``cls.__doc__`` stays the source's)."""
+    import transformers.utils as tf_utils
+
+    from megatron_rl.models.families import load_hf_config
+
+    real = tf_utils.auto_docstring
+
+    def plain(obj=None, **_):
+        return obj if obj is not None else (lambda o: o)
+
+    tf_utils.auto_docstring = plain
+    try:
+        return load_hf_config(config_dict)
+    finally:
+        tf_utils.auto_docstring = real
+
+
 def check_tokenizer(tokenizer, vocab_size: int, where: str | os.PathLike) -> Optional[int]:
-    """``len(tokenizer)``; a ``ToolError`` if it produces ids the embedding has no rows for."""
+    """``len(tokenizer)`` (``tokenizer`` may be that size already, ``fast_tokenizer_size``); a
+    ``ToolError`` if it produces ids the embedding has no rows for."""
     if tokenizer is None:
         return None
-    size = len(tokenizer)
+    size = tokenizer if isinstance(tokenizer, int) else len(tokenizer)
     if size > vocab_size:
         raise ToolError(f"the tokenizer in {where} has {size} tokens (ids up to {size - 1}) but the model's "
                         f"vocab_size is {vocab_size} (config.json): ids >= {vocab_size} have no embedding row; "

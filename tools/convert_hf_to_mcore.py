@@ -23,6 +23,7 @@ checkpoint and compares its logits with the HF model's (transformers) on a few f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,17 +34,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+# Nothing imported here loads torch or transformers: ``main`` starts the ranks' fork server first.
 from tools.convert_common import (  # noqa: E402
     DTYPES, METADATA_FILE, METADATA_VERSION, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
-    fmt_bytes, load_tokenizer, run_main, side_files,
+    exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
 )
 from tools.convert_fault import apply_fault  # noqa: E402
-from tools.convert_launch import add_layout_args, is_driver, launch, prestart, resolve_layout  # noqa: E402
-from tools.convert_output import AtomicDir, Progress, check_output_dir, peak_summary, rank_peaks  # noqa: E402
-from tools.convert_verify import add_verify_args, check_logits, verify_forwards, verify_inputs, verify_settings  # noqa: E402
+from tools.convert_launch import (  # noqa: E402
+    add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout, under_torchrun,
+)
+from tools.convert_output import AtomicDir, Progress, TreeMemory, check_output_dir, peak_summary, rank_peaks  # noqa: E402
 
 
 def _parse(argv=None, prog: str = "convert_hf_to_mcore.py") -> argparse.Namespace:
+    from tools.convert_verify import add_verify_args
+
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--out-dir", required=True, help="Megatron checkpoint directory to create")
@@ -84,6 +89,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
     from tools.convert_stream import build_empty_model, fork_write_queue, restore_released, state_for_save
+    from tools.convert_verify import verify_forwards
 
     marks = {"started": time.time()}  # wall clock: the driver's start is spec["t0"]
     pc = ParallelConfig.from_dict(spec["layout"])
@@ -181,9 +187,10 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
 
     import megatron_rl
-    from megatron_rl.models.families import get_family, load_hf_config
+    from megatron_rl.models.families import get_family
     from parallel.bridge import HFCheckpointReader
     from parallel.bridge.mtp import MTP_FILE
+    from tools.convert_verify import check_logits, verify_inputs, verify_settings
 
     hf_dir = Path(args.hf_dir).resolve()
     if not (hf_dir / "config.json").is_file():
@@ -196,7 +203,7 @@ def _convert(args: argparse.Namespace) -> int:
         hf_bytes = sum(reader.nbytes(n) for n in names)
         hf_numel = sum(int(torch.Size(reader.shape(n)).numel()) for n in names)
     config_dict = json.loads((hf_dir / "config.json").read_text())
-    hf_config = load_hf_config(config_dict)
+    hf_config = fast_hf_config(config_dict)  # transformers' config, without its docstring imports
     family = get_family(hf_config)
     architecture = next(a for a in hf_config.architectures if a in family.architectures)
     dtype = _model_dtype(args.dtype, hf_config)
@@ -204,7 +211,10 @@ def _convert(args: argparse.Namespace) -> int:
                                     params_dtype=dtype)
     pc, world, device, layout = resolve_layout(args, model_cfg)
     mtp = _check_mtp(hf_dir, family.weight_map(model_cfg).mtp)  # incomplete / mis-shaped: named, nothing written
-    tokenizer = load_tokenizer(hf_dir)
+    # Without --verify only the tokenizer's size is needed: read from tokenizer.json where that is exact.
+    tokenizer = fast_tokenizer_size(hf_dir) if not args.verify else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(hf_dir)
     tokenizer_size = check_tokenizer(tokenizer, model_cfg.vocab_size, hf_dir)
     verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
                            if args.verify else (None, None))
@@ -218,7 +228,8 @@ def _convert(args: argparse.Namespace) -> int:
     ensure_space(out, hf_numel * itemsize, "the Megatron checkpoint")  # before any rank starts
     diff = None
     atomic = AtomicDir(out, args.overwrite)
-    with atomic as tmp:
+    memory = TreeMemory()  # the ranks are this process's descendants (not under torchrun)
+    with atomic as tmp, memory if not under_torchrun() else contextlib.nullcontext():
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=architecture, family=family.name,
                     hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtypes=verify_dtypes,
                     expected_bytes=hf_numel * itemsize, t0=t0,
@@ -251,13 +262,14 @@ def _convert(args: argparse.Namespace) -> int:
         line = (f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "
                 f"(Megatron dist checkpoint, {fmt_bytes(dir_bytes(out))}) at {layout} on {world} {device} ranks, "
                 f"{dtype}, in {time.perf_counter() - start:.1f} s ({_timings(result, t0)}), "
-                f"{peak_summary(result['peaks'])}")
+                f"{peak_summary(result['peaks'], memory.peak)}")
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 
 
 def main(argv=None, prog: str = "convert_hf_to_mcore.py") -> int:
     """Parse ``argv`` and convert; returns the exit code (0 ok, 1 error, 2 bad usage)."""
+    prestart_for(argv, ("--hf-dir", "--out-dir"))  # before torch is imported (the verify flags import it)
     try:
         args = _parse(argv, prog)
     except SystemExit as exc:  # argparse: --help (0) or bad usage (2)
@@ -269,4 +281,4 @@ if __name__ == "__main__":
     # Spawned ranks find ``convert_ranks`` by its module name, so run the importable copy.
     from tools import convert_hf_to_mcore
 
-    sys.exit(convert_hf_to_mcore.main())
+    exit_now(convert_hf_to_mcore.main())

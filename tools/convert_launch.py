@@ -20,9 +20,10 @@ import traceback
 import warnings
 from typing import Any, Callable, Optional
 
-import torch
-
 from tools.convert_common import _EXPECTED_ERRORS, ToolError
+
+# torch is imported where it is used: ``prestart`` runs before the driver imports it, so the fork
+# server's imports (Megatron's, seconds) start at once instead of after the driver's own.
 
 PRELOAD = "tools.convert_preload"
 """What the fork server imports once (Megatron, torch.distributed's checkpoint code, the rank functions)."""
@@ -50,6 +51,7 @@ def _child(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
     quiet_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -65,13 +67,28 @@ def _child(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
             dist.destroy_process_group()
 
 
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, without importing torch where no NVIDIA device can exist
+    (no ``/dev/nvidiactl`` / ``/dev/nvidia0`` / WSL's ``/dev/dxg``, or ``CUDA_VISIBLE_DEVICES``
+    empty or -1): torch would answer False there too, and its import is what ``prestart`` must not wait for."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def prestart(device: str) -> None:
     """Start the fork server of the CPU ranks now, in the background (``device``: the ``--device``
     flag; nothing for CUDA ranks or under torchrun). It imports ``PRELOAD`` before it forks its
-    first rank, with CUDA hidden (CPU ranks on a GPU machine: Megatron must not see CUDA)."""
+    first rank, with CUDA hidden (CPU ranks on a GPU machine: Megatron must not see CUDA). Call it
+    first thing: nothing here imports torch on a machine without GPUs."""
     from multiprocessing import forkserver
 
-    if under_torchrun() or device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+    if under_torchrun() or device == "cuda" or (device == "auto" and cuda_available()):
         return
     forkserver.set_forkserver_preload([PRELOAD])  # read only when the server starts (ensure_running: once)
     hide = "CUDA_VISIBLE_DEVICES" not in os.environ
@@ -82,6 +99,28 @@ def prestart(device: str) -> None:
     finally:
         if hide:
             del os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def prestart_for(argv: Optional[list[str]], required: tuple[str, ...]) -> None:
+    """``prestart`` from a converter's raw command line, before it is parsed (its parser imports
+    torch): only when every ``required`` flag is there and no ``--help`` (a usage error or ``--help``
+    starts nothing), with the ``--device`` it names."""
+    import argparse
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        return
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--device", default="auto")
+    for flag in required:
+        early.add_argument(flag)
+    try:
+        known, _ = early.parse_known_args(argv)
+    except SystemExit:  # malformed: the real parser says why
+        return
+    if known.device in ("auto", "cpu") and all(getattr(known, f.lstrip("-").replace("-", "_")) for f in required):
+        prestart(known.device)
 
 
 def launch(fn: Callable[[int, int, Any], Any], world: int, spec: Any, *, device: str = "cpu") -> Any:
@@ -99,6 +138,7 @@ def launch(fn: Callable[[int, int, Any], Any], world: int, spec: Any, *, device:
 
         init_torchrun(device)
         return fn(dist.get_rank(), dist.get_world_size(), spec)
+    import torch
     import torch.multiprocessing as mp
 
     from parallel.testing import find_free_port
@@ -197,7 +237,7 @@ def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
         stored["virtual_pipeline_model_parallel_size"] = None  # --pp 1 over a stored VPP layout
     stored.pop("context_parallel_size", None)  # CP splits sequences, not weights
     pc = ParallelConfig.from_dict(stored)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device != "auto" else ("cuda" if cuda_available() else "cpu")
     nprocs = None
     if args.nprocs != "auto":
         try:
@@ -233,6 +273,7 @@ def is_driver() -> bool:
 
 def init_torchrun(device: str) -> None:
     """Under torchrun: create the default process group for ``device`` (NCCL or gloo)."""
+    import torch
     import torch.distributed as dist
 
     if device == "cpu" and torch.cuda.is_available():
