@@ -22,6 +22,10 @@ from typing import Optional
 
 import torch
 
+HEAD_BLOCK_BYTES = 64 * 2**20
+"""Bytes of the output layer's matrix held in the compute dtype at a time."""
+
+
 def layer_groups(num_layers: int, layers_per_group: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]``: the decoder layers in consecutive groups of ``layers_per_group``
     (the last one may be shorter); one group of all layers for ``layers_per_group`` 0."""
@@ -107,6 +111,15 @@ class _Streamer:
         self.norm, self.head = inner.norm, self.model.get_output_embeddings()
         self.prefix = {id(m): names[id(m)] + "." for m in (self.embedding, *self.layers, self.norm, self.head)}
         self.tied = getattr(config, "tie_word_embeddings", False) and f"{names[id(self.head)]}.weight" not in self.files
+        # The vocabulary matrices stay in the weight dtype (they are the largest): a lookup is exact
+        # in any dtype (its rows are upcast after it), the output layer runs on blocks of rows.
+        self.stored = set()
+        if type(self.embedding) is torch.nn.Embedding:
+            self.stored.add(id(self.embedding))
+            self.embedding.register_forward_hook(lambda _m, _i, out: out.to(compute_dtype))
+        if type(self.head) is torch.nn.Linear and self.head.bias is None:
+            self.stored.add(id(self.head))
+            self.head.forward = self._head_in_blocks
 
     def load(self, modules: list[torch.nn.Module]) -> None:
         """Read the weights of ``modules`` (rounded to the weight dtype, then cast to the compute
@@ -142,10 +155,18 @@ class _Streamer:
             for name, param in module.named_parameters():
                 if param.is_meta:
                     missing.append(self.prefix[id(module)] + name)
-                elif param.dtype != self.compute_dtype:
+                elif param.dtype != self.compute_dtype and id(module) not in self.stored:
                     param.data = param.data.to(self.compute_dtype)  # an upcast of the rounded weights: exact
         if missing:
             raise ValueError(f"{self.hf_dir}: the checkpoint does not hold {missing[:5]} (HF reference for --verify)")
+
+    def _head_in_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's ``F.linear`` on blocks of ``HEAD_BLOCK_BYTES`` of its (stored-dtype)
+        rows cast to the compute dtype, concatenated: each logit is the same dot product."""
+        weight = self.head.weight
+        step = max(1, HEAD_BLOCK_BYTES // (weight.shape[1] * self.compute_dtype.itemsize))
+        return torch.cat([torch.nn.functional.linear(hidden, weight[i: i + step].to(self.compute_dtype))
+                          for i in range(0, weight.shape[0], step)], dim=-1)
 
     def _dequantize(self, state: dict, handles: dict, stack) -> None:
         """Replace the FP8 weights in ``state`` by their float32 values and drop their scales."""

@@ -1,8 +1,9 @@
 """The layer-group ``--verify``: HF's streamed reference, the Megatron side at parallel layouts,
 and a wrong layer named.
 
-* ``hf_stream_forward`` (weights read one part at a time) gives HF's own whole-model forward bit
-  for bit -- logits and every layer's hidden states, float32 and bf16, tied and MoE -- while at most
+* ``hf_stream_forward`` (weights read one part at a time, the output layer in blocks of rows) gives
+  HF's own whole-model forward -- every layer's hidden states bit for bit, the logits up to the
+  order of the output layer's sums; float32 and bf16, tied and MoE -- while at most
   one part (embedding, one layer group, head) holds weights; an FP8 block-quantised checkpoint is
   dequantised as it is read.
 * The Megatron side (``verify_forwards`` with a group size: the converted bf16 model, its float32
@@ -69,6 +70,7 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
         held.append(sum(p.numel() for p in self.model.parameters() if not p.is_meta))
 
     monkeypatch.setattr(convert_verify_hf._Streamer, "load", spy)
+    monkeypatch.setattr(convert_verify_hf, "HEAD_BLOCK_BYTES", 7 * 64 * 4)  # the output layer in blocks of rows
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager",
                                                      experts_implementation="eager").eval()
@@ -79,7 +81,9 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
         for per_group in (1, 3):
             held.clear()
             logits, hidden = hf_stream_forward(hf_dir, ids, torch.bfloat16, dtype, per_group)
-            assert torch.equal(logits, out.logits.float())
+            # blocks of vocabulary rows: the same dot products, summed in another order (in bf16: one ulp)
+            torch.testing.assert_close(logits, out.logits.float(), rtol=0,
+                                       atol=1e-5 if dtype == torch.float32 else 1.6e-2)
             ends = [0, 1, 2, 3] if per_group == 1 else [2, 3]
             assert sorted(hidden) == ends
             for end in ends[:-1]:
