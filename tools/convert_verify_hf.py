@@ -196,7 +196,8 @@ class _Streamer:
 
 
 def hf_stream_forward(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,
-                      compute_dtype: torch.dtype, layers_per_group: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                      compute_dtype: torch.dtype,
+                      layers_per_group: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Float32 logits ``[b, s, vocab]`` of the HF checkpoint in ``hf_dir`` with weights rounded
     to ``weight_dtype`` and the forward in ``compute_dtype``, and {last layer of each group (0-based):
     its output hidden states, float32 ``[b, s, hidden]``}; at most one part of the model (the

@@ -75,7 +75,8 @@ def runs(tmp_path_factory):
     # Both whole models at once (the pre-layer-group verify), and a group size that is refused.
     names.append("whole")
     cases.append(dict(tool="hf-to-mcore", argv=["--hf-dir", str(work / "qwen3_moe"), "--out-dir", str(work / "whole"),
-                                                "--verify", "--verify-dtype", "both", "--verify-layers-per-group", "0"]))
+                                                "--verify", "--verify-dtype", "both",
+                                                "--verify-layers-per-group", "0"]))
     names.append("bad_group")
     cases.append(dict(tool="hf-to-mcore", argv=["--hf-dir", str(work / "qwen3"), "--out-dir", str(work / "bad"),
                                                 "--verify", "--verify-layers-per-group", "-1"]))
