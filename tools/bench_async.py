@@ -5,24 +5,28 @@ The workload is the toy GRPO recipe (``recipes/grpo.yaml``'s inline Qwen3-shaped
 SFT-warmed once and shared by every mode; task ``toy_reverse``) with a long-tailed response-length
 distribution: each prompt batch's responses run to a length drawn from a Pareto tail
 (``--min-len`` .. ``--max-len`` tokens, ``ignore_eos``), chosen by the batch's generation seed --
-so the three modes see the same lengths for the same batch. The modes:
+so the modes see the same lengths for the same batch. The modes:
 
 * ``sync``: ``trainer.v1.trainer_mode=sync`` (today's loop: every step waits for the slowest batch);
 * ``one_step_off``: ``colocate_async`` with one batch ahead (step k trains on weights after k-2);
 * ``async``: ``separate_async`` (``recipes/grpo_async.yaml``: the rollout on its own CPU, bypass
-  mode), ``--async-ahead`` batches ahead, staleness bound of the same number of versions.
+  mode), ``--async-ahead`` batches ahead, staleness bound of the same number of versions;
+* ``async_partial``: ``async`` with ``trainer.v1.partial_rollout=true`` (a weight push pauses the
+  generation in flight, which continues with the new weights; ``partial_ratio``: the share of
+  trained samples whose tokens span more than one version).
 
 Every Ray worker thread of the rollout is pinned to core 0 and every thread of the actor's ranks
 to core 1 (``os.sched_setaffinity`` per thread) after the workers start. Steps per minute are
 measured from the end of step 1 to the end of the last step (step 1 holds the engines' warm-up and,
 off-policy, is synchronous anyway); the reward is the mean ``critic/score/mean`` of the last two
 steps, with the samples trained on so far. On CPU the only win is overlap of generation (core 0)
-with training (core 1). Run (about 5 minutes)::
+with training (core 1). Run (about 7 minutes)::
 
     python tools/bench_async.py [--steps 8] [--batch 8] [--n 4]
 
 The last line printed is one JSON object with ``steps_per_min_sync``, ``steps_per_min_one_step_off``,
-``steps_per_min_async``, their ratios to sync, rewards, staleness and peak RSS per mode.
+``steps_per_min_async``, ``steps_per_min_async_partial``, their ratios to sync, rewards, staleness
+and peak RSS per mode (and ``partial_ratio_async_partial``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("sync", "one_step_off", "async")
+MODES = ("sync", "one_step_off", "async", "async_partial")
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -119,9 +123,10 @@ def _overrides(args, mode: str) -> tuple[str, list[str]]:
     if mode == "one_step_off":
         return "grpo", [*common, "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
                         "trainer.v1.sampler.max_off_policy_threshold=1"]
+    partial = ["trainer.v1.partial_rollout=true"] if mode == "async_partial" else []
     return "grpo_async", [*common, "trainer.v1.separate_async.parameter_sync_step=1",
                           f"trainer.v1.separate_async.num_warmup_batches={args.async_ahead}",
-                          f"trainer.v1.sampler.max_off_policy_threshold={args.async_ahead}"]
+                          f"trainer.v1.sampler.max_off_policy_threshold={args.async_ahead}", *partial]
 
 
 def _pin(trainer) -> dict:
@@ -173,6 +178,7 @@ def _run_mode(args, mode: str, model_path: str, root: str) -> dict:
             "response_length_mean": sum(h["response_length/mean"] for h in history) / len(history),
             "staleness_mean": sum(h.get("async/staleness_mean", 0.0) for h in history) / len(history),
             "trainer_idle_s": sum(h.get("async/trainer_idle_s", 0.0) for h in history),
+            "partial_ratio": sum(h.get("async/partial/partial_ratio", 0.0) for h in history) / len(history),
             "samples": len(history) * args.batch * args.n, "peak_rss_gb": peak[0] / 2**30}
 
 
@@ -206,6 +212,8 @@ def main(argv=None) -> dict:
     out.update({f"reward_{m}": r["reward_last2"] for m, r in results.items()})
     out.update({f"staleness_mean_{m}": r["staleness_mean"] for m, r in results.items()})
     out.update({f"peak_rss_gb_{m}": r["peak_rss_gb"] for m, r in results.items()})
+    if "async_partial" in results:
+        out["partial_ratio_async_partial"] = results["async_partial"]["partial_ratio"]
     out.update(steps=args.steps, batch=args.batch, n=args.n, min_len=args.min_len, max_len=args.max_len,
                alpha=args.alpha, async_ahead=args.async_ahead,
                samples=args.steps * args.batch * args.n, cores={"rollout": 0, "trainer": 1})
