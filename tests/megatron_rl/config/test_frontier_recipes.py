@@ -1,12 +1,12 @@
 """The frontier-MoE GPU recipes (DeepSeek-V3 671B, GLM-4.5-Air, GLM-4.5 355B): they load, validate,
 resolve their architecture from the built-in table (no weights on this machine), and the planner
-accepts their training layouts with the figures their header comments state.
+accepts the GLM-4.5 layouts with the figures their header comments state.
 
-The planner's vLLM term is the ``gpu_memory_utilization`` budget (``plan._phases``); it does not
-check that one engine's bf16 weight shard fits that budget, so the shard is asserted here
-separately: GLM-4.5-Air fits on H100, GLM-4.5 355B needs H200 (its recipe's cluster), and
-DeepSeek-V3 fits no single 8-GPU H100 / H200 node (its recipe says generation needs a multi-node
-engine, which this project does not build).
+The planner refuses a rollout whose engine's weight shard does not fit the ``gpu_memory_utilization``
+budget (``plan._phases``): GLM-4.5-Air fits on H100, GLM-4.5 355B needs H200 (its recipe's
+cluster), and DeepSeek-V3 fits no single 8-GPU H100 / H200 node: its recipe is refused by name
+after its training layout has been validated and sized (generation needs a multi-node engine or FP8
+rollout weights, neither built).
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import pytest
 from megatron_rl.algos.needs import resolve_run
 from megatron_rl.config.loader import load_config
 from megatron_rl.planner import check_plan, count_params
+from megatron_rl.planner.architectures import resolve_architecture
 
 GIB = 1024 ** 3
 # recipe -> (path, table entry, nodes, (TP, PP, EP, ETP), (DP, expert DP), GPU GiB, peak GiB, peak phase,
 #            actor-update GiB)
 FRONTIER = {
-    "gpu/deepseek_v3_671b_grpo": ("~/models/DeepSeek-V3", "table:deepseek_v3", 32, (8, 1, 256, 1), (32, 1), 80.0,
-                                  62.92, "weight sync", 61.05),
     "gpu/glm4_5_air_grpo": ("~/models/GLM-4.5-Air", "table:glm4_5_air", 4, (4, 2, 16, 1), (4, 1), 80.0,
                             65.91, "actor update", 65.91),
     "gpu/glm4_5_355b_grpo": ("~/models/GLM-4.5", "table:glm4_5", 16, (4, 4, 32, 1), (8, 1), 141.0,
@@ -61,8 +60,9 @@ def test_frontier_recipe_loads_and_the_planner_accepts_it(recipe):
 def _engine_shard_gib(recipe: str) -> float:
     """One vLLM engine's bf16 weights per GPU: all parameters / rollout TP."""
     cfg = load_config(recipe)
-    return sum(count_params(check_plan(cfg, gpu_memory_gb=FRONTIER[recipe][5]).model)) * 2 / (
-        cfg.actor_rollout_ref.rollout.tensor_model_parallel_size * GIB)
+    model, _ = resolve_architecture("actor_rollout_ref.model.path", path=cfg.actor_rollout_ref.model.path,
+                                    config=cfg.actor_rollout_ref.model.config)
+    return sum(count_params(model)) * 2 / (cfg.actor_rollout_ref.rollout.tensor_model_parallel_size * GIB)
 
 
 def test_engine_weight_shard_against_the_vllm_budget():
@@ -77,10 +77,25 @@ def test_engine_weight_shard_against_the_vllm_budget():
     assert deepseek == pytest.approx(156.24, abs=0.01) and deepseek > 141
 
 
-def test_cli_plan_deepseek_v3_fits():
+DEEPSEEK_REFUSAL = ("actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at "
+                    "tensor_model_parallel_size=8, not less than gpu_memory_utilization=0.6 x 80.0 GiB = 48.0 GiB "
+                    "(no room for the KV cache); raise gpu_memory_utilization or tensor_model_parallel_size (an "
+                    "engine stays inside one node: at most trainer.n_gpus_per_node=8 GPUs)")
+
+
+def test_deepseek_v3_recipe_validates_its_training_layout_and_the_planner_refuses_its_rollout():
+    cfg = load_config("gpu/deepseek_v3_671b_grpo")
+    needs = resolve_run(cfg)
+    assert (needs.critic, needs.reference, needs.teacher, needs.reward_model) == (False, True, False, False)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.device) == (32, 8, "cuda")
+    mp = cfg.actor_rollout_ref.actor.megatron.parallel()
+    assert (mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
+            mp.expert_tensor_parallel_size) == (8, 1, 256, 1)
+    # the roles are sized (their layouts validated) before the rollout's engine is checked
+    with pytest.raises(ValueError) as err:
+        check_plan(cfg)
+    assert str(err.value) == DEEPSEEK_REFUSAL
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "gpu/deepseek_v3_671b_grpo"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "actor layout: TP=8 PP=1 VPP=1 CP=1 EP=256 ETP=1 -> DP=32 expert-DP=1" in out.stdout
-    assert "node 31: ranks 248-255, pp stage(s) [0], tp groups [248-255]" in out.stdout
-    assert "verdict: FITS -- peak 62.9 of 80.0 GiB (weight sync)" in out.stdout
+    assert out.returncode == 2 and DEEPSEEK_REFUSAL in out.stderr, out.stderr
+
