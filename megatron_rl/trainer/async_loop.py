@@ -45,7 +45,6 @@ engine was not generating), ``training/off_policy/evicted_samples``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 import warnings
@@ -57,12 +56,13 @@ import torch
 from megatron_rl.data.batch import Batch
 from megatron_rl.data.rewards import RewardError
 from megatron_rl.trainer.metrics import MetricsLogger
+from megatron_rl.trainer.async_records import SAMPLES_FILE, GroupFilter, SampleLedger, select_prompts
 from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
 from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
 from megatron_rl.trainer.watchdog import phase as timer
 
 __all__ = ["AsyncSettings", "async_settings", "async_run_config", "check_async_trainer", "fit_async", "Rollouter",
-           "SampleLedger", "SAMPLES_FILE", "staleness_metrics", "partial_staleness_metrics"]
+           "staleness_metrics", "partial_staleness_metrics"]
 
 
 def async_run_config(config: Any) -> Any:
@@ -150,9 +150,8 @@ class Rollouter:
         self.phase, self.buffer, self.threaded, self.max_failed = phase, buffer, threaded, max_failed
         self.ledger = DrawLedger(settled_before)
         fg = getattr(phase, "filter_groups", None)  # DAPO dynamic sampling: groups filtered before the buffer
-        self.filter = fg
-        self.finished_groups = self.kept_groups = self.finished_chunks = 0  # since the trainer's last take
-        self.filtered_uids: list[str] = []  # groups DAPO filtered since the last take
+        self.filter = None if fg is None else GroupFilter(
+            fg, buffer.batch_groups, buffer.lookahead * buffer.batch_groups // phase.dataloader.batch_size)
         dl = phase.dataloader  # prompt batches drawn so far (a resumed run continues the count): the seed index
         self.chunks = dl.epoch * dl.num_batches + dl.batch_in_epoch
         self.pending: list[tuple[Any, dict, list[Group]]] = []  # submitted, not collected: (future, prompts, groups)
@@ -179,7 +178,7 @@ class Rollouter:
                 self.chunks += 1  # the per-batch sampling seed follows the draw, skipped or not
                 keep, skipped = self.ledger.split([str(u) for u in prompts["uid"]])
                 if skipped:
-                    prompts = _select_prompts(prompts, keep)
+                    prompts = select_prompts(prompts, keep)
                 groups = [Group(uid=str(u), size=self.phase.n) for u in prompts["uid"]]
                 self.ledger.record(before, groups, skipped)
                 if groups:
@@ -187,8 +186,8 @@ class Rollouter:
             self.carry = (prompts, groups)
         prompts, groups = self.carry
         if len(groups) > budget:  # the rest waits in carry (unsettled: a checkpoint re-draws its batch)
-            self.carry = (_select_prompts(prompts, list(range(budget, len(groups)))), groups[budget:])
-            prompts, groups = _select_prompts(prompts, list(range(budget))), groups[:budget]
+            self.carry = (select_prompts(prompts, list(range(budget, len(groups)))), groups[budget:])
+            prompts, groups = select_prompts(prompts, list(range(budget))), groups[:budget]
         else:
             self.carry = None
         self.buffer.reserve(groups)
@@ -234,15 +233,13 @@ class Rollouter:
             return
         self.failed_in_a_row = 0
         rows = dict(_split_groups(batch))
-        keep = self._dapo_keep(batch)
-        self.finished_chunks += 1
+        keep = None if self.filter is None else self.filter.keep(batch)
         for group in groups:
-            self.finished_groups += 1
-            if keep is not None and not keep[rows[group.uid][0]]:
-                self.buffer.discard(group, "filtered")
-                self.filtered_uids.append(group.uid)
-                continue
-            self.kept_groups += 1
+            if keep is not None:
+                self.filter.count(group.uid, bool(keep[rows[group.uid][0]]))
+                if not keep[rows[group.uid][0]]:
+                    self.buffer.discard(group, "filtered")
+                    continue
             group.payload = batch.select_idxs(rows[group.uid])
             self.buffer.put(group, int(group.payload["rollout_policy_version"].min()))
 
@@ -259,45 +256,6 @@ class Rollouter:
             raise
         batch["reward_baselines"] = scores.repeat_interleave(self.phase.n)
 
-    def _dapo_keep(self, batch: Batch) -> Optional[torch.Tensor]:
-        """Per sample, whether DAPO dynamic sampling (``algorithm.filter_groups``) keeps its group
-        (its metric varies within the group); None without filtering."""
-        if self.filter is None:
-            return None
-        from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
-
-        extra = {k: list(batch[k]) for k in batch.meta_info.get(REWARD_EXTRA_KEYS, ())}
-        values = compute_filter_metric(self.filter.metric or "seq_reward", batch["token_level_scores"],
-                                       batch["token_level_scores"], extra)
-        keep, _, _ = filter_groups(values, [str(u) for u in batch["uid"]])
-        return keep
-
-    def _check_dapo_rounds(self) -> None:
-        """``RuntimeError`` when DAPO filtering keeps the trainer waiting past
-        ``filter_groups.max_num_gen_batches`` generation batches (beyond the window's lookahead)."""
-        if self.filter is None or self.filter.max_num_gen_batches <= 0:
-            return
-        size = self.phase.dataloader.batch_size
-        ahead = self.buffer.lookahead * self.buffer.batch_groups // size
-        limit = self.filter.max_num_gen_batches
-        if self.finished_chunks > limit + ahead:
-            raise RuntimeError(
-                f"DAPO dynamic sampling: {self.finished_chunks} generation batches since the last step gave "
-                f"{self.kept_groups} informative prompt groups, fewer than data.train_batch_size="
-                f"{self.buffer.batch_groups} (algorithm.filter_groups.max_num_gen_batches={limit}, plus {ahead} "
-                "generated ahead); the data may be too hard or too easy for the model -- raise max_num_gen_batches "
-                "(0 = unbounded) or data.gen_batch_size")
-
-    def take_metrics(self) -> dict[str, float]:
-        """DAPO's ``filter_groups/*`` since the trainer's last take (empty without filtering); resets them."""
-        if self.filter is None:
-            return {}
-        out = {"filter_groups/num_gen_batches": float(self.finished_chunks),
-               "filter_groups/kept_group_ratio": self.kept_groups / max(1, self.finished_groups),
-               "filter_groups/num_filtered_groups": float(self.finished_groups - self.kept_groups)}
-        self.finished_groups = self.kept_groups = self.finished_chunks = 0
-        return out
-
     def _collect_oldest(self) -> None:
         import ray
 
@@ -309,23 +267,25 @@ class Rollouter:
         start = time.perf_counter()
         if not self.threaded:
             while not self.buffer.ready(trainer_version):
-                self._check_dapo_rounds()
+                if self.filter is not None:
+                    self.filter.check_rounds()
                 if not self.pending:
                     self.pump()
                     if not self.pending:
                         raise RuntimeError("async rollouter: the window is full but the next batch is not ready")
                 self._collect_oldest()
             groups, metrics = self.buffer.take(trainer_version)
-            metrics.update(self.take_metrics())
+            metrics.update({} if self.filter is None else self.filter.take_metrics())
             return groups, metrics, time.perf_counter() - start
         with self.cond:
             while self.error is None and not self.buffer.ready(trainer_version):
-                self._check_dapo_rounds()
+                if self.filter is not None:
+                    self.filter.check_rounds()
                 self.cond.wait(timeout=1.0)
             if self.error is not None:
                 raise RuntimeError(f"async rollouter failed: {self.error}") from self.error
             groups, metrics = self.buffer.take(trainer_version)
-            metrics.update(self.take_metrics())
+            metrics.update({} if self.filter is None else self.filter.take_metrics())
             self.cond.notify_all()
         return groups, metrics, time.perf_counter() - start
 
@@ -400,19 +360,6 @@ class Rollouter:
         return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.busy)
 
 
-def _select_prompts(prompts: dict[str, Any], idx: list[int]) -> dict[str, Any]:
-    """The prompts at positions ``idx`` of a dataloader batch (tensors and per-prompt lists)."""
-    out = {}
-    for key, value in prompts.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = value[torch.as_tensor(idx, dtype=torch.long)]
-        elif isinstance(value, (list, tuple)):
-            out[key] = [value[i] for i in idx]
-        else:
-            out[key] = value
-    return out
-
-
 def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
     """``async/staleness_mean`` / ``_max`` over the batch's response tokens (policy versions behind
     the trainer) and ``async/token_fraction/staleness_<d>`` per lag; with partial rollouts each token
@@ -467,31 +414,6 @@ def _assemble(groups: list[Group]) -> Batch:
     return batch
 
 
-SAMPLES_FILE = "async_samples.jsonl"
-"""Per step, the ids of the samples it trained on (``<uid>/<j>``: prompt group ``<epoch>-<row>``, sample
-``j`` of the group) and of the groups evicted or filtered since the step before, in the run directory."""
-
-
-class SampleLedger:
-    """``async_samples.jsonl`` (``SAMPLES_FILE``): one line per step, ``{"step", "trained", "evicted",
-    "filtered"}``; a resumed run first drops the lines of steps after its checkpoint (they are re-run)."""
-
-    def __init__(self, path: Path, resumed_step: int):
-        from megatron_rl.trainer.metrics import drop_rows_after
-
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        drop_rows_after(path, resumed_step)
-
-    def write(self, step: int, groups: list[Group], *, evicted: list[str], filtered: list[str], n: int) -> None:
-        """Append step ``step``'s line (flushed before the step's checkpoint can be written)."""
-        trained = [f"{g.uid}/{j}" for g in groups for j in range(len(g.payload))]
-        row = {"step": step, "trained": trained, "evicted": [f"{u}/{j}" for u in evicted for j in range(n)],
-               "filtered": [f"{u}/{j}" for u in filtered for j in range(n)]}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
               on_step: Optional[Callable[[dict], None]] = None) -> list[dict[str, float]]:
     """The asynchronous loop (see the module docstring) from ``trainer.global_steps`` to ``total``;
@@ -534,8 +456,11 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                 metrics["async/trainer_idle_s"] = waited
                 trainer.async_trained_versions[step] = sorted(set(batch["rollout_policy_version"].tolist()))
                 trainer.async_trained_uids[step] = sorted(set(str(u) for u in batch["uid"]))
-                ledger.write(step, groups, evicted=buffer.last_evicted, filtered=rollouter.filtered_uids, n=phase.n)
-                rollouter.filtered_uids = []
+                with rollouter.cond:  # the rollouter thread appends to it
+                    filtered = [] if rollouter.filter is None else rollouter.filter.filtered_uids[:]
+                    if filtered:
+                        rollouter.filter.filtered_uids.clear()
+                ledger.write(step, groups, evicted=buffer.last_evicted, filtered=filtered, n=phase.n)
                 if phase.dump is not None:
                     phase._dump(step, batch)
                 trainer.train_step(batch, metrics, timing)
