@@ -232,3 +232,25 @@ def test_killed_separate_async_run_resumes_with_the_same_sample_ids(tmp_path):
         rows = {r["step"]: r for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
         assert "val-core/toy_reverse/reward/mean@1" in rows[2], rows[2]
         assert rows[1]["reward/flat/mean"] == rows[2]["reward/flat/mean"] == 0.0
+
+
+def test_group_filter_bounds_generation_batches_beyond_the_window():
+    """DAPO in the async loop: max_num_gen_batches counts the prompt batches finished since the trainer's
+    last take beyond those the window generates ahead; the metrics are verl's filter_groups/*."""
+    import types
+
+    from megatron_rl.trainer.async_records import GroupFilter
+
+    filt = GroupFilter(types.SimpleNamespace(metric="score", max_num_gen_batches=2), batch_groups=2, ahead_batches=1)
+    for i in range(3):  # 3 batches of 2 groups, one kept: within 2 + 1 ahead
+        filt.batches += 1
+        filt.count(f"0-{2 * i}", kept=i == 0)
+        filt.count(f"0-{2 * i + 1}", kept=False)
+    filt.check_rounds()
+    filt.batches += 1
+    with pytest.raises(RuntimeError, match="4 generation batches since the last step gave 1 informative prompt groups, "
+                                           "fewer than data.train_batch_size=2 .*max_num_gen_batches=2, plus 1"):
+        filt.check_rounds()
+    assert filt.take_metrics() == {"filter_groups/num_gen_batches": 4.0, "filter_groups/kept_group_ratio": 1 / 6,
+                                   "filter_groups/num_filtered_groups": 5.0}
+    assert filt.filtered_uids == ["0-1", "0-2", "0-3", "0-4", "0-5"] and filt.take_metrics()["filter_groups/num_gen_batches"] == 0
