@@ -117,20 +117,18 @@ def restore_released(released: dict) -> None:
 
 
 def fork_write_queue() -> None:
-    """Megatron's torch_dist writer reports through a ``multiprocessing`` Manager queue that it
-    starts with ``spawn`` on first use: a fresh interpreter that imports torch to unpickle the
-    results (seconds, and a private torch-sized process beside the rank). A manager forked from
-    this rank starts at once and shares its pages. Call it early, before the weights exist (the
-    manager then shares none of them); ``gc.freeze`` keeps the manager's collections from touching,
-    and so copying, every page of Python objects it inherited."""
-    import gc
-    import multiprocessing as mp
+    """Give Megatron's torch_dist writer an in-process results queue.
+
+    The writer reports through a module-level ``multiprocessing`` Manager queue that it starts with
+    ``spawn`` on first use: a fresh interpreter that imports torch to unpickle the results (seconds,
+    and a torch-sized process beside the rank). A save that runs synchronously (``save_model``:
+    ``execute_sync``, as every conversion does) puts its results into that queue and takes them out
+    again in the same rank process (its writer workers report through queues of their own), so a
+    plain ``queue.Queue`` serves it: no manager process at all (a forked one still held ~45 MiB PSS
+    per rank). An asynchronous save (a persistent worker) would need the Manager: not used here."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
-        gc.freeze()
-        try:
-            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
-        finally:
-            gc.unfreeze()
+        filesystem_async._results_queue = queue.Queue()
