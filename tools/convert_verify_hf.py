@@ -97,9 +97,10 @@ class _Streamer:
             config.quantization_config = None
             delattr(config, "quantization_config")
         with _parameters_on_meta():
-            # Eager experts: a loop over the experts' own matrices (the grouped-mm default copies
+            # Parameters in the weight dtype: transformers' loader casts to them (the rounding);
+            # ``load`` upcasts to the compute dtype. Eager experts: a loop over the experts' own matrices (the grouped-mm default copies
             # every expert's matrix transposed: a layer's worth of weights more, per MoE layer).
-            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, attn_implementation="eager",
+            self.model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype, attn_implementation="eager",
                                                           experts_implementation="eager").eval()
         self.config = config
         self.files = _tensor_files(hf_dir)

@@ -128,6 +128,21 @@ def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path
     torch.testing.assert_close(logits, hf_logits(plain, ids, torch.float32, torch.float32), rtol=0, atol=1e-5)
 
 
+def test_streamed_reference_rounds_to_the_weight_dtype(tmp_path):
+    """A float32 checkpoint converted to bf16: the reference's weights are the file's rounded to
+    bf16, then upcast for the float32 forward (as the whole-model reference does), not the file's."""
+    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from tools.convert_verify import hf_logits
+    from tools.convert_verify_hf import hf_stream_forward
+
+    hf_dir, (ids, _) = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3")["path"], _ids()
+    rounded, _ = hf_stream_forward(hf_dir, ids, torch.bfloat16, torch.float32, 1)
+    exact, _ = hf_stream_forward(hf_dir, ids, torch.float32, torch.float32, 1)
+    torch.testing.assert_close(rounded, hf_logits(hf_dir, ids, torch.bfloat16, torch.float32), rtol=0, atol=1e-5)
+    torch.testing.assert_close(exact, hf_logits(hf_dir, ids, torch.float32, torch.float32), rtol=0, atol=1e-5)
+    assert (rounded - exact).abs().max() > 1e-3  # the rounding shows
+
+
 def test_layer_groups():
     from tools.convert_verify_hf import layer_groups
 
