@@ -21,7 +21,11 @@ from megatron_rl.planner.memory import GIB
 from megatron_rl.trainer.phases import PhaseRunner
 from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
 
-RECIPES = sorted(f"gpu/{p.stem}" for p in (Path(__file__).parents[3] / "recipes" / "gpu").glob("*.yaml"))
+# gpu/deepseek_v3_671b_grpo has no plan: the planner refuses its rollout (one engine's weights do not
+# fit a GPU; tests/megatron_rl/config/test_frontier_recipes.py asserts the refusal).
+RECIPES = sorted(f"gpu/{p.stem}" for p in (Path(__file__).parents[3] / "recipes" / "gpu").glob("*.yaml")
+                 if p.stem != "deepseek_v3_671b_grpo")
+GPU_MEMORY_GB = {"gpu/glm4_5_355b_grpo": 141.0}  # its recipe's cluster is H200; every other one H100 80 GB
 A = "actor_rollout_ref.actor.megatron"
 OFF = [f"{A}.param_offload=false", f"{A}.grad_offload=false", f"{A}.optimizer_offload=false",
        "actor_rollout_ref.ref.megatron.param_offload=false"]
@@ -37,7 +41,7 @@ def _state_bytes(plan, state: dict, role: str) -> int:
 def test_trainer_schedule_equals_the_plan(recipe):
     cfg = load_config(recipe)
     schedule = step_schedule(cfg, resolve_run(cfg))
-    plan = plan_run(cfg)
+    plan = plan_run(cfg, gpu_memory_gb=GPU_MEMORY_GB.get(recipe, 80.0))
     runner = PhaseRunner(schedule, dry=True)
     for _step in range(2):
         for phase in schedule.phases:
