@@ -29,7 +29,8 @@ class RolloutWorker:
         from megatron_rl.rollout.partial import PauseGate
         from megatron_rl.rollout.vllm_rollout import VLLMRollout
 
-        torch.set_num_threads(max(1, num_threads))
+        self._num_threads = max(1, num_threads)
+        torch.set_num_threads(self._num_threads)
         self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path)
         self._receiver = None  # RolloutWeightReceiver once a side band is joined
         self._tokenizer_path = tokenizer_path or model_path
@@ -49,9 +50,21 @@ class RolloutWorker:
             return self.gate.push()
         return _counted(self)
 
+    def _engine_threads(self) -> None:
+        """With partial rollouts (concurrency groups) Ray runs a call on a thread of its own, whose
+        OpenMP thread count is the process default (OMP_NUM_THREADS), not the engine's: vLLM's CPU
+        attention builds its metadata with the calling thread's count and refuses a kernel run with
+        another ("Check failed: input->metadata->thread_num == thread_num"). Sets this thread's count
+        to the engine's (torch._C.set_num_threads: vLLM's CPU worker makes torch.set_num_threads a
+        no-op)."""
+        if not torch.cuda.is_available():
+            torch._C.set_num_threads(self._num_threads)
+
     def generate(self, prompts: Any, **kwargs: Any) -> dict[str, Any]:
         """``VLLMRollout.generate``: the verl-layout rollout batch (not paused: with partial rollouts a
         push waits for it)."""
+        if self.gate is not None:
+            self._engine_threads()
         with self.gate.hold() if self.gate is not None else contextlib.nullcontext():
             return self.rollout.generate(prompts, **kwargs)
 
@@ -66,6 +79,7 @@ class RolloutWorker:
 
         start, version = time.time(), self.policy_version
         if self.gate is not None:
+            self._engine_threads()
             out = self.rollout.generate(prompts, pause=self.gate, **kwargs)
             tagged = out["rollout_policy_versions"][out["response_mask"].bool()]
             version = int(tagged.min()) if tagged.numel() else version

@@ -24,7 +24,8 @@ pytest.importorskip("vllm")
 from tests.megatron_rl.rollout.test_partial_rollout import LOGP_TOL, hf_token_log_probs  # noqa: E402
 from tests.megatron_rl.trainer.test_async_trainer import SMALL, _run, toy_model  # noqa: E402,F401
 
-LONG, TEMPERATURE = 96, 0.7
+# long enough that a push announced after step 4 lands before the end on a loaded machine
+LONG, TEMPERATURE = 256, 0.7
 
 
 def test_a_push_to_the_ray_worker_pauses_its_generation_and_it_continues_with_the_new_weights(tmp_path, ray_cluster):
@@ -36,12 +37,13 @@ def test_a_push_to_the_ray_worker_pauses_its_generation_and_it_continues_with_th
     prompts = chat_prompts(m0["tokenizer"], ["What is 12 plus 30?", "hi"])
     cfg = RolloutConfig(prompt_length=32, response_length=LONG, n=2, temperature=TEMPERATURE, kv_cache_space_gib=1)
     worker, pg = create_rollout_worker(m0["path"], cfg, num_cpus=1, partial_rollout=True)
+    new_weights = ray.put(list(m1["state_dict"].items()))  # in the object store before the generation starts
     try:
         future = worker.generate_tagged.remote(prompts, seed=3, ignore_eos=True)
         deadline = time.time() + 120
         while ray.get(worker.pause_stats.remote())["steps"] < 4 and time.time() < deadline:
             time.sleep(0.005)
-        ray.get(worker.update_weights.remote(list(m1["state_dict"].items())))
+        ray.get(worker.update_weights.remote(new_weights))
         out = ray.get(future)
         stats = ray.get(worker.pause_stats.remote())
     finally:
