@@ -118,6 +118,17 @@ def load_hf_model(config, state_dict: dict[str, torch.Tensor]):
     return model.eval()
 
 
+def tiny_qwen3_pair(dir_a: str | Path, dir_b: str | Path, questions: list[str]) -> tuple[dict, dict]:
+    """Two tiny Qwen3 checkpoints with the same shapes and tokenizer and different weights (seeds 0 and
+    1), each with its HF model (``"hf"``); the first also holds ``questions`` as chat prompts
+    (``"prompts"``)."""
+    m0, m1 = build_tiny_qwen3(dir_a, seed=0), build_tiny_qwen3(dir_b, seed=1)
+    for m in (m0, m1):
+        m["hf"] = load_hf_model(m["config"], m["state_dict"])
+    m0["prompts"] = chat_prompts(m0["tokenizer"], questions)
+    return m0, m1
+
+
 def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
     """Token ids of ChatML user turns followed by an open assistant turn, one per question."""
     texts = [

@@ -79,21 +79,26 @@ def _hf_log_probs(model, batch) -> torch.Tensor:
     return out
 
 
-def test_deepseek_v3_actor_matches_hf_ep2_update_equals_single_rank_and_vllm_syncs(tmp_path):
-    pytest.importorskip("vllm")
+def single_rank_step(tmp_path, family: str):
+    """A tiny ``family`` HF checkpoint, its ``ModelConfig``, HF's log-probs of a ragged batch and one
+    single-rank ``_actor_step`` on it (with vLLM before and after the sync):
+    ``(hf_dir, model_cfg, mask, hf_lp, result)``."""
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.models.families import get_family
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
 
-    hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3")["path"]
+    hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", family)["path"]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model_cfg = get_family(hf_dir).model_config(hf_dir)
     batch = make_batch(model_cfg.vocab_size, ragged=True)
-    mask = batch["response_mask"].bool()
-    hf_lp = _hf_log_probs(model, batch)
-
     (one,) = run_distributed(_actor_step, 1, {}, str(hf_dir), model_cfg, True, timeout_s=300)
+    return hf_dir, model_cfg, batch["response_mask"].bool(), _hf_log_probs(model, batch), one
+
+
+def test_deepseek_v3_actor_matches_hf_ep2_update_equals_single_rank_and_vllm_syncs(tmp_path):
+    pytest.importorskip("vllm")
+    hf_dir, model_cfg, mask, hf_lp, one = single_rank_step(tmp_path, "deepseek_v3")
     ep = run_distributed(_actor_step, 2, {"expert_model_parallel_size": 2}, str(hf_dir), model_cfg, False,
                          timeout_s=300)
     assert float((one["log_probs"][mask] - hf_lp[mask]).abs().max()) < 1e-5

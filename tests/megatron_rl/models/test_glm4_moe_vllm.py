@@ -12,27 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.testing import run_distributed
-from tests.megatron_rl.engine.test_engine import make_batch
-from tests.megatron_rl.models.test_frontier_moe_actor import _actor_step, _hf_log_probs
+from tests.megatron_rl.models.test_frontier_moe_actor import single_rank_step
 from tests.megatron_rl.models.test_families import read_hf_tensors
 
 
 def test_glm4_moe_actor_matches_hf_and_vllm_syncs(tmp_path):
     pytest.importorskip("vllm")
-    from transformers import AutoModelForCausalLM
-
-    from megatron_rl.models.families import get_family
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
-
-    hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", "glm4_moe")["path"]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    model_cfg = get_family(hf_dir).model_config(hf_dir)
-    batch = make_batch(model_cfg.vocab_size, ragged=True)
-    mask = batch["response_mask"].bool()
-    hf_lp = _hf_log_probs(model, batch)
-
-    (one,) = run_distributed(_actor_step, 1, {}, str(hf_dir), model_cfg, True, timeout_s=300)
+    hf_dir, _model_cfg, mask, hf_lp, one = single_rank_step(tmp_path, "glm4_moe")
     assert float((one["log_probs"][mask] - hf_lp[mask]).abs().max()) < 1e-5
     # vLLM's own Glm4Moe on the checkpoint as written (before any sync) scores like HF.
     assert float((one["vllm_stale"][mask] - hf_lp[mask]).abs().max()) < 1e-4

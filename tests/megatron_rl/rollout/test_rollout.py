@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from megatron_rl.config.base import BaseConfig  # noqa: E402
 from megatron_rl.rollout.vllm_rollout import RolloutConfig, SamplingConfig, VLLMRollout, sampling_kwargs  # noqa: E402
-from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts, load_hf_model  # noqa: E402
+from megatron_rl.rollout.testing import tiny_qwen3_pair  # noqa: E402
 from parallel.transport import bucket_named_tensors  # noqa: E402
 
 LOGP_TOL = 1e-4
@@ -30,12 +30,7 @@ SMALL_BUCKET_MB = 0.05  # ~52 KB: splits q/k/v and gate/up of one layer over sev
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two tiny Qwen3 checkpoints with the same shapes and tokenizer, different weights."""
-    m0 = build_tiny_qwen3(tmp_path_factory.mktemp("qwen3_a"), seed=0)
-    m1 = build_tiny_qwen3(tmp_path_factory.mktemp("qwen3_b"), seed=1)
-    for m in (m0, m1):
-        m["hf"] = load_hf_model(m["config"], m["state_dict"])
-    m0["prompts"] = chat_prompts(m0["tokenizer"], QUESTIONS)
-    return m0, m1
+    return tiny_qwen3_pair(tmp_path_factory.mktemp("qwen3_a"), tmp_path_factory.mktemp("qwen3_b"), QUESTIONS)
 
 
 @pytest.fixture(scope="module")

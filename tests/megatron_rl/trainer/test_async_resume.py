@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
+from tests.megatron_rl.trainer.test_resume import _env  # noqa: E402  (the CLI runs' environment)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -166,13 +167,6 @@ def _command(out_dir: Path, reward: Path) -> list[str]:
             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=16", "reward.reward_fn=null",
             f"reward.custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
             "algorithm.filter_groups.metric=seq_reward"]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3]) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def _ledger(out_dir: Path) -> dict[int, dict]:
