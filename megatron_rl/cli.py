@@ -146,6 +146,12 @@ def _train_epilog() -> str:
     return f"built-in recipes:\n{recipes}\n\nexit codes:\n{codes}"
 
 
+# megatron_rl.planner.architectures.KNOWN_ARCHITECTURES by name (importing it here would slow every command's
+# start-up); tests/megatron_rl/test_planner.py checks the two agree.
+PLANNER_ARCHITECTURES = ("deepseek_r1", "deepseek_v3", "glm4_5", "glm4_5_air", "llama3_1_70b", "qwen3_235b_a22b",
+                         "qwen3_30b_a3b", "qwen3_32b")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl",
@@ -190,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
     p.add_argument("--gpu-memory-gb", type=_gpu_memory_gb, default=80.0, help="memory per GPU in GiB (default 80)")
     p.add_argument("--architecture", default=None,
-                   help="built-in architecture when the checkpoint is not local (qwen3_30b_a3b, qwen3_235b_a22b, "
-                        "llama3_1_70b); default: inferred from the checkpoint path")
+                   help="built-in architecture when the checkpoint is not local (one of "
+                        f"{', '.join(PLANNER_ARCHITECTURES)}); default: inferred from the checkpoint path")
     p.set_defaults(func=_cmd_plan)
     return parser
 

@@ -31,6 +31,12 @@ TP, PP = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "actor_r
 UNSHARDED = ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false", "critic.megatron.use_distributed_optimizer=false"]
 
 
+def test_cli_help_names_every_built_in_architecture():
+    from megatron_rl.cli import PLANNER_ARCHITECTURES
+
+    assert sorted(PLANNER_ARCHITECTURES) == sorted(KNOWN_ARCHITECTURES)
+
+
 def test_published_parameter_counts():
     totals = {k: sum(count_params(m)) / 1e9 for k, m in KNOWN_ARCHITECTURES.items()}
     assert totals["qwen3_30b_a3b"] == pytest.approx(30.53, abs=0.01)
