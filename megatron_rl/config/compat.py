@@ -68,10 +68,11 @@ INERT_KEYS: dict[str, str] = {
     "|*.model.tiled_mlp.*|*.use_prefix_grouper|*.model.enable_activation_offload|*.model.enable_gradient_checkpointing":
         "log-probs and entropy always come from the chunked vocab-parallel fused pass (actor.logprob_chunk_size); "
         "kernels and activation recompute are Megatron's (megatron.override_transformer_config.recompute_*)",
-    "*qat*|*.quantization*|*.model.mtp.*|*.rollout.mtp*"
+    "*qat*|*.quantization_config_*|reward.*.quantization|*.model.mtp.*|*.rollout.mtp*"
     "|*.model.lora*|*.model.target_modules|*.model.exclude_modules|*.freeze_vision_tower|data.image*|data.video_key"
     "|data.audio_key|data.return_multi_modal_inputs|data.mm_processor_kwargs":
-        "quantisation, multi-token prediction, LoRA and multimodal inputs are not implemented",
+        "quantisation (besides actor_rollout_ref.rollout.quantization=fp8, whose block config is fixed: "
+        "no quantization_config_file), multi-token prediction, LoRA and multimodal inputs are not implemented",
     "critic.megatron.router_replay.*|reward.reward_model.megatron.router_replay.*"
     "|distillation.teacher_model.megatron.router_replay.*|actor_rollout_ref.ref.megatron.router_replay.record_file"
     "|*.megatron.router_replay.replay_file":

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 from megatron_rl.config.base import BaseConfig, check_choice, check_range
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "MultiTurnConfig", "AgentLoopConfig", "TRANSPORTS",
-           "PROMPT_TOO_LONG", "TOOL_CALL_FORMATS", "TRUNCATE_SIDES", "SANITY_CHECK_MODES", "check_sampling"]
+           "PROMPT_TOO_LONG", "QUANTIZATIONS", "TOOL_CALL_FORMATS", "TRUNCATE_SIDES", "SANITY_CHECK_MODES", "check_sampling"]
 
 TRANSPORTS = ("colocated", "bytes", "shm", "broadcast", "nccl", "cuda_ipc")
 PROMPT_TOO_LONG = ("error", "truncate_left")
@@ -18,6 +18,9 @@ TOOL_CALL_FORMATS = ("hermes",)
 """``multi_turn.format`` values (the tool-call parsers of ``megatron_rl.rollout.agent.parser``)."""
 TRUNCATE_SIDES = ("left", "right", "middle")
 SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
+QUANTIZATIONS = ("fp8",)
+"""``rollout.quantization`` values besides None: ``fp8`` is DeepSeek-V3's block FP8 (verl's
+``quantization: fp8``; ``megatron_rl.rollout.vllm_rollout.fp8_engine_kwargs``)."""
 
 
 @dataclass
@@ -180,6 +183,11 @@ class RolloutConfig(BaseConfig):
     """``auto`` loads the checkpoint; ``dummy`` starts from random weights (first sync fills them)."""
     seed: int = 42
     """Engine seed."""
+    quantization: Optional[str] = None
+    """Rollout weights in the engine: None = ``dtype``; ``fp8`` = DeepSeek-V3's block FP8 (verl's key):
+    every attention / MLP / expert projection float8_e4m3fn with a float32 scale per 128x128 block,
+    router gates, embeddings, norms and the head in ``dtype``; the weight sync quantises on the actor
+    side (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``). GPU only (vLLM's CPU FP8 kernels need AMX)."""
     nnodes: int = 0
     """Nodes of the rollout's own resources; 0 = colocated with the trainer (verl's default). With
     ``trainer.v1.trainer_mode=separate_async``: >= 1 (on CPU: 1, the rollout's own process)."""
@@ -215,6 +223,7 @@ class RolloutConfig(BaseConfig):
         check_choice("rollout.prompt_too_long", self.prompt_too_long, PROMPT_TOO_LONG)
         check_choice("rollout.logprobs_mode", self.logprobs_mode, ("processed_logprobs", "raw_logprobs"))
         check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_choice("rollout.quantization", self.quantization, (None, *QUANTIZATIONS))
         check_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, low_inclusive=False)
         if self.max_model_len is not None and self.max_model_len < self.prompt_length + self.response_length:
             raise ValueError(

@@ -43,7 +43,7 @@ from typing import Optional
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.models.gpt import padded_vocab_size
 
-__all__ = ["RoleMemory", "count_params", "estimate_role", "DTYPE_BYTES"]
+__all__ = ["RoleMemory", "count_params", "estimate_role", "DTYPE_BYTES", "rollout_weight_bytes", "fp8_linear_shapes"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024 ** 3
@@ -122,6 +122,57 @@ def count_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: 
     if stage is not None:
         return per_stage[stage]
     return max(per_stage, key=lambda x: x[0] + x[1])
+
+
+def fp8_linear_shapes(m: ModelConfig) -> list[tuple[int, int, int]]:
+    """``(rows, cols, count)`` of the HF weights an FP8 rollout engine holds block-quantised
+    (``parallel.bridge.fp8.FP8_WEIGHTS``: every attention projection -- MLA's ``q_a/q_b/kv_a_proj_with_mqa/
+    kv_b_proj/o_proj`` -- and every dense, shared and routed expert ``gate/up/down_proj``) of the
+    whole model; router gates, norms, embeddings and the head are not among them."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    gate = 2 if m.swiglu else 1
+    shapes: list[tuple[int, int, int]] = []
+    for layer in range(m.num_layers):
+        if getattr(m, "multi_latent_attention", False):
+            q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+            shapes += ([(heads * q_head, h, 1)] if m.q_lora_rank is None else
+                       [(m.q_lora_rank, h, 1), (heads * q_head, m.q_lora_rank, 1)])
+            shapes += [(m.kv_lora_rank + m.qk_pos_emb_head_dim, h, 1),
+                       (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, 1), (h, heads * m.v_head_dim, 1)]
+        else:
+            d, groups = m.head_dim, m.num_query_groups or heads
+            shapes += [(heads * d, h, 1), (groups * d, h, 2), (h, heads * d, 1)]
+        moe = m.layer_is_moe(layer) if hasattr(m, "layer_is_moe") else m.is_moe
+        if moe:
+            f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+            shapes += [(f, h, gate * m.num_moe_experts), (h, f, m.num_moe_experts)]
+            if m.moe_shared_expert_intermediate_size:
+                s = m.moe_shared_expert_intermediate_size
+                shapes += [(s, h, gate), (h, s, 1)]
+        else:
+            shapes += [(m.ffn_hidden_size, h, gate), (h, m.ffn_hidden_size, 1)]
+    return shapes
+
+
+def rollout_weight_bytes(m: ModelConfig, dtype: str, quantization: Optional[str] = None,
+                         block: tuple[int, int] = (128, 128)) -> int:
+    """Bytes of a vLLM engine's weights for the whole model (divide by the engine's TP for one GPU).
+
+    ``quantization=None``: every parameter in ``dtype``. ``"fp8"`` (DeepSeek-V3's block format,
+    ``rollout.quantization``): 1 byte per weight of ``fp8_linear_shapes`` + a 4-byte float32 scale per
+    ``block`` (ceil-divided: edge blocks count whole), every other parameter (embedding, head, norms,
+    router gates and biases) in ``dtype``.
+    """
+    total = sum(count_params(m))
+    if quantization is None:
+        return total * DTYPE_BYTES[dtype]
+    if quantization != "fp8":
+        raise ValueError(f"rollout.quantization={quantization!r} is not allowed; choose one of [None, 'fp8']")
+    quantised = scales = 0
+    for rows, cols, count in fp8_linear_shapes(m):
+        quantised += rows * cols * count
+        scales += math.ceil(rows / block[0]) * math.ceil(cols / block[1]) * count
+    return quantised + 4 * scales + (total - quantised) * DTYPE_BYTES[dtype]
 
 
 def layer_activation_elements(m: ModelConfig, *, tp: int, etp: int, sequence_parallel: bool,

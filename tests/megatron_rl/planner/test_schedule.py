@@ -21,11 +21,9 @@ from megatron_rl.planner.memory import GIB
 from megatron_rl.trainer.phases import PhaseRunner
 from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
 
-# gpu/deepseek_v3_671b_grpo has no plan: the planner refuses its rollout (one engine's weights do not
-# fit a GPU; tests/megatron_rl/config/test_frontier_recipes.py asserts the refusal).
-RECIPES = sorted(f"gpu/{p.stem}" for p in (Path(__file__).parents[3] / "recipes" / "gpu").glob("*.yaml")
-                 if p.stem != "deepseek_v3_671b_grpo")
-GPU_MEMORY_GB = {"gpu/glm4_5_355b_grpo": 141.0}  # its recipe's cluster is H200; every other one H100 80 GB
+RECIPES = sorted(f"gpu/{p.stem}" for p in (Path(__file__).parents[3] / "recipes" / "gpu").glob("*.yaml"))
+# GLM-4.5 355B and DeepSeek-V3 (FP8 rollout weights) run on H200 141 GB; every other recipe on H100 80 GB
+GPU_MEMORY_GB = {"gpu/glm4_5_355b_grpo": 141.0, "gpu/deepseek_v3_671b_grpo": 141.0}
 A = "actor_rollout_ref.actor.megatron"
 OFF = [f"{A}.param_offload=false", f"{A}.grad_offload=false", f"{A}.optimizer_offload=false",
        "actor_rollout_ref.ref.megatron.param_offload=false"]
