@@ -117,6 +117,32 @@ def test_fp8_stream_is_the_published_fp8_checkpoint_bit_for_bit(deepseek):
     assert all(streamed[n].dtype == torch.float32 and torch.equal(streamed[n], deepseek.plain[n]) for n in kept)
 
 
+def test_fp8_stream_recuts_pieces_on_block_rows_and_names_a_broken_stream():
+    """Pieces of 100 rows of a 300-row weight leave on block rows: nothing after the first, 0:128 after
+    the second, 128:300 after the last; the scale as rows 0:1 and 1:3 of 3; an incomplete or
+    out-of-order stream is named."""
+    from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+    from parallel.bridge.export import piece_name
+    from parallel.bridge.fp8 import quantize_fp8_blocks
+
+    torch.manual_seed(0)
+    w, name = torch.randn(300, 130), "model.layers.0.mlp.down_proj.weight"
+    pieces = [[(piece_name(name, a, min(a + 100, 300), 300), w[a:a + 100])] for a in range(0, 300, 100)]
+    out = [[(n, t) for n, t in b] for b in quantize_fp8_stream(pieces + [[("model.norm.weight", w[0])]])]
+    assert [[n for n, _ in b] for b in out] == [
+        [piece_name(name, 0, 128, 300), piece_name(name + "_scale_inv", 0, 1, 3)],
+        [piece_name(name, 128, 300, 300), piece_name(name + "_scale_inv", 1, 3, 3)], ["model.norm.weight"]]
+    q, scale = quantize_fp8_blocks(w, (128, 128))
+    assert torch.equal(_bits(torch.cat([out[0][0][1], out[1][0][1]])), _bits(q))
+    assert torch.equal(torch.cat([out[0][1][1], out[1][1][1]]), scale)
+    with pytest.raises(ValueError, match=r"the weight stream ended with rows of \['model.layers.0.mlp.down_proj.weight'\]"):
+        list(quantize_fp8_stream(pieces[:1]))
+    with pytest.raises(ValueError, match=r"starts inside a \[128, 128\] block"):
+        list(quantize_fp8_stream(pieces[1:]))
+    with pytest.raises(ValueError, match=r"does not follow rows 0:100"):
+        list(quantize_fp8_stream([pieces[0], pieces[2]]))
+
+
 def test_fp8_pairs_dequantise_to_the_actors_weights_within_e4m3_rounding(deepseek):
     from parallel.bridge.fp8 import dequantize_fp8_blocks
 
