@@ -112,6 +112,7 @@ def quantize_fp8_stream(buckets, block: tuple[int, int] = DEFAULT_BLOCK, *, patt
                     or not pattern.fullmatch(base)):
                 out.append((name, tensor))
                 continue
+            tensor = tensor.detach()  # the export's tensors may alias parameters: no autograd graph for the scales
             if piece is None:
                 q, scale = quantize_fp8_blocks(tensor, block)
                 out += [(name, q), (name + SCALE_SUFFIX, scale)]
