@@ -143,7 +143,9 @@ class RayPPOTrainer:
             self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher"))
         self.rollout = self.placement.rollout
         self.phases = PhaseRunner(self.schedule, self.placement.groups, self.rollout)
-        self.weight_sync = WeightSync(self.actor, self.rollout, self.config.actor_rollout_ref.rollout.checkpoint_engine)
+        rollout_cfg = self.config.actor_rollout_ref.rollout  # an fp8 engine gets its blocks quantised by the actor
+        self.weight_sync = WeightSync(self.actor, self.rollout, rollout_cfg.checkpoint_engine,
+                                      quantization=rollout_cfg.quantization)
         reward_fn = FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn  # agent sessions: final answers
         self.rollout_phase = RolloutPhase(self.config, self.needs, self.rollout, self.train_dataloader, reward_fn,
                                           self.rm, dump=GenerationDump.create(self.config.trainer.rollout_data_dir))
