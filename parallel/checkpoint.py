@@ -26,6 +26,7 @@ import os
 import shutil
 import uuid
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -242,14 +243,103 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
+class _Hooked:
+    """A bucket's (write item, tensor) list that tells ``hooks`` which tensors it holds
+    (``start``), calls ``hooks.before(tensor)`` as each is handed to the writer and
+    ``hooks.after(tensor)`` once it is written (when the writer asks for the next one)."""
+
+    def __init__(self, items: list, hooks):
+        self._items, self._hooks = items, hooks
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        self._hooks.start([tensor for _, tensor in self._items])
+        for item, tensor in self._items:
+            self._hooks.before(tensor)
+            yield item, tensor
+            self._hooks.after(tensor)
+
+
+def _write_in_process(transform_list, use_msc, rank, write_buckets, results_queue, hooks=None) -> None:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` without its processes: every bucket
+    (one ``.distcp`` file) is written here, one after the other, with the same per-file writer and fsync."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: dict = {}
+    for i, bucket in enumerate(write_buckets):
+        if hooks is not None:
+            file_name, storage_key, (bytes_data, tensor_data) = bucket
+            bucket = (file_name, storage_key, (bytes_data, _Hooked(tensor_data, hooks)))
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)  # the writer takes it back and marks it done, as its worker processes do
+        kwargs = {"use_msc": use_msc} if use_msc else {}
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, **kwargs)
+        index, outcome = local.get_nowait()
+        if isinstance(outcome, Exception):
+            results_queue.put(outcome)
+            return
+        results[index] = outcome
+    results_queue.put(results)
+
+
+def _save_strategy(writer_threads: int, in_process: bool, hooks=None):
+    """Megatron's torch_dist save strategy with ``writer_threads`` files per rank; ``in_process``:
+    the rank writes them itself instead of forking one writer process per file (``hooks``: see
+    ``save_model``'s ``write_hooks``)."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    if not in_process:
+        return torch_strategy.TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writer_threads)
+
+    class InProcessWriter(FileSystemWriterAsync):
+        """The writer whose save function runs in the calling process (``_write_in_process``)."""
+
+        def get_save_function_and_args(self):
+            """Megatron's save function and arguments, with the multi-process writer replaced."""
+            fn, stage, args = super().get_save_function_and_args()
+            if fn is None:
+                return fn, stage, args
+            return partial(_write_in_process, *fn.args, hooks=hooks), stage, args
+
+    class InProcessStrategy(torch_strategy.TorchDistSaveShardedStrategy):
+        """``TorchDistSaveShardedStrategy`` writing through ``InProcessWriter``."""
+
+        def async_save(self, sharded_state_dict, checkpoint_dir):
+            """Megatron's ``async_save`` with its writer class swapped for the call (it names the class)."""
+            original = torch_strategy.FileSystemWriterAsync
+            torch_strategy.FileSystemWriterAsync = InProcessWriter
+            try:
+                return super().async_save(sharded_state_dict, checkpoint_dir)
+            finally:
+                torch_strategy.FileSystemWriterAsync = original
+
+    return InProcessStrategy("torch_dist", 1, thread_count=writer_threads)
+
+
 def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, overwrite: bool = False,
                metadata: Optional[dict] = None, optimizer=None, scheduler=None, save_rng: bool = False,
-               common: Optional[dict] = None) -> Path:
+               common: Optional[dict] = None, writer_threads: int = 2, in_process: bool = False,
+               write_hooks: Optional[tuple] = None) -> Path:
     """Save the model chunks of every rank to ``path`` atomically; call on all ranks.
 
     With ``optimizer`` (a Megatron optimizer) / ``scheduler`` / ``save_rng`` the checkpoint also
     holds the training state (module docstring). ``common``: plain values stored beside the
-    sharded tensors in ``common.pt`` (Megatron-LM reads ``checkpoint_version`` and ``iteration``)."""
+    sharded tensors in ``common.pt`` (Megatron-LM reads ``checkpoint_version`` and ``iteration``).
+    ``writer_threads``: ``.distcp`` files per rank (Megatron's ``thread_count``, default 2), each
+    written by a forked writer process -- or, with ``in_process``, by the rank itself one after the
+    other (no process that holds a copy-on-write image of the rank; the converters' choice).
+    ``write_hooks`` (with ``in_process``): an object whose ``start(tensors)`` is given the tensors
+    of each file before any is written, and ``before(tensor)`` / ``after(tensor)`` each tensor just
+    before it is written and just after (a streaming caller fills it first and releases it after)."""
+    if writer_threads < 1:
+        raise ValueError(f"writer_threads={writer_threads} is not allowed; give a number of files per rank >= 1")
+    if write_hooks is not None and not in_process:
+        raise ValueError("write_hooks need in_process=True (a forked writer's calls would not reach this process)")
     from megatron.core import dist_checkpointing
 
     final = Path(path).resolve()
@@ -262,7 +352,9 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
     if dist.is_initialized():
         dist.barrier()
     try:
-        dist_checkpointing.save({**(common or {}), **_sharded_state_dict(chunks, optimizer, scheduler)}, str(tmp))
+        dist_checkpointing.save({**(common or {}), **_sharded_state_dict(chunks, optimizer, scheduler)}, str(tmp),
+                                sharded_strategy=None if writer_threads == 2 and not in_process  # Megatron's default
+                                else _save_strategy(writer_threads, in_process, write_hooks))
         if save_rng:
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")

@@ -88,7 +88,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     from parallel.checkpoint import load_model, save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_stream import build_empty_model, fork_write_queue, restore_released, state_for_save
+    from tools.convert_stream import StreamedSave, build_empty_model, fork_write_queue, restore_storage
     from tools.convert_verify import verify_forwards
 
     marks = {"started": time.time()}  # wall clock: the driver's start is spec["t0"]
@@ -97,35 +97,41 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     ckpt = tmp / spec["ckpt_subdir"] if spec["ckpt_subdir"] else tmp
     mesh = init_mesh(pc)
     fork_write_queue()  # before the weights exist
-    stages = ["build model", "load HF weights (sliced)", "save dist checkpoint"]
+    stages = ["build model", "check HF weights", "read + save dist checkpoint"]
     progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
                         enabled=rank == 0)
     try:
         with progress:
             progress.stage(stages[0])
-            # On the meta device, then empty CPU storage: no init, no float32 master weights; the
-            # loader reads every shard straight into it.
+            # On the meta device, then empty CPU storage: no init, no float32 master weights.
             chunks = build_empty_model(model_cfg, pc)
             marks["built"] = time.time()
             progress.stage(stages[1])
             weight_map = apply_fault(get_family(spec["architecture"]).weight_map(model_cfg), model_cfg)
-            report = load_hf_checkpoint(chunks, weight_map, spec["hf_dir"], mesh=mesh)
+            # Every check, no read: each parameter is read just before the writer writes it, and
+            # released right after (StreamedSave), so a rank never holds its whole shard.
+            report = load_hf_checkpoint(chunks, weight_map, spec["hf_dir"], mesh=mesh, deferred=True)
             marks["read"] = time.time()
             progress.stage(stages[2])
             done = progress.watch(tmp, spec["expected_bytes"])
             try:
-                prebuilt, released = state_for_save(chunks)  # every byte once: no clones of views
+                streamed = StreamedSave(chunks, report.deferred)
+                # One .distcp file per rank, written by the rank itself: no writer process holding a
+                # copy-on-write image of it (the writer fsyncs each file as Megatron's does).
                 # checkpoint_version 3.0: Megatron-LM would otherwise treat it as a pre-2.0 checkpoint.
-                save_model(prebuilt, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
-                           common={"checkpoint_version": 3.0, "iteration": 0})
-                del prebuilt
+                save_model(streamed.chunks, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
+                           common={"checkpoint_version": 3.0, "iteration": 0}, writer_threads=1, in_process=True,
+                           write_hooks=streamed)
+                del streamed
             finally:
                 done.set()
+                bytes_read = report.deferred.bytes_read
+                report.deferred.close()
             marks["saved"] = time.time()
             logits = None
             if spec["verify_ids"] is not None:
                 progress.stage("verify: reload + forward")
-                restore_released(released)
+                restore_storage(chunks)
                 with torch.no_grad():  # every value the forward sees must come from the files just written
                     for chunk in chunks:
                         for param in chunk.parameters():
@@ -136,17 +142,17 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
         peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
-    return {"logits": logits, "bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
+    return {"logits": logits, "bytes_read": bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
             "peaks": peaks, "marks": marks}
 
 
 def _timings(result: dict, t0: float) -> str:
     """Where the time went, from rank 0's marks: until the ranks ran, the model build, the read, the save."""
     m = result["marks"]
-    read = m["read"] - m["built"]
-    return (f"ranks up at {m['started'] - t0:.1f} s, model built in {m['built'] - m['started']:.1f} s, rank 0 read "
-            f"{fmt_bytes(result['bytes_read'])} in {read:.1f} s ({result['bytes_read'] / 2**20 / max(read, 1e-3):.0f} "
-            f"MB/s), saved in {m['saved'] - m['read']:.1f} s")
+    both = m["saved"] - m["read"]
+    return (f"ranks up at {m['started'] - t0:.1f} s, model built in {m['built'] - m['started']:.1f} s, HF weights "
+            f"checked in {m['read'] - m['built']:.1f} s, rank 0 read and saved {fmt_bytes(result['bytes_read'])} in "
+            f"{both:.1f} s ({result['bytes_read'] / 2**20 / max(both, 1e-3):.0f} MB/s)")
 
 
 def _check_mtp(hf_dir: Path, mtp):

@@ -16,8 +16,6 @@ model that keeps a meta tensor anywhere else.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
@@ -69,51 +67,104 @@ class _Prebuilt:
         self._state = state
 
     def sharded_state_dict(self) -> dict:
-        """The state dict built by ``state_for_save``."""
+        """The state dict built by ``StreamedSave``."""
         return self._state
 
 
-def state_for_save(chunks: list[torch.nn.Module]) -> tuple[list[Any], dict]:
-    """Stand-ins for ``chunks`` whose sharded state dicts hold no views, and the parameters given up.
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
-    Megatron's writer clones every tensor that is a view before it writes anything (a view would
-    otherwise be saved with its whole storage): the gate and up halves of every gated MLP's fc1
-    (a third of a dense model, two thirds of an MoE's experts) would exist twice during the save.
-    Here the factories are applied (as ``dist_checkpointing.save`` applies them) and each
-    parameter's views are cloned one parameter at a time, its own storage released right after,
-    so the state dict holds every byte once. Returns the stand-ins (for ``save_model``) and
-    {parameter: shape} of the released parameters (``restore_released`` gives them storage again).
+
+class StreamedSave:
+    """The sharded state dicts of ``chunks`` for ``save_model``, and its ``write_hooks``: each tensor is
+    read from the HF files just before it is written and its storage released right after.
+
+    ``deferred`` (``parallel.bridge.DeferredReads``, from ``load_hf_checkpoint(..., deferred=True)``):
+    the checked reads of every parameter, done here one storage at a time; None when the chunks
+    are already loaded (then only the release applies). Megatron's writer would clone every tensor
+    that is a view (the gate and up halves of every gated MLP's fc1, built by its factories) before
+    writing anything; here each such half gets its own empty tensor, filled from the parameter as it
+    is written, and the parameter is read once and released when its last half is written. So a
+    rank holds one parameter (two for an fc1) at a time, not its shard. A tensor handed to the
+    writer that the state dict does not hold (a copy made of a parameter not read yet) is refused.
     """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    owners = {p.untyped_storage().data_ptr(): p for c in chunks for p in c.parameters() if p.numel()}
-    states, views = [], {}
+    def __init__(self, chunks: list[torch.nn.Module], deferred=None):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+        self._deferred = deferred
+        self._halves: dict[int, tuple] = {}  # half's storage -> (half, view of the parameter, parameter storage)
+        self._open: dict[int, int] = {}  # parameter storage -> halves not written yet
+        self._writes: dict[int, int] = {}  # storage -> tensors of the current file not written yet
+        self._known: set[int] = set()
+        states = []
+        for chunk in chunks:
+            state = chunk.sharded_state_dict()
+            apply_factories(state)
+            for leaf in nested_values(state):
+                if not (isinstance(leaf, ShardedTensor) and isinstance(leaf.data, torch.Tensor) and leaf.data.numel()):
+                    continue
+                data = leaf.data
+                if data.untyped_storage().nbytes() != data.numel() * data.element_size():  # a view
+                    half = torch.empty(data.shape, dtype=data.dtype)  # untouched: no pages yet
+                    self._halves[_ptr(half)] = (half, data, _ptr(data))
+                    self._open[_ptr(data)] = self._open.get(_ptr(data), 0) + 1
+                    leaf.data = half
+                self._known.add(_ptr(leaf.data))
+            states.append(state)
+        self.chunks = [_Prebuilt(s) for s in states]
+
+    def start(self, tensors: list[torch.Tensor]) -> None:
+        """The tensors of the next file: a storage is released after its last one is written."""
+        for t in tensors:
+            if t.numel():
+                self._writes[_ptr(t)] = self._writes.get(_ptr(t), 0) + 1
+
+    def before(self, tensor: torch.Tensor) -> None:
+        """Fill ``tensor``'s storage (read it, or copy its half out of its parameter) if not yet done."""
+        if not tensor.numel():
+            return
+        ptr = _ptr(tensor)
+        if ptr not in self._known:
+            raise RuntimeError(f"streamed save: the writer was handed a tensor of shape {list(tensor.shape)} that "
+                               f"the state dict does not hold (a copy of a parameter not read yet?)")
+        if ptr in self._halves:
+            half, view, owner = self._halves.pop(ptr)
+            if self._deferred is not None:
+                self._deferred.read(owner)
+            with torch.no_grad():
+                half.copy_(view)
+            self._open[owner] -= 1
+            if not self._open[owner]:  # both halves out: the parameter goes
+                del self._open[owner]
+                view.untyped_storage().resize_(0)
+        elif self._deferred is not None:
+            self._deferred.read(ptr)
+
+    def after(self, tensor: torch.Tensor) -> None:
+        """Release ``tensor``'s storage once every tensor of the file that uses it is written."""
+        if not tensor.numel():
+            return
+        ptr = _ptr(tensor)
+        self._writes[ptr] -= 1
+        if not self._writes[ptr]:
+            del self._writes[ptr]
+            self._known.discard(ptr)  # its address may be reused
+            tensor.untyped_storage().resize_(0)
+
+
+def restore_storage(chunks: list[torch.nn.Module]) -> None:
+    """Give every parameter and buffer of ``chunks`` whose storage a ``StreamedSave`` released (or
+    never filled) empty storage of its shape again (tied parameters stay one tensor)."""
+    done: dict[int, torch.Tensor] = {}
     for chunk in chunks:
-        state = chunk.sharded_state_dict()
-        apply_factories(state)
-        for leaf in nested_values(state):
-            if isinstance(leaf, ShardedTensor) and isinstance(leaf.data, torch.Tensor) and leaf.data.numel():
-                storage = leaf.data.untyped_storage()
-                if storage.nbytes() != leaf.data.numel() * leaf.data.element_size():
-                    views.setdefault(storage.data_ptr(), []).append(leaf)
-        states.append(state)
-    released = {}
-    with torch.no_grad():
-        for ptr, leaves in views.items():
-            for leaf in leaves:
-                leaf.data = leaf.data.clone()
-            owner = owners.get(ptr)
-            if owner is not None:  # every reference to its storage was a view, now cloned
-                released[owner] = tuple(owner.shape)
-                owner.data = torch.empty(0, dtype=owner.dtype)
-    return [_Prebuilt(s) for s in states], released
-
-
-def restore_released(released: dict) -> None:
-    """Give the parameters ``state_for_save`` released empty storage of their shape again."""
-    for param, shape in released.items():
-        param.data = torch.empty(shape, dtype=param.dtype)
+        for t in list(chunk.parameters()) + list(chunk.buffers()):
+            if not t.numel() or id(t) in done:
+                continue
+            if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+                t.data = torch.empty(t.shape, dtype=t.dtype)
+            done[id(t)] = t
 
 
 def fork_write_queue() -> None:

@@ -19,11 +19,65 @@ from parallel.bridge.rules import ParamShard, WeightMap, full_hf_shapes, qkv_run
 
 @dataclasses.dataclass
 class LoadReport:
-    """What ``load_hf_checkpoint`` did on this rank."""
+    """What ``load_hf_checkpoint`` did on this rank (``deferred``: the reads it left to the caller)."""
 
     num_params: int
     bytes_read: int
     checkpoint_bytes: int
+    deferred: Optional["DeferredReads"] = None
+
+
+class DeferredReads:
+    """The reads of a checked ``load_hf_checkpoint(..., deferred=True)``, one per parameter storage,
+    done when the caller asks: ``read(storage_ptr)`` fills the parameters whose storage starts at
+    that address (once), ``close()`` closes the files. So a caller that writes the parameters out one
+    at a time (the converter's streamed save) holds one of them at a time, never the whole shard."""
+
+    def __init__(self, reader, weight_map: WeightMap):
+        self._reader, self._wm = reader, weight_map
+        self._pending: dict[int, list[ParamShard]] = {}
+
+    def add(self, p: ParamShard) -> None:
+        """Defer ``p``'s read into its parameter's storage."""
+        self._pending.setdefault(p.tensor.untyped_storage().data_ptr(), []).append(p)
+
+    def __contains__(self, ptr: int) -> bool:
+        return ptr in self._pending
+
+    def read(self, ptr: int) -> bool:
+        """Read the parameters deferred at storage address ``ptr``; False when none is (left)."""
+        params = self._pending.pop(ptr, None)
+        if params is None:
+            return False
+        with torch.no_grad():
+            for p in params:
+                _fill(self._reader, p, self._wm)
+        return True
+
+    def read_all(self) -> None:
+        """Every read still pending (what an eager load would have done)."""
+        for ptr in list(self._pending):
+            self.read(ptr)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the safetensors so far."""
+        return self._reader.bytes_read
+
+    def close(self) -> None:
+        """Close the checkpoint's files (reads still pending are dropped)."""
+        self._pending.clear()
+        self._reader.close()
+
+
+def _fill(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap) -> None:
+    """Read ``p``'s shard into its parameter: in place when the dtypes agree, else through one copy."""
+    target = p.tensor.data
+    if target.device.type == "cpu" and target.is_contiguous() and all(reader.dtype(n) == target.dtype
+                                                                      for n in p.hf_names):
+        _read_shard(reader, p, wm, out=target)  # straight into the parameter
+    else:  # another dtype or device: one shard in flight, then copied
+        target.copy_(_read_shard(reader, p, wm))
 
 
 def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap,
@@ -82,7 +136,7 @@ def _check_mtp(reader, weight_map: WeightMap, hf_dir, errors: list[str]) -> list
 
 
 def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, hf_dir: str | os.PathLike, *,
-                       mesh=None, ignore: Sequence[str] = ()) -> LoadReport:
+                       mesh=None, ignore: Sequence[str] = (), deferred: bool = False) -> LoadReport:
     """Load HF safetensors from ``hf_dir`` into this rank's model chunks; call on all ranks.
 
     Each rank reads only the rows/columns of its own shards. A contiguous CPU parameter of the file's
@@ -95,6 +149,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     (``WeightMap.unsupported_hf``) are refused with its reason. A family's multi-token-prediction
     layers (``WeightMap.mtp``, ``num_nextn_predict_layers`` in config.json) are checked (complete,
     shaped like the last decoder layer) and left out of the model, with a warning.
+    ``deferred``: check everything as above but read nothing; the report's ``deferred``
+    (``DeferredReads``, files left open) does the reads when asked, and must be closed.
     """
     chunks = list(chunks)
     errors: list[str] = []
@@ -105,7 +161,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     except (FileNotFoundError, ValueError) as exc:
         opened.append((type(exc), str(exc)))
     raise_together(opened)  # first collective: every rank learns whether all could open it
-    with reader:
+    later = DeferredReads(reader, weight_map) if deferred else None
+    try:
         try:
             params, known = resolve_params(chunks, weight_map, mesh, ignore)
         except ValueError as exc:
@@ -129,12 +186,10 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                     errors.extend(f"HF tensor {n!r} has shape {list(got)} but the model config expects {list(e)} "
                                   f"(Megatron parameter {p.global_name!r})" for n, got, e in bad)
                     continue
-                target = p.tensor.data
-                if (target.device.type == "cpu" and target.is_contiguous()
-                        and all(reader.dtype(n) == target.dtype for n in p.hf_names)):
-                    _read_shard(reader, p, weight_map, out=target)  # straight into the parameter
-                else:  # another dtype or device: one shard in flight, then copied
-                    target.copy_(_read_shard(reader, p, weight_map))
+                if later is not None and p.tensor.numel():
+                    later.add(p)
+                else:
+                    _fill(reader, p, weight_map)
         if missing:
             errors.append(f"{reader.path}: the model needs HF tensors the checkpoint lacks: {sorted(set(missing))[:10]}"
                           + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else ""))
@@ -156,4 +211,11 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                           + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
         raise_together([(ValueError, e) for e in errors])
         total = sum(reader.nbytes(n) for n in reader.keys())
-        return LoadReport(num_params=len(params), bytes_read=reader.bytes_read, checkpoint_bytes=total)
+        report = LoadReport(num_params=len(params), bytes_read=reader.bytes_read, checkpoint_bytes=total,
+                            deferred=later)
+    except BaseException:
+        reader.close()
+        raise
+    if later is None:
+        reader.close()
+    return report

@@ -69,9 +69,47 @@ def _compare(rank: int, world: int, cases: list) -> list:
                 if len(meta) == 5:
                     assert torch.equal(meta[-1], lb[key][-1]), key
             counts.append(len(la))
+            _streamed_save_round_trip(rank, classic, model_cfg, pc, family.weight_map(model_cfg), hf_dir, mesh,
+                                      f"{hf_dir}-streamed-{len(counts)}")
         finally:
             destroy_mesh(mesh)
     return counts
+
+
+def _streamed_save_round_trip(rank, classic, model_cfg, pc, weight_map, hf_dir, mesh, out) -> None:
+    """The converter's streamed save (checked reads deferred, each tensor read just before the
+    in-process writer writes it and released after) writes a checkpoint that loads back equal to
+    the classic model; nothing is read before the save, and rank 0 (which writes every tensor it
+    holds) ends it holding no parameter bytes."""
+    from parallel.bridge import load_hf_checkpoint
+    from parallel.checkpoint import load_model, save_model
+    from tools.convert_stream import StreamedSave, build_empty_model, restore_storage
+
+    chunks = build_empty_model(model_cfg, pc)
+    deferred = load_hf_checkpoint(chunks, weight_map, hf_dir, mesh=mesh, deferred=True).deferred
+    assert deferred.bytes_read == 0
+    streamed = StreamedSave(chunks, deferred)
+    save_model(streamed.chunks, out, writer_threads=1, in_process=True, write_hooks=streamed)
+    assert deferred.bytes_read > 0
+    deferred.close()
+    if rank == 0:
+        held = [n for c in chunks for n, p in c.named_parameters() if p.untyped_storage().nbytes()]
+        assert held == [], held
+    restore_storage(chunks)
+    load_model(chunks, out)
+    for a, b in zip(classic, chunks):
+        pb = dict(b.named_parameters())
+        for name, param in a.named_parameters():
+            assert torch.equal(param, pb[name]) and param.dtype == pb[name].dtype, name
+
+
+def test_save_model_refuses_bad_writer_settings(tmp_path):
+    from parallel.checkpoint import save_model
+
+    with pytest.raises(ValueError, match="writer_threads=0 is not allowed"):
+        save_model([], tmp_path / "a", writer_threads=0)
+    with pytest.raises(ValueError, match="write_hooks need in_process=True"):
+        save_model([], tmp_path / "b", write_hooks=object())
 
 
 def test_streaming_model_writes_the_classic_checkpoint(tmp_path):
