@@ -305,6 +305,15 @@ class _Context:
             warnings.append(f"expert-parallel group of EP*ETP={ep_span} ranks spans nodes: MoE all-to-all crosses "
                             "the inter-node network")
         rollout_tp = arr.rollout.tensor_model_parallel_size
+        if cfg.trainer.device == "cuda":
+            from megatron_rl.trainer.placement import GPU_ROLLOUT_ONE_ENGINE, gpu_rollout_placement_error
+
+            if world > rollout_tp:
+                warnings.append(f"generation: {GPU_ROLLOUT_ONE_ENGINE} (TP={rollout_tp} of {world} GPUs); the vLLM "
+                                "terms above size every GPU for the engine shard that replicas would hold")
+            placement_error = gpu_rollout_placement_error(cfg)
+            if placement_error is not None:
+                warnings.append(f"`megatron-rl train` refuses this layout on GPUs today: {placement_error}")
         if rollout_tp > gpus:
             raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} exceeds "
                              f"--gpus-per-node={gpus}; a vLLM engine must stay inside one node")

@@ -121,3 +121,26 @@ def test_cpu_toy_recipe_uses_host_ram():
     plan = check_plan(load_config("grpo"))
     assert plan.device == "cpu" and plan.memory_budget_bytes < 64 * 1024 ** 3
     assert plan.phases["rollout"]["framework reserve"] == 0
+
+
+def test_gpu_rollout_placement_the_trainer_cannot_do_is_named():
+    """One vLLM engine per run, in a Ray actor holding a share of one GPU when colocated: the plan says
+    so, and the trainer's placement check refuses a colocated rollout TP > 1 and a multi-node separate
+    rollout by key before any worker starts."""
+    from megatron_rl.trainer.placement import gpu_rollout_placement_error
+
+    plan = check_plan(load_config("gpu/qwen3_30b_a3b_grpo"))  # 16 GPUs, rollout TP=4, colocated
+    assert any("one vLLM engine per run" in w and "TP=4 of 16 GPUs" in w for w in plan.warnings), plan.warnings
+    assert any("refuses this layout on GPUs today" in w for w in plan.warnings), plan.warnings
+    assert "rollout.tensor_model_parallel_size=4: the colocated vLLM engine" in gpu_rollout_placement_error(
+        load_config("gpu/qwen3_30b_a3b_grpo"))
+    one = load_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
+    assert gpu_rollout_placement_error(one) is None
+    sep = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=8", "trainer.v1.trainer_mode=separate_async",
+           "actor_rollout_ref.rollout.free_cache_engine=false"]
+    assert gpu_rollout_placement_error(load_config("gpu/qwen3_30b_a3b_grpo", sep)) is None
+    assert "rollout.nnodes=2" in gpu_rollout_placement_error(
+        load_config("gpu/qwen3_30b_a3b_grpo", [*sep[1:], "actor_rollout_ref.rollout.nnodes=2"]))
+    assert "exceeds the separate rollout's n_gpus_per_node=2" in gpu_rollout_placement_error(
+        load_config("gpu/qwen3_30b_a3b_grpo", [sep[0], *sep[2:], "actor_rollout_ref.rollout.n_gpus_per_node=2"]))
+    assert gpu_rollout_placement_error(load_config("grpo")) is None  # CPU: the engine has its CPUs
