@@ -20,7 +20,7 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
 QUANTIZATIONS = ("fp8",)
 """``rollout.quantization`` values besides None: ``fp8`` is DeepSeek-V3's block FP8 (verl's
-``quantization: fp8``; ``megatron_rl.rollout.vllm_rollout.fp8_engine_kwargs``)."""
+``quantization: fp8``; ``megatron_rl.rollout.fp8.fp8_engine_kwargs``)."""
 
 
 @dataclass
