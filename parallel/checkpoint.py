@@ -377,13 +377,46 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
     return final
 
 
+def _tiles(parts, data: torch.Tensor) -> bool:
+    """True when ``parts`` are contiguous views of ``data``'s storage that, in order, tile ``data``
+    along dim 0 (so ``torch.cat(parts)`` equals ``data``)."""
+    if not isinstance(parts, (list, tuple)) or not parts or not data.is_contiguous():
+        return False
+    offset, rows = data.storage_offset(), 0
+    for part in parts:
+        if (not isinstance(part, torch.Tensor) or not part.is_contiguous() or part.dtype != data.dtype
+                or part.device != data.device or part.dim() != data.dim() or part.shape[1:] != data.shape[1:]
+                or part.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+                or part.storage_offset() != offset):
+            return False
+        offset, rows = offset + part.numel(), rows + part.shape[0]
+    return rows == data.shape[0]
+
+
+def _merge_in_place(state: dict) -> None:
+    """Make the tensor factories of ``state`` (fc1's gate/up halves) merge without a copy where the
+    loaded halves already tile the parameter they were views of: the merge is then the parameter itself
+    (``torch.cat`` would allocate every fc1 anew, all at once, before ``load_state_dict`` copies them)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for factory in nested_values(state):
+        if isinstance(factory, ShardedTensorFactory) and isinstance(factory.data, torch.Tensor):
+            def merge(parts, _data=factory.data.detach(), _merge=factory.merge_fn):
+                return _data if _tiles(parts, _data) else _merge(parts)
+
+            factory.merge_fn = merge
+
+
 def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, optimizer=None, scheduler=None,
-               load_rng: bool = False) -> None:
+               load_rng: bool = False, in_place_merges: bool = False) -> None:
     """Load ``path`` into this rank's model chunks (any layout); call on all ranks.
 
     With ``optimizer`` / ``scheduler`` / ``load_rng``, restore that training state too: the
     checkpoint must hold it (ValueError otherwise). RNG states are per rank: restored only at the
-    saving world size (a resharded load keeps this run's seeds, with a warning)."""
+    saving world size (a resharded load keeps this run's seeds, with a warning). ``in_place_merges``:
+    factory-built tensors that load straight into their parameter (fc1's halves) are not
+    concatenated into a copy first (``_merge_in_place``; the converters' verify)."""
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint_dir(path)
@@ -399,7 +432,10 @@ def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, op
     for name, wanted in (("optimizer", optimizer), ("scheduler", scheduler), ("rng", load_rng)):
         if wanted is not None and wanted is not False and not marker.get(name, False):
             raise ValueError(f"{path} holds no {name} state (saved with {name}=None/False); cannot restore it")
-    state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, scheduler, is_loading=True), str(path))
+    wanted = _sharded_state_dict(chunks, optimizer, scheduler, is_loading=True)
+    if in_place_merges:
+        _merge_in_place(wanted)
+    state = dist_checkpointing.load(wanted, str(path))
     if len(chunks) == 1:
         _unwrap(chunks[0]).load_state_dict(state["model"], strict=True)
     else:

@@ -136,7 +136,7 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                     for chunk in chunks:
                         for param in chunk.parameters():
                             param.fill_(float("nan"))
-                load_model(chunks, ckpt)
+                load_model(chunks, ckpt, in_place_merges=True)  # fc1 loads into its halves: no copy
                 logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"],
                                          release=True)
         peaks = rank_peaks()  # before the groups go

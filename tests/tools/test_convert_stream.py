@@ -147,3 +147,16 @@ def test_sliced_reads_equal_safetensors(tmp_path, dim, monkeypatch):
             assert reader.read(name, dim, start, stop, out=out) is out and torch.equal(out, want)
         with pytest.raises(ValueError, match="into a"):
             reader.read("w", 0, 0, 2, out=torch.empty(3, 10, 4, dtype=torch.bfloat16))
+
+
+def test_in_place_merge_only_where_the_halves_tile_the_parameter():
+    from parallel.checkpoint import _tiles
+
+    data = torch.arange(24.0).reshape(6, 4)
+    gate, up = torch.chunk(data, 2, dim=0)
+    assert _tiles([gate, up], data)  # torch.cat([gate, up]) is data itself: no copy needed
+    assert torch.equal(torch.cat([gate, up]), data)
+    assert not _tiles([up, gate], data)  # another order: the merge must concatenate
+    assert not _tiles([gate.clone(), up], data)  # a copy: not loaded into the parameter
+    assert not _tiles([gate], data)  # does not cover it
+    assert not _tiles(torch.chunk(data, 2, dim=1), data)  # split along another dim
