@@ -205,6 +205,21 @@ def _named_tokens(config: dict) -> Optional[list[tuple[str, Optional[int]]]]:
     return tokens
 
 
+class FastEncoder:
+    """``encode(text, add_special_tokens=False)`` of a ``tokenizer.json`` through the ``tokenizers``
+    library alone: what a plain fast transformers tokenizer runs underneath (``fast_tokenizer_size``'s
+    cases), without transformers' tokenizer import (seconds, and ~0.1 GiB in the driver)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        from tokenizers import Tokenizer
+
+        self._backend = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The ids of ``text``."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 def fast_tokenizer_size(directory: str | os.PathLike) -> Optional[int]:
     """``len(AutoTokenizer.from_pretrained(directory))`` read from ``tokenizer.json`` with the
     ``tokenizers`` library alone (transformers' tokenizer import costs seconds), where it is sure to be

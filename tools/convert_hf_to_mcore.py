@@ -36,8 +36,8 @@ if REPO not in sys.path:
 
 # Nothing imported here loads torch or transformers: ``main`` starts the ranks' fork server first.
 from tools.convert_common import (  # noqa: E402
-    DTYPES, METADATA_FILE, METADATA_VERSION, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
-    exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
+    DTYPES, METADATA_FILE, METADATA_VERSION, FastEncoder, ToolError, check_tokenizer, copy_files, dir_bytes,
+    ensure_space, exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
 )
 from tools.convert_fault import apply_fault  # noqa: E402
 from tools.convert_launch import (  # noqa: E402
@@ -90,8 +90,12 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     from parallel.mesh import destroy_mesh, init_mesh
     from tools.convert_stream import StreamedSave, build_empty_model, fork_write_queue, restore_storage
     from tools.convert_verify import verify_forwards
+    from tools.convert_verify_hf import _unmap_freed_blocks
 
     marks = {"started": time.time()}  # wall clock: the driver's start is spec["t0"]
+    # Each tensor the streamed save releases, and each module's float32 copy the verify drops, goes
+    # back to the system at once (glibc would keep blocks under 32 MiB in its heap).
+    _unmap_freed_blocks()
     pc = ParallelConfig.from_dict(spec["layout"])
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
     ckpt = tmp / spec["ckpt_subdir"] if spec["ckpt_subdir"] else tmp
@@ -217,12 +221,13 @@ def _convert(args: argparse.Namespace) -> int:
                                     params_dtype=dtype)
     pc, world, device, layout = resolve_layout(args, model_cfg)
     mtp = _check_mtp(hf_dir, family.weight_map(model_cfg).mtp)  # incomplete / mis-shaped: named, nothing written
-    # Without --verify only the tokenizer's size is needed: read from tokenizer.json where that is exact.
-    tokenizer = fast_tokenizer_size(hf_dir) if not args.verify else None
+    # The tokenizer's size, and --verify's prompt ids, from tokenizer.json where that is exact.
+    tokenizer = fast_tokenizer_size(hf_dir)
+    encoder = FastEncoder(hf_dir) if args.verify and tokenizer is not None else None
     if tokenizer is None:
-        tokenizer = load_tokenizer(hf_dir)
+        tokenizer = encoder = load_tokenizer(hf_dir)
     tokenizer_size = check_tokenizer(tokenizer, model_cfg.vocab_size, hf_dir)
-    verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
+    verify_ids, lengths = (verify_inputs(encoder, model_cfg.vocab_size, pc.tensor_model_parallel_size)
                            if args.verify else (None, None))
     verify_dtypes = verify_settings(args, dtype)
     extra = side_files(hf_dir)

@@ -121,3 +121,14 @@ def test_tree_memory_counts_children():
         child.join(30)
     assert base is not None and memory.peak is not None
     assert memory.peak >= base + 60 * 2**20
+
+
+def test_fast_encoder_equals_transformers(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from tools.convert_common import FastEncoder
+    from tools.convert_verify import VERIFY_PROMPTS
+
+    slow = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for prompt in VERIFY_PROMPTS:
+        assert FastEncoder(tokenizer_dir).encode(prompt) == slow.encode(prompt, add_special_tokens=False)
