@@ -165,7 +165,7 @@ def floor(hf_dir: Path, work: Path) -> dict:
         f.read_bytes()
     start = time.perf_counter()
     for f in files:
-        save_file(load_file(f), str(work / f.name))  # no fsync: the conversion does not sync either
+        save_file(load_file(f), str(work / f.name))  # no fsync (Megatron's writer fsyncs each file it writes)
     return {"seconds": time.perf_counter() - start, "bytes": nbytes}
 
 
