@@ -15,7 +15,8 @@ of (2)'s output back to HF at the same layout (``--skip-back`` leaves it out). W
 (the tool and its spawned ranks) is sampled every 0.1 s (PSS where the kernel reports it, else
 RSS) and its peak kept. Startup is the time from launch until the first byte of output exists.
 Prints one line per stage, then a JSON line (last) with ``mb_per_s``, ``floor_mb_per_s``,
-``peak_over_checkpoint``, ``peak_over_checkpoint_verify``, ``startup_s``, ``mcore_to_hf_mb_per_s``,
+``peak_over_checkpoint``, ``peak_over_checkpoint_verify``, ``startup_s``, ``streaming_mb_per_s`` (the bytes over
+the time from the first byte written to the end: the rate once the ranks stream), ``mcore_to_hf_mb_per_s``,
 ``mcore_to_hf_peak_over_checkpoint``, ``mcore_to_hf_startup_s`` and the raw figures (null for a skipped stage).
 MB/s is checkpoint bytes (MiB) per second of wall time.
 """
@@ -202,7 +203,9 @@ def main(argv=None) -> int:
               flush=True)
         plain = run_conversion(["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore"), *convert_args],
                                work / "mcore")
-        print(f"convert: {plain['seconds']:.2f} s = {mib / plain['seconds']:.1f} MB/s, startup {plain['startup_s']} s, "
+        streaming = "" if plain["startup_s"] is None else \
+            f" ({mib / (plain['seconds'] - plain['startup_s']):.1f} MB/s from the first byte)"
+        print(f"convert: {plain['seconds']:.2f} s = {mib / plain['seconds']:.1f} MB/s{streaming}, startup {plain['startup_s']} s, "
               f"peak {plain['peak_bytes'] / 2**20:.0f} MiB = {plain['peak_bytes'] / size:.2f} x the checkpoint\n  "
               f"{plain['summary']}", flush=True)
         verify = None
@@ -225,6 +228,8 @@ def main(argv=None) -> int:
 
         result = dict(checkpoint_bytes=size, mb_per_s=mib / plain["seconds"], floor_mb_per_s=floor_rate,
                       speed_over_floor=(mib / plain["seconds"]) / floor_rate,
+                      streaming_mb_per_s=(mib / (plain["seconds"] - plain["startup_s"])
+                                          if plain["startup_s"] is not None else None),
                       peak_over_checkpoint=plain["peak_bytes"] / size,
                       peak_over_checkpoint_verify=figure(verify, lambda v: v["peak_bytes"] / size),
                       startup_s=plain["startup_s"], seconds=plain["seconds"],

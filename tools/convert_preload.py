@@ -4,14 +4,44 @@ The CPU ranks are forked from that server, so they start with these modules load
 import alone takes seconds and hundreds of MiB) and share those pages instead of each holding a copy.
 """
 
+import functools
+
+import torch
+
 from tools.convert_launch import quiet_warnings
 
 quiet_warnings()  # before Megatron's import-time warnings
 
-import megatron.core.dist_checkpointing  # noqa: E402,F401
-import megatron.core.models.gpt  # noqa: E402,F401
-import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402,F401  (build_model's specs: 0.3 s per rank otherwise)
-import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: E402,F401  (the writer)
+_compile = torch.compile
+
+
+def _compile_on_first_call(model=None, **kwargs):
+    """``torch.compile`` that compiles on the function's first call instead of when it is decorated.
+    Megatron decorates its fused kernels with ``jit_fuser = torch.compile`` at import time, which
+    imports dynamo and inductor (~1.9 s of the server's ~5 s); the converters never call those
+    kernels (a ``--verify`` forward that does gets them compiled then, as before)."""
+    if model is None:  # used as @torch.compile(**kwargs)
+        return functools.partial(_compile_on_first_call, **kwargs)
+    compiled = None
+
+    @functools.wraps(model)
+    def run(*args, **kw):
+        nonlocal compiled
+        if compiled is None:
+            compiled = _compile(model, **kwargs)
+        return compiled(*args, **kw)
+
+    return run
+
+
+torch.compile = _compile_on_first_call  # only while Megatron is imported (megatron.core.jit keeps it)
+try:
+    import megatron.core.dist_checkpointing  # noqa: E402,F401
+    import megatron.core.models.gpt  # noqa: E402,F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402,F401  (build_model's specs: 0.3 s per rank otherwise)
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: E402,F401  (the writer)
+finally:
+    torch.compile = _compile
 import torch.distributed.checkpoint  # noqa: E402,F401
 
 import megatron_rl.models.families  # noqa: E402,F401
@@ -25,10 +55,26 @@ import tools.convert_stream  # noqa: E402,F401
 
 import atexit  # noqa: E402
 import gc  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+
+def _exit_at_once() -> None:
+    """End the server without the interpreter's teardown. It exits when the converter does (its
+    ``alive`` pipe closes), and freeing Megatron's and torch's modules one by one took ~1.7 s, during
+    which it still held the converter's stdout / stderr open: a pipe reader (``| tee``, a benchmark's
+    ``communicate``) waited for it. Nothing of the server's outlives its ranks, which have exited."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
 
 # Every object imported so far moves to the permanent generation: the ranks' collections never walk
 # (and so never write to, and copy) the pages of the modules they inherit from this server. The
-# server itself unfreezes them when it exits, so its own teardown collects them as before (frozen,
-# they would outlive it: nanobind's leak check then prints a report on the user's stderr).
+# server ends with os._exit (_exit_at_once, its only atexit handler), so no teardown walks them
+# either (nanobind's leak check, which would report the frozen objects, never runs).
 gc.freeze()
-atexit.register(gc.unfreeze)
+atexit.register(_exit_at_once)
