@@ -83,10 +83,10 @@ def megatron_logits(chunks, mesh, input_ids: torch.Tensor, vocab_size: int) -> O
                 logits = out
             else:
                 dist.send(out.contiguous(), dst=pp_ranks[stage + 1] if stage < pp - 1 else pp_ranks[0])
-    if logits is not None:
-        parts = [torch.empty_like(logits) for _ in range(mesh.size("tp"))]
-        dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
-        logits = torch.cat(parts, dim=-1)[..., :vocab_size].float().contiguous()
+    if logits is not None:  # the vocab-parallel parts go to the TP group's first rank only
+        logits = _gather_vocab_parts(logits.contiguous(), mesh)
+        if logits is not None:
+            logits = logits[..., :vocab_size].float().contiguous()
     # One holder of the full logits sends them to rank 0.
     holder = logits is not None and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0
     holders = [None] * dist.get_world_size()
@@ -101,6 +101,25 @@ def megatron_logits(chunks, mesh, input_ids: torch.Tensor, vocab_size: int) -> O
         dist.recv(logits, src=src)
         return logits.cpu()
     return None
+
+
+def _gather_vocab_parts(part: torch.Tensor, mesh) -> Optional[torch.Tensor]:
+    """``[b, s, V]`` logits from each TP rank's ``[b, s, V / tp]`` part on the TP group's first rank
+    (None on the others); collective over the TP group. A gather, not an all-gather: the other ranks
+    never hold the full logits (with a large vocabulary, the largest tensor of the verify)."""
+    import torch.distributed as dist
+
+    tp = mesh.size("tp")
+    if tp == 1:
+        return part
+    dst = mesh.ranks("tp")[0]
+    if mesh.tp_rank != 0:
+        dist.gather(part, None, dst=dst, group=mesh.tp_group)
+        return None
+    parts = torch.empty((tp, *part.shape), dtype=part.dtype, device=part.device)
+    dist.gather(part, list(parts.unbind(0)), dst=dst, group=mesh.tp_group)
+    del part
+    return parts.permute(1, 2, 0, 3).reshape(*parts.shape[1:3], -1)  # [b, s, tp * V / tp], rank-major
 
 
 def hf_logits(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,

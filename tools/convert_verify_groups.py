@@ -107,7 +107,7 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
             h.remove()
 
 
-OUTPUT_BLOCK_BYTES = 64 * 2**20
+OUTPUT_BLOCK_BYTES = 16 * 2**20
 """Bytes of the output layer's matrix held in the twin's dtype at a time (a block of vocabulary rows)."""
 
 
