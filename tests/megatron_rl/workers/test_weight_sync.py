@@ -40,8 +40,8 @@ class _Rank:
         self.calls.append((self.rank, "sync"))
         return {"transport": "shm", "seconds": 0.5, **({"bytes": 10} if self.rank == 0 else {})}
 
-    def export_weights(self, bucket_bytes, dtype):
-        self.calls.append((self.rank, "export", bucket_bytes, dtype))
+    def export_weights(self, bucket_bytes, dtype, quantization):
+        self.calls.append((self.rank, "export", bucket_bytes, dtype, quantization))
         return [("w", None)] if self.rank == 0 else None
 
 
@@ -80,7 +80,7 @@ def test_a_streamed_backend_connects_once_then_streams(fake):
                                                           shm_dir="/tmp"))
     assert sync.streamed and not sync.connected
     out = sync.sync()
-    assert calls[:5] == [(0, "listen", (3, "shm", 3, "/tmp", None)), (1, "listen", (3, "shm", 3, "/tmp", None)),
+    assert calls[:5] == [(0, "listen", (3, "shm", 3, "/tmp", None, None)), (1, "listen", (3, "shm", 3, "/tmp", None, None)),
                          (0, "connect"), (1, "connect"), ("rollout", "connect", "10.0.0.1", 4242, 3)]
     assert calls[5:] == [(0, "sync"), (1, "sync"), ("rollout", "receive")]
     assert (out["bytes"], out["seconds"], out["receiver_seconds"]) == (10, 0.5, 0.25) and out["wall_seconds"] >= 0
@@ -94,7 +94,7 @@ def test_a_gathered_backend_goes_through_the_object_store(fake, backend):
     group, rollout, calls = fake
     sync = ws.WeightSync(group, rollout, WeightSyncConfig(backend=backend, update_weights_bucket_megabytes=0.5))
     out = sync.sync()
-    assert calls == [(0, "export", 2**19, None), (1, "export", 2**19, None),
+    assert calls == [(0, "export", 2**19, None, None), (1, "export", 2**19, None, None),
                      ("rollout", "update", [("w", None)], {"transport": backend, "bucket_megabytes": 0.5})]
     assert (out["transport"], out["bytes"]) == (backend, 10)
     with pytest.raises(ValueError, match=rf"checkpoint_engine.backend='{backend}' does not stream"):
@@ -105,7 +105,20 @@ def test_the_two_call_form_still_works(fake):
     group, rollout, calls = fake
     connected = ws.connect_weight_sync(group, rollout, transport="broadcast", bucket_megabytes=7)
     assert connected.connected and connected.config.shm_dir == WeightSyncConfig().shm_dir
-    assert calls[0] == (0, "listen", (3, "broadcast", 7, WeightSyncConfig().shm_dir, None))
+    assert calls[0] == (0, "listen", (3, "broadcast", 7, WeightSyncConfig().shm_dir, None, None))
     calls.clear()
     assert ws.sync_weights(group, rollout)["receiver_seconds"] == 0.25
     assert calls == [(0, "sync"), (1, "sync"), ("rollout", "receive")]
+
+
+def test_rollout_quantization_reaches_every_rank_of_both_paths(fake):
+    """``quantization="fp8"`` (``rollout.quantization``): every actor rank exports (gathered path) or
+    listens (streamed path) with it, so rank 0 quantises the stream it sends."""
+    group, rollout, calls = fake
+    ws.WeightSync(group, rollout, WeightSyncConfig(backend="bytes", update_weights_bucket_megabytes=0.5),
+                  quantization="fp8").sync()
+    assert calls[:2] == [(0, "export", 2**19, None, "fp8"), (1, "export", 2**19, None, "fp8")]
+    calls.clear()
+    ws.WeightSync(group, rollout, WeightSyncConfig(backend="shm", update_weights_bucket_megabytes=3, shm_dir="/tmp"),
+                  quantization="fp8").sync()
+    assert calls[:2] == [(0, "listen", (3, "shm", 3, "/tmp", None, "fp8")), (1, "listen", (3, "shm", 3, "/tmp", None, "fp8"))]
