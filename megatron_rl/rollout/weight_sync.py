@@ -282,9 +282,9 @@ class ActorWeightSync:
         start = time.perf_counter()
         stats = ExportStats()
         weights = self.iter_buckets(stats)
-        whole_count = [0]
-        if self.quantization is not None and self.rank == 0:  # scales and re-cut pieces: count whole tensors
-            weights = _count_whole(weights, whole_count)
+        whole = [0]  # HF tensors sent (a split one once; FP8 scales included), not pieces
+        if self.rank == 0:
+            weights = _count_whole(weights, whole)
         if self.rank != 0:
             _drain(weights)
             return {"transport": used, "seconds": time.perf_counter() - start}
@@ -297,10 +297,7 @@ class ActorWeightSync:
         except BaseException:
             _drain(weights)  # the other actor ranks complete their sends of the export
             raise
-        whole = out["num_tensors"] - stats.num_pieces + stats.num_split_tensors  # HF tensors, not pieces
-        if self.quantization is not None:
-            whole = whole_count[0]  # FP8 scales included
-        return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": whole,
+        return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": whole[0],
                 "num_buckets": out["num_buckets"], "seconds": time.perf_counter() - start,
                 "export_buckets": stats.num_buckets, "export_max_live_bytes": stats.max_live_bytes,
                 "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes,
