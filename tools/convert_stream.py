@@ -16,6 +16,9 @@ model that keeps a meta tensor anywhere else.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 
@@ -46,13 +49,46 @@ def _materialize(chunks: list[torch.nn.Module]) -> list[str]:
     return leftovers
 
 
+@contextlib.contextmanager
+def _attributes_only_init():
+    """Megatron's CPU initialisation reduced to what it leaves on a weight that is loaded anyway:
+    its tensor-parallel attributes. The full one builds a master weight, splits it and
+    ``torch.cat``-s this rank's parts: on meta tensors that cat goes through torch's Python meta
+    kernels, whose first call imports dynamo (1.1 s of a rank's 1.25 s model build). The TP
+    attributes are set exactly as Megatron sets them (``set_tensor_model_parallel_attributes``)."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import experts
+
+    original = layers._initialize_affine_weight_cpu
+
+    def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1,
+                        return_master_weight=False, *, skip_set_tensor_parallel_attributes=False, **_):
+        if return_master_weight:  # a caller that keeps the master weight (tests only): Megatron's own path
+            return original(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride,
+                            return_master_weight, skip_set_tensor_parallel_attributes=skip_set_tensor_parallel_attributes,
+                            **_)
+        if not skip_set_tensor_parallel_attributes:
+            layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim,
+                                                        stride=stride)
+        return None
+
+    modules = [m for m in (layers, experts) if getattr(m, "_initialize_affine_weight_cpu", None) is original]
+    for m in modules:
+        m._initialize_affine_weight_cpu = attributes_only
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._initialize_affine_weight_cpu = original
+
+
 def build_empty_model(model_cfg: Any, parallel_config: Any) -> list[torch.nn.Module]:
     """The model chunks of this rank with uninitialised CPU storage (see the module docstring);
     call with the mesh initialised, as ``megatron_rl.models.gpt.build_model``."""
     from megatron_rl.models.gpt import build_model, build_transformer_config
     from tools.convert_common import NO_INIT
 
-    with torch.device("meta"):
+    with torch.device("meta"), _attributes_only_init():
         chunks = build_model(model_cfg, build_transformer_config(model_cfg, parallel_config, **NO_INIT))
     leftovers = _materialize(chunks)
     if leftovers:
