@@ -408,6 +408,81 @@ def _merge_in_place(state: dict) -> None:
             factory.merge_fn = merge
 
 
+def _check_loadable(path: str | os.PathLike) -> Path:
+    """The checkpoint directory of ``path`` when complete and undamaged; the error says why not."""
+    path = resolve_checkpoint_dir(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not is_complete_checkpoint(path):
+        raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
+    damage = verify_dist_checkpoint(path)
+    if damage:
+        raise ValueError(f"checkpoint {path} is damaged: {'; '.join(damage)}")
+    return path
+
+
+def _leaf_paths(state: dict, prefix: tuple = ()) -> Iterable[tuple[tuple, Any]]:
+    """(key path, value) of every non-dict value of a nested dict."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _leaf_paths(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+class PartialLoad:
+    """A model checkpoint loaded into ``chunks`` a few parameters at a time (a streamed conversion:
+    a rank never holds its whole shard). ``load(tensors)`` reads exactly the checkpoint tensors
+    that fill those tensors of this rank (parameters or persistent buffers; fc1's halves straight
+    into their parameter), on all ranks together (collective: a rank with nothing to load still
+    calls it, with none); a storage already loaded is not read again. ``release(tensors)`` gives
+    their storage up. Empty storage (``tools.convert_stream.build_empty_model``) gets its pages as
+    it is loaded; tensors never asked for are never read. This is the ``staging`` of
+    ``parallel.bridge.HFExporter.iter_weights``."""
+
+    def __init__(self, chunks: Iterable[torch.nn.Module], path: str | os.PathLike):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        self.path = _check_loadable(path)
+        state = _sharded_state_dict(list(chunks), is_loading=True)
+        _merge_in_place(state)
+        self._by_storage: dict[int, list[tuple[tuple, Any]]] = defaultdict(list)
+        for keys, leaf in _leaf_paths(state):
+            data = getattr(leaf, "data", None)
+            if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and isinstance(data, torch.Tensor) \
+                    and data.numel():
+                self._by_storage[data.untyped_storage().data_ptr()].append((keys, leaf))
+
+    def load(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Fill ``tensors`` (parameters of the chunks) from the checkpoint; collective."""
+        from megatron.core import dist_checkpointing
+
+        chosen = [entry for t in tensors if t.numel() for entry in self._by_storage.pop(t.untyped_storage().data_ptr(), [])]
+        wanted: dict = {}
+        for keys, leaf in chosen:
+            node = wanted
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+            node[keys[-1]] = leaf
+        targets = [(keys, leaf.data) for keys, leaf in chosen]  # the factories are replaced by what they build
+        # The integrity check needs every shard of every tensor requested at once (an MoE layer's
+        # experts may span loads); the export checks its coverage itself.
+        loaded = dist_checkpointing.load(wanted, str(self.path), validate_access_integrity=False)
+        with torch.no_grad():
+            for keys, target in targets:
+                value = loaded
+                for key in keys:
+                    value = value[key]
+                if value.data_ptr() != target.data_ptr() or value.shape != target.shape:
+                    target.copy_(value)
+
+    @staticmethod
+    def release(tensors: Iterable[torch.Tensor]) -> None:
+        """Free the storage of ``tensors`` (their shapes stay; nothing reads them again)."""
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+
+
 def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, optimizer=None, scheduler=None,
                load_rng: bool = False, in_place_merges: bool = False) -> None:
     """Load ``path`` into this rank's model chunks (any layout); call on all ranks.
@@ -419,14 +494,7 @@ def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, op
     concatenated into a copy first (``_merge_in_place``; the converters' verify)."""
     from megatron.core import dist_checkpointing
 
-    path = resolve_checkpoint_dir(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    if not is_complete_checkpoint(path):
-        raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
-    damage = verify_dist_checkpoint(path)
-    if damage:
-        raise ValueError(f"checkpoint {path} is damaged: {'; '.join(damage)}")
+    path = _check_loadable(path)
     chunks = list(chunks)
     marker = json.loads((path / COMPLETE_MARKER).read_text())
     for name, wanted in (("optimizer", optimizer), ("scheduler", scheduler), ("rng", load_rng)):

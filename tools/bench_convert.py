@@ -122,7 +122,9 @@ def _tree_memory(pid: int) -> int:
 
 
 def _first_byte(parent: Path, name: str) -> bool:
-    for p in parent.glob(f".{name}*"):
+    """True once a file with bytes exists in a hidden sibling of ``parent / name`` (the converters'
+    temporary output directories: ``.NAME...``, and ``..NAME...`` for a temporary made inside it)."""
+    for p in parent.glob(f".*{name}*"):
         for f in p.rglob("*"):
             try:
                 if f.is_file() and f.stat().st_size > 0:

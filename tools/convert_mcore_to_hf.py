@@ -27,16 +27,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+# Nothing imported here loads torch or transformers: ``main`` starts the ranks' fork server first.
 from tools.convert_common import (  # noqa: E402
-    METADATA_FILE, METADATA_VERSION, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
-    fmt_bytes, load_tokenizer, run_main, side_files,
+    METADATA_FILE, METADATA_VERSION, FastEncoder, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
+    exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
 )
-from tools.convert_launch import add_layout_args, is_driver, launch, prestart, resolve_layout  # noqa: E402
+from tools.convert_launch import add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout  # noqa: E402
 from tools.convert_output import AtomicDir, Progress, check_output_dir, peak_summary, rank_peaks  # noqa: E402
-from tools.convert_verify import add_verify_args, check_logits, verify_forwards, verify_inputs, verify_settings  # noqa: E402
 
 
 def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespace:
+    from tools.convert_verify import add_verify_args
+
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--mcore-dir", required=True, help="Megatron checkpoint written by convert_hf_to_mcore.py")
     p.add_argument("--out-dir", required=True, help="HF checkpoint directory to create")
@@ -85,38 +87,43 @@ def read_metadata(mcore_dir: Path) -> dict:
 
 
 def export_ranks(rank: int, world: int, spec: dict) -> dict:
-    """One rank: build the model at the layout (empty storage), load the dist checkpoint into it,
-    stream the HF safetensors into ``spec["tmp"]`` (rank 0 writes), then (verify) logits on rank 0."""
+    """One rank: build the model at the layout (empty storage), stream the HF safetensors into
+    ``spec["tmp"]`` (rank 0 writes) loading each bucket's parameters from the dist checkpoint just
+    before it is sent and releasing them after, then (verify) reload and compute logits on rank 0."""
     from megatron_rl.models.families import get_family
     from parallel.bridge import ExportStats, save_hf_checkpoint
-    from parallel.checkpoint import load_model
+    from parallel.checkpoint import PartialLoad, load_model
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_stream import build_empty_model
+    from tools.convert_stream import build_empty_model, restore_storage
+    from tools.convert_verify import verify_forwards
 
     pc = ParallelConfig.from_dict(spec["layout"])
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
     mesh = init_mesh(pc)
-    stages = ["build model", "load dist checkpoint", "export HF safetensors"]
-    progress = Progress(stages + (["verify: forward"] if spec["verify_ids"] is not None else []), enabled=rank == 0)
+    stages = ["build model", "load + export HF safetensors, bucket by bucket"]
+    progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
+                        enabled=rank == 0)
     try:
         with progress:
-            progress.stage("build model")
+            progress.stage(stages[0])
             # On the meta device, then empty CPU storage that the checkpoint fills (no init, no copy).
             chunks = build_empty_model(model_cfg, pc)
-            progress.stage("load dist checkpoint")
-            load_model(chunks, spec["mcore_dir"])
-            progress.stage("export HF safetensors")
+            progress.stage(stages[1])
             stats = ExportStats()
             done = progress.watch(tmp, spec["expected_bytes"])
             try:
+                # A rank holds the parameters of one export bucket at a time, never its shard.
                 save_hf_checkpoint(chunks, get_family(spec["architecture"]).weight_map(model_cfg), tmp,
-                                   spec["hf_config"], mesh=mesh, max_shard_bytes=spec["max_shard_bytes"], stats=stats)
+                                   spec["hf_config"], mesh=mesh, max_shard_bytes=spec["max_shard_bytes"], stats=stats,
+                                   staging=PartialLoad(chunks, spec["mcore_dir"]))
             finally:
                 done.set()
             logits = None
-            if spec["verify_ids"] is not None:  # after the export: it may give the model up as it goes
-                progress.stage("verify: forward")
+            if spec["verify_ids"] is not None:
+                progress.stage("verify: reload + forward")
+                restore_storage(chunks)
+                load_model(chunks, spec["mcore_dir"], in_place_merges=True)
                 logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"],
                                          release=True)
         peaks = rank_peaks()  # before the groups go
@@ -164,21 +171,28 @@ def _mtp_file(meta: dict, mcore_dir: Path):
 
 def _convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    prestart(args.device)  # the ranks' fork server imports Megatron while we check the inputs
+    prestart(args.device)  # a no-op when main started it: the fork server imports Megatron while we check
     import torch
 
     from megatron_rl.models.families import get_family
+    from tools.convert_verify import check_logits, verify_inputs, verify_settings
 
     mcore_dir = Path(args.mcore_dir).resolve()
     meta = read_metadata(mcore_dir)
     out = check_output_dir(args.out_dir, args.overwrite, mcore_dir)
     family = get_family(meta["architecture"])
-    model_cfg = family.model_config(meta["hf_config"], make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+    # transformers' config class, without its docstring imports
+    model_cfg = family.model_config(fast_hf_config(meta["hf_config"]),
+                                    make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
                                     params_dtype=meta["dtype"])
     pc, world, device, layout = resolve_layout(args, model_cfg, stored=meta["layout"])
-    tokenizer = load_tokenizer(mcore_dir)
+    # The tokenizer's size, and --verify's prompt ids, from tokenizer.json where that is exact.
+    tokenizer = fast_tokenizer_size(mcore_dir)
+    encoder = FastEncoder(mcore_dir) if args.verify and tokenizer is not None else None
+    if tokenizer is None:
+        tokenizer = encoder = load_tokenizer(mcore_dir)
     check_tokenizer(tokenizer, model_cfg.vocab_size, mcore_dir)
-    verify_ids, lengths = (verify_inputs(tokenizer, model_cfg.vocab_size, pc.tensor_model_parallel_size)
+    verify_ids, lengths = (verify_inputs(encoder, model_cfg.vocab_size, pc.tensor_model_parallel_size)
                            if args.verify else (None, None))
     verify_dtypes = verify_settings(args, meta["dtype"])
     extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
@@ -224,6 +238,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def main(argv=None, prog: str = "convert_mcore_to_hf.py") -> int:
     """Parse ``argv`` and convert; returns the exit code (0 ok, 1 error, 2 bad usage)."""
+    prestart_for(argv, ("--mcore-dir", "--out-dir"))  # before torch is imported (the verify flags import it)
     try:
         args = _parse(argv, prog)
     except SystemExit as exc:  # argparse: --help (0) or bad usage (2)
@@ -235,4 +250,4 @@ if __name__ == "__main__":
     # Spawned ranks find ``export_ranks`` by its module name, so run the importable copy.
     from tools import convert_mcore_to_hf
 
-    sys.exit(convert_mcore_to_hf.main())
+    exit_now(convert_mcore_to_hf.main())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -260,7 +260,8 @@ class HFExporter:
         return buckets
 
     def iter_weights(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_ranks: bool = False,
-                     stats: Optional[ExportStats] = None, split: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                     stats: Optional[ExportStats] = None, split: bool = False,
+                     staging=None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` in ``self.tensors`` order, bucket by bucket; collective.
 
         With ``all_ranks=False`` only global rank 0 yields (the others send it their shards);
@@ -274,9 +275,14 @@ class HFExporter:
         ``bucket_bytes`` when one parameter alone exceeds the bucket. With ``split`` such a
         parameter is yielded as row pieces instead (module docstring), so no yielded tensor
         exceeds the bucket.
+
+        ``staging``: parameters that are not in memory until asked for (a streamed conversion).
+        An object whose ``load(tensors)`` fills this rank's shards of a bucket (called on every
+        rank before each bucket, collective: possibly with none) and ``release(tensors)`` frees
+        them once the bucket is consumed (no later bucket needs them).
         """
         stats = stats if stats is not None else ExportStats()
-        for ready in self._produce(bucket_bytes, all_ranks, stats, split):
+        for ready in self._produce(bucket_bytes, all_ranks, stats, split, staging):
             ready.reverse()
             while ready:
                 name, tensor = ready.pop()
@@ -293,16 +299,36 @@ class HFExporter:
         drops each bucket before asking for the next (``parallel.transport.transfer`` does), at
         most one bucket's tensors plus the next one's staging are alive on this rank."""
         stats = stats if stats is not None else ExportStats()
-        for ready in self._produce(bucket_bytes, all_ranks, stats, split):
+        for ready in self._produce(bucket_bytes, all_ranks, stats, split, None):
             nbytes = sum(_nbytes(t) for _, t in ready)
             yield ready
             del ready
             stats._add(-nbytes)
 
+    def _shards_of(self, bucket) -> dict[tuple[str, int], torch.Tensor]:
+        """This rank's shards of the items of ``bucket`` (a list of items, or one piece)."""
+        items = [bucket.item] if isinstance(bucket, _Piece) else bucket
+        return {key: self._local[key] for item in items for k in range(item.num_shards)
+                if (key := (item.global_name, k)) in self._local}
+
+    def _staged(self, buckets: list, staging) -> Iterator[tuple[Any, Callable[[], None]]]:
+        """Each bucket with its shards loaded by ``staging`` (when given), and a function that
+        releases those no later bucket needs (call it once the bucket is consumed)."""
+        if staging is None:
+            for bucket in buckets:
+                yield bucket, lambda: None
+            return
+        shards = [self._shards_of(bucket) for bucket in buckets]
+        last = {_storage(t): i for i, bucket in enumerate(shards) for t in bucket.values()}
+        for i, bucket in enumerate(buckets):
+            staging.load(list(shards[i].values()))  # loads each storage once (a piece's later buckets: none)
+            done = {_storage(t): t for t in shards[i].values() if last[_storage(t)] == i}
+            yield bucket, lambda done=list(done.values()): staging.release(done)
+
     def _produce(self, bucket_bytes: int, all_ranks: bool, stats: ExportStats,
-                 split: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                 split: bool, staging=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The export: one list of ``(hf_name, tensor)`` per bucket (empty lists on ranks that
-        do not yield are skipped)."""
+        do not yield are skipped); ``staging``: see ``iter_weights``."""
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         stats.bucket_bytes = bucket_bytes
@@ -315,7 +341,7 @@ class HFExporter:
         def moves(holders: tuple[int, ...]) -> bool:  # does this shard travel at all?
             return len(holders) < world if all_ranks else 0 not in holders
 
-        for bucket in self._buckets(bucket_bytes, split):
+        for bucket, release in self._staged(self._buckets(bucket_bytes, split), staging):
             stats.num_buckets += 1
             if isinstance(bucket, _Piece):
                 piece = self._produce_piece(bucket, rank, all_ranks, yields, moves, stats)
@@ -324,11 +350,13 @@ class HFExporter:
                     stats.num_split_tensors += bucket.start == 0
                     yield self._account([piece], stats)
                     del piece
+                release()
                 continue
             ready = self._produce_bucket(bucket, bucket_bytes, rank, all_ranks, yields, moves, stats)
             if ready is not None:
                 yield self._account(ready, stats)
                 del ready  # the consumer holds the bucket now; nothing here keeps it alive
+            release()
 
     def _produce_bucket(self, bucket: list[_Item], bucket_bytes: int, rank: int, all_ranks: bool, yields: bool,
                         moves, stats: ExportStats) -> Optional[list[tuple[str, torch.Tensor]]]:
@@ -470,6 +498,10 @@ class HFExporter:
         buf = torch.empty((b - a, *item.shard_shapes[k][1:]), dtype=item.dtype, device=self.device)
         stats._add(_nbytes(buf))
         return buf
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -188,14 +188,18 @@ def _data_layout(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], in
     return out
 
 
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t``, as a ctypes view of its own memory (valid while
+    ``t`` is alive): Tensor.numpy() would mark its storage non-resizable for good, and the engine's
+    offload or a streamed conversion (storage.resize_(0)) could then never release it."""
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
 def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
     """Fill the contiguous tensor ``out`` with the bytes of ``fd`` at ``offset``."""
     if out.numel() == 0:
         return
-    # A ctypes view of the tensor's own memory: Tensor.numpy() would mark its storage
-    # non-resizable for good, and the engine's offload (storage.resize_(0)) could then never
-    # release a parameter loaded through here.
-    view = memoryview((ctypes.c_ubyte * (out.numel() * out.element_size())).from_address(out.data_ptr())).cast("B")
+    view = _memory(out)
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -228,8 +232,9 @@ class SafetensorsStreamWriter:
         if (name, tuple(tensor.shape), tensor.dtype) != (expected.name, expected.shape, expected.dtype):
             raise RuntimeError(f"export yielded {name} {list(tensor.shape)} {tensor.dtype}, planned "
                                f"{expected.name} {list(expected.shape)} {expected.dtype}")
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        data = tensor.detach().contiguous().cpu()
+        if data.numel():
+            self._file.write(_memory(data))
 
     @property
     def done(self) -> bool:

@@ -29,7 +29,7 @@ def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                        hf_config: Any, *, mesh=None, max_shard_bytes: int = 4 * 2**30,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
                        overwrite: bool = False, extra_files: Iterable[str | os.PathLike] = (),
-                       ignore: Sequence[str] = (), stats: Optional[ExportStats] = None) -> Path:
+                       ignore: Sequence[str] = (), stats: Optional[ExportStats] = None, staging=None) -> Path:
     """Write the model as an HF checkpoint in ``out_dir``; call on all ranks (rank 0 writes).
 
     Tensors stream from ``HFExporter`` into safetensors shards of at most ``max_shard_bytes``
@@ -37,7 +37,8 @@ def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     ``config.json`` (``hf_config``: a dict or a transformers config) and copies of
     ``extra_files`` (tokenizer, generation config) are added. Everything is written into a
     temporary sibling directory renamed into place at the end; on any error it is removed and
-    every rank raises. An existing ``out_dir`` is an error unless ``overwrite``.
+    every rank raises. An existing ``out_dir`` is an error unless ``overwrite``. ``staging``: the
+    parameters are loaded bucket by bucket as the export needs them (``HFExporter.iter_weights``).
     """
     exporter = HFExporter(chunks, weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
     final = Path(out_dir).resolve()
@@ -59,7 +60,7 @@ def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
         if rank == 0:
             tmp.mkdir(parents=True)
         shard = -1
-        for name, tensor in exporter.iter_weights(bucket_bytes=bucket_bytes, stats=stats):
+        for name, tensor in exporter.iter_weights(bucket_bytes=bucket_bytes, stats=stats, staging=staging):
             if error is not None:
                 continue  # keep receiving so the other ranks finish their sends
             try:

@@ -2,10 +2,14 @@
 storage the loader reads into) writes the same distributed checkpoint as a model built and
 initialised the classic way: on 2 gloo ranks at TP=2 and PP=2 (dense Qwen3) and EP=2 (Qwen3-MoE),
 every parameter is bit-identical after ``load_hf_checkpoint`` and the sharded state dict that
-``dist_checkpointing.save`` writes has the same keys, shard metadata and values.
+``dist_checkpointing.save`` writes has the same keys, shard metadata and values; the streamed way back
+(each export bucket loaded from the dist checkpoint just before it is sent) writes the source's HF
+tensors bit for bit, holding at most two buckets of parameters per rank.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,8 +73,9 @@ def _compare(rank: int, world: int, cases: list) -> list:
                 if len(meta) == 5:
                     assert torch.equal(meta[-1], lb[key][-1]), key
             counts.append(len(la))
-            _streamed_save_round_trip(rank, classic, model_cfg, pc, family.weight_map(model_cfg), hf_dir, mesh,
-                                      f"{hf_dir}-streamed-{len(counts)}")
+            ckpt = f"{hf_dir}-streamed-{len(counts)}"
+            _streamed_save_round_trip(rank, classic, model_cfg, pc, family.weight_map(model_cfg), hf_dir, mesh, ckpt)
+            _streamed_export(rank, model_cfg, pc, family.weight_map(model_cfg), hf_dir, hf_config, mesh, ckpt)
         finally:
             destroy_mesh(mesh)
     return counts
@@ -101,6 +106,59 @@ def _streamed_save_round_trip(rank, classic, model_cfg, pc, weight_map, hf_dir, 
         pb = dict(b.named_parameters())
         for name, param in a.named_parameters():
             assert torch.equal(param, pb[name]) and param.dtype == pb[name].dtype, name
+
+
+BUCKET = 16 * 2**10
+"""Export buckets of the streamed export test: a tiny model's export takes dozens of them."""
+
+
+def _streamed_export(rank, model_cfg, pc, weight_map, hf_dir, hf_config, mesh, ckpt) -> None:
+    """The way back streamed (``convert_mcore_to_hf``: ``save_hf_checkpoint`` with ``PartialLoad`` as
+    its staging): the HF files are bit-identical to the source, each rank holds the parameters of
+    at most two buckets (or one oversized item) at a time, and none once it is done."""
+    from safetensors.torch import load_file
+
+    from parallel.bridge import save_hf_checkpoint
+    from parallel.checkpoint import PartialLoad
+    from tools.convert_stream import build_empty_model
+
+    class Recorder(PartialLoad):
+        """``PartialLoad`` counting the bytes it holds loaded."""
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.held, self.peak, self.loads, self.largest = {}, 0, 0, 0
+
+        def load(self, tensors):
+            tensors = list(tensors)
+            super().load(tensors)
+            self.loads += 1
+            for t in tensors:
+                self.held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+            self.peak = max(self.peak, sum(self.held.values()))
+
+        def release(self, tensors):
+            for t in tensors:
+                self.held.pop(t.untyped_storage().data_ptr(), None)
+            super().release(tensors)
+
+    chunks = build_empty_model(model_cfg, pc)
+    staging = Recorder(chunks, ckpt)
+    out = f"{ckpt}-hf"
+    save_hf_checkpoint(chunks, weight_map, out, hf_config, mesh=mesh, bucket_bytes=BUCKET, staging=staging)
+    assert staging.loads > 10, staging.loads  # many buckets, one collective load each, on every rank
+    assert staging.held == {} and staging.peak <= 2 * max(BUCKET, staging.largest), (staging.peak, staging.largest)
+    held = [n for c in chunks for n, p in c.named_parameters() if p.untyped_storage().nbytes()]
+    assert held == [], held
+    if rank == 0:
+        source, written = {}, {}
+        for files, into in ((sorted(Path(hf_dir).glob("*.safetensors")), source),
+                            (sorted(Path(out).glob("*.safetensors")), written)):
+            for f in files:
+                into.update(load_file(f))
+        assert sorted(written) == sorted(source)
+        assert [n for n in source if written[n].dtype != source[n].dtype or not torch.equal(written[n], source[n])] == []
 
 
 def test_save_model_refuses_bad_writer_settings(tmp_path):
