@@ -17,6 +17,7 @@ unchanged as ``model-mtp.safetensors``, listed in the index.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,8 +33,10 @@ from tools.convert_common import (  # noqa: E402
     METADATA_FILE, METADATA_VERSION, FastEncoder, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
     exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
 )
-from tools.convert_launch import add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout  # noqa: E402
-from tools.convert_output import AtomicDir, Progress, check_output_dir, peak_summary, rank_peaks  # noqa: E402
+from tools.convert_launch import (  # noqa: E402
+    add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout, under_torchrun,
+)
+from tools.convert_output import AtomicDir, Progress, TreeMemory, check_output_dir, peak_summary, rank_peaks  # noqa: E402
 
 
 def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespace:
@@ -205,7 +208,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     diff, result = None, None
     atomic = AtomicDir(out, args.overwrite)
-    with atomic as tmp:
+    memory = TreeMemory()  # the ranks are this process's descendants (not under torchrun)
+    with atomic as tmp, memory if not under_torchrun() else contextlib.nullcontext():
         spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=meta["architecture"],
                     hf_config=meta["hf_config"], mcore_dir=str(mcore_dir), tmp=str(tmp), verify_ids=verify_ids,
                     verify_dtypes=verify_dtypes, max_shard_bytes=int(args.max_shard_mb * 2**20),
@@ -231,7 +235,7 @@ def _convert(args: argparse.Namespace) -> int:
         line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors{carried}, "
                 f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
                 f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s, "
-                f"{peak_summary(result['peaks'])}")
+                f"{peak_summary(result['peaks'], memory.peak)}")
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 
