@@ -151,6 +151,29 @@ def _streamed_export(rank, model_cfg, pc, weight_map, hf_dir, hf_config, mesh, c
     assert staging.held == {} and staging.peak <= 2 * max(BUCKET, staging.largest), (staging.peak, staging.largest)
     held = [n for c in chunks for n, p in c.named_parameters() if p.untyped_storage().nbytes()]
     assert held == [], held
+    # A write that fails in rank 0's background writer fails the export on every rank, leaving nothing.
+    from parallel.bridge import hf_files
+
+    write, failed = hf_files.SafetensorsStreamWriter.write, f"{ckpt}-hf-failed"
+    if rank == 0:
+        calls = []
+
+        def failing(self, name, tensor):
+            calls.append(name)
+            if len(calls) == 5:
+                raise OSError(28, "No space left on device")
+            write(self, name, tensor)
+
+        hf_files.SafetensorsStreamWriter.write = failing
+    try:
+        chunks = build_empty_model(model_cfg, pc)
+        with pytest.raises(OSError, match="No space left on device"):
+            save_hf_checkpoint(chunks, weight_map, failed, hf_config, mesh=mesh, bucket_bytes=BUCKET,
+                               staging=PartialLoad(chunks, ckpt))
+    finally:
+        hf_files.SafetensorsStreamWriter.write = write
+    torch.distributed.barrier()  # rank 0 has cleaned up
+    assert not Path(failed).exists() and not list(Path(failed).parent.glob(f".{Path(failed).name}*"))
     if rank == 0:
         source, written = {}, {}
         for files, into in ((sorted(Path(hf_dir).glob("*.safetensors")), source),
