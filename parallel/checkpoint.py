@@ -438,7 +438,12 @@ class PartialLoad:
     calls it, with none); a storage already loaded is not read again. ``release(tensors)`` gives
     their storage up. Empty storage (``tools.convert_stream.build_empty_model``) gets its pages as
     it is loaded; tensors never asked for are never read. This is the ``staging`` of
-    ``parallel.bridge.HFExporter.iter_weights``."""
+    ``parallel.bridge.HFExporter.iter_weights``.
+
+    On a single rank the first ``load`` reads every tensor at once: Megatron's load assumes that a
+    rank asks for all of its shards of a tensor (an MoE or stacked-layer key spans the whole model)
+    and, in a world of one, takes the shards not asked for as its own (it places them on rank
+    ``(rank + 1) % world``). The releases still free each bucket once written."""
 
     def __init__(self, chunks: Iterable[torch.nn.Module], path: str | os.PathLike):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -457,6 +462,8 @@ class PartialLoad:
         """Fill ``tensors`` (parameters of the chunks) from the checkpoint; collective."""
         from megatron.core import dist_checkpointing
 
+        if not dist.is_initialized() or dist.get_world_size() == 1:  # see the class docstring
+            tensors = [leaf.data for entries in self._by_storage.values() for _, leaf in entries]
         chosen = [entry for t in tensors if t.numel() for entry in self._by_storage.pop(t.untyped_storage().data_ptr(), [])]
         wanted: dict = {}
         for keys, leaf in chosen:
