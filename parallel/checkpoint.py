@@ -464,7 +464,8 @@ class PartialLoad:
 
         if not dist.is_initialized() or dist.get_world_size() == 1:  # see the class docstring
             tensors = [leaf.data for entries in self._by_storage.values() for _, leaf in entries]
-        chosen = [entry for t in tensors if t.numel() for entry in self._by_storage.pop(t.untyped_storage().data_ptr(), [])]
+        chosen = [entry for t in tensors if t.numel()
+                  for entry in self._by_storage.pop(t.untyped_storage().data_ptr(), [])]
         wanted: dict = {}
         for keys, leaf in chosen:
             node = wanted

@@ -36,7 +36,9 @@ from tools.convert_common import (  # noqa: E402
 from tools.convert_launch import (  # noqa: E402
     add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout, under_torchrun,
 )
-from tools.convert_output import AtomicDir, Progress, TreeMemory, check_output_dir, peak_summary, rank_peaks  # noqa: E402
+from tools.convert_output import (  # noqa: E402
+    AtomicDir, Progress, TreeMemory, check_output_dir, peak_summary, rank_peaks,
+)
 
 
 def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespace:

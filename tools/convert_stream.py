@@ -65,8 +65,8 @@ def _attributes_only_init():
                         return_master_weight=False, *, skip_set_tensor_parallel_attributes=False, **_):
         if return_master_weight:  # a caller that keeps the master weight (tests only): Megatron's own path
             return original(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride,
-                            return_master_weight, skip_set_tensor_parallel_attributes=skip_set_tensor_parallel_attributes,
-                            **_)
+                            return_master_weight,
+                            skip_set_tensor_parallel_attributes=skip_set_tensor_parallel_attributes, **_)
         if not skip_set_tensor_parallel_attributes:
             layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim,
                                                         stride=stride)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridge.collective import broadcast_str, raise_together
-from parallel.bridge.export import DEFAULT_BUCKET_BYTES, ExportStats, HFExporter
+from parallel.bridge.export import DEFAULT_BUCKET_BYTES, ExportStats, HFExporter, _nbytes
 from parallel.bridge.hf_files import INDEX_FILE, SINGLE_FILE, SafetensorsStreamWriter, plan_shards
 from parallel.bridge.rules import WeightMap
 
@@ -89,13 +89,9 @@ class _Background:
                 del tensor
                 self._cond.notify_all()
 
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
     def submit(self, name: str, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` (waits while more than ``limit`` bytes are queued)."""
-        self._raise()
+        self.raise_error()
         with self._cond:
             while self._queue and self._queued + _nbytes(tensor) > self._limit and self._error is None:
                 self._cond.wait()
@@ -111,7 +107,8 @@ class _Background:
 
     def raise_error(self) -> None:
         """Raise the writer's first error, if any."""
-        self._raise()
+        if self._error is not None:
+            raise self._error
 
     def stop(self) -> None:
         """End the thread once the queue is written (or dropped after an error)."""
@@ -148,10 +145,6 @@ class _ReleaseWhenWritten:
         """At the end: wait for the writer, release what waits, raise the writer's error."""
         self._release_written()
         self._background.raise_error()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, out_dir: str | os.PathLike,
