@@ -5,15 +5,22 @@ group (gloo on CPU, NCCL where asked) on a fresh free port, calls ``fn(rank, wor
 *args)`` on each, and returns the per-rank return values in rank order. The first failing
 rank's exception is re-raised in the caller with that rank's traceback; a run that exceeds
 ``timeout_s`` is killed and reported instead of hanging.
+
+No rank outlives the call: each rank leads its own process group, which is killed (the rank
+and anything it started) on every way out of ``run_distributed``, and each rank is set to die
+with its parent (``PR_SET_PDEATHSIG``), so a parent killed with SIGKILL leaves no rank behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-import time
 import pickle
 import queue
+import signal
 import socket
+import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -33,8 +40,30 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tie_to_parent(parent_pid: int) -> None:
+    """Lead a process group of our own and die with the parent (Linux), even if it is SIGKILLed."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
+def _kill_rank(proc: Any) -> None:
+    """SIGKILL a rank's process group (the rank and whatever it started), then reap the rank."""
+    # Started and not yet reaped: its pid is still its group's id (a pid is not reused before that).
+    if proc.pid is not None and proc.exitcode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not yet its own group leader
+            proc.kill()
+        proc.join(timeout=5)
+
+
 def _worker(rank: int, world_size: int, backend: str, port: int, fn: Callable, args: tuple,
-            env: dict[str, str], results: Any) -> None:
+            env: dict[str, str], results: Any, parent_pid: int) -> None:
+    _tie_to_parent(parent_pid)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -84,16 +113,16 @@ def run_distributed(
     results = ctx.Queue()
     port = find_free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, backend, port, fn, args, dict(env or {}), results),
-                    daemon=False)
+        ctx.Process(target=_worker, daemon=False,
+                    args=(r, world_size, backend, port, fn, args, dict(env or {}), results, os.getpid()))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout_s
     outputs: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     try:
+        for p in procs:
+            p.start()
         while len(outputs) < world_size and failure is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -128,6 +157,4 @@ def run_distributed(
         return [outputs[r] for r in range(world_size)]
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            _kill_rank(p)

@@ -77,3 +77,69 @@ def test_rejects_bad_arguments_before_spawning():
         run_distributed(_sum_ranks, 0, 0.0)
     with pytest.raises(ValueError, match=r"^backend='mpi' is not allowed; choose 'gloo' or 'nccl'$"):
         run_distributed(_sum_ranks, 2, 0.0, backend="mpi")
+
+
+def _start_grandchild_then_fail(rank: int, world_size: int, pid_file: str) -> int:
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])  # something the rank started, e.g. a server
+    with open(pid_file, "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    raise RuntimeError("rank fails with a child still running")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped by its parent
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_dead(pids, within_s: float = 15.0) -> list[int]:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_a_failing_one_rank_run_leaves_no_rank_and_no_child_of_a_rank(tmp_path):
+    pid_file = tmp_path / "pids"
+    with pytest.raises(DistributedTestError, match="rank fails with a child still running"):
+        run_distributed(_start_grandchild_then_fail, 1, str(pid_file), timeout_s=120)
+    rank_pid, child_pid = map(int, pid_file.read_text().split())
+    assert _wait_dead([rank_pid, child_pid]) == []
+
+
+def test_ranks_die_with_a_parent_killed_by_sigkill(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "pids"
+    script = (
+        "import sys; sys.path[:0] = [{root!r}, {here!r}]\n"
+        "from parallel.testing import run_distributed\n"
+        "from test_testing import _hang_writing_pid\n"
+        "run_distributed(_hang_writing_pid, 2, {pid_file!r}, timeout_s=300)\n"
+    ).format(root=os.getcwd(), here=os.path.dirname(__file__), pid_file=str(pid_file))
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and len(list(tmp_path.glob("pids.*"))) < 2:
+            assert parent.poll() is None, "the parent exited before its ranks started"
+            time.sleep(0.2)
+        ranks = [int(p.read_text()) for p in tmp_path.glob("pids.*")]
+        assert len(ranks) == 2
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert _wait_dead(ranks) == []
+
+
+def _hang_writing_pid(rank: int, world_size: int, pid_file: str) -> int:
+    with open(f"{pid_file}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+    return rank
