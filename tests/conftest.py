@@ -1,7 +1,19 @@
-"""Shared pytest set-up: GPU tests are skipped where CUDA is absent."""
+"""Shared pytest set-up: GPU tests are skipped where CUDA is absent, and the time budget is reported.
+
+Each test has 60 s on a quiet 2-core machine (set-up, call and tear-down together). A test that
+needs longer is named in ``LONG_TESTS`` with its reason; any other test past the budget is listed
+at the end of the run (``--durations=25`` in pytest.ini lists the slowest in any case).
+"""
 
 import pytest
 import torch
+
+BUDGET_S = 60.0
+
+# node id (as pytest prints it, parameters included) -> why it may take longer than BUDGET_S
+LONG_TESTS: dict[str, str] = {}
+
+_durations: dict[str, float] = {}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +23,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((d, n) for n, d in _durations.items() if d > BUDGET_S and n not in LONG_TESTS), reverse=True)
+    if over:
+        terminalreporter.section(f"tests over the {BUDGET_S:g} s budget and not in tests/conftest.py's LONG_TESTS")
+        for duration, nodeid in over:
+            terminalreporter.write_line(f"{duration:8.1f} s  {nodeid}")
