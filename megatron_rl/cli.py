@@ -117,7 +117,7 @@ def _gpu_memory_gb(text: str) -> float:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.job.layout_hint import with_layout_hint
     from megatron_rl.job.main_job import load_run_config
-    from megatron_rl.planner import format_plan, plan_run
+    from megatron_rl.planner import format_plan, plan_json, plan_run
 
     overrides = list(args.overrides)
     if args.nodes is not None:
@@ -131,7 +131,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"megatron-rl plan: {err}", file=sys.stderr)
         return 2
-    print(format_plan(plan))
+    if args.json:  # one JSON object (its "rollout" member is the engine map)
+        import json
+
+        print(json.dumps(plan_json(plan)))
+    else:
+        print(format_plan(plan))
     return 0 if plan.fits else 1
 
 
@@ -195,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
     p.add_argument("--gpu-memory-gb", type=_gpu_memory_gb, default=80.0, help="memory per GPU in GiB (default 80)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as one JSON object (its \"rollout\" member: the vLLM engines' GPUs per node)")
     p.add_argument("--architecture", default=None,
                    help="built-in architecture when the checkpoint is not local (one of "
                         f"{', '.join(PLANNER_ARCHITECTURES)}); default: inferred from the checkpoint path")

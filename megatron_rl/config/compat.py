@@ -86,16 +86,16 @@ INERT_KEYS: dict[str, str] = {
     "|*.megatron.forward_only|*.hybrid_engine|*.nccl_timeout":
         "DDP, the model build and which roles train are fixed by the role (model options go in model.override_config); "
         "actor and rollout always share the devices",
-    "*.rollout.mode|*.rollout.data_parallel_size|*.rollout.expert_parallel_size"
-    "|*.rollout.pipeline_model_parallel_size"
+    "*.rollout.mode"
     "|*.rollout.cudagraph_capture_sizes|*.rollout.scheduling_policy|*.rollout.layered_summon|*.rollout.full_determinism"
     "|*.rollout.over_sample_rate|*.rollout.multi_stage_wake_up|*.rollout.router_config_path|*.rollout.skip_tokenizer_init"
     "|*.rollout.log_prob_micro_batch_size*|*.rollout.log_prob_use_dynamic_bsz|*.rollout.log_prob_max_token_len_per_gpu"
     "|*.rollout.disaggregation.*|*.rollout.checkpoint_engine.engine_kwargs"
     "|*.rollout.checkpoint_engine.custom_backend_module|*.ref.log_prob_micro_batch_size|*.ref.rollout_n"
     "|*.ppo_infer_micro_batch_size_per_gpu|*.ppo_infer_max_token_len_per_gpu":
-        "one in-process vLLM engine per run, colocated or on its own resources (rollout.nnodes / n_gpus_per_node; "
-        "rollout.tensor_model_parallel_size sets its TP); verl's "
+        "vLLM engines of rollout.tensor_model_parallel_size x data_parallel_size x pipeline_model_parallel_size "
+        "GPUs, as many as the rollout's GPUs hold, colocated or on their own resources (rollout.nnodes / "
+        "n_gpus_per_node); verl's "
         "server, disaggregation and engine-pool options, and its separate old-log-prob micro-batch and token "
         "budget (the actor's training ones are used), have no counterpart",
     "*.rollout.multi_turn.function_tool_path|*.rollout.multi_turn.use_inference_chat_template"

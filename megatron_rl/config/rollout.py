@@ -161,6 +161,16 @@ class RolloutConfig(BaseConfig):
     """Engine dtype; ``auto`` = float32 on CPU (bf16 drifts from HF after ~10 tokens), bfloat16 on GPU."""
     tensor_model_parallel_size: int = 1
     """vLLM tensor parallel size (independent of training's layout)."""
+    data_parallel_size: int = 1
+    """vLLM data-parallel ranks inside one engine; an engine is TP x DP x PP GPUs
+    (``megatron_rl.utils.engine_map``: replicas = the rollout's GPUs / engine size)."""
+    pipeline_model_parallel_size: int = 1
+    """vLLM pipeline stages inside one engine (GPU only)."""
+    expert_parallel_size: int = 1
+    """vLLM expert parallelism over the engine's TP x DP ranks: 1 (off) or TP x DP, as verl requires."""
+    num_replicas: Optional[int] = None
+    """Engines on CPU (this project's key; there are no GPUs to divide): None = 1. On GPUs the count is
+    the arithmetic's (GPUs / engine size) and a different value here is refused."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (GPU only)."""
     kv_cache_space_gib: int = 1
@@ -218,8 +228,15 @@ class RolloutConfig(BaseConfig):
         check_choice("rollout.name", self.name, ("vllm",))
         check_sampling(self, "rollout.")
         for key in ("prompt_length", "response_length", "tensor_model_parallel_size", "max_num_seqs",
-                    "kv_cache_space_gib"):
+                    "kv_cache_space_gib", "data_parallel_size", "pipeline_model_parallel_size", "expert_parallel_size"):
             check_range(f"rollout.{key}", getattr(self, key), low=1)
+        if self.num_replicas is not None:
+            check_range("rollout.num_replicas", self.num_replicas, low=1)
+        tp_dp = self.tensor_model_parallel_size * self.data_parallel_size
+        if self.expert_parallel_size > 1 and self.expert_parallel_size != tp_dp:
+            raise ValueError(f"rollout.expert_parallel_size={self.expert_parallel_size} must equal "
+                             f"tensor_model_parallel_size x data_parallel_size = {tp_dp} (vLLM's expert parallelism "
+                             "spans the engine's TP x DP ranks, as verl requires), or be 1")
         check_choice("rollout.prompt_too_long", self.prompt_too_long, PROMPT_TOO_LONG)
         check_choice("rollout.logprobs_mode", self.logprobs_mode, ("processed_logprobs", "raw_logprobs"))
         check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))

@@ -7,7 +7,7 @@ the model and the cluster, places ranks on nodes and estimates per-device memory
 
 from megatron_rl.planner.architectures import KNOWN_ARCHITECTURES, resolve_architecture
 from megatron_rl.planner.memory import RoleMemory, count_params, estimate_role
-from megatron_rl.planner.plan import Plan, check_plan, format_plan, misfit_message, plan_run
+from megatron_rl.planner.plan import Plan, check_plan, format_plan, misfit_message, plan_json, plan_run
 
 __all__ = ["KNOWN_ARCHITECTURES", "resolve_architecture", "RoleMemory", "count_params", "estimate_role",
-           "Plan", "plan_run", "check_plan", "format_plan", "misfit_message"]
+           "Plan", "plan_run", "check_plan", "format_plan", "misfit_message", "plan_json"]

@@ -27,9 +27,10 @@ from megatron_rl.config.trainer import TrainerRunConfig
 from megatron_rl.models.gpt import padded_vocab_size
 from megatron_rl.planner.architectures import resolve_architecture
 from megatron_rl.planner.memory import GIB, RoleMemory, count_params, estimate_role
+from megatron_rl.utils.engine_map import EngineMap, rollout_layout
 from parallel.config import ParallelConfig
 
-__all__ = ["Plan", "plan_run", "check_plan", "format_plan", "FRAMEWORK_RESERVE_GIB"]
+__all__ = ["Plan", "plan_run", "check_plan", "format_plan", "plan_json", "FRAMEWORK_RESERVE_GIB"]
 
 FRAMEWORK_RESERVE_GIB = 4.0
 """Per GPU: CUDA context (~0.5 GiB), NCCL communicators and buffers, caching-allocator slack."""
@@ -53,6 +54,8 @@ class Plan:
     placement: list[str]
     warnings: list[str]
     suggestion: Optional[str] = None
+    engines: Optional[EngineMap] = None
+    """The rollout's engine map (``megatron_rl.utils.engine_map``): replicas and their GPUs."""
 
     @property
     def peak_phase(self) -> str:
@@ -304,22 +307,13 @@ class _Context:
         if ep_span > gpus:
             warnings.append(f"expert-parallel group of EP*ETP={ep_span} ranks spans nodes: MoE all-to-all crosses "
                             "the inter-node network")
-        rollout_tp = arr.rollout.tensor_model_parallel_size
-        if cfg.trainer.device == "cuda":
-            from megatron_rl.trainer.placement import GPU_ROLLOUT_ONE_ENGINE, gpu_rollout_placement_error
-
-            if world > rollout_tp:
-                warnings.append(f"generation: {GPU_ROLLOUT_ONE_ENGINE} (TP={rollout_tp} of {world} GPUs); the vLLM "
-                                "terms above size every GPU for the engine shard that replicas would hold")
-            placement_error = gpu_rollout_placement_error(cfg)
-            if placement_error is not None:
-                warnings.append(f"`megatron-rl train` refuses this layout on GPUs today: {placement_error}")
-        if rollout_tp > gpus:
-            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} exceeds "
-                             f"--gpus-per-node={gpus}; a vLLM engine must stay inside one node")
+        engines = rollout_layout(cfg)  # the trainer's placement builds exactly this map (ValueError by key)
+        if engines.nodes_per_engine > 1:
+            warnings.append(f"generation: each vLLM engine spans {engines.nodes_per_engine} nodes (vLLM's multi-node "
+                            "mode): its tensor-parallel all-reduces cross the inter-node network")
         return Plan(nodes=nodes, gpus_per_node=gpus, device=cfg.trainer.device, memory_budget_bytes=self.budget,
                     model=self.model, model_source="", sizes=sizes, roles=roles, phases=phases,
-                    placement=_placement(sizes, nodes, gpus), warnings=warnings)
+                    placement=_placement(sizes, nodes, gpus), warnings=warnings, engines=engines)
 
     def _phases(self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory]) -> dict[str, dict[str, int]]:
         """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
@@ -335,8 +329,8 @@ class _Context:
             vllm = int(rollout.gpu_memory_utilization * self.budget)
             dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
             # rollout.quantization=fp8: block FP8 projections (1 B + a 4 B scale per 128x128 block), rest in dtype
-            vllm_weights = (rollout_weight_bytes(self.model, dtype, rollout.quantization)
-                            // rollout.tensor_model_parallel_size)
+            vllm_weights = (rollout_weight_bytes(self.model, dtype, rollout.quantization)  # an engine's share per GPU
+                            // (rollout.tensor_model_parallel_size * rollout.pipeline_model_parallel_size))
             what = dtype if rollout.quantization is None else f"{rollout.quantization} block-quantised ({dtype} rest)"
             if vllm_weights >= vllm:  # vLLM would find no room for a KV cache and refuse to start
                 raise ValueError(
@@ -455,6 +449,11 @@ def format_plan(plan: Plan) -> str:
              f"actor layout: TP={s['tp']} PP={s['pp']} VPP={s['vpp'] or 1} CP={s['cp']} EP={s['ep']} ETP={s['etp']} "
              f"-> DP={s['dp']} expert-DP={s['expert_dp']}", "placement:"]
     lines += [f"  {line}" for line in plan.placement]
+    if plan.engines is not None:
+        e = plan.engines
+        lines.append(f"rollout engines: {e.replicas} x {e.engine_gpus} {'GPUs' if plan.device == 'cuda' else 'slots'}"
+                     f" ({'colocated' if e.colocated else 'separate pool'}, {e.nodes_per_engine} node(s) each):")
+        lines += [f"  {line}" for line in e.describe()]
     lines.append("per-rank parameters: " + ", ".join(
         f"{name} {(r.params_dense + r.params_expert) / 1e9:.3f} B" for name, r in plan.roles.items()))
     lines.append(f"memory per {unit} (GiB):")
@@ -469,3 +468,14 @@ def format_plan(plan: Plan) -> str:
     else:
         lines.append("verdict: DOES NOT FIT -- " + misfit_message(plan))
     return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict:
+    """``megatron-rl plan --json``: the plan as one JSON-ready object; its ``"rollout"`` member is the engine
+    map (``{"engine_gpus", "replicas", "nodes_per_engine", "engines": [[[node, gpu], ...], ...]}``)."""
+    return {"nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node, "device": plan.device,
+            "layout": dict(plan.sizes), "fits": plan.fits, "peak_phase": plan.peak_phase,
+            "peak_gib": round(plan.peak_bytes / GIB, 3), "memory_budget_gib": round(plan.memory_budget_bytes / GIB, 3),
+            "phases_gib": {p: round(sum(t.values()) / GIB, 3) for p, t in plan.phases.items()},
+            "rollout": plan.engines.to_json() if plan.engines is not None else None,
+            "warnings": list(plan.warnings), "suggestion": plan.suggestion}

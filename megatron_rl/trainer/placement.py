@@ -17,16 +17,12 @@ from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
 from megatron_rl.config import ActorConfig, TrainerRunConfig
 from megatron_rl.models.tiny import megatron_overrides
+from megatron_rl.utils.engine_map import rollout_layout
 from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
 __all__ = ["role_specs", "role_token_budgets", "RoleBudget", "actor_config", "check_token_budget", "Placement",
-           "gpu_rollout_placement_error", "GPU_ROLLOUT_ONE_ENGINE"]
-
-GPU_ROLLOUT_ONE_ENGINE = (
-    "this project starts one vLLM engine per run (rollout replicas on the other GPUs, one engine per node or per "
-    "TP group as verl / slime place them, are not built): generation runs on that engine alone")
-
+           "gpu_rollout_placement_error"]
 
 def _with_horizon(role_config, total_steps: int):
     """``role_config`` whose LR schedule spans the run: ``optim.total_training_steps`` set to
@@ -187,25 +183,13 @@ def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, to
 
 
 def gpu_rollout_placement_error(config: TrainerRunConfig) -> Optional[str]:
-    """Why ``Placement`` cannot place this run's vLLM engine on GPUs, or None. The colocated engine's
-    Ray actor holds a share of one GPU (the roles' ranks share each device), so it sees one device
-    and cannot start an engine of tensor_model_parallel_size > 1; a separate rollout gets whole GPUs
-    in one placement-group bundle, which must fit on one node."""
-    rollout = config.actor_rollout_ref.rollout
-    if config.trainer.device != "cuda":
-        return None
-    tp, own = rollout.tensor_model_parallel_size, rollout.nnodes * rollout.n_gpus_per_node
-    if own == 0 and tp > 1:
-        return (f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: the colocated vLLM engine runs in a Ray "
-                "actor holding a share of one GPU (it sees one device); multi-GPU engine placement is not built, "
-                "so a colocated GPU run needs tensor_model_parallel_size=1, or a separate rollout "
-                "(trainer.v1.trainer_mode=separate_async with rollout.n_gpus_per_node >= its TP)")
-    if own and rollout.nnodes > 1:
-        return (f"actor_rollout_ref.rollout.nnodes={rollout.nnodes}: the separate rollout is one vLLM engine in one "
-                "placement-group bundle, which must fit on one node (multi-node engines are not built); use nnodes=1")
-    if own and tp > own:
-        return (f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} exceeds the separate rollout's "
-                f"n_gpus_per_node={rollout.n_gpus_per_node} GPUs")
+    """Why the rollout's engines cannot be placed (``megatron_rl.utils.engine_map.rollout_layout``: an
+    engine size that does not divide the rollout's GPUs, or stays neither inside a node nor on whole
+    nodes; EP not TP x DP; a ``num_replicas`` the GPUs do not give), or None."""
+    try:
+        rollout_layout(config)
+    except ValueError as err:
+        return str(err)
     return None
 
 

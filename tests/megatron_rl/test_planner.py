@@ -10,6 +10,7 @@ objects. The model (~5.3 M params, sequence 256) makes every term tens of MB.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -123,24 +124,43 @@ def test_cpu_toy_recipe_uses_host_ram():
     assert plan.phases["rollout"]["framework reserve"] == 0
 
 
-def test_gpu_rollout_placement_the_trainer_cannot_do_is_named():
-    """One vLLM engine per run, in a Ray actor holding a share of one GPU when colocated: the plan says
-    so, and the trainer's placement check refuses a colocated rollout TP > 1 and a multi-node separate
-    rollout by key before any worker starts."""
+def test_gpu_rollout_engine_map_in_plan_and_placement():
+    """The plan's engine map is the trainer's (``megatron_rl.utils.engine_map.rollout_layout``): colocated
+    TP=4 engines on 2 x 8 GPUs are 4 replicas; a separate pool of 2 nodes gets its own; a layout that does
+    not divide is refused by key by both."""
     from megatron_rl.trainer.placement import gpu_rollout_placement_error
+    from megatron_rl.utils.engine_map import rollout_layout
 
     plan = check_plan(load_config("gpu/qwen3_30b_a3b_grpo"))  # 16 GPUs, rollout TP=4, colocated
-    assert any("one vLLM engine per run" in w and "TP=4 of 16 GPUs" in w for w in plan.warnings), plan.warnings
-    assert any("refuses this layout on GPUs today" in w for w in plan.warnings), plan.warnings
-    assert "rollout.tensor_model_parallel_size=4: the colocated vLLM engine" in gpu_rollout_placement_error(
-        load_config("gpu/qwen3_30b_a3b_grpo"))
-    one = load_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
-    assert gpu_rollout_placement_error(one) is None
-    sep = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=8", "trainer.v1.trainer_mode=separate_async",
-           "actor_rollout_ref.rollout.free_cache_engine=false"]
+    assert (plan.engines.replicas, plan.engines.engine_gpus, plan.engines.nodes_per_engine) == (4, 4, 1)
+    assert plan.engines.engines[2] == ((1, 0), (1, 1), (1, 2), (1, 3))
+    assert not any("one vLLM engine" in w or "refuses" in w for w in plan.warnings), plan.warnings
+    assert gpu_rollout_placement_error(load_config("gpu/qwen3_30b_a3b_grpo")) is None
+    sep = ["actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=8",
+           "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.free_cache_engine=false"]
+    sep_map = rollout_layout(load_config("gpu/qwen3_30b_a3b_grpo", sep))  # its pool's nodes follow the trainer's
+    assert (sep_map.replicas, sep_map.colocated, sep_map.engines[0][0], sep_map.engines[3][-1]) == (4, False, (2, 0),
+                                                                                                  (3, 7))
     assert gpu_rollout_placement_error(load_config("gpu/qwen3_30b_a3b_grpo", sep)) is None
-    assert "rollout.nnodes=2" in gpu_rollout_placement_error(
-        load_config("gpu/qwen3_30b_a3b_grpo", [*sep[1:], "actor_rollout_ref.rollout.nnodes=2"]))
-    assert "exceeds the separate rollout's n_gpus_per_node=2" in gpu_rollout_placement_error(
-        load_config("gpu/qwen3_30b_a3b_grpo", [sep[0], *sep[2:], "actor_rollout_ref.rollout.n_gpus_per_node=2"]))
-    assert gpu_rollout_placement_error(load_config("grpo")) is None  # CPU: the engine has its CPUs
+    bad = load_config("gpu/qwen3_30b_a3b_grpo", [*sep[:1], *sep[2:], "actor_rollout_ref.rollout.n_gpus_per_node=6"])
+    assert gpu_rollout_placement_error(bad) == (
+        "an engine of 4 GPUs (actor_rollout_ref.rollout.tensor_model_parallel_size x data_parallel_size x "
+        "pipeline_model_parallel_size = 4x1x1) does not divide actor_rollout_ref.rollout.n_gpus_per_node=6: an engine "
+        "no larger than a node stays inside one node; use an engine size dividing 6")
+    wrong = load_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.rollout.num_replicas=2"])
+    assert "num_replicas=2, but the rollout's GPUs hold 4 engine(s) of 4 GPUs" in gpu_rollout_placement_error(wrong)
+    assert gpu_rollout_placement_error(load_config("grpo")) is None  # CPU: one engine unless num_replicas says more
+
+
+def test_cli_plan_json_engine_map():
+    """``plan --json``: one JSON object whose "rollout" member is the engine map, nodes and GPUs from 0."""
+    out = _cli("gpu/qwen3_30b_a3b_grpo", "--json", "actor_rollout_ref.rollout.tensor_model_parallel_size=8")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["rollout"] == {"engine_gpus": 8, "replicas": 2, "nodes_per_engine": 1,
+                               "engines": [[[0, g] for g in range(8)], [[1, g] for g in range(8)]]}
+    span = json.loads(_cli("gpu/qwen3_30b_a3b_grpo", "--json", "--gpus-per-node", "4", "--nodes", "4",
+                           "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=8").stdout)["rollout"]
+    assert (span["replicas"], span["nodes_per_engine"]) == (2, 2)
+    assert span["engines"][1] == [[2, g] for g in range(4)] + [[3, g] for g in range(4)]
