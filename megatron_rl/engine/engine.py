@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_rl.config import OptimConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
+from megatron_rl.engine.device import to_device, to_host
 from megatron_rl.engine.layout import ModelOutput, prepare_inputs
 from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
@@ -50,7 +51,8 @@ from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_leng
 from megatron_rl.engine.offload import CATEGORIES, OffloadStore, resident_bytes
 from megatron_rl.engine.router_replay import ROUTED_EXPERTS, RoutingReplay, RoutingSession
 from megatron_rl.models.attention import check_packing_support
-from megatron_rl.models.gpt import HEADS, build_model, build_transformer_config, hidden_states_output, te_available
+from megatron_rl.models.gpt import (HEADS, build_model, build_transformer_config, hidden_states_output, require_te,
+                                    te_available)
 
 __all__ = ["MegatronEngine", "HEADS", "ForwardFn", "LossFn", "ModelOutput", "StepInfo", "LossMetrics"]
 
@@ -97,7 +99,8 @@ class MegatronEngine:
             raise ValueError(f"head={head!r} is not allowed; choose one of {list(HEADS)}")
         if trainable and optim is None:
             raise ValueError(f"the {name!r} engine is trainable but has no optim config")
-        if remove_padding:  # before anything is allocated
+        check_context_parallel(model_cfg, mesh.config.context_parallel_size)  # before anything is allocated
+        if remove_padding:
             check_packing_support(model_cfg.attention_backend, context_parallel_size=mesh.config.context_parallel_size,
                                   te_importable=te_available())
         self.remove_padding = remove_padding
@@ -169,8 +172,8 @@ class MegatronEngine:
         session = self._routing_session(routing, batch, plan, micro_batches, forward_only=True)
         outputs = self._run(micro_batches, loss_func, forward_only=True, session=session)
         result = None
-        if self.mesh.is_last_pp_stage:
-            result = {k: plan.restore(torch.cat([o[k] for o in outputs])) for k in outputs[0]}
+        if self.mesh.is_last_pp_stage:  # per-row results go back to host memory (the driver's)
+            result = to_host({k: plan.restore(torch.cat([o[k] for o in outputs])) for k in outputs[0]})
         result = self._broadcast_from_last_stage(result)
         if session is not None:
             recorded, self.routing_agreement = session.close()
@@ -334,6 +337,9 @@ class MegatronEngine:
                                                         cp_group=self.mesh.cp_group)
         else:
             ids, pos, layout = prepare_inputs(mb, pad_to=pad_to, multiple=multiple, cp_group=self.mesh.cp_group)
+        # The one place a role's inputs reach its device (megatron_rl.engine.device): the micro-batch
+        # the closures read, the model inputs, cu_seqlens and the layout's indices, prepared on the host.
+        mb, ids, pos, packed, layout = to_device((mb, ids, pos, packed, layout), self.device)
         if session is not None:
             session.before_forward(model, index, mb, layout)
         if self.head == "lm":
@@ -437,6 +443,23 @@ class MegatronEngine:
         if away:
             raise RuntimeError(f"the {self.name!r} engine's {away} are offloaded to host memory; call "
                                "load_to_device() first (the phase schedule onloads a role before it computes)")
+
+
+def check_context_parallel(model_cfg: ModelConfig, context_parallel_size: int) -> None:
+    """Refuse what context parallelism cannot run, by key, before the model is built.
+
+    CP attends over a split sequence with TransformerEngine's attention only, and TE's flash and
+    fused attention need float16 / bfloat16 while its unfused attention is disabled under CP: at
+    float32 every CP forward fails inside TE ("No dot product attention backend is available").
+    """
+    if context_parallel_size <= 1:
+        return
+    if model_cfg.dtype == torch.float32:
+        raise ValueError(f"megatron.context_parallel_size={context_parallel_size} needs bfloat16 or float16 "
+                         "parameters: TransformerEngine's flash and fused attention do not run float32 and its "
+                         "unfused attention is disabled under context parallelism; set megatron.dtype (an inline "
+                         "model's params_dtype) to bfloat16, or context_parallel_size=1")
+    require_te(f"megatron.context_parallel_size={context_parallel_size}")
 
 
 class _ReshardableOptimizerState:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.engine.device import to_host
 from megatron_rl.workers.dispatch import resolve_shard
 from megatron_rl.workers.spec import WorkerSpec
 from megatron_rl.workers.weight_sync import WeightSyncRank
@@ -97,8 +98,12 @@ class MegatronWorker(WeightSyncRank):
                 "cp_rank": m.cp_rank, "pp_rank": m.pp_rank, "is_last_pp_stage": m.is_last_pp_stage}
 
     def call(self, method: str, shard: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Any:
-        """``role.<method>(batch, **kwargs)`` on this rank's shard (its object references fetched here)."""
-        return getattr(self.role, method)(resolve_shard(shard), **kwargs)
+        """``role.<method>(batch, **kwargs)`` on this rank's shard (its object references fetched here).
+
+        The shard arrives in host memory and is handed over as it is: the engine moves each
+        micro-batch to its device (``megatron_rl.engine.device``). What the method returns goes
+        back in host memory, so the driver never unpickles a CUDA tensor."""
+        return to_host(getattr(self.role, method)(resolve_shard(shard), **kwargs))
 
     def save_checkpoint(self, path: str) -> str:
         """Collective: the engine's model / optimizer / schedule / RNG to ``path`` (atomic; offloaded

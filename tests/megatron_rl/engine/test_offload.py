@@ -113,7 +113,7 @@ def _gpu_offload_case(rank, world_size):
     from parallel.mesh import init_mesh
 
     role = make_role("actor", DENSE, init_mesh(ParallelConfig(), seed=5), TRAIN)
-    batch = {k: v.cuda() for k, v in make_batch(DENSE["vocab_size"]).items()}
+    batch = make_batch(DENSE["vocab_size"])  # host tensors, as the driver sends them
     _step("actor", role, batch)  # Adam state exists
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
