@@ -15,7 +15,12 @@ key the user set (exit 2: nothing trained, nothing in the run directory changed)
   file and row), enough prompts for one batch, and a rule reward for every ``data_source``;
 * the reward: ``reward.reward_fn`` is registered, ``custom_reward_function`` compiles, imports and
   defines its function (a syntax error names file and line);
-* logger packages, and sampling vLLM would refuse (greedy sampling with ``n > 1``).
+* logger packages, and sampling vLLM would refuse (greedy sampling with ``n > 1``);
+* the GPU stack (``check_gpu_stack``): ``trainer.device=cuda`` needs a torch that sees a GPU (a
+  CUDA 13 torch on a CUDA 12 driver sees none, and the run would silently take its CPU paths);
+  a role that asks for TransformerEngine (``attention_backend: te``, or ``context_parallel_size``
+  > 1) needs TE to import -- its import error is shown, never a quiet fallback to the local
+  spec -- and context parallelism needs bfloat16 / float16 parameters (TE's CP attention).
 
 It returns the resume ``Selection`` (``path`` None: a fresh start).
 """
@@ -31,7 +36,7 @@ from megatron_rl.config import TrainerRunConfig
 from megatron_rl.trainer.checkpoint import CONFIG_COPY, Selection, select_checkpoint
 
 __all__ = ["preflight", "check_model_paths", "check_data", "check_reward", "check_loggers", "check_sampling",
-           "check_resume"]
+           "check_resume", "check_gpu_stack"]
 
 _SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
           "vocab_size", "num_moe_experts", "moe_ffn_hidden_size")
@@ -59,7 +64,73 @@ def preflight(config: TrainerRunConfig, run_dir: str | Path, *, log: Callable[[s
     check_reward(config)
     check_loggers(config)
     check_sampling(config)
+    check_gpu_stack(config, needs)
     return choice
+
+
+# ----------------------------------------------------------------------------- GPU stack
+def _megatron_roles(config: TrainerRunConfig, needs: Any) -> list[tuple[str, Any, Any]]:
+    """``(section, megatron config, model source or None)`` of every Megatron role this run builds."""
+    arr = config.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor", arr.actor.megatron, arr.model)]
+    if needs.reference:
+        roles.append(("actor_rollout_ref.ref", arr.ref.megatron, arr.model))
+    if needs.critic:
+        roles.append(("critic", config.critic.megatron, config.critic.model))
+    if needs.reward_model:
+        roles.append(("reward.reward_model", config.reward.reward_model.megatron, None))
+    if needs.teacher:
+        roles.append(("distillation.teacher_model", config.distillation.teacher_model.megatron,
+                      config.distillation.teacher_model))
+    return roles
+
+
+def _role_model_setting(source: Any, key: str, default: Any) -> Any:
+    """``key`` of a role's model as the workers will build it: the inline config's, the HF override's, else ``default``."""
+    if source is None:
+        return default
+    if key in getattr(source, "override_config", {}):
+        return source.override_config[key]
+    inline = getattr(source, "config", None)
+    return getattr(inline, key) if inline is not None else default
+
+
+def check_gpu_stack(config: TrainerRunConfig, needs: Any, *, cuda_available: Optional[bool] = None,
+                    te_error: Any = "probe") -> None:
+    """The installed torch / TransformerEngine can run what the config asks for (module docstring).
+
+    ``cuda_available`` / ``te_error`` replace the probes of this process (None: TE imports).
+    """
+    import torch
+
+    from megatron_rl.models.gpt import te_import_error
+
+    if config.trainer.device == "cuda":
+        available = torch.cuda.is_available() if cuda_available is None else cuda_available
+        if not available:
+            built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+            raise ValueError(f"trainer.device='cuda' but torch {torch.__version__} ({built}) sees no GPU "
+                             "in this process: a torch built for a newer CUDA than the driver supports sees none "
+                             "(`nvidia-smi` shows the driver's CUDA version; README: GPU install), or "
+                             "CUDA_VISIBLE_DEVICES hides them; use trainer.device='cpu' for a CPU run")
+    for where, megatron, source in _megatron_roles(config, needs):
+        backend = _role_model_setting(source, "attention_backend", "auto")
+        cp = megatron.context_parallel_size
+        asks = ([f"{where}.model attention_backend='te'"] if backend == "te" else []) + (
+            [f"{where}.megatron.context_parallel_size={cp}"] if cp > 1 else [])
+        if cp > 1:
+            dtype = megatron.dtype or _role_model_setting(source, "params_dtype", "float32")
+            if dtype == "float32":
+                raise ValueError(f"{where}.megatron.context_parallel_size={cp} needs bfloat16 or float16 parameters "
+                                 f"(this role trains in {dtype!r}): "
+                                 "TransformerEngine's flash and fused attention do not run float32 and its unfused "
+                                 f"attention is disabled under context parallelism; set {where}.megatron.dtype=bfloat16")
+        if asks:
+            error = te_import_error() if te_error == "probe" else te_error
+            if error is not None:
+                raise ValueError(f"{' and '.join(asks)} needs TransformerEngine, which does not import here ({error}); "
+                                 "install it as the README's GPU install says (its torch extension must be built "
+                                 "against the installed torch: --no-build-isolation)")
 
 
 # ----------------------------------------------------------------------------- models

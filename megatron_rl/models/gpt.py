@@ -32,15 +32,33 @@ __all__ = [
     "padded_vocab_size",
     "hidden_states_output",
     "te_available",
+    "te_import_error",
+    "require_te",
 ]
+
+def te_import_error() -> Optional[str]:
+    """Why TransformerEngine's PyTorch extension does not import here (``"ModuleNotFoundError: ..."``),
+    or None when it does. A TE whose torch extension was built against another torch fails here with
+    an undefined-symbol ``ImportError``: callers that need TE show this text instead of falling back."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable"; its text is kept
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
 
 def te_available() -> bool:
     """True when TransformerEngine's PyTorch extension imports (GPU clusters)."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable"
-        return False
-    return True
+    return te_import_error() is None
+
+
+def require_te(why: str) -> None:
+    """``RuntimeError`` with TE's import error when ``why`` (a key and value that asks for TE) cannot have it."""
+    error = te_import_error()
+    if error is not None:
+        raise RuntimeError(f"{why} needs TransformerEngine, which does not import in this process ({error}); "
+                           "install the [gpu] extra's TransformerEngine (README: GPU install) or choose a "
+                           "setting that runs without it")
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
@@ -78,6 +96,8 @@ def get_layer_spec(model_cfg: ModelConfig, *, moe: bool = True):
     backend = model_cfg.attention_backend
     experts = model_cfg.num_moe_experts if moe else None
     mla = bool(getattr(model_cfg, "multi_latent_attention", False))
+    if backend == "te":
+        require_te("model.attention_backend='te'")  # never a silent fallback to the local spec
     if backend == "te" or (backend == "auto" and te_available()):
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
