@@ -89,6 +89,9 @@ class Transport:
     """Which group of the side band carries its bytes (``SideBand.group_for``): ``gloo`` or ``nccl``."""
     requires_cuda: bool = False
     """Both halves need CUDA (``parallel.transport.cuda.require_cuda``)."""
+    max_receivers: Optional[int] = None
+    """How many receiving processes one message may reach (None: any). ``cuda_ipc``: 1 -- torch counts
+    a CUDA IPC handle's consumers per handle, so a handle opened by two processes frees too early."""
 
 
 @dataclasses.dataclass

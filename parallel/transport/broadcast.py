@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from parallel.transport.base import Receiver, Sender
-from parallel.transport.buckets import Bucket, bucket_meta, raw_bytes, unpack_bucket
+from parallel.transport.buckets import Bucket, bucket_meta, host_bytes, unpack_bucket
 from parallel.transport.gloo import broadcast
 
 __all__ = ["BroadcastSender", "BroadcastReceiver"]
@@ -44,7 +44,7 @@ class BroadcastSender(Sender):
         meta = bucket_meta(bucket)  # validates every tensor before the first byte goes out
         works = []
         for _, tensor in bucket:
-            raw = raw_bytes(tensor)
+            raw = host_bytes(tensor)  # gloo sends host memory: a GPU export tensor is copied once
             works.append((broadcast(self.group, raw), raw))  # raw stays referenced until sent
         self._works.append(works)
         return meta

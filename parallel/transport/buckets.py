@@ -16,7 +16,7 @@ import torch
 from parallel.bridge.hf_files import ST_DTYPES
 
 __all__ = ["NamedTensors", "Bucket", "ST_CODES", "ST_TORCH", "check_pair", "check_dtype", "nbytes",
-           "bucket_named_tensors", "bucket_meta", "unpack_bucket", "raw_bytes"]
+           "bucket_named_tensors", "bucket_meta", "unpack_bucket", "raw_bytes", "host_bytes"]
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 Bucket = list[tuple[str, torch.Tensor]]
@@ -48,6 +48,14 @@ def nbytes(tensor: torch.Tensor) -> int:
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's data as a flat ``uint8`` view (a copy only when it is not contiguous)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``raw_bytes`` in host memory: a GPU (any non-CPU) tensor is copied to the host once, a CPU
+    tensor is not copied. The transports that write files, blobs or gloo messages read host memory
+    (``Tensor.numpy()`` of a CUDA export tensor is a TypeError)."""
+    raw = raw_bytes(tensor)
+    return raw if raw.device.type == "cpu" else raw.cpu()
 
 
 def bucket_named_tensors(weights: Iterable[Any], bucket_bytes: int) -> Iterator[Bucket]:

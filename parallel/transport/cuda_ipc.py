@@ -9,7 +9,9 @@ bytes as base64, dtypes and classes by name, the GPU by UUID), so the message ca
 as a stream header. The receiver checks the whole message, maps the sender's GPU to its own
 device index by UUID, rebuilds the buffer (``rebuild_cuda_tensor``) and returns typed views of
 it; a malformed or foreign message raises before any tensor of the bucket is returned.
-``release`` drops the oldest buffer (CUDA's IPC reference counting keeps the memory until the
+A handle goes to one receiving process only (``Transport.max_receivers``; a stream with more is
+refused when it is built): torch counts a CUDA IPC handle's consumers per handle, so a buffer opened
+by two processes is freed under one of them. ``release`` drops the oldest buffer (CUDA's IPC reference counting keeps the memory until the
 receivers dropped their views as well); ``abort`` drops all of them.
 """
 

@@ -34,7 +34,7 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
               group_backend="nccl", requires_cuda=True,
               summary="tensor bytes broadcast GPU to GPU over an NCCL group of the side band's ranks"),
     Transport("cuda_ipc", CudaIpcSender, CudaIpcReceiver, streamable=True, same_process=False, needs_group=False,
-              requires_cuda=True,
+              requires_cuda=True, max_receivers=1,
               summary="one GPU buffer per bucket shared by CUDA IPC handle with engines on that GPU"),
 )}
 RESERVED: dict[str, str] = {}  # names kept for transports not built yet (none now)

@@ -10,6 +10,7 @@ safetensors: ``safetensors.torch.load`` / ``load_file`` read it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import warnings
@@ -17,14 +18,15 @@ from typing import Any
 
 import torch
 
-from parallel.transport.buckets import ST_CODES, ST_TORCH, Bucket, NamedTensors, check_dtype, check_pair, raw_bytes
+from parallel.transport.buckets import ST_CODES, ST_TORCH, Bucket, NamedTensors, check_dtype, check_pair, host_bytes
 
 __all__ = ["safetensors_layout", "write_safetensors", "serialize_safetensors", "safetensors_views", "file_bytes",
            "bytes_tensor"]
 
 
 def safetensors_layout(bucket: NamedTensors) -> tuple[bytes, list[torch.Tensor]]:
-    """The safetensors header (with its 8-byte length prefix) and each tensor's raw bytes."""
+    """The safetensors header (with its 8-byte length prefix) and each tensor's raw bytes in host
+    memory (a GPU tensor is copied to the host here, once; a CPU tensor is a view)."""
     header: dict[str, Any] = {}
     raws, offset = [], 0
     for index, (name, tensor) in enumerate(bucket):
@@ -32,7 +34,7 @@ def safetensors_layout(bucket: NamedTensors) -> tuple[bytes, list[torch.Tensor]]
         if name in header:
             raise ValueError(f"tensor name {name!r} appears twice in one bucket")
         check_dtype(name, tensor)
-        raw = raw_bytes(tensor)
+        raw = host_bytes(tensor)
         header[name] = {"dtype": ST_CODES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + raw.numel()]}
         raws.append(raw)
@@ -49,8 +51,16 @@ def write_safetensors(path: str, bucket: NamedTensors) -> int:
     with open(path, "wb") as f:
         f.write(head)
         for raw in raws:
-            f.write(raw.numpy().data)
+            if raw.numel():
+                f.write(_memory(raw))
     return len(head) + sum(r.numel() for r in raws)
+
+
+def _memory(raw: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous host ``uint8`` tensor ``raw`` as a ctypes view of its memory (valid
+    while ``raw`` lives). ``Tensor.numpy()`` would mark the storage non-resizable for good: a bucket
+    that aliases a parameter (the colocated export) could then never be offloaded (``resize_(0)``)."""
+    return memoryview((ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr())).cast("B")
 
 
 def serialize_safetensors(bucket: NamedTensors) -> bytearray:

@@ -98,6 +98,13 @@ class RemoteWeightSender:
     def __init__(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
                  shm_dir: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.entry = get_transport(transport, allowed=STREAMABLE)
+        receivers = world_size - 1  # every bucket's header reaches every receiver of the side band
+        if self.entry.max_receivers is not None and receivers > self.entry.max_receivers:
+            raise ValueError(f"checkpoint_engine.backend={transport!r} hands each bucket to at most "
+                             f"{self.entry.max_receivers} receiving process(es); this side band has {receivers} "
+                             "(every vLLM worker receives every header): one CUDA IPC handle opened by several "
+                             "processes breaks torch's per-handle reference counting; use 'nccl' for a rollout "
+                             "with more than one worker")
         if self.entry.requires_cuda:
             require_cuda(transport)  # before any port is bound
         self.transport = transport
