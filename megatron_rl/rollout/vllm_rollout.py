@@ -255,10 +255,12 @@ class VLLMRollout:
     """
 
     def __init__(self, model_path: str, config: RolloutConfig | Mapping | None = None, *,
-                 tokenizer_path: str | None = None, pad_token_id: int | None = None):
+                 tokenizer_path: str | None = None, pad_token_id: int | None = None,
+                 multi_node: Optional[Mapping[str, Any]] = None):
         from vllm import LLM
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
+        self._multi_node = dict(multi_node or {})  # the head of an engine larger than a node (GPU only)
         cfg = self.config
         self.on_gpu = torch.cuda.is_available()
         if cfg.quantization == "fp8":  # refused before anything is built
@@ -296,7 +298,8 @@ class VLLMRollout:
             seed=cfg.seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tp,
-            distributed_executor_backend="uni" if tp == 1 else "mp",
+            distributed_executor_backend="uni" if tp * cfg.pipeline_model_parallel_size * cfg.data_parallel_size == 1
+            else "mp",
             enforce_eager=(not self.on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
@@ -309,6 +312,7 @@ class VLLMRollout:
         )
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
+        kwargs.update(_parallel_kwargs(cfg, getattr(self, "_multi_node", None)))
         extra = dict(cfg.engine_kwargs.get("vllm") or {})
         if cfg.quantization == "fp8":
             fp8 = fp8_engine_kwargs(model_path, cfg.load_format)
@@ -512,6 +516,10 @@ class VLLMRollout:
         if entry.same_process and not in_process:
             raise ValueError(f"transport={transport!r} needs in_process_engine=True and tensor_model_parallel_size=1 "
                              "(tensors pass by reference); use 'shm', 'bytes' or 'broadcast'")
+        if transport == "nccl" and in_process:  # issue 35: NCCL refuses two ranks of one group in one process
+            raise ValueError("transport='nccl' with an in-process engine would form NCCL ranks 0 and 1 in one process on "
+                             "one GPU, which NCCL refuses; use 'colocated' (in-process) or 'cuda_ipc' / 'nccl' with "
+                             "in_process_engine=False")
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
         sender = self._sender(transport)
@@ -632,3 +640,35 @@ class VLLMRollout:
         if self._store_file is not None:
             with contextlib.suppress(OSError):
                 os.remove(self._store_file)
+
+
+def _parallel_kwargs(cfg: RolloutConfig, multi_node: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """vLLM's layout arguments beyond TP: pipeline stages, data-parallel ranks, expert parallelism
+    (``expert_parallel_size`` = TP x DP, checked by the config) and, for an engine larger than a
+    node, vLLM's multi-node ``mp`` mode (``nnodes`` / ``node_rank`` / ``master_addr`` / ``master_port``)."""
+    out: dict[str, Any] = {}
+    if cfg.pipeline_model_parallel_size > 1:
+        out["pipeline_parallel_size"] = cfg.pipeline_model_parallel_size
+    if cfg.data_parallel_size > 1:
+        out["data_parallel_size"] = cfg.data_parallel_size
+    if cfg.expert_parallel_size > 1:
+        out["enable_expert_parallel"] = True
+    if multi_node:
+        out.update(distributed_executor_backend="mp", **{k: multi_node[k] for k in
+                                                          ("nnodes", "node_rank", "master_addr", "master_port")})
+    return out
+
+
+def headless_engine_config(model_path: str, config: RolloutConfig, multi_node: Mapping[str, Any]):
+    """The ``VllmConfig`` of node ``multi_node["node_rank"]`` > 0 of a multi-node engine, as
+    ``vllm serve --headless`` builds it (``megatron_rl.workers.rollout_worker.HeadlessEngineNode``). GPU only."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
+    max_model_len = cfg.max_model_len or cfg.prompt_length + cfg.response_length
+    args = EngineArgs(model=model_path, dtype=cfg.dtype if cfg.dtype != "auto" else "bfloat16", seed=cfg.seed,
+                      max_model_len=max_model_len, tensor_parallel_size=cfg.tensor_model_parallel_size,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine,
+                      load_format=cfg.load_format, worker_extension_cls=EXTENSION_CLS,
+                      **_parallel_kwargs(cfg, multi_node), **dict(cfg.engine_kwargs.get("vllm") or {}))
+    return args.create_engine_config(headless=True)
