@@ -14,12 +14,17 @@
 #
 #   tools/bench_gpu.sh            # on a GPU machine
 #   tools/bench_gpu.sh --smoke    # tiny sizes, CPU, ~1 minute (tests/test_tools_bench_gpu.py runs it)
+#   tools/bench_gpu.sh --check    # every GPU-only path once with tiny models (tools/gpu_check.py): one
+#                                 # PASS / FAIL / SKIP line per path in under 5 minutes; no benchmark
 # Without CUDA the smoke variant runs. A failing benchmark prints {"benchmark": ..., "error": ...} and
 # makes the script exit 1 after the others ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tools import megatron_rl / parallel from this checkout
 PY=${PYTHON:-python}
+if [[ "${1:-}" == "--check" ]]; then
+  exec $PY tools/gpu_check.py
+fi
 smoke=0
 [[ "${1:-}" == "--smoke" ]] && smoke=1
 if [[ $smoke == 0 ]] && ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
