@@ -33,7 +33,9 @@ PATHS: dict[str, list[str]] = {
         "tests/megatron_rl/engine/test_gpu_paths.py::test_distributed_optimizer_on_nccl_equals_the_plain_one"],
     "offload and reload": [
         "tests/megatron_rl/engine/test_engine.py::test_offload_round_trip_keeps_weights_and_frees_gpu_memory",
-        "tests/megatron_rl/engine/test_offload.py::test_offload_frees_the_planned_gpu_bytes"],
+        "tests/megatron_rl/engine/test_offload.py::test_offload_frees_the_planned_gpu_bytes",
+        "tests/megatron_rl/engine/test_gpu_paths.py::"
+        "test_offload_pins_exactly_what_it_holds_outside_the_caching_host_allocator"],
     "FlexAttention packed segments": [
         "tests/megatron_rl/models/test_attention.py::test_flex_attention_on_cuda_equals_segments_with_gradients"],
     "vLLM sleep / wake": [

@@ -13,7 +13,11 @@ What moves is what verl's ``offload_megatron_model_to_cpu`` / ``offload_megatron
   ``shard_fp32_from_float16_groups``: the parameters the inner optimizer steps).
 
 The unit that moves is a tensor *storage*: views share one, so each storage is copied once into
-an ``OffloadStore`` (pinned host memory on CUDA) and its device allocation is released with
+an ``OffloadStore`` (on CUDA into one page-locked host arena per category: an exact-size host
+tensor registered once with ``cudaHostRegister``, as torch's checkpoint stager pins its buffers --
+``pin_memory=True`` would take every copy from torch's caching host allocator, which rounds each
+block up to a power of two and keeps freed blocks: up to twice the host memory) and its device
+allocation is released with
 ``storage.resize_(0)``; every tensor that views it (a parameter inside a DDP buffer, a ``main_grad``,
 an optimizer's reference to a parameter) stays the same Python object and sees the data again
 after ``onload`` resizes the storage and copies the bytes back. The code is the same on CPU, where
@@ -130,6 +134,16 @@ class OffloadStore:
         # category -> [(device storage, its bytes, host copy or None for gradients)]
         self._held: dict[str, list[tuple[torch.UntypedStorage, int, Optional[torch.Tensor]]]] = {
             c: [] for c in CATEGORIES}
+        self._pinned: dict[str, torch.Tensor] = {}  # category -> its registered host arena (CUDA only)
+
+    def __del__(self) -> None:
+        # A registered arena must be unregistered before its memory goes back to the allocator (a later
+        # registration overlapping the stale one would fail).
+        for arena in getattr(self, "_pinned", {}).values():
+            try:
+                _unpin(arena)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone already
+                pass
 
     def offloaded(self, category: str) -> bool:
         """True while ``category`` is held here (its device storages are empty)."""
@@ -155,14 +169,14 @@ class OffloadStore:
         for category in categories:
             if self._held[category]:
                 continue  # already offloaded: its storages are empty
-            for storage in storages[category]:
-                n = storage.nbytes()
-                if n == 0:
-                    continue
-                host = None
-                if category in KEPT:
-                    host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin)
-                    host.untyped_storage().copy_(storage, non_blocking=pin)
+            live = [(storage, storage.nbytes()) for storage in storages[category] if storage.nbytes()]
+            hosts: list[Optional[torch.Tensor]] = [None] * len(live)
+            if category in KEPT and live:
+                hosts = self._host_views(category, [n for _, n in live], pin)
+                for (storage, _), host in zip(live, hosts):
+                    host.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage),
+                               non_blocking=pin)
+            for (storage, n), host in zip(live, hosts):
                 self._held[category].append((storage, n, host))
                 moved += n
         if pin:
@@ -184,12 +198,42 @@ class OffloadStore:
                 if host is None:  # a gradient buffer: back zeroed
                     torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
                 else:
-                    storage.copy_(host.untyped_storage(), non_blocking=pin)
+                    torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host, non_blocking=pin)
                 moved += n
-            self._held[category] = []
         if pin:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the copies have landed: the host arenas may go
+        for category in _check(categories):
+            arena = self._pinned.pop(category, None)
+            if arena is not None:
+                _unpin(arena)
+            self._held[category] = []
         return moved
+
+    def _host_views(self, category: str, sizes: list[int], pin: bool) -> list[torch.Tensor]:
+        """One host arena for ``sizes`` bytes (each slot 64-byte aligned), page-locked when ``pin``;
+        a ``uint8`` view of it per size."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        arena = torch.empty(total, dtype=torch.uint8, device="cpu")
+        if pin:
+            error = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), total, 1))  # 1: portable
+            if error:
+                raise RuntimeError(f"offload: cudaHostRegister of {total} host bytes failed with cudaError {error}")
+            self._pinned[category] = arena
+        return [arena[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+_ALIGN = 64
+"""Bytes each storage's slot in a host arena is aligned to."""
+
+
+def _unpin(host: torch.Tensor) -> None:
+    """Undo ``OffloadStore._host_views``' registration (before the arena's memory is freed)."""
+    error = int(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
+    if error:
+        raise RuntimeError(f"offload: cudaHostUnregister failed with cudaError {error}")
 
 
 def _check(categories: Iterable[str]) -> list[str]:

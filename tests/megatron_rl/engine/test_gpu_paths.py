@@ -101,3 +101,28 @@ def test_vllm_sleep_releases_gpu_memory_and_wake_up_restores_the_engine(tmp_path
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)["path"]
     released, same = run_distributed(_sleep_case, 1, str(hf_dir), timeout_s=600)[0]
     assert released > 2**30 and same  # 20 % of the GPU's KV-cache share comes back while asleep
+
+
+def _pinned_offload_case(rank, world_size):
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    role = make_role("actor", DENSE, init_mesh(ParallelConfig(), seed=5), TRAIN)
+    batch = make_batch(DENSE["vocab_size"])
+    role.update_policy({**batch, "old_log_probs": role.compute_log_prob(batch)["log_probs"]})  # Adam state exists
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    kept = role.engine.offload_to_cpu(grads=False)
+    store = role.engine._offload
+    pinned = all(h.is_pinned() for held in store._held.values() for _, _, h in held if h is not None)
+    held = sum(store.held_bytes().values())
+    caching = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before
+    role.engine.load_to_device(grads=False)
+    return kept, held, pinned, caching
+
+
+@pytest.mark.gpu
+def test_offload_pins_exactly_what_it_holds_outside_the_caching_host_allocator():
+    """The host copies are page-locked (fast copies back), hold the offloaded bytes and no more, and
+    none of them comes from torch's caching host allocator (which rounds up to powers of two)."""
+    kept, held, pinned, caching = run_distributed(_pinned_offload_case, 1, backend="nccl")[0]
+    assert pinned and held == kept and caching == 0
