@@ -5,8 +5,10 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
 * **memory**: ``memory_mb`` of address space (RLIMIT_AS: the code gets MemoryError);
-* **output**: stdout / stderr go to files capped by ``max_file_bytes`` (RLIMIT_FSIZE: SIGXFSZ
-  beyond), and at most ``max_output_bytes`` of each is returned;
+* **output**: stdout / stderr are pipes this process owns (unbuffered, so what was printed before
+  an exit comes back), read with a byte cap and the wall deadline; at most ``max_output_bytes`` of
+  each is returned; more than ``max_file_bytes`` on one pipe stops the run (``output_limit``), as
+  it caps each file the code writes (RLIMIT_FSIZE);
 * **files**: a private temporary working directory (HOME and TMPDIR too), removed afterwards;
   in a private mount namespace every other mount is read-only (else, running as root, the code
   drops to ``nobody``); an audit hook refuses writes outside it as well;
@@ -26,6 +28,7 @@ import dataclasses
 import functools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -122,9 +125,11 @@ def isolation() -> Isolation:
     root = os.geteuid() == 0
     candidates = []
     if unshare is not None:
+        # A user namespace first, also as root: root inside it holds no capability over the host
+        # (no /proc/<caller>/mem, no remount of host mounts, no setns into the caller's namespaces).
+        candidates.append((unshare, "--user", "--map-root-user", *_NAMESPACES))
         if root:
             candidates.append((unshare, *_NAMESPACES))
-        candidates.append((unshare, "--user", "--map-root-user", *_NAMESPACES))
     for prefix in candidates:
         scratch = tempfile.mkdtemp(prefix="mrl-sandbox-probe-")
         probe = (f"import sys; sys.path.insert(0, {str(Path(RUNNER).parent)!r}); import sandbox_runner; "
@@ -141,10 +146,32 @@ def isolation() -> Isolation:
     return Isolation((), False, False, False, _NOBODY if root else None)
 
 
-def _read(path: Path, limit: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
+def _drain(proc: subprocess.Popen, limit: int, hard_limit: int, deadline: float) -> tuple[dict, Optional[str]]:
+    """Read the child's stdout / stderr pipes (owned by this process, so the code cannot replace them
+    by a symlink or FIFO) until both close, ``deadline`` (``timeout``) or more than ``hard_limit``
+    bytes on one of them (``output_limit``); keep at most ``limit + 1`` bytes of each."""
+    streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    produced = dict.fromkeys(streams, 0)
+    open_fds = set(streams)
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return streams, "timeout"
+        if max(produced.values()) > hard_limit:
+            return streams, "output_limit"
+        ready, _, _ = select.select(list(open_fds), [], [], left)
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            produced[fd] += len(chunk)
+            if not chunk:
+                open_fds.discard(fd)
+            elif len(streams[fd]) <= limit:
+                streams[fd] += chunk[:limit + 1 - len(streams[fd])]
+    return streams, None
+
+
+def _text(data: bytearray, limit: int) -> tuple[str, bool]:
+    return bytes(data[:limit]).decode("utf-8", errors="replace"), len(data) > limit
 
 
 def _status(code: Optional[int], timed_out: bool) -> str:
@@ -187,26 +214,30 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, refuse_soc
                 "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-        out_path, err_path = Path(workdir) / ".stdout", Path(workdir) / ".stderr"
-        timed_out = False
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", RUNNER, json.dumps(spec)],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=workdir, env=env,
-                                    start_new_session=True)
+        proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=workdir, env=env, start_new_session=True)
+        streams, stopped = _drain(proc, limits.max_output_bytes, limits.max_file_bytes, start + limits.wall_seconds)
+        timed_out = stopped == "timeout"
+        if stopped is None:
             try:
-                proc.wait(timeout=limits.wall_seconds)
+                proc.wait(timeout=max(0.0, start + limits.wall_seconds - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
-            _kill_group(proc)
-        stdout, cut_out = _read(out_path, limits.max_output_bytes)
-        stderr, cut_err = _read(err_path, limits.max_output_bytes)
-        return SandboxResult(_status(proc.returncode, timed_out), stdout, stderr, None if timed_out else proc.returncode,
+        _kill_group(proc)
+        stdout, cut_out = _text(streams[proc.stdout.fileno()], limits.max_output_bytes)
+        stderr, cut_err = _text(streams[proc.stderr.fileno()], limits.max_output_bytes)
+        status = "output_limit" if stopped == "output_limit" else _status(proc.returncode, timed_out)
+        return SandboxResult(status, stdout, stderr, None if stopped else proc.returncode,
                              time.monotonic() - start, cut_out or cut_err)
     except OSError as err:  # the sandbox itself failed (no temp space, no interpreter ...): an observation
         return SandboxResult("sandbox_error", "", f"{type(err).__name__}: {err}", None, time.monotonic() - start)
     finally:
-        if proc is not None and proc.returncode is None:
-            _kill_group(proc)
+        if proc is not None:
+            if proc.returncode is None:
+                _kill_group(proc)
+            proc.stdout.close()
+            proc.stderr.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

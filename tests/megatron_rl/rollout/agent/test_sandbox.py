@@ -129,3 +129,39 @@ def test_code_tool_observation():
     assert out.error and "ZeroDivisionError: division by zero" in out.text and out.text.endswith("[exit code 1]")
     with pytest.raises(ValueError, match=r"code tool config has unknown key\(s\) \['wall'\]"):
         CodeInterpreterTool({"wall": 1})
+
+
+# Attacks from issue 27 that the pipes close: the caller reads no file the code can replace.
+@pytest.mark.parametrize("guards", GUARDS)
+def test_stdout_replaced_by_a_symlink_to_environ_leaks_nothing(guards, monkeypatch):
+    monkeypatch.setenv("MRL_TEST_SECRET", "s3cr3t-token-27")
+    code = ("import os\nfor n in ('.stdout', '.stderr'):\n"
+            "    try: os.remove(n)\n    except OSError: pass\n"
+            "    os.symlink('/proc/self/environ', n)\nprint('done')")
+    res = run_python(code, python_guards=guards)
+    assert "s3cr3t-token-27" not in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("guards", GUARDS)
+def test_stdout_replaced_by_a_fifo_does_not_hang_the_caller(guards):
+    code = ("import os\nfor n in ('.stdout', '.stderr'):\n"
+            "    try: os.remove(n)\n    except OSError: pass\n"
+            "    os.mkfifo(n)\nprint('done')")
+    start = time.monotonic()
+    res = run_python(code, SandboxLimits(wall_seconds=5), python_guards=guards)
+    assert time.monotonic() - start < 5 + 2
+    assert res.status in ("ok", "error")
+
+
+def test_output_printed_before_os_exit_is_returned_and_the_exit_code_is_not_a_limit():
+    res = run_python("import os\nprint('before exit')\nos._exit(3)")
+    assert res.stdout == "before exit\n"
+    assert (res.status, res.exit_code) == ("error", 3)
+
+
+def test_a_child_holding_the_pipes_cannot_outlive_the_wall_limit():
+    limits = SandboxLimits(wall_seconds=3)
+    start = time.monotonic()
+    res = run_python("import time\nprint('x', flush=True)\ntime.sleep(60)", limits)
+    assert time.monotonic() - start < 3 + 2
+    assert (res.status, res.stdout) == ("timeout", "x\n")
