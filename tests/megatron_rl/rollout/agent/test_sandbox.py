@@ -8,6 +8,7 @@ mount namespaces) holds on its own.
 from __future__ import annotations
 
 import glob
+import os
 import socket
 import threading
 import time
@@ -165,3 +166,18 @@ def test_a_child_holding_the_pipes_cannot_outlive_the_wall_limit():
     res = run_python("import time\nprint('x', flush=True)\ntime.sleep(60)", limits)
     assert time.monotonic() - start < 3 + 2
     assert (res.status, res.stdout) == ("timeout", "x\n")
+
+
+@pytest.mark.skipif(not isolation().network_namespace, reason="needs namespaces from unshare")
+def test_after_umount_proc_the_callers_environ_and_memory_stay_closed(monkeypatch):
+    # Issue 27: the code unmounts its own /proc to see the host's, then goes for the caller.
+    monkeypatch.setenv("MRL_TEST_SECRET", "s3cr3t-token-27")
+    code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.umount2(b'/proc', 2)\n"
+            f"for name in ('environ', 'mem'):\n"
+            f"    try:\n        print(name, open('/proc/{os.getpid()}/' + name, 'rb').read(4096))\n"
+            f"    except OSError as err:\n        print(name, 'refused', err.errno)\n"
+            f"print('remount', libc.mount(None, b'/', None, 32, None))")  # MS_REMOUNT, read-write
+    res = run_python(code, python_guards=False)
+    assert "s3cr3t-token-27" not in res.stdout + res.stderr
+    assert "environ refused 13" in res.stdout and "mem refused 13" in res.stdout
+    assert "remount -1" in res.stdout
