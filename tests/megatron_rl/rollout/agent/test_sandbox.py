@@ -181,3 +181,11 @@ def test_after_umount_proc_the_callers_environ_and_memory_stay_closed(monkeypatc
     assert "s3cr3t-token-27" not in res.stdout + res.stderr
     assert "environ refused 13" in res.stdout and "mem refused 13" in res.stdout
     assert "remount -1" in res.stdout
+
+
+@pytest.mark.skipif(not isolation().network_namespace, reason="needs namespaces from unshare")
+def test_a_block_device_node_cannot_be_made():
+    code = ("import os, stat\ntry:\n    os.mknod('loop', stat.S_IFBLK | 0o600, os.makedev(7, 0))\n    print('made')\n"
+            "except OSError as err:\n    print('refused', err.errno)")
+    res = run_python(code, python_guards=False)
+    assert res.stdout == "refused 1\n"  # EPERM: no CAP_MKNOD over the host in a user namespace
