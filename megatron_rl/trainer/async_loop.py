@@ -193,9 +193,7 @@ class Rollouter:
         self.buffer.reserve(groups)
         future = self.phase.submit(prompts, step=self.chunks)
         if self.phase.baseline:  # ReMax: the greedy response per prompt, queued right behind the samples
-            future = [future, self.phase.rollout.generate_tagged.remote(
-                {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
-                uids=list(prompts["uid"]), n=1, do_sample=False)]
+            future = [future, self.phase.submit(prompts, step=self.chunks, n=1, do_sample=False)]
         self.pending.append((future, prompts, groups))
         return True
 
@@ -257,10 +255,8 @@ class Rollouter:
         batch["reward_baselines"] = scores.repeat_interleave(self.phase.n)
 
     def _collect_oldest(self) -> None:
-        import ray
-
         future, prompts, groups = self.pending.pop(0)
-        self._finish(ray.get(future), prompts, groups)
+        self._finish(self.phase.resolve(future), prompts, groups)
 
     def wait_batch(self, trainer_version: int) -> tuple[list[Group], dict[str, float], float]:
         """Block until the next batch is ready; ``(groups, buffer metrics, seconds waited)``."""
@@ -307,8 +303,6 @@ class Rollouter:
         self.thread.start()
 
     def _run(self) -> None:
-        import ray
-
         try:
             while True:
                 with self.cond:
@@ -318,7 +312,7 @@ class Rollouter:
                         return
                     self._submit_one()
                 future, prompts, groups = self.pending[-1]
-                out = ray.get(future)  # the engine generates while the trainer trains
+                out = self.phase.resolve(future)  # the engines generate while the trainer trains
                 with self.cond:
                     self.pending.pop()
                     self._finish(out, prompts, groups)
@@ -330,8 +324,6 @@ class Rollouter:
 
     def stop(self) -> None:
         """Stop submitting and wait for what is in flight (the engine finishes its call)."""
-        import ray
-
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
@@ -339,7 +331,7 @@ class Rollouter:
             self.thread.join(timeout=600)
         for future, _, _ in self.pending:
             try:
-                ray.get(future)
+                self.phase.resolve(future)
             except Exception:  # already failing: nothing more to do with an abandoned generation
                 pass
         self.pending = []
@@ -453,6 +445,7 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                 metrics.update(buffer_metrics)
                 metrics.update(reward_metrics(batch))
                 metrics.update(staleness_metrics(batch, version))
+                metrics.update(rollouter.phase.replica_metrics())  # the last generation's replicas
                 metrics["async/trainer_idle_s"] = waited
                 trainer.async_trained_versions[step] = sorted(set(batch["rollout_policy_version"].tolist()))
                 trainer.async_trained_uids[step] = sorted(set(str(u) for u in batch["uid"]))

@@ -73,9 +73,13 @@ class PhaseRunner:
         if t.target == "rollout":
             if self.rollout is None:
                 return
-            call = (self.rollout.sleep.remote(self.schedule.sleep_level) if t.action == "sleep"
-                    else self.rollout.wake_up.remote(list(t.parts)))
-            ray.get(call)
+            if hasattr(self.rollout, "sleep_refs"):  # a RolloutRouter: every replica
+                calls = (self.rollout.sleep_refs(self.schedule.sleep_level) if t.action == "sleep"
+                         else self.rollout.wake_up_refs(list(t.parts)))
+            else:
+                calls = [self.rollout.sleep.remote(self.schedule.sleep_level) if t.action == "sleep"
+                         else self.rollout.wake_up.remote(list(t.parts))]
+            ray.get(calls)
             return
         group = self.groups.get(t.target)
         if group is None:

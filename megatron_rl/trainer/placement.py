@@ -194,46 +194,92 @@ def gpu_rollout_placement_error(config: TrainerRunConfig) -> Optional[str]:
 
 
 class Placement:
-    """The worker groups of a run (``groups[role]``) and its rollout worker, started together."""
+    """The worker groups of a run (``groups[role]``) and its rollout engines, started together.
 
-    def __init__(self, config: TrainerRunConfig, specs: dict[str, WorkerSpec], *, model_path: str):
+    ``router`` (``megatron_rl.workers.router.RolloutRouter``) routes generation over every engine;
+    ``replicas`` are the engines as started (``RolloutReplica``: actor, nodes, GPUs); ``rollout`` is
+    replica 0's actor (callers that talk to one engine). ``engines`` is the engine map
+    (``megatron_rl.utils.engine_map.rollout_layout``), the one ``megatron-rl plan`` prints.
+
+    On GPUs every colocated role shares one bundle per GPU (``GpuBundles``): rank ``g`` of each role
+    holds a ``1 / (roles + 1)`` share of GPU ``g`` and engine ``r``'s vLLM sees exactly its GPUs (the
+    engine map's ``[r*E, (r+1)*E)``). With a sleeping schedule (``free_cache_engine`` on GPUs) the
+    engines start *before* the roles load their models and are put to sleep at once (verl's order:
+    vLLM refuses to start when less than its ``gpu_memory_utilization`` share is free), and
+    ``started_asleep`` tells the phase runner so. A separate rollout gets a pool of its own bundles.
+    On CPU fractional CPUs let every rank of every role and every engine start on a small machine.
+
+    ``role_worker_cls`` / ``rollout_worker_cls`` / ``headless_cls`` replace the actors (the placement
+    tests start probes that report their node and devices).
+    """
+
+    def __init__(self, config: TrainerRunConfig, specs: dict[str, WorkerSpec], *, model_path: str,
+                 role_worker_cls: Optional[type] = None, rollout_worker_cls: Optional[type] = None,
+                 headless_cls: Optional[type] = None):
         import ray
 
-        from megatron_rl.workers.group import MegatronWorkerGroup
-        from megatron_rl.workers.rollout_worker import create_rollout_worker
+        from megatron_rl.workers.group import GpuBundles, MegatronWorkerGroup
+        from megatron_rl.workers.rollout_worker import create_rollout_replicas
+        from megatron_rl.workers.router import RolloutRouter
 
-        world, rollout_cfg = config.trainer.world_size, config.actor_rollout_ref.rollout
-        error = gpu_rollout_placement_error(config)
-        if error is not None:  # before any worker starts (vLLM would fail later, inside the rollout actor)
-            raise ValueError(error)
-        if config.trainer.device == "cuda":  # roles (and the rollout) share each GPU, as verl's colocated workers do
-            cpus, gpus = 1.0, 1.0 / (len(specs) + 1)
-        else:  # fractional CPUs so that every rank of every role can start on a small machine
-            cpus, gpus = max(0.01, int(100 * ray.available_resources().get("CPU", 1) / (len(specs) * world + 1)) / 100), 0.0
-        rollout_cpus, rollout_gpus = cpus, gpus
-        own = float(rollout_cfg.nnodes * rollout_cfg.n_gpus_per_node)  # 0: colocated
-        if own > 0:  # separate rollout (trainer.v1 separate_async): its own devices / CPU share
-            if config.trainer.device == "cuda":
-                cpus, gpus, rollout_cpus, rollout_gpus = 1.0, 1.0 / len(specs), 1.0, own
-            else:
-                left = ray.available_resources().get("CPU", 1) - own
-                if left <= 0:
-                    raise ValueError(f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_cfg.n_gpus_per_node} CPUs for "
-                                     f"the separate rollout leave none of Ray's "
-                                     f"{ray.available_resources().get('CPU', 1)} for the trainer's roles")
-                cpus, rollout_cpus = max(0.01, int(100 * left / (len(specs) * world)) / 100), own
+        world, rollout_cfg, trainer = config.trainer.world_size, config.actor_rollout_ref.rollout, config.trainer
+        self.engines = rollout_layout(config)  # ValueError by key before any worker starts
+        separate = not self.engines.colocated
+        cuda = trainer.device == "cuda"
         self.shards = ShardCache()
         self.groups: dict[str, MegatronWorkerGroup] = {}
+        self.replicas: list = []
+        self.bundles = self.rollout_bundles = None
+        self.rollout = self.router = None
+        self.started_asleep = False
+        partial = config.trainer.v1.partial_rollout
         try:
-            for role, spec in specs.items():
-                self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=cpus, num_gpus_per_worker=gpus,
-                                                        shards=self.shards)
-            self.rollout, self._rollout_pg = create_rollout_worker(  # partial rollouts: pushes pause its generations
-                model_path, rollout_cfg, num_cpus=rollout_cpus, num_gpus=rollout_gpus,
-                partial_rollout=config.trainer.v1.partial_rollout)
+            if cuda:
+                share = 1.0 / (len(specs) + (0 if separate else 1))
+                self.bundles = GpuBundles(trainer.nnodes, trainer.n_gpus_per_node, num_cpus_per_bundle=len(specs) + 1,
+                                          name="trainer_gpus_pg")
+                engine_bundles = self.bundles
+                if separate:
+                    self.rollout_bundles = GpuBundles(rollout_cfg.nnodes, rollout_cfg.n_gpus_per_node,
+                                                      num_cpus_per_bundle=1, name="rollout_gpus_pg")
+                    engine_bundles = self.rollout_bundles
+                self.replicas = create_rollout_replicas(model_path, rollout_cfg, self.engines, bundles=engine_bundles,
+                                                        partial_rollout=partial, worker_cls=rollout_worker_cls,
+                                                        headless_cls=headless_cls)
+                if not separate and rollout_cfg.free_cache_engine:
+                    ray.get([r.actor.sleep.remote(1) for r in self.replicas])  # the roles load into the freed memory
+                    self.started_asleep = True
+                for role, spec in specs.items():
+                    self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=1.0,
+                                                            num_gpus_per_worker=share, shards=self.shards,
+                                                            bundles=self.bundles, worker_cls=role_worker_cls)
+            else:
+                cpus, rollout_cpus = self._cpu_shares(ray.available_resources().get("CPU", 1), len(specs), world,
+                                                      rollout_cfg)
+                for role, spec in specs.items():
+                    self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=cpus, shards=self.shards,
+                                                            worker_cls=role_worker_cls)
+                self.replicas = create_rollout_replicas(model_path, rollout_cfg, self.engines, num_cpus=rollout_cpus,
+                                                        partial_rollout=partial, worker_cls=rollout_worker_cls)
+            self.rollout = self.replicas[0].actor
+            self.router = RolloutRouter(self.replicas, response_length=rollout_cfg.response_length)
         except BaseException:
             self.shutdown()
             raise
+
+    def _cpu_shares(self, available: float, num_roles: int, world: int, rollout_cfg) -> tuple[float, float]:
+        """``(CPUs per rank, CPUs per engine)`` on CPU: fractions so that every rank of every role and every
+        engine start; a separate rollout keeps ``n_gpus_per_node`` CPUs for its engines."""
+        num_engines = self.engines.replicas
+        if rollout_cfg.nnodes == 0:
+            share = max(0.01, int(100 * available / (num_roles * world + num_engines)) / 100)
+            return share, share
+        own = float(rollout_cfg.nnodes * rollout_cfg.n_gpus_per_node)
+        left = available - own
+        if left <= 0:
+            raise ValueError(f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_cfg.n_gpus_per_node} CPUs for "
+                             f"the separate rollout leave none of Ray's {available} for the trainer's roles")
+        return max(0.01, int(100 * left / (num_roles * world)) / 100), own / num_engines
 
     def get(self, role: str):
         """The group of ``role``, or None when the run has none."""
@@ -241,13 +287,13 @@ class Placement:
 
     def shutdown(self) -> None:
         """Stop every worker and free the placement groups."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         for group in self.groups.values():
             group.shutdown()
         self.groups = {}
-        if getattr(self, "rollout", None) is not None:
-            ray.kill(self.rollout)
-            remove_placement_group(self._rollout_pg)
-            self.rollout = None
+        for replica in getattr(self, "replicas", []):
+            replica.kill()
+        self.replicas, self.rollout, self.router = [], None, None
+        for bundles in (getattr(self, "bundles", None), getattr(self, "rollout_bundles", None)):
+            if bundles is not None:
+                bundles.shutdown()
+        self.bundles = self.rollout_bundles = None

@@ -141,13 +141,16 @@ class RayPPOTrainer:
         self.placement = Placement(self.config, specs, model_path=self.model_path)
         self.actor, self.ref, self.critic, self.rm, self.teacher = (
             self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher"))
-        self.rollout = self.placement.rollout
-        self.phases = PhaseRunner(self.schedule, self.placement.groups, self.rollout)
+        self.rollout = self.placement.rollout  # replica 0's actor; generation goes through placement.router
+        router = self.placement.router
+        self.phases = PhaseRunner(self.schedule, self.placement.groups, router)
+        if self.placement.started_asleep:  # GPU: the engines started before the roles and were put to sleep
+            self.phases.state["rollout"] = ()
         rollout_cfg = self.config.actor_rollout_ref.rollout  # an fp8 engine gets its blocks quantised by the actor
-        self.weight_sync = WeightSync(self.actor, self.rollout, rollout_cfg.checkpoint_engine,
+        self.weight_sync = WeightSync(self.actor, router.actors, rollout_cfg.checkpoint_engine,
                                       quantization=rollout_cfg.quantization)
         reward_fn = FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn  # agent sessions: final answers
-        self.rollout_phase = RolloutPhase(self.config, self.needs, self.rollout, self.train_dataloader, reward_fn,
+        self.rollout_phase = RolloutPhase(self.config, self.needs, router, self.train_dataloader, reward_fn,
                                           self.rm, dump=GenerationDump.create(self.config.trainer.rollout_data_dir))
         self.validator = Validator(self.config.trainer, self.val_dataloader, self.rollout_phase.generate, reward_fn,
                                    dump=GenerationDump.create(self.config.trainer.validation_data_dir))
@@ -354,7 +357,7 @@ class RayPPOTrainer:
 
     def sync_weights(self) -> dict[str, float]:
         """Actor -> rollout engine, in place, through the transport ``checkpoint_engine.backend`` names."""
-        stats = self.weight_sync.sync()
+        stats = self.weight_sync.sync()  # every replica acknowledged (else RuntimeError: the step stops)
         self.weight_version += 1
         return {"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": float(stats["seconds"])}
 

@@ -48,7 +48,7 @@ class RolloutPhase:
     Args:
         config: the run.
         needs: what the run needs (``baseline`` turns on ReMax's greedy baseline).
-        rollout: the ``RolloutWorker`` actor.
+        rollout: the ``RolloutRouter`` over the run's engines (``megatron_rl.workers.router``).
         dataloader: the training ``PromptDataLoader``.
         reward_fn: the rule reward (``RewardFunction``).
         reward_model: the reward-model worker group, or None.
@@ -74,8 +74,6 @@ class RolloutPhase:
                  greedy: bool = False) -> Batch:
         """``n`` samples per prompt (``val_kwargs`` when validating, one greedy one with ``greedy``)
         as a ``Batch``; each prompt's ``PROMPT_FIELDS`` follow its samples."""
-        import ray
-
         if validate:
             kwargs: dict[str, Any] = {"validate": True}
         elif greedy:  # ReMax's baseline: one greedy response per prompt
@@ -83,20 +81,33 @@ class RolloutPhase:
         else:
             kwargs = {"n": self.n, "seed": self.seed + _SEED_STRIDE * (step * 64 + gen_round)}
         if self.multi_turn:  # megatron_rl.rollout.agent: chat messages in, sessions (observations masked) out
-            return agent_batch(ray.get(self.rollout.run_agent_sessions.remote(
-                list(prompts["raw_prompt"]), uids=list(prompts["uid"]), chat_template=self.chat_template, **kwargs)),
+            return agent_batch(self.rollout.run_agent_sessions(
+                list(prompts["raw_prompt"]), uids=list(prompts["uid"]), chat_template=self.chat_template, **kwargs),
                 prompts, PROMPT_FIELDS)
-        out = ray.get(self.rollout.generate.remote(
-            {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
-            uids=list(prompts["uid"]), **kwargs))
+        out = self.rollout.generate({"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
+                                    uids=list(prompts["uid"]), **kwargs)
         return self.to_batch(prompts, out)
 
-    def submit(self, prompts: dict[str, Any], *, step: int, gen_round: int = 0) -> Any:
-        """Start the training generation ``generate`` would run, without waiting: the Ray future of
-        ``RolloutWorker.generate_tagged`` (the asynchronous trainer collects it with ``to_batch``)."""
-        return self.rollout.generate_tagged.remote(
-            {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
-            uids=list(prompts["uid"]), n=self.n, seed=self.seed + _SEED_STRIDE * (step * 64 + gen_round))
+    def submit(self, prompts: dict[str, Any], *, step: int, gen_round: int = 0, **kwargs: Any) -> Any:
+        """Start the training generation ``generate`` would run, without waiting: the router's pending
+        ``RolloutWorker.generate_tagged`` calls (``resolve`` waits for them; the asynchronous trainer
+        then takes the output with ``to_batch``). ``kwargs`` replace the sampling (ReMax's greedy
+        baseline: ``n=1, do_sample=False``, unseeded)."""
+        n = kwargs.pop("n", self.n)
+        seed = None if kwargs else self.seed + _SEED_STRIDE * (step * 64 + gen_round)
+        return self.rollout.submit("generate_tagged",
+                                   {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
+                                   n=n, seed=seed, uids=list(prompts["uid"]), **kwargs)
+
+    def resolve(self, pending: Any) -> Any:
+        """The output of ``submit`` (a list of them: a list of outputs), once every replica answered."""
+        if isinstance(pending, list):
+            return [self.resolve(p) for p in pending]
+        return self.rollout.collect(pending)
+
+    def replica_metrics(self) -> dict[str, float]:
+        """``rollout/replicas`` and the last generation's per-replica balance and times (``RolloutRouter.metrics``)."""
+        return self.rollout.metrics()
 
     def to_batch(self, prompts: dict[str, Any], out: dict[str, Any]) -> Batch:
         """The rollout worker's output for ``prompts`` as a ``Batch``; each prompt's
@@ -167,6 +178,7 @@ class RolloutPhase:
             prompts = self.dataloader.next_batch()
             with timer("gen", timing):
                 batch = self.generate(prompts, step=step, gen_round=rounds - 1)
+            metrics.update(self.replica_metrics())
             if self.multi_turn:
                 metrics.update(agent_metrics(batch))
             with timer("reward", timing):

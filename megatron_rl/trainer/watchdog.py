@@ -118,11 +118,15 @@ class StopSignals:
 
 # ----------------------------------------------------------------------------- workers
 def worker_handles(placement: Any) -> dict[str, Any]:
-    """``{name: actor}`` of every worker of ``placement`` (``actor-rank0`` ..., ``rollout``)."""
+    """``{name: actor}`` of every worker of ``placement`` (``actor-rank0`` ..., ``rollout`` for replica 0,
+    ``rollout-replica1`` ... for the others)."""
     if placement is None:
         return {}
     out = {f"{role}-rank{rank}": w for role, group in placement.groups.items() for rank, w in enumerate(group.workers)}
-    if getattr(placement, "rollout", None) is not None:
+    replicas = getattr(placement, "replicas", None) or []
+    for replica in replicas:
+        out["rollout" if replica.index == 0 else f"rollout-replica{replica.index}"] = replica.actor
+    if not replicas and getattr(placement, "rollout", None) is not None:
         out["rollout"] = placement.rollout
     return out
 

@@ -20,7 +20,91 @@ from megatron_rl.data.batch import fields_of
 from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
-__all__ = ["MegatronWorkerGroup"]
+__all__ = ["MegatronWorkerGroup", "GpuBundles"]
+
+
+class GpuBundles:
+    """One placement group of one bundle per GPU, ``nodes x gpus_per_node`` of them, shared by every
+    colocated role (verl's ``max_colocate_count``): rank ``g`` of each role and the engine worker of
+    GPU ``g`` take slot ``g``, so they see the same device and no two ranks of one role share one.
+
+    Ray's bundle order is not node-grouped (a known cause of cross-node TP groups), so a probe actor
+    in each bundle reports its node and GPU id and the slots are the bundles sorted by (node, GPU):
+    node order is that of the first bundle Ray placed on each node. ``gpus`` gives each slot's
+    ``(node_index, node_id, node_ip, gpu_id)``.
+
+    Args:
+        nodes / gpus_per_node: the pool (``trainer.nnodes x n_gpus_per_node`` or the separate rollout's).
+        num_cpus_per_bundle: CPUs each bundle reserves (its colocated ranks and engine actors share them).
+        name: the placement group's name.
+    """
+
+    def __init__(self, nodes: int, gpus_per_node: int, *, num_cpus_per_bundle: float = 1.0, name: str = "gpus_pg",
+                 timeout_s: float = 600):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.nodes, self.gpus_per_node = nodes, gpus_per_node
+        total = nodes * gpus_per_node
+        self.placement_group = placement_group([{"GPU": 1, "CPU": num_cpus_per_bundle} for _ in range(total)],
+                                               strategy="PACK", name=name)
+        try:
+            ray.get(self.placement_group.ready(), timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - name what could not be placed
+            ray.util.remove_placement_group(self.placement_group)
+            raise RuntimeError(f"{name}: Ray could not reserve {total} bundles of one GPU and {num_cpus_per_bundle} "
+                               f"CPU(s) ({nodes} node(s) x {gpus_per_node} GPUs) within {timeout_s:.0f} s; cluster "
+                               f"resources: {ray.cluster_resources()}") from err
+        probe = ray.remote(num_cpus=0, num_gpus=0.001)(_BundleProbe)
+        probes = [probe.options(scheduling_strategy=self._strategy(b)).remote() for b in range(total)]
+        found = ray.get([p.where.remote() for p in probes])
+        for p in probes:
+            ray.kill(p)
+        node_order: dict[str, int] = {}
+        for node_id, _, _ in found:
+            node_order.setdefault(node_id, len(node_order))
+        self.order = sorted(range(total), key=lambda b: (node_order[found[b][0]], found[b][2]))
+        self.gpus = [(node_order[found[b][0]], found[b][0], found[b][1], found[b][2]) for b in self.order]
+        per_node = [sum(1 for g in self.gpus if g[0] == n) for n in range(len(node_order))]
+        if len(node_order) != nodes or any(c != gpus_per_node for c in per_node):
+            self.shutdown()
+            raise RuntimeError(f"{name}: Ray placed the {total} GPU bundles as {per_node} per node, not {nodes} node(s) "
+                               f"x {gpus_per_node}: the cluster's nodes do not match trainer.nnodes / n_gpus_per_node")
+
+    def _strategy(self, bundle: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle)
+
+    def strategy(self, slot: int):
+        """The scheduling strategy that puts an actor into slot ``slot`` (GPU ``slot`` in (node, GPU) order)."""
+        return self._strategy(self.order[slot])
+
+    def node_of(self, slot: int) -> int:
+        """Index of slot ``slot``'s node (0 = the first node of the pool)."""
+        return self.gpus[slot][0]
+
+    def gpu_id(self, slot: int) -> int:
+        """The physical GPU id of slot ``slot`` on its node (what ``CUDA_VISIBLE_DEVICES`` names)."""
+        return self.gpus[slot][3]
+
+    def node_ip(self, slot: int) -> str:
+        return self.gpus[slot][2]
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)
+
+
+class _BundleProbe:
+    """Reports where Ray put it: ``(node_id, node_ip, gpu_id)``."""
+
+    def where(self) -> tuple:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0])
 
 
 class MegatronWorkerGroup:
@@ -29,13 +113,17 @@ class MegatronWorkerGroup:
     Args:
         spec: what every rank builds (role, layout, role config, model).
         world_size: number of ranks (= the layout's TP x PP x CP x DP).
-        num_cpus_per_worker / num_gpus_per_worker: each bundle's resources.
+        num_cpus_per_worker / num_gpus_per_worker: each rank's resources (its bundle's without ``bundles``).
         name: placement-group name prefix (default: the role).
         shards: the trainer's shared ``ShardCache`` (default: one of this group's own).
+        bundles: a ``GpuBundles`` shared with the other colocated roles: rank ``i`` runs in its slot ``i``
+            (a share ``num_gpus_per_worker`` of GPU ``i``) instead of a placement group of the group's own.
+        worker_cls: the rank actor's class (default ``MegatronWorker``; the placement tests put probes there).
     """
 
     def __init__(self, spec: WorkerSpec, world_size: int, *, num_cpus_per_worker: float = 1.0,
-                 num_gpus_per_worker: float = 0.0, name: Optional[str] = None, shards: Optional[ShardCache] = None):
+                 num_gpus_per_worker: float = 0.0, name: Optional[str] = None, shards: Optional[ShardCache] = None,
+                 bundles: Optional[GpuBundles] = None, worker_cls: Optional[type] = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -48,17 +136,23 @@ class MegatronWorkerGroup:
         self.spec, self.role, self.world_size = spec, spec.role, world_size
         self.role_cls = role_class(spec.role)
         self.shards = shards if shards is not None else ShardCache()
-        bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
-        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
-                                               name=f"{name or spec.role}_pg")
-        ray.get(self.placement_group.ready(), timeout=600)
-        remote_cls = ray.remote(MegatronWorker)
+        if bundles is not None:
+            if world_size > len(bundles.order):
+                raise ValueError(f"{spec.role}: world_size={world_size} exceeds the {len(bundles.order)} GPUs placed")
+            self.placement_group = None  # the shared bundles belong to the placement
+            strategies = [bundles.strategy(rank) for rank in range(world_size)]
+        else:
+            bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
+            self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
+                                                   name=f"{name or spec.role}_pg")
+            ray.get(self.placement_group.ready(), timeout=600)
+            strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+                          for rank in range(world_size)]
+        remote_cls = ray.remote(worker_cls or MegatronWorker)
         self.workers = [
-            remote_cls.options(
-                num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
-                                                                     placement_group_bundle_index=rank),
-            ).remote(rank, world_size, max(1, round(num_cpus_per_worker)))
+            remote_cls.options(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
+                               scheduling_strategy=strategies[rank]
+                               ).remote(rank, world_size, max(1, round(num_cpus_per_worker)))
             for rank in range(world_size)
         ]
         master_addr, master_port = ray.get(self.workers[0].address.remote())
@@ -142,4 +236,5 @@ class MegatronWorkerGroup:
             pass
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.placement_group)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)

@@ -11,6 +11,7 @@ actor's one default thread, in order (a push queues behind the generations submi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -18,20 +19,25 @@ import torch
 
 from megatron_rl.config.rollout import RolloutConfig
 
-__all__ = ["RolloutWorker", "create_rollout_worker"]
+__all__ = ["RolloutWorker", "RolloutReplica", "create_rollout_worker", "create_rollout_replicas", "HeadlessEngineNode"]
 
 
 class RolloutWorker:
     """A ``VLLMRollout`` inside a Ray actor (create with ``ray.remote(RolloutWorker)``)."""
 
     def __init__(self, model_path: str, config: Optional[RolloutConfig] = None, tokenizer_path: Optional[str] = None,
-                 num_threads: int = 1, partial_rollout: bool = False):
+                 num_threads: int = 1, partial_rollout: bool = False, multi_node: Optional[dict] = None):
         from megatron_rl.rollout.partial import PauseGate
         from megatron_rl.rollout.vllm_rollout import VLLMRollout
 
         self._num_threads = max(1, num_threads)
         torch.set_num_threads(self._num_threads)
-        self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path)
+        try:  # vLLM's reason, with where the engine was to run (the driver adds the replica)
+            self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path,
+                                       **({"multi_node": multi_node} if multi_node else {}))
+        except Exception as err:
+            raise RuntimeError(f"vLLM engine failed to start on node {_node_ip()} with CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}: {type(err).__name__}: {err}") from err
         self._receiver = None  # RolloutWeightReceiver once a side band is joined
         self._tokenizer_path = tokenizer_path or model_path
         self._agents: dict = {}  # chat template -> AgentRunner, built on the first agent rollout
@@ -132,11 +138,12 @@ class RolloutWorker:
     def tensor_parallel_size(self) -> int:
         return int(self.rollout.config.tensor_model_parallel_size)
 
-    def weight_sync_connect(self, addr: str, port: int, world_size: int) -> list[int]:
-        """Join actor rank 0's side band (``megatron_rl.workers.weight_sync.WeightSync.connect``)."""
+    def weight_sync_connect(self, addr: str, port: int, world_size: int, rank_offset: int = 1) -> list[int]:
+        """Join actor rank 0's side band (``megatron_rl.workers.weight_sync.WeightSync.connect``) with this
+        engine's workers at ranks ``rank_offset ...`` (the replicas before it hold the ranks below)."""
         from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
 
-        self._receiver = RolloutWeightReceiver(self.rollout, addr, port, world_size)
+        self._receiver = RolloutWeightReceiver(self.rollout, addr, port, world_size, rank_offset=rank_offset)
         return self._receiver.connect()
 
     def weight_sync_receive(self) -> dict[str, Any]:
@@ -162,6 +169,41 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.rollout.shutdown()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return "127.0.0.1"
+
+
+class HeadlessEngineNode:
+    """The part of a multi-node vLLM engine on one of its other nodes: vLLM's headless multiproc
+    executor (what ``vllm serve --headless --node-rank k`` runs), whose workers join the head's
+    torch.distributed group and serve its ``collective_rpc`` calls (weight sync included). Its
+    ``CUDA_VISIBLE_DEVICES`` is set by the placement (the node's GPUs of the engine). GPU only."""
+
+    def __init__(self, model_path: str, config: RolloutConfig, multi_node: dict):
+        import threading
+
+        from megatron_rl.rollout.vllm_rollout import headless_engine_config
+
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        self._executor = MultiprocExecutor(headless_engine_config(model_path, config, multi_node),
+                                           monitor_workers=False)
+        self._thread = threading.Thread(target=self._executor.start_worker_monitor, kwargs={"inline": True},
+                                        daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown()
 
 
 @contextlib.contextmanager
@@ -198,7 +240,8 @@ def partial_worker_class() -> type:
 
 
 def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = None, *, tokenizer_path: Optional[str] = None,
-                          num_cpus: float = 1.0, num_gpus: float = 0.0, partial_rollout: bool = False):
+                          num_cpus: float = 1.0, num_gpus: float = 0.0, partial_rollout: bool = False,
+                          worker_cls: Optional[type] = None, name: str = "rollout_pg"):
     """Start a ``RolloutWorker`` actor in its own placement group; returns ``(actor, placement_group)``.
     ``partial_rollout``: weight pushes pause its generations (``partial_worker_class``)."""
     import ray
@@ -206,12 +249,128 @@ def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = Non
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    pg = placement_group([bundle], name="rollout_pg")
+    pg = placement_group([bundle], name=name)
     ray.get(pg.ready(), timeout=600)
-    remote = (ray.remote(concurrency_groups={"weights": 1})(partial_worker_class()) if partial_rollout
-              else ray.remote(RolloutWorker))
+    remote = _remote_worker(partial_rollout, worker_cls)
     actor = remote.options(
         num_cpus=num_cpus, num_gpus=num_gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
     ).remote(model_path, config, tokenizer_path, max(1, round(num_cpus)), partial_rollout)
     return actor, pg
+
+
+@dataclasses.dataclass
+class RolloutReplica:
+    """One rollout engine as the placement started it."""
+
+    index: int
+    """Replica rank (the engine map's order)."""
+    actor: Any
+    """The ``RolloutWorker`` actor (the engine's head)."""
+    nodes: tuple
+    """Pool node indices the engine uses."""
+    gpus: tuple
+    """``(node, physical GPU id)`` of every GPU it uses (empty on CPU)."""
+    headless: tuple = ()
+    """``HeadlessEngineNode`` actors on its other nodes (an engine larger than a node)."""
+    placement_group: Any = None
+    """Its own placement group (CPU placements), else None (the placement's shared bundles)."""
+
+    def where(self) -> str:
+        """``replica r on node(s) ... GPUs ...`` for errors."""
+        gpus = ", ".join(f"{n}:{g}" for n, g in self.gpus) or "none (CPU)"
+        return f"rollout replica {self.index} (node(s) {list(self.nodes)}, GPUs {gpus})"
+
+    def kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in (self.actor, *self.headless):
+            ray.kill(actor)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+
+
+def _remote_worker(partial_rollout: bool, worker_cls: Optional[type]):
+    import ray
+
+    if worker_cls is not None:
+        return ray.remote(worker_cls)
+    return (ray.remote(concurrency_groups={"weights": 1})(partial_worker_class()) if partial_rollout
+            else ray.remote(RolloutWorker))
+
+
+def create_rollout_replicas(model_path: str, config: RolloutConfig, layout: Any, *, bundles: Any = None,
+                            num_cpus: float = 1.0, partial_rollout: bool = False, tokenizer_path: Optional[str] = None,
+                            worker_cls: Optional[type] = None, headless_cls: Optional[type] = None,
+                            start_timeout_s: float = 1800) -> list[RolloutReplica]:
+    """Start one engine per replica of ``layout`` (``megatron_rl.utils.engine_map.EngineMap``).
+
+    With ``bundles`` (``megatron_rl.workers.group.GpuBundles``, GPUs): engine ``r``'s head is a CPU-only
+    actor in the slot of its first GPU with ``CUDA_VISIBLE_DEVICES`` the physical ids of its GPUs on
+    that node, and vLLM's ``mp`` executor starts one worker per GPU (verl's choice: the engine sees
+    exactly its GPUs and the colocated training ranks keep their own Ray GPU shares of the same
+    bundles, which vLLM's Ray executor, wanting whole-GPU bundles of its own, would not allow). An
+    engine larger than a node adds a ``HeadlessEngineNode`` on each further node (vLLM's multi-node
+    ``mp`` mode: ``nnodes`` / ``node_rank`` / ``master_addr``). Without ``bundles`` (CPU) each replica
+    gets a placement group of one bundle of ``num_cpus`` CPUs. An engine that fails to start raises
+    ``RuntimeError`` naming the replica, its nodes, GPUs and vLLM's reason; the others are stopped.
+    ``worker_cls`` / ``headless_cls`` replace the actors (the placement tests start probes)."""
+    import ray
+
+    remote = _remote_worker(partial_rollout, worker_cls)
+    threads = max(1, round(num_cpus))
+    replicas: list[RolloutReplica] = []
+    try:
+        for r, engine in enumerate(layout.engines):
+            if bundles is None:
+                actor, pg = create_rollout_worker(model_path, config, tokenizer_path=tokenizer_path, num_cpus=num_cpus,
+                                                  partial_rollout=partial_rollout, worker_cls=worker_cls,
+                                                  name=f"rollout_pg_{r}")
+                replicas.append(RolloutReplica(r, actor, (engine[0][0],), (), placement_group=pg))
+                continue
+            gpn = bundles.gpus_per_node
+            slots = [(node - layout.first_node) * gpn + gpu for node, gpu in engine]
+            per_node: dict[int, list[int]] = {}
+            for slot in slots:
+                per_node.setdefault(bundles.node_of(slot), []).append(slot)
+            node_slots = list(per_node.values())
+            gpus = tuple((bundles.node_of(s), bundles.gpu_id(s)) for s in slots)
+            multi = None
+            if len(node_slots) > 1:
+                from megatron_rl.workers.megatron_worker import free_port
+
+                multi = {"nnodes": len(node_slots), "node_rank": 0, "master_addr": bundles.node_ip(slots[0]),
+                         "master_port": free_port()}
+
+            def env(group):
+                return {"env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(str(bundles.gpu_id(s)) for s in group)}}
+
+            actor = remote.options(num_cpus=0.01, num_gpus=0, runtime_env=env(node_slots[0]),
+                                   scheduling_strategy=bundles.strategy(node_slots[0][0])
+                                   ).remote(model_path, config, tokenizer_path, threads, partial_rollout, multi)
+            headless = tuple(
+                ray.remote(headless_cls or HeadlessEngineNode).options(
+                    num_cpus=0.01, num_gpus=0, runtime_env=env(group), scheduling_strategy=bundles.strategy(group[0])
+                ).remote(model_path, config, {**multi, "node_rank": k})
+                for k, group in enumerate(node_slots[1:], start=1))
+            replicas.append(RolloutReplica(r, actor, tuple(per_node), gpus, headless))
+        _wait_started(replicas, start_timeout_s)
+    except BaseException:
+        for replica in replicas:
+            replica.kill()
+        raise
+    return replicas
+
+
+def _wait_started(replicas: list[RolloutReplica], timeout_s: float) -> None:
+    """Block until every engine answers; a failure names the replica (``RolloutReplica.where``)."""
+    import ray
+
+    pending = {r.actor.pad_token_id.remote(): r for r in replicas}
+    for ref, replica in pending.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - re-raised with the replica named
+            cause = getattr(err, "cause", None) or err
+            raise RuntimeError(f"{replica.where()} failed to start: {cause}") from err

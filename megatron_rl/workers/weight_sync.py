@@ -1,14 +1,21 @@
 """Actor -> rollout weight sync as the driver sees it: ``WeightSync``, built once from the config.
 
-``WeightSync(actor_group, rollout_worker, checkpoint_engine)`` picks the path once from
-``checkpoint_engine.backend`` (``megatron_rl.config.rollout.WeightSyncConfig``):
+``WeightSync(actor_group, rollout_workers, checkpoint_engine)`` picks the path once from
+``checkpoint_engine.backend`` (``megatron_rl.config.rollout.WeightSyncConfig``) and syncs into every
+rollout engine (replica) of the run, every vLLM worker inside each:
 
-* a streamable transport (``broadcast``, ``shm``): actor rank 0 and the rollout worker's vLLM
-  workers share a gloo side band, connected on the first ``sync()``; every sync then streams the
-  bridge's export bucket by bucket from rank 0 (``megatron_rl.rollout.weight_sync``), so the
-  model is never whole anywhere;
-* ``colocated`` / ``bytes``: rank 0 gathers the HF tensors and hands them to the rollout worker
-  through Ray's object store, which loads them with that transport into its engine (small models).
+* a streamable transport (``broadcast``, ``shm``, ``nccl``): actor rank 0 and the vLLM workers of
+  every replica share one side band (replica ``r``'s workers at ranks ``1 + sum of the earlier
+  replicas' workers``), connected on the first ``sync()`` and kept for the run (with ``nccl`` one
+  NCCL broadcast group spanning every engine worker, built once, not per sync); every sync then
+  streams the bridge's export bucket by bucket from rank 0 (``megatron_rl.rollout.weight_sync``)
+  to all of them at once, so the model is never whole anywhere;
+* ``colocated`` / ``bytes``: rank 0 gathers the HF tensors once and every replica loads the same
+  object-store copy with that transport into its engine (small models).
+
+Every replica acknowledges the sync before ``sync()`` returns (the next generation starts after);
+one that fails raises ``ReplicaError`` naming the replica, and the trainer stops the step there (each
+engine's receiver aborts a failed session without a half-loaded layer).
 
 With ``quantization="fp8"`` (``actor_rollout_ref.rollout.quantization``; the trainer passes it) rank 0
 quantises the export into DeepSeek-V3's block FP8 before it travels (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``),
@@ -98,7 +105,7 @@ class WeightSync:
 
     Args:
         actor_group: the actor's ``MegatronWorkerGroup`` (its ``workers`` are ``WeightSyncRank`` actors).
-        rollout_worker: the ``RolloutWorker`` Ray actor.
+        rollout_worker: the ``RolloutWorker`` Ray actor, or a list of them (one per replica).
         config: ``actor_rollout_ref.rollout.checkpoint_engine`` (transport, bucket bound, shm directory).
         dtype: cast the exported tensors (a torch dtype name, e.g. ``"bfloat16"``); None keeps them.
         quantization: ``actor_rollout_ref.rollout.quantization`` (None or ``"fp8"``: rank 0 sends
@@ -109,7 +116,8 @@ class WeightSync:
                  quantization: Optional[str] = None):
         from parallel.transport import get_transport
 
-        self.group, self.rollout, self.config, self.dtype = actor_group, rollout_worker, config, dtype
+        self.rollouts = list(rollout_worker) if isinstance(rollout_worker, (list, tuple)) else [rollout_worker]
+        self.group, self.rollout, self.config, self.dtype = actor_group, self.rollouts[0], config, dtype
         self.quantization = quantization
         self.streamed = get_transport(config.backend).streamable
         self.connected = False
@@ -125,14 +133,16 @@ class WeightSync:
 
         if not self.streamed:
             raise ValueError(f"checkpoint_engine.backend={self.config.backend!r} does not stream; nothing to connect")
-        world = 1 + int(ray.get(self.rollout.tensor_parallel_size.remote()))
+        sizes = [int(s) for s in ray.get([r.tensor_parallel_size.remote() for r in self.rollouts])]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # replica r's first worker's rank
+        world = 1 + sum(sizes)
         listened = ray.get([w.weight_sync_listen.remote(world, self.config.backend,
                                                         self.config.update_weights_bucket_megabytes,
                                                         self.config.shm_dir, self.dtype, self.quantization)
                             for w in self.group.workers])
         addr, port = listened[0]
         ray.get([w.weight_sync_connect.remote() for w in self.group.workers]
-                + [self.rollout.weight_sync_connect.remote(addr, port, world)])
+                + [r.weight_sync_connect.remote(addr, port, world, offset) for r, offset in zip(self.rollouts, offsets)])
         self.connected = True
 
     def sync(self) -> dict[str, Any]:
@@ -149,12 +159,14 @@ class WeightSync:
         if self.streamed:
             if not self.connected:
                 self.connect()
-            out = _streamed_sync(self.group, self.rollout)
+            out = _streamed_sync(self.group, self.rollouts)
         else:
             weights = export_weights(self.group, self.bucket_bytes, self.dtype, self.quantization)
-            out = ray.get(self.rollout.update_weights.remote(
-                weights, transport=self.config.backend, bucket_megabytes=self.config.update_weights_bucket_megabytes))
-        return {**out, "wall_seconds": time.perf_counter() - start}
+            refs = [r.update_weights.remote(weights, transport=self.config.backend,
+                                            bucket_megabytes=self.config.update_weights_bucket_megabytes)
+                    for r in self.rollouts]
+            out = _acknowledged(refs)[0]
+        return {**out, "replicas": len(self.rollouts), "wall_seconds": time.perf_counter() - start}
 
     def close(self) -> None:
         """Leave the side band (if connected)."""
@@ -162,7 +174,7 @@ class WeightSync:
 
         if self.connected:
             ray.get([w.weight_sync_close.remote() for w in self.group.workers]
-                    + [self.rollout.weight_sync_close.remote()])
+                    + [r.weight_sync_close.remote() for r in self.rollouts])
             self.connected = False
 
 
@@ -192,11 +204,33 @@ def sync_weights(group, rollout) -> dict[str, Any]:
     return _streamed_sync(group, rollout)
 
 
-def _streamed_sync(group, rollout) -> dict[str, Any]:
-    """Every actor rank sends (rank 0 streams) while the rollout worker receives."""
+def _streamed_sync(group, rollouts) -> dict[str, Any]:
+    """Every actor rank sends (rank 0 streams) while every replica's rollout worker receives."""
     import ray
 
+    rollouts = list(rollouts) if isinstance(rollouts, (list, tuple)) else [rollouts]
     sent = [w.weight_sync.remote() for w in group.workers]
-    received = rollout.weight_sync_receive.remote()
-    out = ray.get(sent)[0]
-    return {**out, "receiver_seconds": ray.get(received)["seconds"]}
+    received = [r.weight_sync_receive.remote() for r in rollouts]
+    try:
+        out = ray.get(sent)[0]
+    finally:
+        acks = _acknowledged(received)
+    return {**out, "receiver_seconds": max(a["seconds"] for a in acks)}
+
+
+def _acknowledged(refs: list) -> list:
+    """Every replica's answer to one sync; ``RuntimeError`` naming the replicas that failed (the step
+    stops: no generation runs on a mix of versions)."""
+    import ray
+
+    out, failed = [], []
+    for r, ref in enumerate(refs):
+        try:
+            out.append(ray.get(ref))
+        except Exception as err:  # noqa: BLE001 - collected, then raised together
+            failed.append(f"rollout replica {r}: {getattr(err, 'cause', None) or err}")
+    if failed:  # a RayError: the trainer stops the run naming the last good checkpoint
+        from megatron_rl.workers.router import ReplicaError
+
+        raise ReplicaError(f"weight sync failed in {len(failed)} of {len(refs)} replica(s): " + "; ".join(failed))
+    return out
