@@ -45,7 +45,7 @@ def main() -> None:
             start = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - start) * 1e3)
-    print(f"isolation prefix: {' '.join(isolation().prefix) or '(none)'}")
+    print(f"isolation: {isolation()}")
     for name, values in times.items():
         print(f"{name:8s} median {statistics.median(values):7.1f} ms   p99 {_p99(values):7.1f} ms   (n={len(values)})")
     print(f"overhead median {statistics.median(times['sandbox']) - statistics.median(times['plain']):7.1f} ms")

@@ -2,6 +2,11 @@
 
 What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the in-process parts):
 
+* **privileges**: a user namespace whose root is host ``nobody`` (this process, as root, writes
+  the map; unprivileged, ``unshare --map-root-user`` maps it to this user), so the code owns no
+  host file; then every capability set (bounding included) is emptied and ``no_new_privs`` set;
+  ``/root`` is an empty tmpfs holding only the interpreter's prefix;
+
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
 * **memory**: ``memory_mb`` of address space (RLIMIT_AS: the code gets MemoryError);
@@ -112,6 +117,9 @@ class Isolation:
     """A private mount namespace in which everything but the working directory is read-only."""
     drop_uid: Optional[int]
     """uid the code runs as after leaving root (None: it keeps this process's user)."""
+    map_to: Optional[int] = None
+    """Host uid/gid that this process (root) maps the user namespace's root to (None: ``unshare
+    --map-root-user`` maps it to this process's own, unprivileged, user)."""
 
 
 _NAMESPACES = ("--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-child")
@@ -119,31 +127,37 @@ _NAMESPACES = ("--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-ch
 
 @functools.lru_cache(maxsize=None)
 def isolation() -> Isolation:
-    """Probe ``unshare`` once: network + PID + mount namespaces as root, else inside a user namespace;
-    without them the code runs in a plain process group (as ``nobody`` when this process is root)."""
+    """Probe ``unshare`` once: network + PID + mount namespaces inside a user namespace whose root
+    is host ``nobody`` (this process, as root, writes the map) or this process's own unprivileged
+    user; without them the code runs in a plain process group (as ``nobody`` when this process is root)."""
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    candidates = []
     if unshare is not None:
-        # A user namespace first, also as root: root inside it holds no capability over the host
-        # (no /proc/<caller>/mem, no remount of host mounts, no setns into the caller's namespaces).
-        candidates.append((unshare, "--user", "--map-root-user", *_NAMESPACES))
-        if root:
-            candidates.append((unshare, *_NAMESPACES))
-    for prefix in candidates:
-        scratch = tempfile.mkdtemp(prefix="mrl-sandbox-probe-")
-        probe = (f"import sys; sys.path.insert(0, {str(Path(RUNNER).parent)!r}); import sandbox_runner; "
-                 f"sandbox_runner._readonly_mounts({scratch!r})")
-        try:
-            ok = subprocess.run([*prefix, sys.executable, "-I", "-c", probe], capture_output=True,
-                                timeout=30).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            ok = False
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        if ok:
-            return Isolation(tuple(prefix), True, True, True, None)
+        # Root inside a user namespace holds no capability over the host (no /proc/<caller>/mem,
+        # no remount of host mounts, no setns); mapped to nobody, it owns no host file either.
+        if root:  # the runner makes the namespaces (unshare(1) would exec it unmapped, without capabilities)
+            candidate = Isolation((), True, True, True, None, map_to=_NOBODY)  # the runner unshares
+        else:
+            candidate = Isolation((unshare, "--user", "--map-root-user", *_NAMESPACES), True, True, True, None)
+        probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
+        if probe.status == "ok" and probe.stdout == "ok\n":
+            return candidate
     return Isolation((), False, False, False, _NOBODY if root else None)
+
+
+def _map_ids(proc: subprocess.Popen, host_id: int, deadline: float) -> None:
+    """Once ``proc`` (the runner) is in its new user namespace, map the namespace's uid and gid 0
+    to ``host_id``, then tell the runner (one byte on its stdin) to take them."""
+    own = os.readlink("/proc/self/ns/user")
+    while os.readlink(f"/proc/{proc.pid}/ns/user") == own:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise OSError(f"unshare (pid {proc.pid}) did not enter a user namespace")
+        time.sleep(0.0005)
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{proc.pid}/{name}", "w") as f:
+            f.write(f"0 {host_id} 1\n")
+    proc.stdin.write(b"1")
+    proc.stdin.close()
 
 
 def _drain(proc: subprocess.Popen, limit: int, hard_limit: int, deadline: float) -> tuple[dict, Optional[str]]:
@@ -200,23 +214,31 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, refuse_soc
     """
     iso = isolation()
     refuse = (not iso.network_namespace) if refuse_sockets is None else refuse_sockets
+    return _execute(code, limits, iso, refuse, python_guards)
+
+
+def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, python_guards: bool) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="mrl-sandbox-")
     proc = None
     try:
         code_path = Path(workdir) / "main.py"
         code_path.write_text(code)
-        if iso.drop_uid is not None:
-            os.chown(workdir, iso.drop_uid, iso.drop_uid)
+        owner = iso.drop_uid if iso.drop_uid is not None else iso.map_to
+        if owner is not None:
+            os.chown(workdir, owner, owner)
         spec = {"workdir": workdir, "code_path": str(code_path), "cpu_seconds": limits.cpu_seconds,
                 "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
-                "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards}
+                "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards,
+                "unshare": iso.map_to is not None}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL if iso.map_to is None else subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=workdir, env=env, start_new_session=True)
+        if iso.map_to is not None:
+            _map_ids(proc, iso.map_to, start + limits.wall_seconds)
         streams, stopped = _drain(proc, limits.max_output_bytes, limits.max_file_bytes, start + limits.wall_seconds)
         timed_out = stopped == "timeout"
         if stopped is None:

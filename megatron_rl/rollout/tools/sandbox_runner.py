@@ -6,10 +6,14 @@ process of a fresh PID namespace (``spec["init"]``) it forks once and only reaps
 runs as an ordinary process (signals such as SIGXCPU act on it), and when the init ends the
 kernel kills everything left in the namespace.
 
-Order in the code's process: in a private mount namespace (``spec["readonly_mounts"]``) every
-mount becomes read-only except a bind mount of the working directory; resource limits (CPU
-seconds, address space, file size, open files, no core files); drop root to ``nobody``
-(``spec["drop_uid"]``, only without a mount namespace); enter the private working directory;
+Order: when the caller maps our user namespace (``spec["await_map"]``: it writes uid_map /
+gid_map, then one byte on stdin) become its root, which is host ``nobody``, with no supplementary
+groups; in a private mount namespace (``spec["readonly_mounts"]``) every mount becomes read-only
+except a bind mount of the working directory; then privileges go for good, before the fork
+(init and code alike): the capability bounding set emptied, root dropped to ``nobody``
+(``spec["drop_uid"]``, only without namespaces), every capability cleared, ``no_new_privs``.
+In the code's process: resource limits (CPU seconds, address space, file size, open files, no
+core files); enter the private working directory;
 install an audit hook (it cannot be removed from Python) that refuses process creation, signals,
 ctypes, writes outside the working directory, Unix sockets and -- when no network namespace
 isolates the process -- every socket; then ``exec`` the code as ``__main__``.
@@ -121,6 +125,96 @@ def _readonly_mounts(workdir: str) -> None:
             # a mount hidden under another one (stacked on the same point) cannot be reached
 
 
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 38, 47, 4
+_CAP_VERSION_3 = 0x20080522
+
+
+def _drop_privileges(drop_uid) -> None:
+    """No capability left in any set (also none an ``execve`` could bring back), ``no_new_privs``;
+    ``drop_uid``: switch to that uid/gid in between (needs CAP_SETUID, lost right after)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    for cap in range(last_cap + 1):  # refused without CAP_SETPCAP: then no_new_privs alone keeps exec bare
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if drop_uid is not None:
+        os.setgroups([])
+        os.setresgid(drop_uid, drop_uid, drop_uid)
+        os.setresuid(drop_uid, drop_uid, drop_uid)
+    header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all zero
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+
+
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_MS_REC, _MS_PRIVATE, _PR_SET_PDEATHSIG = 16384, 1 << 18, 1
+
+
+def _enter_namespaces() -> None:
+    """New user, mount, network and PID namespaces; wait for the caller's uid/gid map (its byte on
+    stdin), take the namespace's root (host ``nobody``: until now this process kept host root's uid
+    and groups, only unmapped), then fork the PID namespace's init with a fresh ``/proc``. This
+    process only waits for the init and exits as it does (as ``unshare --fork`` would)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
+    # The interpreter may live under a directory only host root can enter (/root/.pyenv). Our files
+    # still carry host root's uid until we take the mapped one: keep a handle on the prefixes (in the
+    # new mount namespace), to bind them into an empty /root once we are nobody.
+    prefixes = sorted({p for p in (sys.base_prefix, sys.prefix) if p.startswith(_HIDDEN_HOME + os.sep)})
+    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in prefixes}
+    os.read(0, 1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    init = os.fork()
+    if init:
+        _drop_privileges(None)
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+        _, status = os.waitpid(init, 0)
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    for source, target, fstype, flags in ((None, b"/", None, _MS_REC | _MS_PRIVATE),
+                                          (b"proc", b"/proc", b"proc", 2 | 4 | 8)):  # nosuid, nodev, noexec
+        if libc.mount(source, target, fstype, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {target.decode()}: {os.strerror(err)}")
+    _hide_home(libc, handles)
+
+
+_HIDDEN_HOME = "/root"
+
+
+def _hide_home(libc, handles: dict) -> None:
+    """An empty tmpfs over /root (the code sees nothing of it) holding only the interpreter's prefixes."""
+    import ctypes
+
+    def mount(source, target: str, fstype, flags: int, data) -> None:
+        if libc.mount(source, target.encode(), fstype, flags, data) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+    if not os.path.isdir(_HIDDEN_HOME):
+        return
+    mount(b"tmpfs", _HIDDEN_HOME, b"tmpfs", 2 | 4, b"size=1m,mode=0755")  # nosuid, nodev
+    for path, fd in handles.items():
+        os.makedirs(path, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}".encode(), path, None, _MS_BIND | _MS_REC, None)
+        os.close(fd)
+
+
 def _limit(spec: dict) -> None:
     cpu = int(spec["cpu_seconds"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -134,13 +228,7 @@ def _limit(spec: dict) -> None:
 def _run(spec: dict) -> None:
     with open(spec["code_path"]) as f:
         code = f.read()
-    if spec.get("readonly_mounts"):
-        _readonly_mounts(spec["workdir"])
     _limit(spec)
-    if spec.get("drop_uid") is not None:
-        os.setgroups([])
-        os.setgid(spec["drop_uid"])
-        os.setuid(spec["drop_uid"])
     os.chdir(spec["workdir"])
     if spec["python_guards"]:
         _install_guard(spec["workdir"], spec["refuse_sockets"])
@@ -168,9 +256,17 @@ def main() -> None:
     """Entry point (see the module docstring)."""
     spec = json.loads(sys.argv[1])
     sys.path[:1] = []  # not this directory: the model's imports must not find our modules
+    if spec.get("unshare"):
+        _enter_namespaces()
+    if spec.get("readonly_mounts"):
+        _readonly_mounts(spec["workdir"])
+    _drop_privileges(spec.get("drop_uid"))
     if spec.get("init"):
         child = os.fork()
         if child:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the code cannot ptrace its init
             code = 1
             while True:  # reap every orphan re-parented to us until our own child ends
                 try:
