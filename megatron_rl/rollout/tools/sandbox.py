@@ -5,7 +5,9 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **privileges**: a user namespace whose root is host ``nobody`` (this process, as root, writes
   the map; unprivileged, ``unshare --map-root-user`` maps it to this user), so the code owns no
   host file; then every capability set (bounding included) is emptied and ``no_new_privs`` set;
-  ``/root`` is an empty tmpfs holding only the interpreter's prefix;
+  ``/root`` is an empty tmpfs holding only the interpreter's prefix; a seccomp filter (libseccomp
+  through ctypes) refuses process creation, non-AF_UNIX sockets, mount/ptrace/unshare/setns/bpf/
+  io_uring/userfaultfd and the other kernel interfaces of ``sandbox_runner._DENIED_SYSCALLS``;
 
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
@@ -40,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from ctypes.util import find_library
 from pathlib import Path
 from typing import Optional
 
@@ -117,6 +120,8 @@ class Isolation:
     """A private mount namespace in which everything but the working directory is read-only."""
     drop_uid: Optional[int]
     """uid the code runs as after leaving root (None: it keeps this process's user)."""
+    seccomp: Optional[str] = None
+    """libseccomp to build the code's system-call filter with (None: no filter)."""
     map_to: Optional[int] = None
     """Host uid/gid that this process (root) maps the user namespace's root to (None: ``unshare
     --map-root-user`` maps it to this process's own, unprivileged, user)."""
@@ -136,9 +141,10 @@ def isolation() -> Isolation:
         # Root inside a user namespace holds no capability over the host (no /proc/<caller>/mem,
         # no remount of host mounts, no setns); mapped to nobody, it owns no host file either.
         if root:  # the runner makes the namespaces (unshare(1) would exec it unmapped, without capabilities)
-            candidate = Isolation((), True, True, True, None, map_to=_NOBODY)  # the runner unshares
+            candidate = Isolation((), True, True, True, None, find_library("seccomp"), _NOBODY)  # the runner unshares
         else:
-            candidate = Isolation((unshare, "--user", "--map-root-user", *_NAMESPACES), True, True, True, None)
+            candidate = Isolation((unshare, "--user", "--map-root-user", *_NAMESPACES), True, True, True, None,
+                                  find_library("seccomp"))
         probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
         if probe.status == "ok" and probe.stdout == "ok\n":
             return candidate
@@ -231,7 +237,7 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
                 "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
                 "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards,
-                "unshare": iso.map_to is not None}
+                "unshare": iso.map_to is not None, "seccomp": iso.seccomp}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],

@@ -215,6 +215,60 @@ def _hide_home(libc, handles: dict) -> None:
         os.close(fd)
 
 
+_DENIED_SYSCALLS = (
+    "ptrace", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "process_vm_readv",
+    "process_vm_writev", "mknod", "mknodat", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "personality",
+    "open_by_handle_at", "name_to_handle_at", "io_uring_setup", "userfaultfd", "swapon", "swapoff", "reboot",
+    "acct", "quotactl", "fsopen", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "fork", "vfork", "execve", "execveat")
+_SCMP_ACT_ALLOW, _SCMP_ACT_ERRNO_EPERM, _SCMP_ACT_ERRNO_ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+_SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
+_AF_UNIX, _CLONE_THREAD, _FS_IOC_SETFLAGS = 1, 0x10000, 0x40086602
+
+
+def _seccomp(library: str) -> None:
+    """A seccomp filter (libseccomp through ctypes) refusing with EPERM: the syscalls of
+    ``_DENIED_SYSCALLS``, sockets other than AF_UNIX, ``clone`` without CLONE_THREAD (threads stay
+    possible, processes do not), and the ioctl that sets inode flags (immutable files). ``clone3``
+    answers ENOSYS, so that the C library falls back to ``clone``, whose flags the filter can read."""
+    import ctypes
+
+    class ArgCmp(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                    ("datum_b", ctypes.c_uint64)]
+
+    lib = ctypes.CDLL(library, use_errno=True)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(ArgCmp)]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+
+    def deny(name: str, action: int = _SCMP_ACT_ERRNO_EPERM, *conditions) -> None:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number < 0:  # not a syscall on this architecture (e.g. an old one)
+            return
+        args = (ArgCmp * max(1, len(conditions)))(*conditions)
+        rc = lib.seccomp_rule_add_array(ctx, action, number, len(conditions), args)
+        if rc != 0:
+            raise OSError(-rc, f"seccomp rule for {name}: {os.strerror(-rc)}")
+
+    for name in _DENIED_SYSCALLS:
+        deny(name)
+    deny("clone3", _SCMP_ACT_ERRNO_ENOSYS)
+    deny("clone", _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_MASKED_EQ, _CLONE_THREAD, 0))
+    deny("socket", _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, _AF_UNIX, 0))
+    deny("socketpair", _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, _AF_UNIX, 0))
+    deny("ioctl", _SCMP_ACT_ERRNO_EPERM, ArgCmp(1, _SCMP_CMP_EQ, _FS_IOC_SETFLAGS, 0))
+    rc = lib.seccomp_load(ctx)
+    if rc != 0:
+        raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
+
+
 def _limit(spec: dict) -> None:
     cpu = int(spec["cpu_seconds"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -230,6 +284,8 @@ def _run(spec: dict) -> None:
         code = f.read()
     _limit(spec)
     os.chdir(spec["workdir"])
+    if spec.get("seccomp"):
+        _seccomp(spec["seccomp"])
     if spec["python_guards"]:
         _install_guard(spec["workdir"], spec["refuse_sockets"])
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
