@@ -76,7 +76,8 @@ class SandboxResult:
     """How a run ended.
 
     ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception), ``timeout`` (wall
-    limit), ``cpu_limit``, ``memory_limit``, ``output_limit`` (file-size limit) or
+    limit), ``cpu_limit``, ``memory_limit``, ``output_limit`` (file-size limit), ``killed`` (SIGKILL
+    from elsewhere: not the CPU limit, by the tree's own CPU seconds) or
     ``sandbox_error`` (the sandbox itself could not run; ``stderr`` says why).
     """
 
@@ -100,7 +101,7 @@ class SandboxResult:
                "cpu_limit": f"killed: CPU-time limit of {limits.cpu_seconds} s exceeded",
                "memory_limit": f"killed: memory limit of {limits.memory_mb} MiB exceeded",
                "output_limit": f"killed: output limit of {limits.max_file_bytes} bytes exceeded",
-               "error": f"exit code {self.exit_code}", "sandbox_error": "the sandbox failed to run the code"}
+               "error": f"exit code {self.exit_code}", "killed": "killed by a signal the sandbox did not send", "sandbox_error": "the sandbox failed to run the code"}
         if self.status in why:
             parts.append(f"[{why[self.status]}]")
         if self.truncated:
@@ -194,7 +195,7 @@ def _text(data: bytearray, limit: int) -> tuple[str, bool]:
     return bytes(data[:limit]).decode("utf-8", errors="replace"), len(data) > limit
 
 
-def _status(code: Optional[int], timed_out: bool) -> str:
+def _status(code: Optional[int], timed_out: bool, cpu_used: float = 0.0, cpu_limit: float = float("inf")) -> str:
     if timed_out:
         return "timeout"
     if code == 0:
@@ -205,8 +206,8 @@ def _status(code: Optional[int], timed_out: bool) -> str:
         return signals[sig]
     if code == _EXIT_MEMORY:
         return "memory_limit"
-    if sig == signal.SIGKILL:  # the hard CPU limit (soft + 1 s) sends SIGKILL
-        return "cpu_limit"
+    if sig == signal.SIGKILL:  # the hard CPU limit (soft + 1 s) sends SIGKILL; else someone else did
+        return "cpu_limit" if cpu_used >= cpu_limit else "killed"
     return "error"
 
 
@@ -247,15 +248,15 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
             _map_ids(proc, iso.map_to, start + limits.wall_seconds)
         streams, stopped = _drain(proc, limits.max_output_bytes, limits.max_file_bytes, start + limits.wall_seconds)
         timed_out = stopped == "timeout"
+        cpu_used = 0.0
         if stopped is None:
-            try:
-                proc.wait(timeout=max(0.0, start + limits.wall_seconds - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            cpu_used = _wait(proc, start + limits.wall_seconds)
+            timed_out = proc.returncode is None
         _kill_group(proc)
         stdout, cut_out = _text(streams[proc.stdout.fileno()], limits.max_output_bytes)
         stderr, cut_err = _text(streams[proc.stderr.fileno()], limits.max_output_bytes)
-        status = "output_limit" if stopped == "output_limit" else _status(proc.returncode, timed_out)
+        status = "output_limit" if stopped == "output_limit" else _status(proc.returncode, timed_out, cpu_used,
+                                                                                limits.cpu_seconds)
         return SandboxResult(status, stdout, stderr, None if stopped else proc.returncode,
                              time.monotonic() - start, cut_out or cut_err)
     except OSError as err:  # the sandbox itself failed (no temp space, no interpreter ...): an observation
@@ -267,6 +268,18 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
             proc.stdout.close()
             proc.stderr.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, deadline: float) -> float:
+    """Reap ``proc`` by ``deadline`` (else leave it running); the CPU seconds its tree used, as the
+    kernel counted them (children it reaped included)."""
+    while time.monotonic() < deadline:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime
+        time.sleep(0.001)
+    return 0.0
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

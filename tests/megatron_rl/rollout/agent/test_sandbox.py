@@ -257,3 +257,12 @@ def test_seccomp_refuses_processes_sockets_and_kernel_interfaces_but_not_threads
     assert lines[1:8] == [f"{n} -1 1" for n in ("ptrace", "unshare", "io_uring_setup", "userfaultfd", "setns", "bpf",
                                                  "keyctl")]
     assert lines[8:] == ["fork refused 1", "inet refused 1", "exec refused 1", "2"]
+
+
+def test_a_sigkill_is_cpu_limit_only_when_the_cpu_seconds_were_used():
+    # Issue 27: any SIGKILL was reported as cpu_limit. Now decided from the tree's CPU seconds.
+    res = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", python_guards=False)
+    assert res.status == "killed" and "[killed by a signal the sandbox did not send]" in res.observation(SandboxLimits())
+    res = run_python("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass",
+                     SandboxLimits(wall_seconds=20, cpu_seconds=1), python_guards=False)
+    assert res.status == "cpu_limit"  # SIGXCPU ignored: the hard limit's SIGKILL at 2 s of CPU
