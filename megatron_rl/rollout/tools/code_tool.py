@@ -2,17 +2,20 @@
 
 Tool-config ``config`` keys (all optional): ``wall_seconds`` (10), ``cpu_seconds`` (5),
 ``memory_mb`` (512), ``max_output_bytes`` (8192), ``max_file_bytes`` (1 MiB) -- the
-``SandboxLimits`` of every call -- and the loop's ``timeout`` (default: the wall limit + 5 s).
+``SandboxLimits`` of every call --, the loop's ``timeout`` (default: the wall limit + 5 s), and
+``allow_unisolated`` (False): where this machine gives the sandbox no user namespace or no seccomp
+filter, the tool refuses to be built unless it is set (then with a warning naming it).
 A call whose code fails or exceeds a limit is an error observation with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Mapping, Optional
 
 from megatron_rl.rollout.tools.base import BaseTool, ToolResponse, ToolSchema
-from megatron_rl.rollout.tools.sandbox import SandboxLimits, run_python
+from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
 
 __all__ = ["CodeInterpreterTool"]
 
@@ -24,10 +27,11 @@ class CodeInterpreterTool(BaseTool):
 
     def __init__(self, config: Optional[Mapping[str, Any]] = None, tool_schema: Optional[ToolSchema] = None):
         config = dict(config or {})
-        unknown = set(config) - set(_LIMIT_KEYS) - {"type", "timeout"}
+        unknown = set(config) - set(_LIMIT_KEYS) - {"type", "timeout", "allow_unisolated"}
         if unknown:
             raise ValueError(f"code tool config has unknown key(s) {sorted(unknown)}; allowed: "
-                             f"{['type', 'timeout', *_LIMIT_KEYS]}")
+                             f"{['type', 'timeout', 'allow_unisolated', *_LIMIT_KEYS]}")
+        _check_isolation(bool(config.pop("allow_unisolated", False)))
         self.limits = SandboxLimits(**{k: config[k] for k in _LIMIT_KEYS if k in config})
         config.setdefault("timeout", self.limits.wall_seconds + 5.0)
         super().__init__(config, tool_schema)
@@ -42,3 +46,17 @@ class CodeInterpreterTool(BaseTool):
     def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
         result = run_python(parameters["code"], self.limits)
         return ToolResponse(result.observation(self.limits), error=not result.ok)
+
+
+def _check_isolation(allow_unisolated: bool) -> None:
+    iso = isolation()
+    missing = [name for name, ok in (("user namespace", iso.network_namespace), ("seccomp filter", iso.seccomp))
+               if not ok]
+    if not missing:
+        return
+    if not allow_unisolated:
+        raise RuntimeError(f"code tool: this machine gives the sandbox no {' and no '.join(missing)}, so model code "
+                           "would run with only the audit hook between it and the host; set the code tool's "
+                           "allow_unisolated: true to run it anyway")
+    warnings.warn(f"code tool: allow_unisolated is set and the sandbox has no {' and no '.join(missing)}: model "
+                  "code runs weakly isolated", RuntimeWarning, stacklevel=3)

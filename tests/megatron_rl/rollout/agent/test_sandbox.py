@@ -266,3 +266,15 @@ def test_a_sigkill_is_cpu_limit_only_when_the_cpu_seconds_were_used():
     res = run_python("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass",
                      SandboxLimits(wall_seconds=20, cpu_seconds=1), python_guards=False)
     assert res.status == "cpu_limit"  # SIGXCPU ignored: the hard limit's SIGKILL at 2 s of CPU
+
+
+def test_code_tool_refuses_an_unisolated_sandbox_unless_allowed(monkeypatch):
+    from megatron_rl.rollout.tools import code_tool
+    from megatron_rl.rollout.tools.sandbox import Isolation
+
+    monkeypatch.setattr(code_tool, "isolation", lambda: Isolation((), False, False, False, None))
+    with pytest.raises(RuntimeError, match="no user namespace and no seccomp filter.*allow_unisolated: true"):
+        CodeInterpreterTool({})
+    with pytest.warns(RuntimeWarning, match="allow_unisolated is set"):
+        tool = CodeInterpreterTool({"allow_unisolated": True})
+    assert tool.limits == SandboxLimits()
