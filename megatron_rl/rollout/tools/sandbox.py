@@ -63,10 +63,14 @@ class SandboxLimits:
     max_output_bytes: int = 8192
     max_file_bytes: int = 1 << 20
     max_open_files: int = 64
+    max_disk_bytes: int = 64 << 20
+    """Size of the working directory's tmpfs (with namespaces): the code's whole disk quota."""
+    max_files: int = 1024
+    """Inodes of that tmpfs: how many files and directories the code can make."""
 
     def __post_init__(self):
         for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_output_bytes", "max_file_bytes",
-                     "max_open_files"):
+                     "max_open_files", "max_disk_bytes", "max_files"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sandbox limit {name}={getattr(self, name)!r} must be > 0")
 
@@ -238,7 +242,8 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
                 "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
                 "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards,
-                "unshare": iso.map_to is not None, "seccomp": iso.seccomp}
+                "unshare": iso.map_to is not None, "seccomp": iso.seccomp,
+                "disk_bytes": limits.max_disk_bytes, "max_files": limits.max_files}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],

@@ -96,8 +96,9 @@ _MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodirati
                 "strictatime": 1 << 24}  # per-mount flags a remount must keep (a user namespace locks them)
 
 
-def _readonly_mounts(workdir: str) -> None:
-    """Every mount of this (private) mount namespace read-only, the working directory writable."""
+def _readonly_mounts(workdir: str, disk_bytes: int = 0, max_files: int = 0) -> None:
+    """Every mount of this (private) mount namespace read-only, the working directory writable: a
+    tmpfs of ``disk_bytes`` and ``max_files`` inodes (nodev, nosuid) when given, else a bind mount."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -107,7 +108,13 @@ def _readonly_mounts(workdir: str) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
-    mount(workdir.encode(), workdir, _MS_BIND)  # its own mount, left writable below
+    if disk_bytes:
+        options = f"size={disk_bytes},nr_inodes={max_files},mode=0755".encode()
+        if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", 2 | 4, options) != 0:  # nosuid, nodev
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount tmpfs {workdir}: {os.strerror(err)}")
+    else:
+        mount(workdir.encode(), workdir, _MS_BIND)  # its own mount, left writable below
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
     for row in rows:
@@ -280,8 +287,11 @@ def _limit(spec: dict) -> None:
 
 
 def _run(spec: dict) -> None:
-    with open(spec["code_path"]) as f:
-        code = f.read()
+    if "code" in spec:
+        code = spec["code"]
+    else:
+        with open(spec["code_path"]) as f:
+            code = f.read()
     _limit(spec)
     os.chdir(spec["workdir"])
     if spec.get("seccomp"):
@@ -315,7 +325,9 @@ def main() -> None:
     if spec.get("unshare"):
         _enter_namespaces()
     if spec.get("readonly_mounts"):
-        _readonly_mounts(spec["workdir"])
+        with open(spec["code_path"]) as f:
+            spec["code"] = f.read()  # the tmpfs hides the file
+        _readonly_mounts(spec["workdir"], spec.get("disk_bytes", 0), spec.get("max_files", 0))
     _drop_privileges(spec.get("drop_uid"))
     if spec.get("init"):
         child = os.fork()

@@ -212,10 +212,7 @@ def test_no_capability_and_no_new_privileges_inside():
 @NAMESPACED
 @pytest.mark.skipif(os.geteuid() != 0, reason="the mapping to nobody is made by a root caller")
 def test_a_host_root_file_is_not_writable_even_on_a_writable_mount(tmp_path):
-    # The working directory is the one writable mount: a root-owned, owner-writable file in it (as a
-    # bind mount, a world-writable dir or a leaked fd would give) must stay closed to the code.
-    res = run_python("import os\nos.chmod('main.py', 0o666)", python_guards=False)
-    assert "Operation not permitted" in res.stderr  # main.py belongs to host root, the code is host nobody
+    # Root inside is host nobody: a host-root file stays closed by ownership, not only by read-only mounts.
     victim = tmp_path / "victim"
     victim.write_text("root's")
     victim.chmod(0o644)
@@ -278,3 +275,17 @@ def test_code_tool_refuses_an_unisolated_sandbox_unless_allowed(monkeypatch):
     with pytest.warns(RuntimeWarning, match="allow_unisolated is set"):
         tool = CodeInterpreterTool({"allow_unisolated": True})
     assert tool.limits == SandboxLimits()
+
+
+@NAMESPACED
+def test_the_working_dir_is_a_tmpfs_with_a_byte_and_a_file_quota():
+    # Issue 27: 2 GB in files just under the per-file limit, or 150,000 files, had no total bound.
+    limits = SandboxLimits(max_disk_bytes=4 << 20, max_files=64, max_file_bytes=1 << 20)
+    code = ("import os\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * 500_000); n += 1\n"
+            "except OSError as err:\n    print('bytes stopped', n, err.errno)\nfor f in os.listdir('.'): os.remove(f)\n"
+            "m = 0\ntry:\n    while True:\n        open(f'e{m}', 'w').close(); m += 1\nexcept OSError as err:\n"
+            "    print('files stopped', m, err.errno)")
+    res = run_python(code, limits, python_guards=False)
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("bytes stopped") and int(lines[0].split()[2]) <= 8 and lines[0].endswith(" 28"), res
+    assert lines[1].startswith("files stopped") and int(lines[1].split()[2]) < 64 and lines[1].endswith(" 28")
