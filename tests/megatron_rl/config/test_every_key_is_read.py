@@ -191,6 +191,13 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
         from megatron_rl.planner import plan_run
 
         plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_ppo")), architecture="qwen3_30b_a3b")
+        # the runs above are colocated: a separate rollout pool's engine map reads its own GPUs per node
+        from megatron_rl.utils.engine_map import rollout_engine_map
+
+        separate = rollout_engine_map(TrainerRunConfig.from_dict(compose("grpo", [
+            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"])))
+        assert separate.describe() == ["engine 0: node 1 GPU 0 (own pool)", "engine 1: node 1 GPU 1 (own pool)"]
         _exercise_algorithms(config)
     finally:
         read_tracking.stop()
