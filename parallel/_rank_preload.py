@@ -7,9 +7,9 @@ holding a copy of its own.
 
 import atexit
 import gc
-import os
-import sys
 import warnings
+
+from parallel.testing import exit_server_at_once
 
 # Megatron's import-time notices (no TransformerEngine / Apex on CPU), once here instead of per rank.
 warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
@@ -26,21 +26,7 @@ try:
 except ImportError:  # a rank that needs Megatron imports it itself, and says why it cannot
     pass
 
-
-
-def _exit_at_once() -> None:
-    """End the server without the interpreter's teardown: it exits when the caller does, and
-    freeing torch's and Megatron's modules one by one takes seconds (and makes nanobind report
-    the frozen objects as leaks) while the server still holds the caller's stdout / stderr."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(0)
-
-
-atexit.register(_exit_at_once)
+atexit.register(exit_server_at_once)
 
 # Objects imported so far move to the permanent generation: the ranks' collections never walk
 # (and so never write to, and copy) the pages they inherit from the server.

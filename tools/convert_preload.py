@@ -55,26 +55,13 @@ import tools.convert_stream  # noqa: E402,F401
 
 import atexit  # noqa: E402
 import gc  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
 
-
-def _exit_at_once() -> None:
-    """End the server without the interpreter's teardown. It exits when the converter does (its
-    ``alive`` pipe closes), and freeing Megatron's and torch's modules one by one took ~1.7 s, during
-    which it still held the converter's stdout / stderr open: a pipe reader (``| tee``, a benchmark's
-    ``communicate``) waited for it. Nothing of the server's outlives its ranks, which have exited."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(0)
+from parallel.testing import exit_server_at_once  # noqa: E402
 
 
 # Every object imported so far moves to the permanent generation: the ranks' collections never walk
 # (and so never write to, and copy) the pages of the modules they inherit from this server. The
-# server ends with os._exit (_exit_at_once, its only atexit handler), so no teardown walks them
+# server ends with os._exit (exit_server_at_once, its only atexit handler), so no teardown walks them
 # either (nanobind's leak check, which would report the frozen objects, never runs).
 gc.freeze()
-atexit.register(_exit_at_once)
+atexit.register(exit_server_at_once)
