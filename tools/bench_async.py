@@ -32,6 +32,7 @@ and peak RSS per mode (and ``partial_ratio_async_partial``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -160,7 +161,9 @@ def _run_mode(args, mode: str, model_path: str, root: str) -> dict:
     try:
         trainer.init_workers()
         pids = _pin(trainer)
-        trainer.rollout_phase.rollout = LongTailRollout(trainer.rollout, args.min_len, args.max_len, args.alpha)
+        router = trainer.rollout_phase.rollout  # generation goes through the router's copies only
+        router.replicas = [dataclasses.replace(r, actor=LongTailRollout(r.actor, args.min_len, args.max_len, args.alpha))
+                           for r in router.replicas]
         procs = [psutil.Process(p) for p in [pids["rollout"], *pids["actor"]]]
 
         def on_step(metrics):
@@ -196,7 +199,7 @@ def main(argv=None) -> dict:
         base = TrainerRunConfig.from_dict(compose("grpo", [*_overrides(args, "sync")[1],
                                                             f"trainer.sft_warmup_steps={args.sft_steps}"]))
         model_path = prepare_policy_model(base, f"{root}/model")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             for mode in args.modes:
                 results[mode] = _run_mode(args, mode, model_path, root)

@@ -131,7 +131,7 @@ def _start_ray(signals: StopSignals) -> bool:
             # A single-node run advertises loopback as the node address, so the workers' own
             # listeners (gloo/NCCL masters from get_node_ip_address) use 127.0.0.1. Measured with
             # Ray 2.60: its GCS/raylet/worker gRPC servers still listen on 0.0.0.0 / :: (issue 27, open).
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
                      configure_logging=False, _node_ip_address="127.0.0.1")
     signals.claim()
     return True

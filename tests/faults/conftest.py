@@ -35,6 +35,6 @@ def finished_run(tmp_path_factory):
 def ray_cluster():
     """A local Ray with 2 CPUs for one test (an in-process trainer starts its workers in it)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

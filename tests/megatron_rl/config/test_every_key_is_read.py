@@ -176,7 +176,7 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     read_tracking.start(reads_dir)
     try:
         config = _config(tmp_path)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the tracking
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the tracking
         try:
             first = _train(config)
             (tmp_path / "agent_loops.yaml").write_text(AGENT_LOOPS)

@@ -9,6 +9,6 @@ import pytest
 def ray_cluster():
     """A local Ray with 2 CPUs for one test module (trainers start their workers in it)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -56,7 +56,7 @@ def _node_names(placement):
 
 @pytest.fixture(scope="module")
 def fake_gpus():
-    ray.init(num_cpus=64, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=64, num_gpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

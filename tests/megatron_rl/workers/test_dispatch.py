@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

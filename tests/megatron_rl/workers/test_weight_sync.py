@@ -46,21 +46,21 @@ class _Rank:
 
 
 class _Rollout:
-    def __init__(self, calls):
-        self.calls = calls
+    def __init__(self, calls, name="rollout", tp=2):
+        self.calls, self.name, self.tp = calls, name, tp
 
     def tensor_parallel_size(self):
-        return 2
+        return self.tp
 
-    def weight_sync_connect(self, addr, port, world):
-        self.calls.append(("rollout", "connect", addr, port, world))
+    def weight_sync_connect(self, addr, port, world, rank_offset=1):
+        self.calls.append((self.name, "connect", addr, port, world, rank_offset))
 
     def weight_sync_receive(self):
-        self.calls.append(("rollout", "receive"))
+        self.calls.append((self.name, "receive"))
         return {"seconds": 0.25}
 
     def update_weights(self, weights, **kwargs):
-        self.calls.append(("rollout", "update", weights, kwargs))
+        self.calls.append((self.name, "update", weights, kwargs))
         return {"transport": kwargs["transport"], "bytes": 10, "seconds": 0.1}
 
 
@@ -81,7 +81,7 @@ def test_a_streamed_backend_connects_once_then_streams(fake):
     assert sync.streamed and not sync.connected
     out = sync.sync()
     assert calls[:5] == [(0, "listen", (3, "shm", 3, "/tmp", None, None)), (1, "listen", (3, "shm", 3, "/tmp", None, None)),
-                         (0, "connect"), (1, "connect"), ("rollout", "connect", "10.0.0.1", 4242, 3)]
+                         (0, "connect"), (1, "connect"), ("rollout", "connect", "10.0.0.1", 4242, 3, 1)]
     assert calls[5:] == [(0, "sync"), (1, "sync"), ("rollout", "receive")]
     assert (out["bytes"], out["seconds"], out["receiver_seconds"]) == (10, 0.5, 0.25) and out["wall_seconds"] >= 0
     calls.clear()
@@ -122,3 +122,17 @@ def test_rollout_quantization_reaches_every_rank_of_both_paths(fake):
     ws.WeightSync(group, rollout, WeightSyncConfig(backend="shm", update_weights_bucket_megabytes=3, shm_dir="/tmp"),
                   quantization="fp8").sync()
     assert calls[:2] == [(0, "listen", (3, "shm", 3, "/tmp", None, "fp8")), (1, "listen", (3, "shm", 3, "/tmp", None, "fp8"))]
+
+
+def test_every_replica_joins_the_side_band_at_its_own_ranks(fake):
+    """Two replicas (TP 2 and TP 3): the world is 1 + 2 + 3, replica 0's workers take ranks 1-2 and
+    replica 1's ranks 3-5; both receive every sync."""
+    group, _, calls = fake
+    rollouts = [_Handle(_Rollout(calls, "r0", tp=2)), _Handle(_Rollout(calls, "r1", tp=3))]
+    sync = ws.WeightSync(group, rollouts, WeightSyncConfig(backend="shm", shm_dir="/tmp"))
+    out = sync.sync()
+    assert [c for c in calls if c[1] == "connect" and isinstance(c[0], str)] == [
+        ("r0", "connect", "10.0.0.1", 4242, 6, 1), ("r1", "connect", "10.0.0.1", 4242, 6, 3)]
+    assert calls[0][2][0] == 6  # every actor rank listens for a world of 6
+    assert [c for c in calls if c[1] == "receive"] == [("r0", "receive"), ("r1", "receive")]
+    assert out["replicas"] == 2

@@ -27,7 +27,7 @@ SMALL = ["trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "traine
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
