@@ -27,7 +27,7 @@ from megatron_rl.config.trainer import TrainerRunConfig
 from megatron_rl.models.gpt import padded_vocab_size
 from megatron_rl.planner.architectures import resolve_architecture
 from megatron_rl.planner.memory import GIB, RoleMemory, count_params, estimate_role
-from megatron_rl.utils.engine_map import EngineMap, rollout_layout
+from megatron_rl.utils.engine_map import EngineMap, engine_weight_bytes_per_gpu, rollout_layout
 from parallel.config import ParallelConfig
 
 __all__ = ["Plan", "plan_run", "check_plan", "format_plan", "plan_json", "FRAMEWORK_RESERVE_GIB"]
@@ -97,8 +97,10 @@ def _dtype(megatron: Any, model: ModelConfig, from_table: bool) -> str:
 
 
 def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, world: int, gpus_per_node: int,
-                           seq_length: int, num_micro: Optional[int], sequence_parallel: bool) -> dict:
-    """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field)."""
+                           seq_length: int, num_micro: Optional[int], sequence_parallel: bool,
+                           uneven: Optional[dict] = None) -> dict:
+    """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field);
+    ``uneven``: ``num_layers_in_first/last_pipeline_stage`` of ``megatron.override_transformer_config``."""
     tp, etp = par.tensor_model_parallel_size, par.effective_expert_tensor_parallel_size
     if tp > gpus_per_node:
         raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} exceeds --gpus-per-node={gpus_per_node}: a TP "
@@ -111,7 +113,7 @@ def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, 
             world, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
             num_query_groups=model.num_query_groups or model.num_attention_heads, num_experts=model.num_moe_experts,
             seq_length=None, num_microbatches=num_micro,
-            sequence_parallel=sequence_parallel and tp > 1)
+            sequence_parallel=sequence_parallel and tp > 1, **(uneven or {}))
     except ValueError as err:
         raise ValueError(f"{where}.megatron: {err}") from None
     ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size if model.is_moe else model.ffn_hidden_size
@@ -244,9 +246,13 @@ class _Context:
         num_micro = max(mini * n // (dp * micro), 1) if mini else None
         if mini and tokens:  # at most this many budget-sized micro-batches per optimizer step
             num_micro = max(math.ceil(mini * n // dp * seq / tokens), 1)
+        from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
+
+        uneven = uneven_pipeline_fields(megatron.override_transformer_config)
         sizes = _validate_model_layout(role if not strict else _WHERE[role], model, par, world, gpus, seq,
                                        num_micro if par.virtual_pipeline_model_parallel_size else None,
-                                       megatron.sequence_parallel)
+                                       megatron.sequence_parallel, uneven)
+        stage_layers = pipeline_stage_layers(model.num_layers, sizes["pp"], sizes["vpp"], **uneven) if uneven else None
         mem = estimate_role(
             model, role=role, tp=sizes["tp"], pp=sizes["pp"], vpp=sizes["vpp"], cp=sizes["cp"], ep=sizes["ep"],
             etp=sizes["etp"], dp=sizes["dp"], expert_dp=sizes["expert_dp"],
@@ -257,7 +263,7 @@ class _Context:
             response_length=data.max_response_length, num_microbatches=num_micro or 1,
             recompute=megatron.override_transformer_config,
             logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024),
-            max_token_len=tokens)
+            max_token_len=tokens, stage_layers=stage_layers)
         return mem, sizes
 
     def evaluate(self, actor_par: ParallelConfig, micro: int, *, strict: bool = False) -> Plan:
@@ -319,7 +325,7 @@ class _Context:
         """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
         parts each role keeps resident there, the computing role's activations and scratch, the
         rollout engine (awake, weights only, or asleep) and the framework reserve."""
-        from megatron_rl.planner.memory import rollout_weight_bytes
+        from megatron_rl.planner.memory import DTYPE_BYTES, rollout_weight_bytes
         from megatron_rl.trainer.schedule import step_schedule
 
         cfg, rollout = self.cfg, self.cfg.actor_rollout_ref.rollout
@@ -329,8 +335,13 @@ class _Context:
             vllm = int(rollout.gpu_memory_utilization * self.budget)
             dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
             # rollout.quantization=fp8: block FP8 projections (1 B + a 4 B scale per 128x128 block), rest in dtype
-            vllm_weights = (rollout_weight_bytes(self.model, dtype, rollout.quantization)  # an engine's share per GPU
-                            // (rollout.tensor_model_parallel_size * rollout.pipeline_model_parallel_size))
+            # an engine's share per GPU: routed experts over vLLM's EP (= TP x DP) when it is on, else TP
+            expert_bytes = count_params(self.model)[1] * (DTYPE_BYTES[dtype] if rollout.quantization is None
+                                                          else 1 + 4 / 128**2)  # fp8: 1 B + a scale per block
+            vllm_weights = engine_weight_bytes_per_gpu(
+                rollout_weight_bytes(self.model, dtype, rollout.quantization), int(expert_bytes),
+                tp=rollout.tensor_model_parallel_size, dp=rollout.data_parallel_size,
+                pp=rollout.pipeline_model_parallel_size, ep=rollout.expert_parallel_size)
             what = dtype if rollout.quantization is None else f"{rollout.quantization} block-quantised ({dtype} rest)"
             if vllm_weights >= vllm:  # vLLM would find no room for a KV cache and refuse to start
                 raise ValueError(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["EngineMap", "engine_map", "rollout_engine_map", "rollout_layout"]
+__all__ = ["EngineMap", "engine_map", "engine_weight_bytes_per_gpu", "rollout_engine_map", "rollout_layout"]
 
 _R = "actor_rollout_ref.rollout"
 
@@ -112,6 +112,18 @@ def engine_map(*, tp: int, dp: int = 1, pp: int = 1, ep: int = 1, nodes: int, gp
                     for r in range(replicas))
     return EngineMap(engine_gpus=size, replicas=replicas, nodes_per_engine=span, engines=engines,
                      colocated=colocated, first_node=first_node)
+
+
+def engine_weight_bytes_per_gpu(total_bytes: int, expert_bytes: int, *, tp: int, dp: int = 1, pp: int = 1,
+                                ep: int = 1) -> int:
+    """One GPU's share of an engine's weights (``total_bytes`` of the whole model, ``expert_bytes`` of
+    them in routed experts). Every DP rank of an engine holds its own copy of the TP x PP-sharded dense
+    weights; routed experts are TP x PP-sharded too unless vLLM's expert parallelism is on (``ep`` > 1,
+    = TP x DP), which spreads them over the engine's EP x PP GPUs instead."""
+    if not 0 <= expert_bytes <= total_bytes:
+        raise ValueError(f"expert_bytes={expert_bytes} must lie in [0, total_bytes={total_bytes}]")
+    expert_ways = (ep if ep > 1 else tp) * pp
+    return (total_bytes - expert_bytes) // (tp * pp) + expert_bytes // expert_ways
 
 
 def rollout_engine_map(config: Any) -> EngineMap:

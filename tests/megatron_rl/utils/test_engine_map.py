@@ -121,3 +121,31 @@ def test_engine_map_refusals(kwargs, message):
     with pytest.raises(ValueError) as err:
         engine_map(**kwargs)
     assert str(err.value) == message
+
+
+def test_engine_weight_share_per_gpu_counts_rollout_expert_parallelism():
+    """Dense weights are TP x PP-sharded in every DP rank of an engine; routed experts too, unless vLLM's
+    expert parallelism (EP = TP x DP) spreads them over the engine's EP x PP GPUs."""
+    from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
+
+    assert engine_weight_bytes_per_gpu(1000, 800, tp=2, dp=2) == 100 + 400  # no EP: each DP rank a full copy
+    assert engine_weight_bytes_per_gpu(1000, 800, tp=2, dp=2, ep=4) == 100 + 200
+    assert engine_weight_bytes_per_gpu(1000, 800, tp=2, dp=2, pp=2, ep=4) == 50 + 100
+    assert engine_weight_bytes_per_gpu(1000, 0, tp=4, dp=2, ep=8) == 250  # dense: EP changes nothing
+    with pytest.raises(ValueError, match=r"expert_bytes=1200 must lie in \[0, total_bytes=1000\]"):
+        engine_weight_bytes_per_gpu(1000, 1200, tp=1)
+
+
+def test_plan_weight_sync_phase_holds_the_ep_share_of_the_experts():
+    """``megatron-rl plan`` on Qwen3-30B-A3B, rollout TP=2 x DP=2: with EP=4 an engine GPU holds a quarter of
+    the routed experts, not the half each DP rank would hold without it (weight-sync phase, weights awake)."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.planner import plan_run
+    from megatron_rl.planner.memory import count_params
+
+    base = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.data_parallel_size=2"]
+    no_ep = plan_run(load_config("gpu/qwen3_30b_a3b_grpo", base))
+    ep = plan_run(load_config("gpu/qwen3_30b_a3b_grpo", [*base, "actor_rollout_ref.rollout.expert_parallel_size=4"]))
+    dense, expert = count_params(no_ep.model)
+    assert no_ep.phases["weight sync"]["vllm weights"] == (dense + expert) * 2 // 2  # bf16, TP=2
+    assert ep.phases["weight sync"]["vllm weights"] == dense * 2 // 2 + expert * 2 // 4
