@@ -65,7 +65,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if refused:
             print("megatron-rl train: refused keys (see above); nothing was started", file=sys.stderr)
             return 2
+    if args.show_config:
+        return _show_config(recipe, overrides)
     return _run_and_exit_code(run_train, recipe, overrides, progress=not args.no_progress)
+
+
+def _show_config(recipe: str | None, overrides: list[str]) -> int:
+    """``train RECIPE --show-config``: the resolved config (recipe + overrides + derived keys) as YAML; nothing runs."""
+    from megatron_rl.config.loader import dump_config
+    from megatron_rl.job.main_job import load_run_config
+
+    try:
+        config, _ = load_run_config(recipe, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"megatron-rl train: {err}", file=sys.stderr)
+        return 2
+    print(f"# megatron-rl train {recipe or 'grpo'}{''.join(' ' + o for o in overrides)}: the resolved config "
+          "(every key: docs/reference/configuration.md)")
+    print(dump_config(config), end="")
+    return 0
 
 
 EXIT_CODES = {0: "success", 1: "a failure during the run (named; the last good checkpoint is intact)",
@@ -180,11 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "
                                    "reward_curve.png and an HF checkpoint to trainer.default_local_dir (the CPU "
                                    "recipes: outputs/<experiment_name>; verl's default: "
-                                   "checkpoints/<project>/<experiment>).",
+                                   "checkpoints/<project>/<experiment>). Every config key (type, default, "
+                                   "verl's key, what it does or why it is inert) is in the configuration reference "
+                                   "of the docs, docs/reference/configuration.md (generated from megatron_rl.config "
+                                   "by tools/gen_config_reference.py; `mkdocs serve` shows it); --show-config "
+                                   "prints a recipe's resolved values.",
                        epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (default: grpo)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")
+    p.add_argument("--show-config", action="store_true",
+                   help="print the resolved config (recipe + overrides + derived keys) as YAML and exit; runs nothing")
     p.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="a config file, e.g. a verl 0.9.1 one (Hydra overrides follow: key=value, +key=value, ~key); "
                         "prints which keys act, have no effect here, or are refused")
