@@ -17,7 +17,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["ParallelConfig"]
+__all__ = ["ParallelConfig", "UNEVEN_PIPELINE_FIELDS", "pipeline_stage_layers", "uneven_pipeline_fields"]
+
+UNEVEN_PIPELINE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+"""Megatron ``TransformerConfig`` fields of an uneven pipeline split (verl sets them through
+``megatron.override_transformer_config``, e.g. DeepSeek-V3's 61 layers as 13 + 4 x 12)."""
 
 _SIZE_FIELDS = (
     "tensor_model_parallel_size",
@@ -30,6 +34,57 @@ _SIZE_FIELDS = (
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is not allowed; it must be an int >= 1")
+
+
+def uneven_pipeline_fields(overrides: Optional[Mapping[str, Any]]) -> dict[str, int]:
+    """The uneven-pipeline fields set (not None) in ``overrides`` (TransformerConfig fields)."""
+    return {k: overrides[k] for k in UNEVEN_PIPELINE_FIELDS if (overrides or {}).get(k) is not None}
+
+
+def pipeline_stage_layers(num_layers: int, pipeline_model_parallel_size: int,
+                          virtual_pipeline_model_parallel_size: Optional[int] = None, *,
+                          num_layers_in_first_pipeline_stage: Optional[int] = None,
+                          num_layers_in_last_pipeline_stage: Optional[int] = None,
+                          key: str = "megatron.override_transformer_config") -> tuple[int, ...]:
+    """Decoder layers on each pipeline stage, first to last, as Megatron-Core builds them.
+
+    Without the uneven fields every stage holds ``num_layers / PP``; with them the first (last)
+    stage holds the given count and the stages between share the rest evenly (Megatron's
+    ``get_num_layers_to_build``). Under VPP each stage's count must split into its model chunks.
+    ``ValueError`` naming the field (under ``key``), its value and what is allowed otherwise.
+    """
+    pp, vpp = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
+    ends = {"first": num_layers_in_first_pipeline_stage, "last": num_layers_in_last_pipeline_stage}
+    if all(v is None for v in ends.values()):
+        if num_layers % (pp * vpp):
+            what = (f"pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp}*{vpp} = {pp * vpp}"
+                    if vpp > 1 else f"pipeline_model_parallel_size={pp}")
+            raise ValueError(f"num_layers={num_layers} is not divisible by {what}")
+        return (num_layers // pp,) * pp
+    for end, value in ends.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}.num_layers_in_{end}_pipeline_stage={value!r} is not allowed; it must be an "
+                             "int >= 1 or null")
+    set_ = ", ".join(f"{key}.num_layers_in_{end}_pipeline_stage={v}" for end, v in ends.items() if v is not None)
+    if pp < 2:
+        raise ValueError(f"{set_} needs pipeline_model_parallel_size > 1, got {pp}; unset it for one stage")
+    middle_stages = pp - sum(v is not None for v in ends.values())
+    middle_layers = num_layers - sum(v or 0 for v in ends.values())
+    if middle_stages == 0 and middle_layers != 0:
+        raise ValueError(f"{set_} place {num_layers - middle_layers} of num_layers={num_layers} layers on the "
+                         f"pipeline_model_parallel_size={pp} stages; the counts must add up to {num_layers}")
+    if middle_stages and (middle_layers < middle_stages or middle_layers % middle_stages):
+        raise ValueError(f"{set_} leave {middle_layers} of num_layers={num_layers} layers for the {middle_stages} "
+                         f"middle stage(s) of pipeline_model_parallel_size={pp}: they must share them evenly, at "
+                         "least one layer each")
+    per_middle = middle_layers // middle_stages if middle_stages else 0
+    stages = tuple([ends["first"] if ends["first"] is not None else per_middle]
+                   + [per_middle] * (pp - 2)
+                   + [ends["last"] if ends["last"] is not None else per_middle])
+    if vpp > 1 and any(n % vpp for n in stages):
+        raise ValueError(f"{set_} give pipeline stages of {list(stages)} layers; with "
+                         f"virtual_pipeline_model_parallel_size={vpp} each must be divisible by {vpp}")
+    return stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +216,16 @@ class ParallelConfig:
         seq_length: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         sequence_parallel: bool = False,
+        num_layers_in_first_pipeline_stage: Optional[int] = None,
+        num_layers_in_last_pipeline_stage: Optional[int] = None,
     ) -> dict[str, Optional[int]]:
         """Check this layout against ``world_size`` and (optionally) the model; return ``sizes()``.
 
         Raises ``ValueError`` naming the numbers for: a world size not divisible by TP*PP*CP or
         whose pipeline stage is not divisible by EP*ETP; heads or query groups that TP does not
         split (query groups may also divide TP, as Megatron allows); layers not divisible by PP
-        (x VPP); experts not divisible by EP; a sequence not divisible
+        (x VPP), or an uneven split (``num_layers_in_first/last_pipeline_stage``, see
+        ``pipeline_stage_layers``) that does not add up; experts not divisible by EP; a sequence not divisible
         by 2*CP (Megatron's load-balanced CP split) or by TP*CP under sequence parallelism; and,
         for the interleaved schedule, a micro-batch count not divisible by PP. Touches no process
         group, so it can run in a dry run before ``init_mesh``.
@@ -197,14 +255,9 @@ class ParallelConfig:
                 )
         if num_layers is not None:
             _check_positive_int("num_layers", num_layers)
-            chunks = pp * (vpp or 1)
-            if num_layers % chunks:
-                what = (
-                    f"pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp}*{vpp} = {chunks}"
-                    if vpp
-                    else f"pipeline_model_parallel_size={pp}"
-                )
-                raise ValueError(f"num_layers={num_layers} is not divisible by {what}")
+            pipeline_stage_layers(num_layers, pp, vpp,
+                                  num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                                  num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage)
         if num_experts is not None:
             _check_positive_int("num_experts", num_experts)
             if num_experts % ep:

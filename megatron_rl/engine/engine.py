@@ -114,8 +114,13 @@ class MegatronEngine:
         if unknown:
             raise ValueError(f"megatron.override_transformer_config has unknown TransformerConfig field(s) {unknown}")
         from parallel.bridge.mtp import check_mtp_layout
+        from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
 
         check_mtp_layout(mesh.config, overrides)  # MTP fields / layout stages: refused before the model is built
+        uneven = uneven_pipeline_fields(overrides)
+        if uneven:  # named errors instead of Megatron's asserts mid-build
+            pipeline_stage_layers(model_cfg.num_layers, mesh.config.pipeline_model_parallel_size,
+                                  mesh.config.virtual_pipeline_model_parallel_size, **uneven)
         self.name, self.head, self.trainable = name, head, trainable
         self.model_cfg, self.mesh = model_cfg, mesh
         self.tf_config = build_transformer_config(model_cfg, mesh.config, sequence_parallel=sequence_parallel,

@@ -6,7 +6,8 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
 * parameters: each weight's local shard (heads and MLP columns over TP -- KV heads are
   replicated when there are fewer than TP; routed experts over EP and their columns over ETP;
   the (padded) vocabulary over TP; norms and the router replicated), ``L / PP`` layers per
-  stage, embedding on the first stage, output layer on the last;
+  stage (an uneven split, ``num_layers_in_first/last_pipeline_stage``: ``stage_layers``),
+  embedding on the first stage, output layer on the last;
 * gradients: Megatron DDP's buffer with ``grad_reduce_in_fp32=True`` -> 4 bytes/param;
 * optimizer: Adam keeps m and v in fp32 (8 B/param) plus fp32 master weights for 16-bit
   params (12 B/param); SGD a momentum buffer (+ master); with a distributed optimizer the
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.models.gpt import padded_vocab_size
@@ -98,23 +99,36 @@ def _layer_params(m: ModelConfig, tp: int, ep: int, etp: int) -> tuple[int, int]
     return dense, expert
 
 
+def _stage_layers(m: ModelConfig, pp: int, stage_layers: Optional[Sequence[int]]) -> list[int]:
+    """Decoder layers per pipeline stage: ``stage_layers`` (an uneven split) or ``L / PP`` each."""
+    if stage_layers is None:
+        return [m.num_layers // pp] * pp
+    if len(stage_layers) != pp or sum(stage_layers) != m.num_layers:
+        raise ValueError(f"stage_layers={list(stage_layers)} must give each of the pipeline_model_parallel_size={pp} "
+                         f"stages its layers, num_layers={m.num_layers} in all")
+    return list(stage_layers)
+
+
 def count_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
-                 stage: Optional[int] = None, value_head: bool = False) -> tuple[int, int]:
+                 stage: Optional[int] = None, value_head: bool = False,
+                 stage_layers: Optional[Sequence[int]] = None) -> tuple[int, int]:
     """``(dense, expert)`` parameters held by one rank of pipeline ``stage`` (None = the most
-    loaded stage). ``value_head``: a critic/reward model's ``[1, h]`` head replaces the LM head."""
+    loaded stage). ``value_head``: a critic/reward model's ``[1, h]`` head replaces the LM head.
+    ``stage_layers``: decoder layers per stage of an uneven split (``parallel.config.pipeline_stage_layers``)."""
     etp = etp or tp
     dense_layer, expert_layer = _layer_params(m, tp, ep, etp)
-    layers = m.num_layers // pp
+    layers_of = _stage_layers(m, pp, stage_layers)
     vocab_rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by) // tp
     embed = vocab_rows * m.hidden_size
     head = m.hidden_size if value_head else (0 if (m.tie_word_embeddings and pp == 1) else embed)
     per_stage = []
     per_layer = getattr(m, "layer_params", None)  # ExtendedModelConfig: MLA and first-k-dense, layer by layer
     for s in range(pp):
+        layers, first = layers_of[s], sum(layers_of[:s])
         if per_layer is None:
             d, e = layers * dense_layer, layers * expert_layer
         else:
-            counts = [per_layer(s * layers + i, tp=tp, ep=ep, etp=etp) for i in range(layers)]
+            counts = [per_layer(first + i, tp=tp, ep=ep, etp=etp) for i in range(layers)]
             d, e = sum(c[0] for c in counts), sum(c[1] for c in counts)
         d += embed if s == 0 else 0
         d += (head + m.hidden_size) if s == pp - 1 else 0  # output layer + final norm
@@ -204,12 +218,13 @@ def in_flight_chunks(stage: int, pp: int, vpp: Optional[int], num_microbatches: 
 
 
 def _stage_activations(m: ModelConfig, stage: int, pp: int, vpp: Optional[int], num_microbatches: int,
-                       per_layer: float, layer_input: float, trainable: bool, recompute: Optional[dict]) -> float:
+                       per_layer: float, layer_input: float, trainable: bool, recompute: Optional[dict],
+                       stage_layers: Optional[Sequence[int]] = None) -> float:
     """Saved activations of one pipeline stage at its fullest."""
     if not trainable:  # forward only: a layer's input and output stay; its intermediates are scratch
         return 2 * layer_input
     chunks = in_flight_chunks(stage, pp, vpp, num_microbatches)
-    layers_per_chunk = m.num_layers / pp / (vpp or 1)
+    layers_per_chunk = _stage_layers(m, pp, stage_layers)[stage] / (vpp or 1)
     recompute = dict(recompute or {})
     if recompute.get("recompute_granularity") == "full":
         n = int(recompute.get("recompute_num_layers") or 1)
@@ -227,17 +242,19 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
                   distributed_optimizer: bool = False, sequence_parallel: bool = True,
                   micro_batch_size: int = 1, seq_length: int = 1024, response_length: int = 512,
                   num_microbatches: int = 1, recompute: Optional[dict] = None,
-                  logprob_chunk_size: int = 1024, max_token_len: Optional[int] = None) -> RoleMemory:
+                  logprob_chunk_size: int = 1024, max_token_len: Optional[int] = None,
+                  stage_layers: Optional[Sequence[int]] = None) -> RoleMemory:
     """Per-rank memory of ``role`` under one layout for micro-batches of ``micro_batch_size``
     sequences of ``seq_length`` tokens (``response_length`` of them scored), or of ``max_token_len``
-    tokens (a token budget: every one may be scored)."""
+    tokens (a token budget: every one may be scored). ``stage_layers``: decoder layers per pipeline
+    stage of an uneven split (``parallel.config.pipeline_stage_layers``); None = ``L / PP`` each."""
     etp = etp or tp
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not allowed; choose one of {sorted(DTYPE_BYTES)}")
     value_head = role in ("critic", "reward")
     sp = sequence_parallel and tp > 1 or (m.is_moe and tp > 1)
     e = DTYPE_BYTES[dtype]
-    dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head)
+    dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head, stage_layers=stage_layers)
     n_params = dense + expert
     param_bytes = n_params * e
     grad_bytes = opt_bytes = 0
@@ -274,7 +291,7 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
     best = (0, 0)
     for stage in range(pp):
         acts = _stage_activations(m, stage, pp, vpp, num_microbatches if trainable else 1, per_layer, layer_input,
-                                  trainable, recompute)
+                                  trainable, recompute, stage_layers)
         # forward only: one layer's intermediates live at a time, never together with the head's logits
         scratch = max(head if stage == pp - 1 else 0, layer_backward if trainable else per_layer)
         if acts + scratch > sum(best):

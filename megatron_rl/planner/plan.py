@@ -97,8 +97,10 @@ def _dtype(megatron: Any, model: ModelConfig, from_table: bool) -> str:
 
 
 def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, world: int, gpus_per_node: int,
-                           seq_length: int, num_micro: Optional[int], sequence_parallel: bool) -> dict:
-    """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field)."""
+                           seq_length: int, num_micro: Optional[int], sequence_parallel: bool,
+                           uneven: Optional[dict] = None) -> dict:
+    """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field);
+    ``uneven``: ``num_layers_in_first/last_pipeline_stage`` of ``megatron.override_transformer_config``."""
     tp, etp = par.tensor_model_parallel_size, par.effective_expert_tensor_parallel_size
     if tp > gpus_per_node:
         raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} exceeds --gpus-per-node={gpus_per_node}: a TP "
@@ -111,7 +113,7 @@ def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, 
             world, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
             num_query_groups=model.num_query_groups or model.num_attention_heads, num_experts=model.num_moe_experts,
             seq_length=None, num_microbatches=num_micro,
-            sequence_parallel=sequence_parallel and tp > 1)
+            sequence_parallel=sequence_parallel and tp > 1, **(uneven or {}))
     except ValueError as err:
         raise ValueError(f"{where}.megatron: {err}") from None
     ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size if model.is_moe else model.ffn_hidden_size
@@ -244,9 +246,13 @@ class _Context:
         num_micro = max(mini * n // (dp * micro), 1) if mini else None
         if mini and tokens:  # at most this many budget-sized micro-batches per optimizer step
             num_micro = max(math.ceil(mini * n // dp * seq / tokens), 1)
+        from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
+
+        uneven = uneven_pipeline_fields(megatron.override_transformer_config)
         sizes = _validate_model_layout(role if not strict else _WHERE[role], model, par, world, gpus, seq,
                                        num_micro if par.virtual_pipeline_model_parallel_size else None,
-                                       megatron.sequence_parallel)
+                                       megatron.sequence_parallel, uneven)
+        stage_layers = pipeline_stage_layers(model.num_layers, sizes["pp"], sizes["vpp"], **uneven) if uneven else None
         mem = estimate_role(
             model, role=role, tp=sizes["tp"], pp=sizes["pp"], vpp=sizes["vpp"], cp=sizes["cp"], ep=sizes["ep"],
             etp=sizes["etp"], dp=sizes["dp"], expert_dp=sizes["expert_dp"],
@@ -257,7 +263,7 @@ class _Context:
             response_length=data.max_response_length, num_microbatches=num_micro or 1,
             recompute=megatron.override_transformer_config,
             logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024),
-            max_token_len=tokens)
+            max_token_len=tokens, stage_layers=stage_layers)
         return mem, sizes
 
     def evaluate(self, actor_par: ParallelConfig, micro: int, *, strict: bool = False) -> Plan:
