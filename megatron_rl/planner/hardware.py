@@ -1,0 +1,131 @@
+"""The GPUs ``megatron-rl plan --hardware NAME`` knows, and the fractions of their peaks a run reaches.
+
+Every figure of ``HARDWARE`` is a vendor's published peak (dense, i.e. without 2:4 sparsity) and
+names its source; links are per GPU and per direction (a ring collective moves data both ways at
+once, so its bus bandwidth is bounded by the one-direction figure). The achievable fractions below
+are the only places where measured or assumed efficiency enters the step-time model
+(``megatron_rl.planner.step_time``); each says whether it was read (a measurement or a paper),
+assumed, or fitted -- exactly one is fitted, to one published run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["Hardware", "HARDWARE", "get_hardware", "DEFAULT_HARDWARE", "DENSE_GEMM_EFFICIENCY",
+           "GROUPED_GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "DECODE_HBM_EFFICIENCY", "HBM_COPY_EFFICIENCY",
+           "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "HOST_LINK_EFFICIENCY", "DECODE_ALLREDUCE_LATENCY_S",
+           "GLOO_BYTES_PER_S"]
+
+GB = 1e9
+TB = 1e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Published peaks of one GPU (SI units: FLOP/s, bytes/s)."""
+
+    name: str
+    bf16_flops: float
+    """Dense bf16 tensor-core peak."""
+    fp8_flops: Optional[float]
+    """Dense fp8 peak; None where the GPU has no fp8 tensor cores (A100)."""
+    hbm_bytes_per_s: float
+    memory_gib: float
+    """HBM capacity (the datasheet's GB figure, which the driver reports as about that many GiB)."""
+    nvlink_bytes_per_s: float
+    """NVLink per GPU, one direction (half the datasheet's bidirectional total)."""
+    nvlink_domain: int
+    """GPUs one NVLink switch domain joins (8 on an HGX board, 72 in a GB200 NVL72 rack)."""
+    network_bytes_per_s: float
+    """Scale-out (InfiniBand / RoCE) per GPU, one direction: one NIC per GPU."""
+    host_bytes_per_s: float
+    """GPU <-> host link, one direction (PCIe x16; NVLink-C2C on GB200)."""
+    source: str
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and value <= 0:
+                raise ValueError(f"Hardware {self.name}: {f.name}={value} must be > 0")
+
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (
+    Hardware("H100", bf16_flops=989 * TB, fp8_flops=1979 * TB, hbm_bytes_per_s=3.35 * TB, memory_gib=80.0,
+             nvlink_bytes_per_s=450 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
+             source="NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (989 TFLOP/s bf16 and 1,979 fp8 dense, "
+                    "3.35 TB/s HBM3, NVLink 900 GB/s, PCIe Gen5 128 GB/s, both bidirectional); DGX H100: one "
+                    "400 Gb/s ConnectX-7 per GPU"),
+    Hardware("H200", bf16_flops=989 * TB, fp8_flops=1979 * TB, hbm_bytes_per_s=4.8 * TB, memory_gib=141.0,
+             nvlink_bytes_per_s=450 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
+             source="NVIDIA H200 Tensor Core GPU datasheet, SXM column (989 / 1,979 TFLOP/s bf16 / fp8 dense, "
+                    "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s); HGX H200: 400 Gb/s per GPU"),
+    Hardware("H800", bf16_flops=989 * TB, fp8_flops=1979 * TB, hbm_bytes_per_s=3.35 * TB, memory_gib=80.0,
+             nvlink_bytes_per_s=200 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
+             source="H100's compute and HBM with NVLink cut to 400 GB/s bidirectional (NVIDIA H800 SXM5 "
+                    "specification); DeepSeek-V3 technical report, section 3.2.2: one 400 Gb/s (50 GB/s) "
+                    "InfiniBand NIC per GPU"),
+    Hardware("A100", bf16_flops=312 * TB, fp8_flops=None, hbm_bytes_per_s=2.039 * TB, memory_gib=80.0,
+             nvlink_bytes_per_s=300 * GB, nvlink_domain=8, network_bytes_per_s=25 * GB, host_bytes_per_s=32 * GB,
+             source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column (312 TFLOP/s bf16 dense, 2,039 GB/s "
+                    "HBM2e, NVLink 600 GB/s, PCIe Gen4 64 GB/s, bidirectional); DGX A100: one 200 Gb/s "
+                    "ConnectX-6 per GPU"),
+    Hardware("B200", bf16_flops=2250 * TB, fp8_flops=4500 * TB, hbm_bytes_per_s=8.0 * TB, memory_gib=180.0,
+             nvlink_bytes_per_s=900 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
+             source="NVIDIA DGX B200 / HGX B200 specification (per GPU: 2.25 PFLOP/s bf16 and 4.5 fp8 dense, "
+                    "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional, PCIe Gen5); DGX B200: one 400 Gb/s "
+                    "ConnectX-7 per GPU"),
+    Hardware("GB200", bf16_flops=2500 * TB, fp8_flops=5000 * TB, hbm_bytes_per_s=8.0 * TB, memory_gib=186.0,
+             nvlink_bytes_per_s=900 * GB, nvlink_domain=72, network_bytes_per_s=50 * GB, host_bytes_per_s=450 * GB,
+             source="NVIDIA GB200 NVL72 specification divided by its 72 GPUs (360 / 720 PFLOP/s bf16 / fp8 with "
+                    "sparsity -> 2.5 / 5 dense per GPU, 186 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional "
+                    "across all 72, NVLink-C2C 900 GB/s bidirectional to the Grace CPU); 400 Gb/s per GPU scale-out"),
+)}
+"""``--hardware NAME`` -> its published peaks."""
+DEFAULT_HARDWARE = "H100"
+
+
+def get_hardware(name: str) -> Hardware:
+    """The table's row ``name`` (``ValueError`` naming ``--hardware`` and the allowed names)."""
+    if name not in HARDWARE:
+        raise ValueError(f"--hardware={name!r} is not a known GPU; choose one of {sorted(HARDWARE)}")
+    return HARDWARE[name]
+
+
+# ----------------------------------------------------------------------------- achievable fractions
+DENSE_GEMM_EFFICIENCY = 0.80
+"""Read: one H200 ran the bf16 output-layer matrix products (8,192 x 4,096 x 151,936) at ~790 of
+989 TFLOP/s (``shared/notes/gpu-baselines.md``). Used for every dense projection, the head and prefill."""
+GROUPED_GEMM_EFFICIENCY = 0.40
+"""Assumed, not measured or fitted: half the dense figure for the routed experts' grouped GEMMs,
+whose per-expert matrices are thin (Qwen3-30B-A3B: 2,048 x 768 with ~1/16 of the tokens each) and
+whose permute / unpermute around them is memory-bound. (This project's local-spec MoE ran its experts
+one after another at ~5 % MFU; TransformerEngine's grouped GEMM is what a GPU run uses.)"""
+ATTENTION_EFFICIENCY = 0.40
+"""Read: FlashAttention-3 (Shah et al., 2024), figures of forward + backward at head dim 128 on H100:
+FlashAttention-2 reaches ~350-400 of 989 TFLOP/s (causal, 4k-16k tokens)."""
+HBM_COPY_EFFICIENCY = 0.79
+"""Read: a device-to-device copy on one H200 ran at ~3.8 of 4.8 TB/s (``gpu-baselines.md``). Used where
+bytes are streamed in bulk: the engine loading synced weights, the optimizer step."""
+DECODE_HBM_EFFICIENCY = 0.33
+"""Fitted -- the one constant fitted -- to NeMo-RL v0.6's GRPO on Qwen3-30B-A3B (4 x 8 H100, 192 s per
+step; ``step_time.CALIBRATION``), with every other constant fixed beforehand (the fit gave 0.329; the
+model then predicts ~190 s and ~1,120 tokens/s/GPU against the published 1,102): the fraction of HBM
+bandwidth a vLLM decode step reaches while it reads the weight shard, the touched experts and the
+KV cache, i.e. the whole engine-step overhead (fused-MoE kernels on a few tokens per expert, paged
+attention, sampling over the vocabulary, scheduling) expressed as bandwidth."""
+NVLINK_EFFICIENCY = 0.80
+"""Read: nccl-tests ``all_reduce_perf`` bus bandwidth on an 8-GPU HGX H100 board levels off at
+~360 of 450 GB/s for large messages."""
+NETWORK_EFFICIENCY = 0.80
+"""Assumed as NVLink's: large NCCL collectives over 400 Gb/s InfiniBand reach ~40 of 50 GB/s per NIC."""
+HOST_LINK_EFFICIENCY = 0.80
+"""Read: pinned-memory ``cudaMemcpy`` over PCIe Gen5 x16 runs at ~50-55 of 64 GB/s per direction
+(nvbandwidth / bandwidthTest on H100 hosts)."""
+DECODE_ALLREDUCE_LATENCY_S = 10e-6
+"""Assumed: one small tensor-parallel all-reduce of a decode step (vLLM's custom all-reduce over
+NVLink, a few KB) costs ~10 us; a layer has two."""
+GLOO_BYTES_PER_S = 5 * GB
+"""Assumed: the ``broadcast`` transport's gloo (TCP) stream, host to host, including the copies from
+and to the GPU (~40 Gb/s: a single TCP stream over a 100-400 Gb/s fabric)."""

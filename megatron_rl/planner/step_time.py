@@ -1,0 +1,582 @@
+"""``estimate_step_time``: how long one training step takes, phase by phase, before anything runs.
+
+One estimate per phase of the trainer's own ``StepSchedule`` (``megatron_rl.trainer.schedule``, the
+phases the memory plan sums), each with the bound that decides it, from the published peaks of
+``--hardware`` (``megatron_rl.planner.hardware``) and the named achievable fractions there:
+
+* **gen** (memory bandwidth): prefill is compute (``2 x active params`` per prompt token, prompts
+  shared by their ``rollout.n`` samples through prefix caching); every decode step of an engine reads
+  its weight shard -- only the experts its running tokens touch, ``E (1 - (1 - k/E)^B)`` of ``E`` --
+  and the KV cache of its running sequences, at ``DECODE_HBM_EFFICIENCY`` of HBM bandwidth, plus two
+  tensor-parallel all-reduces per layer. The KV cache holds what ``gpu_memory_utilization`` leaves
+  after the weights and ``VLLM_NON_KV_GIB``; sequences of ``prompt + p99`` tokens that fit at once
+  make the concurrency, and a batch larger than that runs in waves: ``(waves - 1) x mean + p99``
+  decode steps, the last wave waiting for its longest sequence (``partial_rollout`` cuts that tail:
+  ``waves x mean``).
+* **log-prob and update passes** (compute): FLOPs per token ``2 x`` the active dense parameters
+  (attention projections, shared experts, dense MLPs, the head; the embedding is a lookup) at
+  ``DENSE_GEMM_EFFICIENCY``, ``2 x top-k`` routed experts at ``GROUPED_GEMM_EFFICIENCY``, causal
+  attention ``2 x layers x heads x head_dim x sequence`` at ``ATTENTION_EFFICIENCY``; an update is 3
+  forwards' worth, full recompute one more; the pipeline bubble ``(pp - 1) / (vpp x microbatches)``.
+  Exposed communication: TP all-reduce / reduce-scatter + all-gather (2 per layer and direction),
+  the EP all-to-all (dispatch + combine, per MoE layer and direction), the distributed optimizer's
+  parameter all-gather per optimizer step; the CP ring and the DP gradient reduce-scatter overlap the
+  compute (only their excess counts). Over NVLink inside a domain, the network beyond.
+* **weight sync** (communication): the engine's weights over the transport's link (``cuda_ipc`` /
+  ``colocated``: gathered from the training shards over NVLink; ``nccl``: NVLink or network;
+  ``broadcast``: gloo over TCP; ``shm`` / ``bytes``: through host memory), plus the engine copying
+  them into place.
+* **offload** (PCIe): every onload / offload / sleep / wake of the schedule's transitions around the
+  step (``StepSchedule.transitions``): the bytes of the parts moved; vLLM sleep level 1 moves its
+  weights to host and back, level 2 drops them (the sync refills them).
+
+Composition: ``sync`` and ``colocate_async`` sum the phases (colocated, generation and training take
+turns on the same GPUs); ``separate_async`` overlaps the rollout pool's generation with the trainer's
+passes -- the step is the slower of the two, plus the sync that pauses both -- unless the staleness
+bound is 0 (``trainer.v1.sampler.max_off_policy_threshold=0``: strictly on-policy, no overlap).
+
+Calibration (``CALIBRATION``): NeMo-RL v0.6's published GRPO run on Qwen3-30B-A3B; only
+``DECODE_HBM_EFFICIENCY`` was fitted to it. Figures read, not fitted: the hardware table's peaks and
+every other fraction in ``hardware.py`` (each says where it came from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.planner.hardware import (ATTENTION_EFFICIENCY, DECODE_ALLREDUCE_LATENCY_S, DECODE_HBM_EFFICIENCY,
+                                          DENSE_GEMM_EFFICIENCY, GLOO_BYTES_PER_S, GROUPED_GEMM_EFFICIENCY,
+                                          HBM_COPY_EFFICIENCY, HOST_LINK_EFFICIENCY, NETWORK_EFFICIENCY,
+                                          NVLINK_EFFICIENCY, Hardware, get_hardware)
+from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_weight_bytes
+
+__all__ = ["PhaseTime", "KVCache", "StepTime", "estimate_step_time", "format_step_time", "step_time_json",
+           "kv_bytes_per_token", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR"]
+
+VLLM_LOAD_S_PER_TENSOR = 50e-6
+"""Assumed: vLLM's ``load_weights`` handles each HF-named tensor in Python (name mapping, the weight
+loader's shard selection) for ~50 us, on top of the bytes' copy; MoE checkpoints have tens of thousands."""
+VLLM_NON_KV_GIB = 2.0
+"""Assumed: what a vLLM engine keeps per GPU besides weights and KV cache (CUDA graphs, the profiled
+activation peak of ``max_num_batched_tokens``, sampler scratch)."""
+
+CALIBRATION = {
+    "source": "NeMo-RL v0.6 performance summary (docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html), "
+              "recipe examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-4n8g.yaml",
+    "published": {"step_time_s": 192.0, "tokens_per_s_per_gpu": 1102.0},
+    "recipe": "gpu/qwen3_30b_a3b_grpo",
+    # 4 x 8 H100, colocated, on-policy; 64 prompts x 32 = 2,048 generations, training batches of 512;
+    # training TP=1 PP=1 EP=8 without recompute, generation TP=2 at gpu_memory_utilization 0.6;
+    # sequences of at most 4,096 tokens (a ~128-token prompt), ~3,200 generated tokens on average.
+    "overrides": ["trainer.nnodes=4", "trainer.n_gpus_per_node=8", "data.train_batch_size=64",
+                  "actor_rollout_ref.rollout.n=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                  "data.max_prompt_length=128", "data.max_response_length=3968",
+                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                  "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+                  "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
+                  "actor_rollout_ref.actor.megatron.sequence_parallel=false",
+                  "actor_rollout_ref.actor.megatron.override_transformer_config={}",
+                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                  "actor_rollout_ref.rollout.checkpoint_engine.backend=cuda_ipc"],
+    "response_length_mean": 3200,
+}
+"""The one published run the constants are calibrated against (a test pins the model within 20 %)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseTime:
+    """Seconds of one phase and what bounds it (compute, memory bandwidth, communication, PCIe)."""
+
+    seconds: float
+    bound: str
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One rollout engine's KV cache against the batch it generates."""
+
+    bytes_per_token: int
+    """KV bytes one token takes on each GPU of the engine (its share of heads and layers)."""
+    capacity_tokens: int
+    """Tokens the engine's KV cache holds."""
+    free_bytes_per_gpu: int
+    """What ``gpu_memory_utilization`` leaves per GPU after the weights and ``VLLM_NON_KV_GIB``."""
+    fits_at_once: int
+    """Sequences of ``prompt + p99 response`` tokens the cache holds at once (at most ``max_num_seqs``)."""
+    sequences_per_engine: int
+    waves: int
+
+
+@dataclasses.dataclass
+class StepTime:
+    """The predicted step: phases in the schedule's order, their composition and the largest lever."""
+
+    hardware: str
+    mode: str
+    phases: dict[str, PhaseTime]
+    step_time_s: float
+    tokens_per_step: float
+    gpus: int
+    kv: KVCache
+    response_mean: float
+    response_p99: float
+    lever: str = ""
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Prompt + response tokens of the step per second and GPU (NeMo-RL's definition)."""
+        return self.tokens_per_step / (self.step_time_s * self.gpus)
+
+
+# ----------------------------------------------------------------------------- the run's figures
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """One Megatron pass of a phase: which model, its layout, forward only or an update."""
+
+    phase: str
+    model: ModelConfig
+    sizes: dict
+    trainable: bool
+    value_head: bool
+    recompute: str
+    distributed_optimizer: bool
+    micro_tokens: int
+    """Tokens per micro-batch (for the pipeline bubble)."""
+    repeats: int = 1
+    """ppo_epochs of an update."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Everything the model reads from the config; a lever is a ``dataclasses.replace`` of it."""
+
+    model: ModelConfig
+    hw: Hardware
+    gpus_per_node: int
+    world: int
+    sequences: int
+    prompts: int
+    extra_generations: int
+    """Generated but not trained on: ReMax's greedy baseline, one per prompt."""
+    prompt_length: int
+    response_mean: float
+    response_p99: float
+    mini_batches: int
+    rollout_tp: int
+    rollout_pp: int
+    rollout_dp: int
+    rollout_gpus: int
+    colocated: bool
+    nodes_per_engine: int
+    vllm_bytes: int
+    rollout_dtype: str
+    quantization: Optional[str]
+    kv_dtype_bytes: int
+    max_num_seqs: int
+    prefix_caching: bool
+    backend: str
+    passes: tuple
+    offload_bytes: int
+    sleep_level: int
+    sleeps: bool
+    mode: str
+    overlap: bool
+    partial_rollout: bool
+
+    @property
+    def decode_groups(self) -> int:
+        """Engines x their data-parallel ranks: each decodes its own share of the batch."""
+        return max(self.rollout_gpus // (self.rollout_tp * self.rollout_pp), 1)
+
+
+def kv_bytes_per_token(m: ModelConfig, *, tp: int = 1, pp: int = 1, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes of one token on one GPU of an engine with ``tp`` x ``pp``: per layer K and V of
+    its share of the KV heads (a head replicated when there are fewer than TP), or MLA's compressed
+    latent plus the rotary key (``kv_lora_rank + qk_pos_emb_head_dim``, replicated over TP)."""
+    layers = math.ceil(m.num_layers / pp)
+    if getattr(m, "multi_latent_attention", False):
+        return layers * (m.kv_lora_rank + m.qk_pos_emb_head_dim) * dtype_bytes
+    kv_heads = m.num_query_groups or m.num_attention_heads
+    return layers * 2 * max(kv_heads // tp, 1) * m.head_dim * dtype_bytes
+
+
+def _attention_width(m: ModelConfig) -> int:
+    """``heads x (qk dim + v dim) / 2``: attention FLOPs per token and context position are ``2 x`` this."""
+    if getattr(m, "multi_latent_attention", False):
+        return m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) // 2
+    return m.num_attention_heads * m.head_dim
+
+
+def _active(m: ModelConfig, value_head: bool = False) -> tuple[int, int]:
+    """``(dense, routed expert)`` parameters one token multiplies: the embedding is a lookup, experts top-k of E."""
+    dense, expert = count_params(m, value_head=value_head)
+    embed = m.vocab_size * m.hidden_size
+    active_expert = expert * m.moe_router_topk // m.num_moe_experts if m.is_moe else 0
+    return dense - embed, active_expert
+
+
+def _link(hw: Hardware, span: int) -> tuple[float, str]:
+    """Achievable bytes/s of a group of ``span`` consecutive GPUs: NVLink inside a domain, else the network."""
+    if span <= hw.nvlink_domain:
+        return hw.nvlink_bytes_per_s * NVLINK_EFFICIENCY, "NVLink"
+    return hw.network_bytes_per_s * NETWORK_EFFICIENCY, "network"
+
+
+# ----------------------------------------------------------------------------- phases
+def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
+    m, hw, tp, pp = run.model, run.hw, run.rollout_tp, run.rollout_pp
+    weights = rollout_weight_bytes(m, run.rollout_dtype, run.quantization) / (tp * pp)
+    dense_params, expert_params = count_params(m)
+    expert_share = expert_params / (dense_params + expert_params)
+    per_token = kv_bytes_per_token(m, tp=tp, pp=pp, dtype_bytes=run.kv_dtype_bytes)
+    free = int(run.vllm_bytes - weights - VLLM_NON_KV_GIB * GIB)
+    capacity = max(free, 0) // per_token
+    per_engine = math.ceil((run.sequences + run.extra_generations) / run.decode_groups)
+    longest = run.prompt_length + run.response_p99
+    fits = min(run.max_num_seqs, int(capacity // longest))
+    warnings = []
+    if fits < 1:
+        warnings.append(f"generation: the KV cache holds {capacity} tokens per engine ({max(free, 0) / GIB:.1f} GiB per "
+                        f"GPU), less than one sequence of {longest:.0f} tokens: vLLM would refuse to start; raise "
+                        "actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size")
+    waves = math.ceil(per_engine / max(fits, 1))
+    # blocks are taken as sequences grow and freed as they finish: on average a sequence holds prompt + mean
+    concurrent = max(1.0, min(per_engine, run.max_num_seqs, capacity / (run.prompt_length + run.response_mean)))
+    if waves > 1:
+        warnings.append(f"generation runs in {waves} waves: each engine's KV cache ({capacity:,} tokens, "
+                        f"{per_token:,} B per token per GPU) holds {fits} sequences of {longest:.0f} tokens at once but "
+                        f"gets {per_engine}; raise gpu_memory_utilization or the rollout TP, or use fewer sequences")
+    # continuous batching: per_engine x mean sequence-steps at `concurrent` at once; the last ones wait for
+    # the longest (p99) unless partial rollouts carry the unfinished ones over to the next step
+    steps = per_engine / concurrent * run.response_mean
+    if not run.partial_rollout:
+        steps += run.response_p99 - run.response_mean
+    context = run.prompt_length + run.response_mean / 2
+    touched = 1.0 - (1.0 - m.moe_router_topk / m.num_moe_experts) ** concurrent if m.is_moe else 1.0
+    read = weights * (1 - expert_share) + weights * expert_share * touched + concurrent * context * per_token
+    t_mem = read / (hw.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY)
+    dense, expert = _active(m)
+    flops = concurrent * (2 * (dense + expert) + 4 * m.num_layers * _attention_width(m) * context) / (tp * pp)
+    t_compute = flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+    t_comm = 0.0
+    if tp > 1:
+        bw, _ = _link(hw, tp if run.nodes_per_engine == 1 else hw.nvlink_domain + 1)
+        message = concurrent * m.hidden_size * 2
+        t_comm = math.ceil(m.num_layers / pp) * 2 * (DECODE_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * message / bw)
+    step = max(t_mem, t_compute) + t_comm
+    prompt_tokens = (math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine) * run.prompt_length
+    prefill = prompt_tokens * (2 * (dense + expert) + 2 * m.num_layers * _attention_width(m) * run.prompt_length)
+    t_prefill = prefill / (tp * pp) / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+    seconds = t_prefill + steps * step
+    bound = "compute" if t_compute > t_mem else "memory bandwidth"
+    if t_comm > max(t_mem, t_compute):
+        bound = "communication"
+    detail = (f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "
+              f"(weights {weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched), prefill {t_prefill:.1f} s")
+    kv = KVCache(bytes_per_token=per_token, capacity_tokens=int(capacity), free_bytes_per_gpu=max(free, 0),
+                 fits_at_once=max(fits, 0), sequences_per_engine=per_engine, waves=waves)
+    return PhaseTime(seconds, bound, detail), kv, warnings
+
+
+def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
+    m, hw, s = p.model, run.hw, p.sizes
+    world, tp, pp, cp, ep, etp = s["world"], s["tp"], s["pp"], s["cp"], s["ep"], s["etp"]
+    dp, vpp = s["dp"], s["vpp"] or 1
+    seq = run.prompt_length + run.response_mean
+    tokens = run.sequences * seq
+    dense, expert = _active(m, p.value_head)
+    attention = 2 * m.num_layers * _attention_width(m) * seq
+    passes = (3 if p.trainable else 1) + (1 if p.trainable and p.recompute == "full" else 0)
+    attn_passes = passes + (1 if p.trainable and p.recompute == "selective" else 0)
+    per_gpu = tokens / world
+    compute = per_gpu * (passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+                         + passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
+                         + attn_passes * attention / (hw.bf16_flops * ATTENTION_EFFICIENCY))
+    steps = run.mini_batches if p.trainable else 1
+    micro = max(tokens / dp / steps / p.micro_tokens, 1.0)
+    compute *= 1 + (pp - 1) / (vpp * micro)
+    directions = passes  # every forward and backward moves the layer's activations once
+    layers = math.ceil(m.num_layers / pp)
+    moe_layers = sum(m.layer_is_moe(i) for i in range(m.num_layers)) if hasattr(m, "layer_is_moe") else \
+        (m.num_layers if m.is_moe else 0)
+    exposed = 0.0
+    if tp > 1:  # per layer and direction: all-gather + reduce-scatter of [tokens, h] (= one all-reduce) twice
+        bw, _ = _link(hw, tp)
+        local = tokens / (dp * cp)
+        exposed += layers * directions * 2 * 2 * (tp - 1) / tp * local * m.hidden_size * 2 / bw
+    if m.is_moe and ep > 1:  # dispatch + combine of top-k copies of each token, per MoE layer and direction
+        bw, _ = _link(hw, ep * etp)
+        local = tokens * pp / world
+        exposed += math.ceil(moe_layers / pp) * directions * 2 * local * m.moe_router_topk * m.hidden_size * 2 \
+            * (ep - 1) / ep / bw
+    overlapped = 0.0
+    if cp > 1:
+        bw, _ = _link(hw, tp * cp)
+        kv_heads = max((m.num_query_groups or m.num_attention_heads) // tp, 1)
+        overlapped += layers * directions * (cp - 1) * 2 * tokens / (dp * cp) * kv_heads * m.head_dim * 2 / bw
+    if p.trainable:  # per optimizer step: gradient reduce-scatter (overlapped), parameter all-gather (exposed)
+        dense_local, expert_local = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head)
+        bw, _ = _link(hw, world // pp)
+        for params, group in ((dense_local, dp * cp), (expert_local, s["expert_dp"])):
+            if group > 1 and params:
+                overlapped += steps * params * 4 * (group - 1) / group / bw
+                if p.distributed_optimizer:
+                    exposed += steps * params * 2 * (group - 1) / group / bw
+        shard = (dense_local / (dp * cp) + expert_local / s["expert_dp"]) if p.distributed_optimizer else \
+            dense_local + expert_local
+        exposed += steps * shard * 2 * 18 / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # Adam reads + writes 18 B
+    seconds = (max(compute, overlapped) + exposed) * p.repeats
+    bound = "communication" if exposed + max(overlapped - compute, 0) > compute else "compute"
+    detail = (f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}, compute {compute:.1f} s, "
+              f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s")
+    return PhaseTime(seconds, bound, detail)
+
+
+def _hf_tensor_count(m: ModelConfig) -> int:
+    """HF-named tensors of the checkpoint: per layer the attention projections (+ biases, QK norms), two norms,
+    the MLP's gate/up/down (each routed expert's own three, the router, a shared expert); embedding, norm, head."""
+    per_attention = 4 + (3 if m.add_qkv_bias else 0) + (2 if m.qk_layernorm else 0)
+    count = 3
+    for layer in range(m.num_layers):
+        moe = m.layer_is_moe(layer) if hasattr(m, "layer_is_moe") else m.is_moe
+        mlp = 3 * m.num_moe_experts + 1 + (3 if m.moe_shared_expert_intermediate_size else 0) if moe else 3
+        count += per_attention + 2 + mlp
+    return count
+
+
+def _weight_sync(run: _Run) -> PhaseTime:
+    hw = run.hw
+    total = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization)
+    shard = total / (run.rollout_tp * run.rollout_pp)
+    load = 2 * shard / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # the engine copies each tensor into place
+    load += _hf_tensor_count(run.model) * VLLM_LOAD_S_PER_TENSOR
+    if run.backend in ("colocated", "cuda_ipc"):
+        a = run.passes[-1].sizes  # the actor's layout: its model-parallel group holds one full copy
+        bw, link = _link(hw, a["world"] if a["pp"] > 1 else max(a["tp"] * a["cp"], a["ep"] * a["etp"]))
+        move = shard / bw
+    elif run.backend == "nccl":
+        bw, link = _link(hw, run.world if run.colocated else run.world + run.rollout_gpus)
+        move = total / bw
+    elif run.backend == "broadcast":
+        link, move = "gloo over TCP", total / GLOO_BYTES_PER_S
+    else:  # shm / bytes: through host memory, down and up again
+        link, move = "host memory", 2 * total / (hw.host_bytes_per_s * HOST_LINK_EFFICIENCY)
+    bound = "communication" if move >= load else "engine load"
+    return PhaseTime(move + load, bound, f"{total / GIB:.1f} GiB over {link} ({run.backend}), load {load:.2f} s")
+
+
+def _offload(run: _Run) -> PhaseTime:
+    weights = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization) / (run.rollout_tp * run.rollout_pp)
+    engine = 2 * weights if run.sleeps and run.sleep_level == 1 else 0  # level 1: weights to host and back
+    moved = run.offload_bytes + engine
+    seconds = moved / (run.hw.host_bytes_per_s * HOST_LINK_EFFICIENCY)
+    return PhaseTime(seconds, "PCIe", f"{moved / GIB:.1f} GiB per GPU moved over the host link per step")
+
+
+def _evaluate(run: _Run) -> StepTime:
+    gen, kv, warnings = _generation(run)
+    phases = {"gen": gen}
+    for p in run.passes:
+        phases[p.phase] = _megatron_pass(run, p)
+    phases["weight_sync"] = _weight_sync(run)
+    phases["offload"] = _offload(run)
+    total = sum(p.seconds for p in phases.values())
+    if run.mode == "separate_async" and run.overlap:
+        train = total - gen.seconds - phases["weight_sync"].seconds
+        step = max(gen.seconds, train) + phases["weight_sync"].seconds
+    else:
+        step = total
+    gpus = run.world + (0 if run.colocated else run.rollout_gpus)
+    return StepTime(hardware=run.hw.name, mode=run.mode, phases=phases, step_time_s=step,
+                    tokens_per_step=run.sequences * (run.prompt_length + run.response_mean), gpus=gpus, kv=kv,
+                    response_mean=run.response_mean, response_p99=run.response_p99, warnings=warnings)
+
+
+# ----------------------------------------------------------------------------- from the config
+_PART_BYTES = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
+
+
+def _check_length(option: str, value: Optional[float], maximum: int) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value) or value <= 0 or value > maximum:
+        raise ValueError(f"{option}={value} must be a number of tokens > 0 and at most data.max_response_length="
+                         f"{maximum}")
+
+
+def _offload_bytes(schedule: Any, roles: dict) -> int:
+    """Bytes per GPU the schedule's onloads and offloads move in one steady-state step (the cycle's transitions)."""
+    state = schedule.resident(schedule.phases[-1].name)
+    moved = 0
+    for phase in schedule.phases:
+        for t in schedule.transitions(state, phase.name):
+            if t.target in roles:
+                moved += sum(getattr(roles[t.target], _PART_BYTES[part]) for part in t.parts)
+        state = schedule.resident(phase.name)
+    return moved
+
+
+def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Optional[float]) -> _Run:
+    from megatron_rl.algos.needs import resolve_run
+    from megatron_rl.planner.architectures import resolve_architecture
+    from megatron_rl.trainer.placement import role_token_budgets
+    from megatron_rl.trainer.schedule import step_schedule
+
+    arr, data, rollout, v1 = cfg.actor_rollout_ref, cfg.data, cfg.actor_rollout_ref.rollout, cfg.trainer.v1
+    _check_length("--response-length-mean", mean, data.max_response_length)
+    _check_length("--response-length-p99", p99, data.max_response_length)
+    p99 = float(p99 if p99 is not None else data.max_response_length)
+    mean = float(mean if mean is not None else p99)
+    if mean > p99:
+        raise ValueError(f"--response-length-mean={mean:g} is larger than the p99 ({p99:g}, "
+                         f"{'--response-length-p99' if p99 != data.max_response_length else 'data.max_response_length'})")
+    needs = resolve_run(cfg)
+    schedule = step_schedule(cfg, needs)
+    world, seq_max = cfg.trainer.world_size, data.max_prompt_length + data.max_response_length
+    budgets = role_token_budgets(cfg)
+
+    def sizes(megatron: Any) -> dict:
+        return megatron.parallel().sizes(world)
+
+    def recompute(megatron: Any) -> str:
+        return str(megatron.override_transformer_config.get("recompute_granularity") or "")
+
+    actor = arr.actor
+    log_prob_micro = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None) or actor.ppo_micro_batch_size_per_gpu
+    passes = [_Pass("actor_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
+                    budgets["actor"].forward or log_prob_micro * seq_max)]
+    if needs.reference:
+        passes.append(_Pass("ref_log_prob", plan.model, sizes(arr.ref.megatron), False, False, "", False,
+                            budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max))
+    if needs.teacher:
+        t = cfg.distillation.teacher_model
+        t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path, config=t.config)
+        passes.append(_Pass("teacher_log_prob", t_model, sizes(t.megatron), False, False, "", False,
+                            budgets["teacher"].forward or (t.log_prob_micro_batch_size_per_gpu or 1) * seq_max))
+    if needs.critic:
+        c = cfg.critic
+        c_model, _ = resolve_architecture("critic.model.path", path=c.model.path, config=c.model.config,
+                                          overrides=c.model.override_config)
+        micro = c.ppo_micro_batch_size_per_gpu * seq_max
+        passes.append(_Pass("critic_values", c_model, sizes(c.megatron), False, True, "", False,
+                            budgets["critic"].forward or micro))
+        passes.append(_Pass("critic_update", c_model, sizes(c.megatron), True, True, recompute(c.megatron),
+                            c.megatron.use_distributed_optimizer, budgets["critic"].train or micro,
+                            getattr(c, "ppo_epochs", 1)))
+    passes.append(_Pass("actor_update", plan.model, sizes(actor.megatron), True, False, recompute(actor.megatron),
+                        actor.megatron.use_distributed_optimizer,
+                        budgets["actor"].train or actor.ppo_micro_batch_size_per_gpu * seq_max, actor.ppo_epochs))
+    passes.sort(key=lambda p: schedule.names.index(p.phase))
+    engines = plan.engines
+    kv_dtype = str(rollout.engine_kwargs.get("vllm", {}).get("kv_cache_dtype", "auto"))
+    dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
+    threshold = v1.sampler.max_off_policy_threshold
+    overlap = v1.trainer_mode == "separate_async" and threshold != 0 and v1.separate_async.num_warmup_batches > 0
+    return _Run(model=plan.model, hw=hw, gpus_per_node=cfg.trainer.n_gpus_per_node, world=world,
+                sequences=data.train_batch_size * rollout.n, prompts=data.train_batch_size,
+                extra_generations=data.train_batch_size if needs.baseline else 0,
+                prompt_length=data.max_prompt_length, response_mean=mean, response_p99=p99,
+                mini_batches=max(data.train_batch_size // actor.ppo_mini_batch_size, 1),
+                rollout_tp=rollout.tensor_model_parallel_size, rollout_pp=rollout.pipeline_model_parallel_size,
+                rollout_dp=rollout.data_parallel_size, rollout_gpus=engines.replicas * engines.engine_gpus,
+                colocated=engines.colocated, nodes_per_engine=engines.nodes_per_engine,
+                vllm_bytes=int(rollout.gpu_memory_utilization * plan.memory_budget_bytes), rollout_dtype=dtype,
+                quantization=rollout.quantization, kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
+                max_num_seqs=rollout.max_num_seqs, prefix_caching=rollout.enable_prefix_caching,
+                backend=rollout.checkpoint_engine.backend, passes=tuple(passes),
+                offload_bytes=_offload_bytes(schedule, plan.roles), sleep_level=schedule.sleep_level,
+                sleeps=schedule.rollout_sleeps, mode=v1.trainer_mode, overlap=overlap,
+                partial_rollout=v1.partial_rollout)
+
+
+def estimate_step_time(config: Any, plan: Any, *, hardware: str = "H100", response_length_mean: Optional[float] = None,
+                       response_length_p99: Optional[float] = None) -> StepTime:
+    """The step time of ``config`` (a ``TrainerRunConfig``) on ``hardware``, per phase of its ``StepSchedule``,
+    from its ``plan`` (``plan_run``: the model, the engine map, each role's bytes). Response lengths default
+    to ``data.max_response_length``; ``ValueError`` names the option for a bad one or an unknown GPU."""
+    hw = get_hardware(hardware)
+    if plan.device != "cuda":
+        raise ValueError("the step-time model is for GPU runs (trainer.device=cuda); this run is on CPU")
+    run = _build(config, plan, hw, response_length_mean, response_length_p99)
+    result = _evaluate(run)
+    result.lever = _largest_lever(run, result)
+    return result
+
+
+# ----------------------------------------------------------------------------- the largest lever
+def _levers(run: _Run) -> list[tuple[str, _Run]]:
+    """Single changes worth trying, each as the modified run (only the valid ones)."""
+    out = []
+    m, tp = run.model, run.rollout_tp
+    heads = m.num_attention_heads
+    for new in (tp * 2, tp // 2):
+        gpus = new * run.rollout_pp * run.rollout_dp
+        if new < 1 or new == tp or new > run.gpus_per_node or heads % new or run.rollout_gpus % gpus:
+            continue
+        out.append((f"a rollout TP of {new} instead of {tp} ({run.rollout_gpus // gpus} engines instead of "
+                    f"{run.rollout_gpus // (tp * run.rollout_pp * run.rollout_dp)}; "
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size)", dataclasses.replace(run, rollout_tp=new)))
+    if run.quantization is None and run.hw.fp8_flops is not None:
+        out.append(("fp8 rollout weights (actor_rollout_ref.rollout.quantization=fp8)",
+                    dataclasses.replace(run, quantization="fp8")))
+    if run.kv_dtype_bytes == 2:
+        out.append(("an fp8 KV cache (actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8)",
+                    dataclasses.replace(run, kv_dtype_bytes=1)))
+    if not run.partial_rollout and run.response_p99 > 1.1 * run.response_mean:
+        out.append((f"cutting the tail (partial rollouts or over-sampling: decode to the mean {run.response_mean:.0f} "
+                    f"instead of the p99 {run.response_p99:.0f} tokens)", dataclasses.replace(run, partial_rollout=True)))
+    if run.offload_bytes:
+        out.append(("keeping the roles resident (the *.megatron.*_offload keys off, if memory allows)",
+                    dataclasses.replace(run, offload_bytes=0)))
+    return out
+
+
+def _largest_lever(run: _Run, base: StepTime) -> str:
+    name, phase = max(base.phases.items(), key=lambda kv: kv[1].seconds)
+    share = phase.seconds / sum(p.seconds for p in base.phases.values())
+    head = f"{name} is {share:.0%} of the step ({phase.bound})"
+    best = None
+    for what, other in _levers(run):
+        try:
+            step = _evaluate(other).step_time_s
+        except ValueError:
+            continue
+        if step < base.step_time_s * 0.99 and (best is None or step < best[1]):
+            best = (what, step)
+    if best is None:
+        return f"{head}; none of the single changes tried shortens it"
+    what, step = best
+    return (f"{head}: {what} takes the step from {base.step_time_s:.0f} s to {step:.0f} s "
+            f"(-{1 - step / base.step_time_s:.0%})")
+
+
+# ----------------------------------------------------------------------------- output
+def format_step_time(st: StepTime) -> str:
+    """The report's step-time block: KV cache, one line per phase, the step, tokens/s/GPU and the lever."""
+    kv = st.kv
+    lines = [f"step time on {st.hardware} ({st.mode}; responses: mean {st.response_mean:.0f}, p99 "
+             f"{st.response_p99:.0f} tokens):",
+             f"  kv cache: {kv.bytes_per_token:,} B/token per GPU, {kv.free_bytes_per_gpu / GIB:.1f} GiB free per GPU -> "
+             f"{kv.capacity_tokens:,} tokens per engine, {kv.fits_at_once} sequences at once, "
+             f"{kv.sequences_per_engine} per engine, {kv.waves} wave{'s' if kv.waves > 1 else ''}"]
+    total = sum(p.seconds for p in st.phases.values())
+    for name, p in st.phases.items():
+        lines.append(f"  {name:<16} {p.seconds:8.1f} s  {p.seconds / total:4.0%}  {p.bound:<16} {p.detail}")
+    lines.append(f"  step {st.step_time_s:.1f} s, {st.tokens_per_s_per_gpu:,.0f} tokens/s/GPU over {st.gpus} GPUs")
+    lines.append(f"  largest lever: {st.lever}")
+    lines += [f"warning: {w}" for w in st.warnings]
+    return "\n".join(lines)
+
+
+def step_time_json(st: StepTime) -> dict:
+    """``plan --json``'s step-time members: ``step_time_s``, ``tokens_per_s_per_gpu``, ``phases``
+    (``{name: {"seconds", "bound"}}``), ``kv_cache``, ``lever``, ``hardware``."""
+    return {"step_time_s": round(st.step_time_s, 3), "tokens_per_s_per_gpu": round(st.tokens_per_s_per_gpu, 1),
+            "phases": {n: {"seconds": round(p.seconds, 3), "bound": p.bound} for n, p in st.phases.items()},
+            "kv_cache": dataclasses.asdict(st.kv), "lever": st.lever, "hardware": st.hardware, "mode": st.mode,
+            "step_time_warnings": list(st.warnings)}
