@@ -1,7 +1,8 @@
 """``CodeInterpreterTool``: runs the model's Python in the sandbox and returns what it printed.
 
 Tool-config ``config`` keys (all optional): ``wall_seconds`` (10), ``cpu_seconds`` (5),
-``memory_mb`` (512), ``max_output_bytes`` (8192), ``max_file_bytes`` (1 MiB) -- the
+``memory_mb`` (512), ``max_output_bytes`` (8192), ``max_file_bytes`` (1 MiB), ``max_open_files`` (64),
+``max_disk_bytes`` (64 MiB), ``max_files`` (1024), ``max_processes`` (32), ``max_cpus`` (1) -- the
 ``SandboxLimits`` of every call --, the loop's ``timeout`` (default: the wall limit + 5 s), and
 ``allow_unisolated`` (False): where this machine gives the sandbox no user namespace or no seccomp
 filter, the tool refuses to be built unless it is set (then with a warning naming it).

@@ -5,28 +5,36 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **privileges**: a user namespace whose root is host ``nobody`` (this process, as root, writes
   the map; unprivileged, ``unshare --map-root-user`` maps it to this user), so the code owns no
   host file; then every capability set (bounding included) is emptied and ``no_new_privs`` set;
-  ``/root`` is an empty tmpfs holding only the interpreter's prefix; a seccomp filter (libseccomp
-  through ctypes) refuses process creation, non-AF_UNIX sockets, mount/ptrace/unshare/setns/bpf/
-  io_uring/userfaultfd and the other kernel interfaces of ``sandbox_runner._DENIED_SYSCALLS``;
-
+  a seccomp filter (libseccomp through ctypes) refuses process creation, non-AF_UNIX sockets,
+  mount/ptrace/unshare/setns/bpf/io_uring/userfaultfd and the other kernel interfaces of
+  ``sandbox_runner._DENIED_SYSCALLS``;
+* **files**: ``pivot_root`` into a minimal root (``root_layout()``): a read-only tmpfs holding the
+  interpreter's prefix and the directories of its shared libraries (read-only, nosuid, nodev), a
+  fresh ``/proc`` of the sandbox's PID namespace, a read-only ``/dev`` of null, zero and urandom,
+  and the working directory (also HOME and TMPDIR): a tmpfs of ``max_disk_bytes`` and
+  ``max_files`` inodes, nodev, nosuid, noexec. The host's root is detached: no home, project,
+  checkpoint, credential or Ray socket can be named. An audit hook refuses writes outside the
+  working directory as well (a convenience, not the barrier);
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
-* **memory**: ``memory_mb`` of address space (RLIMIT_AS: the code gets MemoryError);
+* **the whole sandbox** (a cgroup per run where this process may make one, ``Isolation.cgroup``):
+  ``memory_mb`` of memory, ``max_processes`` tasks, ``max_cpus`` of CPU bandwidth; without one,
+  ``memory_mb`` of address space per process (the code gets MemoryError), and the seccomp filter
+  refuses new processes anyway;
 * **output**: stdout / stderr are pipes this process owns (unbuffered, so what was printed before
   an exit comes back), read with a byte cap and the wall deadline; at most ``max_output_bytes`` of
   each is returned; more than ``max_file_bytes`` on one pipe stops the run (``output_limit``), as
   it caps each file the code writes (RLIMIT_FSIZE);
-* **files**: a private temporary working directory (HOME and TMPDIR too), removed afterwards;
-  in a private mount namespace every other mount is read-only (else, running as root, the code
-  drops to ``nobody``); an audit hook refuses writes outside it as well;
 * **network**: a fresh network namespace (no interfaces up) where ``unshare`` may create one
   (as root, or unprivileged through a user namespace), else the audit hook refuses sockets;
 * **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
-  every process left in it --, else the process group is killed; process creation, signals and
-  ctypes are refused by the audit hook.
+  every process left in it --, else the process group is killed.
 
-A sandbox that cannot start, or code that fails or exceeds a limit, is a ``SandboxResult`` with
-its ``status``, never an exception: the caller turns it into an observation.
+The status is the sandbox's own observation, never the code's word: the PID namespace's init
+(which the code cannot signal or trace) reports the code's exit status or signal, its CPU
+seconds and the tmpfs's fill on a pipe the code never holds; the cgroup's OOM-kill count says
+``memory_limit``. A sandbox that cannot start, or code that fails or exceeds a limit, is a
+``SandboxResult`` with its ``status``, never an exception: the caller turns it into an observation.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from ctypes.util import find_library
 from pathlib import Path
 from typing import Optional
@@ -49,7 +58,6 @@ from typing import Optional
 __all__ = ["SandboxLimits", "SandboxResult", "Isolation", "isolation", "run_python"]
 
 RUNNER = str(Path(__file__).with_name("sandbox_runner.py"))
-_EXIT_MEMORY = 86  # sandbox_runner.EXIT_MEMORY (not imported: the runner is a script)
 _NOBODY = 65534
 
 
@@ -60,6 +68,7 @@ class SandboxLimits:
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
     memory_mb: int = 512
+    """Memory of the whole sandbox (a cgroup's limit where the machine offers one, else the address space)."""
     max_output_bytes: int = 8192
     max_file_bytes: int = 1 << 20
     max_open_files: int = 64
@@ -67,22 +76,36 @@ class SandboxLimits:
     """Size of the working directory's tmpfs (with namespaces): the code's whole disk quota."""
     max_files: int = 1024
     """Inodes of that tmpfs: how many files and directories the code can make."""
+    max_processes: int = 32
+    """Tasks (processes and threads) of the whole sandbox, the runner's three included (with a cgroup)."""
+    max_cpus: float = 1.0
+    """CPU bandwidth of the whole sandbox, in CPUs (with a cgroup)."""
 
     def __post_init__(self):
-        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_output_bytes", "max_file_bytes",
-                     "max_open_files", "max_disk_bytes", "max_files"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"sandbox limit {name}={getattr(self, name)!r} must be > 0")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"sandbox limit {field.name}={value!r} must be a number > 0")
+        for name in ("cpu_seconds", "memory_mb", "max_output_bytes", "max_file_bytes", "max_open_files",
+                     "max_disk_bytes", "max_files", "max_processes"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"sandbox limit {name}={getattr(self, name)!r} must be a whole number > 0")
+        if self.max_processes < 4:
+            raise ValueError(f"sandbox limit max_processes={self.max_processes!r} must be >= 4 (the runner "
+                             "takes three)")
 
 
 @dataclasses.dataclass
 class SandboxResult:
-    """How a run ended.
+    """How a run ended, as the sandbox observed it (never from an exit code the code chose).
 
-    ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception), ``timeout`` (wall
-    limit), ``cpu_limit``, ``memory_limit``, ``output_limit`` (file-size limit), ``killed`` (SIGKILL
-    from elsewhere: not the CPU limit, by the tree's own CPU seconds) or
-    ``sandbox_error`` (the sandbox itself could not run; ``stderr`` says why).
+    ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception; a MemoryError under
+    the address-space limit too), ``timeout`` (wall limit), ``cpu_limit`` (killed by the CPU limit's
+    signal after using the CPU seconds), ``memory_limit`` (the cgroup's OOM killer struck),
+    ``output_limit`` (more than ``max_file_bytes`` on a pipe, or killed by SIGXFSZ with a file at
+    that size), ``disk_limit`` (the working directory's tmpfs was full of bytes or inodes when the
+    code ended), ``killed`` (by a signal the sandbox did not send) or ``sandbox_error`` (the sandbox
+    itself could not run; ``stderr`` says why).
     """
 
     status: str
@@ -105,7 +128,10 @@ class SandboxResult:
                "cpu_limit": f"killed: CPU-time limit of {limits.cpu_seconds} s exceeded",
                "memory_limit": f"killed: memory limit of {limits.memory_mb} MiB exceeded",
                "output_limit": f"killed: output limit of {limits.max_file_bytes} bytes exceeded",
-               "error": f"exit code {self.exit_code}", "killed": "killed by a signal the sandbox did not send", "sandbox_error": "the sandbox failed to run the code"}
+               "disk_limit": f"disk quota of the working directory ({limits.max_disk_bytes} bytes, "
+                             f"{limits.max_files} files) filled",
+               "error": f"exit code {self.exit_code}", "killed": "killed by a signal the sandbox did not send",
+               "sandbox_error": "the sandbox failed to run the code"}
         if self.status in why:
             parts.append(f"[{why[self.status]}]")
         if self.truncated:
@@ -121,8 +147,9 @@ class Isolation:
     """Command prefix entering the namespaces (empty: none available)."""
     network_namespace: bool
     pid_namespace: bool
-    readonly_mounts: bool
-    """A private mount namespace in which everything but the working directory is read-only."""
+    minimal_root: bool
+    """``pivot_root`` into a root holding only the interpreter, its libraries, ``/proc``, a tiny
+    ``/dev`` and the working directory (``sandbox_runner._minimal_root``)."""
     drop_uid: Optional[int]
     """uid the code runs as after leaving root (None: it keeps this process's user)."""
     seccomp: Optional[str] = None
@@ -130,6 +157,9 @@ class Isolation:
     map_to: Optional[int] = None
     """Host uid/gid that this process (root) maps the user namespace's root to (None: ``unshare
     --map-root-user`` maps it to this process's own, unprivileged, user)."""
+    cgroup: tuple[str, ...] = ()
+    """Controllers (of ``memory``, ``pids``, ``cpu``) bounding each run as a whole, through a cgroup
+    per run (only with ``map_to``: the runner waits for its map, so it joins before the code runs)."""
 
 
 _NAMESPACES = ("--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-child")
@@ -137,16 +167,18 @@ _NAMESPACES = ("--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-ch
 
 @functools.lru_cache(maxsize=None)
 def isolation() -> Isolation:
-    """Probe ``unshare`` once: network + PID + mount namespaces inside a user namespace whose root
-    is host ``nobody`` (this process, as root, writes the map) or this process's own unprivileged
-    user; without them the code runs in a plain process group (as ``nobody`` when this process is root)."""
+    """Probe once: network + PID + mount namespaces inside a user namespace whose root is host
+    ``nobody`` (this process, as root, writes the map) or this process's own unprivileged user,
+    with a minimal root; the cgroup controllers this process may use. Without namespaces the code
+    runs in a plain process group (as ``nobody`` when this process is root)."""
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
     if unshare is not None:
         # Root inside a user namespace holds no capability over the host (no /proc/<caller>/mem,
         # no remount of host mounts, no setns); mapped to nobody, it owns no host file either.
         if root:  # the runner makes the namespaces (unshare(1) would exec it unmapped, without capabilities)
-            candidate = Isolation((), True, True, True, None, find_library("seccomp"), _NOBODY)  # the runner unshares
+            candidate = Isolation((), True, True, True, None, find_library("seccomp"), _NOBODY,
+                                  tuple(_cgroup_roots()))
         else:
             candidate = Isolation((unshare, "--user", "--map-root-user", *_NAMESPACES), True, True, True, None,
                                   find_library("seccomp"))
@@ -154,6 +186,162 @@ def isolation() -> Isolation:
         if probe.status == "ok" and probe.stdout == "ok\n":
             return candidate
     return Isolation((), False, False, False, _NOBODY if root else None)
+
+
+@functools.lru_cache(maxsize=None)
+def root_layout() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """What the minimal root holds: (directories bound read-only, (path, target) symlinks).
+
+    The directories: the interpreter's prefixes and the directories of the shared libraries that
+    it and its extension modules link (``ldd``; else those of the C library this process mapped);
+    the symlinks: those on the way to them (``/lib -> usr/lib``), so that the loader's paths resolve."""
+    import sysconfig
+
+    needed = {sys.base_prefix, sys.prefix}
+    dynload = Path(sysconfig.get_path("platstdlib")) / "lib-dynload"
+    try:
+        out = subprocess.run(["ldd", sys.executable, *map(str, sorted(dynload.glob("*.so")))], capture_output=True,
+                             text=True, timeout=60).stdout
+        libraries = {part for line in out.splitlines() for part in line.split() if part.startswith("/")}
+    except (OSError, subprocess.SubprocessError):
+        libraries = set()
+    if not libraries:
+        with open("/proc/self/maps") as f:
+            libraries = {line.split()[-1] for line in f if "/libc.so" in line or "/ld-linux" in line}
+    needed |= {os.path.dirname(path) for path in libraries if os.path.exists(path)}
+    binds, links = set(), {}
+    for path in needed:
+        walked = "/"
+        for part in Path(path).parts[1:]:
+            walked = os.path.join(walked, part)
+            if os.path.islink(walked):
+                links[walked] = os.readlink(walked)
+                walked = os.path.realpath(walked)
+        binds.add(os.path.realpath(path))
+    binds = {b for b in binds if not any(b != o and b.startswith(o.rstrip("/") + "/") for o in binds)}
+    links = {p: t for p, t in links.items() if not any(p.startswith(b.rstrip("/") + "/") for b in binds)}
+    return tuple(sorted(binds)), tuple(sorted(links.items()))
+
+
+_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _cgroup_roots() -> dict:
+    """Controller -> the directory of this process's cgroup in it, for each of ``_CONTROLLERS``
+    where a child cgroup can be made (and removed) here: cgroup v1 hierarchies, or a v2 cgroup
+    whose ``cgroup.subtree_control`` already delegates the controller."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = dict((fields[1], fields[2]) for fields in (line.rstrip("\n").split(":", 2) for line in f))
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return {}
+    roots = {}
+    for row in mounts:
+        sep = row.index("-")
+        fstype, options, mount_root, point = row[sep + 1], row[sep + 3].split(","), row[3], row[4]
+        if fstype == "cgroup":
+            names = [c for c in _CONTROLLERS if c in options]
+            path = next((own[k] for k in own if set(k.split(",")) >= set(names) and names), None)
+        elif fstype == "cgroup2":
+            path = own.get("")
+            try:
+                with open(os.path.join(point, (path or "/").lstrip("/"), "cgroup.subtree_control")) as f:
+                    names = [c for c in _CONTROLLERS if c in f.read().split()]
+            except OSError:
+                continue
+        else:
+            continue
+        if path is None or not path.startswith(mount_root):
+            continue
+        directory = os.path.join(point, path[len(mount_root):].lstrip("/"))
+        for name in names:
+            if name in roots:
+                continue
+            probe = os.path.join(directory, f"mrl-sandbox-probe-{os.getpid()}")
+            try:
+                os.mkdir(probe)
+                os.rmdir(probe)
+            except OSError:
+                continue
+            roots[name] = (directory, fstype == "cgroup2")
+    return roots
+
+
+class _Cgroup:
+    """One run's cgroup (a directory per v1 hierarchy, or one v2 directory): memory, tasks and
+    CPU bandwidth of the whole sandbox, and the OOM killer's own count of kills in it."""
+
+    def __init__(self, controllers: tuple[str, ...], limits: SandboxLimits):
+        self.dirs: dict[str, str] = {}
+        roots = _cgroup_roots()
+        name = f"mrl-sandbox-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        memory = str(limits.memory_mb << 20)
+        quota = int(limits.max_cpus * 100_000)
+        settings = {"memory": [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)],
+                    "pids": [("pids.max", str(limits.max_processes))],
+                    "cpu": [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", str(quota))]}
+        settings_v2 = {"memory": [("memory.max", memory), ("memory.swap.max", "0")],
+                       "pids": [("pids.max", str(limits.max_processes))], "cpu": [("cpu.max", f"{quota} 100000")]}
+        try:
+            for controller in controllers:
+                base, v2 = roots[controller]
+                path = os.path.join(base, name)
+                if path not in self.dirs.values():
+                    os.mkdir(path)
+                self.dirs[controller] = path
+                for filename, value in (settings_v2 if v2 else settings)[controller]:
+                    if filename.startswith("memory.memsw") and not os.path.exists(os.path.join(path, filename)):
+                        continue  # no swap accounting: nothing to bound
+                    with open(os.path.join(path, filename), "w") as f:
+                        f.write(value)
+        except OSError:
+            self.remove()
+            raise
+
+    def add(self, pid: int) -> None:
+        for path in dict.fromkeys(self.dirs.values()):
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer took in this cgroup (0 without the memory controller)."""
+        path = self.dirs.get("memory")
+        if path is None:
+            return 0
+        for filename in ("memory.events", "memory.oom_control"):
+            try:
+                with open(os.path.join(path, filename)) as f:
+                    fields = dict(line.split() for line in f if line.strip())
+                return int(fields.get("oom_kill", 0))
+            except OSError:
+                continue
+        return 0
+
+    def remove(self, deadline_seconds: float = 5.0) -> None:
+        """Kill whatever is left in the cgroup (host pids: root's to kill) and remove it."""
+        deadline = time.monotonic() + deadline_seconds
+        for path in dict.fromkeys(self.dirs.values()):
+            while True:
+                try:
+                    with open(os.path.join(path, "cgroup.procs")) as f:
+                        pids = [int(p) for p in f.read().split()]
+                    for pid in pids:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # busy: a task is still exiting
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.001)
+        self.dirs = {}
 
 
 def _map_ids(proc: subprocess.Popen, host_id: int, deadline: float) -> None:
@@ -171,11 +359,11 @@ def _map_ids(proc: subprocess.Popen, host_id: int, deadline: float) -> None:
     proc.stdin.close()
 
 
-def _drain(proc: subprocess.Popen, limit: int, hard_limit: int, deadline: float) -> tuple[dict, Optional[str]]:
-    """Read the child's stdout / stderr pipes (owned by this process, so the code cannot replace them
-    by a symlink or FIFO) until both close, ``deadline`` (``timeout``) or more than ``hard_limit``
-    bytes on one of them (``output_limit``); keep at most ``limit + 1`` bytes of each."""
-    streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+def _drain(fds: list[int], limit: int, hard_limit: int, deadline: float) -> tuple[dict, Optional[str]]:
+    """Read pipes owned by this process (so the code cannot replace them by a symlink or FIFO)
+    until all close, ``deadline`` (``timeout``) or more than ``hard_limit`` bytes on one of them
+    (``output_limit``); keep at most ``limit + 1`` bytes of each."""
+    streams = {fd: bytearray() for fd in fds}
     produced = dict.fromkeys(streams, 0)
     open_fds = set(streams)
     while open_fds:
@@ -199,20 +387,26 @@ def _text(data: bytearray, limit: int) -> tuple[str, bool]:
     return bytes(data[:limit]).decode("utf-8", errors="replace"), len(data) > limit
 
 
-def _status(code: Optional[int], timed_out: bool, cpu_used: float = 0.0, cpu_limit: float = float("inf")) -> str:
-    if timed_out:
-        return "timeout"
-    if code == 0:
-        return "ok"
-    signals = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "output_limit"}
-    sig = -code if code < 0 else code - 128 if code > 128 else None
-    if sig in signals:
-        return signals[sig]
-    if code == _EXIT_MEMORY:
+def _status(exit_code: Optional[int], report: Optional[dict], oom_kills: int, limits: SandboxLimits,
+            cpu_used: float) -> str:
+    """How the run ended, from what the kernel told the sandbox: the code's exit status or signal
+    (from its init's ``report`` where there is one, else from this process's own wait), the CPU
+    seconds it used, the cgroup's OOM kills and the tmpfs's fill (``report``)."""
+    if report is not None:
+        exit_code, cpu_used = report["exit"], report["cpu"]
+    if oom_kills:
         return "memory_limit"
-    if sig == signal.SIGKILL:  # the hard CPU limit (soft + 1 s) sends SIGKILL; else someone else did
-        return "cpu_limit" if cpu_used >= cpu_limit else "killed"
-    return "error"
+    sig = -exit_code if exit_code is not None and exit_code < 0 else None
+    used_cpu = cpu_used >= limits.cpu_seconds - 0.05  # RLIMIT_CPU signals only past the soft limit
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and used_cpu:  # SIGKILL: the hard limit (soft + 1 s)
+        return "cpu_limit"
+    if sig == signal.SIGXFSZ and report is not None and report.get("file_limit"):
+        return "output_limit"
+    if report is not None and report.get("disk_full"):
+        return "disk_limit"
+    if sig is not None:
+        return "killed"
+    return "ok" if exit_code == 0 else "error"
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, refuse_sockets: Optional[bool] = None,
@@ -231,39 +425,63 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, refuse_soc
 def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, python_guards: bool) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="mrl-sandbox-")
-    proc = None
+    proc = cgroup = None
+    status_read = status_write = None
     try:
         code_path = Path(workdir) / "main.py"
         code_path.write_text(code)
         owner = iso.drop_uid if iso.drop_uid is not None else iso.map_to
         if owner is not None:
             os.chown(workdir, owner, owner)
+            os.chown(code_path, owner, owner)
+        if iso.pid_namespace:  # the init writes its report here; the code never holds this pipe
+            status_read, status_write = os.pipe()
+        cgroup = _Cgroup(iso.cgroup, limits) if iso.cgroup and iso.map_to is not None else None
+        binds, links = root_layout() if iso.minimal_root else ((), ())
         spec = {"workdir": workdir, "code_path": str(code_path), "cpu_seconds": limits.cpu_seconds,
                 "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
-                "init": iso.pid_namespace, "readonly_mounts": iso.readonly_mounts, "python_guards": python_guards,
+                "init": iso.pid_namespace, "python_guards": python_guards, "status_fd": status_write,
                 "unshare": iso.map_to is not None, "seccomp": iso.seccomp,
+                "root": {"binds": binds, "links": links} if iso.minimal_root else None,
+                "cgroup_memory": cgroup is not None and "memory" in cgroup.dirs,
                 "disk_bytes": limits.max_disk_bytes, "max_files": limits.max_files}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
-                                stdin=subprocess.DEVNULL if iso.map_to is None else subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=workdir, env=env, start_new_session=True)
+                                stdin=subprocess.DEVNULL if iso.map_to is None else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
+                                start_new_session=True, pass_fds=() if status_write is None else (status_write,))
+        if status_write is not None:
+            os.close(status_write)
+            status_write = None
+        if cgroup is not None:
+            cgroup.add(proc.pid)  # before the map: the runner waits for it, so the code starts inside
         if iso.map_to is not None:
             _map_ids(proc, iso.map_to, start + limits.wall_seconds)
-        streams, stopped = _drain(proc, limits.max_output_bytes, limits.max_file_bytes, start + limits.wall_seconds)
-        timed_out = stopped == "timeout"
+        fds = [proc.stdout.fileno(), proc.stderr.fileno()] + ([status_read] if status_read is not None else [])
+        streams, stopped = _drain(fds, limits.max_output_bytes, limits.max_file_bytes, start + limits.wall_seconds)
         cpu_used = 0.0
         if stopped is None:
             cpu_used = _wait(proc, start + limits.wall_seconds)
-            timed_out = proc.returncode is None
+            stopped = "timeout" if proc.returncode is None else None
         _kill_group(proc)
         stdout, cut_out = _text(streams[proc.stdout.fileno()], limits.max_output_bytes)
         stderr, cut_err = _text(streams[proc.stderr.fileno()], limits.max_output_bytes)
-        status = "output_limit" if stopped == "output_limit" else _status(proc.returncode, timed_out, cpu_used,
-                                                                                limits.cpu_seconds)
-        return SandboxResult(status, stdout, stderr, None if stopped else proc.returncode,
-                             time.monotonic() - start, cut_out or cut_err)
+        report = None
+        if status_read is not None and stopped is None:
+            try:
+                report = json.loads(bytes(streams[status_read]))
+            except ValueError:  # the init died before reporting (it cannot be signalled from inside)
+                return SandboxResult("sandbox_error", stdout, f"the sandbox's init ended without a report\n{stderr}",
+                                     None, time.monotonic() - start, cut_out or cut_err)
+        if stopped is not None:
+            status = stopped
+        else:
+            exit_code = proc.returncode if report is None else report["exit"]
+            status = _status(exit_code, report, cgroup.oom_kills() if cgroup else 0, limits, cpu_used)
+        exit_code = None if stopped else (proc.returncode if report is None else report["exit"])
+        return SandboxResult(status, stdout, stderr, exit_code, time.monotonic() - start, cut_out or cut_err)
     except OSError as err:  # the sandbox itself failed (no temp space, no interpreter ...): an observation
         return SandboxResult("sandbox_error", "", f"{type(err).__name__}: {err}", None, time.monotonic() - start)
     finally:
@@ -272,6 +490,13 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
                 _kill_group(proc)
             proc.stdout.close()
             proc.stderr.close()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for fd in (status_read, status_write):
+            if fd is not None:
+                os.close(fd)
+        if cgroup is not None:
+            cgroup.remove()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

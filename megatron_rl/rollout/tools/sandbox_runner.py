@@ -6,17 +6,18 @@ process of a fresh PID namespace (``spec["init"]``) it forks once and only reaps
 runs as an ordinary process (signals such as SIGXCPU act on it), and when the init ends the
 kernel kills everything left in the namespace.
 
-Order: when the caller maps our user namespace (``spec["await_map"]``: it writes uid_map /
-gid_map, then one byte on stdin) become its root, which is host ``nobody``, with no supplementary
-groups; in a private mount namespace (``spec["readonly_mounts"]``) every mount becomes read-only
-except a bind mount of the working directory; then privileges go for good, before the fork
-(init and code alike): the capability bounding set emptied, root dropped to ``nobody``
-(``spec["drop_uid"]``, only without namespaces), every capability cleared, ``no_new_privs``.
-In the code's process: resource limits (CPU seconds, address space, file size, open files, no
-core files); enter the private working directory;
-install an audit hook (it cannot be removed from Python) that refuses process creation, signals,
-ctypes, writes outside the working directory, Unix sockets and -- when no network namespace
-isolates the process -- every socket; then ``exec`` the code as ``__main__``.
+Order: the code read and libseccomp loaded while the host is still visible; with namespaces
+(``spec["unshare"]``: this process unshares, then waits for the caller's uid/gid map, one byte on
+stdin) it becomes the namespace's root, which is host ``nobody``, and forks the PID namespace's
+init; the init builds the minimal root (``_minimal_root``: ``pivot_root``, the host's root
+detached), privileges go for good (the capability bounding set emptied, root dropped to
+``nobody`` -- ``spec["drop_uid"]``, only without namespaces --, every capability cleared,
+``no_new_privs``), the init forks the code's process and only reaps and reports
+(``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
+cgroup bounds memory, file size, open files, no core files), the seccomp filter, an audit hook
+(a convenience: it refuses process creation, signals, ctypes, writes outside the working
+directory, Unix sockets and -- when no network namespace isolates the process -- every socket);
+then ``exec`` the code as ``__main__``.
 """
 
 import json
@@ -26,8 +27,6 @@ import signal
 import sys
 import traceback
 
-EXIT_MEMORY = 86
-"""Exit status of code that ran out of its address-space limit (MemoryError)."""
 _BLOCKED = frozenset({
     "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
     "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle",
@@ -91,45 +90,76 @@ def _install_guard(workdir: str, refuse_sockets: bool) -> None:
     sys.addaudithook(hook)
 
 
-_MS_RDONLY, _MS_REMOUNT, _MS_BIND = 1, 32, 4096
-_MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21,
-                "strictatime": 1 << 24}  # per-mount flags a remount must keep (a user namespace locks them)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_MS_REC, _MS_PRIVATE, _MNT_DETACH = 16384, 1 << 18, 2
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _AT_RECURSIVE, _SYS_MOUNT_SETATTR = 1, 2, 4, 0x8000, 442
+_ST_TO_MS = {2: _MS_NOSUID, 4: _MS_NODEV, 8: _MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # statvfs -> mount
 
 
-def _readonly_mounts(workdir: str, disk_bytes: int = 0, max_files: int = 0) -> None:
-    """Every mount of this (private) mount namespace read-only, the working directory writable: a
-    tmpfs of ``disk_bytes`` and ``max_files`` inodes (nodev, nosuid) when given, else a bind mount."""
+def _open_binds(binds) -> dict:
+    """O_PATH handles on the directories to bind into the new root, taken while this process can
+    still enter them (the interpreter may live under /root, closed to host ``nobody``)."""
+    return {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in binds}
+
+
+def _minimal_root(spec: dict, handles: dict) -> None:
+    """``pivot_root`` into a new root (a read-only tmpfs) holding only: the bound directories
+    (the interpreter's prefix, the directories of its shared libraries: read-only, nosuid, nodev),
+    the symlinks leading to them (``/lib -> usr/lib``), a fresh ``/proc`` of this PID namespace, a
+    ``/dev`` of null, zero and urandom, and the working directory, a tmpfs of ``disk_bytes`` and
+    ``max_files`` inodes mounted nodev, nosuid, noexec. The host's old root is detached: nothing
+    else of the host (home, project, checkpoints, credentials, Ray's sockets) can be named."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
 
-    def mount(source, target: str, flags: int) -> None:
-        if libc.mount(source, target.encode(), None, flags, None) != 0:
+    def mount(source, target: str, fstype, flags: int, data=None) -> None:
+        if libc.mount(source, target.encode(), fstype, flags, data) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
-    if disk_bytes:
-        options = f"size={disk_bytes},nr_inodes={max_files},mode=0755".encode()
-        if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", 2 | 4, options) != 0:  # nosuid, nodev
-            err = ctypes.get_errno()
-            raise OSError(err, f"mount tmpfs {workdir}: {os.strerror(err)}")
-    else:
-        mount(workdir.encode(), workdir, _MS_BIND)  # its own mount, left writable below
-    with open("/proc/self/mountinfo") as f:
-        rows = [line.split() for line in f]
-    for row in rows:
-        target = row[4].encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
-        if target == workdir:
-            continue
-        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY
-        for option in row[5].split(","):
-            flags |= _MOUNT_FLAGS.get(option, 0)
-        try:
-            mount(None, target, flags)
-        except OSError:
-            if target == "/":
-                raise
-            # a mount hidden under another one (stacked on the same point) cannot be reached
+    def readonly(target: str, recursive: bool) -> None:
+        attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0)
+        if libc.syscall(_SYS_MOUNT_SETATTR, -100, target.encode(), _AT_RECURSIVE if recursive else 0, attr, 32) == 0:
+            return
+        if ctypes.get_errno() != 38:  # ENOSYS (a kernel before 5.12): a remount keeping the locked flags
+            raise OSError(ctypes.get_errno(), f"mount_setattr {target}")
+        kept = sum(ms for st, ms in _ST_TO_MS.items() if os.statvfs(target).f_flag & st)
+        mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | kept)
+
+    root, workdir = spec["workdir"], spec["workdir"]  # the host directory is only a mount point
+    mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing we mount reaches the host's namespace
+    mount(b"tmpfs", root, b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,nr_inodes=4096,mode=0755")
+    for path, target in spec["root"]["links"]:
+        os.makedirs(os.path.dirname(root + path), exist_ok=True)
+        os.symlink(target, root + path)
+    for path, fd in handles.items():
+        os.makedirs(root + path, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}".encode(), root + path, None, _MS_BIND | _MS_REC)
+        readonly(root + path, True)
+        os.close(fd)
+    os.makedirs(root + "/proc")
+    mount(b"proc", root + "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    os.makedirs(root + "/dev")
+    mount(b"tmpfs", root + "/dev", b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=64k,nr_inodes=64,mode=0755")
+    for name in ("null", "zero", "urandom"):
+        open(f"{root}/dev/{name}", "x").close()
+        mount(f"/dev/{name}".encode(), f"{root}/dev/{name}", None, _MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    readonly(root + "/dev", False)  # no new node in /dev; null stays writable
+    os.makedirs(root + workdir)
+    options = f"size={spec['disk_bytes']},nr_inodes={spec['max_files']},mode=0755".encode()
+    mount(b"tmpfs", root + workdir, b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options)
+    os.chdir(root)
+    if libc.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root is stacked under the new one
+        raise OSError(ctypes.get_errno(), "pivot_root")
+    if libc.umount2(b".", _MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), "umount2 of the old root")
+    os.chdir("/")
+    readonly("/", False)
+    os.chdir(workdir)
 
 
 _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 38, 47, 4
@@ -160,24 +190,21 @@ def _drop_privileges(drop_uid) -> None:
 
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-_MS_REC, _MS_PRIVATE, _PR_SET_PDEATHSIG = 16384, 1 << 18, 1
+_PR_SET_PDEATHSIG = 1
 
 
-def _enter_namespaces() -> None:
+def _enter_namespaces(spec: dict) -> dict:
     """New user, mount, network and PID namespaces; wait for the caller's uid/gid map (its byte on
     stdin), take the namespace's root (host ``nobody``: until now this process kept host root's uid
-    and groups, only unmapped), then fork the PID namespace's init with a fresh ``/proc``. This
-    process only waits for the init and exits as it does (as ``unshare --fork`` would)."""
+    and groups, only unmapped), then fork the PID namespace's init, which returns (with the handles
+    of ``_open_binds``). This process only waits for the init and exits as it does (as ``unshare
+    --fork`` would)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID) != 0:
         raise OSError(ctypes.get_errno(), "unshare")
-    # The interpreter may live under a directory only host root can enter (/root/.pyenv). Our files
-    # still carry host root's uid until we take the mapped one: keep a handle on the prefixes (in the
-    # new mount namespace), to bind them into an empty /root once we are nobody.
-    prefixes = sorted({p for p in (sys.base_prefix, sys.prefix) if p.startswith(_HIDDEN_HOME + os.sep)})
-    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in prefixes}
+    handles = _open_binds(spec["root"]["binds"])  # in the new mount namespace, still as host root
     os.read(0, 1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -187,39 +214,14 @@ def _enter_namespaces() -> None:
     os.setresuid(0, 0, 0)
     init = os.fork()
     if init:
+        os.close(spec["status_fd"])  # the init's copy alone: the caller sees EOF when the init ends
         _drop_privileges(None)
         libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
         _, status = os.waitpid(init, 0)
         code = os.waitstatus_to_exitcode(status)
         os._exit(code if code >= 0 else 128 - code)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    for source, target, fstype, flags in ((None, b"/", None, _MS_REC | _MS_PRIVATE),
-                                          (b"proc", b"/proc", b"proc", 2 | 4 | 8)):  # nosuid, nodev, noexec
-        if libc.mount(source, target, fstype, flags, None) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mount {target.decode()}: {os.strerror(err)}")
-    _hide_home(libc, handles)
-
-
-_HIDDEN_HOME = "/root"
-
-
-def _hide_home(libc, handles: dict) -> None:
-    """An empty tmpfs over /root (the code sees nothing of it) holding only the interpreter's prefixes."""
-    import ctypes
-
-    def mount(source, target: str, fstype, flags: int, data) -> None:
-        if libc.mount(source, target.encode(), fstype, flags, data) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-    if not os.path.isdir(_HIDDEN_HOME):
-        return
-    mount(b"tmpfs", _HIDDEN_HOME, b"tmpfs", 2 | 4, b"size=1m,mode=0755")  # nosuid, nodev
-    for path, fd in handles.items():
-        os.makedirs(path, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}".encode(), path, None, _MS_BIND | _MS_REC, None)
-        os.close(fd)
+    return handles
 
 
 _DENIED_SYSCALLS = (
@@ -234,7 +236,7 @@ _SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
 _AF_UNIX, _CLONE_THREAD, _FS_IOC_SETFLAGS = 1, 0x10000, 0x40086602
 
 
-def _seccomp(library: str) -> None:
+def _seccomp(lib) -> None:
     """A seccomp filter (libseccomp through ctypes) refusing with EPERM: the syscalls of
     ``_DENIED_SYSCALLS``, sockets other than AF_UNIX, ``clone`` without CLONE_THREAD (threads stay
     possible, processes do not), and the ioctl that sets inode flags (immutable files). ``clone3``
@@ -245,7 +247,6 @@ def _seccomp(library: str) -> None:
         _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
                     ("datum_b", ctypes.c_uint64)]
 
-    lib = ctypes.CDLL(library, use_errno=True)
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
@@ -279,36 +280,34 @@ def _seccomp(library: str) -> None:
 def _limit(spec: dict) -> None:
     cpu = int(spec["cpu_seconds"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
+    if not spec.get("cgroup_memory"):  # else the cgroup bounds the whole sandbox's memory (and counts it)
+        resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_bytes"], spec["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (spec["max_open_files"], spec["max_open_files"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the output limit must end the run
 
 
-def _run(spec: dict) -> None:
-    if "code" in spec:
-        code = spec["code"]
-    else:
-        with open(spec["code_path"]) as f:
-            code = f.read()
+def _run(spec: dict, seccomp_lib) -> None:
+    """The code's process: limits, filter, guards, then the code. Its exit status means nothing to
+    the caller beyond ok / error: the init (or the caller) reports how it ended."""
+    code = spec.pop("code")
+    try:  # under the cgroup's memory limit the OOM killer should take the code, not its init
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass  # the largest process is the code's anyway
     _limit(spec)
-    os.chdir(spec["workdir"])
-    if spec.get("seccomp"):
-        _seccomp(spec["seccomp"])
+    if seccomp_lib is not None:
+        _seccomp(seccomp_lib)
     if spec["python_guards"]:
         _install_guard(spec["workdir"], spec["refuse_sockets"])
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(code, "<code>", "exec"), namespace)
-    except MemoryError:
-        sys.stdout.flush()
-        sys.stderr.write(f"MemoryError: the sandbox's memory limit ({spec['memory_bytes'] >> 20} MiB) was exceeded\n")
-        sys.stderr.flush()
-        os._exit(EXIT_MEMORY)
     except SystemExit:
         raise
-    except BaseException as exc:  # the model's own error: its traceback, without this runner's frame
+    except BaseException as exc:  # the model's own error (MemoryError too): its traceback, without our frame
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
         traceback.print_exception(type(exc), exc, tb, limit=8)
         sys.stdout.flush()
@@ -318,34 +317,74 @@ def _run(spec: dict) -> None:
     sys.stderr.flush()
 
 
+def _largest_file(top: str) -> int:
+    """Size of the largest regular file under ``top`` (iterative: a 1,500-deep tree is fine)."""
+    largest, stack = 0, [top]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            elif entry.is_file(follow_symlinks=False):
+                largest = max(largest, entry.stat(follow_symlinks=False).st_size)
+    return largest
+
+
+def _supervise(child: int, spec: dict) -> None:
+    """The PID namespace's init: reap every process until the code's own ends, then write on the
+    status pipe (which the code never held) how it ended, as the kernel told us: its exit status
+    or signal, its CPU seconds, and whether the working directory's tmpfs was full (``disk_full``)
+    or a file reached the per-file limit (``file_limit``); then exit, taking the namespace along."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the code cannot ptrace its init
+    report = {"exit": None, "cpu": 0.0}
+    while True:  # reap every orphan re-parented to us until our own child ends
+        try:
+            pid, status, usage = os.wait4(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == child:
+            report = {"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
+            break
+    if spec.get("root"):
+        disk = os.statvfs(spec["workdir"])
+        report["disk_full"] = disk.f_bavail == 0 or disk.f_favail == 0
+    if report["exit"] == -signal.SIGXFSZ:
+        report["file_limit"] = _largest_file(spec["workdir"]) >= spec["file_bytes"]
+    os.write(spec["status_fd"], json.dumps(report).encode())
+    os._exit(0)
+
+
 def main() -> None:
     """Entry point (see the module docstring)."""
     spec = json.loads(sys.argv[1])
     sys.path[:1] = []  # not this directory: the model's imports must not find our modules
+    with open(spec["code_path"]) as f:
+        spec["code"] = f.read()  # before the working directory becomes a fresh tmpfs
+    seccomp_lib = None
+    if spec.get("seccomp"):
+        import ctypes
+
+        seccomp_lib = ctypes.CDLL(spec["seccomp"], use_errno=True)  # loaded while the host's libraries are visible
     if spec.get("unshare"):
-        _enter_namespaces()
-    if spec.get("readonly_mounts"):
-        with open(spec["code_path"]) as f:
-            spec["code"] = f.read()  # the tmpfs hides the file
-        _readonly_mounts(spec["workdir"], spec.get("disk_bytes", 0), spec.get("max_files", 0))
+        handles = _enter_namespaces(spec)
+    else:
+        handles = _open_binds(spec["root"]["binds"]) if spec.get("root") else {}
+    if spec.get("root"):
+        _minimal_root(spec, handles)
+    else:
+        os.chdir(spec["workdir"])
     _drop_privileges(spec.get("drop_uid"))
     if spec.get("init"):
         child = os.fork()
         if child:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the code cannot ptrace its init
-            code = 1
-            while True:  # reap every orphan re-parented to us until our own child ends
-                try:
-                    pid, status = os.wait()
-                except ChildProcessError:
-                    break
-                if pid == child:
-                    code = os.waitstatus_to_exitcode(status)
-                    break
-            os._exit(code if code >= 0 else 128 - code)
-    _run(spec)
+            _supervise(child, spec)
+        os.close(spec["status_fd"])  # the code cannot write its own report
+    _run(spec, seccomp_lib)
 
 
 if __name__ == "__main__":
