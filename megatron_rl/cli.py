@@ -132,10 +132,25 @@ def _gpu_memory_gb(text: str) -> float:
     return value
 
 
+def _tokens(text: str) -> float:
+    """``--response-length-*``: a finite number of tokens > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of tokens > 0")
+    return value
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.job.layout_hint import with_layout_hint
     from megatron_rl.job.main_job import load_run_config
     from megatron_rl.planner import format_plan, plan_json, plan_run
+    from megatron_rl.planner.hardware import get_hardware
+    from megatron_rl.planner.step_time import estimate_step_time, format_step_time, step_time_json
 
     overrides = list(args.overrides)
     if args.nodes is not None:
@@ -144,17 +159,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         overrides.append(f"trainer.n_gpus_per_node={args.gpus_per_node}")
     try:
         config, raw = load_run_config(args.recipe, overrides)
+        hardware = get_hardware(args.hardware)
+        gpu_memory_gb = args.gpu_memory_gb or hardware.memory_gib
         with with_layout_hint(raw):  # an invalid layout gets the nearest valid one, as a misfit one does
-            plan = plan_run(config, gpu_memory_gb=args.gpu_memory_gb, architecture=args.architecture)
+            plan = plan_run(config, gpu_memory_gb=gpu_memory_gb, architecture=args.architecture)
+        step = None if plan.device != "cuda" else estimate_step_time(
+            config, plan, hardware=hardware.name, response_length_mean=args.response_length_mean,
+            response_length_p99=args.response_length_p99)
     except (ValueError, FileNotFoundError) as err:
         print(f"megatron-rl plan: {err}", file=sys.stderr)
         return 2
-    if args.json:  # one JSON object (its "rollout" member is the engine map)
+    if args.json:  # one JSON object (its "rollout" member is the engine map; step time: null on CPU)
         import json
 
-        print(json.dumps(plan_json(plan)))
+        out = plan_json(plan)
+        out.update(step_time_json(step) if step else {"step_time_s": None, "tokens_per_s_per_gpu": None, "phases": {}})
+        print(json.dumps(out))
     else:
         print(format_plan(plan))
+        if step:
+            print(format_step_time(step))
     return 0 if plan.fits else 1
 
 
@@ -173,6 +197,10 @@ def _train_epilog() -> str:
 # start-up); tests/megatron_rl/test_planner.py checks the two agree.
 PLANNER_ARCHITECTURES = ("deepseek_r1", "deepseek_v3", "glm4_5", "glm4_5_air", "llama3_1_70b", "qwen3_235b_a22b",
                          "qwen3_30b_a3b", "qwen3_32b")
+
+
+# megatron_rl.planner.hardware.HARDWARE by name (tests/megatron_rl/planner/test_step_time.py checks they agree).
+PLANNER_HARDWARE = ("H100", "H200", "H800", "A100", "B200", "GB200")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,7 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's trainer.nnodes)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
-    p.add_argument("--gpu-memory-gb", type=_gpu_memory_gb, default=80.0, help="memory per GPU in GiB (default 80)")
+    p.add_argument("--gpu-memory-gb", type=_gpu_memory_gb, default=None,
+                   help="memory per GPU in GiB (default: the --hardware GPU's, 80 for H100)")
+    p.add_argument("--hardware", default="H100", metavar="NAME",
+                   help=f"GPU of the step-time estimate, one of {', '.join(PLANNER_HARDWARE)} (default H100)")
+    p.add_argument("--response-length-mean", type=_tokens, default=None, metavar="TOKENS",
+                   help="mean generated tokens per response (default: data.max_response_length)")
+    p.add_argument("--response-length-p99", type=_tokens, default=None, metavar="TOKENS",
+                   help="99th-percentile response length: the step waits for its longest (default: the maximum)")
     p.add_argument("--json", action="store_true",
                    help="print the plan as one JSON object (its \"rollout\" member: the vLLM engines' GPUs per node)")
     p.add_argument("--architecture", default=None,

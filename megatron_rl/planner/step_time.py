@@ -530,6 +530,11 @@ def _levers(run: _Run) -> list[tuple[str, _Run]]:
     if not run.partial_rollout and run.response_p99 > 1.1 * run.response_mean:
         out.append((f"cutting the tail (partial rollouts or over-sampling: decode to the mean {run.response_mean:.0f} "
                     f"instead of the p99 {run.response_p99:.0f} tokens)", dataclasses.replace(run, partial_rollout=True)))
+    if run.backend in ("broadcast", "shm", "bytes"):
+        faster = "cuda_ipc" if run.colocated else "nccl"
+        out.append((f"the {faster} weight-sync transport instead of {run.backend} "
+                    f"(actor_rollout_ref.rollout.checkpoint_engine.backend={faster})",
+                    dataclasses.replace(run, backend=faster)))
     if run.offload_bytes:
         out.append(("keeping the roles resident (the *.megatron.*_offload keys off, if memory allows)",
                     dataclasses.replace(run, offload_bytes=0)))
