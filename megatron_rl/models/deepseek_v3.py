@@ -17,6 +17,7 @@ sigmoid + e_score_correction    moe_router_score_function="sigmoid", expert bias
 n_group / topk_group            moe_router_num_groups / moe_router_group_topk
 routed_scaling_factor           moe_router_topk_scaling_factor
 n_shared_experts                moe_shared_expert_intermediate_size
+rms_norm_eps                    layernorm_epsilon (MLA's latent norms: 1e-6, as HF)
 ==============================  ==============================================
 
 Multi-token prediction: neither HF's model nor the Megatron model here builds the MTP module (a
@@ -137,10 +138,6 @@ def _config_kwargs(cfg: Any) -> dict[str, Any]:
     heads = cfg.num_attention_heads
     if (getattr(cfg, "num_key_value_heads", None) or heads) != heads:
         reject(f, "num_key_value_heads", cfg.num_key_value_heads, f"num_attention_heads={heads} (MLA has no GQA)")
-    if float(cfg.rms_norm_eps) != 1e-6:
-        # HF builds q_a_layernorm / kv_a_layernorm with their default eps 1e-6 whatever rms_norm_eps
-        # says; Megatron uses one epsilon for every norm (DeepSeek-V3's config has 1e-6).
-        reject(f, "rms_norm_eps", cfg.rms_norm_eps, "1e-06 (HF's MLA latent norms always use 1e-6)")
     v_dim = cfg.v_head_dim
     return dict(
         llama_like_kwargs(f, cfg, rope=False),  # RMSNorm, SwiGLU (hidden_act checked), sizes, vocab
@@ -152,6 +149,9 @@ def _config_kwargs(cfg: Any) -> dict[str, Any]:
         qk_head_dim=cfg.qk_nope_head_dim,
         qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=v_dim,
+        # HF builds q_a_layernorm / kv_a_layernorm with their default eps 1e-6 whatever rms_norm_eps
+        # says (Moonlight-16B-A3B: 1e-5); Megatron would use layernorm_epsilon for them too.
+        mla_latent_norm_epsilon=1e-6 if float(cfg.rms_norm_eps) != 1e-6 else None,
         **yarn_kwargs(f, cfg),
         **sigmoid_router_kwargs(f, cfg),
     )

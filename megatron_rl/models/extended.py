@@ -1,10 +1,11 @@
-"""``ExtendedModelConfig``: ``ModelConfig`` plus the architecture of DeepSeek-V3 / GLM-4.5-style models.
+"""``ExtendedModelConfig``: ``ModelConfig`` plus the architecture of DeepSeek-V3 / GLM-4.5 / Qwen2-MoE-style models.
 
 The base ``ModelConfig`` (``megatron_rl.config.model``) describes Llama-style decoders. The
 frontier MoE families add Multi-Latent Attention (low-rank Q and KV projections with a decoupled
 RoPE part, Megatron-Core's ``MLATransformerConfig``), YaRN RoPE inside MLA, sigmoid routing with
 an expert bias (aux-loss-free balancing), group-limited routing, a routed scaling factor and a
-first-k-dense layer pattern (``moe_layer_freq``). Their families (``deepseek_v3``, ``glm4_moe``)
+first-k-dense layer pattern (``moe_layer_freq``) and Qwen2-MoE's sigmoid-gated shared expert. Their
+families (``deepseek_v3``, ``glm4_moe``, ``qwen2_moe``)
 return this subclass from ``Family.model_config``; ``megatron_rl.models.gpt`` reads
 ``megatron_kwargs()`` into the ``TransformerConfig`` and ``layer_is_moe`` into the layer specs.
 Every field keeps Megatron-Core's name.
@@ -52,6 +53,9 @@ class ExtendedModelConfig(ModelConfig):
     """YaRN ``mscale``."""
     mscale_all_dim: float = 0.0
     """YaRN ``mscale_all_dim`` (also scales the softmax)."""
+    mla_latent_norm_epsilon: Optional[float] = None
+    """Epsilon of MLA's query / key-value latent norms; None = ``layernorm_epsilon``. HF's DeepSeek-V3
+    builds them with 1e-6 whatever ``rms_norm_eps`` says (Moonlight-16B-A3B: 1e-5 elsewhere)."""
     # --- routing and layer pattern ---------------------------------------------
     moe_layer_freq: Optional[tuple[int, ...]] = None
     """Per layer 1 = MoE, 0 = dense MLP of ``ffn_hidden_size`` (first-k-dense); None = every layer MoE."""
@@ -68,6 +72,9 @@ class ExtendedModelConfig(ModelConfig):
     """Groups each token may route into (HF ``topk_group``)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiplies the routing weights (HF ``routed_scaling_factor``)."""
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output is scaled by ``sigmoid(x @ gate)``, a ``[1, hidden]`` weight per layer
+    (Qwen2-MoE / Qwen1.5-MoE ``shared_expert_gate``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,6 +88,9 @@ class ExtendedModelConfig(ModelConfig):
         if self.multi_latent_attention and self.attention_backend == "local":
             raise ValueError("model.attention_backend='local' (Megatron's DotProductAttention) cannot run MLA in "
                              "Megatron-Core 0.16.1; use 'auto', 'sdpa' or 'te'")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError("model.moe_shared_expert_gate=True needs a shared expert "
+                             "(model.moe_shared_expert_intermediate_size)")
         if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
             raise ValueError(f"model.moe_router_num_groups={self.moe_router_num_groups} and "
                              f"model.moe_router_group_topk={self.moe_router_group_topk} must be set together")
@@ -116,6 +126,7 @@ class ExtendedModelConfig(ModelConfig):
             expert = (self.num_moe_experts // ep) * (gate + 1) * (f // etp) * h
             if self.moe_shared_expert_intermediate_size:
                 dense += (gate + 1) * (self.moe_shared_expert_intermediate_size // tp) * h
+                dense += h if self.moe_shared_expert_gate else 0  # the gate, replicated
         else:
             dense += (gate + 1) * (self.ffn_hidden_size // tp) * h
         return dense, expert
@@ -146,4 +157,6 @@ class ExtendedModelConfig(ModelConfig):
                        moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor)
             if self.moe_layer_freq is not None:
                 out["moe_layer_freq"] = list(self.moe_layer_freq)
+            if self.moe_shared_expert_gate:
+                out["moe_shared_expert_gate"] = True
         return out

@@ -47,6 +47,14 @@ __all__ = [
 
 _NOT_FAMILY_MODULES = {"gpt", "families", "extended"}
 
+WEIGHT_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "kv_channels", "vocab_size", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "normalization",
+                       "swiglu", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                       "moe_shared_expert_gate", "moe_layer_freq", "multi_latent_attention", "q_lora_rank",
+                       "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+"""``ModelConfig`` fields that fix the weights' shapes: an HF-key override (``model.override_config``)
+that would change one is refused (the checkpoint could not load)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -75,8 +83,21 @@ class Family:
 
     def model_config(self, hf_config: Any, **overrides: Any) -> ModelConfig:
         """``ModelConfig`` for ``hf_config`` (dict, path or PretrainedConfig); ``overrides``
-        set non-architecture fields (``params_dtype``, ``make_vocab_size_divisible_by`` ...)."""
-        kwargs = self.config_kwargs(load_hf_config(hf_config))
+        set non-architecture fields (``params_dtype``, ``make_vocab_size_divisible_by`` ...) and, as verl's
+        ``model.override_config`` does, HF config keys: those under a ``model_config`` key and those the
+        HF config has (``max_position_embeddings``, ``attention_dropout``) are set on it before it is read."""
+        original = load_hf_config(hf_config)
+        hf, rest = apply_hf_overrides(original, overrides, self.config_class)
+        kwargs = self.config_kwargs(hf)
+        if hf is not original:  # HF keys may set the context length, dropout, RoPE ... never the weights' shapes
+            base = self.config_kwargs(original)
+            changed = [f"{k}: {base.get(k)!r} -> {kwargs.get(k)!r}" for k in WEIGHT_SHAPE_FIELDS
+                       if base.get(k) != kwargs.get(k)]
+            if changed:
+                keys = sorted(set(overrides) - set(rest) - {"model_config"}) + sorted(overrides.get("model_config") or {})
+                raise ValueError(f"{self.name}: overrides {keys} would change the architecture read from the HF config "
+                                 f"({'; '.join(changed)}), which the checkpoint's weights have")
+        overrides = rest
         clash = sorted(set(overrides) & set(kwargs))
         if clash:
             raise ValueError(f"{self.name}: overrides {clash} would change the architecture read from the HF config")
@@ -333,6 +354,37 @@ def _discover() -> dict[str, Family]:
 def supported_families() -> dict[str, tuple[str, ...]]:
     """Family name -> the HF architectures it serves."""
     return {name: f.architectures for name, f in sorted(_discover().items())}
+
+
+def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any], config_class: type = ModelConfig
+                       ) -> tuple[Any, dict[str, Any]]:
+    """``(hf_config with verl's HF-key overrides set, the remaining ModelConfig overrides)``.
+
+    An HF key is one under ``overrides["model_config"]`` (verl's wrapper) or a top-level key the HF
+    config has; a key that is neither that nor a field of ``config_class`` is a ``ValueError`` (it would
+    otherwise be ignored). ``hf_config`` itself is not changed."""
+    import copy
+    import dataclasses
+
+    rest = dict(overrides)
+    wrapped = rest.pop("model_config", None) or {}
+    if not isinstance(wrapped, Mapping):
+        raise ValueError(f"model.override_config.model_config={wrapped!r} must be a mapping of HF config keys")
+    hf_keys = set(hf_config.to_dict())
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    hf_overrides = dict(wrapped)
+    for key in [k for k in rest if k in hf_keys]:
+        hf_overrides[key] = rest.pop(key)
+    missing = sorted(set(hf_overrides) - hf_keys)
+    unknown = sorted(set(rest) - fields)
+    if missing or unknown:
+        raise ValueError(f"model.override_config: {missing + unknown} are neither keys of the {hf_config.model_type} "
+                         f"HF config nor {config_class.__name__} fields")
+    if hf_overrides:
+        hf_config = copy.deepcopy(hf_config)
+        for key, value in hf_overrides.items():
+            setattr(hf_config, key, value)
+    return hf_config, rest
 
 
 def load_hf_config(source: Any) -> Any:

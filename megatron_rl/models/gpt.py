@@ -85,6 +85,24 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+def fixed_eps_norm(eps: float) -> type:
+    """``SequenceParallelTorchNorm`` with epsilon ``eps`` whatever Megatron passes (MLA builds its latent
+    norms with ``layernorm_epsilon``; HF's DeepSeek-V3 keeps them at 1e-6 when ``rms_norm_eps`` differs)."""
+
+    def __new__(cls, config, hidden_size: int, **kwargs):
+        return SequenceParallelTorchNorm.__new__(cls, config, hidden_size, **{**kwargs, "eps": eps})
+
+    return type(f"SequenceParallelTorchNormEps{eps:g}", (SequenceParallelTorchNorm,), {"__new__": __new__})
+
+
+def _set_latent_norm_eps(model: torch.nn.Module, eps: float) -> None:
+    """TE spec: MLA's latent norms are fused into the up projections (TE's ``LayerNormLinear``,
+    which reads ``self.eps`` at every forward); give them ``eps``."""
+    for name, module in model.named_modules():
+        if name.endswith(("linear_q_up_proj", "linear_kv_up_proj")) and hasattr(module, "eps"):
+            module.eps = eps
+
+
 def get_layer_spec(model_cfg: ModelConfig, *, moe: bool = True):
     """The transformer layer spec: TE's when available/asked, else local with SDPA attention.
 
@@ -110,8 +128,10 @@ def get_layer_spec(model_cfg: ModelConfig, *, moe: bool = True):
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     if mla:  # MLA always normalises its compressed query and key/value latents
-        spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelTorchNorm
-        spec.submodules.self_attention.submodules.kv_layernorm = SequenceParallelTorchNorm
+        latent_eps = getattr(model_cfg, "mla_latent_norm_epsilon", None)
+        latent = SequenceParallelTorchNorm if latent_eps is None else fixed_eps_norm(latent_eps)
+        spec.submodules.self_attention.submodules.q_layernorm = latent
+        spec.submodules.self_attention.submodules.kv_layernorm = latent
     elif model_cfg.qk_layernorm:  # Megatron all-reduces q/k-norm grads over TP by name
         spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelTorchNorm
         spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelTorchNorm
@@ -304,6 +324,9 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm")
             rope_scaling_factor=model_cfg.rope_scaling_factor,
             vp_stage=vp,
         )
+        latent_eps = getattr(model_cfg, "mla_latent_norm_epsilon", None)
+        if latent_eps is not None:
+            _set_latent_norm_eps(model, latent_eps)
         if value_head and post:
             model.output_layer = ValueHead(model_cfg.hidden_size, model_cfg.dtype,
                                            transformer_config.sequence_parallel)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -307,11 +307,14 @@ def shard_runs(transform: str, partition_dim: Optional[int], shape: Sequence[int
             for which, hf_row, row, length in qkv_runs(k * rows, (k + 1) * rows, wm)]
 
 
-def check_layout(parallel_config: Any, world_size: int, model_config: Any) -> dict[str, Optional[int]]:
+def check_layout(parallel_config: Any, world_size: int, model_config: Any,
+                 transformer_overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Optional[int]]:
     """Check that ``parallel_config`` (a ``ParallelConfig`` or mapping) fits ``model_config``
     (``num_layers``, ``num_attention_heads``, ``num_query_groups``, ``num_moe_experts``) on
-    ``world_size`` ranks; returns the group sizes, raises ``ValueError`` naming the numbers."""
-    from parallel.config import ParallelConfig
+    ``world_size`` ranks, with an uneven pipeline split from ``transformer_overrides``
+    (``num_layers_in_first/last_pipeline_stage``); returns the group sizes, raises ``ValueError``
+    naming the numbers."""
+    from parallel.config import ParallelConfig, uneven_pipeline_fields
 
     return ParallelConfig.from_dict(parallel_config).validate(
         world_size,
@@ -319,4 +322,5 @@ def check_layout(parallel_config: Any, world_size: int, model_config: Any) -> di
         num_attention_heads=model_config.num_attention_heads,
         num_query_groups=model_config.num_query_groups or model_config.num_attention_heads,
         num_experts=getattr(model_config, "num_moe_experts", None),
+        **uneven_pipeline_fields(transformer_overrides),
     )

@@ -2,7 +2,9 @@
 layouts through parallel.bridge, must reproduce HF's logits, export back to HF bit for bit, and
 survive a Megatron distributed checkpoint saved at TP=2 and loaded at other layouts.
 
-Adding a family = its module in megatron_rl/models + one row in ``CASES``.
+Adding a family = its module in megatron_rl/models + one row in ``CASES``. The ``pp2_3+1`` layout is
+an uneven pipeline split (``num_layers_in_first_pipeline_stage=3``): the bridge's layer offsets, the
+dist checkpoint and the export follow it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 CASES = {
     # head_dim 32 != hidden/heads, Llama-3.1 RoPE scaling, plus an interleaved (VPP) layout.
     "llama": (dict(_BASE, model_type="llama", architectures=["LlamaForCausalLM"], head_dim=32,
-                   max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE), ["vpp2"]),
+                   max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE), ["vpp2", "pp2_3+1"]),
     # QKV bias, tied embeddings (the last PP stage holds a copy of the embedding).
     "qwen2": (dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), []),
@@ -37,11 +39,18 @@ CASES = {
     # Routed experts, softmax -> top-k without renormalisation (norm_topk_prob=False).
     "qwen3_moe": (dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16,
                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False),
-                  ["ep2"]),
+                  ["ep2", "pp2_3+1"]),
     # Routed experts with renormalised top-k; hub names block_sparse_moe / w1 w3 w2.
     "mixtral": (dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=48,
                      num_local_experts=4, num_experts_per_tok=2),
                 ["ep2"]),
+    # Qwen1.5-MoE: QKV bias, softmax top-k (no renormalisation), a shared expert scaled by
+    # sigmoid(shared_expert_gate), layer 1 dense (mlp_only_layers); an uneven PP split (3 + 1).
+    "qwen2_moe": (dict(_BASE, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       norm_topk_prob=False, mlp_only_layers=[1], rope_parameters={"rope_type": "default",
+                                                                                 "rope_theta": 1000000.0}),
+                  ["ep2", "pp2_3+1"]),
 }
 
 
@@ -207,6 +216,8 @@ LAYOUTS = {
     "pp2": dict(pipeline_model_parallel_size=2),
     "ep2": dict(expert_model_parallel_size=2),
     "vpp2": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    # An uneven split (megatron.override_transformer_config), 3 + 1 of the 4 layers.
+    "pp2_3+1": dict(pipeline_model_parallel_size=2, transformer={"num_layers_in_first_pipeline_stage": 3}),
 }
 
 
@@ -232,12 +243,16 @@ def matrix_ranks(rank, world_size, cases, work_dir):
         c["weight_map"] = family.weight_map(c["model_cfg"])
     for label, par in LAYOUTS.items():
         todo = [c for c in cases if label in c["layouts"]]
+        par = dict(par)
+        overrides = par.pop("transformer", {})  # TransformerConfig fields, not ParallelConfig ones
         pc = ParallelConfig(**par)
         mesh = init_mesh(pc, seed=1234)
         for c in todo:
             try:
-                check_layout(pc, world_size, c["model_cfg"])
-                chunks = build_model(c["model_cfg"], build_transformer_config(c["model_cfg"], pc))
+                check_layout(pc, world_size, c["model_cfg"], overrides)
+                chunks = build_model(c["model_cfg"], build_transformer_config(c["model_cfg"], pc, **overrides))
+                if overrides:  # the split really is uneven: 3 layers on stage 0, 1 on stage 1
+                    assert len(chunks[0].decoder.layers) == (3 if mesh.pp_rank == 0 else 1), label
                 if label == "tp2":
                     res = _tp2_checks(rank, chunks, mesh, c, sources[c["name"]], work_dir)
                 else:
@@ -319,17 +334,20 @@ def test_config_translation(name):
     assert m.head_dim == cfg.get("head_dim", 16)
     assert m.layernorm_epsilon == 1e-5 and m.normalization == "RMSNorm" and m.swiglu
     assert m.tie_word_embeddings == cfg["tie_word_embeddings"]
-    assert m.add_qkv_bias == (name == "qwen2")
+    assert m.add_qkv_bias == name.startswith("qwen2")
     assert m.qk_layernorm == name.startswith("qwen3")
     assert m.rope_scaling == (name == "llama")
     if name == "llama":
         assert (m.rotary_base, m.rope_scaling_factor) == (500000.0, 8.0)
-    if name in ("qwen3_moe", "mixtral"):
+    if name in ("qwen3_moe", "mixtral", "qwen2_moe"):
         assert (m.num_moe_experts, m.moe_router_topk) == (4, 2)
-        assert m.moe_ffn_hidden_size == (32 if name == "qwen3_moe" else 48)
-        # qwen3_moe here: norm_topk_prob=False -> softmax before top-k; Mixtral renormalises.
-        assert m.moe_router_pre_softmax == (name == "qwen3_moe")
+        assert m.moe_ffn_hidden_size == (48 if name == "mixtral" else 32)
+        # qwen3_moe / qwen2_moe here: norm_topk_prob=False -> softmax before top-k; Mixtral renormalises.
+        assert m.moe_router_pre_softmax == (name != "mixtral")
         assert m.moe_aux_loss_coeff == 0.0  # output_router_logits=False: HF adds no aux loss
+        if name == "qwen2_moe":  # the gated shared expert; layer 1 dense (mlp_only_layers=[1])
+            assert (m.moe_shared_expert_intermediate_size, m.moe_shared_expert_gate) == (48, True)
+            assert m.moe_layer_freq == (1, 0, 1, 1) and m.ffn_hidden_size == 96
     else:
         assert m.num_moe_experts is None and m.ffn_hidden_size == 96
 
@@ -434,4 +452,29 @@ def test_unknown_architecture_lists_supported_families():
     for fam, arch in [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
                       ("qwen3_moe", "Qwen3MoeForCausalLM"), ("mixtral", "MixtralForCausalLM")]:
         assert f"{fam}: {arch}" in msg
-    assert math.isclose(len(CASES), 5)
+    for fam, arch in [("qwen2_moe", "Qwen2MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                      ("glm4_moe", "Glm4MoeForCausalLM")]:
+        assert f"{fam}: {arch}" in msg
+    assert math.isclose(len(CASES), 6)
+
+
+def test_hf_key_overrides_as_verl_applies_them():
+    """verl's ``model.override_config``: HF config keys (top level or under ``model_config``) are set on the
+    HF config before it is read; ModelConfig fields stay overrides; a key that is neither is refused by name,
+    and an HF key that would change the weights' shapes is refused."""
+    from megatron_rl.models.families import get_family
+
+    cfg = CASES["qwen2"][0]
+    family = get_family(cfg)
+    m = family.model_config(cfg, max_position_embeddings=32768, model_config={"attention_dropout": 0.0},
+                            params_dtype="bfloat16")
+    assert (m.max_position_embeddings, m.params_dtype) == (32768, "bfloat16")
+    assert family.model_config(cfg).max_position_embeddings == 256  # the dict itself is not changed
+    with pytest.raises(ValueError, match=r"model.override_config: \['no_such_key'\] are neither keys of the qwen2 "
+                                         r"HF config nor ModelConfig fields"):
+        family.model_config(cfg, no_such_key=1)
+    with pytest.raises(ValueError, match=r"qwen2: overrides \['num_hidden_layers'\] would change the architecture "
+                                         r"read from the HF config \(num_layers: 4 -> 2\)"):
+        family.model_config(cfg, model_config={"num_hidden_layers": 2})
+    with pytest.raises(ValueError, match=r"model_config=3 must be a mapping of HF config keys"):
+        family.model_config(cfg, model_config=3)

@@ -263,7 +263,6 @@ def test_yarn_rope_equals_hf():
 @pytest.mark.parametrize("name,changes,message", [
     ("deepseek_v3", dict(attention_bias=True), "deepseek_v3: HF config attention_bias=True is not supported"),
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported; allowed: True"),
-    ("deepseek_v3", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05 is not supported; allowed: 1e-06"),
     ("deepseek_v3", dict(topk_group=1), "topk_group=1 is not supported; allowed: num_experts_per_tok // 2 = 2"),
     ("deepseek_v3", dict(n_group=3), "n_group=3 is not supported; allowed: a divisor of n_routed_experts=8"),
     ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False is not supported"),
@@ -411,3 +410,38 @@ def test_planner_memory_counts_mla_and_dense_layers(name):
     dense, expert = count_params(m, tp=8, ep=8)
     per_layer = [m.layer_params(i, tp=8, ep=8) for i in range(m.num_layers)]
     assert expert == sum(e for _, e in per_layer) and dense > sum(d for d, _ in per_layer)
+
+
+def _moonlight_rank(rank, world_size, hf_dir, model_cfg, input_ids):
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_model, build_transformer_config
+    from parallel.bridge import load_hf_checkpoint
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+    from tests.megatron_rl.models.test_families import pipeline_logits
+
+    pc = ParallelConfig()
+    mesh = init_mesh(pc, seed=1)
+    chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
+    load_hf_checkpoint(chunks, get_family(hf_dir).weight_map(model_cfg), hf_dir, mesh=mesh)
+    attn = chunks[0].decoder.layers[0].self_attention
+    eps = {"input": chunks[0].decoder.layers[0].input_layernorm.eps, "kv_latent": attn.kv_layernorm.eps,
+           "final": chunks[0].decoder.final_layernorm.eps}
+    return pipeline_logits(chunks, mesh, input_ids, model_cfg.vocab_size), eps
+
+
+def test_moonlight_rms_norm_eps_1e5_matches_hf(tmp_path):
+    """Moonlight-16B-A3B is a DeepSeek-V3 checkpoint with rms_norm_eps=1e-5 and no query LoRA: the decoder
+    norms take 1e-5, MLA's latent norm keeps HF's fixed 1e-6, and the logits equal transformers'."""
+    from megatron_rl.models.families import get_family
+
+    model = build_hf_model("deepseek_v3", rms_norm_eps=1e-5, q_lora_rank=None)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    ids = make_input_ids()
+    with torch.no_grad():
+        hf_logits = model(ids).logits.float()
+    model_cfg = get_family(tmp_path).model_config(tmp_path, make_vocab_size_divisible_by=64)
+    assert (model_cfg.layernorm_epsilon, model_cfg.mla_latent_norm_epsilon, model_cfg.q_lora_rank) == (1e-5, 1e-6, None)
+    logits, eps = run_distributed(_moonlight_rank, 1, str(tmp_path), model_cfg, ids, timeout_s=200)[0]
+    assert eps == {"input": 1e-5, "kv_latent": 1e-6, "final": 1e-5}
+    assert float((logits - hf_logits).abs().max()) < LOGIT_TOL
