@@ -1,7 +1,8 @@
 """Name -> function registries that turn "change the algorithm" into "change a string".
 
 verl's surface, by verl's names: ``ADV_ESTIMATOR_REGISTRY`` / ``POLICY_LOSS_REGISTRY`` (dicts in
-verl; here the same registries, which also take ``REGISTRY[name] = fn``), the decorators
+verl; here the same registries, which also take ``REGISTRY[name] = fn``, ``copy()``, ``clear()``,
+``update()`` and ``pop()`` as verl's tests use them to save and restore), the decorators
 ``register_adv_est`` / ``register_policy_loss``, the getters and the ``AdvantageEstimator`` enum.
 
 Entries registered from user code (a function whose module is outside ``megatron_rl``) are
@@ -115,6 +116,44 @@ class AlgoRegistry(Registry):
         self.unregister(name)
         self._plugins.discard(name)
 
+    # -- verl's tests treat the registries as dicts: save with copy(), empty, restore with update() --
+    def copy(self) -> "RegistrySnapshot":
+        """The entries as a dict (verl's ``REGISTRY.copy()``) that also remembers each entry's traits and
+        plugin mark, so ``update(snapshot)`` after ``clear()`` restores the registry exactly."""
+        snapshot = RegistrySnapshot(self._entries)
+        snapshot.traits = dict(self._traits)
+        snapshot.plugins = set(self._plugins)
+        return snapshot
+
+    def clear(self) -> None:
+        """Remove every entry (verl's ``REGISTRY.clear()``; tests only: the built-ins go too)."""
+        self._entries.clear()
+        self._traits.clear()
+        self._plugins.clear()
+
+    def update(self, other: Any = (), **entries: Callable) -> None:
+        """``REGISTRY[name] = fn`` for each item (verl's ``dict.update``); a ``copy()`` snapshot brings back
+        its traits. Replacing an entry with a different function is refused, as registering it is."""
+        items = dict(other.items() if hasattr(other, "items") else other, **entries)
+        traits = getattr(other, "traits", {})
+        for name, fn in items.items():
+            declared = traits.get(name)
+            self.register(name, **({} if declared is None else dataclasses.asdict(declared)))(fn)
+            if name in getattr(other, "plugins", ()):
+                self._plugins.add(name)
+            elif hasattr(other, "plugins"):
+                self._plugins.discard(name)
+
+    def pop(self, name: str, *default: Any) -> Any:
+        """Remove ``name`` and return its function (verl's ``dict.pop``)."""
+        if name not in self._entries:
+            if default:
+                return default[0]
+            self[name]  # UnknownNameError listing the valid names
+        fn = self._entries[name]
+        del self[name]
+        return fn
+
     def plugin_entries(self) -> dict[str, tuple[Callable, Any]]:
         """``name -> (fn, traits)`` of the entries registered from user code."""
         return {name: (self[name], self._traits[name]) for name in sorted(self._plugins) if name in self}
@@ -124,6 +163,13 @@ class AlgoRegistry(Registry):
         for name, (fn, traits) in entries.items():
             fields = {} if traits is None else dataclasses.asdict(traits)
             self.register(name, **fields)(fn)
+
+
+class RegistrySnapshot(dict):
+    """``AlgoRegistry.copy()``: a plain dict of the entries plus their ``traits`` and ``plugins``."""
+
+    traits: dict[str, Any]
+    plugins: set[str]
 
 
 ADV_ESTIMATORS = AlgoRegistry("advantage estimator", traits=EstimatorNeeds)

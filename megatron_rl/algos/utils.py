@@ -22,6 +22,8 @@ __all__ = [
     "check_finite",
     "cfg_get",
     "group_ids",
+    "expand_as_nested",
+    "NestedShapeError",
 ]
 
 
@@ -127,3 +129,26 @@ def _run_starts(index: np.ndarray) -> np.ndarray | None:
     if not isinstance(changed, np.ndarray) or changed.dtype != np.bool_ or changed.shape != (index.size - 1,):
         return None
     return np.concatenate(([0], np.flatnonzero(changed) + 1))
+
+
+class NestedShapeError(ValueError, AssertionError):
+    """``expand_as_nested`` got tensors of the wrong kind or shape: a ValueError, and an AssertionError
+    as verl's ``assert``s raised (its tests expect that type)."""
+
+
+def expand_as_nested(tensor: torch.Tensor, nested_tensor: torch.Tensor) -> torch.Tensor:
+    """One value per row ``tensor [b]`` repeated over each row of the jagged ``nested_tensor [b, j]``:
+    a nested tensor with ``nested_tensor``'s offsets (verl's ``expand_as_nested``, e.g. a per-sample
+    temperature over packed tokens)."""
+    if not getattr(nested_tensor, "is_nested", False):
+        raise NestedShapeError("expand_as_nested: nested_tensor must be a nested (jagged) tensor")
+    if tensor.dim() != 1:
+        raise NestedShapeError(f"expand_as_nested: tensor must be 1-D [batch], got shape {tuple(tensor.shape)}")
+    if tensor.shape[0] != nested_tensor.size(0):
+        raise NestedShapeError(f"expand_as_nested: the batch sizes differ: tensor has {tensor.shape[0]} rows, "
+                               f"nested_tensor {nested_tensor.size(0)}")
+    if nested_tensor.dim() != 2:
+        raise NestedShapeError(f"expand_as_nested: nested_tensor must be [batch, jagged], got {nested_tensor.dim()} dims")
+    offsets = nested_tensor.offsets()
+    values = torch.repeat_interleave(tensor, offsets.diff(), dim=0)
+    return torch.nested.nested_tensor_from_jagged(values=values, offsets=offsets)
