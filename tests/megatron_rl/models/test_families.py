@@ -478,3 +478,28 @@ def test_hf_key_overrides_as_verl_applies_them():
         family.model_config(cfg, model_config={"num_hidden_layers": 2})
     with pytest.raises(ValueError, match=r"model_config=3 must be a mapping of HF config keys"):
         family.model_config(cfg, model_config=3)
+
+
+QWEN15_MOE_A27B = dict(  # Qwen/Qwen1.5-MoE-A2.7B config.json (verl's Qwen1.5-MoE PPO example)
+    architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
+    max_position_embeddings=8192, max_window_layers=21, moe_intermediate_size=1408, norm_topk_prob=False,
+    num_attention_heads=16, num_experts=60, num_experts_per_tok=4, num_hidden_layers=24, num_key_value_heads=16,
+    decoder_sparse_step=1, rms_norm_eps=1e-6, rope_theta=1000000.0, shared_expert_intermediate_size=5632,
+    sliding_window=32768, tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936)
+
+
+def test_qwen15_moe_a27b_parameters_equal_hf():
+    """The published Qwen1.5-MoE-A2.7B config: the family's count (and the planner's, which reads
+    ``layer_params``: routed and shared experts, the shared-expert gate) equals HF's model, 14.316 B."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.models.families import get_family, load_hf_config
+    from megatron_rl.planner import count_params
+
+    m = get_family(QWEN15_MOE_A27B).model_config(QWEN15_MOE_A27B)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(load_hf_config(QWEN15_MOE_A27B))
+    hf_count = sum(p.numel() for p in hf.parameters())
+    assert hf_count == 14_315_784_192
+    assert m.num_params() == sum(count_params(m)) == hf_count
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_router_pre_softmax, m.moe_shared_expert_gate) == (60, 4, True, True)
