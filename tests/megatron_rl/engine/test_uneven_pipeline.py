@@ -200,13 +200,15 @@ def test_bad_uneven_split_is_refused_by_name(pp, fields, message):
 
 
 def test_stage_layer_counts_of_verl_scripts():
-    """DeepSeek-V3 (61 layers, PP=16, first stage 1 ... as verl's script sets it), Qwen3-235B (94, PP=8,
-    first and last 11), and VPP: each stage's count splits into its chunks."""
+    """The splits verl's example scripts set: DeepSeek-V3 671B (61 layers) at PP=16 as first 4 / last 1
+    (run_deepseek671b_math_megatron_80gb.sh) and at PP=12 with last 6 (..._96gb.sh), Qwen3-235B (94) at
+    PP=8 with last 10 (run_qwen3-235b_megatron_96gb.sh); and VPP: each stage's count splits into its chunks."""
     from parallel.config import pipeline_stage_layers
 
-    assert pipeline_stage_layers(61, 16, num_layers_in_first_pipeline_stage=1) == (1,) + (4,) * 15
-    assert pipeline_stage_layers(94, 8, num_layers_in_first_pipeline_stage=11,
-                                 num_layers_in_last_pipeline_stage=11) == (11,) + (12,) * 6 + (11,)
+    assert pipeline_stage_layers(61, 16, num_layers_in_first_pipeline_stage=4,
+                                 num_layers_in_last_pipeline_stage=1) == (4,) * 15 + (1,)
+    assert pipeline_stage_layers(61, 12, num_layers_in_last_pipeline_stage=6) == (5,) * 11 + (6,)
+    assert pipeline_stage_layers(94, 8, num_layers_in_last_pipeline_stage=10) == (12,) * 7 + (10,)
     assert pipeline_stage_layers(5, 2, num_layers_in_last_pipeline_stage=2) == (3, 2)
     assert pipeline_stage_layers(8, 4) == (2, 2, 2, 2)
     assert pipeline_stage_layers(6, 2, 2, num_layers_in_first_pipeline_stage=4) == (4, 2)
