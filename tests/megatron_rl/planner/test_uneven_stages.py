@@ -59,3 +59,17 @@ def test_plan_of_an_uneven_split():
     bad = SPLIT[:3] + [f"{MEG}.override_transformer_config.num_layers_in_last_pipeline_stage=24"]
     with pytest.raises(ValueError, match=r"leave 47 of num_layers=94 layers for the 2 middle stage\(s\)"):
         plan_run(load_config("gpu/qwen3_235b_a22b_grpo", bad))
+
+
+def test_deepseek_v3_split_keeps_global_layer_indices():
+    """DeepSeek-V3 at PP=16 as 4 + 14 x 4 + 1 (verl's 80 GB script): stage 0 holds the 3 dense layers and
+    one MoE layer, stage 15 the last MoE layer -- each stage's layers are counted by their global index."""
+    m = KNOWN_ARCHITECTURES["deepseek_v3"]
+    split = (4,) + (4,) * 14 + (1,)
+    kw = dict(tp=1, pp=16, ep=8, etp=1, stage_layers=split)
+    dense_layer, moe_layer = m.layer_params(0, tp=1, ep=8, etp=1), m.layer_params(3, tp=1, ep=8, etp=1)
+    assert dense_layer[1] == 0 and moe_layer[1] > 0  # layers 0-2 dense, 3+ MoE
+    embed = m.vocab_size * m.hidden_size
+    assert count_params(m, stage=0, **kw) == (3 * dense_layer[0] + moe_layer[0] + embed, moe_layer[1])
+    assert count_params(m, stage=1, **kw) == (4 * moe_layer[0], 4 * moe_layer[1])
+    assert count_params(m, stage=15, **kw) == (moe_layer[0] + embed + m.hidden_size, moe_layer[1])
