@@ -158,8 +158,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus_per_node is not None:
         overrides.append(f"trainer.n_gpus_per_node={args.gpus_per_node}")
     try:
-        config, raw = load_run_config(args.recipe, overrides)
         hardware = get_hardware(args.hardware)
+        config, raw = load_run_config(args.recipe, overrides)
         gpu_memory_gb = args.gpu_memory_gb or hardware.memory_gib
         with with_layout_hint(raw):  # an invalid layout gets the nearest valid one, as a misfit one does
             plan = plan_run(config, gpu_memory_gb=gpu_memory_gb, architecture=args.architecture)

@@ -149,6 +149,8 @@ class _Pass:
     """Tokens per micro-batch (for the pipeline bubble)."""
     repeats: int = 1
     """ppo_epochs of an update."""
+    skipped: bool = False
+    """Rollout-correction bypass mode: the rollout's log-probs are the old ones, no actor forward."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +286,8 @@ def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
 
 
 def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
+    if p.skipped:
+        return PhaseTime(0.0, "skipped", "bypass mode: the rollout's log-probs are the old ones")
     m, hw, s = p.model, run.hw, p.sizes
     world, tp, pp, cp, ep, etp = s["world"], s["tp"], s["pp"], s["cp"], s["ep"], s["etp"]
     dp, vpp = s["dp"], s["vpp"] or 1
@@ -448,8 +452,10 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
 
     actor = arr.actor
     log_prob_micro = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None) or actor.ppo_micro_batch_size_per_gpu
+    correction = cfg.algorithm.rollout_correction
+    bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
     passes = [_Pass("actor_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
-                    budgets["actor"].forward or log_prob_micro * seq_max)]
+                    budgets["actor"].forward or log_prob_micro * seq_max, skipped=bypass)]
     if needs.reference:
         passes.append(_Pass("ref_log_prob", plan.model, sizes(arr.ref.megatron), False, False, "", False,
                             budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max))

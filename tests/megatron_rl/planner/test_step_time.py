@@ -1,0 +1,262 @@
+"""The step-time model of ``megatron-rl plan``: the calibration run, hand calculations of its phases,
+the KV cache and its waves, hardware scaling, async overlap, the CLI's options, output and errors.
+
+Expected figures are worked out by hand in each test from the model's stated physics (datasheet
+peaks, the named fractions of ``megatron_rl.planner.hardware``), never by calling the code's formulas.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.cli import PLANNER_HARDWARE, main
+from megatron_rl.config.loader import load_config
+from megatron_rl.planner import KNOWN_ARCHITECTURES, plan_run
+from megatron_rl.planner.hardware import HARDWARE, get_hardware
+from megatron_rl.planner.step_time import CALIBRATION, estimate_step_time, kv_bytes_per_token
+
+GIB = 2 ** 30
+QWEN3_30B_PARAMS = 30.53e9  # tests/megatron_rl/test_planner.py pins the count
+# The no-offload, awake-engine variant the separate pool needs (step_schedule refuses offload without sleep).
+SEPARATE_ASYNC = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
+                  "actor_rollout_ref.rollout.n_gpus_per_node=8", "trainer.total_training_steps=10",
+                  "actor_rollout_ref.rollout.free_cache_engine=false",
+                  "actor_rollout_ref.actor.megatron.param_offload=false",
+                  "actor_rollout_ref.actor.megatron.grad_offload=false",
+                  "actor_rollout_ref.actor.megatron.optimizer_offload=false",
+                  "actor_rollout_ref.ref.megatron.param_offload=false"]
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    cfg = load_config(CALIBRATION["recipe"], CALIBRATION["overrides"])
+    plan = plan_run(cfg, suggest=False)
+    return cfg, plan, estimate_step_time(cfg, plan, response_length_mean=CALIBRATION["response_length_mean"])
+
+
+# ----------------------------------------------------------------------------- the hardware table
+def test_cli_names_every_gpu_of_the_table():
+    assert sorted(PLANNER_HARDWARE) == sorted(HARDWARE) == ["A100", "B200", "GB200", "H100", "H200", "H800"]
+
+
+def test_datasheet_figures_and_sources():
+    h100, a100, gb200 = HARDWARE["H100"], HARDWARE["A100"], HARDWARE["GB200"]
+    assert (h100.bf16_flops, h100.hbm_bytes_per_s, h100.nvlink_bytes_per_s) == (989e12, 3.35e12, 450e9)
+    assert HARDWARE["H200"].hbm_bytes_per_s == 4.8e12 and HARDWARE["H800"].nvlink_bytes_per_s == 200e9
+    assert a100.fp8_flops is None and a100.bf16_flops == 312e12
+    assert gb200.nvlink_domain == 72 and HARDWARE["B200"].nvlink_domain == 8
+    assert all(len(h.source) > 40 for h in HARDWARE.values())
+
+
+def test_unknown_gpu_names_the_option_and_the_allowed_names():
+    with pytest.raises(ValueError) as err:
+        get_hardware("V100")
+    assert "--hardware='V100'" in str(err.value) and "'H100'" in str(err.value) and "'GB200'" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- KV cache
+def test_kv_bytes_per_token_by_hand():
+    qwen, dsv3 = KNOWN_ARCHITECTURES["qwen3_30b_a3b"], KNOWN_ARCHITECTURES["deepseek_v3"]
+    # 48 layers x (K, V) x 4 KV heads x 128 x 2 bytes
+    assert kv_bytes_per_token(qwen) == 48 * 2 * 4 * 128 * 2 == 98_304
+    assert kv_bytes_per_token(qwen, tp=2) == 49_152  # 2 of the 4 heads per GPU
+    assert kv_bytes_per_token(qwen, tp=8) == 24_576  # fewer heads than ranks: one head per GPU, replicated
+    # MLA: 61 layers x (512 latent + 64 rotary key) x 2 bytes, the same on every TP rank; fp8 halves it
+    assert kv_bytes_per_token(dsv3, tp=8) == 61 * 576 * 2 == 70_272
+    assert kv_bytes_per_token(dsv3, tp=8, dtype_bytes=1) == 35_136
+
+
+def test_calibration_kv_cache_and_waves(calibration):
+    _, _, st = calibration
+    # 0.6 x 80 GiB for vLLM - 30.53e9 x 2 B / TP 2 of weights - 2 GiB non-KV = 17.57 GiB per GPU
+    free = 0.6 * 80 * GIB - QWEN3_30B_PARAMS * 2 / 2 - 2 * GIB
+    assert st.kv.free_bytes_per_gpu == pytest.approx(free, rel=0.005)
+    assert st.kv.capacity_tokens == pytest.approx(free / 49_152, rel=0.005)  # ~383.7 k tokens
+    assert st.kv.fits_at_once == 93  # 383.7 k // (128 prompt + 3,968 p99)
+    assert st.kv.sequences_per_engine == 128 and st.kv.waves == 2  # 2,048 over 32 / 2 = 16 engines
+    assert any("2 waves" in w and "93 sequences" in w for w in st.warnings)
+
+
+# ----------------------------------------------------------------------------- calibration and hand calculations
+def test_calibration_within_20_percent_of_the_published_run(calibration):
+    _, _, st = calibration
+    published = CALIBRATION["published"]
+    assert st.step_time_s == pytest.approx(published["step_time_s"], rel=0.20)
+    assert st.tokens_per_s_per_gpu == pytest.approx(published["tokens_per_s_per_gpu"], rel=0.20)
+    # 2,048 sequences x (128 + 3,200) tokens over 32 GPUs
+    assert st.tokens_per_s_per_gpu == pytest.approx(2048 * 3328 / (st.step_time_s * 32), rel=1e-9)
+    assert st.gpus == 32 and st.mode == "sync"
+    assert st.step_time_s == pytest.approx(sum(p.seconds for p in st.phases.values()), rel=1e-9)
+
+
+def test_calibration_generation_by_hand(calibration):
+    _, _, st = calibration
+    # Concurrency: 383.7 k tokens / (128 + 3,200) = 115.3 sequences; 128 per engine at 115.3 take
+    # 128 / 115.3 x 3,200 steps, and the last wait 3,968 - 3,200 more for the longest: 4,321 steps.
+    capacity = (0.6 * 80 * GIB - QWEN3_30B_PARAMS - 2 * GIB) / 49_152
+    running = capacity / 3328
+    steps = 128 / running * 3200 + 768
+    # A step reads the 30.53 GB shard (115 tokens x top-8 touch all 128 experts) and 115.3 sequences x
+    # (128 + 1,600) average context x 49,152 B, at 0.33 of 3.35 TB/s; plus 48 layers x 2 all-reduces of
+    # 10 us + 115.3 x 2,048 x 2 B at 0.8 x 450 GB/s (ring factor 2 x 1/2).
+    read = QWEN3_30B_PARAMS + running * 1728 * 49_152
+    step_s = read / (3.35e12 * 0.33) + 96 * (10e-6 + running * 2048 * 2 / 360e9)
+    gen = st.phases["gen"]
+    assert gen.bound == "memory bandwidth"
+    assert gen.seconds == pytest.approx(steps * step_s, rel=0.01)  # ~162 s, prefill is ~0.03 s
+
+
+def test_calibration_log_prob_and_update_by_hand(calibration):
+    _, _, st = calibration
+    tokens_per_gpu = 2048 * 3328 / 32  # DP = 32, EP = 8 inside a node, TP = PP = 1
+    # Active per token: attention projections 48 x 18.87 M + QK norms, layer norms, routers (48 x 266.5 k)
+    # + the head 151,936 x 2,048 + final norm = 1.2370 G dense; 48 x 8 x 3 x 2,048 x 768 = 1.8119 G experts;
+    # attention 2 x 48 x 32 heads x 128 x 3,328 = 1.3086 G FLOPs.
+    dense = 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048) + 151936 * 2048 + 2048
+    expert = 48 * 8 * 3 * 2048 * 768
+    attention = 2 * 48 * 32 * 128 * 3328
+    forward = tokens_per_gpu * (2 * dense / (989e12 * 0.8) + 2 * expert / (989e12 * 0.4)
+                                + attention / (989e12 * 0.4))
+    # EP all-to-all per MoE layer and direction: dispatch + combine of 8 copies x 2,048 x 2 B, 7/8 leave the GPU
+    a2a = 48 * 2 * tokens_per_gpu * 8 * 2048 * 2 * 7 / 8 / 360e9
+    assert st.phases["actor_log_prob"].seconds == pytest.approx(forward + a2a, rel=0.01)  # ~4.95 s
+    assert st.phases["ref_log_prob"].seconds == pytest.approx(forward + a2a, rel=0.01)
+    # Update: 3 passes and 3 x the all-to-all (no recompute); 4 optimizer steps each all-gather bf16 params:
+    # dense (1.237 G + the 311 M embedding) over DP 32 and experts (128 x 48 x 3 x 2,048 x 768 / 8) over
+    # expert-DP 4, across nodes at 0.8 x 50 GB/s; the gradient reduce-scatter hides under the compute.
+    dense_local, expert_local = dense + 151936 * 2048, 128 * 48 * 3 * 2048 * 768 / 8
+    gather = 4 * (dense_local * 2 * 31 / 32 + expert_local * 2 * 3 / 4) / 40e9
+    adam = 4 * (dense_local / 32 + expert_local / 4) * 36 / (3.35e12 * 0.79)
+    assert st.phases["actor_update"].seconds == pytest.approx(3 * (forward + a2a) + gather + adam, rel=0.01)
+
+
+def test_weight_sync_and_offload_by_hand(calibration):
+    _, plan, st = calibration
+    # cuda_ipc: each GPU gathers its 30.53 GB engine shard from the EP group over NVLink (0.8 x 450 GB/s),
+    # copies it into place (read + write at 0.79 x 3.35 TB/s) and vLLM handles 18,915 HF tensors at 50 us
+    # (48 layers x (q, k, v, o, 2 QK norms, 2 norms, router, 128 x 3 experts) + embedding, norm, head).
+    tensors = 48 * (4 + 2 + 2 + 1 + 384) + 3
+    sync = QWEN3_30B_PARAMS / 360e9 + 2 * QWEN3_30B_PARAMS / (3.35e12 * 0.79) + tensors * 50e-6
+    assert st.phases["weight_sync"].seconds == pytest.approx(sync, rel=0.01)
+    # Offload: the actor's parameters move 4 times (onload for log-prob, off for the reference, on for the
+    # update, off after the sync), its gradients and Adam state twice, the reference's parameters twice;
+    # vLLM sleeps at level 2 (weights dropped, refilled by the sync). At 0.8 x 64 GB/s.
+    actor, ref = plan.roles["actor"], plan.roles["ref"]
+    moved = 4 * actor.param_bytes + 2 * (actor.grad_bytes + actor.optimizer_bytes) + 2 * ref.param_bytes
+    assert st.phases["offload"].seconds == pytest.approx(moved / 51.2e9, rel=1e-6)
+    assert st.phases["offload"].bound == "PCIe"
+
+
+def test_the_largest_lever_is_named_with_its_gain(calibration):
+    _, _, st = calibration
+    assert st.lever.startswith("gen is 85% of the step (memory bandwidth): ")
+    assert "takes the step from 191 s to" in st.lever
+
+
+def test_h200_bandwidth_shortens_the_memory_bound_decode(calibration):
+    cfg, plan, h100 = calibration
+    h200 = estimate_step_time(cfg, plan, hardware="H200", response_length_mean=3200)  # same 80 GiB budget
+    # Only the HBM term scales (3.35 -> 4.8 TB/s); 4,321 steps x (36.47 ms x 3.35 / 4.8 + 1.09 ms all-reduces)
+    capacity = (0.6 * 80 * GIB - QWEN3_30B_PARAMS - 2 * GIB) / 49_152
+    running = capacity / 3328
+    steps = 128 / running * 3200 + 768
+    memory = (QWEN3_30B_PARAMS + running * 1728 * 49_152) / (4.8e12 * 0.33)
+    assert h200.phases["gen"].seconds == pytest.approx(steps * (memory + 96 * 10e-6), rel=0.01)  # ~115 s
+    assert h200.phases["gen"].seconds < 0.72 * h100.phases["gen"].seconds
+
+
+def test_response_lengths_default_to_the_maximum_and_the_tail_costs_steps(calibration):
+    cfg, plan, st = calibration
+    default = estimate_step_time(cfg, plan)
+    assert default.response_mean == default.response_p99 == 3968
+    short_tail = estimate_step_time(cfg, plan, response_length_mean=3200, response_length_p99=3200)
+    # 768 fewer decode steps of ~37.5 ms
+    assert st.phases["gen"].seconds - short_tail.phases["gen"].seconds == pytest.approx(768 * 0.0375, rel=0.03)
+    with pytest.raises(ValueError, match=r"--response-length-mean=3500 is larger than the p99 \(3200"):
+        estimate_step_time(cfg, plan, response_length_mean=3500, response_length_p99=3200)
+    with pytest.raises(ValueError, match=r"--response-length-p99=5000.0 must be .* at most data.max_response_length=3968"):
+        estimate_step_time(cfg, plan, response_length_p99=5000.0)
+
+
+def test_separate_async_overlaps_generation_with_training():
+    cfg = load_config("gpu/qwen3_30b_a3b_grpo", SEPARATE_ASYNC)
+    plan = plan_run(cfg, suggest=False)
+    st = estimate_step_time(cfg, plan)
+    phases = {k: p.seconds for k, p in st.phases.items()}
+    training = sum(phases.values()) - phases["gen"] - phases["weight_sync"]
+    assert st.phases["actor_log_prob"].bound == "skipped"  # bypass mode: old log-probs are the rollout's
+    assert st.step_time_s == pytest.approx(max(phases["gen"], training) + phases["weight_sync"], rel=1e-9)
+    assert st.gpus == 16 + 8  # the trainer's 2 nodes and the rollout's own node
+    on_policy = load_config("gpu/qwen3_30b_a3b_grpo", SEPARATE_ASYNC + ["trainer.v1.sampler.max_off_policy_threshold=0"])
+    strict = estimate_step_time(on_policy, plan_run(on_policy, suggest=False))
+    assert strict.step_time_s == pytest.approx(sum(phases.values()), rel=1e-9)  # staleness 0: no overlap
+
+
+# ----------------------------------------------------------------------------- every GPU recipe, and the CLI
+GPU_RECIPE_STEPS = [  # (recipe, hardware, step seconds, the longest phase) as the model gives them today
+    ("gpu/deepseek_v3_671b_grpo", "H200", 334.1, "weight_sync"),
+    ("gpu/glm4_5_355b_grpo", "H200", 443.4, "weight_sync"),
+    ("gpu/glm4_5_air_grpo", "H100", 430.0, "actor_update"),
+    ("gpu/llama3_1_70b_dapo", "H100", 1535.0, "gen"),
+    ("gpu/llama3_1_70b_grpo", "H100", 284.8, "actor_update"),
+    ("gpu/qwen3_235b_a22b_dapo", "H100", 1383.7, "gen"),
+    ("gpu/qwen3_235b_a22b_grpo", "H100", 427.1, "gen"),
+    ("gpu/qwen3_30b_a3b_dapo", "H100", 653.5, "gen"),
+    ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 98.8, "gen"),
+    ("gpu/qwen3_30b_a3b_grpo", "H100", 104.9, "gen"),
+    ("gpu/qwen3_30b_a3b_gspo", "H100", 98.8, "gen"),
+    ("gpu/qwen3_30b_a3b_opd", "H100", 185.5, "gen"),
+    ("gpu/qwen3_30b_a3b_ppo", "H100", 65.5, "gen"),
+    ("gpu/qwen3_30b_a3b_reinforce_plus_plus", "H100", 104.9, "gen"),
+    ("gpu/qwen3_30b_a3b_remax", "H100", 111.2, "gen"),
+    ("gpu/qwen3_30b_a3b_rloo", "H100", 104.9, "gen"),
+]
+
+
+def test_every_gpu_recipe_has_a_pinned_step_time():
+    from megatron_rl.config.loader import list_recipes
+
+    assert sorted(r for r in list_recipes() if r.startswith("gpu/")) == sorted(r[0] for r in GPU_RECIPE_STEPS)
+    for recipe, hardware, seconds, longest in GPU_RECIPE_STEPS:
+        cfg = load_config(recipe)
+        plan = plan_run(cfg, gpu_memory_gb=HARDWARE[hardware].memory_gib, suggest=False)
+        st = estimate_step_time(cfg, plan, hardware=hardware)
+        assert st.step_time_s == pytest.approx(seconds, rel=0.002), recipe
+        assert max(st.phases, key=lambda k: st.phases[k].seconds) == longest, recipe
+        assert list(st.phases)[0] == "gen" and list(st.phases)[-2:] == ["weight_sync", "offload"], recipe
+
+
+def test_cli_prints_and_json_carries_the_step_time(capsys):
+    assert main(["plan", "gpu/qwen3_30b_a3b_grpo", "--json", "--response-length-mean", "1024"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = ["gen", "actor_log_prob", "ref_log_prob", "actor_update", "weight_sync", "offload"]
+    assert list(out["phases"]) == names
+    assert all(set(p) == {"seconds", "bound"} and p["seconds"] >= 0 for p in out["phases"].values())
+    assert out["step_time_s"] == pytest.approx(sum(p["seconds"] for p in out["phases"].values()), abs=0.01)
+    # 128 prompts x 8 samples x (1,024 prompt + 1,024 response) tokens over 16 GPUs
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(1024 * 2048 / (out["step_time_s"] * 16), rel=1e-3)
+    assert out["hardware"] == "H100" and out["fits"] is True
+    assert main(["plan", "gpu/qwen3_30b_a3b_grpo", "--hardware", "B200"]) == 0
+    text = capsys.readouterr().out
+    assert "step time on B200 (sync; responses: mean 2048, p99 2048 tokens):" in text
+    assert "largest lever: gen is" in text and "tokens/s/GPU over 16 GPUs" in text
+    assert "verdict: FITS -- peak" in text and "of 180.0 GiB" in text  # --gpu-memory-gb follows the GPU
+
+
+def test_cli_bad_input_exits_2_naming_the_option(capsys):
+    assert main(["plan", "gpu/qwen3_30b_a3b_grpo", "--hardware", "V100"]) == 2
+    err = capsys.readouterr().err
+    assert "--hardware='V100' is not a known GPU" in err and "'H100'" in err and "'GB200'" in err
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "gpu/qwen3_30b_a3b_grpo", "--response-length-mean", "-5"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--response-length-mean" in err and "'-5' must be a finite number of tokens > 0" in err
+
+
+def test_cpu_runs_have_no_step_time(capsys):
+    assert main(["plan", "grpo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] is None and out["tokens_per_s_per_gpu"] is None and out["phases"] == {}
