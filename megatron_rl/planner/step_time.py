@@ -52,6 +52,7 @@ from megatron_rl.planner.hardware import (ATTENTION_EFFICIENCY, DECODE_ALLREDUCE
                                           HBM_COPY_EFFICIENCY, HOST_LINK_EFFICIENCY, NETWORK_EFFICIENCY,
                                           NVLINK_EFFICIENCY, Hardware, get_hardware)
 from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_weight_bytes
+from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
 
 __all__ = ["PhaseTime", "KVCache", "StepTime", "estimate_step_time", "format_step_time", "step_time_json",
            "kv_bytes_per_token", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR"]
@@ -172,6 +173,7 @@ class _Run:
     rollout_tp: int
     rollout_pp: int
     rollout_dp: int
+    rollout_ep: int
     rollout_gpus: int
     colocated: bool
     nodes_per_engine: int
@@ -230,11 +232,20 @@ def _link(hw: Hardware, span: int) -> tuple[float, str]:
 
 
 # ----------------------------------------------------------------------------- phases
+def _engine_weights(run: _Run) -> tuple[int, int]:
+    """``(all, routed-expert)`` weight bytes one engine GPU holds (``engine_map.engine_weight_bytes_per_gpu``,
+    as the memory plan counts them: experts over vLLM's EP when it is on)."""
+    total = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization)
+    per_param = DTYPE_BYTES[run.rollout_dtype] if run.quantization is None else 1 + 4 / 128 ** 2
+    experts = int(count_params(run.model)[1] * per_param)
+    kw = dict(tp=run.rollout_tp, dp=run.rollout_dp, pp=run.rollout_pp, ep=run.rollout_ep)
+    per_gpu = engine_weight_bytes_per_gpu(total, experts, **kw)
+    return per_gpu, per_gpu - engine_weight_bytes_per_gpu(total - experts, 0, **kw)
+
+
 def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
     m, hw, tp, pp = run.model, run.hw, run.rollout_tp, run.rollout_pp
-    weights = rollout_weight_bytes(m, run.rollout_dtype, run.quantization) / (tp * pp)
-    dense_params, expert_params = count_params(m)
-    expert_share = expert_params / (dense_params + expert_params)
+    weights, expert_weights = _engine_weights(run)
     per_token = kv_bytes_per_token(m, tp=tp, pp=pp, dtype_bytes=run.kv_dtype_bytes)
     free = int(run.vllm_bytes - weights - VLLM_NON_KV_GIB * GIB)
     capacity = max(free, 0) // per_token
@@ -260,7 +271,7 @@ def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
         steps += run.response_p99 - run.response_mean
     context = run.prompt_length + run.response_mean / 2
     touched = 1.0 - (1.0 - m.moe_router_topk / m.num_moe_experts) ** concurrent if m.is_moe else 1.0
-    read = weights * (1 - expert_share) + weights * expert_share * touched + concurrent * context * per_token
+    read = weights - expert_weights + expert_weights * touched + concurrent * context * per_token
     t_mem = read / (hw.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY)
     dense, expert = _active(m)
     flops = concurrent * (2 * (dense + expert) + 4 * m.num_layers * _attention_width(m) * context) / (tp * pp)
@@ -356,7 +367,7 @@ def _hf_tensor_count(m: ModelConfig) -> int:
 def _weight_sync(run: _Run) -> PhaseTime:
     hw = run.hw
     total = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization)
-    shard = total / (run.rollout_tp * run.rollout_pp)
+    shard = _engine_weights(run)[0]
     load = 2 * shard / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # the engine copies each tensor into place
     load += _hf_tensor_count(run.model) * VLLM_LOAD_S_PER_TENSOR
     if run.backend in ("colocated", "cuda_ipc"):
@@ -375,8 +386,7 @@ def _weight_sync(run: _Run) -> PhaseTime:
 
 
 def _offload(run: _Run) -> PhaseTime:
-    weights = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization) / (run.rollout_tp * run.rollout_pp)
-    engine = 2 * weights if run.sleeps and run.sleep_level == 1 else 0  # level 1: weights to host and back
+    engine = 2 * _engine_weights(run)[0] if run.sleeps and run.sleep_level == 1 else 0  # level 1: weights to host and back
     moved = run.offload_bytes + engine
     seconds = moved / (run.hw.host_bytes_per_s * HOST_LINK_EFFICIENCY)
     return PhaseTime(seconds, "PCIe", f"{moved / GIB:.1f} GiB per GPU moved over the host link per step")
@@ -489,7 +499,7 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
                 prompt_length=data.max_prompt_length, response_mean=mean, response_p99=p99,
                 mini_batches=max(data.train_batch_size // actor.ppo_mini_batch_size, 1),
                 rollout_tp=rollout.tensor_model_parallel_size, rollout_pp=rollout.pipeline_model_parallel_size,
-                rollout_dp=rollout.data_parallel_size, rollout_gpus=engines.replicas * engines.engine_gpus,
+                rollout_dp=rollout.data_parallel_size, rollout_ep=rollout.expert_parallel_size, rollout_gpus=engines.replicas * engines.engine_gpus,
                 colocated=engines.colocated, nodes_per_engine=engines.nodes_per_engine,
                 vllm_bytes=int(rollout.gpu_memory_utilization * plan.memory_budget_bytes), rollout_dtype=dtype,
                 quantization=rollout.quantization, kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
@@ -526,7 +536,8 @@ def _levers(run: _Run) -> list[tuple[str, _Run]]:
             continue
         out.append((f"a rollout TP of {new} instead of {tp} ({run.rollout_gpus // gpus} engines instead of "
                     f"{run.rollout_gpus // (tp * run.rollout_pp * run.rollout_dp)}; "
-                    "actor_rollout_ref.rollout.tensor_model_parallel_size)", dataclasses.replace(run, rollout_tp=new)))
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size)",
+                    dataclasses.replace(run, rollout_tp=new, rollout_ep=new * run.rollout_dp if run.rollout_ep > 1 else 1)))
     if run.quantization is None and run.hw.fp8_flops is not None:
         out.append(("fp8 rollout weights (actor_rollout_ref.rollout.quantization=fp8)",
                     dataclasses.replace(run, quantization="fp8")))

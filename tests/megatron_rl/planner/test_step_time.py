@@ -260,3 +260,16 @@ def test_cpu_runs_have_no_step_time(capsys):
     assert main(["plan", "grpo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["step_time_s"] is None and out["tokens_per_s_per_gpu"] is None and out["phases"] == {}
+
+
+def test_rollout_expert_parallelism_reads_a_quarter_of_the_experts_per_gpu():
+    base = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.data_parallel_size=2"]
+    steps = {}
+    for ep in (1, 4):
+        cfg = load_config("gpu/qwen3_30b_a3b_grpo", base + [f"actor_rollout_ref.rollout.expert_parallel_size={ep}"])
+        steps[ep] = estimate_step_time(cfg, plan_run(cfg, suggest=False)).phases["gen"]
+    # dense 1.53 G / TP 2 + experts 29.0 G / (EP 4 or TP 2), bf16: 14.94 GiB instead of 28.44 GiB per GPU
+    dense, experts = 311164928 * 2 + 2048 + 48 * (18874368 + 4352 + 262144), 48 * 128 * 3 * 2048 * 768
+    assert f"weights {(dense + experts) * 2 / 2 / GIB:.1f} GiB/GPU" in steps[1].detail  # 28.4
+    assert f"weights {(dense * 2 / 2 + experts * 2 / 4) / GIB:.1f} GiB/GPU" in steps[4].detail  # 14.9
+    assert steps[4].seconds < steps[1].seconds
