@@ -9,10 +9,11 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   its weight shard -- only the experts its running tokens touch, ``E (1 - (1 - k/E)^B)`` of ``E`` --
   and the KV cache of its running sequences, at ``DECODE_HBM_EFFICIENCY`` of HBM bandwidth, plus two
   tensor-parallel all-reduces per layer. The KV cache holds what ``gpu_memory_utilization`` leaves
-  after the weights and ``VLLM_NON_KV_GIB``; sequences of ``prompt + p99`` tokens that fit at once
-  make the concurrency, and a batch larger than that runs in waves: ``(waves - 1) x mean + p99``
-  decode steps, the last wave waiting for its longest sequence (``partial_rollout`` cuts that tail:
-  ``waves x mean``).
+  after the weights and ``VLLM_NON_KV_GIB``. A batch larger than the sequences of ``prompt + p99``
+  tokens it holds at once runs in waves (a warning says so); blocks are taken as sequences grow, so
+  ``capacity / (prompt + mean)`` run at once on average and an engine's ``S`` sequences take
+  ``S / running x mean`` decode steps plus ``p99 - mean`` for the last to finish its longest
+  (``partial_rollout`` carries unfinished ones over and cuts that tail).
 * **log-prob and update passes** (compute): FLOPs per token ``2 x`` the active dense parameters
   (attention projections, shared experts, dense MLPs, the head; the embedding is a lookup) at
   ``DENSE_GEMM_EFFICIENCY``, ``2 x top-k`` routed experts at ``GROUPED_GEMM_EFFICIENCY``, causal
