@@ -271,6 +271,10 @@ class VLLMRollout:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process_engine else "1"}
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+            if cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size > 1:
+                # vllm-cpu's default "auto" binds each worker to a NUMA node of its own and refuses more
+                # workers than nodes ("Not enough allowed NUMA nodes"): unbound unless the user binds
+                env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self._world = EngineWorld(isolate=cfg.in_process_engine)  # an engine core elsewhere needs none
         self.returns_routed_experts = bool((cfg.engine_kwargs.get("vllm") or {}).get(ROUTED_EXPERTS_KWARG))
         with _env(**env), self._world.engine():
@@ -512,10 +516,11 @@ class VLLMRollout:
         transport = transport or ce.backend
         entry = get_transport(transport)
         bucket_bytes = int((bucket_megabytes or ce.update_weights_bucket_megabytes) * 2**20)
-        in_process = self.config.in_process_engine and self.config.tensor_model_parallel_size == 1
+        in_process = self.config.in_process_engine and self.num_workers == 1  # TP x PP: one worker, this process
         if entry.same_process and not in_process:
-            raise ValueError(f"transport={transport!r} needs in_process_engine=True and tensor_model_parallel_size=1 "
-                             "(tensors pass by reference); use 'shm', 'bytes' or 'broadcast'")
+            raise ValueError(f"transport={transport!r} needs in_process_engine=True and one engine worker "
+                             f"(tensor x pipeline_model_parallel_size = {self.num_workers}; tensors pass by "
+                             "reference); use 'shm', 'bytes' or 'broadcast'")
         if transport == "nccl" and in_process:  # issue 35: NCCL refuses two ranks of one group in one process
             raise ValueError("transport='nccl' with an in-process engine would form NCCL ranks 0 and 1 in one process on "
                              "one GPU, which NCCL refuses; use 'colocated' (in-process) or 'cuda_ipc' / 'nccl' with "
@@ -560,7 +565,7 @@ class VLLMRollout:
     def _connect_side_band(self, nccl: bool = False) -> None:
         """Create the gloo side band from this process (rank 0) to the engine's own workers
         (``nccl``: every rank also brings up the NCCL group of the same ranks while connecting)."""
-        side_band = SideBand("127.0.0.1", 0, 0, 1 + self.config.tensor_model_parallel_size, nccl=nccl)
+        side_band = SideBand("127.0.0.1", 0, 0, 1 + self.num_workers, nccl=nccl)
         port = side_band.listen()
         errors: list[BaseException] = []
 
@@ -577,6 +582,15 @@ class VLLMRollout:
         if errors:
             raise errors[0]
         self._side_band = side_band
+
+    @property
+    def num_workers(self) -> int:
+        """The vLLM workers of this engine that ``rpc`` reaches, each a rank of a weight-sync side band:
+        ``tensor_model_parallel_size x pipeline_model_parallel_size`` (vLLM's world without DP;
+        every node's workers of a multi-node engine included). vLLM 0.32's offline ``LLM`` refuses
+        ``data_parallel_size`` > 1, so an engine has no further DP workers to count."""
+        with self._world.engine():
+            return int(self.llm.get_world_size(include_dp=False))
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         with self._world.engine():

@@ -312,15 +312,15 @@ class RolloutWeightReceiver:
         rollout: this process's ``VLLMRollout``.
         master_addr, port, world_size: the group that actor rank 0 hosts (``ActorWeightSync.connect``).
         rank_offset: group rank of this engine's first vLLM worker (1 for the first replica,
-            1 + its TP size for the next ...).
+            1 + its worker count for the next ...; ``VLLMRollout.num_workers``: TP x PP).
     """
 
     def __init__(self, rollout, master_addr: str, port: int, world_size: int, *, rank_offset: int = 1,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
         check_range("rank_offset", rank_offset, low=1)
-        tp = rollout.config.tensor_model_parallel_size
-        if rank_offset + tp > world_size:
-            raise ValueError(f"rank_offset={rank_offset} + the engine's {tp} worker(s) exceed world_size={world_size}")
+        workers = rollout.num_workers
+        if rank_offset + workers > world_size:
+            raise ValueError(f"rank_offset={rank_offset} + the engine's {workers} worker(s) exceed world_size={world_size}")
         self.rollout, self.master_addr, self.port, self.world_size = rollout, master_addr, port, world_size
         self.rank_offset, self.timeout_s = rank_offset, timeout_s
         self.ranks: list[int] = []

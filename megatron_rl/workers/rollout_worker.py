@@ -135,8 +135,9 @@ class RolloutWorker:
     def pad_token_id(self) -> int:
         return self.rollout.pad_token_id
 
-    def tensor_parallel_size(self) -> int:
-        return int(self.rollout.config.tensor_model_parallel_size)
+    def num_engine_workers(self) -> int:
+        """The engine's vLLM workers (``VLLMRollout.num_workers``: TP x PP), its ranks in a weight-sync side band."""
+        return self.rollout.num_workers
 
     def weight_sync_connect(self, addr: str, port: int, world_size: int, rank_offset: int = 1) -> list[int]:
         """Join actor rank 0's side band (``megatron_rl.workers.weight_sync.WeightSync.connect``) with this

@@ -133,7 +133,7 @@ class WeightSync:
 
         if not self.streamed:
             raise ValueError(f"checkpoint_engine.backend={self.config.backend!r} does not stream; nothing to connect")
-        sizes = [int(s) for s in ray.get([r.tensor_parallel_size.remote() for r in self.rollouts])]
+        sizes = [int(s) for s in ray.get([r.num_engine_workers.remote() for r in self.rollouts])]  # TP x PP each
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # replica r's first worker's rank
         world = 1 + sum(sizes)
         listened = ray.get([w.weight_sync_listen.remote(world, self.config.backend,

@@ -362,7 +362,6 @@ def test_placements_and_bad_input_are_named(tmp_path):
 
     from megatron_rl.models.families import get_family
     from megatron_rl.config.model import ModelConfig
-    from megatron_rl.rollout.vllm_rollout import RolloutConfig
     from megatron_rl.rollout.weight_sync import ActorWeightSync, RolloutWeightReceiver, choose_transport
     from parallel.transport import RemoteWeightSender
 
@@ -396,7 +395,7 @@ def test_placements_and_bad_input_are_named(tmp_path):
         RemoteWeightSender(2, transport="shm", shm_dir=str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match=r"RemoteWeightSender.send before connect\(\)"):
         RemoteWeightSender(2, transport="broadcast").send([], 10)
-    tp2_rollout = SimpleNamespace(config=RolloutConfig(tensor_model_parallel_size=2))
+    tp2_rollout = SimpleNamespace(num_workers=2)  # VLLMRollout.num_workers: the engine's TP x PP workers
     with pytest.raises(ValueError, match=r"rank_offset=1 \+ the engine's 2 worker\(s\) exceed world_size=2"):
         RolloutWeightReceiver(tp2_rollout, "127.0.0.1", port, world_size=2)
     with pytest.raises(RuntimeError, match=r"RolloutWeightReceiver.receive before connect\(\)"):

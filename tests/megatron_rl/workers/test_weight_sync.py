@@ -49,7 +49,7 @@ class _Rollout:
     def __init__(self, calls, name="rollout", tp=2):
         self.calls, self.name, self.tp = calls, name, tp
 
-    def tensor_parallel_size(self):
+    def num_engine_workers(self):  # TP x PP of the engine
         return self.tp
 
     def weight_sync_connect(self, addr, port, world, rank_offset=1):
