@@ -25,8 +25,10 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   an exit comes back), read with a byte cap and the wall deadline; at most ``max_output_bytes`` of
   each is returned; more than ``max_file_bytes`` on one pipe stops the run (``output_limit``), as
   it caps each file the code writes (RLIMIT_FSIZE);
-* **network**: a fresh network namespace (no interfaces up) where ``unshare`` may create one
-  (as root, or unprivileged through a user namespace), else the audit hook refuses sockets;
+* **network**: a fresh network namespace (no interfaces up; no abstract Unix socket of the host)
+  where ``unshare`` may create one (as root, or unprivileged through a user namespace), else the
+  audit hook refuses sockets; fresh IPC and UTS namespaces too (no System V shared memory,
+  semaphore or message queue of the host);
 * **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
   every process left in it --, else the process group is killed.
 
@@ -162,7 +164,7 @@ class Isolation:
     per run (only with ``map_to``: the runner waits for its map, so it joins before the code runs)."""
 
 
-_NAMESPACES = ("--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-child")
+_NAMESPACES = ("--net", "--pid", "--ipc", "--uts", "--mount", "--mount-proc", "--fork", "--kill-child")
 
 
 @functools.lru_cache(maxsize=None)

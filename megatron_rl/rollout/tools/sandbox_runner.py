@@ -92,7 +92,8 @@ def _install_guard(workdir: str, refuse_sockets: bool) -> None:
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE, _MNT_DETACH = 16384, 1 << 18, 2
-_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _AT_RECURSIVE, _SYS_MOUNT_SETATTR = 1, 2, 4, 0x8000, 442
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOUNT_ATTR_NOEXEC = 1, 2, 4, 8
+_AT_RECURSIVE, _SYS_MOUNT_SETATTR = 0x8000, 442
 _ST_TO_MS = {2: _MS_NOSUID, 4: _MS_NODEV, 8: _MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # statvfs -> mount
 
 
@@ -118,12 +119,14 @@ def _minimal_root(spec: dict, handles: dict) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
-    def readonly(target: str, recursive: bool) -> None:
-        attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0)
+    def readonly(target: str, recursive: bool, attrs: int = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV):
+        attr = (ctypes.c_uint64 * 4)(attrs, 0, 0, 0)  # struct mount_attr: attr_set, attr_clr, propagation, userns
         if libc.syscall(_SYS_MOUNT_SETATTR, -100, target.encode(), _AT_RECURSIVE if recursive else 0, attr, 32) == 0:
             return
         if ctypes.get_errno() != 38:  # ENOSYS (a kernel before 5.12): a remount keeping the locked flags
             raise OSError(ctypes.get_errno(), f"mount_setattr {target}")
+        if not attrs & _MOUNT_ATTR_RDONLY:
+            return  # a device's own mount flags: nothing a remount must add
         kept = sum(ms for st, ms in _ST_TO_MS.items() if os.statvfs(target).f_flag & st)
         mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | kept)
 
@@ -145,6 +148,7 @@ def _minimal_root(spec: dict, handles: dict) -> None:
     for name in ("null", "zero", "urandom"):
         open(f"{root}/dev/{name}", "x").close()
         mount(f"/dev/{name}".encode(), f"{root}/dev/{name}", None, _MS_BIND)
+        readonly(f"{root}/dev/{name}", False, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
@@ -190,11 +194,13 @@ def _drop_privileges(drop_uid) -> None:
 
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWIPC, _CLONE_NEWUTS = 0x08000000, 0x04000000
 _PR_SET_PDEATHSIG = 1
 
 
 def _enter_namespaces(spec: dict) -> dict:
-    """New user, mount, network and PID namespaces; wait for the caller's uid/gid map (its byte on
+    """New user, mount, network, PID, IPC (no System V object or POSIX queue of the host) and UTS
+    namespaces; wait for the caller's uid/gid map (its byte on
     stdin), take the namespace's root (host ``nobody``: until now this process kept host root's uid
     and groups, only unmapped), then fork the PID namespace's init, which returns (with the handles
     of ``_open_binds``). This process only waits for the init and exits as it does (as ``unshare
@@ -202,7 +208,8 @@ def _enter_namespaces(spec: dict) -> dict:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID) != 0:
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+    if libc.unshare(flags) != 0:
         raise OSError(ctypes.get_errno(), "unshare")
     handles = _open_binds(spec["root"]["binds"])  # in the new mount namespace, still as host root
     os.read(0, 1)
