@@ -7,7 +7,8 @@ budget); the replica with the fewest outstanding tokens gets the first run, so a
 with an earlier asynchronous submission gets less (``split_contiguous``). Runs are contiguous, so a
 run starting at prompt ``i`` is seeded ``seed + i * n``: every prompt draws with the seed it has in a
 one-replica run and the samples do not depend on the number of replicas. An agent session runs all
-its turns inside the replica that got it (``AgentRunner`` on that engine), so it stays there.
+its turns inside the replica that got it (``AgentRunner`` on that engine), so it stays there; its
+turns' seeds do not depend on the split either (``megatron_rl.rollout.agent.runner``).
 
 Each replica's outputs come back with its own weight version (``policy_version``); a weight sync
 goes to every replica (``megatron_rl.workers.weight_sync.WeightSync``) and all must acknowledge the
@@ -15,8 +16,11 @@ same version before the next generation. A replica that fails (its actor died, v
 the call with ``ReplicaError`` (a ``RayError``) naming the replica, its node and GPUs (``RolloutReplica.where``).
 
 ``metrics()`` gives the last step's ``rollout/replicas``, ``rollout/replica_tokens_max_over_mean``
-(load balance of generated tokens over replicas) and ``rollout/replica_gen_seconds_max`` / ``_min``
-(the slowest and fastest replica's generation time, as the driver saw each one finish).
+(load balance of generated tokens over replicas: the most loaded replica's tokens over the mean, a
+replica given nothing counting 0, so one replica doing all the work reads ``replicas``) and
+``rollout/replica_gen_seconds_max`` / ``_min`` (the slowest and fastest replica's generation time, as
+the driver saw each one finish; replicas given work only). The figures are the last call's: with
+asynchronous submissions a replica still busy with an earlier one may get nothing in this call.
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ class RolloutRouter:
         for b in batches:
             mask = b.get("response_mask")
             tokens.append(float(mask.sum()) if isinstance(mask, torch.Tensor) else 0.0)
-        self._record(tokens, seconds)
+        self._record([replica for replica, _, _ in calls], tokens, seconds)
         merged = merge_outputs(batches)
         if not tagged:
             return merged
@@ -196,9 +200,9 @@ class RolloutRouter:
     def run_agent_sessions(self, messages: list, *, uids: Sequence, n: int = 1, seed: Optional[int] = None,
                            **kwargs) -> dict:
         """``RolloutWorker.run_agent_sessions`` across the replicas: contiguous runs of prompts (each
-        prompt's ``n`` sessions on one replica, where all their turns run). The session seeds of
-        ``AgentRunner`` count sessions within one call, so with several replicas they differ from a
-        one-replica run (the per-prompt seed of each run is still ``seed + start * n``)."""
+        prompt's ``n`` sessions on one replica, where all their turns run), the run from prompt ``i``
+        seeded ``seed + i * n``; ``AgentRunner`` seeds its session ``k``'s round ``r`` with that seed
+        ``+ k + r * ROUND_SEED_STRIDE``, so every turn draws as in a one-replica run."""
         lengths = [sum(len(str(m.get("content", ""))) // 4 + 1 for m in conv) if isinstance(conv, list) else 1
                    for conv in messages]
         costs = [n * (t + self.response_length) for t in lengths]
@@ -220,7 +224,7 @@ class RolloutRouter:
             seconds.append(time.time() - start)
         tokens = [float(o["response_mask"].sum()) if isinstance(o.get("response_mask"), torch.Tensor) else 0.0
                   for o in outs]
-        self._record(tokens, seconds)
+        self._record([replica for replica, _ in refs], tokens, seconds)
         return merge_outputs(outs)
 
     # -- every replica ------------------------------------------------------------------------
@@ -245,7 +249,13 @@ class RolloutRouter:
         return [r.actor.wake_up.remote(tags) for r in self.replicas]
 
     # -- metrics ------------------------------------------------------------------------------
-    def _record(self, tokens: list[float], seconds: list[float]) -> None:
+    def _record(self, used: list[int], tokens: list[float], seconds: list[float]) -> None:
+        """One call's figures: replica ``used[i]`` generated ``tokens[i]`` in ``seconds[i]``; a replica
+        given nothing counts 0 tokens (``last_tokens``: per replica, in replica order)."""
+        per_replica = [0.0] * len(self.replicas)
+        for replica, count in zip(used, tokens):
+            per_replica[replica] += count
+        tokens = per_replica
         mean = sum(tokens) / len(tokens) if tokens else 0.0
         self._last = {"rollout/replicas": float(len(self.replicas)),
                       "rollout/replica_tokens_max_over_mean": (max(tokens) / mean) if mean > 0 else 1.0,

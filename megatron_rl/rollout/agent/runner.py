@@ -11,7 +11,10 @@ sample ``uid``, ``session_id``, ``output_index``, ``prompt_index``, ``num_turns`
 ``tokenization_match`` (None when the sanity check is off).
 
 Seeds: with a ``seed``, session ``k`` (prompt-major, like ``generate``) draws its round-``r``
-turn with ``seed + k + r * num_sessions``, so a step's sessions are reproducible.
+turn with ``seed + k + r * ROUND_SEED_STRIDE``. The stride is a constant, not the call's number of
+sessions, so a call over prompts ``[i, j)`` seeded ``seed + i * n`` (``RolloutRouter``'s runs, one per
+replica) draws every session's every turn exactly as one call over all prompts would: the samples
+do not depend on how many replicas share the step.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from megatron_rl.rollout.agent.loop import AGENT_LOOPS, register_agent_loops
 from megatron_rl.rollout.agent.session import AgentOutput, AgentSession
 from megatron_rl.rollout.tools.registry import load_tools
 
-__all__ = ["AgentRunner", "check_agent_config", "pad_outputs"]
+__all__ = ["AgentRunner", "check_agent_config", "pad_outputs", "ROUND_SEED_STRIDE"]
 
 logger = logging.getLogger(__name__)
+
+ROUND_SEED_STRIDE = 2**32
+"""Seed distance between two rounds of one session: above any step's session count, so no two
+(session, round) pairs of a call share a seed, and well inside the 64-bit seeds vLLM accepts."""
 
 
 def check_agent_config(rollout: Any) -> None:
@@ -83,7 +90,7 @@ class AgentRunner:
         order = {id(s): k for k, s in enumerate(sessions)}
         active, rnd = list(sessions), 0
         while active:
-            seeds = None if seed is None else [seed + order[id(s)] + rnd * len(sessions) for s in active]
+            seeds = None if seed is None else [seed + order[id(s)] + rnd * ROUND_SEED_STRIDE for s in active]
             turns = self.engine.generate_turns([s.context for s in active],
                                                [s.limit - len(s.response_ids) for s in active],
                                                seeds=seeds, validate=validate, **overrides)
