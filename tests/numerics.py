@@ -1,0 +1,41 @@
+"""Test tolerances derived from floating-point rounding, not from one machine's results.
+
+A reduction of n terms in a floating type errs by at most about n * eps times the magnitude of
+its terms (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2: gamma_{n-1} times
+sum |x_i|), whatever order the kernel adds them in: AVX-512, AVX2 or the scalar
+``ATEN_CPU_CAPABILITY=default`` path, one thread or several. A bound written as
+``rounding_bound(n, scale)`` therefore holds on any x86-64 CPU, where a figure that happened to
+pass on one machine fails on the next. Where two float32 paths that round differently are
+compared, each is compared with a float64 reference (whose own error is ~1e-16, negligible).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def rounding_bound(num_terms: int, scale: float, dtype: torch.dtype = torch.float32) -> float:
+    """``eps(dtype) * num_terms * scale``: the forward error of a ``num_terms``-term reduction.
+
+    ``num_terms`` is the length of the reductions on the path (summed where one feeds the next);
+    ``scale`` is the magnitude of the values reduced (the largest |exact result| where the terms
+    do not cancel, the terms' own magnitude where they do).
+    """
+    return torch.finfo(dtype).eps * num_terms * scale
+
+
+def max_abs_diff(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """The largest |got - exact|, computed in float64 so the comparison adds no rounding."""
+    return float((got.double() - exact.double()).abs().max()) if got.numel() else 0.0
+
+
+def assert_within(err: float, bound: float, what: str) -> None:
+    """Assert ``err < bound``, naming both; with ``NUMERICS_LOG=<file>`` set, also append them there
+    (how the measured errors against their bounds are gathered across CPUs and thread counts)."""
+    log = os.environ.get("NUMERICS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{what}\t{err:.3e}\t{bound:.3e}\n")
+    assert err < bound, f"{what}: error {err:.3e} is not below its bound {bound:.3e}"
