@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.algos import ADV_ESTIMATORS
+from tests.numerics import assert_within, max_abs_diff, rounding_bound
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_algos.py"
 
@@ -19,6 +20,16 @@ def _load_tool():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _grpo_bound(group_size: int, scale: float) -> float:
+    """Two float32 GRPO paths, each within eps * (group_size + 3) * scale of the exact advantages.
+
+    Dyadic rewards make the group means exact; the std (a group_size-term sum of squares, a divide
+    and a sqrt) and the final division round, relative to the advantages' scale. A population std
+    in place of the sample std moves them by ~15 %, a sample in the wrong group by ~1.
+    """
+    return 2 * rounding_bound(group_size + 3, scale)
 
 
 def test_small_run_reports_agreeing_figures():
@@ -37,7 +48,8 @@ def test_small_run_reports_agreeing_figures():
                 "grpo_speedup_vs_loop_fresh_pages_cpu_time"):
         assert result[key] > 0, key
     assert (result["num_responses"], result["group_size"], result["response_length"]) == (90, 4, 16)
-    assert result["grpo_max_abs_diff_vs_loop"] <= 1e-5
+    # |advantage| <= (n - 1) / sqrt(n) for a group of n normalised by its sample std (1.5 for n = 4).
+    assert_within(result["grpo_max_abs_diff_vs_loop"], _grpo_bound(4, 3 / 2), "bench_algos grpo vs loop")
     assert result["grpo_speedup_vs_loop"] == pytest.approx(result["grpo_loop_ms"] / result["grpo_ms"], rel=1e-2)
     assert result["grpo_speedup_vs_loop_fresh_pages"] == pytest.approx(
         result["grpo_loop_fresh_pages_ms"] / result["grpo_fresh_pages_ms"], rel=1e-2)
@@ -90,7 +102,8 @@ def test_loop_reference_matches_the_registry(norm):
     ours, _ = ADV_ESTIMATORS["grpo"](token_level_rewards=batch["token_level_rewards"],
                                       response_mask=batch["response_mask"], index=batch["index"],
                                       norm_adv_by_std_in_grpo=norm)
-    torch.testing.assert_close(ours, loop, atol=1e-6, rtol=1e-6)
+    assert ours.shape == loop.shape and ours.dtype == loop.dtype == torch.float32
+    assert_within(max_abs_diff(ours, loop), _grpo_bound(4, float(loop.abs().max())), f"grpo norm={norm} vs loop")
     assert loop[5, 0].item() == pytest.approx(batch["token_level_rewards"][5].sum().item() / (1 + 1e-6) if norm
                                               else batch["token_level_rewards"][5].sum().item())
     assert batch["token_level_rewards"].shape == (30, 8) and bool((batch["response_mask"].sum(-1) >= 1).all())
