@@ -39,3 +39,15 @@ def assert_within(err: float, bound: float, what: str) -> None:
         with open(log, "a") as f:
             f.write(f"{what}\t{err:.3e}\t{bound:.3e}\n")
     assert err < bound, f"{what}: error {err:.3e} is not below its bound {bound:.3e}"
+
+
+def gpt_forward_terms(model: dict, seq_len: int) -> int:
+    """The reduction lengths along one forward of a dense GPT (the n of ``rounding_bound``).
+
+    Per layer: RMSNorm, QKV, q.k over a head, softmax and p.v over the sequence, the output
+    projection, RMSNorm, fc1 and fc2; then the final norm, the output layer and the softmax over
+    the vocabulary. ``model``: ModelConfig keyword arguments (num_layers, hidden_size, ...).
+    """
+    hidden, ffn = model["hidden_size"], model["ffn_hidden_size"]
+    head_dim = hidden // model["num_attention_heads"]
+    return model["num_layers"] * (6 * hidden + head_dim + 2 * seq_len + ffn) + 2 * hidden + model["vocab_size"]
