@@ -19,7 +19,12 @@ SIGINT stop the run cleanly, the workers and Ray shut down, and ``run_train`` ra
 Run directory (``trainer.default_local_dir``; the CPU recipes set ``outputs/<experiment_name>``)::
 
     base_model/  sft_model/  train.parquet  config.yaml  metrics.jsonl  global_step_N/  stacks/
-    reward_curve.png  final_hf/  summary.json
+    validation/<step>.jsonl  reward_curve.png  final_hf/  summary.json
+
+The terminal shows one ``[val]`` line per validation (step, mean reward, exact-answer fraction); the samples
+are in ``validation/<step>.jsonl`` (``trainer.validation_data_dir``, which the job sets there when it is
+unset). ``summary.json`` and the closing ``done:`` line give the validation reward at the first and the last
+validation beside the training reward.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from megatron_rl.job.report import (
     as_number,
     fmt_ratio,
     plot_reward_curve,
+    validation_exact,
     validation_reward,
 )
 from megatron_rl.trainer.checkpoint import Selection, last_good_checkpoint
@@ -202,6 +208,8 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
             f"{'GPU' if plan.device == 'cuda' else 'rank'} ({plan.peak_phase})")
         log(f"megatron-rl train: {recipe or 'grpo'} -> {out_dir}" + (f" (resuming {resume.path.name})" if resume.path
                                                                     else ""))
+        if config.trainer.validation_data_dir is None:  # samples go to <run dir>/validation/<step>.jsonl; the
+            config.trainer.validation_data_dir = str(out_dir / "validation")  # terminal gets one [val] line each
         config_text = dump_config(config)
         if progress:  # the bar replaces the console logger's line per step
             config.trainer.logger = [name for name in config.trainer.logger if name != "console"]
@@ -305,7 +313,8 @@ def _report(config: TrainerRunConfig, out_dir: Path, history: list, staged: Opti
     history = [row for row in rows if as_number(row.get(REWARD_KEY)) is not None]  # steps not skipped
     if not history:
         raise RuntimeError(f"no training step of {out_dir} produced a reward (see metrics.jsonl)")
-    validation = [(int(row["step"]), v) for row in rows if (v := validation_reward(row)) is not None]
+    val_rows = [row for row in rows if validation_reward(row) is not None]
+    validation = [(int(row["step"]), validation_reward(row)) for row in val_rows]
     png = out_dir / "reward_curve.png"
     png_tmp = staging_dir(png)
     try:
@@ -324,7 +333,13 @@ def _report(config: TrainerRunConfig, out_dir: Path, history: list, staged: Opti
         # exact-answer rate (rule rewards that report "acc"); None when not logged or not finite
         "first_step_exact": as_number(history[0].get("reward/acc/mean")),
         "last_step_exact": as_number(history[-1].get("reward/acc/mean")),
+        # greedy validation reward (and exact-answer rate) at the first and the last validation
+        "first_val_step": validation[0][0] if validation else None,
+        "first_val_reward": validation[0][1] if validation else None,
+        "first_val_exact": validation_exact(val_rows[0]) if validation else None,
+        "last_val_step": validation[-1][0] if validation else None,
         "last_val_reward": validation[-1][1] if validation else None,
+        "last_val_exact": validation_exact(val_rows[-1]) if validation else None,
         "rl_seconds": rl_seconds,
         "wall_seconds": time.perf_counter() - wall, "output_dir": str(out_dir),
         "metrics": str(out_dir / "metrics.jsonl"), "reward_curve": str(png), "hf_checkpoint": str(final),
@@ -336,6 +351,10 @@ def _report(config: TrainerRunConfig, out_dir: Path, history: list, staged: Opti
         f"(RL {rl_seconds:.0f}s); mean reward {rewards[0]:.3f} (step 1) -> {rewards[-1]:.3f} "
         f"(step {len(rewards)}), gain {summary['reward_gain']:+.3f}"
         + (f"; exact answers {fmt_ratio(summary['first_step_exact'])} -> {fmt_ratio(summary['last_step_exact'])}"
-           if history[-1].get("reward/acc/mean") is not None else "") + "\n"
+           if history[-1].get("reward/acc/mean") is not None else "")
+        + (f"\n  validation:     reward {summary['first_val_reward']:.3f} (step {summary['first_val_step']}) -> "
+           f"{summary['last_val_reward']:.3f} (step {summary['last_val_step']})"
+           + (f", exact {fmt_ratio(summary['first_val_exact'])} -> {fmt_ratio(summary['last_val_exact'])}"
+              if summary["last_val_exact"] is not None else "") if validation else "") + "\n"
         f"  metrics:        {summary['metrics']}\n  reward curve:   {png}\n  HF checkpoint:  {final}")
     return summary

@@ -7,11 +7,13 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["plot_reward_curve", "REWARD_KEY", "algorithm_label", "validation_reward", "as_number", "fmt_ratio"]
+__all__ = ["plot_reward_curve", "REWARD_KEY", "algorithm_label", "validation_reward", "validation_exact", "as_number",
+           "fmt_ratio"]
 
 REWARD_KEY = "critic/score/mean"
 """The per-step mean training reward (rule score of every sampled response)."""
 _VAL_CORE = re.compile(r"^val-core/.+/reward/mean@\d+$")
+_VAL_ACC = re.compile(r"^val-aux/.+/acc/mean@\d+$")
 _ESTIMATOR_LABELS = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "remax": "ReMax",
                      "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
                      "gdpo": "GDPO", "opo": "OPO", "grpo_passk": "GRPO-pass@k"}
@@ -54,11 +56,18 @@ def validation_reward(row: dict) -> Optional[float]:
     return sum(float(v) for v in values) / len(values) if values else None
 
 
+def validation_exact(row: dict) -> Optional[float]:
+    """The mean of a metrics row's ``val-aux/<source>/acc/mean@<n>`` values (the exact-answer rate of the
+    validation), or None when the reward reports no ``acc``."""
+    values = [v for k, v in row.items() if _VAL_ACC.match(k) and as_number(v) is not None]
+    return sum(float(v) for v in values) / len(values) if values else None
+
+
 def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "", window: int = 10,
                       validation: Sequence[tuple[int, float]] = ()) -> Path:
-    """Mean training reward per step, its ``window``-step moving average, (when logged) the
-    exact-answer rate ``reward/acc/mean`` and the validation reward at the steps in ``validation``
-    (``(step, reward)``), as a PNG at ``path``."""
+    """Mean training reward per step, its ``window``-step moving average and the validation reward at the
+    steps in ``validation`` (``(step, reward)``) on the left axis, and (when logged) the exact-answer rate
+    ``reward/acc/mean`` in % on its own right axis, as a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
@@ -71,8 +80,14 @@ def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = ""
     ax.plot(steps, mean, color="C0", alpha=0.35, linewidth=1, label="mean reward")
     ax.plot(steps, smooth, color="C0", linewidth=2, label=f"mean reward ({window}-step avg)")
     acc = [(s, as_number(h.get("reward/acc/mean"))) for s, h in zip(steps, history)]
-    if acc and all(v is not None for _, v in acc):
-        ax.plot([s for s, _ in acc], [v for _, v in acc], color="C1", alpha=0.7, linewidth=1, label="exact answers")
+    handles = []
+    if acc and all(v is not None for _, v in acc):  # a rate of its own, often far below the reward: its own axis
+        exact_ax = ax.twinx()
+        handles += exact_ax.plot([s for s, _ in acc], [100 * v for _, v in acc], color="C1", alpha=0.7, linewidth=1,
+                                 label="exact answers (%, right axis)")
+        exact_ax.set_ylabel("exact answers (%)", color="C1")
+        exact_ax.set_ylim(0, max(5.0, 100 * max(v for _, v in acc) * 1.1))
+        exact_ax.tick_params(axis="y", colors="C1")
     if validation:
         ax.plot([s for s, _ in validation], [v for _, v in validation], color="C2", marker="o", markersize=4,
                 linewidth=1.5, label="validation reward")
@@ -81,7 +96,8 @@ def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = ""
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    lines, labels = ax.get_legend_handles_labels()
+    ax.legend(lines + handles, labels + [h.get_label() for h in handles], loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(str(path), format="png")
     plt.close(fig)

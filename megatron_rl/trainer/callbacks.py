@@ -25,7 +25,7 @@ from megatron_rl.trainer.checkpoint import (
 )
 from parallel.checkpoint import DiskFullError, free_bytes, fmt_bytes, is_disk_full
 
-__all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump"]
+__all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump", "validation_line"]
 
 
 class GenerationDump:
@@ -156,8 +156,10 @@ class Validator:
     def validate(self, step: int = 0) -> dict[str, float]:
         """Generate for the whole validation set and score it: ``val-core/<data_source>/reward/mean@<n>``
         and ``val-aux/...`` for the reward's other keys (verl's names; non-finite values are counted as
-        ``.../num_nonfinite``, not averaged). Prints ``trainer.log_val_generations`` samples (through
-        ``tqdm.write``, so that a progress bar stays intact); dumps all of them as ``<step>.jsonl``."""
+        ``.../num_nonfinite``, not averaged). Prints one line (``validation_line``: step, mean reward, exact
+        fraction; through ``tqdm.write``, so that a progress bar stays intact) and dumps every sample as
+        ``<step>.jsonl``; without a dump directory the first ``trainer.log_val_generations`` samples are
+        printed under that line instead."""
         from megatron_rl.trainer.watchdog import phase
 
         with phase("testing", {}):  # verl's name of the validation phase
@@ -186,17 +188,38 @@ class Validator:
             prompts_text = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(out.scores)
             samples.extend(zip(prompts_text, out.response_texts, out.scores.tolist()))
             gts.extend(ground_truths(batch))
-        for prompt, text, score in samples[: self.cfg.log_val_generations]:
-            tqdm.write(f"[val] {_one_line(prompt_text(prompt))} -> {_one_line(text)} (score {score:.3f})")
+        shown = self.cfg.log_val_generations
+        dumped = None
         if self.dump is not None and samples:
             inputs, outputs, scores = (list(col) for col in zip(*samples))
-            self.dump.write(step, inputs, outputs, gts, scores)
+            dumped = self.dump.write(step, inputs, outputs, gts, scores)
+        tqdm.write(validation_line(step, per_source, dumped))
+        if dumped is None:  # no dump file to keep them in: show the first ``log_val_generations`` here
+            for prompt, text, score in samples[:shown]:
+                tqdm.write(f"[val]   {_one_line(prompt_text(prompt))} -> {_one_line(text)} (score {score:.3f})")
         metrics = {}
         for src, keys in per_source.items():
             for key, values in keys.items():
                 tier = "val-core" if key == "reward" else "val-aux"
                 metrics.update(finite_means({key: values}, prefix=f"{tier}/{src}/", suffix=f"/mean@{n}"))
         return metrics
+
+
+def validation_line(step: int, per_source: dict[str, dict[str, list]], dumped: Optional[Path] = None) -> str:
+    """One line per validation: the step, the mean reward over every sample, the exact-answer fraction
+    (the mean of the reward's ``acc``, finite values only; the training ``reward/acc/mean``) when the reward
+    reports one, and where the samples are."""
+    import math
+
+    rewards = [float(v) for keys in per_source.values() for v in keys.get("reward", ()) if math.isfinite(float(v))]
+    acc = [float(v) for keys in per_source.values() for v in keys.get("acc", ())
+           if isinstance(v, (int, float)) and math.isfinite(float(v))]
+    text = f"[val] step {step}: mean reward {sum(rewards) / len(rewards):.3f}" if rewards else f"[val] step {step}: " \
+        "no finite reward"
+    if acc:
+        text += f", exact {sum(acc) / len(acc):.1%}"
+    text += f" ({len(rewards)} samples)"
+    return text + (f"; samples in {dumped}" if dumped is not None else "")
 
 
 def prompt_text(prompt: Any) -> str:

