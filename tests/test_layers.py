@@ -1,4 +1,4 @@
-"""The import layers of ARCHITECTURE.md hold: ``lint-imports`` keeps every contract of .importlinter."""
+"""The import layers of docs/architecture.md hold: ``lint-imports`` keeps every contract of .importlinter."""
 
 import shutil
 import subprocess

@@ -3,7 +3,8 @@
 Every key ``megatron-rl train`` accepts is one row: the leaves of ``TrainerRunConfig`` (type, default,
 verl's key, the field's docstring -- or, for a key in ``megatron_rl.config.compat.INERT_KEYS``, why it
 has no effect) and then verl 0.9.1's keys that the typed tree has no field for but accepts with no
-effect (grouped by their reason). Nothing here is written by hand: the docs build (``docs/hooks.py``)
+effect (grouped by their reason), and verl's deprecated micro-batch keys that act through a per-GPU field.
+Nothing here is written by hand: the docs build (``docs/hooks.py``)
 calls ``render()``, so the page cannot disagree with the code; ``tests/test_docs.py`` checks the page
 against the schema's leaves, verl's catalogue and the inert list independently.
 
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-__all__ = ["Row", "field_docs", "schema_rows", "verl_only_rows", "render"]
+__all__ = ["Row", "field_docs", "schema_rows", "verl_only_rows", "translated_rows", "render"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,22 @@ def verl_only_rows() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+def translated_rows() -> list[tuple[str, str, str]]:
+    """verl's deprecated global micro-batch keys, which act by setting a per-GPU field:
+    ``[(key, verl default, the field it sets)]``."""
+    from megatron_rl.config.schema import all_paths
+    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.verl_keys import TRANSLATED, verl_catalogue
+
+    known = set(all_paths(TrainerRunConfig))
+    out = []
+    for path, default in sorted(verl_catalogue().items()):
+        parent, _, leaf = path.rpartition(".")
+        if leaf in TRANSLATED and path not in known and f"{parent}.{TRANSLATED[leaf]}" in known:
+            out.append((path, _default(default), f"{parent}.{TRANSLATED[leaf]}"))
+    return out
+
+
 def _free_form(path: str) -> bool:
     """A schema field whose value is an open mapping (keys under it are its own)."""
     from megatron_rl.config.schema import field_hint
@@ -198,6 +215,11 @@ def render() -> str:
             lines.append(f"| `{r.key}` | `{_cell(r.type)}` | {_cell(r.default)} | {'same' if r.verl_key else '—'} "
                          f"| {_cell(what)} |")
         lines.append("")
+    lines += ["## verl's deprecated micro-batch keys", "",
+              "verl's global micro-batch sizes act: each sets the per-GPU key beside it to `value // data-parallel "
+              "size`, as verl's workers do.", "", "| verl key | verl's default | sets |", "|---|---|---|"]
+    lines += [f"| `{key}` | `{_cell(default)}` | `{target}` |" for key, default, target in translated_rows()]
+    lines.append("")
     lines += ["## verl keys without a field here (inert)", "",
               "These keys of verl's config have no field in the typed tree; they are accepted (and read back as "
               "given on their section) but do nothing. Grouped by the reason.", ""]

@@ -1,6 +1,6 @@
 """The single-controller PPO/GRPO trainer: one driver process calls Ray worker groups.
 
-``RayPPOTrainer.fit()`` is the loop of verl's ``RayPPOTrainer.fit`` (ARCHITECTURE.md, "One
+``RayPPOTrainer.fit()`` is the loop of verl's ``RayPPOTrainer.fit`` (docs/architecture.md, "One
 training step"), on one screen: the rollout phase (``RolloutPhase``: generation, rewards, DAPO
 rounds, ReMax's baseline) -> DP balance -> old log-probs (actor; rollout correction) -> reference
 log-probs -> teacher log-probs -> values -> KL-in-reward and advantages (the estimator's registry entry,
