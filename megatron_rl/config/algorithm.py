@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from megatron_rl.config.base import INTERNAL, BaseConfig, check_choice, check_range
@@ -312,9 +313,16 @@ class OptimConfig(BaseConfig):
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (over all model-parallel ranks); 0 disables."""
+    override_optimizer_config: Optional[dict] = None
+    """Fields of Megatron's ``OptimizerConfig`` set on top of the ones above, as verl sets them
+    (``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``,
+    ``use_precision_aware_optimizer`` ...); a name megatron-core lacks is refused when the optimizer is built."""
 
     def __post_init__(self) -> None:
         check_choice("optim.optimizer", self.optimizer, ("adam", "sgd"))
+        if self.override_optimizer_config is not None and not isinstance(self.override_optimizer_config, Mapping):
+            raise ValueError(f"optim.override_optimizer_config={self.override_optimizer_config!r} must be a mapping "
+                             "of Megatron OptimizerConfig fields")
         check_choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine", "inverse-square-root"))
         check_range("optim.lr", self.lr, low=0.0)
         check_range("optim.clip_grad", self.clip_grad, low=0.0)

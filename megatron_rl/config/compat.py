@@ -15,12 +15,10 @@ own default of each comes from ``megatron_rl/config/verl/ppo_megatron_trainer.ya
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import warnings
-from typing import Any, Iterator
 
-__all__ = ["INERT_KEYS", "InertKeyWarning", "inert_pattern", "inert_reason", "warn_inert_keys"]
+__all__ = ["INERT_KEYS", "InertKeyWarning", "inert_pattern", "inert_reason", "warn_once", "NOT_BUILT", "not_built_reason"]
 
 INERT_KEYS: dict[str, str] = {
     "reward.reward_model.megatron.*_offload|actor_rollout_ref.ref.megatron.use_distributed_optimizer"
@@ -55,10 +53,10 @@ INERT_KEYS: dict[str, str] = {
         "checkpoints are always Megatron distributed checkpoints of model, optimizer and RNG state (saved and "
         "loaded at any layout through parallel.bridge, the optimizer state resharded over DP under "
         "megatron.use_distributed_optimizer); verl's format and upload switches have nothing to choose",
-    "*.optim.muon_*|*.optim.*_dtype|*.optim.*wsd*|*.optim.weight_decay_incr_style|*.optim.use_*"
-    "|*.optim.override_optimizer_config":
-        "only AdamW / SGD with the configured schedule are built (no Muon, precision-aware or layer-wise "
-        "optimizers, WSD decay, weight-decay schedules or optimizer-state dtypes)",
+    "*.optim.muon_*|*.optim.*_dtype|*.optim.*wsd*|*.optim.weight_decay_incr_style|*.optim.use_*":
+        "only AdamW / SGD with the configured schedule are built (no Muon or layer-wise optimizers, WSD decay "
+        "or weight-decay schedules); Megatron's own optimizer options (precision-aware, CPU offload, state "
+        "dtypes) are set through optim.override_optimizer_config",
     "*.megatron.pad_*|*.model.use_remove_padding|*.megatron.dynamic_context_parallel"
     "|*.megatron.max_seqlen_per_dp_cp_rank":
         "packing is *.megatron.use_remove_padding (each micro-batch one THD sequence, aligned only as TP/CP "
@@ -127,6 +125,22 @@ INERT_KEYS: dict[str, str] = {
 }
 """Dotted-path pattern -> why the key has no effect (shown in the warning)."""
 
+NOT_BUILT: dict[str, str] = {
+    "*.model.lora_rank|*.model.lora.rank|*.model.lora_adapter_path|*.model.lora.adapter_path":
+        "LoRA is not built here, and accepting the key would train every parameter instead of the adapters "
+        "(leave the rank at 0 and no adapter path to train the full model)",
+}
+"""verl keys accepted only at verl's default: a value away from it would change results, so it is refused
+with the reason (an accepted key that changes results is never inert). Patterns as in ``INERT_KEYS``."""
+
+
+def not_built_reason(path: str) -> str | None:
+    """Why the key at ``path`` may only hold verl's default (``NOT_BUILT``), or None."""
+    for entry, reason in NOT_BUILT.items():
+        if any(fnmatch.fnmatchcase(path, pattern) for pattern in entry.split("|")):
+            return reason
+    return None
+
 
 class InertKeyWarning(UserWarning):
     """A key accepted for verl compatibility was set, but it has no effect here."""
@@ -146,29 +160,7 @@ def inert_reason(path: str) -> str | None:
     return None if entry is None else INERT_KEYS[entry]
 
 
-def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """``(path, value, default)`` of every leaf under the built config section ``config``."""
-    for f in dataclasses.fields(config):
-        if f.metadata.get("internal"):
-            continue
-        value = getattr(config, f.name)
-        path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            yield from _leaves(value, f"{path}.")
-            continue
-        default = f.default_factory() if f.default is dataclasses.MISSING and f.default_factory is not \
-            dataclasses.MISSING else f.default
-        yield path, value, default
-
-
-def warn_inert_keys(config: Any) -> list[str]:
-    """Warn (``InertKeyWarning``) for every inert key of ``config`` set to a non-default value;
-    return the warnings' texts."""
-    messages = []
-    for path, value, default in _leaves(config):
-        reason = inert_reason(path)
-        if reason is not None and value != default:
-            messages.append(f"{path}={value!r} is accepted for verl compatibility but has no effect here: {reason}")
-    for message in messages:
-        warnings.warn(message, InertKeyWarning, stacklevel=3)
-    return messages
+def warn_once(message: str) -> None:
+    """``InertKeyWarning(message)``, attributed to this line: Python's default filter shows one text once
+    per process however many times a config is built (a per-caller location showed it once per caller)."""
+    warnings.warn(message, InertKeyWarning, stacklevel=1)

@@ -11,9 +11,10 @@ A verl config file loads the same way: Hydra's ``defaults:`` list works like ``b
 names a YAML file beside the including one, or ``ppo_megatron_trainer`` / ``ppo_trainer``, verl's
 own config, kept in ``megatron_rl/config/verl``; ``_self_`` and ``model_engine: megatron`` are
 accepted), a top-level ``hydra:`` section (Hydra's own settings) is dropped, and overrides take
-Hydra's syntax: ``key=value``, ``+key=value`` (add a key the file does not have; an error if it
-does), ``++key=value`` (add or override), ``~key`` / ``~key=value`` (delete; an error if the key
-is missing) and ``key=null``.
+Hydra's syntax: ``key=value``, ``+key=value`` (add a key the file does not have or holds as null, as
+Hydra 1.3 does; an error if it holds a value), ``++key=value`` (add or override), ``~key`` / ``~key=value`` (delete; an error if the key
+is missing) and ``key=null``. Keys of older verl versions (``reward_model.reward_kwargs.*``, ``actor.router_replay.*``
+...) are read as their successors (``megatron_rl.config.verl_keys.LEGACY_KEYS``, each with a note).
 
 Built-in recipes live in the repository's ``recipes/`` directory; an installed wheel carries
 them as package data under ``megatron_rl/recipes`` (see setup.py).
@@ -30,6 +31,7 @@ from typing import Any, Sequence, Union
 from megatron_rl.config.base import BaseConfig
 from megatron_rl.config.schema import VERL_ONLY, check_key, check_keys, coerce, config_class
 from megatron_rl.config.trainer import TrainerRunConfig
+from megatron_rl.config.verl_keys import ONE_AS_LIST, migrate_legacy
 
 __all__ = [
     "DEFAULT_RECIPE",
@@ -217,9 +219,11 @@ def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[st
             with open_dict(node):
                 del node[last]
             continue
-        if op == "add" and _has_key(cfg, key):
+        if op == "add" and _has_key(cfg, key) and OmegaConf.select(cfg, key) is not None:  # Hydra 1.3: null adds
             raise ValueError(f"cannot add {key!r} (in {source}): the configuration already has it; use "
                              f"{key}=... to change it, or ++{key}=... to add or change it")
+        if key in ONE_AS_LIST and isinstance(value, str):
+            value = [value]
         hint = check_key(TrainerRunConfig, key, source=source, value=value) if check else VERL_ONLY
         sub = config_class(hint) if hint is not VERL_ONLY else None
         if sub is not None and isinstance(value, Mapping):
@@ -232,9 +236,11 @@ def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[st
         with open_dict(cfg):
             OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     try:
-        return OmegaConf.to_container(cfg, resolve=True)
+        out = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise ValueError(f"cannot resolve the configuration: {err}") from None
+    migrate_legacy(out)  # older verl keys -> their successors, so the key table and the build agree
+    return out
 
 
 def load_config(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = ()) -> TrainerRunConfig:

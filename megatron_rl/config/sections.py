@@ -172,7 +172,9 @@ class ModelSourceConfig(BaseConfig):
     trained on the task's texts with ``config.vocab_size`` entries."""
     override_config: dict = field(default_factory=dict)
     """``ModelConfig`` fields set on top of the checkpoint's (``freeze_router``, ``moe_router_dtype``,
-    ``make_vocab_size_divisible_by`` ...)."""
+    ``make_vocab_size_divisible_by`` ...) and, as in verl, HF config keys set on the checkpoint's config
+    before it is read (under ``model_config`` or at the top: ``max_position_embeddings``, ``attention_dropout``;
+    a key the HF config lacks is refused when it is read, ``megatron_rl.models.families.apply_hf_overrides``)."""
     trust_remote_code: bool = False
     """Allow custom modelling code when reading an HF checkpoint or tokenizer."""
     custom_chat_template: Optional[str] = None
@@ -180,9 +182,14 @@ class ModelSourceConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         names = [f.name for f in dataclasses.fields(ModelConfig)]
-        for key in self.override_config:
-            if key not in names:
-                raise ValueError(f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)}")
+        wrapped = self.override_config.get("model_config", {})
+        if not isinstance(wrapped, Mapping):
+            raise ValueError(f"model.override_config.model_config={wrapped!r} must be a mapping of HF config keys")
+        if self.config is not None or self.path is None:  # no HF config to set keys on: only ModelConfig fields
+            for key in self.override_config:
+                if key not in names:
+                    raise ValueError(f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)} "
+                                     "(HF config keys apply to a checkpoint given by model.path)")
 
     @property
     def is_inline(self) -> bool:

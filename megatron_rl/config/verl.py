@@ -26,6 +26,7 @@ from megatron_rl.config.verl_keys import (
     differs_from_verl,
     is_verl_key,
     leaves_of,
+    not_built_refusal,
 )
 
 __all__ = ["VERL_CONFIG_DIR", "omega_conf_to_dataclass", "KeyTable", "key_table", "format_key_table"]
@@ -83,6 +84,8 @@ class KeyTable:
     warned: list[str] = dataclasses.field(default_factory=list)
     refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """``(key, nearest valid keys)``."""
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Why a refused verl key is refused where it is one of verl's (``compat.NOT_BUILT``)."""
 
 
 def key_table(data: Mapping[str, Any], root: type) -> KeyTable:
@@ -108,7 +111,11 @@ def key_table(data: Mapping[str, Any], root: type) -> KeyTable:
                 table.acted.append(path)
                 continue
             for leaf, leaf_value in leaves_of(value, path):
-                if inert_reason(leaf) is not None and is_verl_key(leaf):
+                reason = not_built_refusal(leaf, leaf_value)
+                if reason is not None:
+                    table.refused.append((leaf, ""))
+                    table.reasons[leaf] = reason
+                elif inert_reason(leaf) is not None and is_verl_key(leaf):
                     table.inert.append(leaf)
                     if differs_from_verl(leaf, leaf_value):
                         table.warned.append(leaf)
@@ -141,5 +148,6 @@ def format_key_table(table: KeyTable, source: str = "config") -> str:
     if len(table.warned) > 20:
         lines.append(f"    ... and {len(table.warned) - 20} more warned keys")
     for key, nearest in table.refused:
-        lines.append(f"    refused: {key}" + (f"  (nearest valid key: {nearest})" if nearest else ""))
+        why = f"  ({table.reasons[key]})" if key in table.reasons else f"  (nearest valid key: {nearest})" if nearest else ""
+        lines.append(f"    refused: {key}{why}")
     return "\n".join(lines)

@@ -25,9 +25,9 @@ import functools
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-from megatron_rl.config.compat import InertKeyWarning, inert_reason
+from megatron_rl.config.compat import inert_reason, not_built_reason, warn_once
 
 __all__ = [
     "VERL_CONFIG_DIR",
@@ -48,6 +48,15 @@ __all__ = [
     "verl_only_refusal",
     "same_value",
     "leaves_of",
+    "LEGACY_KEYS",
+    "RETIRED_KEYS",
+    "ONE_AS_LIST",
+    "LegacyKeyWarning",
+    "legacy_successor",
+    "migrate_legacy",
+    "not_built_refusal",
+    "check_built",
+    "warn_inert_keys",
 ]
 
 VERL_CONFIG_DIR = Path(__file__).resolve().parent / "verl"
@@ -231,12 +240,157 @@ all null, and that is accepted; a value set there is refused, pointing at the ``
 
 
 def verl_only_refusal(path: str, value: Any) -> Optional[str]:
-    """None when the verl-only key at ``path`` (with its whole subtree) is accepted, else the refused leaf."""
+    """None when the verl-only key at ``path`` (with its whole subtree) is accepted, else the refused leaf
+    (a key of an older verl with a successor in ``LEGACY_KEYS`` or listed in ``RETIRED_KEYS`` is accepted:
+    ``migrate_legacy`` moves or drops it before the config is built)."""
     legacy = path.partition(".")[0] in LEGACY_SECTIONS
     for leaf, leaf_value in leaves_of(value, path):
+        check_built(leaf, leaf_value)
+        if legacy_successor(leaf) is not None or leaf in RETIRED_KEYS:
+            continue
         if inert_reason(leaf) is None or not is_verl_key(leaf) or (legacy and leaf_value is not None):
             return leaf
     return None
+
+
+def not_built_refusal(path: str, value: Any) -> Optional[str]:
+    """The reason ``path=value`` is refused (a ``compat.NOT_BUILT`` key away from verl's default), or None."""
+    reason = not_built_reason(path)
+    return reason if reason is not None and differs_from_verl(path, value) else None
+
+
+def check_built(path: str, value: Any) -> None:
+    """``ValueError`` with the reason when ``path=value`` asks for a feature that is not built (``NOT_BUILT``)."""
+    reason = not_built_refusal(path, value)
+    if reason is not None:
+        raise ValueError(f"{path}={value!r} is refused: {reason}")
+
+
+# ----------------------------------------------------------------------------- older verl versions' keys
+LEGACY_KEYS: tuple[tuple[str, str], ...] = (
+    ("reward_model.num_workers", "reward.num_workers"),
+    ("reward_model.reward_manager", "reward.reward_manager.name"),
+    ("reward_model.reward_loop_source", "reward.reward_manager.source"),
+    ("reward_model.reward_loop_module_path", "reward.reward_manager.module.path"),
+    ("reward_model.reward_loop_class_name", "reward.reward_manager.module.name"),
+    ("reward_model.enable", "reward.reward_model.enable"),
+    ("reward_model.enable_resource_pool", "reward.reward_model.enable_resource_pool"),
+    ("reward_model.n_gpus_per_node", "reward.reward_model.n_gpus_per_node"),
+    ("reward_model.nnodes", "reward.reward_model.nnodes"),
+    ("reward_model.model.path", "reward.reward_model.model_path"),
+    ("reward_model.reward_kwargs", "reward.reward_kwargs"),
+    ("reward_model.rollout", "reward.reward_model.rollout"),
+    ("custom_reward_function", "reward.custom_reward_function"),
+    ("sandbox_fusion", "reward.sandbox_fusion"),
+    ("actor_rollout_ref.actor.router_replay", "actor_rollout_ref.actor.megatron.router_replay"),
+)
+"""``(older key or section, its successor)``: verl's own migration (``migrate_legacy_reward_impl`` of
+verl 0.9.1's reward loop, which moves every non-null legacy reward leaf under ``reward``) and the
+router-replay options that moved under ``actor.megatron``. A section maps every key below it."""
+
+RETIRED_KEYS: dict[str, str] = {
+    "trainer.use_legacy_worker_impl": "verl's switch between its old and new worker classes; one worker "
+                                      "implementation is built here",
+    "reward_model.use_reward_loop": "verl's switch to its reward loop; rewards are always scored in the rollout phase",
+}
+"""Keys an older verl accepted that name no setting here: dropped with a note giving the reason."""
+
+ONE_AS_LIST = ("trainer.logger",)
+"""List keys verl also takes as one string (``trainer.logger=console``)."""
+
+
+class LegacyKeyWarning(UserWarning):
+    """A key of an older verl version was read as its successor (or dropped, with the reason)."""
+
+
+def legacy_successor(path: str) -> Optional[str]:
+    """The current key of the older verl key ``path``, or None when it has none."""
+    for old, new in LEGACY_KEYS:
+        if path == old or path.startswith(old + "."):
+            return new + path[len(old):]
+    return None
+
+
+def _pop_path(data: dict, path: str) -> Any:
+    parent = _get(data, path.rpartition(".")[0]) if "." in path else data
+    return parent.pop(path.rpartition(".")[2]) if isinstance(parent, dict) else None
+
+
+def _set_path(data: dict, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node = data
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
+def _prune(data: dict, path: str) -> None:
+    """Remove the mapping at ``path`` and each parent that a move left empty (verl's null legacy leaves stay)."""
+    while path:
+        node = _get(data, path)
+        if not (isinstance(node, dict) and not node):
+            return
+        _pop_path(data, path)
+        path = path.rpartition(".")[0]
+
+
+def migrate_legacy(data: dict) -> list[str]:
+    """Older verl keys on plain data, in place: each non-null leaf of ``LEGACY_KEYS`` moves to its successor
+    (over the successor's value, as verl's migration does; mappings it leaves empty are removed) and
+    ``RETIRED_KEYS`` are dropped; verl's null legacy leaves stay (accepted as before); returns one note per key (also warned, ``LegacyKeyWarning``)."""
+    notes = []
+    for path, reason in RETIRED_KEYS.items():
+        if _get(data, path) is not None:
+            notes.append(f"{path}={_pop_path(data, path)!r} (an older verl's key) has no effect here: {reason}")
+    for old, new in LEGACY_KEYS:
+        section = _get(data, old)
+        if section is None:
+            continue
+        for leaf, value in list(leaves_of(section, old)):
+            if value is None or (isinstance(value, Mapping) and not value):
+                continue
+            _pop_path(data, leaf)
+            _prune(data, leaf.rpartition(".")[0])
+            _set_path(data, legacy_successor(leaf), value)
+            notes.append(f"{leaf} is an older verl's key: read as {legacy_successor(leaf)}")
+    for note in notes:
+        warnings.warn(note, LegacyKeyWarning, stacklevel=1)
+    return notes
+
+
+# ----------------------------------------------------------------------------- inert keys of a built config
+def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """``(path, value, default)`` of every leaf under the built config section ``config``."""
+    for f in dataclasses.fields(config):
+        if f.metadata.get("internal"):
+            continue
+        value = getattr(config, f.name)
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _leaves(value, f"{path}.")
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING and f.default_factory is not \
+            dataclasses.MISSING else f.default
+        yield path, value, default
+
+
+def warn_inert_keys(config: Any) -> list[str]:
+    """Warn (``InertKeyWarning``) for every inert key of ``config`` set to a value that is neither the
+    field's default nor verl's (``algorithm.pf_ppo`` holds verl's options by default); return the texts."""
+    def verl_default(path: str, value: Any) -> bool:
+        return is_verl_key(path) and not any(differs_from_verl(leaf, v) for leaf, v in leaves_of(value, path))
+
+    messages = []
+    for path, value, default in _leaves(config):
+        reason = inert_reason(path)
+        if reason is None or value == default or verl_default(path, value):
+            continue
+        messages.append(f"{path}={value!r} is accepted for verl compatibility but has no effect here: {reason}")
+    for message in messages:
+        warn_once(message)
+    return messages
 
 
 def take_verl_extras(cls: type, fields: set[str], data: Mapping[str, Any], path: str = "",
@@ -274,7 +428,7 @@ def warn_verl_extras(cls: type, extras: Mapping[str, Any], path: str = "") -> li
                 messages.append(f"{name}={leaf_value!r} is accepted for verl compatibility but has no effect "
                                 f"here: {inert_reason(leaf)}")
     for message in messages:
-        warnings.warn(message, InertKeyWarning, stacklevel=4)
+        warn_once(message)
     return messages
 
 
@@ -325,8 +479,15 @@ VALUE_ALIASES: dict[str, dict[Any, Any]] = {
 def normalize(data: dict) -> dict:
     """verl's run-tree conventions on plain data, in place: a deprecated global micro-batch size
     becomes the per-GPU one (``value // dp``, as verl's workers convert it; both set is verl's
-    error), a null ``ppo_micro_batch_size_per_gpu`` means "not set" (the field's default), the empty
+    error), an older verl's key is read as its successor (``migrate_legacy``), a string given for a
+    ``ONE_AS_LIST`` key is a one-entry list, a null ``ppo_micro_batch_size_per_gpu`` means "not set" (the field's default), the empty
     ``rollout.engine_kwargs`` sections of other engines are dropped and ``VALUE_ALIASES`` are renamed."""
+    migrate_legacy(data)
+    for path in ONE_AS_LIST:
+        parent, _, key = path.rpartition(".")
+        node = _get(data, parent)
+        if isinstance(node, dict) and isinstance(node.get(key), str):
+            node[key] = [node[key]]
     engine_kwargs = _get(data, "actor_rollout_ref.rollout.engine_kwargs")
     if isinstance(engine_kwargs, dict):  # verl lists an empty section per engine; only vLLM's can act here
         for engine in [k for k, v in engine_kwargs.items() if k != "vllm" and not v]:

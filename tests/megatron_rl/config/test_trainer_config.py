@@ -160,9 +160,9 @@ def test_unknown_key_in_override_names_the_nearest_keys():
         "'actor_rollout_ref.actor.megatron.tensor_model_parallel_size', "
         "'actor_rollout_ref.rollout.tensor_model_parallel_size', "
         "'actor_rollout_ref.ref.megatron.tensor_model_parallel_size'")
+    # verl's older top-level reward_model.enable is read as reward.reward_model.enable (issue 28), whose check speaks
     assert _error("grpo", ["reward_model.enable=true"]) == (
-        "unknown config key 'reward_model' in override 'reward_model.enable=true'; nearest valid keys: "
-        "'reward', 'reward.reward_model'")
+        "reward.reward_model.enable=True needs reward.reward_model.model_path")
     assert _error("grpo", ["algorithm.filter_groups={enable: true, metrc: acc}"]) == (
         "unknown config key 'algorithm.filter_groups.metrc' in override "
         "'algorithm.filter_groups={enable: true, metrc: acc}'; nearest valid keys: 'algorithm.filter_groups.metric'")
