@@ -395,7 +395,7 @@ def _status(exit_code: Optional[int], report: Optional[dict], oom_kills: int, li
     (from its init's ``report`` where there is one, else from this process's own wait), the CPU
     seconds it used, the cgroup's OOM kills and the tmpfs's fill (``report``)."""
     if report is not None:
-        exit_code, cpu_used = report["exit"], report["cpu"]
+        cpu_used = report["cpu"]
     if oom_kills:
         return "memory_limit"
     sig = -exit_code if exit_code is not None and exit_code < 0 else None
@@ -477,12 +477,8 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
             except ValueError:  # the init died before reporting (it cannot be signalled from inside)
                 return SandboxResult("sandbox_error", stdout, f"the sandbox's init ended without a report\n{stderr}",
                                      None, time.monotonic() - start, cut_out or cut_err)
-        if stopped is not None:
-            status = stopped
-        else:
-            exit_code = proc.returncode if report is None else report["exit"]
-            status = _status(exit_code, report, cgroup.oom_kills() if cgroup else 0, limits, cpu_used)
         exit_code = None if stopped else (proc.returncode if report is None else report["exit"])
+        status = stopped or _status(exit_code, report, cgroup.oom_kills() if cgroup else 0, limits, cpu_used)
         return SandboxResult(status, stdout, stderr, exit_code, time.monotonic() - start, cut_out or cut_err)
     except OSError as err:  # the sandbox itself failed (no temp space, no interpreter ...): an observation
         return SandboxResult("sandbox_error", "", f"{type(err).__name__}: {err}", None, time.monotonic() - start)

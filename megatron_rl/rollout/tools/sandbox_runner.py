@@ -119,7 +119,8 @@ def _minimal_root(spec: dict, handles: dict) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
-    def readonly(target: str, recursive: bool, attrs: int = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV):
+    def readonly(target: str, recursive: bool,
+                 attrs: int = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV) -> None:
         attr = (ctypes.c_uint64 * 4)(attrs, 0, 0, 0)  # struct mount_attr: attr_set, attr_clr, propagation, userns
         if libc.syscall(_SYS_MOUNT_SETATTR, -100, target.encode(), _AT_RECURSIVE if recursive else 0, attr, 32) == 0:
             return

@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 
 STEPS = 3
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "async/", "weight_sync/seconds", "memory/",
+            "rollout/replica_gen_seconds",
             "training/off_policy/")
 SMALL = [  # the toy recipes shrunk: 2 prompts x 4 samples per step, no warm-up, no validation
     f"trainer.total_training_steps={STEPS}", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",

@@ -117,6 +117,8 @@ def test_separate_pool_and_refusal(fake_gpus):
 def two_nodes():
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():  # the one-node fixture's fake-GPU Ray (module order)
+        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 32, "num_gpus": 4})
     cluster.add_node(num_cpus=32, num_gpus=4)
     cluster.wait_for_nodes()

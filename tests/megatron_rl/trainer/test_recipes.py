@@ -61,7 +61,8 @@ OFFLOAD = [f"{A}.param_offload=true", f"{A}.grad_offload=true", f"{A}.optimizer_
            f"{C}.param_offload=true", f"{C}.grad_offload=true", f"{C}.optimizer_offload=true",
            "actor_rollout_ref.ref.megatron.param_offload=true", f"{T}.param_offload=true"]
 TWINS = ("ppo", "opd")  # also run offload-off; every logged number must be equal
-NOT_NUMBERS = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "weight_sync/seconds")
+NOT_NUMBERS = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "weight_sync/seconds",
+               "rollout/replica_gen_seconds")  # wall-clock times
 # Loop features on top of the GRPO recipe: decoupled rollout correction (token IS weights + token
 # rejection; with selective activation recompute), bypass mode (vLLM's log-probs as the old
 # ones), top-k forward-KL distillation (the teacher's vocab-parallel top-k), a Megatron reward model.
