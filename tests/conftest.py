@@ -16,6 +16,17 @@ LONG_TESTS: dict[str, str] = {}
 _durations: dict[str, float] = {}
 
 
+@pytest.fixture(scope="session")
+def lazy():
+    """torch's lazy-tensor device (TorchScript backend, computed on the CPU): a real non-CPU device whose
+    ``.numpy()`` raises as a CUDA tensor's does. Its backend registers once per process (a second
+    ``init()`` raises "multiple backend fallbacks for the same dispatch key Lazy"), hence session scope."""
+    import torch._lazy.ts_backend
+
+    torch._lazy.ts_backend.init()
+    return torch.device("lazy")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

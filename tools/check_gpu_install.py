@@ -30,8 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def gpu_extra(setup_py: Path = ROOT / "setup.py") -> list[str]:
     """The ``gpu`` entry of ``EXTRAS`` in ``setup.py`` (read, not executed)."""
     for node in ast.walk(ast.parse(setup_py.read_text())):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets):
-            return list(ast.literal_eval(node.value)["gpu"])
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets)):
+            for key, value in zip(node.value.keys, node.value.values):
+                if isinstance(key, ast.Constant) and key.value == "gpu":
+                    return list(ast.literal_eval(value))  # only this entry: others may name constants
+            raise ValueError(f"{setup_py}'s EXTRAS has no 'gpu' entry")
     raise ValueError(f"{setup_py} defines no EXTRAS")
 
 

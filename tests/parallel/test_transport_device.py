@@ -20,14 +20,6 @@ from parallel.transport.buckets import host_bytes
 from parallel.transport.safetensors_format import serialize_safetensors, write_safetensors
 
 
-@pytest.fixture(scope="module")
-def lazy():
-    import torch._lazy.ts_backend
-
-    torch._lazy.ts_backend.init()
-    return torch.device("lazy")
-
-
 def _bucket(device):
     g = torch.Generator().manual_seed(0)
     host = [("w", torch.randn(5, 7, generator=g)), ("b", torch.randn(3, generator=g).bfloat16()),

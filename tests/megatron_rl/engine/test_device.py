@@ -57,15 +57,6 @@ def test_every_tensor_handed_to_the_model_is_on_its_parameters_device(remove_pad
     assert {device for _, device in seen} == {"meta"}, seen
 
 
-@pytest.fixture(scope="module")
-def lazy():
-    """torch's lazy-tensor device: not ``cpu``, yet computable and copyable to the host on a CPU machine."""
-    import torch._lazy.ts_backend
-
-    torch._lazy.ts_backend.init()
-    return torch.device("lazy")
-
-
 def test_to_device_moves_nested_tensors_and_dataclasses(lazy):
     from megatron.core.packed_seq_params import PackedSeqParams
 
