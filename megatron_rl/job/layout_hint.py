@@ -39,8 +39,8 @@ def _section_of(message: str) -> str:
     return "critic" if message.startswith("critic") else "actor_rollout_ref.actor"
 
 
-def _valid(raw: dict) -> Optional[str]:
-    """The peak-memory note of ``raw`` when it builds, its roles check and the planner says it fits; else None."""
+def _planned(raw: dict, suggest: bool = False):
+    """The plan of ``raw`` when it builds and its roles check (``plan.fits`` says if it fits), else None."""
     from megatron_rl.algos.needs import resolve_run
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.planner import plan_run
@@ -50,14 +50,18 @@ def _valid(raw: dict) -> Optional[str]:
             warnings.simplefilter("ignore")
             config = TrainerRunConfig.from_dict(raw)
             resolve_run(config)
-            plan = plan_run(config, suggest=False)
+            return plan_run(config, suggest=suggest)
     except (ValueError, KeyError, TypeError):
         return None
-    return f"peak {plan.peak_bytes / 2**30:.1f} GiB in '{plan.peak_phase}'" if plan.fits else None
+
+
+def _peak(plan) -> str:
+    return f"peak {plan.peak_bytes / 2**30:.1f} GiB in '{plan.peak_phase}'"
 
 
 def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") -> Optional[str]:
-    """``key=value`` overrides of the valid, fitting layout of ``section`` nearest to ``raw``'s, or None."""
+    """``key=value`` overrides of the valid, fitting layout of ``section`` nearest to ``raw``'s; where valid
+    layouts exist but none fits, the one with the lowest peak, said not to fit; None where none is valid."""
     megatron = _get(raw, f"{section}.megatron") or {}
     trainer = raw.get("trainer", {})
     world = int(trainer.get("nnodes", 1)) * int(trainer.get("n_gpus_per_node", 8))
@@ -77,6 +81,7 @@ def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") ->
         distance = sum(abs(math.log2(cand[k] / max(current[k], 1))) for k in names)
         if distance > 0:
             candidates.append((distance, cand))
+    lowest = None  # (peak bytes, changes, plan) of the valid layout with the lowest peak
     for _, cand in sorted(candidates, key=lambda c: c[0])[:200]:
         trial = copy.deepcopy(raw)
         node = trial
@@ -87,13 +92,23 @@ def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") ->
         node.pop("virtual_pipeline_model_parallel_size", None)
         if micro_key:
             _get(trial, section)[micro_key] = cand["micro"]
-        note = _valid(trial)
-        if note is not None:
-            changes = [f"{section}.megatron.{name}={cand[k]}" for k, name in _KEYS.items() if cand[k] != current[k]]
-            if micro_key and cand["micro"] != current["micro"]:
-                changes.append(f"{section}.{micro_key}={cand['micro']}")
-            return " ".join(changes) + f" ({note})"
-    return None
+        plan = _planned(trial)
+        if plan is None:
+            continue
+        changes = [f"{section}.megatron.{name}={cand[k]}" for k, name in _KEYS.items() if cand[k] != current[k]]
+        if micro_key and cand["micro"] != current["micro"]:
+            changes.append(f"{section}.{micro_key}={cand['micro']}")
+        if plan.fits:
+            return " ".join(changes) + f" ({_peak(plan)})"
+        if lowest is None or plan.peak_bytes < lowest[0]:
+            lowest = (plan.peak_bytes, changes, trial)
+    if lowest is None:
+        return None
+    _, changes, trial = lowest
+    plan = _planned(trial, suggest=True)  # the planner's own offload suggestion, where offload fits it
+    remedy = plan.suggestion if plan.suggestion else "more nodes"
+    return (f"none of the valid layouts fits {world} GPUs of {plan.memory_budget_bytes / 2**30:.0f} GiB; the one "
+            f"with the lowest peak is {' '.join(changes) or 'the layout asked for'} ({_peak(plan)}); {remedy}")
 
 
 @contextlib.contextmanager

@@ -324,3 +324,14 @@ def test_an_invalid_gpu_layout_gets_the_nearest_valid_one():
     with pytest.raises(ValueError, match=r"world_size=16 is not divisible by .*; nearest valid layout: "
                                          r"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8 \(peak "):
         load_run_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=16"])
+
+
+def test_an_invalid_layout_that_no_valid_layout_fits_names_the_lowest_and_the_remedy():
+    """Qwen3-235B-A22B on 4 nodes: EP=64 does not divide a stage's 16 ranks, and no valid layout of TP,
+    PP, EP and the micro-batch fits 80 GiB: the refusal names the one with the lowest peak and what fits."""
+    from megatron_rl.job.main_job import load_run_config
+
+    with pytest.raises(ValueError, match=r"does not divide .*; nearest valid layout: none of the valid layouts fits "
+                                         r"32 GPUs of 80 GiB; the one with the lowest peak is .*expert_model_parallel"
+                                         r"_size=\d+ \(peak [\d.]+ GiB in '[a-z ]+'\); .*on \d+ nodes"):
+        load_run_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=4"])
