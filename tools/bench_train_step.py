@@ -3,7 +3,7 @@
 Runs a GRPO-style policy update on random tokens for a dense or MoE GPT at the sizes given,
 on the current device (one rank), and reports tokens/s, model FLOP utilisation and peak
 memory. Presets: ``tiny`` (CPU default), ``tiny-moe`` (CPU), ``dense-1b`` (h2048, 16 layers, GQA
-16/8, SwiGLU 6144, vocab 151936 - the model of notes/gpu-baselines.md) and ``moe`` (h1024, 8
+16/8, SwiGLU 6144, vocab 151936 - the model of docs/benchmarks.md, "GPU reference figures") and ``moe`` (h1024, 8
 layers, 16 experts top-2). Micro-batches are packed THD sequences (the engine's default);
 ``--padded`` runs them as padded rows (``megatron.use_remove_padding=False``). ``--offload`` also
 times the engine's host-memory round trip (``offload_to_cpu`` + ``load_to_device`` of parameters,
@@ -39,7 +39,7 @@ PRESETS = {
 
 
 def _flops_per_token(m: dict, seq: int) -> float:
-    """Training FLOPs per token: 6 x active params + causal attention (as in gpu-baselines.md)."""
+    """Training FLOPs per token: 6 x active params + causal attention (as in docs/benchmarks.md)."""
     h, layers, ffn = m["hidden_size"], m["num_layers"], m["ffn_hidden_size"]
     head_dim = h // m["num_attention_heads"]
     kv = m["num_query_groups"] * head_dim

@@ -96,7 +96,7 @@ def get_hardware(name: str) -> Hardware:
 # ----------------------------------------------------------------------------- achievable fractions
 DENSE_GEMM_EFFICIENCY = 0.80
 """Read: one H200 ran the bf16 output-layer matrix products (8,192 x 4,096 x 151,936) at ~790 of
-989 TFLOP/s (``shared/notes/gpu-baselines.md``). Used for every dense projection, the head and prefill."""
+989 TFLOP/s (docs/benchmarks.md, "GPU reference figures"). Used for every dense projection, the head and prefill."""
 GROUPED_GEMM_EFFICIENCY = 0.40
 """Assumed, not measured or fitted: half the dense figure for the routed experts' grouped GEMMs,
 whose per-expert matrices are thin (Qwen3-30B-A3B: 2,048 x 768 with ~1/16 of the tokens each) and
@@ -106,7 +106,7 @@ ATTENTION_EFFICIENCY = 0.40
 """Read: FlashAttention-3 (Shah et al., 2024), figures of forward + backward at head dim 128 on H100:
 FlashAttention-2 reaches ~350-400 of 989 TFLOP/s (causal, 4k-16k tokens)."""
 HBM_COPY_EFFICIENCY = 0.79
-"""Read: a device-to-device copy on one H200 ran at ~3.8 of 4.8 TB/s (``gpu-baselines.md``). Used where
+"""Read: a device-to-device copy on one H200 ran at ~3.8 of 4.8 TB/s (docs/benchmarks.md). Used where
 bytes are streamed in bulk: the engine loading synced weights, the optimizer step."""
 DECODE_HBM_EFFICIENCY = 0.33
 """Fitted -- the one constant fitted -- to NeMo-RL v0.6's GRPO on Qwen3-30B-A3B (4 x 8 H100, 192 s per

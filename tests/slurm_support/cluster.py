@@ -1,5 +1,5 @@
 """A real single-node SLURM cluster (Debian's slurm-wlm + munge) for tests, started and stopped
-by the caller (see ../../shared/notes/slurm.md for what works on these machines).
+by the caller (docs/slurm.md, "The test cluster", says what works on these machines and why).
 
 ``SlurmCluster(workdir).start()`` writes a slurm.conf under ``workdir`` (state, spool, pid and
 log files there too), starts munged, slurmctld and slurmd in the foreground mode (``-D``/``-F``,
