@@ -12,7 +12,7 @@ import megatron_rl
 
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
 BENCHMARKS = {"algos": "bench_algos.py", "bridge": "bench_bridge.py"}
-CONVERTERS = {"hf-to-mcore": "convert_hf_to_mcore", "mcore-to-hf": "convert_mcore_to_hf"}
+CONVERTERS = {"hf-to-mcore": "hf_to_mcore", "mcore-to-hf": "mcore_to_hf"}
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -31,16 +31,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    name = CONVERTERS[args.direction]
-    if not (TOOLS_DIR / f"{name}.py").exists():
-        print(f"megatron-rl convert: {TOOLS_DIR / name}.py not found (the converters run from a source checkout)",
-              file=sys.stderr)
-        return 2
-    if str(TOOLS_DIR.parent) not in sys.path:
-        sys.path.insert(0, str(TOOLS_DIR.parent))
     # Imported as a module (not run as a script): its rank functions must be importable by name
     # in the processes it spawns.
-    tool = importlib.import_module(f"tools.{name}")
+    tool = importlib.import_module(f"megatron_rl.convert.{CONVERTERS[args.direction]}")
     return tool.main(args.rest, prog=f"megatron-rl convert {args.direction}")
 
 
@@ -216,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("convert", help="convert checkpoints: HF -> Megatron dist checkpoint, or back",
-                       description="Run tools/convert_hf_to_mcore.py (hf-to-mcore) or tools/convert_mcore_to_hf.py "
-                                   "(mcore-to-hf); the remaining arguments go to the tool (see its --help).")
+                       description="Run megatron_rl.convert.hf_to_mcore (hf-to-mcore) or "
+                                   "megatron_rl.convert.mcore_to_hf (mcore-to-hf); the remaining arguments go to the tool "
+                                   "(see its --help).")
     p.add_argument("direction", choices=sorted(CONVERTERS), help="which conversion")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the converter")
     p.set_defaults(func=_cmd_convert)

@@ -436,7 +436,7 @@ class PartialLoad:
     that fill those tensors of this rank (parameters or persistent buffers; fc1's halves straight
     into their parameter), on all ranks together (collective: a rank with nothing to load still
     calls it, with none); a storage already loaded is not read again. ``release(tensors)`` gives
-    their storage up. Empty storage (``tools.convert_stream.build_empty_model``) gets its pages as
+    their storage up. Empty storage (``megatron_rl.convert.streamed_model.build_empty_model``) gets its pages as
     it is loaded; tensors never asked for are never read. This is the ``staging`` of
     ``parallel.bridge.HFExporter.iter_weights``.
 

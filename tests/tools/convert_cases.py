@@ -23,11 +23,11 @@ if str(ROOT) not in sys.path:
 def main() -> None:
     """Run the cases named in ``sys.argv[1]`` one after another."""
     from parallel.testing import find_free_port
-    from tools import convert_hf_to_mcore, convert_mcore_to_hf
-    from tools.convert_launch import quiet_warnings
+    from megatron_rl.convert import hf_to_mcore, mcore_to_hf
+    from megatron_rl.convert.launch import quiet_warnings
 
     quiet_warnings()
-    tools = {"hf-to-mcore": convert_hf_to_mcore.main, "mcore-to-hf": convert_mcore_to_hf.main}
+    tools = {"hf-to-mcore": hf_to_mcore.main, "mcore-to-hf": mcore_to_hf.main}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", CUDA_VISIBLE_DEVICES="")
     from parallel.bridge.hf_files import HFCheckpointReader
 

@@ -47,7 +47,7 @@ def _megatron_lm_rank(rank: int, world: int, load_dir: str, ids: torch.Tensor) -
     from parallel.config import ParallelConfig
     from parallel.cpu_compat import cpu_transformer_config_overrides
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_verify import megatron_logits
+    from megatron_rl.convert.verify import megatron_logits
 
     _cpu_causal_mask()
     args = json.loads((Path(load_dir) / "megatron_args.json").read_text())["args"]

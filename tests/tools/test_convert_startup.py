@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT))
 from megatron_rl.models.families import get_family, load_hf_config  # noqa: E402
 from megatron_rl.models.testing import TINY_HF_CONFIGS  # noqa: E402
 from tools.bench_convert import SYNTH_CONFIGS  # noqa: E402
-from tools.convert_common import fast_tokenizer_size  # noqa: E402
-from tools.convert_output import TreeMemory  # noqa: E402
+from megatron_rl.convert.support import fast_tokenizer_size  # noqa: E402
+from megatron_rl.convert.output import TreeMemory  # noqa: E402
 
 _FRESH = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tools.convert_common import fast_hf_config
+from megatron_rl.convert.support import fast_hf_config
 from megatron_rl.models.families import get_family
 out = []
 for data in json.loads(sys.stdin.read()):
@@ -94,7 +94,7 @@ def test_fast_tokenizer_size_equals_transformers(tokenizer_dir, tmp_path):
 
 
 def test_driver_imports_no_torch():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import tools.convert_hf_to_mcore; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import megatron_rl.convert.hf_to_mcore; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -126,8 +126,8 @@ def test_tree_memory_counts_children():
 def test_fast_encoder_equals_transformers(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from tools.convert_common import FastEncoder
-    from tools.convert_verify import VERIFY_PROMPTS
+    from megatron_rl.convert.support import FastEncoder
+    from megatron_rl.convert.verify import VERIFY_PROMPTS
 
     slow = AutoTokenizer.from_pretrained(tokenizer_dir)
     for prompt in VERIFY_PROMPTS:

@@ -1,4 +1,4 @@
-"""The converters' streaming model (``tools.convert_stream.build_empty_model``: meta device, then empty
+"""The converters' streaming model (``megatron_rl.convert.streamed_model.build_empty_model``: meta device, then empty
 storage the loader reads into) writes the same distributed checkpoint as a model built and
 initialised the classic way: on 2 gloo ranks at TP=2 and PP=2 (dense Qwen3) and EP=2 (Qwen3-MoE),
 every parameter is bit-identical after ``load_hf_checkpoint`` and the sharded state dict that
@@ -45,8 +45,8 @@ def _compare(rank: int, world: int, cases: list) -> list:
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_common import NO_INIT
-    from tools.convert_stream import build_empty_model
+    from megatron_rl.convert.support import NO_INIT
+    from megatron_rl.convert.streamed_model import build_empty_model
 
     counts = []
     for hf_dir, layout in cases:
@@ -88,7 +88,7 @@ def _streamed_save_round_trip(rank, classic, model_cfg, pc, weight_map, hf_dir, 
     holds) ends it holding no parameter bytes."""
     from parallel.bridge import load_hf_checkpoint
     from parallel.checkpoint import load_model, save_model
-    from tools.convert_stream import StreamedSave, build_empty_model, restore_storage
+    from megatron_rl.convert.streamed_model import StreamedSave, build_empty_model, restore_storage
 
     chunks = build_empty_model(model_cfg, pc)
     deferred = load_hf_checkpoint(chunks, weight_map, hf_dir, mesh=mesh, deferred=True).deferred
@@ -120,7 +120,7 @@ def _streamed_export(rank, model_cfg, pc, weight_map, hf_dir, hf_config, mesh, c
 
     from parallel.bridge import save_hf_checkpoint
     from parallel.checkpoint import PartialLoad
-    from tools.convert_stream import build_empty_model
+    from megatron_rl.convert.streamed_model import build_empty_model
 
     class Recorder(PartialLoad):
         """``PartialLoad`` counting the bytes it holds loaded."""
@@ -192,7 +192,7 @@ def _one_rank_export(rank: int, world: int, hf_dir: str) -> None:
     from parallel.checkpoint import save_model
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_stream import build_empty_model
+    from megatron_rl.convert.streamed_model import build_empty_model
 
     hf_config = load_hf_config(hf_dir)
     family = get_family(hf_config)

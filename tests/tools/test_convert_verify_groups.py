@@ -46,7 +46,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 def _ids(vocab: int = 300) -> tuple[torch.Tensor, list[int]]:
-    from tools.convert_verify import verify_inputs
+    from megatron_rl.convert.verify import verify_inputs
 
     return verify_inputs(None, vocab, 2)
 
@@ -58,19 +58,19 @@ def _ids(vocab: int = 300) -> tuple[torch.Tensor, list[int]]:
 def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts, family, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from tools import convert_verify_hf
-    from tools.convert_verify_hf import hf_stream_forward
+    from megatron_rl.convert import verify_hf
+    from megatron_rl.convert.verify_hf import hf_stream_forward
 
     hf_dir, (ids, _) = ckpts[family], _ids()
     held = []  # parameters holding weights whenever a part has just been read
-    load = convert_verify_hf._Streamer.load
+    load = verify_hf._Streamer.load
 
     def spy(self, modules):
         load(self, modules)
         held.append(sum(p.numel() for p in self.model.parameters() if not p.is_meta))
 
-    monkeypatch.setattr(convert_verify_hf._Streamer, "load", spy)
-    monkeypatch.setattr(convert_verify_hf, "HEAD_BLOCK_BYTES", 7 * 64 * 4)  # the output layer in blocks of rows
+    monkeypatch.setattr(verify_hf._Streamer, "load", spy)
+    monkeypatch.setattr(verify_hf, "HEAD_BLOCK_BYTES", 7 * 64 * 4)  # the output layer in blocks of rows
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager",
                                                      experts_implementation="eager").eval()
@@ -107,8 +107,8 @@ def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
     from parallel.bridge.fp8 import dequantize_fp8_blocks
     from tests.megatron_rl.models.test_deepseek_fp8 import write_fp8_checkpoint
-    from tools.convert_verify import hf_logits
-    from tools.convert_verify_hf import hf_stream_forward
+    from megatron_rl.convert.verify import hf_logits
+    from megatron_rl.convert.verify_hf import hf_stream_forward
 
     src = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3")["path"]
     fp8, plain = tmp_path / "fp8", tmp_path / "plain"
@@ -132,8 +132,8 @@ def test_streamed_reference_rounds_to_the_weight_dtype(tmp_path):
     """A float32 checkpoint converted to bf16: the reference's weights are the file's rounded to
     bf16, then upcast for the float32 forward (as the whole-model reference does), not the file's."""
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
-    from tools.convert_verify import hf_logits
-    from tools.convert_verify_hf import hf_stream_forward
+    from megatron_rl.convert.verify import hf_logits
+    from megatron_rl.convert.verify_hf import hf_stream_forward
 
     hf_dir, (ids, _) = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3")["path"], _ids()
     rounded, _ = hf_stream_forward(hf_dir, ids, torch.bfloat16, torch.float32, 1)
@@ -144,7 +144,7 @@ def test_streamed_reference_rounds_to_the_weight_dtype(tmp_path):
 
 
 def test_layer_groups():
-    from tools.convert_verify_hf import layer_groups
+    from megatron_rl.convert.verify_hf import layer_groups
 
     assert layer_groups(5, 2) == [(0, 2), (2, 4), (4, 5)]
     assert layer_groups(5, 1) == [(i, i + 1) for i in range(5)]
@@ -167,12 +167,12 @@ def _rank(rank: int, world: int, cases: list, per_group: int) -> dict:
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tools.convert_common import ToolError
-    from tools.convert_stream import build_empty_model
-    from tools import convert_verify_groups
-    from tools.convert_verify import check_logits, verify_forwards, verify_inputs, VerifySettings
+    from megatron_rl.convert.support import ToolError
+    from megatron_rl.convert.streamed_model import build_empty_model
+    from megatron_rl.convert import verify_groups
+    from megatron_rl.convert.verify import check_logits, verify_forwards, verify_inputs, VerifySettings
 
-    convert_verify_groups.OUTPUT_BLOCK_BYTES = 7 * 64 * 4  # the float32 output layer in uneven blocks of 7 rows
+    verify_groups.OUTPUT_BLOCK_BYTES = 7 * 64 * 4  # the float32 output layer in uneven blocks of 7 rows
     out = {}
     for name, hf_dir, layout, references in cases:
         hf_config = load_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))

@@ -159,7 +159,7 @@ def test_unsupported_quantization_config_is_named():
 def test_export_config_drops_the_quantization_config(tmp_path):
     """mcore -> HF writes dequantised tensors: config.json must not keep an FP8 source's
     ``quantization_config`` (a loader would read the plain weights as block-quantised)."""
-    from tools.convert_mcore_to_hf import _config_text
+    from megatron_rl.convert.mcore_to_hf import _config_text
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "dtype": "bfloat16",
                                                       "quantization_config": {"quant_method": "fp8"}}))

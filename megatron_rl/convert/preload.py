@@ -1,4 +1,4 @@
-"""Imported once by the converters' fork server (``tools.convert_launch.prestart``): what every rank needs.
+"""Imported once by the converters' fork server (``megatron_rl.convert.launch.prestart``): what every rank needs.
 
 The CPU ranks are forked from that server, so they start with these modules loaded (Megatron's
 import alone takes seconds and hundreds of MiB) and share those pages instead of each holding a copy.
@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from tools.convert_launch import quiet_warnings
+from megatron_rl.convert.launch import quiet_warnings
 
 quiet_warnings()  # before Megatron's import-time warnings
 
@@ -49,9 +49,9 @@ import megatron_rl.models.gpt  # noqa: E402,F401
 import parallel.bridge  # noqa: E402,F401
 import parallel.checkpoint  # noqa: E402,F401
 import parallel.mesh  # noqa: E402,F401
-import tools.convert_hf_to_mcore  # noqa: E402,F401
-import tools.convert_mcore_to_hf  # noqa: E402,F401
-import tools.convert_stream  # noqa: E402,F401
+import megatron_rl.convert.hf_to_mcore  # noqa: E402,F401
+import megatron_rl.convert.mcore_to_hf  # noqa: E402,F401
+import megatron_rl.convert.streamed_model  # noqa: E402,F401
 
 import atexit  # noqa: E402
 import gc  # noqa: E402

@@ -5,8 +5,8 @@ forward is judged against HF's own forward in that dtype (``check_logits``).
 
 By default (``--verify-layers-per-group N``, N >= 1; default ``DEFAULT_LAYERS_PER_GROUP``) the
 check runs layer group by layer group: HF's forward streams its weights from the safetensors one
-part at a time (``tools.convert_verify_hf``), the Megatron forward runs on the converted model
-itself, in another dtype through a twin filled one module at a time (``tools.convert_verify_groups``),
+part at a time (``megatron_rl.convert.verify_hf``), the Megatron forward runs on the converted model
+itself, in another dtype through a twin filled one module at a time (``megatron_rl.convert.verify_groups``),
 and the hidden states leaving each group of N decoder layers are compared too, so a failure names
 the first group that diverges. Verifying then needs the converted model plus about one layer
 group, not the model twice. ``--verify-layers-per-group 0`` loads both whole models as before.
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from tools.convert_common import ToolError
+from megatron_rl.convert.support import ToolError
 
 TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 """Fixed ``--verify`` bounds on the max |logit difference| (fp32; the floor of a derived bf16/fp16 bound)."""
@@ -196,7 +196,7 @@ def add_verify_args(p) -> None:
 def verify_settings(args, model_dtype: str) -> VerifySettings:
     """Compute dtypes of the Megatron forwards ``--verify`` runs (fp32 first), with the group size;
     a ``ValueError`` naming ``--verify-layers-per-group`` when it is negative."""
-    from tools.convert_verify_hf import layer_groups
+    from megatron_rl.convert.verify_hf import layer_groups
 
     per_group = getattr(args, "verify_layers_per_group", 0)
     layer_groups(1, per_group)  # checks it
@@ -209,7 +209,7 @@ def _references(hf_dir, input_ids: torch.Tensor, weight_dtype: torch.dtype, low:
     dtypes = (torch.float32, *(getattr(torch, d) for d in low))
     if not layers_per_group:
         return list(hf_logits(hf_dir, input_ids, weight_dtype, dtypes)), [None] * len(dtypes)
-    from tools.convert_verify_hf import hf_stream_forward
+    from megatron_rl.convert.verify_hf import hf_stream_forward
 
     runs = [hf_stream_forward(hf_dir, input_ids, weight_dtype, d, layers_per_group) for d in dtypes]
     return [r[0] for r in runs], [r[1] for r in runs]
@@ -229,7 +229,7 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
 
     ``logits`` from the layer-group verify (a ``ForwardResults`` with ``layers_per_group`` >= 1):
     HF's forwards stream their weights group by group, and each group's hidden states are compared
-    too (``tools.convert_verify_groups.compare_groups``: one more line per dtype); the logits stay
+    too (``megatron_rl.convert.verify_groups.compare_groups``: one more line per dtype); the logits stay
     the verdict, and a failure names the first layer group that diverges."""
     per_group = getattr(logits, "layers_per_group", 0)
     low = [d for d in logits if d != "float32"]
@@ -255,8 +255,8 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
               f"{bound:.3e}{how}: {'OK' if ok else 'FAILED'}", flush=True)
         where = None
         if per_group:
-            from tools.convert_verify_groups import compare_groups
-            from tools.convert_verify_hf import layer_groups
+            from megatron_rl.convert.verify_groups import compare_groups
+            from megatron_rl.convert.verify_hf import layer_groups
 
             groups = layer_groups(max(ref_hidden[0]) + 1, per_group)  # HF's decoder layers
             own_hidden = None if dtype == "float32" else ref_hidden[1 + low.index(dtype)]
@@ -279,12 +279,12 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
 def model_in_dtype(chunks, model_cfg, parallel_config, dtype: str, *, release: bool = False):
     """A model of ``parallel_config``'s layout with parameters in ``dtype`` holding the values of
     ``chunks`` (whose config is ``model_cfg``): ``chunks`` themselves when already in ``dtype``,
-    else a fresh empty build (``tools.convert_stream``) filled parameter by parameter (an upcast,
+    else a fresh empty build (``megatron_rl.convert.streamed_model``) filled parameter by parameter (an upcast,
     or the downcast of an upcast: exact). ``release``: each source parameter's storage is freed
     once copied, so the two models never both exist in full (``chunks`` is unusable afterwards)."""
     import dataclasses
 
-    from tools.convert_stream import build_empty_model
+    from megatron_rl.convert.streamed_model import build_empty_model
 
     if model_cfg.params_dtype == dtype:
         return chunks
@@ -308,13 +308,13 @@ def verify_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.T
     verify in another dtype holds one model at a time -- the float32 one at most.
 
     ``dtypes`` from ``verify_settings`` with ``layers_per_group`` >= 1: the layer-group verify
-    (``tools.convert_verify_groups.grouped_forwards``: ``chunks`` kept, another dtype one module at
+    (``megatron_rl.convert.verify_groups.grouped_forwards``: ``chunks`` kept, another dtype one module at
     a time), returning a ``ForwardResults`` with the groups' hidden states; ``release`` is moot."""
     import dataclasses
 
     per_group = getattr(dtypes, "layers_per_group", 0)
     if per_group:
-        from tools.convert_verify_groups import grouped_forwards
+        from megatron_rl.convert.verify_groups import grouped_forwards
 
         logits, hidden = grouped_forwards(chunks, model_cfg, parallel_config, mesh, input_ids, list(dtypes), per_group)
         return ForwardResults(logits, hidden, per_group)

@@ -11,7 +11,7 @@ in the stored dtype and upcasts them, the output layer runs its own forward on b
 
 Forward hooks on the decoder layers that end a layer group keep their output hidden states
 (gathered over TP when sequence-parallel, sent to rank 0), which ``compare_groups`` sets against
-HF's (``tools.convert_verify_hf``) to name the first group where the two sides part.
+HF's (``megatron_rl.convert.verify_hf``) to name the first group where the two sides part.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from tools.convert_verify import GAP_FACTOR
+from megatron_rl.convert.verify import GAP_FACTOR
 
 HIDDEN_TOLERANCE = 1e-4
 """Bound of a float32 forward's relative hidden-state difference (per token: max |diff| / max |HF|,
@@ -39,7 +39,7 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
     module docstring). The hooks are removed and the twin dropped on exit."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    from tools.convert_stream import build_empty_model
+    from megatron_rl.convert.streamed_model import build_empty_model
 
     if model_cfg.params_dtype == dtype:
         yield chunks
@@ -186,8 +186,8 @@ def grouped_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.
     """({dtype: float32 logits on rank 0}, {dtype: {last layer of each group: hidden states}} on
     rank 0; None elsewhere) of the model in each dtype; collective. Holds the converted model plus
     one module in another dtype (``model_for_dtype``)."""
-    from tools.convert_verify import megatron_logits
-    from tools.convert_verify_hf import layer_groups
+    from megatron_rl.convert.verify import megatron_logits
+    from megatron_rl.convert.verify_hf import layer_groups
 
     ends = {b - 1 for _, b in layer_groups(model_cfg.num_layers, layers_per_group)}
     logits, hidden = {}, {}

@@ -2,7 +2,7 @@
 or this process under torchrun.
 
 CPU ranks come from a ``multiprocessing`` fork server that imports Megatron once
-(``tools.convert_preload``): ``prestart`` starts it while the driver is still checking its inputs,
+(``megatron_rl.convert.preload``): ``prestart`` starts it while the driver is still checking its inputs,
 so the import overlaps that work, and every rank forked from it starts with the modules loaded
 and shares their pages (copy-on-write) instead of holding its own copy.
 ``launch`` runs a rank function on N ranks and turns a rank's exception into one clean message;
@@ -20,18 +20,13 @@ import traceback
 import warnings
 from typing import Any, Callable, Optional
 
-from tools.convert_common import _EXPECTED_ERRORS, ToolError
+from megatron_rl.convert.support import _EXPECTED_ERRORS, ToolError, is_driver, under_torchrun  # noqa: F401
 
 # torch is imported where it is used: ``prestart`` runs before the driver imports it, so the fork
 # server's imports (Megatron's, seconds) start at once instead of after the driver's own.
 
-PRELOAD = "tools.convert_preload"
+PRELOAD = "megatron_rl.convert.preload"
 """What the fork server imports once (Megatron, torch.distributed's checkpoint code, the rank functions)."""
-
-
-def under_torchrun() -> bool:
-    """True when this process is one rank of a torchrun (or similar) launch."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def min_world_size(parallel_config) -> int:
@@ -264,11 +259,6 @@ def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
     except ValueError as exc:
         raise ToolError(f"the layout {desc} on {world} ranks does not fit the model: {exc}") from None
     return pc, world, device, desc
-
-
-def is_driver() -> bool:
-    """The process that owns the output directory: the launcher, or rank 0 under torchrun."""
-    return os.environ.get("RANK", "0") == "0" if under_torchrun() else True
 
 
 def init_torchrun(device: str) -> None:

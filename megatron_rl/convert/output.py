@@ -10,8 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
-from tools.convert_common import ToolError, dir_bytes, fmt_bytes
-from tools.convert_launch import broadcast_str, is_driver, under_torchrun
+from megatron_rl.convert.support import ToolError, dir_bytes, fmt_bytes
+from megatron_rl.convert.launch import broadcast_str, is_driver, under_torchrun
 
 # ------------------------------------------------------------------------------------------
 # Output directory: built aside, renamed into place.

@@ -6,11 +6,11 @@
 * side files (tokenizer, generation config, config.json), the tokenizer-vs-vocabulary check,
   the metadata file of a converted Megatron checkpoint.
 
-The rest lives beside it: ``tools.convert_launch`` (ranks: spawned, forked from a preloaded server,
-or torchrun; the layout flags), ``tools.convert_output`` (the atomic output directory, progress,
-peak memory), ``tools.convert_verify`` (``--verify``'s logits and tolerances),
-``tools.convert_stream`` (meta-device models filled tensor by tensor), ``tools.convert_fault``
-(the test-only wrong mappings) and ``tools.convert_megatron_lm`` (Megatron-LM's ``--load`` layout).
+The rest lives beside it: ``megatron_rl.convert.launch`` (ranks: spawned, forked from a preloaded server,
+or torchrun; the layout flags), ``megatron_rl.convert.output`` (the atomic output directory, progress,
+peak memory), ``megatron_rl.convert.verify`` (``--verify``'s logits and tolerances),
+``megatron_rl.convert.streamed_model`` (meta-device models filled tensor by tensor), ``megatron_rl.convert.fault``
+(the test-only wrong mappings) and ``megatron_rl.convert.megatron_lm`` (Megatron-LM's ``--load`` layout).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 # No torch (nor transformers) at import: the drivers start the ranks' fork server before anything
-# heavy is loaded (``tools.convert_launch.prestart``).
+# heavy is loaded (``megatron_rl.convert.launch.prestart``).
 
 METADATA_FILE = "megatron_rl_conversion.json"
 """Written next to the Megatron checkpoint: family, HF config, layout, dtype."""
@@ -85,7 +85,6 @@ def run_main(body: Callable[[], int], output: Optional[str] = None) -> int:
     ``output`` (the ``--out-dir``) lets a write that ran out of space be reported as a full disk."""
     # torchrun (when another rank fails) and schedulers stop ranks with SIGTERM: unwind, so the
     # temporary output is removed.
-    from tools.convert_launch import under_torchrun
 
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -166,7 +165,6 @@ def load_tokenizer(directory: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that needs remote code
-        from tools.convert_launch import is_driver
 
         if is_driver():
             print(f"warning: cannot load the tokenizer in {directory} ({type(exc).__name__}: {exc}); its size is "
@@ -286,3 +284,12 @@ def check_tokenizer(tokenizer, vocab_size: int, where: str | os.PathLike) -> Opt
                         f"use the tokenizer the model was trained with")
     return size
 
+
+def under_torchrun() -> bool:
+    """True when this process is one rank of a torchrun (or similar) launch."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def is_driver() -> bool:
+    """The process that owns the output directory: the launcher, or rank 0 under torchrun."""
+    return os.environ.get("RANK", "0") == "0" if under_torchrun() else True

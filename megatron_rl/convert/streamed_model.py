@@ -86,7 +86,7 @@ def build_empty_model(model_cfg: Any, parallel_config: Any) -> list[torch.nn.Mod
     """The model chunks of this rank with uninitialised CPU storage (see the module docstring);
     call with the mesh initialised, as ``megatron_rl.models.gpt.build_model``."""
     from megatron_rl.models.gpt import build_model, build_transformer_config
-    from tools.convert_common import NO_INIT
+    from megatron_rl.convert.support import NO_INIT
 
     with torch.device("meta"), _attributes_only_init():
         chunks = build_model(model_cfg, build_transformer_config(model_cfg, parallel_config, **NO_INIT))
