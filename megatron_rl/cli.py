@@ -138,6 +138,20 @@ def _tokens(text: str) -> float:
     return value
 
 
+def _verl_engine_choice(overrides: list[str]) -> list[str]:
+    """Drop verl's ``model_engine=megatron`` (a Hydra config-group choice, as ``megatron_rl.main_ppo``
+    does); refuse any other engine."""
+    kept = []
+    for item in overrides:
+        key, _, value = item.lstrip("+").partition("=")
+        if key == "model_engine":
+            if value != "megatron":
+                raise ValueError(f"model_engine={value!r}: only 'megatron' is built here")
+            continue
+        kept.append(item)
+    return kept
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.job.layout_hint import with_layout_hint
     from megatron_rl.job.main_job import load_run_config
@@ -146,13 +160,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.planner.step_time import estimate_step_time, format_step_time, step_time_json
 
     overrides = list(args.overrides)
+    if args.config_path is not None or args.config_name is not None:  # verl's command line, as main_ppo reads it
+        if args.recipe is not None:  # argparse took the first override for the recipe
+            overrides.insert(0, args.recipe)
+    elif args.recipe is None:
+        print("megatron-rl plan: give a recipe (a name under recipes/ or a YAML path) or verl's "
+              "--config-path/--config-name", file=sys.stderr)
+        return 2
     if args.nodes is not None:
         overrides.append(f"trainer.nnodes={args.nodes}")
     if args.gpus_per_node is not None:
         overrides.append(f"trainer.n_gpus_per_node={args.gpus_per_node}")
     try:
         hardware = get_hardware(args.hardware)
-        config, raw = load_run_config(args.recipe, overrides)
+        recipe = args.recipe
+        if args.config_path is not None or args.config_name is not None:
+            from megatron_rl.config.loader import find_verl_config
+
+            overrides = _verl_engine_choice(overrides)
+            recipe = str(find_verl_config(args.config_name or "ppo_trainer", args.config_path))
+        config, raw = load_run_config(recipe, overrides)
         gpu_memory_gb = args.gpu_memory_gb or hardware.memory_gib
         with with_layout_hint(raw):  # an invalid layout gets the nearest valid one, as a misfit one does
             plan = plan_run(config, gpu_memory_gb=gpu_memory_gb, architecture=args.architecture)
@@ -240,8 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "cluster, show the rank placement and the per-GPU memory per phase; exit 1 "
                                    "with the nearest fitting layout when the peak exceeds the GPU memory, 2 when "
                                    "the layout is invalid. Needs no GPU.")
-    p.add_argument("recipe", help="recipe name or YAML path")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("recipe", nargs="?", default=None,
+                   help="recipe name or YAML path (or none, with --config-path/--config-name)")
+    p.add_argument("overrides", nargs="*",
+                   help="key=value overrides (Hydra's +key=value, ~key with verl's config)")
+    p.add_argument("--config-path", "-cp", default=None, metavar="DIR",
+                   help="verl's Hydra config directory, as megatron_rl.main_ppo takes it")
+    p.add_argument("--config-name", "-cn", default=None, metavar="NAME",
+                   help="verl's config name (DIR/NAME.yaml, else verl's ppo_megatron_trainer; default ppo_trainer)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's trainer.nnodes)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
