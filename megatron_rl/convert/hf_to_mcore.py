@@ -243,7 +243,7 @@ def _convert(args: argparse.Namespace) -> int:
         if is_driver():
             copy_files(extra, tmp)
             mtp_names = _copy_mtp(hf_dir, mtp, tmp)
-            metadata = dict(format_version=METADATA_VERSION, written_by="tools/convert_hf_to_mcore.py",
+            metadata = dict(format_version=METADATA_VERSION, written_by="megatron_rl.convert.hf_to_mcore",
                             megatron_rl_version=megatron_rl.__version__, family=family.name,
                             architecture=architecture, dtype=dtype, layout=pc.to_dict(),
                             world_size=world, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

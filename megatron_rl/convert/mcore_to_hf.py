@@ -65,7 +65,8 @@ def read_metadata(mcore_dir: Path) -> dict:
         raise ToolError(f"--mcore-dir {mcore_dir} is not a directory")
     path = mcore_dir / METADATA_FILE
     if not path.is_file():
-        raise ToolError(f"{mcore_dir} has no {METADATA_FILE}: not a checkpoint written by convert_hf_to_mcore.py")
+        raise ToolError(f"{mcore_dir} has no {METADATA_FILE}: "
+                        "not a checkpoint written by `megatron-rl convert hf-to-mcore`")
     if not is_complete_checkpoint(mcore_dir):
         raise ToolError(f"{mcore_dir} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
     try:
