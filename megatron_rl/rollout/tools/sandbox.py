@@ -10,7 +10,11 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   ``sandbox_runner._DENIED_SYSCALLS``;
 * **files**: ``pivot_root`` into a minimal root (``root_layout()``): a read-only tmpfs holding the
   interpreter's prefix and the directories of its shared libraries (read-only, nosuid, nodev), a
-  fresh ``/proc`` of the sandbox's PID namespace, a read-only ``/dev`` of null, zero and urandom,
+  fresh ``/proc`` of the sandbox's PID namespace (its host-wide files -- ``stat``, ``meminfo``,
+  ``cpuinfo``, ``loadavg``, ``uptime`` -- replaced by the sandbox's own figures: ``memory_mb``,
+  ``ceil(max_cpus)`` idle CPUs, no load, no uptime; ``vmstat``, ``interrupts``, ``diskstats``, the
+  boot id and the like empty: nothing to fingerprint the host or time the caller by), a read-only
+  ``/dev`` of null, zero and urandom,
   and the working directory (also HOME and TMPDIR): a tmpfs of ``max_disk_bytes`` and
   ``max_files`` inodes, nodev, nosuid, noexec. The host's root is detached: no home, project,
   checkpoint, credential or Ray socket can be named. An audit hook refuses writes outside the
@@ -44,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import select
 import shutil
@@ -441,7 +446,8 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
         cgroup = _Cgroup(iso.cgroup, limits) if iso.cgroup and iso.map_to is not None else None
         binds, links = root_layout() if iso.minimal_root else ((), ())
         spec = {"workdir": workdir, "code_path": str(code_path), "cpu_seconds": limits.cpu_seconds,
-                "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.max_file_bytes,
+                "memory_bytes": limits.memory_mb << 20, "cpus": max(1, math.ceil(limits.max_cpus)),
+                "file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
                 "init": iso.pid_namespace, "python_guards": python_guards, "status_fd": status_write,
                 "unshare": iso.map_to is not None, "seccomp": iso.seccomp,

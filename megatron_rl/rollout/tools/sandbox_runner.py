@@ -103,10 +103,37 @@ def _open_binds(binds) -> dict:
     return {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in binds}
 
 
+# /proc files about the host (its load, memory, CPUs, uptime, devices, interrupts), replaced by
+# the sandbox's own: the code can neither fingerprint the host nor time the caller through them.
+_PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "diskstats", "partitions", "swaps",
+               "interrupts", "softirqs", "schedstat", "sched_debug", "timer_list", "key-users", "locks", "latency_stats",
+               "pressure/cpu", "pressure/memory", "pressure/io", "sys/kernel/random/boot_id")
+
+
+def _proc_masks(spec: dict) -> dict:
+    """/proc path -> the text bound over it: figures of the sandbox (``memory_bytes`` of memory,
+    ``cpus`` CPUs, never used, never loaded, just booted), no figure of the host; empty files for
+    the other host-wide counters (``_PROC_EMPTY``)."""
+    kib, cpus = spec["memory_bytes"] >> 10, int(spec["cpus"])
+    zeros = " 0" * 10
+    stat = "".join([f"cpu {zeros}\n", *(f"cpu{i}{zeros}\n" for i in range(cpus)), "intr 0\nctxt 0\nbtime 0\n"
+                    "processes 0\nprocs_running 1\nprocs_blocked 0\nsoftirq 0\n"])
+    meminfo = "".join(f"{name + ':':<16}{value:>8} kB\n" for name, value in (
+        ("MemTotal", kib), ("MemFree", kib), ("MemAvailable", kib), ("Buffers", 0), ("Cached", 0),
+        ("SwapCached", 0), ("SwapTotal", 0), ("SwapFree", 0), ("Shmem", 0)))
+    cpuinfo = "".join(f"processor\t: {i}\nvendor_id\t: sandbox\nmodel name\t: sandbox CPU\nphysical id\t: 0\n"
+                      f"core id\t\t: {i}\ncpu cores\t: {cpus}\n\n" for i in range(cpus))
+    masks = {"stat": stat, "meminfo": meminfo, "cpuinfo": cpuinfo, "loadavg": "0.00 0.00 0.00 1/2 2\n",
+             "uptime": "0.00 0.00\n"}
+    masks.update(dict.fromkeys(_PROC_EMPTY, ""))
+    return masks
+
+
 def _minimal_root(spec: dict, handles: dict) -> None:
     """``pivot_root`` into a new root (a read-only tmpfs) holding only: the bound directories
     (the interpreter's prefix, the directories of its shared libraries: read-only, nosuid, nodev),
-    the symlinks leading to them (``/lib -> usr/lib``), a fresh ``/proc`` of this PID namespace, a
+    the symlinks leading to them (``/lib -> usr/lib``), a fresh ``/proc`` of this PID namespace
+    (its host-wide files covered by read-only binds of ``_proc_masks``), a
     ``/dev`` of null, zero and urandom, and the working directory, a tmpfs of ``disk_bytes`` and
     ``max_files`` inodes mounted nodev, nosuid, noexec. The host's old root is detached: nothing
     else of the host (home, project, checkpoints, credentials, Ray's sockets) can be named."""
@@ -144,6 +171,22 @@ def _minimal_root(spec: dict, handles: dict) -> None:
         os.close(fd)
     os.makedirs(root + "/proc")
     mount(b"proc", root + "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    staging = root + "/.proc-masks"  # a tmpfs of the sandbox's own /proc files, gone once bound
+    os.makedirs(staging)
+    mount(b"tmpfs", staging, b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,nr_inodes=64,mode=0755")
+    for name, text in _proc_masks(spec).items():
+        target = f"{root}/proc/{name}"
+        if not os.path.exists(target):  # e.g. /proc/pressure without PSI
+            continue
+        source = f"{staging}/{name.replace('/', '_')}"
+        with open(source, "w") as f:
+            f.write(text)
+        os.chmod(source, 0o444)
+        mount(source.encode(), target, None, _MS_BIND)
+        readonly(target, False, _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
+    if libc.umount2(staging.encode(), _MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), "umount2 of the /proc masks' staging tmpfs")
+    os.rmdir(staging)
     os.makedirs(root + "/dev")
     mount(b"tmpfs", root + "/dev", b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=64k,nr_inodes=64,mode=0755")
     for name in ("null", "zero", "urandom"):

@@ -242,6 +242,34 @@ def test_nothing_of_the_host_is_in_the_root(secret):
     assert first == str(sorted(top)) and second.startswith("['mrl-sandbox-") and third == "[]", res
 
 
+def test_proc_shows_the_sandboxs_figures_not_the_hosts_load_memory_cpus_or_uptime():
+    limits = SandboxLimits(wall_seconds=10, memory_mb=96, max_cpus=2.5)
+    names = ("meminfo", "stat", "loadavg", "uptime", "cpuinfo", "vmstat", "interrupts", "diskstats",
+             "sys/kernel/random/boot_id")
+    code = ("import json, os\nout = {}\nfor name in %r:\n    try:\n        out[name] = open('/proc/' + name).read()\n"
+            "    except OSError as err:\n        out[name] = err.errno\nout['cpu_count'] = os.cpu_count()\n"
+            "print(json.dumps(out))" % (names,))
+    res = attack(code, limits)
+    assert res.ok, res
+    got = json.loads(res.stdout)
+    host = {name: open("/proc/" + name).read() for name in names}
+    host_memtotal = next(line for line in host["meminfo"].splitlines() if line.startswith("MemTotal:"))
+    assert host_memtotal not in got["meminfo"]
+    assert got["meminfo"].splitlines()[0].split() == ["MemTotal:", str(96 << 10), "kB"]  # the sandbox's limit
+    rows = [line.split() for line in got["stat"].splitlines() if line.startswith("cpu")]
+    assert [r[0] for r in rows] == ["cpu", "cpu0", "cpu1", "cpu2"] and got["cpu_count"] == 3  # ceil(max_cpus)
+    assert all(v == "0" for r in rows for v in r[1:]), got["stat"]  # no time of any host CPU
+    host_btime = next(line for line in host["stat"].splitlines() if line.startswith("btime"))
+    assert host_btime not in got["stat"]
+    assert got["loadavg"].split()[:3] == ["0.00", "0.00", "0.00"] and got["uptime"] == "0.00 0.00\n"
+    assert float(host["uptime"].split()[0]) > 1  # so the host's uptime is not what the sandbox read
+    host_models = {line for line in host["cpuinfo"].splitlines() if line.startswith("model name")}
+    assert not host_models & set(got["cpuinfo"].splitlines()) and got["cpuinfo"].count("processor") == 3
+    for name in ("vmstat", "interrupts", "diskstats", "sys/kernel/random/boot_id"):
+        assert got[name] == "" and host[name] != "", name
+    assert host["sys/kernel/random/boot_id"].strip() not in res.stdout
+
+
 def test_a_fake_report_or_a_self_sent_limit_signal_is_no_limit():
     # The code writes a report to every descriptor it may hold, then exits 3: still 'error', exit 3.
     fake = json.dumps({"exit": 0, "cpu": 99.0, "disk_full": True, "file_limit": True})
