@@ -45,6 +45,7 @@ from megatron_rl.config.model import ModelConfig
 from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
 from megatron_rl.engine.device import to_device, to_host
 from megatron_rl.engine.layout import ModelOutput, prepare_inputs
+from megatron_rl.engine.lora import LoRASettings, adapters_disabled, apply_lora
 from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
@@ -87,12 +88,17 @@ class MegatronEngine:
             ``forward`` / ``train_step`` replay them (``megatron_rl.engine.router_replay``); an MoE
             model only.
         name: what this model is called in messages (e.g. the role that owns it).
+        lora: ``megatron_rl.config.lora.LoRAConfig`` with ``rank > 0`` (``*.model.lora``): the built
+            chunks get LoRA adapters on ``lora.target_modules`` (``megatron_rl.engine.lora``) before
+            DDP wraps them; every base weight is frozen, so DDP's gradient buffers and the optimizer
+            hold the adapters only. ``adapters_disabled()`` turns the model back into its base (the
+            reference policy). A trainable engine only.
     """
 
     def __init__(self, model_cfg: ModelConfig, mesh: Any, *, head: str = "lm", trainable: bool = False,
                  optim: Optional[OptimConfig] = None, transformer_overrides: Optional[Mapping[str, Any]] = None,
                  sequence_parallel: bool = False, remove_padding: bool = True, distributed_optimizer: bool = False,
-                 routing_replay: bool = False, name: str = "model"):
+                 routing_replay: bool = False, name: str = "model", lora: Optional[Any] = None):
         from megatron.core.transformer import TransformerConfig
 
         if head not in HEADS:
@@ -126,6 +132,13 @@ class MegatronEngine:
         self.tf_config = build_transformer_config(model_cfg, mesh.config, sequence_parallel=sequence_parallel,
                                                   **overrides)
         chunks = build_model(model_cfg, self.tf_config, head=head)
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            if not trainable:
+                raise ValueError(f"the {name!r} engine is frozen; LoRA adapters go on a trainable engine "
+                                 "(the reference of a LoRA actor is the actor with adapters off)")
+            self.lora_modules = add_lora(chunks, self.lora, mesh, model_cfg.dtype,
+                                         sequence_parallel=self.tf_config.sequence_parallel)
         self.cp_size = mesh.size("cp")
         # Pure DP: the CP ranks of one DP replica hold the same samples, so token counts and
         # metrics reduce over DP only (Megatron's DDP reduces gradients over DP x CP itself).
@@ -149,6 +162,11 @@ class MegatronEngine:
         self.routing_agreement: dict[str, float] = {}
         """After a call that replayed routing: the fractions of router decisions agreeing with the
         replayed ids, ``used`` (what the routers used) and ``natural`` (what they would have picked)."""
+
+    def adapters_disabled(self):
+        """Context manager: inside it the model is its base (``megatron_rl.engine.lora``); a no-op
+        without LoRA. The reference policy of a LoRA actor is this engine inside it."""
+        return adapters_disabled(self.model)
 
     # -- the two entry points -----------------------------------------------------------------
     @torch.no_grad()
@@ -479,3 +497,25 @@ class _ReshardableOptimizerState:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
+
+
+def add_lora(chunks: list[torch.nn.Module], lora: Any, mesh: Any, model_dtype: torch.dtype, *,
+             sequence_parallel: bool) -> list[str]:
+    """LoRA adapters (``lora``: a ``LoRAConfig``) on every chunk, over the mesh's TP group; the wrapped
+    modules' names. Each chunk draws its adapters from ``mesh.seed`` + its index, the same on every
+    TP rank (the full adapter is drawn and then sharded)."""
+    settings = LoRASettings(rank=lora.rank, alpha=float(lora.alpha), dropout=lora.dropout,
+                            dropout_position=lora.dropout_position, lora_A_init_method=lora.lora_A_init_method,
+                            lora_B_init_method=lora.lora_B_init_method)
+    dtype = _LORA_DTYPES[lora.dtype] if lora.dtype is not None else model_dtype
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        wrapped += apply_lora(chunk, settings, target_modules=tuple(lora.target_modules),
+                              exclude_modules=tuple(lora.exclude_modules), tp_group=mesh.tp_group,
+                              sequence_parallel=sequence_parallel, seed=mesh.seed + 1000 * index, dtype=dtype,
+                              expert_tp_group=mesh.etp_group)
+    return wrapped
+
+
+_LORA_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}

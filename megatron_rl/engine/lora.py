@@ -21,6 +21,7 @@ sharded, so every layout starts from the same adapters.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,7 +111,16 @@ class LoRALinear(nn.Module):
         super().__init__()
         if parallel_mode not in ("column", "row"):
             raise ValueError(f"parallel_mode: {parallel_mode!r} is not allowed; column or row")
-        self.base, self.parallel_mode, self.settings = base, parallel_mode, settings
+        # The base is held outside the module tree and its own parameters (``weight``, ``bias``,
+        # a fused ``layer_norm_weight``) are registered here under their names, so the wrapped
+        # model's parameter names are the base model's plus ``lora_A``/``lora_B``: the bridge's
+        # HF table (load, export, weight sync) keeps working unchanged.
+        if any(True for _ in base.buffers()):
+            raise ValueError(f"{type(base).__name__} has buffers; LoRA wraps buffer-free linears only")
+        object.__setattr__(self, "_base", base)
+        for pname, param in base.named_parameters(recurse=False):
+            self.register_parameter(pname, param)
+        self.parallel_mode, self.settings = parallel_mode, settings
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
         self.tp_rank = dist.get_rank(tp_group) if self.tp_size > 1 else 0
@@ -139,6 +149,11 @@ class LoRALinear(nn.Module):
         self.lora_B.partition_dim = 0 if parallel_mode == "column" else -1
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self.enabled = True
+
+    @property
+    def base(self) -> nn.Module:
+        """The wrapped Megatron linear (not a submodule: its parameters are this module's)."""
+        return self._base
 
     def _reduced(self, weight: torch.Tensor, partial: bool) -> torch.Tensor:
         return _AllReduceGrad.apply(weight, self.tp_group) if partial and self.tp_size > 1 else weight
@@ -189,12 +204,16 @@ class LoRALinear(nn.Module):
 
 def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGET_MODULES,
                exclude_modules=(), tp_group=None, sequence_parallel: bool = False, seed: int = 0,
-               dtype: Optional[torch.dtype] = None) -> list[str]:
+               dtype: Optional[torch.dtype] = None, expert_tp_group=None) -> list[str]:
     """Replace every targeted linear of ``model`` with a ``LoRALinear``; freeze all base weights.
 
     Returns the names of the wrapped modules. A target module name the model does not have is an
-    error naming the name and the allowed ones.
+    error naming the name and the allowed ones. An MoE expert's linear (``is_expert``) gets its
+    adapter over ``expert_tp_group`` (expert tensor parallelism > 1 is not built: refused) and its
+    adapter weights are marked ``allreduce=False``, so Megatron's DDP reduces their gradients over
+    the expert-data-parallel group like the experts' own weights.
     """
+    etp_size = dist.get_world_size(expert_tp_group) if expert_tp_group is not None and dist.is_initialized() else 1
     unknown = [t for t in target_modules if t not in TARGET_MODULES]
     if unknown:
         raise ValueError(f"lora.target_modules: {unknown} not allowed; each one of {TARGET_MODULES}")
@@ -210,8 +229,15 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
         found.add(leaf)
         mode = "column" if leaf in COLUMN_TARGETS else "row"
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, leaf, LoRALinear(module, mode, settings, tp_group=tp_group,
-                                         sequence_parallel=sequence_parallel, seed=seed + index, dtype=dtype))
+        expert = bool(getattr(module, "is_expert", False))
+        if expert and etp_size > 1:
+            raise ValueError(f"lora.target_modules: {leaf!r} inside MoE experts ({name}) with "
+                             f"expert_tensor_parallel_size={etp_size} is not built; use 1 or exclude_modules=[experts]")
+        lora = LoRALinear(module, mode, settings, tp_group=None if expert else tp_group,
+                          sequence_parallel=sequence_parallel and not expert, seed=seed + index, dtype=dtype)
+        if expert:
+            lora.lora_A.allreduce = lora.lora_B.allreduce = False
+        setattr(parent, leaf, lora)
         wrapped.append(name)
     missing = [t for t in target_modules if t not in found]
     if missing and not exclude_modules:
@@ -225,3 +251,50 @@ def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, LoRALinear):
             m.enabled = enabled
+
+
+def lora_modules(chunks) -> list[LoRALinear]:
+    """Every ``LoRALinear`` in ``chunks`` (a module or a list of model chunks, DDP-wrapped or not)."""
+    chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """Inside the block the model is its base (every adapter off): the reference policy of a LoRA
+    actor (verl builds no separate reference model then). The previous switches come back after."""
+    modules = lora_modules(chunks)
+    before = [m.enabled for m in modules]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, on in zip(modules, before):
+            m.enabled = on
+
+
+@contextlib.contextmanager
+def merged_adapters(chunks):
+    """Inside the block every wrapped base weight holds ``W + scale * B A`` and the adapters are off,
+    so the model computes what it computed before and its base parameters are what an HF export of
+    the merged model needs (weight sync with ``lora.merge: true``). The base weights are restored
+    bit for bit afterwards (from a copy, not by subtracting, which would round)."""
+    modules = lora_modules(chunks)
+    saved = []
+    try:
+        with torch.no_grad():
+            for m in modules:
+                saved.append((m, m.base.weight.detach().clone(), m.enabled))
+                m.base.weight.copy_(m.merged_weight())
+                m.enabled = False
+        yield
+    finally:
+        with torch.no_grad():
+            for m, weight, on in saved:
+                m.base.weight.copy_(weight)
+                m.enabled = on
+
+
+LORA_PARAM_PATTERN = r".*\.lora_[AB]$"
+"""Regex of the adapters' parameter names (left out of an HF export of the merged model)."""

@@ -89,6 +89,14 @@ class Actor:
             out["router_agreement"] = torch.full((n,), self.engine.routing_agreement["natural"], dtype=torch.float64)
         return out
 
+    @batch_fields("input_ids", "attention_mask", "responses", optional=(ROUTED_EXPERTS,))
+    def compute_ref_log_prob(self, batch: Batch, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """``compute_log_prob`` of the base model: a LoRA actor with its adapters off is the reference
+        policy (as in verl, no reference worker or second copy of the weights is built). Without LoRA
+        this is ``compute_log_prob`` (the trainer asks a reference role then)."""
+        with self.engine.adapters_disabled():
+            return self.compute_log_prob(batch, **kwargs)
+
     @batch_fields("input_ids", "attention_mask", "responses")
     def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
                                micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:

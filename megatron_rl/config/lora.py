@@ -1,0 +1,149 @@
+"""``LoRAConfig``: verl 0.9.1's ``*.model.lora`` section (Megatron LoRA), and its older flat keys.
+
+verl 0.9.1 writes Megatron LoRA as ``actor_rollout_ref.model.lora.{type, merge, rank, alpha, dropout,
+target_modules, exclude_modules, dropout_position, lora_A_init_method, lora_B_init_method,
+a2a_experimental, dtype, adapter_path, freeze_*}`` and keeps its FSDP-era flat keys
+``model.{lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path}`` beside them.
+``resolve_lora`` turns a model section's keys (either form, not both) into one ``LoRAConfig``; the
+engine (``megatron_rl.engine.lora``) acts on it. What is not built is refused by name here, before
+any worker starts: ``type`` other than ``lora``, ``merge: false`` (adapter-only sync into vLLM's LoRA),
+``adapter_path`` (loading a PEFT adapter), ``a2a_experimental``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from megatron_rl.config.base import BaseConfig, check_choice
+
+__all__ = ["LoRAConfig", "resolve_lora", "LORA_TARGET_MODULES", "LORA_INIT_METHODS"]
+
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron's linear names an adapter can wrap (also inside MoE experts)."""
+LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+_DTYPES = (None, "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+_HF_ALL_LINEAR = "all-linear"
+
+
+@dataclasses.dataclass
+class LoRAConfig(BaseConfig):
+    """``*.model.lora`` (verl 0.9.1's Megatron LoRA). ``rank: 0`` = no LoRA (train every parameter)."""
+
+    type: str = "lora"
+    """Adapter kind: only ``lora`` is built (``dora`` and others are refused)."""
+    merge: bool = False
+    """Weight sync: True streams the merged weights ``W + alpha/rank * B A`` under their HF names;
+    False (verl's default: only the adapters into vLLM's LoRA) is not built and is refused with rank > 0."""
+    rank: int = 0
+    """Adapter rank r; 0 = LoRA off."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter path."""
+    target_modules: list = dataclasses.field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """Megatron linears that get adapters, any of ``LORA_TARGET_MODULES``."""
+    exclude_modules: list = dataclasses.field(default_factory=list)
+    """Module names (a leaf name or a substring of the full name) left without adapters."""
+    dropout_position: str = "pre"
+    """``pre``: dropout on the adapter's input; ``post``: on its output."""
+    lora_A_init_method: str = "xavier"
+    """Initialisation of A, one of ``LORA_INIT_METHODS``."""
+    lora_B_init_method: str = "zero"
+    """Initialisation of B, one of ``LORA_INIT_METHODS`` (``zero``: the step-0 model is the base)."""
+    a2a_experimental: bool = False
+    """verl's experimental all-to-all adapter path for MoE experts: not built (refused when True)."""
+    dtype: Optional[str] = None
+    """Adapter parameter dtype; None = the base weights' dtype."""
+    adapter_path: Optional[str] = None
+    """A PEFT adapter directory to start from: loading one is not built (refused when set)."""
+    freeze_vision_model: bool = True
+    """verl's multimodal switch; there is no vision tower here (refused when False)."""
+    freeze_vision_projection: bool = True
+    """verl's multimodal switch; there is no vision projection here (refused when False)."""
+    freeze_language_model: bool = True
+    """The base language model stays frozen under LoRA (refused when False: that is full fine-tuning)."""
+
+    def __post_init__(self) -> None:
+        check_choice("lora.type", self.type, ("lora",))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank: {self.rank!r} is not allowed; an integer >= 0 (0 = LoRA off)")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha: {self.alpha!r} is not allowed; a number > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout: {self.dropout!r} is not allowed; 0 <= dropout < 1")
+        check_choice("lora.dropout_position", self.dropout_position, ("pre", "post"))
+        check_choice("lora.lora_A_init_method", self.lora_A_init_method, LORA_INIT_METHODS)
+        check_choice("lora.lora_B_init_method", self.lora_B_init_method, LORA_INIT_METHODS)
+        check_choice("lora.dtype", self.dtype, _DTYPES)
+        if isinstance(self.target_modules, str):
+            self.target_modules = [self.target_modules]
+        if isinstance(self.exclude_modules, str):
+            self.exclude_modules = [self.exclude_modules]
+        self.target_modules = list(self.target_modules or [])
+        self.exclude_modules = list(self.exclude_modules or [])
+        bad = [t for t in self.target_modules if t not in LORA_TARGET_MODULES]
+        if bad:
+            raise ValueError(f"lora.target_modules: {bad} not allowed; each one of {list(LORA_TARGET_MODULES)}")
+        if self.rank == 0:
+            return
+        if not self.target_modules:
+            raise ValueError("lora.target_modules: [] is not allowed with lora.rank > 0; name at least one of "
+                             f"{list(LORA_TARGET_MODULES)}")
+        refusals = {
+            "merge": (self.merge is False, "adapter-only weight sync into vLLM's LoRA is not built; set "
+                                           "lora.merge=true (the merged weights are synced)"),
+            "adapter_path": (self.adapter_path is not None, "loading a PEFT adapter is not built"),
+            "a2a_experimental": (self.a2a_experimental, "the experimental all-to-all expert adapters are not built"),
+            "freeze_language_model": (not self.freeze_language_model, "LoRA keeps the base frozen; for full "
+                                                                      "fine-tuning set lora.rank=0"),
+            "freeze_vision_model": (not self.freeze_vision_model, "there is no vision tower"),
+            "freeze_vision_projection": (not self.freeze_vision_projection, "there is no vision projection"),
+        }
+        for name, (refused, why) in refusals.items():
+            if refused:
+                raise ValueError(f"lora.{name}={getattr(self, name)!r} is refused with lora.rank={self.rank}: {why}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when adapters are built (``rank > 0``)."""
+        return self.rank > 0
+
+
+def resolve_lora(model: Mapping[str, Any] | Any, section: str = "actor_rollout_ref.model") -> LoRAConfig:
+    """The one ``LoRAConfig`` of a model section (a mapping or an object with the keys as attributes):
+    its ``lora`` mapping, or verl's flat keys (``lora_rank``, ``lora_alpha``, ``target_modules``,
+    ``exclude_modules``, ``lora_adapter_path``; flat ``target_modules: all-linear`` is every Megatron
+    linear). Setting both forms (both ranks > 0) is an error naming the keys. Flat keys carry
+    ``merge: true`` (the flat form has no merge key; adapter-only sync is not built)."""
+    get = (lambda k, d=None: model.get(k, d)) if isinstance(model, Mapping) else (lambda k, d=None: getattr(model, k, d))
+    nested = get("lora") or {}
+    if isinstance(nested, LoRAConfig):
+        nested = dataclasses.asdict(nested)
+    if not isinstance(nested, Mapping):
+        raise ValueError(f"{section}.lora={nested!r} must be a mapping of LoRA keys")
+    flat_rank = get("lora_rank", 0) or 0
+    if flat_rank and nested.get("rank", 0):
+        raise ValueError(f"{section}.lora_rank={flat_rank} and {section}.lora.rank={nested.get('rank')} are both set; "
+                         f"use {section}.lora.* only")
+    if not flat_rank:
+        return _build(dict(nested), f"{section}.lora")
+    targets = get("target_modules", _HF_ALL_LINEAR)
+    if targets in (None, _HF_ALL_LINEAR):
+        targets = list(LORA_TARGET_MODULES)
+    return _build({"rank": flat_rank, "alpha": get("lora_alpha", 16), "target_modules": targets,
+                   "exclude_modules": get("exclude_modules") or [], "adapter_path": get("lora_adapter_path"),
+                   "merge": True}, section)
+
+
+def _build(values: dict, where: str) -> LoRAConfig:
+    names = {f.name for f in dataclasses.fields(LoRAConfig)}
+    unknown = sorted(set(values) - names - {"_target_"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed {sorted(names)}")
+    values.pop("_target_", None)
+    try:
+        return LoRAConfig(**values)
+    except ValueError as exc:  # name the section the user wrote
+        raise ValueError(f"{where}: {exc}") from None
