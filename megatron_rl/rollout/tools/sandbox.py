@@ -22,9 +22,11 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
 * **the whole sandbox** (a cgroup per run where this process may make one, ``Isolation.cgroup``):
-  ``memory_mb`` of memory, ``max_processes`` tasks, ``max_cpus`` of CPU bandwidth; without one,
-  ``memory_mb`` of address space per process (the code gets MemoryError), and the seccomp filter
-  refuses new processes anyway;
+  ``memory_mb`` of memory, ``max_processes`` tasks, ``max_cpus`` of CPU bandwidth; without one
+  (an unprivileged caller gets none), ``memory_mb`` of address space for the code's process, the
+  only one the seccomp filter lets it have (the code gets MemoryError), and ``max_processes``
+  tasks through RLIMIT_NPROC, which the kernel counts per user namespace: the sandbox's tasks
+  alone, threads included (with namespaces; set with a cgroup too);
 * **output**: stdout / stderr are pipes this process owns (unbuffered, so what was printed before
   an exit comes back), read with a byte cap and the wall deadline; at most ``max_output_bytes`` of
   each is returned; more than ``max_file_bytes`` on one pipe stops the run (``output_limit``), as
@@ -84,7 +86,8 @@ class SandboxLimits:
     max_files: int = 1024
     """Inodes of that tmpfs: how many files and directories the code can make."""
     max_processes: int = 32
-    """Tasks (processes and threads) of the whole sandbox, the runner's three included (with a cgroup)."""
+    """Tasks (processes and threads) of the whole sandbox, the runner's three included (a cgroup's
+    pids.max, and RLIMIT_NPROC in the sandbox's own user namespace)."""
     max_cpus: float = 1.0
     """CPU bandwidth of the whole sandbox, in CPUs (with a cgroup)."""
 
@@ -453,7 +456,8 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
                 "unshare": iso.map_to is not None, "seccomp": iso.seccomp,
                 "root": {"binds": binds, "links": links} if iso.minimal_root else None,
                 "cgroup_memory": cgroup is not None and "memory" in cgroup.dirs,
-                "disk_bytes": limits.max_disk_bytes, "max_files": limits.max_files}
+                "disk_bytes": limits.max_disk_bytes, "max_files": limits.max_files,
+                "max_processes": limits.max_processes, "own_user_namespace": iso.pid_namespace}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],

@@ -14,7 +14,8 @@ detached), privileges go for good (the capability bounding set emptied, root dro
 ``nobody`` -- ``spec["drop_uid"]``, only without namespaces --, every capability cleared,
 ``no_new_privs``), the init forks the code's process and only reaps and reports
 (``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
-cgroup bounds memory, file size, open files, no core files), the seccomp filter, an audit hook
+cgroup bounds memory, file size, open files, no core files, tasks in the sandbox's user
+namespace), the seccomp filter, an audit hook
 (a convenience: it refuses process creation, signals, ctypes, writes outside the working
 directory, Unix sockets and -- when no network namespace isolates the process -- every socket);
 then ``exec`` the code as ``__main__``.
@@ -336,6 +337,9 @@ def _limit(spec: dict) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_bytes"], spec["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (spec["max_open_files"], spec["max_open_files"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if spec.get("own_user_namespace"):  # there the kernel counts this uid's tasks (threads too) per namespace:
+        # the sandbox's alone, the runner's three included -- the bound on tasks where no cgroup is
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_processes"], spec["max_processes"]))
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the output limit must end the run
 
 

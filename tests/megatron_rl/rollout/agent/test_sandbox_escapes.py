@@ -166,16 +166,42 @@ def test_no_socket_reaches_a_host_listener_nor_ray(tmp_path):
             server.close()
 
 
-@pytest.mark.skipif("pids" not in isolation().cgroup, reason="tasks are bounded by the cgroup's pids.max")
 def test_a_fork_bomb_is_refused_and_a_thread_bomb_stops_at_max_processes():
     res = attack("import os\nwhile True:\n    os.fork()")
     assert res.status == "error" and "PermissionError: [Errno 1]" in res.stderr
     code = ("import threading, time\nn = 0\ntry:\n    while True:\n"
             "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); n += 1\n"
-            "except RuntimeError as err:\n    print('threads', n, err)\nimport os\nos._exit(0)")
+            "except RuntimeError as err:\n    print('threads', n, err)\n"
+            "print('nproc', [l.split()[2:4] for l in open('/proc/self/limits') if l.startswith('Max processes')][0])\n"
+            "import os\nos._exit(0)")
     res = attack(code, SandboxLimits(wall_seconds=10, max_processes=16))
-    started = int(lines(res)["threads"].split()[0])
-    assert res.ok and 0 < started <= 16 - 3, res  # outer runner, init and the code's main thread count too
+    got = lines(res)
+    started = int(got["threads"].split()[0])
+    # Tasks are bounded twice: the cgroup's pids.max (where this caller may make a cgroup: root) and
+    # RLIMIT_NPROC, which the kernel counts per user namespace, so the sandbox's own tasks alone
+    # (the only bound for an unprivileged caller, which gets no cgroup).
+    bound = "cgroup pids.max and RLIMIT_NPROC" if "pids" in isolation().cgroup else "RLIMIT_NPROC"
+    assert res.ok and started == 16 - 3, (bound, res)  # outer runner, init and the code's main thread count too
+    assert got["nproc"] == "['16', '16']", (bound, res)
+
+
+def test_memory_of_all_the_codes_threads_together_is_bounded():
+    # Four threads allocate 64 MiB each under a 128 MiB limit: the cgroup's limit (root: its OOM
+    # killer, memory_limit) or the address-space limit of the one process seccomp allows
+    # (unprivileged: MemoryError in a thread, an error).
+    code = ("import os, threading\nkept, errors = [], []\ndef grab():\n    try:\n"
+            "        kept.append(bytearray(64 << 20))\n    except MemoryError:\n        errors.append(1)\n"
+            "threads = [threading.Thread(target=grab) for _ in range(4)]\n[t.start() for t in threads]\n"
+            "[t.join() for t in threads]\nprint('grabbed', len(kept), 'refused', len(errors))\n"
+            "os._exit(3 if errors else 0)")
+    rss = psutil.Process().memory_info().rss
+    res = attack(code, SandboxLimits(wall_seconds=10, memory_mb=128))
+    if "memory" in isolation().cgroup:
+        assert res.status == "memory_limit", ("cgroup memory.max", res)
+    else:
+        got = lines(res)
+        assert (res.status, res.exit_code) == ("error", 3) and int(got["grabbed"].split()[0]) < 2, ("RLIMIT_AS", res)
+    assert psutil.Process().memory_info().rss - rss < 64 << 20
 
 
 def test_writes_outside_the_working_dir_and_symlink_escapes_fail(secret, tmp_path):
@@ -397,6 +423,7 @@ def test_a_hundred_concurrent_malicious_calls_leave_the_caller_alone(tmp_path):
 
 
 _ROOTLESS_CALLER = """
+# argv: PROJECT HOME PYTHON-ARGS...: runs python PYTHON-ARGS in PROJECT as host nobody.
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 # As root: a private mount namespace where the interpreter under /root is reachable by anybody,
@@ -410,8 +437,9 @@ for path, fd in fds.items():
     os.makedirs(path, exist_ok=True)
     assert libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, 4096 | 16384, None) == 0
 os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
-os.chdir("/")
-os.execve(sys.executable, [sys.executable, "-c", sys.argv[1]], {"PYTHONPATH": sys.argv[2], "PATH": "/usr/bin:/bin"})
+os.chdir(sys.argv[1])
+os.execve(sys.executable, [sys.executable, *sys.argv[3:]], {"PYTHONPATH": sys.argv[1], "HOME": sys.argv[2],
+          "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"})
 """
 _ROOTLESS_ATTACKS = """
 import json, os
@@ -440,8 +468,8 @@ def test_the_rootless_path_holds_for_an_unprivileged_caller(secret):
     import megatron_rl
 
     project = os.path.dirname(os.path.dirname(megatron_rl.__file__))
-    out = subprocess.run([sys.executable, "-c", _ROOTLESS_CALLER, _ROOTLESS_ATTACKS % {"secret": str(secret)}, project],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _ROOTLESS_CALLER, project, "/", "-c",
+                          _ROOTLESS_ATTACKS % {"secret": str(secret)}], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
     assert got["uid"] == 65534 and got["prefix"][:3] == ["/usr/bin/unshare", "--user", "--map-root-user"]
@@ -454,3 +482,34 @@ def test_the_rootless_path_holds_for_an_unprivileged_caller(secret):
     assert got["disk"][0] == "disk_limit" and got["spoof"][::3] == ["error", 86]
     assert got["memory"][0] == "error" and "MemoryError" in got["memory"][2]  # RLIMIT_AS: no cgroup to count
     assert got["caps"][1] == "['0000000000000000', '0000000000000000', '1']\n"
+
+
+_ROOT_ONLY = ("test_the_rootless_path_holds_for_an_unprivileged_caller",
+              "test_every_escape_test_passes_for_an_unprivileged_caller")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run as an unprivileged user, every test here is the rootless path")
+def test_every_escape_test_passes_for_an_unprivileged_caller():
+    """This file again, with the caller as host ``nobody`` (no capability, no cgroup): the
+    rootless path (``unshare --user --map-root-user``, RLIMIT_NPROC and RLIMIT_AS as the bounds)
+    must stop every attack as the root path does. The hundred concurrent calls are left out
+    (the same code paths, 20 s more)."""
+    import tempfile
+
+    import megatron_rl
+
+    project = os.path.dirname(os.path.dirname(megatron_rl.__file__))
+    home = tempfile.mkdtemp(prefix="mrl-nobody-")
+    try:
+        os.chown(home, 65534, 65534)
+        os.chmod(home, 0o755)
+        out = subprocess.run([sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-m", "pytest", "-q", "-rs",
+                              "-p", "no:cacheprovider", f"--basetemp={home}/base", "-k", "not a_hundred_concurrent",
+                              os.path.relpath(__file__, project)], capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["rm", "-rf", home], check=True)
+    summary = out.stdout.strip().splitlines()[-1]
+    tests = [name for name in globals() if name.startswith("test_")]
+    expected = len(tests) - len(_ROOT_ONLY) - 1  # less the hundred concurrent calls
+    assert out.returncode == 0 and f"{expected} passed" in summary, out.stdout[-4000:] + out.stderr[-2000:]
+    assert f"{len(_ROOT_ONLY)} skipped" in summary and "failed" not in summary, out.stdout[-4000:]
