@@ -190,7 +190,9 @@ class TrainerRunConfig(BaseConfig):
     def _check_batch(self, where: str, cfg: ActorConfig | CriticConfig, source: ModelSourceConfig,
                      world: int) -> None:
         """verl's batch arithmetic for a trained role: prompts split into mini-batches, each
-        mini-batch's responses split evenly over data-parallel ranks and into micro-batches."""
+        mini-batch's responses split evenly over data-parallel ranks and into micro-batches. Under
+        ``use_dynamic_bsz`` token budgets form the micro-batches, so (as verl) the micro-batch size
+        need not divide a rank's share."""
         n, train = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
         mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
         if train < mini:
@@ -199,7 +201,11 @@ class TrainerRunConfig(BaseConfig):
             raise ValueError(f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
                              f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n}")
         dp = self._layout(where, cfg.megatron, source, world)["dp"]
-        if (mini * n) % (dp * micro):
+        dynamic = cfg.use_dynamic_bsz if cfg.use_dynamic_bsz is not None else self.actor_rollout_ref.actor.use_dynamic_bsz
+        if dynamic and (mini * n) % dp:
+            raise ValueError(f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
+                             f"the data-parallel size {dp} of {where}")
+        if not dynamic and (mini * n) % (dp * micro):
             raise ValueError(f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
                              f"data-parallel size * {where}.ppo_micro_batch_size_per_gpu = {dp}*{micro} = {dp * micro}")
 

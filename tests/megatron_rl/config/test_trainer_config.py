@@ -249,6 +249,23 @@ def test_batch_and_layout_errors_name_the_numbers(overrides, message):
     assert _error("grpo", overrides) == message
 
 
+def test_dynamic_bsz_skips_the_micro_batch_split_as_verl_does():
+    """Under use_dynamic_bsz token budgets form the micro-batches: a micro-batch size that does not divide a
+    rank's share is accepted (verl skips the check); the mini-batch must still split over the DP ranks."""
+    micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=24", "trainer.n_gpus_per_node=2"]
+    dynamic = "actor_rollout_ref.actor.use_dynamic_bsz=true"
+    assert "is not divisible by data-parallel size" in _error("grpo", micro)
+    assert load_config("grpo", [*micro, dynamic]).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 24
+    critic = ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=48"]
+    assert "critic.ppo_mini_batch_size * rollout.n" in _error("grpo", critic)
+    needs = resolve_run(load_config("grpo", [*critic, dynamic]))  # the critic's use_dynamic_bsz: the actor's
+    assert needs.critic
+    assert "critic.ppo_mini_batch_size * rollout.n" in _error("grpo", [*critic, dynamic, "critic.use_dynamic_bsz=false"])
+    assert _error("grpo", [dynamic, "trainer.n_gpus_per_node=3"]) == (
+        "actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = 16*8 = 128 is not divisible by the data-parallel "
+        "size 3 of actor_rollout_ref.actor")
+
+
 def test_gpu_layout_that_does_not_fit_the_cluster():
     assert _error("gpu/qwen3_30b_a3b_grpo", ["trainer.nnodes=1"]) == (
         "actor_rollout_ref.actor.megatron: expert_model_parallel_size * expert_tensor_parallel_size = 8*1 = 8 "
