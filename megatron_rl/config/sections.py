@@ -498,12 +498,23 @@ class TrainerConfig(BaseConfig):
     v1: V1Config = field(default_factory=V1Config)
     """verl's V1 trainer modes: ``sync`` (default), ``colocate_async`` (one-step off-policy),
     ``separate_async`` (fully async, bounded staleness): ``megatron_rl.config.v1``."""
+    callbacks: list = field(default_factory=list)
+    """Your own callbacks, as dotted paths ``package.module.Class`` of ``TrainerCallback`` subclasses
+    (``megatron_rl.trainer.callbacks``): constructed with no arguments in the driver, called in this order at
+    ``on_fit_start``, ``on_validation_end``, ``on_checkpoint``, ``on_step_end``, ``on_fit_end``. One that
+    cannot be imported stops the run before any worker starts."""
 
     def __post_init__(self) -> None:
         if isinstance(self.v1, Mapping):
             self.v1 = V1Config.from_dict(self.v1, path="v1")
         if isinstance(self.logger, str):
             self.logger = [self.logger]
+        if isinstance(self.callbacks, str):
+            self.callbacks = [self.callbacks]
+        for i, path in enumerate(self.callbacks):
+            if not isinstance(path, str) or "." not in path.strip(".") or any(not part.isidentifier()
+                                                                             for part in path.split(".")):
+                raise ValueError(f"trainer.callbacks[{i}]={path!r}: expected a dotted path 'package.module.Class'")
         for name in self.logger:
             check_choice("trainer.logger entry", name, LOGGERS)
         check_choice("trainer.device", self.device, ("cpu", "cuda"))

@@ -1,4 +1,5 @@
-"""The side concerns of the loop, each owning its own "when": ``Checkpointer``, ``Validator``, ``SkipGuard``.
+"""The side concerns of the loop, each owning its own "when": ``Checkpointer``, ``Validator``, ``SkipGuard``;
+and the user's own callbacks (``trainer.callbacks``: ``TrainerCallback`` subclasses by dotted path).
 
 The loop only asks ``should_save(step, last)`` / ``should_validate(step, last)`` and calls
 ``save`` / ``validate``; the frequencies (``trainer.save_freq``, ``trainer.test_freq``,
@@ -8,6 +9,7 @@ The loop only asks ``should_save(step, last)`` / ``should_validate(step, last)``
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +27,76 @@ from megatron_rl.trainer.checkpoint import (
 )
 from parallel.checkpoint import DiskFullError, free_bytes, fmt_bytes, is_disk_full
 
-__all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump", "validation_line"]
+__all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump", "validation_line", "TrainerCallback",
+           "Callbacks", "HOOKS", "load_callbacks"]
+
+HOOKS = ("on_fit_start", "on_validation_end", "on_checkpoint", "on_step_end", "on_fit_end")
+"""The hooks a ``TrainerCallback`` may define, in the order one run calls them: ``on_fit_start`` once
+(after a resume), then per step ``on_validation_end`` (when the step validated), ``on_checkpoint`` (when
+it saved), ``on_step_end``; ``on_fit_end`` once (also after ``trainer.val_only``'s validation)."""
+
+
+class TrainerCallback:
+    """Base of a user callback (``trainer.callbacks: [my_pkg.module.MyCallback]``): override any of
+    ``HOOKS``; each gets the trainer first. Constructed once with no arguments, in the driver, before
+    any worker starts; callbacks run in the listed order, after the trainer's own step work. A hook
+    that raises stops the run (the error names the callback and the hook)."""
+
+    def on_fit_start(self, trainer: Any, step: int) -> None:
+        """Training starts (or resumes) after step ``step``."""
+
+    def on_validation_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """A validation at ``step`` finished; ``metrics`` are its ``val-core/...`` / ``val-aux/...``."""
+
+    def on_checkpoint(self, trainer: Any, step: int, path: Path) -> None:
+        """The checkpoint of ``step`` is complete at ``path``."""
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """Step ``step`` is done (its metrics, validation and checkpoint included)."""
+
+    def on_fit_end(self, trainer: Any, history: list[dict[str, float]]) -> None:
+        """The run is over; ``history`` is this call's per-step metrics."""
+
+
+def load_callbacks(paths: list) -> "Callbacks":
+    """``trainer.callbacks`` -> the constructed callbacks; ``ValueError`` naming the entry when a path is
+    not ``module.Class``, cannot be imported, or is not a ``TrainerCallback`` subclass."""
+    found = []
+    for i, path in enumerate(paths):
+        where = f"trainer.callbacks[{i}]={path!r}"
+        module, _, name = str(path).rpartition(".")
+        if not isinstance(path, str) or not module or not name:
+            raise ValueError(f"{where}: expected a dotted path 'package.module.Class'")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except ImportError as err:
+            raise ValueError(f"{where}: cannot import module {module!r} ({err})") from err
+        except AttributeError:
+            raise ValueError(f"{where}: module {module!r} has no attribute {name!r}") from None
+        if not (isinstance(cls, type) and issubclass(cls, TrainerCallback)):
+            raise ValueError(f"{where}: {name} is not a subclass of megatron_rl.trainer.callbacks.TrainerCallback")
+        found.append(cls())
+    return Callbacks(found)
+
+
+class Callbacks:
+    """The run's user callbacks, called hook by hook in their listed order."""
+
+    def __init__(self, callbacks: list[TrainerCallback]):
+        self.callbacks = list(callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def call(self, hook: str, trainer: Any, *args: Any) -> None:
+        """Call ``hook`` (one of ``HOOKS``) on every callback; an error names the callback and the hook."""
+        assert hook in HOOKS, hook
+        for cb in self.callbacks:
+            try:
+                getattr(cb, hook)(trainer, *args)
+            except Exception as err:
+                raise RuntimeError(f"trainer.callbacks: {type(cb).__module__}.{type(cb).__qualname__}.{hook} "
+                                   f"raised {type(err).__name__}: {err}") from err
 
 
 class GenerationDump:

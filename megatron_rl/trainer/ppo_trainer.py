@@ -7,7 +7,9 @@ log-probs -> teacher log-probs -> values -> KL-in-reward and advantages (the est
 on the driver) -> critic update -> actor update -> weight sync. Which roles exist is decided
 once by ``megatron_rl.algos.needs.resolve_run`` (the estimator's declared needs and the config's
 switches); the side concerns -- checkpoints, validation, skipped steps, metrics -- are callbacks
-that own their own frequencies (``megatron_rl.trainer.callbacks``).
+that own their own frequencies (``megatron_rl.trainer.callbacks``), and the user's own callbacks
+(``trainer.callbacks``) get the hooks ``on_fit_start``, ``on_validation_end``, ``on_checkpoint``,
+``on_step_end``, ``on_fit_end``.
 
 The trainer takes a typed ``TrainerRunConfig`` and an HF model directory to start from (the
 main job, ``megatron_rl.job``, prepares inline toy models and SFT warm-ups).
@@ -38,7 +40,7 @@ from megatron_rl.rollout.agent.reward import FinalAnswerReward
 from megatron_rl.rollout.agent.runner import check_agent_config
 from megatron_rl.trainer.async_loop import async_run_config, check_async_trainer, fit_async
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
-from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator
+from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator, load_callbacks
 from megatron_rl.trainer.failures import worker_failure
 from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics
 from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
@@ -98,6 +100,7 @@ class RayPPOTrainer:
         # the colocated phases (offload / rollout sleep); bad offload settings fail here, before any worker
         self.schedule = step_schedule(self.config, self.needs)
         self._check_router_replay()
+        self.callbacks = load_callbacks(tcfg.callbacks)  # the user's own (trainer.callbacks), before any worker
         for message in self.schedule.warnings:
             warnings.warn(message, RolloutSleepUnsupported, stacklevel=2)
         self.global_steps = 0
@@ -174,15 +177,20 @@ class RayPPOTrainer:
                                experiment=tcfg.experiment_name)
         skips, history = SkipGuard(tcfg), []
         try:
+            self.callbacks.call("on_fit_start", self, self.global_steps)
             if self.validator.should_validate_before_training(self.global_steps) or tcfg.val_only:
                 self.phases.enter("gen")
                 history.append(self.validator.validate(self.global_steps))
+                self.callbacks.call("on_validation_end", self, self.global_steps, history[-1])
                 logger.log(history[-1], step=self.global_steps)
             if tcfg.val_only:
+                self.callbacks.call("on_fit_end", self, history)
                 return history
             history = []
             if tcfg.v1.is_async:  # trainer.v1.trainer_mode colocate_async / separate_async
-                return fit_async(self, total, logger, skips, on_step)
+                history = fit_async(self, total, logger, skips, on_step)
+                self.callbacks.call("on_fit_end", self, history)
+                return history
             while self.global_steps < total:
                 self.global_steps += 1
                 step, last, metrics, timing = self.global_steps, self.global_steps >= total, {}, {}
@@ -199,6 +207,7 @@ class RayPPOTrainer:
                 skips.record(batch is None, self.rollout_phase.last_error)
                 self.placement.shards.clear()  # this step's batch leaves the object store
             self.phases.restore()  # every model whole again for exports and callers after fit
+            self.callbacks.call("on_fit_end", self, history)
         finally:
             logger.close()
         return history
@@ -207,19 +216,23 @@ class RayPPOTrainer:
     def end_step(self, batch: Optional[Batch], metrics: dict, timing: dict, *, step: int, last: bool,
                  state: Optional[Callable[[], dict]] = None) -> None:
         """The end of step ``step`` (synchronous or asynchronous loop): its step and memory metrics,
-        validation and checkpoint when due; ``state`` builds the checkpoint's trainer state (default
-        ``trainer_state``)."""
+        validation and checkpoint when due, then the user callbacks' ``on_step_end``; ``state`` builds the
+        checkpoint's trainer state (default ``trainer_state``)."""
         tcfg = self.config.trainer
         metrics.update(step_metrics(batch, timing, step=step, epoch=self.train_dataloader.epoch,
                                     use_critic=self.critic is not None, n_devices=tcfg.world_size))
         metrics.update(self.phases.memory_metrics())
         if self.validator.should_validate(step, last):
             self.phases.enter("gen")
-            metrics.update(self.validator.validate(step))
+            validation = self.validator.validate(step)
+            metrics.update(validation)
+            self.callbacks.call("on_validation_end", self, step, validation)
         if self.checkpointer.should_save(step, last):
             with timer("save_checkpoint", timing):
-                self.checkpointer.save(step, (state or self.trainer_state)())
+                saved = self.checkpointer.save(step, (state or self.trainer_state)())
             metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+            self.callbacks.call("on_checkpoint", self, step, saved)
+        self.callbacks.call("on_step_end", self, step, metrics)
 
     def train_step(self, batch: Batch, metrics: dict, timing: dict) -> None:
         """Everything after scoring: log-probs, advantages, updates, weight sync."""

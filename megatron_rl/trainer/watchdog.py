@@ -306,6 +306,7 @@ def guard_fit(fit: Callable) -> Callable:
                     else:
                         with phase("save_checkpoint", {}):
                             saved = trainer.checkpointer.save(step, trainer.trainer_state())
+                        trainer.callbacks.call("on_checkpoint", trainer, step, saved)
                     raise Stopped(signals.signum, f"stopped by {signals.name} after step {step}; checkpoint "
                                                   f"{saved} saved (trainer.save_on_preemption)")
 

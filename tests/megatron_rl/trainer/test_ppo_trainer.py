@@ -55,9 +55,11 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.mark.parametrize("backend", ["colocated", "shm"])
-def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend):
+def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend, monkeypatch):
     """``colocated``: rank 0 gathers the HF tensors, handed over through Ray's object store;
-    ``shm``: streamed bucket by bucket (1 MiB buckets) from actor rank 0 over a gloo side band."""
+    ``shm``: streamed bucket by bucket (1 MiB buckets) from actor rank 0 over a gloo side band.
+    The ``colocated`` run also validates and saves at step 2 and has a user callback given by dotted
+    path (``trainer.callbacks``), which must see every hook, in order."""
     from megatron_rl.data.datasets import make_toy_dataset
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
@@ -65,8 +67,15 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend):
 
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")
-    trainer = RayPPOTrainer(_config(tmp_path / "qwen3", data, tmp_path / "run", backend),
-                            reward_fn=RewardFunction(model["tokenizer"], varied_score))
+    config = _config(tmp_path / "qwen3", data, tmp_path / "run", backend)
+    hooks = tmp_path / "hooks.jsonl"
+    if backend == "colocated":
+        config = config.to_dict()
+        config["data"]["val_files"] = str(make_toy_dataset("toy_copy", 4, seed=1, path=tmp_path / "val.parquet"))
+        config["trainer"].update(test_freq=2, save_freq=2,
+                                 callbacks=["tests.megatron_rl.trainer.hook_recorder.HookRecorder"])
+        monkeypatch.setenv("MEGATRON_RL_HOOK_LOG", str(hooks))
+    trainer = RayPPOTrainer(config, reward_fn=RewardFunction(model["tokenizer"], varied_score))
     assert (trainer.needs.critic, trainer.needs.reference) == (False, False)  # GRPO without KL: actor + rollout only
     trainer.init_workers()
     try:
@@ -90,6 +99,14 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend):
         assert row["weight_sync/bytes"] > 0
         assert row["actor/grad_norm"] > 0 and row["critic/advantages/max"] > 0  # a real update happened
     assert len(history) == 2 and history[1]["training/global_step"] == 2
+    if backend == "colocated":  # the user callback saw every hook, in order, with the step's own values
+        calls = [json.loads(line) for line in hooks.read_text().splitlines()]
+        assert [(c["hook"], c.get("step")) for c in calls] == [
+            ("on_fit_start", 0), ("on_step_end", 1), ("on_validation_end", 2), ("on_checkpoint", 2),
+            ("on_step_end", 2), ("on_fit_end", None)], calls
+        assert calls[0]["workers"] and [c.get("global_step") for c in calls if c["hook"] == "on_step_end"] == [1, 2]
+        assert any(k.startswith("val-core/") for k in calls[2]["keys"])
+        assert calls[3]["exists"] and calls[3]["path"].endswith("global_step_2") and calls[-1]["steps"] == [1, 2]
 
     mask = after["response_mask"].bool()
     # The synced rollout engine and the trained actor agree on the same tokens ...
