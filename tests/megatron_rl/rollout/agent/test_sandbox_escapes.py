@@ -401,8 +401,17 @@ def test_a_hundred_concurrent_malicious_calls_leave_the_caller_alone(tmp_path):
     before = set(glob.glob("/tmp/mrl-sandbox-*"))
     cgroups = {d for base, _ in sandbox._cgroup_roots().values() for d in glob.glob(os.path.join(base, "mrl-sandbox-*"))}
     earlier = {c.pid for c in psutil.Process().children(recursive=True)}
-    with ThreadPoolExecutor(100) as pool:
-        results = list(pool.map(lambda i: run_python(codes[i % len(codes)], limits, python_guards=False), range(100)))
+    victim = subprocess.Popen(["sleep", "120"])  # a host process of the caller's that kill(-1) would take
+    rss, started = psutil.Process().memory_info().rss, time.time()
+    try:
+        with ThreadPoolExecutor(100) as pool:
+            results = list(pool.map(lambda i: run_python(codes[i % len(codes)], limits, python_guards=False),
+                                    range(100)))
+        assert victim.poll() is None  # the caller's child lives on (and the caller runs this line)
+    finally:
+        victim.kill()
+        victim.wait()
+    assert psutil.Process().memory_info().rss - rss < 256 << 20  # 100 x 64 KiB output caps, not 100 bombs
     statuses = [r.status for r in results]
     expected = ["error", "killed", "output_limit", "memory_limit" if "memory" in isolation().cgroup else "error",
                 "disk_limit", "error", "timeout", "ok"]
@@ -417,7 +426,19 @@ def test_a_hundred_concurrent_malicious_calls_leave_the_caller_alone(tmp_path):
             break
         time.sleep(0.1)
     assert left == []
-    assert set(glob.glob("/tmp/mrl-sandbox-*")) == before
+    # Nor anywhere else on the host (a process the caller lost would be re-parented away from it).
+    strays = []
+    for proc in psutil.process_iter(["cmdline", "create_time"]):
+        if proc.info["create_time"] and proc.info["create_time"] >= started - 1 and sandbox.RUNNER in (
+                proc.info["cmdline"] or []):
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    strays.append(proc.pid)
+            except psutil.NoSuchProcess:
+                pass
+    assert strays == []
+    assert set(glob.glob("/tmp/mrl-sandbox-*")) == before  # no directory; no tmpfs on the caller's side:
+    assert "mrl-sandbox-" not in open("/proc/self/mountinfo").read()
     assert {d for base, _ in sandbox._cgroup_roots().values()
             for d in glob.glob(os.path.join(base, "mrl-sandbox-*"))} == cgroups
 
