@@ -33,6 +33,7 @@ is the model; the roles that use it live in ``megatron_rl.roles``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 from typing import Any, Callable, Mapping, Optional
@@ -45,7 +46,7 @@ from megatron_rl.config.model import ModelConfig
 from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
 from megatron_rl.engine.device import to_device, to_host
 from megatron_rl.engine.layout import ModelOutput, prepare_inputs
-from megatron_rl.engine.lora import LoRASettings, adapters_disabled, apply_lora
+from megatron_rl.engine.lora import LORA_PARAM_PATTERN, LoRASettings, adapters_disabled, apply_lora, merged_adapters
 from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
@@ -162,6 +163,18 @@ class MegatronEngine:
         self.routing_agreement: dict[str, float] = {}
         """After a call that replayed routing: the fractions of router decisions agreeing with the
         replayed ids, ``used`` (what the routers used) and ``natural`` (what they would have picked)."""
+
+    @property
+    def bridge_ignore(self) -> tuple[str, ...]:
+        """Regexes of parameter names the HF bridge must leave out (load, export, weight sync): the
+        LoRA adapters, which have no HF name (``merged_weights`` folds them into the base's)."""
+        return (LORA_PARAM_PATTERN,) if self.lora is not None else ()
+
+    def merged_weights(self):
+        """Context manager: inside it the base weights hold ``W + scale * B A`` and the adapters are off
+        (an HF export of the merged model, ``lora.merge: true``); restored bit for bit after. A no-op
+        without LoRA."""
+        return merged_adapters(self.model) if self.lora is not None else contextlib.nullcontext()
 
     def adapters_disabled(self):
         """Context manager: inside it the model is its base (``megatron_rl.engine.lora``); a no-op

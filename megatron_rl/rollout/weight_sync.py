@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,14 +165,19 @@ class ActorWeightSync:
         ignore: regexes of Megatron names to leave out (see ``HFExporter``).
         quantization: the engine's ``rollout.quantization``: None sends the export as it is;
             ``fp8`` sends DeepSeek-V3's block FP8 (module docstring).
+        merged: a context-manager factory entered (on every rank) around each export, e.g. a LoRA
+            engine's ``merged_weights`` (``lora.merge: true``): the exported base weights are then
+            ``W + scale * B A`` under their HF names and the adapters themselves (in ``ignore``) stay.
 
     The plan of the export is built once here (collectively); parameters are referenced, so
     ``sync`` always sends the current weights.
     """
 
     def __init__(self, chunks: Iterable[torch.nn.Module], weight_map, *, bucket_megabytes: float, mesh=None,
-                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = (), quantization: Optional[str] = None):
+                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = (), quantization: Optional[str] = None,
+                 merged: Optional[Callable[[], ContextManager]] = None):
         check_range("bucket_megabytes", bucket_megabytes, low=0, low_inclusive=False)
+        self.merged = merged
         check_choice("rollout.quantization", quantization, (None, *QUANTIZATIONS))
         self.quantization = quantization
         self.bucket_bytes = max(1, int(bucket_megabytes * 2**20))
@@ -186,7 +191,11 @@ class ActorWeightSync:
 
     @classmethod
     def from_engine(cls, engine, weight_map, **kwargs: Any) -> "ActorWeightSync":
-        """For a ``MegatronEngine`` (its chunks)."""
+        """For a ``MegatronEngine`` (its chunks); a LoRA engine's export is its merged weights
+        (``engine.merged_weights``; the adapters, ``engine.bridge_ignore``, are left out)."""
+        kwargs["ignore"] = (*kwargs.get("ignore", ()), *engine.bridge_ignore)
+        if engine.bridge_ignore:
+            kwargs.setdefault("merged", engine.merged_weights)
         return cls(engine.model, weight_map, **kwargs)
 
     @property
@@ -197,7 +206,18 @@ class ActorWeightSync:
     def iter_weights(self, stats: Optional[ExportStats] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The bucketed export: ``(hf_name, tensor)`` pairs on rank 0, nothing elsewhere.
         Collective: exhaust it on every actor rank. Tensors may alias parameters (read-only)."""
-        return self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats)
+        return self._within_merged(self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False,
+                                                              stats=stats))
+
+    def _within_merged(self, items: Iterator) -> Iterator:
+        """``items`` produced inside ``merged()`` (entered at the first item, left once exhausted)."""
+        if self.merged is None:
+            return items
+
+        def produce():
+            with self.merged():
+                yield from items
+        return produce()
 
     def iter_buckets(self, stats: Optional[ExportStats] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """What ``sync`` sends: the export one bucket at a time, tensors larger than the bucket as
@@ -205,7 +225,8 @@ class ActorWeightSync:
         single piece exceeds the bound (FP8 buckets are smaller: 1 byte per quantised weight).
         With ``quantization="fp8"`` rank 0's buckets are quantised (``quantize_fp8_stream``).
         Collective, like ``iter_weights``."""
-        buckets = self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats, split=True)
+        buckets = self._within_merged(self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False,
+                                                                 stats=stats, split=True))
         if self.quantization == "fp8" and self.rank == 0:
             return quantize_fp8_stream(buckets, DEFAULT_BLOCK)
         return buckets
