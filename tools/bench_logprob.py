@@ -116,7 +116,6 @@ def _naive(logits, labels, temperature):
 
 
 def _make_step(variant, args, logits, hidden, weight, labels):
-    import torch
     import torch.nn.functional as F
 
     from parallel.vocab_parallel import fused_linear_log_probs_and_entropy, vocab_parallel_log_probs_and_entropy
@@ -147,7 +146,6 @@ def _make_step(variant, args, logits, hidden, weight, labels):
 
 def _reference_errors(variant, args, logits, hidden, weight, labels, lp, ent) -> dict:
     """Max errors of this variant's outputs (and grads) against float32 math on the same inputs."""
-    import torch
 
     T, rows = args.temperature, max(1, min(args.tokens, 1024))
     out = {}

@@ -175,7 +175,7 @@ def measure_offload_phases(rank: int, world_size: int, model_kw: dict, batch_kw:
     out["actor_log_prob"] = tracked(lambda: actor.compute_log_prob(batch, calculate_entropy=True))  # as the trainer
     engine.load_to_device()
     out["actor_update"] = tracked(lambda: actor.update_policy(batch))
-    del actor, engine
+    actor = engine = None  # the model and its buffers go before the mesh (the closures above hold the names)
     destroy_mesh(mesh)
     return out
 

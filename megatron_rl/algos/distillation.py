@@ -21,7 +21,6 @@ depend on the teacher.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
 from typing import Any, Mapping, Optional
 
 import torch

@@ -11,7 +11,6 @@ imports, otherwise the local spec with its core attention swapped for ``SDPAtten
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from typing import Any, Iterator, Optional
 

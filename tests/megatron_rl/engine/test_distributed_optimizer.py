@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.engine.test_engine import BATCH, DENSE, PROMPT, RESPONSE, make_batch, make_role
+from tests.megatron_rl.engine.test_engine import BATCH, DENSE, PROMPT, RESPONSE, make_batch
 from tests.megatron_rl.engine.test_offload import TRAIN, _weights
 from tests.numerics import assert_within, gpt_forward_terms, rounding_bound
 

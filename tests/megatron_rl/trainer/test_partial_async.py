@@ -64,7 +64,7 @@ def test_a_push_to_the_ray_worker_pauses_its_generation_and_it_continues_with_th
     assert (old - logp)[versions == 1].abs().max().item() > 0.1  # the two weight sets differ there
 
 
-def test_grpo_async_recipe_with_partial_rollouts_trains_two_steps(toy_model, ray_cluster):
+def test_grpo_async_recipe_with_partial_rollouts_trains_two_steps(toy_model, ray_cluster):  # noqa: F811 (fixture)
     history, _, trainer = _run(toy_model, "partial", "grpo_async", [
         "trainer.v1.partial_rollout=true", "trainer.total_training_steps=2",
         "trainer.v1.separate_async.parameter_sync_step=1"])
