@@ -24,7 +24,8 @@ from typing import Any, Sequence
 from megatron_rl.config import read_tracking
 from megatron_rl.config import verl_keys as _verl
 
-__all__ = ["BaseConfig", "INTERNAL", "is_internal", "check_choice", "check_range"]
+__all__ = ["BaseConfig", "INTERNAL", "ROLLOUT_ENGINES", "TRAINING_ENGINES", "is_internal", "check_built", "check_choice",
+           "check_range"]
 
 INTERNAL = {"internal": True}
 """Field metadata of a value the code sets while it runs (e.g. the per-step ``global_batch_info``):
@@ -40,6 +41,23 @@ def check_choice(field: str, value: Any, allowed: Sequence[Any]) -> None:
     """Raise ``ValueError`` naming ``field`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise ValueError(f"{field}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+TRAINING_ENGINES = ("megatron",)
+"""Training backends built here (verl's ``*.strategy``); verl's ``fsdp`` and ``fsdp2`` are not."""
+ROLLOUT_ENGINES = ("vllm",)
+"""Rollout engines built here (verl's ``rollout.name``); verl's ``sglang`` and ``trtllm`` are not."""
+
+
+def check_built(field: str, value: Any, built: Sequence[str], kind: str) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is one of the ``built`` ``kind`` (e.g.
+    "rollout engines"); verl's own choices this project does not build are refused by name, never
+    replaced by a built one. verl leaves some of them unset (``'???'``): that is asked for."""
+    if value in built:
+        return
+    if value == "???":
+        raise ValueError(f"{field} must be set (verl's config leaves it '???'); {kind} built here: {list(built)}")
+    raise ValueError(f"{field}={value!r} is not built here; {kind} built here: {list(built)}")
 
 
 def check_range(field: str, value: float, *, low: float | None = None, high: float | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.config.base import ROLLOUT_ENGINES, BaseConfig, check_built, check_choice, check_range
 
 __all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "MultiTurnConfig", "AgentLoopConfig", "TRANSPORTS",
            "PROMPT_TOO_LONG", "QUANTIZATIONS", "TOOL_CALL_FORMATS", "TRUNCATE_SIDES", "SANITY_CHECK_MODES", "check_sampling"]
@@ -225,7 +225,7 @@ class RolloutConfig(BaseConfig):
             self.multi_turn = MultiTurnConfig.from_dict(self.multi_turn, path="multi_turn")
         if isinstance(self.agent, Mapping):
             self.agent = AgentLoopConfig.from_dict(self.agent, path="agent")
-        check_choice("rollout.name", self.name, ("vllm",))
+        check_built("rollout.name", self.name, ROLLOUT_ENGINES, "rollout engines")
         check_sampling(self, "rollout.")
         for key in ("prompt_length", "response_length", "tensor_model_parallel_size", "max_num_seqs",
                     "kv_cache_space_gib", "data_parallel_size", "pipeline_model_parallel_size", "expert_parallel_size"):

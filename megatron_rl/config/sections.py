@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from megatron_rl.config.algorithm import ActorConfig, CriticConfig
-from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.config.base import TRAINING_ENGINES, BaseConfig, check_built, check_choice, check_range
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.distillation import DistillationLossConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -264,9 +264,9 @@ class ActorRunConfig(ActorConfig):
     """Parallel layout, offload and dtype of the policy."""
 
     def __post_init__(self) -> None:
+        check_built("actor.strategy", self.strategy, TRAINING_ENGINES, "training engines")  # before the loss checks
         _check_rollout_n(self.rollout_n)
         super().__post_init__()
-        check_choice("actor.strategy", self.strategy, ("megatron",))
         _check_distributed_optimizer("actor_rollout_ref.actor", self.megatron, self.optim)
 
 
@@ -287,7 +287,7 @@ class RefConfig(BaseConfig):
     """Token budget of one forward micro-batch; None = the actor's forward budget."""
 
     def __post_init__(self) -> None:
-        check_choice("ref.strategy", self.strategy, ("megatron",))
+        check_built("ref.strategy", self.strategy, TRAINING_ENGINES, "training engines")
         if self.log_prob_micro_batch_size_per_gpu is not None:
             check_range("ref.log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, low=1)
         if self.log_prob_max_token_len_per_gpu is not None:
@@ -323,9 +323,9 @@ class CriticRunConfig(CriticConfig):
     """Parallel layout, offload and dtype of the critic."""
 
     def __post_init__(self) -> None:
+        check_built("critic.strategy", self.strategy, TRAINING_ENGINES, "training engines")  # before the loss checks
         _check_rollout_n(self.rollout_n)
         super().__post_init__()
-        check_choice("critic.strategy", self.strategy, ("megatron",))
         _check_distributed_optimizer("critic", self.megatron, self.optim)
 
 

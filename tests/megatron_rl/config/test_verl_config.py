@@ -69,3 +69,32 @@ def test_bad_input_exits_2_naming_the_key(argv, message, capsys):
     assert main(["--config-name=ppo_megatron_trainer", *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.out + captured.err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.strategy=fsdp",
+     "actor_rollout_ref.actor.strategy='fsdp' is not built here; training engines built here: ['megatron']"),
+    ("actor_rollout_ref.actor.strategy=fsdp2",
+     "actor_rollout_ref.actor.strategy='fsdp2' is not built here; training engines built here: ['megatron']"),
+    ("actor_rollout_ref.ref.strategy=fsdp",
+     "actor_rollout_ref.ref.strategy='fsdp' is not built here; training engines built here: ['megatron']"),
+    ("critic.strategy=fsdp2", "critic.strategy='fsdp2' is not built here; training engines built here: ['megatron']"),
+    ("actor_rollout_ref.rollout.name=sglang",
+     "actor_rollout_ref.rollout.name='sglang' is not built here; rollout engines built here: ['vllm']"),
+    ("actor_rollout_ref.rollout.name=trtllm",
+     "actor_rollout_ref.rollout.name='trtllm' is not built here; rollout engines built here: ['vllm']"),
+])
+def test_engines_not_built_are_refused_by_name_with_the_built_ones(override, message):
+    """verl's FSDP training engines and its SGLang / TensorRT-LLM rollouts: refused by key, the built ones listed."""
+    with warnings.catch_warnings(), pytest.raises(ValueError) as info:
+        warnings.simplefilter("ignore")
+        TrainerRunConfig.from_dict(compose(VERL, [*SET, override]))
+    assert str(info.value) == message
+
+
+def test_unset_rollout_name_is_asked_for(capsys):
+    """verl's file leaves rollout.name '???' (a script must choose): asked for, with the built engines."""
+    assert main(["--config-name=ppo_megatron_trainer", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "main_ppo: actor_rollout_ref.rollout.name must be set (verl's config leaves it '???'); rollout engines built "
+        "here: ['vllm']")
