@@ -107,7 +107,7 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, parallel_mode: str, settings: LoRASettings, *,
                  tp_group: Optional[dist.ProcessGroup] = None, sequence_parallel: bool = False,
-                 seed: int = 0, dtype: Optional[torch.dtype] = None) -> None:
+                 seed: int = 0, dtype: Optional[torch.dtype] = None, gated: bool = False) -> None:
         super().__init__()
         if parallel_mode not in ("column", "row"):
             raise ValueError(f"parallel_mode: {parallel_mode!r} is not allowed; column or row")
@@ -134,7 +134,11 @@ class LoRALinear(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         a_full = _init_full((r, in_full), settings.lora_A_init_method, gen)
         b_full = _init_full((out_full, r), settings.lora_B_init_method, gen)
-        if parallel_mode == "column":
+        # A gated MLP's linear_fc1 (SwiGLU) holds [gate; up] on every TP rank: B's rows split the same way.
+        self.gated = gated and parallel_mode == "column"
+        if self.gated:
+            b_full = torch.cat([half.chunk(self.tp_size, dim=0)[self.tp_rank] for half in b_full.chunk(2, dim=0)])
+        elif parallel_mode == "column":
             b_full = b_full.chunk(self.tp_size, dim=0)[self.tp_rank]
         else:
             a_full = a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
@@ -191,6 +195,39 @@ class LoRALinear(nn.Module):
             return out, bias
         return out + self.adapter(x).to(out.dtype), bias
 
+    def get_extra_state(self):
+        """The base's extra state (Megatron's linears keep ``_extra_state`` keys), so the state dict
+        keys stay the base model's."""
+        return self.base.get_extra_state()
+
+    def set_extra_state(self, state) -> None:  # noqa: D102
+        self.base.set_extra_state(state)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron distributed-checkpoint entries: the base linear's own (under the base's names, TP
+        axes as Megatron lays them out) plus ``lora_A``/``lora_B`` sharded like their layout (B on
+        axis 0 of a column-parallel linear, A on axis 1 of a row-parallel one), so a checkpoint saved
+        at one TP size loads at another."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = self.base.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        axis = {"lora_B": 0} if self.parallel_mode == "column" else {"lora_A": 1}
+        if self.tp_size == 1:
+            axis = {}
+        group = self.tp_group if self.tp_group is not None else getattr(self.base, "tp_group", None)
+        adapters = make_sharded_tensors_for_checkpoint({"lora_A": self.lora_A, "lora_B": self.lora_B}, prefix, axis,
+                                                       sharded_offsets, tp_group=group,
+                                                       dp_cp_group=metadata["dp_cp_group"])
+        if self.gated:  # saved as [gate; up] like the base weight (Megatron's MLP does this for weight/bias only)
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key = f"{prefix}lora_B"
+            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets,
+                                                         (metadata or {}).get("singleton_local_shards", False))
+        out.update(adapters)
+        return out
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """This rank's shard of ``W + scale * B A`` (for the TP-sharded side, the local product is
@@ -233,8 +270,10 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
         if expert and etp_size > 1:
             raise ValueError(f"lora.target_modules: {leaf!r} inside MoE experts ({name}) with "
                              f"expert_tensor_parallel_size={etp_size} is not built; use 1 or exclude_modules=[experts]")
+        gated = leaf == "linear_fc1" and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False))
         lora = LoRALinear(module, mode, settings, tp_group=None if expert else tp_group,
-                          sequence_parallel=sequence_parallel and not expert, seed=seed + index, dtype=dtype)
+                          sequence_parallel=sequence_parallel and not expert, seed=seed + index, dtype=dtype,
+                          gated=gated)
         if expert:
             lora.lora_A.allreduce = lora.lora_B.allreduce = False
         setattr(parent, leaf, lora)
