@@ -127,7 +127,9 @@ INERT_KEYS: dict[str, str] = {
 
 NOT_BUILT: dict[str, str] = {
     "*.model.lora_rank|*.model.lora.rank|*.model.lora_adapter_path|*.model.lora.adapter_path":
-        "LoRA is not built here, and accepting the key would train every parameter instead of the adapters "
+        "LoRA is not built here end to end: the engine takes adapters (megatron_rl.engine.lora, the settings "
+        "megatron_rl.config.lora.LoRAConfig) but the trainer does not hand them to the actor's workers yet, and "
+        "accepting the key would train every parameter instead of the adapters "
         "(leave the rank at 0 and no adapter path to train the full model)",
 }
 """verl keys accepted only at verl's default: a value away from it would change results, so it is refused
