@@ -48,6 +48,7 @@ from megatron_rl.config.sections import (
     RewardConfig,
     TrainerConfig,
 )
+from parallel.config import uneven_pipeline_fields
 
 __all__ = ["TrainerRunConfig", "DERIVED_KEYS"]
 # What the reference copies from the actor's ``megatron`` when left out (verl's ref interpolations).
@@ -171,7 +172,8 @@ class TrainerRunConfig(BaseConfig):
 
     def _layout(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig],
                 world: int) -> dict:
-        """Validate ``megatron``'s layout on ``world`` ranks (and against an inline model); return sizes."""
+        """Validate ``megatron``'s layout on ``world`` ranks (and against an inline model, its layers split
+        as ``megatron.override_transformer_config``'s uneven-pipeline fields say); return sizes."""
         if self.trainer.device == "cpu" and megatron.context_parallel_size > 1:
             raise ValueError(f"{where}.megatron.context_parallel_size={megatron.context_parallel_size} needs "
                              "TransformerEngine attention (trainer.device='cuda'); use 1 on CPU")
@@ -181,6 +183,7 @@ class TrainerRunConfig(BaseConfig):
             dims = dict(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                         num_query_groups=model.num_query_groups or model.num_attention_heads,
                         num_experts=model.num_moe_experts)
+            dims.update(uneven_pipeline_fields(megatron.override_transformer_config))
         try:
             return megatron.parallel().validate(world, **dims)
         except ValueError as err:

@@ -1,6 +1,7 @@
 """TrainerRunConfig, YAML recipes and key=value overrides: loading, inheritance, derived keys,
 strict keys with suggestions, registry names, batch/layout arithmetic, needs_* logic."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -353,3 +354,38 @@ def test_from_dict_accepts_dictconfig():
     data = compose("dapo")
     assert TrainerRunConfig.from_dict(OmegaConf.create(data)) == load_config("dapo")
     assert Path(find_recipe("gpu/qwen3_30b_a3b_grpo")).name == "qwen3_30b_a3b_grpo.yaml"
+
+
+# A 5-layer model over PP=2: no even split; verl's override_transformer_config places 3 + 2 (or 1 + 4).
+_UNEVEN_MODEL = ("{num_layers: 5, hidden_size: 1024, ffn_hidden_size: 4096, num_attention_heads: 8, num_query_groups: 8, "
+                 "kv_channels: 128, vocab_size: 8192, max_position_embeddings: 512}")
+_UNEVEN_VERL = [
+    "actor_rollout_ref.model.path=null", f"+actor_rollout_ref.model.config={_UNEVEN_MODEL}",
+    "+actor_rollout_ref.model.family=qwen3", "data.train_files=train.parquet", "data.max_prompt_length=64",
+    "data.max_response_length=64", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=2",
+    "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+]
+
+
+@pytest.mark.parametrize("first, stage_layers", [(3, (3, 2)), (1, (1, 4))])
+def test_verl_command_line_with_uneven_stages_plans_that_split(first, stage_layers):
+    """verl's +...override_transformer_config.num_layers_in_first_pipeline_stage reaches the layout check of an
+    inline model (5 layers over PP=2 would be refused) and the planner: the most loaded stage's parameters,
+    counted by hand, follow the split."""
+    from megatron_rl.config.loader import find_verl_config
+    from megatron_rl.planner import plan_run
+
+    uneven = f"+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage={first}"
+    verl = str(find_verl_config("ppo_megatron_trainer"))
+    with pytest.raises(ValueError, match=r"num_layers=5 is not divisible by pipeline_model_parallel_size=2"):
+        load_config(verl, _UNEVEN_VERL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_run(load_config(verl, [*_UNEVEN_VERL, uneven]))
+    h, f, vocab = 1024, 4096, 8192
+    layer = h * 3 * 8 * 128 + 8 * 128 * h + 3 * h * f + 2 * h  # fused QKV, output projection, SwiGLU, two norms
+    stages = (vocab * h + stage_layers[0] * layer, stage_layers[1] * layer + h + vocab * h)  # + embedding | + norm, head
+    assert plan.roles["actor"].params_dense == max(stages)
+    assert plan.fits
