@@ -98,3 +98,97 @@ def test_unset_rollout_name_is_asked_for(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "main_ppo: actor_rollout_ref.rollout.name must be set (verl's config leaves it '???'); rollout engines built "
         "here: ['vllm']")
+
+
+
+def _moved(old: str, new: str) -> str:
+    return f"{old} is an older verl's key: read as {new}"
+
+
+_RETIRED_WORKER = "verl's switch between its old and new worker classes; one worker implementation is built here"
+_RETIRED_LOOP = "verl's switch to its reward loop; rewards are always scored in the rollout phase"
+_OVERLONG = ("overlong_buffer_cfg.enable", "overlong_buffer_cfg.len", "overlong_buffer_cfg.penalty_factor", "max_resp_len")
+# (overrides, successor key, its value, a check of the built config where the key acts, the notes)
+_LEGACY_CASES = {
+    "reward_model.num_workers": (["reward_model.num_workers=4"], "reward.num_workers", 4, None,
+                                 [_moved("reward_model.num_workers", "reward.num_workers")]),
+    "reward_model.reward_manager": (["reward_model.reward_manager=dapo"], "reward.reward_manager.name", "dapo", None,
+                                    [_moved("reward_model.reward_manager", "reward.reward_manager.name")]),
+    "reward_model.reward_loop_source": (
+        ["reward_model.reward_loop_source=importlib"], "reward.reward_manager.source", "importlib", None,
+        [_moved("reward_model.reward_loop_source", "reward.reward_manager.source")]),
+    "reward_model.reward_loop_module_path": (
+        ["reward_model.reward_loop_module_path=/tmp/loop.py"], "reward.reward_manager.module.path", "/tmp/loop.py", None,
+        [_moved("reward_model.reward_loop_module_path", "reward.reward_manager.module.path")]),
+    "reward_model.reward_loop_class_name": (
+        ["reward_model.reward_loop_class_name=MyLoop"], "reward.reward_manager.module.name", "MyLoop", None,
+        [_moved("reward_model.reward_loop_class_name", "reward.reward_manager.module.name")]),
+    "reward_model.enable+model.path": (
+        ["reward_model.model.path=/ckpt/rm", "reward_model.enable=true"], "reward.reward_model.model_path", "/ckpt/rm",
+        lambda cfg: (cfg.reward.reward_model.enable, cfg.reward.reward_model.model_path) == (True, "/ckpt/rm"),
+        [_moved("reward_model.enable", "reward.reward_model.enable"),
+         _moved("reward_model.model.path", "reward.reward_model.model_path")]),
+    "reward_model.enable_resource_pool": (
+        ["reward_model.enable_resource_pool=true"], "reward.reward_model.enable_resource_pool", True, None,
+        [_moved("reward_model.enable_resource_pool", "reward.reward_model.enable_resource_pool")]),
+    "reward_model.n_gpus_per_node": (["reward_model.n_gpus_per_node=2"], "reward.reward_model.n_gpus_per_node", 2, None,
+                                     [_moved("reward_model.n_gpus_per_node", "reward.reward_model.n_gpus_per_node")]),
+    "reward_model.nnodes": (["reward_model.nnodes=1"], "reward.reward_model.nnodes", 1, None,
+                            [_moved("reward_model.nnodes", "reward.reward_model.nnodes")]),
+    "reward_model.rollout": (["reward_model.rollout.name=vllm"], "reward.reward_model.rollout.name", "vllm", None,
+                             [_moved("reward_model.rollout.name", "reward.reward_model.rollout.name")]),
+    "reward_model.reward_kwargs": (
+        [f"+reward_model.reward_kwargs.{k}={v}" for k, v in zip(_OVERLONG, ("True", "64", "1.0", "1024"))],
+        "reward.reward_kwargs.overlong_buffer_cfg.len", 64,
+        lambda cfg: (cfg.reward.reward_kwargs.overlong_buffer_cfg.enable, cfg.reward.reward_kwargs.overlong_buffer_cfg.len,
+                     cfg.reward.reward_kwargs.overlong_buffer_cfg.penalty_factor,
+                     cfg.reward.reward_kwargs.max_resp_len) == (True, 64, 1.0, 1024),
+        [_moved(f"reward_model.reward_kwargs.{k}", f"reward.reward_kwargs.{k}") for k in _OVERLONG]),
+    "custom_reward_function": (
+        ["custom_reward_function.path=/tmp/score.py"], "reward.custom_reward_function.path", "/tmp/score.py",
+        lambda cfg: cfg.reward.custom_reward_function.path == "/tmp/score.py",
+        [_moved("custom_reward_function.path", "reward.custom_reward_function.path")]),
+    "sandbox_fusion": (["sandbox_fusion.url=http://sandbox:8080"], "reward.sandbox_fusion.url", "http://sandbox:8080",
+                       None, [_moved("sandbox_fusion.url", "reward.sandbox_fusion.url")]),
+    "actor.router_replay": (
+        ["actor_rollout_ref.actor.router_replay.mode=R2"], "actor_rollout_ref.actor.megatron.router_replay.mode", "R2",
+        lambda cfg: cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R2",
+        [_moved("actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.actor.megatron.router_replay.mode")]),
+    "trainer.use_legacy_worker_impl": (
+        ["+trainer.use_legacy_worker_impl=auto"], None, None, None,
+        [f"trainer.use_legacy_worker_impl='auto' (an older verl's key) has no effect here: {_RETIRED_WORKER}"]),
+    "reward_model.use_reward_loop": (
+        ["+reward_model.use_reward_loop=true"], None, None, None,
+        [f"reward_model.use_reward_loop=True (an older verl's key) has no effect here: {_RETIRED_LOOP}"]),
+}
+
+
+@pytest.mark.parametrize("overrides, successor, value, built, notes", list(_LEGACY_CASES.values()), ids=list(_LEGACY_CASES))
+def test_older_verl_key_is_read_as_its_successor_with_a_note(overrides, successor, value, built, notes):
+    """Each key of an older verl is moved to its current key (or, retired, dropped with the reason), with one
+    LegacyKeyWarning line per key; the config then builds, acting on the value where the key is built."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.verl_keys import LegacyKeyWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = compose(VERL, [*SET, *overrides])
+        cfg = TrainerRunConfig.from_dict(data)
+    assert sorted(str(w.message) for w in caught if w.category is LegacyKeyWarning) == sorted(notes)
+    for item in overrides:
+        old = item.lstrip("+").split("=")[0]
+        assert OmegaConf.select(OmegaConf.create(data), old, default=None) is None, old  # moved or dropped
+    if successor is not None:
+        assert OmegaConf.select(OmegaConf.create(data), successor) == value
+    if built is not None:
+        assert built(cfg)
+
+
+def test_every_older_verl_key_has_a_case():
+    from megatron_rl.config.verl_keys import LEGACY_KEYS, RETIRED_KEYS
+
+    set_keys = {item.lstrip("+").split("=")[0] for case in _LEGACY_CASES.values() for item in case[0]}
+    for old, _ in LEGACY_KEYS:
+        assert any(k == old or k.startswith(old + ".") for k in set_keys), old
+    assert set(RETIRED_KEYS) <= set_keys
