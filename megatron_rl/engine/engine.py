@@ -515,17 +515,18 @@ class _ReshardableOptimizerState:
 def add_lora(chunks: list[torch.nn.Module], lora: Any, mesh: Any, model_dtype: torch.dtype, *,
              sequence_parallel: bool) -> list[str]:
     """LoRA adapters (``lora``: a ``LoRAConfig``) on every chunk, over the mesh's TP group; the wrapped
-    modules' names. Each chunk draws its adapters from ``mesh.seed`` + its index, the same on every
-    TP rank (the full adapter is drawn and then sharded)."""
+    modules' names. Each adapter is drawn (whole, then sharded) from ``mesh.seed`` and its module's
+    layout-free name (``megatron_rl.engine.lora.global_module_name``), so TP / PP / VPP / EP layouts
+    start from the same adapters."""
     settings = LoRASettings(rank=lora.rank, alpha=float(lora.alpha), dropout=lora.dropout,
                             dropout_position=lora.dropout_position, lora_A_init_method=lora.lora_A_init_method,
                             lora_B_init_method=lora.lora_B_init_method)
     dtype = _LORA_DTYPES[lora.dtype] if lora.dtype is not None else model_dtype
     wrapped = []
-    for index, chunk in enumerate(chunks):
+    for chunk in chunks:
         wrapped += apply_lora(chunk, settings, target_modules=tuple(lora.target_modules),
                               exclude_modules=tuple(lora.exclude_modules), tp_group=mesh.tp_group,
-                              sequence_parallel=sequence_parallel, seed=mesh.seed + 1000 * index, dtype=dtype,
+                              sequence_parallel=sequence_parallel, seed=mesh.seed, dtype=dtype,
                               expert_tp_group=mesh.etp_group)
     return wrapped
 

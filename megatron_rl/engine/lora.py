@@ -22,6 +22,7 @@ sharded, so every layout starts from the same adapters.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -259,7 +260,7 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
     found, wrapped = set(), []
     targets = [(name, m) for name, m in model.named_modules()
                if name.rsplit(".", 1)[-1] in target_modules and not isinstance(m, LoRALinear)]
-    for index, (name, module) in enumerate(targets):
+    for name, module in targets:
         leaf = name.rsplit(".", 1)[-1]
         if any(e == leaf or e in name for e in exclude_modules):
             continue
@@ -272,7 +273,8 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
                              f"expert_tensor_parallel_size={etp_size} is not built; use 1 or exclude_modules=[experts]")
         gated = leaf == "linear_fc1" and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False))
         lora = LoRALinear(module, mode, settings, tp_group=None if expert else tp_group,
-                          sequence_parallel=sequence_parallel and not expert, seed=seed + index, dtype=dtype,
+                          sequence_parallel=sequence_parallel and not expert,
+                          seed=seed + zlib.crc32(global_module_name(model, name).encode()), dtype=dtype,
                           gated=gated)
         if expert:
             lora.lora_A.allreduce = lora.lora_B.allreduce = False
@@ -283,6 +285,28 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
         raise ValueError(f"lora.target_modules: {missing} not found in the model; it has "
                          f"{sorted({n.rsplit('.', 1)[-1] for n, _ in targets})}")
     return wrapped
+
+
+def global_module_name(model: nn.Module, name: str) -> str:
+    """``name`` with layout-free indices: a decoder layer's index becomes its global ``layer_number``
+    (pipeline / virtual-pipeline stages hold local indices), a local expert's its global expert index
+    (expert parallelism). Adapters are drawn from a seed of this name, so every layout starts from the
+    same adapters."""
+    parts = name.split(".")
+    out = []
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            container = model.get_submodule(".".join(parts[:i]))
+            child = container[int(part)]
+            if parts[i - 1] == "layers" and hasattr(child, "layer_number"):
+                part = f"L{child.layer_number}"
+            elif parts[i - 1] == "local_experts" and i > 1:
+                owner = model.get_submodule(".".join(parts[:i - 1]))
+                group = getattr(owner, "ep_group", None)
+                ep_rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+                part = f"E{ep_rank * getattr(owner, 'num_local_experts', len(container)) + int(part)}"
+        out.append(part)
+    return ".".join(out)
 
 
 def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:

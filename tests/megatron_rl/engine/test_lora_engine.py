@@ -15,7 +15,9 @@ four Megatron linears, at TP=1 and TP=2 with sequence parallelism:
 - TP=2 (sequence parallel) after the same two updates gives TP=1's log-probs (<= 2e-5, the engine
   tests' LOGPROB_TOL), from adapters drawn non-zero (B too), so the shards must be the full draw's;
 - a checkpoint saved at TP=2 loads into a TP=1 actor built from another seed and gives the saved
-  actor's log-probs (adapters' TP axes and SwiGLU's [gate; up] split in the distributed checkpoint).
+  actor's log-probs (adapters' TP axes and SwiGLU's [gate; up] split in the distributed checkpoint);
+- PP=2 (dense) and EP=2 (MoE, the experts' linears adapted) equal one rank after two updates from
+  the same start, and draw that start themselves (adapters seeded by global layer / expert index).
 """
 
 from __future__ import annotations
@@ -199,3 +201,56 @@ def test_lora_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
     before, loaded = run_distributed(_load, 1, path)[0]
     assert float((before - saved).abs().max()) > 1e-2  # the fresh actor differed
     assert float((loaded - saved).abs().max()) <= LOGPROB_TOL
+
+
+def _layout_case(rank, world_size, layout, moe, ckpt):
+    """Two updates of a LoRA actor (adapters on every linear, experts' included) at ``layout``, from the
+    base + adapters that the single rank saved to ``ckpt`` (the single rank writes it). Returns the
+    adapted log-probs (every rank), whether the base stayed bit-identical, and whether the adapters
+    this layout drew itself already equalled the saved ones (layout-free seeding)."""
+    from megatron_rl.config import ActorConfig, OptimConfig
+    from megatron_rl.config.model import ModelConfig
+    from megatron_rl.engine import MegatronEngine
+    from megatron_rl.roles import Actor
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+    from tests.megatron_rl.engine.test_engine import MOE
+
+    mesh = init_mesh(ParallelConfig(**layout), seed=5)
+    engine = MegatronEngine(ModelConfig(**(MOE if moe else DENSE)), mesh, trainable=True,
+                            optim=OptimConfig.from_dict(ADAM), lora=_lora(lora_B_init_method="normal"), name="actor")
+    actor = Actor(engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2,
+                                                 "optim": ADAM}))
+    drawn = {n: p.detach().clone() for n, p in engine.named_parameters() if ".lora_" in n}
+    if world_size == 1:
+        engine.save_checkpoint(ckpt)
+    else:
+        engine.load_checkpoint(ckpt, load_optimizer=False)
+    params = dict(engine.named_parameters())
+    drawn_equal = all(torch.equal(params[n], t) for n, t in drawn.items())
+    base = {n: p.detach().clone() for n, p in params.items() if ".lora_" not in n}
+    batch = make_batch(DENSE["vocab_size"])
+    g = torch.Generator().manual_seed(1)
+    dp, dp_rank = mesh.size("dp"), mesh.dp_rank
+    for _ in range(2):
+        batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"]
+        batch["advantages"] = torch.randn(BATCH, RESPONSE, generator=g) * batch["response_mask"]
+        actor.update_policy({k: v.chunk(dp)[dp_rank] for k, v in batch.items()})
+    return (actor.compute_log_prob(batch)["log_probs"] * batch["response_mask"],
+            all(torch.equal(params[n], t) for n, t in base.items()), drawn_equal)
+
+
+@pytest.mark.parametrize("layout,moe", [({"pipeline_model_parallel_size": 2}, False),
+                                        ({"expert_model_parallel_size": 2}, True)],
+                         ids=["pp2", "ep2_experts"])
+def test_lora_layouts_equal_single_rank(layout, moe, tmp_path):
+    """PP=2 and EP=2 (each rank's adapters for its own experts, reduced over the expert-data-parallel
+    group) equal one rank after two updates from the same base and adapters (<= LOGPROB_TOL); the
+    base stays bit-identical; and the adapters each layout draws are the single rank's (seeded by
+    global layer number and global expert index)."""
+    ckpt = str(tmp_path / "init")
+    single, single_base, _ = run_distributed(_layout_case, 1, {}, moe, ckpt)[0]
+    assert single_base
+    for lp, base_equal, drawn_equal in run_distributed(_layout_case, 2, layout, moe, ckpt):
+        assert base_equal and drawn_equal
+        assert float((lp - single).abs().max()) <= LOGPROB_TOL
