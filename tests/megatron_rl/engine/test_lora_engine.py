@@ -203,7 +203,7 @@ def test_lora_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path):
     assert float((loaded - saved).abs().max()) <= LOGPROB_TOL
 
 
-def _layout_case(rank, world_size, layout, moe, ckpt):
+def _layout_case(rank, world_size, layout, moe, ckpt, distributed_optimizer=False):
     """Two updates of a LoRA actor (adapters on every linear, experts' included) at ``layout``, from the
     base + adapters that the single rank saved to ``ckpt`` (the single rank writes it). Returns the
     adapted log-probs (every rank), whether the base stayed bit-identical, and whether the adapters
@@ -218,7 +218,8 @@ def _layout_case(rank, world_size, layout, moe, ckpt):
 
     mesh = init_mesh(ParallelConfig(**layout), seed=5)
     engine = MegatronEngine(ModelConfig(**(MOE if moe else DENSE)), mesh, trainable=True,
-                            optim=OptimConfig.from_dict(ADAM), lora=_lora(lora_B_init_method="normal"), name="actor")
+                            optim=OptimConfig.from_dict(ADAM), lora=_lora(lora_B_init_method="normal"), name="actor",
+                            distributed_optimizer=distributed_optimizer)
     actor = Actor(engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2,
                                                  "optim": ADAM}))
     drawn = {n: p.detach().clone() for n, p in engine.named_parameters() if ".lora_" in n}
@@ -240,17 +241,19 @@ def _layout_case(rank, world_size, layout, moe, ckpt):
             all(torch.equal(params[n], t) for n, t in base.items()), drawn_equal)
 
 
-@pytest.mark.parametrize("layout,moe", [({"pipeline_model_parallel_size": 2}, False),
-                                        ({"expert_model_parallel_size": 2}, True)],
-                         ids=["pp2", "ep2_experts"])
-def test_lora_layouts_equal_single_rank(layout, moe, tmp_path):
+@pytest.mark.parametrize("layout,moe,distributed_optimizer", [({"pipeline_model_parallel_size": 2}, False, False),
+                                                              ({"expert_model_parallel_size": 2}, True, False),
+                                                              ({}, False, True)],
+                         ids=["pp2", "ep2_experts", "dp2_distributed_optimizer"])
+def test_lora_layouts_equal_single_rank(layout, moe, distributed_optimizer, tmp_path):
     """PP=2 and EP=2 (each rank's adapters for its own experts, reduced over the expert-data-parallel
-    group) equal one rank after two updates from the same base and adapters (<= LOGPROB_TOL); the
+    group) and DP=2 with Megatron's DistributedOptimizer (the adapters' Adam state sharded over DP)
+    equal one rank after two updates from the same base and adapters (<= LOGPROB_TOL); the
     base stays bit-identical; and the adapters each layout draws are the single rank's (seeded by
     global layer number and global expert index)."""
     ckpt = str(tmp_path / "init")
     single, single_base, _ = run_distributed(_layout_case, 1, {}, moe, ckpt)[0]
     assert single_base
-    for lp, base_equal, drawn_equal in run_distributed(_layout_case, 2, layout, moe, ckpt):
+    for lp, base_equal, drawn_equal in run_distributed(_layout_case, 2, layout, moe, ckpt, distributed_optimizer):
         assert base_equal and drawn_equal
         assert float((lp - single).abs().max()) <= LOGPROB_TOL
