@@ -175,16 +175,14 @@ def _minimal_root(spec: dict, handles: dict) -> None:
     staging = root + "/.proc-masks"  # a tmpfs of the sandbox's own /proc files, gone once bound
     os.makedirs(staging)
     mount(b"tmpfs", staging, b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,nr_inodes=64,mode=0755")
-    for name, text in _proc_masks(spec).items():
-        target = f"{root}/proc/{name}"
-        if not os.path.exists(target):  # e.g. /proc/pressure without PSI
-            continue
-        source = f"{staging}/{name.replace('/', '_')}"
-        with open(source, "w") as f:
+    masks = {name: text for name, text in _proc_masks(spec).items()
+             if os.path.exists(f"{root}/proc/{name}")}  # e.g. no /proc/pressure without PSI
+    for name, text in masks.items():
+        with open(f"{staging}/{name.replace('/', '_')}", "w") as f:
             f.write(text)
-        os.chmod(source, 0o444)
-        mount(source.encode(), target, None, _MS_BIND)
-        readonly(target, False, _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
+    readonly(staging, False, _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
+    for name in masks:  # a bind takes its source mount's flags: read-only, one remount for all
+        mount(f"{staging}/{name.replace('/', '_')}".encode(), f"{root}/proc/{name}", None, _MS_BIND)
     if libc.umount2(staging.encode(), _MNT_DETACH) != 0:
         raise OSError(ctypes.get_errno(), "umount2 of the /proc masks' staging tmpfs")
     os.rmdir(staging)
