@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from megatron_rl.config.base import BaseConfig, check_choice
 
-__all__ = ["LoRAConfig", "resolve_lora", "LORA_TARGET_MODULES", "LORA_INIT_METHODS"]
+__all__ = ["LoRAConfig", "resolve_lora", "check_lora_fits", "lora_target_shapes", "LORA_TARGET_MODULES",
+           "LORA_INIT_METHODS"]
 
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron's linear names an adapter can wrap (also inside MoE experts)."""
@@ -147,3 +148,33 @@ def _build(values: dict, where: str) -> LoRAConfig:
         return LoRAConfig(**values)
     except ValueError as exc:  # name the section the user wrote
         raise ValueError(f"{where}: {exc}") from None
+
+
+def lora_target_shapes(model_cfg: Any) -> dict[str, list[tuple[int, int]]]:
+    """``{target: [(out, in), ...]}`` of a ``ModelConfig``'s full (unsharded) linears, the MoE experts'
+    ``linear_fc1``/``linear_fc2`` included (the router is no target)."""
+    heads, groups = model_cfg.num_attention_heads, model_cfg.num_query_groups or model_cfg.num_attention_heads
+    hidden, head_dim, gate = model_cfg.hidden_size, model_cfg.head_dim, 2 if model_cfg.swiglu else 1
+    shapes = {"linear_qkv": [((heads + 2 * groups) * head_dim, hidden)], "linear_proj": [(hidden, heads * head_dim)],
+              "linear_fc1": [], "linear_fc2": []}
+    widths = [model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size] if model_cfg.is_moe else [
+        model_cfg.ffn_hidden_size]
+    if model_cfg.is_moe and model_cfg.moe_shared_expert_intermediate_size:
+        widths.append(model_cfg.moe_shared_expert_intermediate_size)
+    for width in widths:
+        shapes["linear_fc1"].append((gate * width, hidden))
+        shapes["linear_fc2"].append((hidden, width))
+    return shapes
+
+
+def check_lora_fits(lora: LoRAConfig, model_cfg: Any, section: str = "actor_rollout_ref.model.lora") -> None:
+    """``ValueError`` naming the key when ``lora.rank`` exceeds a targeted linear's dimensions (before
+    any worker starts; the engine checks again on each local shard's full shape)."""
+    if not lora.enabled:
+        return
+    shapes = lora_target_shapes(model_cfg)
+    for target in lora.target_modules:
+        for out_dim, in_dim in shapes[target]:
+            if lora.rank > min(out_dim, in_dim):
+                raise ValueError(f"{section}.rank={lora.rank} is larger than {target}'s dimensions "
+                                 f"({out_dim} x {in_dim}); allowed: 1..{min(out_dim, in_dim)}")

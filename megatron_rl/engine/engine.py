@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import OptimConfig
+from megatron_rl.config.lora import check_lora_fits
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
 from megatron_rl.engine.device import to_device, to_host
@@ -132,12 +133,14 @@ class MegatronEngine:
         self.model_cfg, self.mesh = model_cfg, mesh
         self.tf_config = build_transformer_config(model_cfg, mesh.config, sequence_parallel=sequence_parallel,
                                                   **overrides)
-        chunks = build_model(model_cfg, self.tf_config, head=head)
         self.lora = lora if lora is not None and lora.enabled else None
-        if self.lora is not None:
+        if self.lora is not None:  # refused before the model is built
             if not trainable:
                 raise ValueError(f"the {name!r} engine is frozen; LoRA adapters go on a trainable engine "
                                  "(the reference of a LoRA actor is the actor with adapters off)")
+            check_lora_fits(self.lora, model_cfg)
+        chunks = build_model(model_cfg, self.tf_config, head=head)
+        if self.lora is not None:
             self.lora_modules = add_lora(chunks, self.lora, mesh, model_cfg.dtype,
                                          sequence_parallel=self.tf_config.sequence_parallel)
         self.cp_size = mesh.size("cp")

@@ -142,6 +142,14 @@ def test_lora_engine_refusals():
     assert (flat.rank, flat.alpha, flat.merge, flat.target_modules) == (8, 16, True, list(
         ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")))
     assert not resolve_lora({"lora": {"rank": 0}}).enabled  # verl's default: no LoRA, nothing refused
+    from megatron_rl.config.lora import check_lora_fits
+    from megatron_rl.config.model import ModelConfig
+    from tests.megatron_rl.engine.test_engine import MOE
+
+    check_lora_fits(_lora(rank=48), ModelConfig(**MOE))  # the experts' fc2 is 64 x 48: rank 48 fits
+    with pytest.raises(ValueError, match=r"lora.rank=49 is larger than linear_fc2's dimensions \(64 x 48\); "
+                                         r"allowed: 1..48"):
+        check_lora_fits(_lora(rank=49), ModelConfig(**MOE))
 
 
 def _frozen_refuses(rank, world_size):
