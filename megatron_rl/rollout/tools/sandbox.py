@@ -13,7 +13,9 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   fresh ``/proc`` of the sandbox's PID namespace (its host-wide files -- ``stat``, ``meminfo``,
   ``cpuinfo``, ``loadavg``, ``uptime`` -- replaced by the sandbox's own figures: ``memory_mb``,
   ``ceil(max_cpus)`` idle CPUs, no load, no uptime; ``vmstat``, ``interrupts``, ``diskstats``, the
-  boot id and the like empty: nothing to fingerprint the host or time the caller by), a read-only
+  boot id and the like empty: nothing to fingerprint the host or time the caller by; a time
+  namespace where the kernel has one, so CLOCK_MONOTONIC / CLOCK_BOOTTIME and the start times in
+  ``/proc/<pid>/stat`` count from the sandbox's start, not the host's boot), a read-only
   ``/dev`` of null, zero and urandom,
   and the working directory (also HOME and TMPDIR): a tmpfs of ``max_disk_bytes`` and
   ``max_files`` inodes, nodev, nosuid, noexec. The host's root is detached: no home, project,

@@ -10,7 +10,7 @@ Order: the code read and libseccomp loaded while the host is still visible; with
 (``spec["unshare"]``: this process unshares, then waits for the caller's uid/gid map, one byte on
 stdin) it becomes the namespace's root, which is host ``nobody``, and forks the PID namespace's
 init; the init builds the minimal root (``_minimal_root``: ``pivot_root``, the host's root
-detached), privileges go for good (the capability bounding set emptied, root dropped to
+detached) and a time namespace for the code (``_new_time_namespace``), privileges go for good (the capability bounding set emptied, root dropped to
 ``nobody`` -- ``spec["drop_uid"]``, only without namespaces --, every capability cleared,
 ``no_new_privs``), the init forks the code's process and only reaps and reports
 (``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
@@ -26,6 +26,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 
 _BLOCKED = frozenset({
@@ -274,6 +275,34 @@ def _enter_namespaces(spec: dict) -> dict:
     return handles
 
 
+_CLONE_NEWTIME, _EINVAL, _PR_GET_DUMPABLE = 0x80, 22, 3
+
+
+def _new_time_namespace() -> None:
+    """A time namespace for the processes this one forks (the code's): CLOCK_MONOTONIC and
+    CLOCK_BOOTTIME start near 0 there, and so do the start times in ``/proc/<pid>/stat``; the
+    host's uptime (when it booted, how long the caller has run) cannot be read off the clocks.
+    Needs the user namespace's CAP_SYS_TIME, so it runs before the privileges go. A kernel
+    without time namespaces (before 5.6, or CONFIG_TIME_NS off) refuses with EINVAL: the clocks
+    then stay the host's."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWTIME) != 0:
+        if ctypes.get_errno() == _EINVAL:
+            return
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME)")
+    offsets = [f"{name} {1 - int(time.clock_gettime(clock))} 0"  # the kernel keeps the clocks >= 0
+               for name, clock in (("monotonic", time.CLOCK_MONOTONIC), ("boottime", time.CLOCK_BOOTTIME))]
+    dumpable = libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0)  # 0 after a uid change: /proc/self is then host root's
+    libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        with open("/proc/self/timens_offsets", "w") as f:
+            f.write("\n".join(offsets) + "\n")
+    finally:
+        libc.prctl(_PR_SET_DUMPABLE, dumpable, 0, 0, 0)
+
+
 _DENIED_SYSCALLS = (
     "ptrace", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "process_vm_readv",
     "process_vm_writev", "mknod", "mknodat", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
@@ -429,6 +458,7 @@ def main() -> None:
         handles = _open_binds(spec["root"]["binds"]) if spec.get("root") else {}
     if spec.get("root"):
         _minimal_root(spec, handles)
+        _new_time_namespace()
     else:
         os.chdir(spec["workdir"])
     _drop_privileges(spec.get("drop_uid"))

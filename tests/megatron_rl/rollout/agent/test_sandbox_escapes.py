@@ -296,6 +296,20 @@ def test_proc_shows_the_sandboxs_figures_not_the_hosts_load_memory_cpus_or_uptim
     assert host["sys/kernel/random/boot_id"].strip() not in res.stdout
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/time"), reason="the kernel has no time namespaces")
+def test_the_clocks_and_start_times_do_not_tell_the_hosts_uptime():
+    code = ("import os, time\ntick = os.sysconf('SC_CLK_TCK')\n"
+            "print('monotonic', time.clock_gettime(time.CLOCK_MONOTONIC))\n"
+            "print('boottime', time.clock_gettime(time.CLOCK_BOOTTIME))\n"
+            "for pid in ('self', '1'):\n"
+            "    print('start_' + pid, int(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[19]) / tick)")
+    host = time.clock_gettime(time.CLOCK_BOOTTIME)
+    got = {k: float(v) for k, v in lines(attack(code)).items()}
+    assert host > 60 and time.clock_gettime(time.CLOCK_MONOTONIC) > 60  # the host has been up a while
+    assert set(got) == {"monotonic", "boottime", "start_self", "start_1"}
+    assert all(0 <= v < 12 for v in got.values()), got  # the sandbox's own age, not the host's uptime
+
+
 def test_a_fake_report_or_a_self_sent_limit_signal_is_no_limit():
     # The code writes a report to every descriptor it may hold, then exits 3: still 'error', exit 3.
     fake = json.dumps({"exit": 0, "cpu": 99.0, "disk_full": True, "file_limit": True})
