@@ -116,6 +116,11 @@ class LoRALinear(nn.Module):
         # a fused ``layer_norm_weight``) are registered here under their names, so the wrapped
         # model's parameter names are the base model's plus ``lora_A``/``lora_B``: the bridge's
         # HF table (load, export, weight sync) keeps working unchanged.
+        if type(base).__name__.startswith("TE") or not hasattr(base, "input_size"):
+            # TE's LayerNormColumnParallelLinear normalises inside the linear: an adapter beside it would
+            # see the un-normalised input. Not built yet (GPU, TE spec).
+            raise ValueError(f"LoRA on {type(base).__name__} (TransformerEngine layer spec) is not built; "
+                             "LoRA needs Megatron's local linears (model.attention_backend: sdpa or local)")
         if any(True for _ in base.buffers()):
             raise ValueError(f"{type(base).__name__} has buffers; LoRA wraps buffer-free linears only")
         object.__setattr__(self, "_base", base)
