@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from ctypes.util import find_library
 from pathlib import Path
 from typing import Optional
@@ -197,6 +198,9 @@ def isolation() -> Isolation:
         probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
         if probe.status == "ok" and probe.stdout == "ok\n":
             return candidate
+        warnings.warn(f"sandbox: {unshare} is here but the namespaced sandbox failed its probe "
+                      f"({probe.status}: {probe.stderr.strip()[-600:]!r}); code runs in a plain process group",
+                      RuntimeWarning, stacklevel=2)
     return Isolation((), False, False, False, _NOBODY if root else None)
 
 

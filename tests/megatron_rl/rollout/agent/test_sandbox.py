@@ -311,3 +311,19 @@ def test_the_working_dir_is_a_tmpfs_with_a_byte_and_a_file_quota():
     assert res.status == "disk_limit" and res.observation(limits).endswith(
         f"[disk quota of the working directory ({4 << 20} bytes, 64 files) filled]")
     assert run_python("open('a', 'wb').write(b'x' * 1000); print('fine')", limits, python_guards=False).ok
+
+
+def test_the_probe_finds_the_isolation_this_machine_offers():
+    """Where ``unshare`` makes the namespaces and libseccomp is here, ``isolation()`` must find
+    the full sandbox: a runner that breaks would otherwise fall back to a process group and the
+    escape tests (which need the full sandbox) would skip instead of failing."""
+    import shutil
+    import subprocess
+    from ctypes.util import find_library
+
+    unshare = shutil.which("unshare")
+    if unshare is None or find_library("seccomp") is None or subprocess.run(
+            [unshare, "--user", "--map-root-user", "--net", "--pid", "--mount", "--fork", "true"]).returncode:
+        pytest.skip("this machine offers no user namespaces or no libseccomp")
+    iso = isolation()
+    assert iso.minimal_root and iso.pid_namespace and iso.network_namespace and iso.seccomp, iso
