@@ -138,20 +138,6 @@ def _tokens(text: str) -> float:
     return value
 
 
-def _verl_engine_choice(overrides: list[str]) -> list[str]:
-    """Drop verl's ``model_engine=megatron`` (a Hydra config-group choice, as ``megatron_rl.main_ppo``
-    does); refuse any other engine."""
-    kept = []
-    for item in overrides:
-        key, _, value = item.lstrip("+").partition("=")
-        if key == "model_engine":
-            if value != "megatron":
-                raise ValueError(f"model_engine={value!r}: only 'megatron' is built here")
-            continue
-        kept.append(item)
-    return kept
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.job.layout_hint import with_layout_hint
     from megatron_rl.job.main_job import load_run_config
@@ -175,9 +161,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         hardware = get_hardware(args.hardware)
         recipe = args.recipe
         if args.config_path is not None or args.config_name is not None:
-            from megatron_rl.config.loader import find_verl_config
+            from megatron_rl.config.loader import drop_engine_choice, find_verl_config
 
-            overrides = _verl_engine_choice(overrides)
+            overrides = drop_engine_choice(overrides)
             recipe = str(find_verl_config(args.config_name or "ppo_trainer", args.config_path))
         config, raw = load_run_config(recipe, overrides)
         gpu_memory_gb = args.gpu_memory_gb or hardware.memory_gib

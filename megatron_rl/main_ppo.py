@@ -53,26 +53,13 @@ def parse_args(argv: Sequence[str]) -> tuple[Optional[str], str, list[str]]:
     return config_path, config_name, overrides
 
 
-def _engine_choice(overrides: list[str]) -> list[str]:
-    """Drop verl's ``model_engine=megatron`` (Hydra's config-group choice); refuse any other engine."""
-    kept = []
-    for item in overrides:
-        key, _, value = item.lstrip("+").partition("=")
-        if key == "model_engine":
-            if value != "megatron":
-                raise ValueError(f"model_engine={value!r}: only 'megatron' is built here")
-            continue
-        kept.append(item)
-    return kept
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run verl's command line; the exit status (0 done, 1 the run failed, 2 bad input)."""
-    from megatron_rl.config.loader import find_verl_config, key_report
+    from megatron_rl.config.loader import drop_engine_choice, find_verl_config, key_report
 
     try:
         config_path, config_name, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        overrides = _engine_choice(overrides)
+        overrides = drop_engine_choice(overrides)
         config_file = str(find_verl_config(config_name, config_path))
         report, refused = key_report(config_file, overrides)
     except ValueError as err:

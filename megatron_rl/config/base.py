@@ -56,7 +56,8 @@ def check_built(field: str, value: Any, built: Sequence[str], kind: str) -> None
     if value in built:
         return
     if value == "???":
-        raise ValueError(f"{field} must be set (verl's config leaves it '???'); {kind} built here: {list(built)}")
+        raise ValueError(f"{field}={value!r} is unset (verl's config leaves it to the script); {kind} built here: "
+                         f"{list(built)}")
     raise ValueError(f"{field}={value!r} is not built here; {kind} built here: {list(built)}")
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "recipe_dirs",
     "dump_config",
     "find_verl_config",
+    "drop_engine_choice",
     "key_report",
 ]
 
@@ -151,6 +152,20 @@ def find_verl_config(name: str, config_dir: Union[str, os.PathLike, None] = None
     if stem in ("ppo_megatron_trainer", "ppo_trainer"):
         return VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml"
     return find_recipe(name)
+
+
+def drop_engine_choice(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` without verl's ``model_engine=megatron`` (Hydra's config-group choice of the training
+    engine, which ``main_ppo`` and ``plan`` take from a verl command line); any other engine is refused."""
+    kept = []
+    for item in overrides:
+        key, _, value = item.lstrip("+").partition("=")
+        if key == "model_engine":
+            if value != "megatron":
+                raise ValueError(f"model_engine={value!r}: only 'megatron' is built here")
+            continue
+        kept.append(item)
+    return kept
 
 
 def _resolve_base(base: str, including: Path) -> Path:

@@ -96,8 +96,8 @@ def test_unset_rollout_name_is_asked_for(capsys):
     """verl's file leaves rollout.name '???' (a script must choose): asked for, with the built engines."""
     assert main(["--config-name=ppo_megatron_trainer", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "main_ppo: actor_rollout_ref.rollout.name must be set (verl's config leaves it '???'); rollout engines built "
-        "here: ['vllm']")
+        "main_ppo: actor_rollout_ref.rollout.name='???' is unset (verl's config leaves it to the script); rollout "
+        "engines built here: ['vllm']")
 
 
 
@@ -192,3 +192,14 @@ def test_every_older_verl_key_has_a_case():
     for old, _ in LEGACY_KEYS:
         assert any(k == old or k.startswith(old + ".") for k in set_keys), old
     assert set(RETIRED_KEYS) <= set_keys
+
+
+def test_plan_and_main_ppo_share_the_engine_choice(capsys):
+    """verl's model_engine=megatron is dropped and any other engine refused, by plan as by main_ppo
+    (one definition: config.loader.drop_engine_choice)."""
+    from megatron_rl.cli import main as cli_main
+    from megatron_rl.config.loader import drop_engine_choice
+
+    assert drop_engine_choice(["model_engine=megatron", "+a.b=1"]) == ["+a.b=1"]
+    assert cli_main(["plan", "--config-name=ppo_megatron_trainer", *SET, "model_engine=fsdp"]) == 2
+    assert capsys.readouterr().err.strip() == "megatron-rl plan: model_engine='fsdp': only 'megatron' is built here"
