@@ -16,8 +16,8 @@ LONG_TESTS: dict[str, str] = {
         "three real trainer runs (every optional part on, a resume with agent sessions, the MoE recipe "
         "with router replay): a key is only shown to be read by running the code that reads it",
     "tests/megatron_rl/trainer/test_resume.py::test_killed_run_resumes_to_the_same_next_step":
-        "three real `megatron-rl train` processes (uninterrupted, SIGKILLed after step 2's checkpoint, "
-        "resumed): the property is that a killed process resumes to the uninterrupted run's step 3",
+        "three real `megatron-rl train` processes (uninterrupted, SIGKILLed after step 1's checkpoint, "
+        "resumed): the property is that a killed process resumes to the uninterrupted run's step 2",
     "tests/megatron_rl/trainer/test_async_resume.py::test_killed_separate_async_run_resumes_with_the_same_sample_ids":
         "a real separate_async run through the CLI, SIGKILLed and resumed: no prompt group lost or trained twice",
 }

