@@ -10,7 +10,7 @@ as the check allows:
   last sync each replica's log-probs equal the actor's; seeded samples routed over two replicas equal
   one replica generating the whole batch with the same seed (what a one-replica run draws);
 * ``grpo_async`` (separate_async: the engines in the rollout's own CPU pool) trains two steps;
-* ``tool_agent`` (agent sessions with calculator calls) trains a step, and seeded sessions split over
+* ``tool_agent`` (agent sessions with calculator calls) trains two steps, and seeded sessions split over
   two replicas equal the same sessions on one (``AgentRunner``'s round seeds do not depend on the split).
 """
 
@@ -128,14 +128,14 @@ def tool_model(tmp_path_factory):
 
 
 def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster, tool_model):
-    """recipes/tool_agent.yaml with two engines trains a step; seeded sessions routed over both equal the
+    """recipes/tool_agent.yaml with two engines trains two steps; seeded sessions routed over both equal the
     same sessions on one engine, tool calls and later rounds included."""
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
 
     config = TrainerRunConfig.from_dict(compose("tool_agent", [
-        "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
+        "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4",
         "data.task_kwargs={num_samples: 32, min_len: 2, max_len: 2}", "data.max_prompt_length=64",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -156,10 +156,10 @@ def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster
                                                                     chat_template=template))
     finally:
         trainer.shutdown()
-    assert [int(h["training/global_step"]) for h in history] == [1]
-    row = history[0]
-    assert row["rollout/replicas"] == 2.0 and math.isfinite(row["actor/pg_loss"])
-    assert row["agent/tool_call_rate"] > 0
+    assert [int(h["training/global_step"]) for h in history] == [1, 2]
+    for row in history:  # step 2's sessions run on the weights step 1's sync put into both engines
+        assert row["rollout/replicas"] == 2.0 and math.isfinite(row["actor/pg_loss"])
+        assert row["agent/tool_call_rate"] > 0
     assert all(t > 0 for t in split_tokens)  # both replicas ran sessions
     assert max(split["num_turns"]) > 1  # a round after the first: its seeds are the ones that used to differ
     assert split["num_turns"] == whole["num_turns"] and split["uid"] == whole["uid"]
