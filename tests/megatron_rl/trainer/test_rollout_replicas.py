@@ -165,3 +165,34 @@ def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster
     assert split["num_turns"] == whole["num_turns"] and split["uid"] == whole["uid"]
     assert torch.equal(split["responses"], whole["responses"])
     assert torch.equal(split["response_mask"], whole["response_mask"])
+
+
+def test_partial_rollouts_pause_and_resume_on_each_of_two_replicas(toy_model, ray_cluster):
+    """grpo_async with ``trainer.v1.partial_rollout`` over two engines: a push pauses each replica's own
+    generation, and its samples continue on that replica (the gate, the aborted requests and their tokens
+    live in the replica's worker; the router never moves a started sample), so nothing needs re-routing.
+    Every engine applied the same pushes: their gates count the same version."""
+    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config.loader import compose
+    from megatron_rl.data.rewards import RewardFunction
+    from megatron_rl.trainer import RayPPOTrainer
+
+    root, model_path = toy_model
+    config = TrainerRunConfig.from_dict(compose("grpo_async", [
+        *SMALL, *REPLICAS, "trainer.v1.partial_rollout=true", "trainer.total_training_steps=2",
+        "trainer.v1.separate_async.parameter_sync_step=1", f"trainer.default_local_dir={root / 'partial2'}"]))
+    trainer = RayPPOTrainer(config, model_path=model_path, log_dir=root / "partial2")
+    trainer.reward_fn = RewardFunction(trainer.tokenizer, spread_score)
+    trainer.init_workers()
+    try:
+        history = trainer.fit()
+        stats = ray.get([actor.pause_stats.remote() for actor in trainer.placement.router.actors])
+    finally:
+        trainer.shutdown()
+    assert [int(h["training/global_step"]) for h in history] == [1, 2]
+    for row in history:
+        assert row["rollout/replicas"] == 2.0 and math.isfinite(row["actor/pg_loss"])
+        assert {"async/partial/partial_ratio", "async/partial/max_partial_span"} <= set(row)
+        assert 0.0 <= row["async/staleness_mean"] <= row["async/staleness_max"] <= 1.0
+    assert len(stats) == 2 and stats[0]["version"] == stats[1]["version"] >= 1, stats
+    assert all(s["steps"] > 0 for s in stats), stats  # both engines generated through their gates
