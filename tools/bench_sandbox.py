@@ -31,7 +31,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    plain = lambda: subprocess.run([sys.executable, "-I", "-c", "print(1)"], capture_output=True, check=True)
+    def plain():
+        subprocess.run([sys.executable, "-I", "-c", "print(1)"], capture_output=True, check=True)
+
     def sandbox():
         res = run_python("print(1)")
         if res.stdout != "1\n":
