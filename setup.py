@@ -37,10 +37,11 @@ EXTRAS = {
     "gpu": ["torch==2.13.0", "vllm==0.32.0", "transformer-engine[core-cu13]==2.20.2"],
     # The documentation site (mkdocs.yml, docs/): `mkdocs serve` / `mkdocs build --strict`.
     "docs": DOCS,
-    # lint-imports: the layers of .importlinter; ray[default]: the dashboard's job server that
-    # tests/test_slurm.py submits a `ray job submit` run to (every other ray.init turns it off);
+    # lint-imports: the layers of .importlinter; ruff: pyproject.toml's lint (tests/test_lint.py);
+    # ray[default]: the dashboard's job server that tests/test_slurm.py submits a `ray job submit` run to
+    # (every other ray.init turns it off);
     # the docs toolchain: tests/test_docs.py builds the site strictly, so CI's `.[test,cpu]` needs it
-    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ray[default]==2.60.0", *DOCS],
+    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ruff==0.17.6", "ray[default]==2.60.0", *DOCS],
 }
 
 setup(

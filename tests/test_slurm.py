@@ -168,7 +168,7 @@ def test_train_sbatch_end_to_end(slurm, tmp_path, ray_tmp):
     wall = time.monotonic() - start
     assert rc == 0, f"sbatch exit {rc}\n{text}\n{out}"
     print(f"\nend-to-end job {job}: {wall:.1f}s wall (sbatch --wait)")
-    assert f"all 1 node(s) joined the Ray cluster" in out
+    assert "all 1 node(s) joined the Ray cluster" in out
     assert "command exited with status 0" in out and "Ray stopped in" in out
     # The run's outputs.
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -248,7 +248,7 @@ def test_worker_started_by_srun_joins(slurm, tmp_path, ray_tmp):
                                                          PROBE % slurm.node])
     print(f"\ntwo-Ray-node job {job}: {time.monotonic() - start:.1f}s wall")
     assert rc == 0, f"{text}\n{out}"
-    assert f"all 2 node(s) joined the Ray cluster" in out
+    assert "all 2 node(s) joined the Ray cluster" in out
     # Each Ray node offers the CPUs SLURM gave it (SLURM_CPUS_ON_NODE in its own step).
     assert f"PROBE 2 {2.0 * slurm.cpus} 2.0" in out
     logs = tmp_path / "logs" / job

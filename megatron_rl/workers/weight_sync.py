@@ -153,7 +153,6 @@ class WeightSync:
         export and hand-over included); streamed syncs add ``receiver_seconds`` and the export's
         ``export_*`` figures.
         """
-        import ray
 
         start = time.perf_counter()
         if self.streamed:

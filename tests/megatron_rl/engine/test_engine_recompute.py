@@ -5,7 +5,6 @@ and an unknown field is refused by name."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from parallel.testing import run_distributed
 from tests.megatron_rl.engine.test_engine import BATCH, DENSE, PROMPT, RESPONSE, make_batch, make_role

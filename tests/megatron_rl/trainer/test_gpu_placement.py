@@ -10,7 +10,6 @@ TP=2 gives four engines, none spanning; TP=8 one engine over both nodes (a headl
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

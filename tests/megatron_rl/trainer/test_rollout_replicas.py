@@ -52,7 +52,7 @@ def _replica_outputs(trainer, prompts: dict, **kwargs) -> list[dict]:
     return ray.get([actor.generate.remote(prompts, uids=uids, **kwargs) for actor in trainer.placement.router.actors])
 
 
-def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_cluster):
+def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_cluster):  # noqa: F811 (fixture)
     """Synchronous GRPO over two engines (module docstring, first item)."""
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
@@ -104,7 +104,7 @@ def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_clus
     assert float((routed["rollout_log_probs"] - alone["rollout_log_probs"])[both].abs().max()) < LOGPROB_TOL
 
 
-def test_grpo_async_trains_two_steps_over_two_replicas(toy_model, ray_cluster):
+def test_grpo_async_trains_two_steps_over_two_replicas(toy_model, ray_cluster):  # noqa: F811 (fixture)
     """recipes/grpo_async.yaml (separate_async): both engines in the rollout's own pool, two steps."""
     from megatron_rl.utils.engine_map import rollout_layout
 
@@ -167,7 +167,7 @@ def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster
     assert torch.equal(split["response_mask"], whole["response_mask"])
 
 
-def test_partial_rollouts_pause_and_resume_on_each_of_two_replicas(toy_model, ray_cluster):
+def test_partial_rollouts_pause_and_resume_on_each_of_two_replicas(toy_model, ray_cluster):  # noqa: F811 (fixture)
     """grpo_async with ``trainer.v1.partial_rollout`` over two engines: a push pauses each replica's own
     generation, and its samples continue on that replica (the gate, the aborted requests and their tokens
     live in the replica's worker; the router never moves a started sample), so nothing needs re-routing.
