@@ -36,7 +36,8 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **network**: a fresh network namespace (no interfaces up; no abstract Unix socket of the host)
   where ``unshare`` may create one (as root, or unprivileged through a user namespace), else the
   audit hook refuses sockets; fresh IPC and UTS namespaces too (no System V shared memory,
-  semaphore or message queue of the host);
+  semaphore or message queue of the host), and a cgroup namespace where the kernel has one
+  (``/proc/<pid>/cgroup`` reads ``/``, not where the caller runs);
 * **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
   every process left in it --, else the process group is killed.
 

@@ -10,9 +10,10 @@ Order: the code read and libseccomp loaded while the host is still visible; with
 (``spec["unshare"]``: this process unshares, then waits for the caller's uid/gid map, one byte on
 stdin) it becomes the namespace's root, which is host ``nobody``, and forks the PID namespace's
 init; the init builds the minimal root (``_minimal_root``: ``pivot_root``, the host's root
-detached) and a time namespace for the code (``_new_time_namespace``), privileges go for good (the capability bounding set emptied, root dropped to
-``nobody`` -- ``spec["drop_uid"]``, only without namespaces --, every capability cleared,
-``no_new_privs``), the init forks the code's process and only reaps and reports
+detached), a time namespace for the code (``_new_time_namespace``) and a cgroup namespace
+(``_new_cgroup_namespace``), privileges go for good (the capability bounding set emptied, root
+dropped to ``nobody`` -- ``spec["drop_uid"]``, only without namespaces --, every capability
+cleared, ``no_new_privs``), the init forks the code's process and only reaps and reports
 (``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
 cgroup bounds memory, file size, open files, no core files, tasks in the sandbox's user
 namespace), the seccomp filter, an audit hook
@@ -303,6 +304,23 @@ def _new_time_namespace() -> None:
         libc.prctl(_PR_SET_DUMPABLE, dumpable, 0, 0, 0)
 
 
+_CLONE_NEWCGROUP = 0x02000000
+
+
+def _new_cgroup_namespace() -> None:
+    """A cgroup namespace rooted at this process's cgroups (the run's own, where the caller made
+    one): ``/proc/<pid>/cgroup`` then reads ``/`` in every hierarchy, not the caller's placement
+    (a container's or a job's cgroup, the run's cgroup named after the caller's pid). It applies
+    to this process at once, so the code inherits it. Needs the user namespace's CAP_SYS_ADMIN,
+    so it runs before the privileges go; a kernel without cgroup namespaces (before 4.6, or
+    CONFIG_CGROUPS off) refuses with EINVAL: the paths then stay the host's."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWCGROUP) != 0 and ctypes.get_errno() != _EINVAL:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWCGROUP)")
+
+
 _DENIED_SYSCALLS = (
     "ptrace", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "process_vm_readv",
     "process_vm_writev", "mknod", "mknodat", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
@@ -459,6 +477,7 @@ def main() -> None:
     if spec.get("root"):
         _minimal_root(spec, handles)
         _new_time_namespace()
+        _new_cgroup_namespace()
     else:
         os.chdir(spec["workdir"])
     _drop_privileges(spec.get("drop_uid"))

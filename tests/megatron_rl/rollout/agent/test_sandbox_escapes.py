@@ -310,6 +310,19 @@ def test_the_clocks_and_start_times_do_not_tell_the_hosts_uptime():
     assert all(0 <= v < 12 for v in got.values()), got  # the sandbox's own age, not the host's uptime
 
 
+def test_the_cgroup_files_do_not_tell_where_the_caller_runs():
+    # Without a cgroup namespace /proc/<pid>/cgroup names the caller's cgroups (the host's
+    # placement: a container's or a job's id) and the run's own (named after the caller's pid).
+    host = open("/proc/self/cgroup").read()
+    placed = {line.split(":", 2)[2] for line in host.splitlines()} - {"/"}
+    res = attack("for pid in ('self', '1', 'thread-self'):\n    print(open(f'/proc/{pid}/cgroup').read(), end='')")
+    assert res.ok and res.stdout, res
+    rows = [line.split(":", 2) for line in res.stdout.splitlines()]
+    assert {path for _, _, path in rows} == {"/"}, res.stdout  # each hierarchy's root: the sandbox's own cgroup
+    assert sorted(rows[:len(host.splitlines())]) == sorted(line.split(":", 2)[:2] + ["/"] for line in host.splitlines())
+    assert not any(path in res.stdout for path in placed) and "mrl-sandbox" not in res.stdout, res.stdout
+
+
 def test_a_fake_report_or_a_self_sent_limit_signal_is_no_limit():
     # The code writes a report to every descriptor it may hold, then exits 3: still 'error', exit 3.
     fake = json.dumps({"exit": 0, "cpu": 99.0, "disk_full": True, "file_limit": True})
