@@ -36,8 +36,11 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **network**: a fresh network namespace (no interfaces up; no abstract Unix socket of the host)
   where ``unshare`` may create one (as root, or unprivileged through a user namespace), else the
   audit hook refuses sockets; fresh IPC and UTS namespaces too (no System V shared memory,
-  semaphore or message queue of the host), and a cgroup namespace where the kernel has one
-  (``/proc/<pid>/cgroup`` reads ``/``, not where the caller runs);
+  semaphore or message queue of the host; the host named ``sandbox``, not the node the code
+  runs on), and a cgroup namespace where the kernel has one
+  (``/proc/<pid>/cgroup`` reads ``/``, not where the caller runs); a fresh session keyring, not
+  the caller's (whose keys ``keyctl`` would read where no seccomp filter refuses it), and an
+  empty ``/proc/keys`` (which lists the keys of the caller's uid when it is the one mapped in);
 * **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
   every process left in it --, else the process group is killed.
 

@@ -11,9 +11,10 @@ Order: the code read and libseccomp loaded while the host is still visible; with
 stdin) it becomes the namespace's root, which is host ``nobody``, and forks the PID namespace's
 init; the init builds the minimal root (``_minimal_root``: ``pivot_root``, the host's root
 detached), a time namespace for the code (``_new_time_namespace``) and a cgroup namespace
-(``_new_cgroup_namespace``), privileges go for good (the capability bounding set emptied, root
-dropped to ``nobody`` -- ``spec["drop_uid"]``, only without namespaces --, every capability
-cleared, ``no_new_privs``), the init forks the code's process and only reaps and reports
+(``_new_cgroup_namespace``) and names the host ``sandbox`` (``_name_the_host``); a fresh session
+keyring replaces the caller's (``_new_session_keyring``); privileges go for good (the capability bounding set emptied, root dropped to ``nobody`` --
+``spec["drop_uid"]``, only without namespaces --, every capability cleared, ``no_new_privs``),
+the init forks the code's process and only reaps and reports
 (``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
 cgroup bounds memory, file size, open files, no core files, tasks in the sandbox's user
 namespace), the seccomp filter, an audit hook
@@ -109,8 +110,8 @@ def _open_binds(binds) -> dict:
 # /proc files about the host (its load, memory, CPUs, uptime, devices, interrupts), replaced by
 # the sandbox's own: the code can neither fingerprint the host nor time the caller through them.
 _PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "diskstats", "partitions", "swaps",
-               "interrupts", "softirqs", "schedstat", "sched_debug", "timer_list", "key-users", "locks", "latency_stats",
-               "pressure/cpu", "pressure/memory", "pressure/io", "sys/kernel/random/boot_id")
+               "interrupts", "softirqs", "schedstat", "sched_debug", "timer_list", "keys", "key-users", "locks",
+               "latency_stats", "pressure/cpu", "pressure/memory", "pressure/io", "sys/kernel/random/boot_id")
 
 
 def _proc_masks(spec: dict) -> dict:
@@ -321,6 +322,37 @@ def _new_cgroup_namespace() -> None:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWCGROUP)")
 
 
+_HOST_NAME, _DOMAIN_NAME = b"sandbox", b"(none)"  # (none): the kernel's own name for no domain
+
+
+def _name_the_host() -> None:
+    """The UTS namespace's node and domain names: a fresh namespace starts with a copy of the
+    host's, and the node name tells the code which machine of the cluster it runs on. Needs the
+    user namespace's CAP_SYS_ADMIN, so it runs before the privileges go."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.sethostname(_HOST_NAME, len(_HOST_NAME)) != 0 or libc.setdomainname(_DOMAIN_NAME, len(_DOMAIN_NAME)):
+        raise OSError(ctypes.get_errno(), "sethostname / setdomainname")
+
+
+_KEYCTL_JOIN_SESSION_KEYRING, _SYS_KEYCTL, _ENOSYS, _EPERM = 1, 250, 38, 1
+
+
+def _new_session_keyring() -> None:
+    """A fresh, empty session keyring: the caller's is inherited across fork and exec whatever
+    the uid, and a key there (a token, a Kerberos ticket) would be the code's to read where no
+    seccomp filter refuses ``keyctl``. A kernel without keyrings (ENOSYS), or a machine that
+    refuses ``keyctl`` to this process (EPERM, e.g. a container's filter, refusing the code too),
+    has none to leak."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    refused = libc.syscall(_SYS_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0
+    if refused and ctypes.get_errno() not in (_ENOSYS, _EPERM):
+        raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
+
+
 _DENIED_SYSCALLS = (
     "ptrace", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "process_vm_readv",
     "process_vm_writev", "mknod", "mknodat", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
@@ -478,8 +510,10 @@ def main() -> None:
         _minimal_root(spec, handles)
         _new_time_namespace()
         _new_cgroup_namespace()
+        _name_the_host()
     else:
         os.chdir(spec["workdir"])
+    _new_session_keyring()
     _drop_privileges(spec.get("drop_uid"))
     if spec.get("init"):
         child = os.fork()

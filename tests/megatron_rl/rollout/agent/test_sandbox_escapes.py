@@ -12,6 +12,7 @@ was before issue 27 (a process group as root with an audit hook).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import glob
 import json
@@ -323,11 +324,124 @@ def test_the_cgroup_files_do_not_tell_where_the_caller_runs():
     assert not any(path in res.stdout for path in placed) and "mrl-sandbox" not in res.stdout, res.stdout
 
 
+def test_the_host_name_is_the_sandboxs_not_the_nodes():
+    # A fresh UTS namespace starts as a copy of the host's: its node name says which machine of
+    # the cluster the code runs on. The code cannot rename the host either.
+    host = os.uname()
+    code = ("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('uname', os.uname().nodename)\nprint('socket', socket.gethostname())\n"
+            "for name in ('hostname', 'domainname'):\n"
+            "    print(name, open('/proc/sys/kernel/' + name).read().strip())\n"
+            "print('set', libc.sethostname(b'pwned', 5), ctypes.get_errno())")
+    got = lines(attack(code))
+    assert got == {"uname": "sandbox", "socket": "sandbox", "hostname": "sandbox", "domainname": "(none)",
+                   "set": f"-1 {errno.EPERM}"}, got
+    assert host.nodename != "sandbox" and os.uname() == host
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int), ("f_handle", ctypes.c_ubyte * 128)]
+
+
+def test_a_file_handle_of_a_host_file_opens_nothing(secret):
+    # "Shocker": open_by_handle_at names an inode without a path, so any descriptor on the same
+    # file system (the interpreter's read-only bind) would open every host file by its handle.
+    libc = ctypes.CDLL(None, use_errno=True)
+    handle, mount_id = _FileHandle(128), ctypes.c_int()
+    assert libc.name_to_handle_at(-100, str(secret).encode(), ctypes.byref(handle), ctypes.byref(mount_id), 0) == 0
+    assert os.stat(secret).st_dev == os.stat(sys.base_prefix).st_dev  # the bind is on the secret's file system
+    if os.geteuid() == 0:  # the handle is real: the host opens the secret by it through that file system
+        base = os.open(sys.base_prefix, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = libc.open_by_handle_at(base, ctypes.byref(handle), os.O_RDONLY)
+            assert fd >= 0 and os.read(fd, 100) == SECRET.encode(), ctypes.get_errno()
+            os.close(fd)
+        finally:
+            os.close(base)
+    raw = bytes(handle)[:8 + handle.handle_bytes]
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"handle = ctypes.create_string_buffer({raw!r}, 136)\n"
+            f"for name, where in (('bind', {sys.base_prefix!r}), ('proc', '/proc'), ('workdir', '.')):\n"
+            "    base = os.open(where, os.O_RDONLY | os.O_DIRECTORY)\n"
+            "    fd = libc.syscall(304, base, handle, os.O_RDONLY)\n"  # open_by_handle_at
+            "    print(name, fd, ctypes.get_errno(), os.read(fd, 100) if fd >= 0 else b'')")
+    got = lines(attack(code))
+    assert got == dict.fromkeys(("bind", "proc", "workdir"), f"-1 {errno.EPERM} b''"), got
+
+
+def test_posix_shared_memory_and_message_queues_of_the_caller_are_invisible():
+    from multiprocessing import shared_memory
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"mrl-test-27-{os.getpid()}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    queue = libc.mq_open(f"/{name}".encode(), os.O_CREAT | os.O_RDWR, 0o666, None)
+    assert queue >= 0, ctypes.get_errno()
+    attr = (ctypes.c_long * 8)()  # struct mq_attr: flags, maxmsg, msgsize, curmsgs, reserved
+    try:
+        shm.buf[:len(SECRET)] = SECRET.encode()
+        assert libc.mq_send(queue, SECRET.encode(), len(SECRET), 0) == 0, ctypes.get_errno()
+        code = ("import ctypes, os\nfrom multiprocessing import shared_memory\n"
+                "libc = ctypes.CDLL(None, use_errno=True)\n"
+                f"try:\n    print('shm', bytes(shared_memory.SharedMemory(name={name!r}).buf[:32]))\n"
+                "except OSError as err:\n    print('shm', err.errno)\n"
+                f"try:\n    print('dev_shm', open('/dev/shm/{name}', 'rb').read(32))\n"
+                "except OSError as err:\n    print('dev_shm', err.errno)\n"
+                f"queue = libc.mq_open(b'/{name}', os.O_RDWR | os.O_NONBLOCK)\nprint('mq', queue, ctypes.get_errno())\n"
+                "buf = ctypes.create_string_buffer(8192)\n"
+                "if queue >= 0:\n    print('received', libc.mq_receive(queue, buf, 8192, None), buf.value)")
+        got = lines(attack(code))
+        assert got == {"shm": f"{errno.ENOENT}", "dev_shm": f"{errno.ENOENT}", "mq": f"-1 {errno.ENOENT}"}, got
+        assert bytes(shm.buf[:len(SECRET)]) == SECRET.encode()  # untouched, and the message still queued
+        assert libc.mq_getattr(queue, attr) == 0 and attr[3] == 1
+    finally:
+        libc.mq_close(queue)
+        libc.mq_unlink(f"/{name}".encode())
+        shm.close()
+        shm.unlink()
+
+
+def test_the_callers_session_keyring_is_out_of_reach():
+    # The session keyring is inherited across fork and exec, whatever the uid: a key the caller
+    # holds there (a token, a Kerberos ticket) would be the code's to read. The seccomp filter
+    # refuses keyctl; without it (allow_unisolated on a machine without libseccomp) the runner's
+    # fresh session keyring alone must keep the key out.
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"mrl-test-27-{os.getpid()}".encode()
+    key = libc.syscall(248, b"user", name, SECRET.encode(), len(SECRET), -3)  # add_key to @s
+    if key < 0:
+        pytest.skip(f"add_key refused here (errno {ctypes.get_errno()}): no keyring to attack")
+    try:
+        buf = ctypes.create_string_buffer(64)
+        assert libc.syscall(250, 11, key, buf, 64) == len(SECRET) and buf.value == SECRET.encode()  # KEYCTL_READ
+        code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(64)\n"
+                f"for what, number, args in (('read', 250, (11, {key}, buf, 64)), ('session', 250, (0, -3, 0)),"
+                f" ('search', 250, (10, -3, b'user', {name!r}, 0)), ('request', 249, (b'user', {name!r}, None, 0)),"
+                " ('join', 250, (1, None)), ('add', 248, (b'user', b'x', b'y', 1, -3))):\n"
+                "    print(what, libc.syscall(number, *args), ctypes.get_errno(), buf.value)\n"
+                f"print('listed', {name!r}.decode() in open('/proc/keys').read())")
+        got = lines(attack(code))
+        assert got.pop("listed") == "False"  # /proc/keys shows the keys of the uids mapped in: the caller's, rootless
+        assert got == dict.fromkeys(("read", "session", "search", "request", "join", "add"),
+                                    f"-1 {errno.EPERM} b''"), got
+        unfiltered = dataclasses.replace(isolation(), seccomp=None)
+        res = sandbox._execute(code, SandboxLimits(wall_seconds=10), unfiltered, False, False)
+        got = lines(res)
+        assert res.ok and SECRET not in res.stdout, res
+        assert got["read"] == f"-1 {errno.EACCES} b''" and got["search"] == f"-1 {errno.ENOKEY} b''", res
+    finally:
+        libc.syscall(250, 9, key, -3)  # KEYCTL_UNLINK from @s
+
+
 def test_a_fake_report_or_a_self_sent_limit_signal_is_no_limit():
-    # The code writes a report to every descriptor it may hold, then exits 3: still 'error', exit 3.
+    # The code writes a report to every descriptor it may hold and, by /proc/1/fd, to the init's
+    # (its status pipe among them), then exits 3: still 'error', exit 3.
     fake = json.dumps({"exit": 0, "cpu": 99.0, "disk_full": True, "file_limit": True})
     res = attack(f"import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, {fake!r}.encode())\n"
+                 "    except OSError:\n        pass\n    try:\n"
+                 f"        open(f'/proc/1/fd/{{fd}}', 'w').write({fake!r}); print('init', fd)\n"
                  "    except OSError:\n        pass\nos._exit(3)")
+    assert "init" not in res.stdout, res
     assert (res.status, res.exit_code) == ("error", 3), res
     for sig in ("SIGXCPU", "SIGXFSZ", "SIGKILL"):
         res = attack(f"import os, signal\nos.kill(os.getpid(), signal.{sig})")
