@@ -139,7 +139,7 @@ def test_a_hundred_concurrent_calls_leave_no_process_or_directory():
             break
         time.sleep(0.1)
     assert left == []
-    assert set(glob.glob("/tmp/mrl-sandbox-*")) == before
+    assert set(glob.glob("/tmp/mrl-sandbox-*")) <= before  # <=: a concurrent run elsewhere may end meanwhile
     assert threading.active_count() < 10
 
 

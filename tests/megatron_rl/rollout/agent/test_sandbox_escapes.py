@@ -530,7 +530,7 @@ def test_a_deep_tree_and_an_immutable_file_leave_nothing_behind():
             "    print('immutable', err.errno)\n")
     res = attack(code, SandboxLimits(wall_seconds=20, max_files=4096))
     assert (res.status, res.stdout) == ("ok", "immutable 1\n"), res
-    assert set(glob.glob("/tmp/mrl-sandbox-*")) == before
+    assert set(glob.glob("/tmp/mrl-sandbox-*")) <= before  # <=: a concurrent run elsewhere may end meanwhile
 
 
 def test_a_hundred_concurrent_malicious_calls_leave_the_caller_alone(tmp_path):
@@ -578,7 +578,7 @@ def test_a_hundred_concurrent_malicious_calls_leave_the_caller_alone(tmp_path):
             except psutil.NoSuchProcess:
                 pass
     assert strays == []
-    assert set(glob.glob("/tmp/mrl-sandbox-*")) == before  # no directory; no tmpfs on the caller's side:
+    assert set(glob.glob("/tmp/mrl-sandbox-*")) <= before  # no directory; no tmpfs on the caller's side:
     assert "mrl-sandbox-" not in open("/proc/self/mountinfo").read()
     assert {d for base, _ in sandbox._cgroup_roots().values()
             for d in glob.glob(os.path.join(base, "mrl-sandbox-*"))} == cgroups
