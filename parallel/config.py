@@ -17,11 +17,17 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["ParallelConfig", "UNEVEN_PIPELINE_FIELDS", "pipeline_stage_layers", "uneven_pipeline_fields"]
+__all__ = ["ACCOUNT_FOR_PIPELINE_FIELDS", "ParallelConfig", "UNEVEN_PIPELINE_FIELDS", "pipeline_stage_layers",
+           "uneven_pipeline_fields"]
 
 UNEVEN_PIPELINE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
 """Megatron ``TransformerConfig`` fields of an uneven pipeline split (verl sets them through
 ``megatron.override_transformer_config``, e.g. DeepSeek-V3's 61 layers as 13 + 4 x 12)."""
+
+ACCOUNT_FOR_PIPELINE_FIELDS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+"""Megatron ``TransformerConfig`` flags that count the embedding (the loss) as one layer of the first
+(last) pipeline stage, so ``num_layers + 1`` (``+ 2`` with both) is split evenly: verl's Qwen3-235B
+script places its 94 layers at PP=8 as 11 + 6 x 12 + 11."""
 
 _SIZE_FIELDS = (
     "tensor_model_parallel_size",
@@ -36,25 +42,76 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} is not allowed; it must be an int >= 1")
 
 
-def uneven_pipeline_fields(overrides: Optional[Mapping[str, Any]]) -> dict[str, int]:
-    """The uneven-pipeline fields set (not None) in ``overrides`` (TransformerConfig fields)."""
-    return {k: overrides[k] for k in UNEVEN_PIPELINE_FIELDS if (overrides or {}).get(k) is not None}
+def uneven_pipeline_fields(overrides: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The pipeline-split fields set in ``overrides`` (TransformerConfig fields): the uneven counts
+    that are not None and the ``account_for_*`` flags that are not None or False -- the keyword
+    arguments of ``pipeline_stage_layers`` and ``ParallelConfig.validate``."""
+    overrides = overrides or {}
+    fields = {k: overrides[k] for k in UNEVEN_PIPELINE_FIELDS if overrides.get(k) is not None}
+    fields.update({k: overrides[k] for k in ACCOUNT_FOR_PIPELINE_FIELDS if overrides.get(k) not in (None, False)})
+    return fields
+
+
+def _accounted_stage_layers(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool,
+                            key: str) -> tuple[int, ...]:
+    """``pipeline_stage_layers`` with the embedding (loss) counted as a layer of the first (last) stage,
+    as Megatron-Core's ``get_num_layers_to_build``: ``num_layers + embedding + loss`` over PP (and each
+    stage's share over VPP), then one fewer decoder layer in the first (last) model chunk."""
+    on = " and ".join(f"{key}.{name}=True" for name, value in zip(ACCOUNT_FOR_PIPELINE_FIELDS, (embedding, loss))
+                      if value)
+    counted = num_layers + embedding + loss
+    if counted % pp:
+        what = " and ".join(n for n, v in (("the embedding", embedding), ("the loss", loss)) if v)
+        raise ValueError(f"{on} count{'' if embedding + loss == 2 else 's'} {what} as "
+                         f"{'one layer each' if embedding + loss == 2 else 'a layer'}: num_layers + {embedding + loss} = "
+                         f"{counted} is not divisible by pipeline_model_parallel_size={pp}")
+    per_stage = counted // pp
+    if per_stage % vpp:
+        raise ValueError(f"{on}: (num_layers + {embedding + loss}) / pipeline_model_parallel_size = {counted}/{pp} = "
+                         f"{per_stage} layers per stage is not divisible by virtual_pipeline_model_parallel_size={vpp}")
+    chunks = [[per_stage // vpp] * vpp for _ in range(pp)]
+    chunks[0][0] -= embedding
+    chunks[-1][-1] -= loss
+    if min(min(c) for c in chunks) < 1:
+        raise ValueError(f"{on} leave{'s' if embedding + loss == 1 else ''} a pipeline stage"
+                         f"{' (model chunk)' if vpp > 1 else ''} of num_layers={num_layers} at "
+                         f"pipeline_model_parallel_size={pp}{f' x virtual_pipeline_model_parallel_size={vpp}' if vpp > 1 else ''} "
+                         "without a decoder layer; a stage without one is not built here (use a smaller PP or VPP)")
+    return tuple(sum(c) for c in chunks)
 
 
 def pipeline_stage_layers(num_layers: int, pipeline_model_parallel_size: int,
                           virtual_pipeline_model_parallel_size: Optional[int] = None, *,
                           num_layers_in_first_pipeline_stage: Optional[int] = None,
                           num_layers_in_last_pipeline_stage: Optional[int] = None,
+                          account_for_embedding_in_pipeline_split: bool = False,
+                          account_for_loss_in_pipeline_split: bool = False,
                           key: str = "megatron.override_transformer_config") -> tuple[int, ...]:
     """Decoder layers on each pipeline stage, first to last, as Megatron-Core builds them.
 
     Without the uneven fields every stage holds ``num_layers / PP``; with them the first (last)
     stage holds the given count and the stages between share the rest evenly (Megatron's
     ``get_num_layers_to_build``). Under VPP each stage's count must split into its model chunks.
+    ``account_for_embedding/loss_in_pipeline_split`` count the embedding (loss) as one layer of the
+    first (last) stage: ``num_layers + 1`` (``+ 2``) splits evenly over PP (x VPP) and that stage
+    builds one decoder layer fewer; they cannot be combined with the uneven counts (Megatron refuses).
     ``ValueError`` naming the field (under ``key``), its value and what is allowed otherwise.
     """
     pp, vpp = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
     ends = {"first": num_layers_in_first_pipeline_stage, "last": num_layers_in_last_pipeline_stage}
+    accounted = dict(zip(ACCOUNT_FOR_PIPELINE_FIELDS,
+                         (account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split)))
+    for name, value in accounted.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}.{name}={value!r} is not allowed; it must be true or false")
+    if any(accounted.values()):
+        if any(v is not None for v in ends.values()):
+            set_ = ", ".join(f"{key}.num_layers_in_{end}_pipeline_stage={v}" for end, v in ends.items() if v is not None)
+            on = ", ".join(f"{key}.{name}=True" for name, value in accounted.items() if value)
+            raise ValueError(f"{set_} cannot be combined with {on} (Megatron-Core refuses both); set either the "
+                             "stage counts or the account_for_* flags")
+        return _accounted_stage_layers(num_layers, pp, vpp, account_for_embedding_in_pipeline_split,
+                                       account_for_loss_in_pipeline_split, key)
     if all(v is None for v in ends.values()):
         if num_layers % (pp * vpp):
             what = (f"pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp}*{vpp} = {pp * vpp}"
@@ -218,6 +275,8 @@ class ParallelConfig:
         sequence_parallel: bool = False,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
+        account_for_embedding_in_pipeline_split: bool = False,
+        account_for_loss_in_pipeline_split: bool = False,
     ) -> dict[str, Optional[int]]:
         """Check this layout against ``world_size`` and (optionally) the model; return ``sizes()``.
 
@@ -225,7 +284,8 @@ class ParallelConfig:
         whose pipeline stage is not divisible by EP*ETP; heads or query groups that TP does not
         split (query groups may also divide TP, as Megatron allows); layers not divisible by PP
         (x VPP), or an uneven split (``num_layers_in_first/last_pipeline_stage``, see
-        ``pipeline_stage_layers``) that does not add up; experts not divisible by EP; a sequence not divisible
+        ``pipeline_stage_layers``) that does not add up, or ``num_layers`` + the embedding/loss counted
+        by ``account_for_embedding/loss_in_pipeline_split`` not divisible by PP (x VPP); experts not divisible by EP; a sequence not divisible
         by 2*CP (Megatron's load-balanced CP split) or by TP*CP under sequence parallelism; and,
         for the interleaved schedule, a micro-batch count not divisible by PP. Touches no process
         group, so it can run in a dry run before ``init_mesh``.
@@ -257,7 +317,9 @@ class ParallelConfig:
             _check_positive_int("num_layers", num_layers)
             pipeline_stage_layers(num_layers, pp, vpp,
                                   num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-                                  num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage)
+                                  num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                                  account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
+                                  account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split)
         if num_experts is not None:
             _check_positive_int("num_experts", num_experts)
             if num_experts % ep:
