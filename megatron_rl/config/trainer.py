@@ -173,7 +173,8 @@ class TrainerRunConfig(BaseConfig):
     def _layout(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig],
                 world: int) -> dict:
         """Validate ``megatron``'s layout on ``world`` ranks (and against an inline model, its layers split
-        as ``megatron.override_transformer_config``'s uneven-pipeline fields say); return sizes."""
+        as ``megatron.override_transformer_config``'s uneven-pipeline fields and ``account_for_*`` flags
+        say); return sizes."""
         if self.trainer.device == "cpu" and megatron.context_parallel_size > 1:
             raise ValueError(f"{where}.megatron.context_parallel_size={megatron.context_parallel_size} needs "
                              "TransformerEngine attention (trainer.device='cuda'); use 1 on CPU")

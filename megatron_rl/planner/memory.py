@@ -6,7 +6,8 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
 * parameters: each weight's local shard (heads and MLP columns over TP -- KV heads are
   replicated when there are fewer than TP; routed experts over EP and their columns over ETP;
   the (padded) vocabulary over TP; norms and the router replicated), ``L / PP`` layers per
-  stage (an uneven split, ``num_layers_in_first/last_pipeline_stage``: ``stage_layers``),
+  stage (an uneven split, ``num_layers_in_first/last_pipeline_stage`` or the embedding/loss counted
+  as a layer, ``account_for_embedding/loss_in_pipeline_split``: ``stage_layers``),
   embedding on the first stage, output layer on the last;
 * gradients: Megatron DDP's buffer with ``grad_reduce_in_fp32=True`` -> 4 bytes/param;
 * optimizer: Adam keeps m and v in fp32 (8 B/param) plus fp32 master weights for 16-bit

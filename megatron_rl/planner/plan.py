@@ -100,7 +100,8 @@ def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, 
                            seq_length: int, num_micro: Optional[int], sequence_parallel: bool,
                            uneven: Optional[dict] = None) -> dict:
     """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field);
-    ``uneven``: ``num_layers_in_first/last_pipeline_stage`` of ``megatron.override_transformer_config``."""
+    ``uneven``: ``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/loss_in_pipeline_split``
+    of ``megatron.override_transformer_config`` (``parallel.config.uneven_pipeline_fields``)."""
     tp, etp = par.tensor_model_parallel_size, par.effective_expert_tensor_parallel_size
     if tp > gpus_per_node:
         raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} exceeds --gpus-per-node={gpus_per_node}: a TP "

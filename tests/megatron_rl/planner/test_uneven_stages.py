@@ -1,6 +1,7 @@
-"""The planner under an uneven pipeline split (``num_layers_in_first/last_pipeline_stage`` in
-``megatron.override_transformer_config``): each stage is counted with its own layers, checked against
-a hand calculation for Qwen3-235B-A22B (94 layers, which PP=4 does not split evenly)."""
+"""The planner under an uneven pipeline split (``num_layers_in_first/last_pipeline_stage`` or
+``account_for_embedding/loss_in_pipeline_split`` in ``megatron.override_transformer_config``): each stage
+is counted with its own layers, checked against a hand calculation for Qwen3-235B-A22B (94 layers, which
+PP=4 does not split evenly)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,23 @@ def test_deepseek_v3_split_keeps_global_layer_indices():
     assert count_params(m, stage=0, **kw) == (3 * dense_layer[0] + moe_layer[0] + embed, moe_layer[1])
     assert count_params(m, stage=1, **kw) == (4 * moe_layer[0], 4 * moe_layer[1])
     assert count_params(m, stage=15, **kw) == (moe_layer[0] + embed + m.hidden_size, moe_layer[1])
+
+
+ACCOUNTED = SPLIT[:2] + [f"{MEG}.override_transformer_config.account_for_embedding_in_pipeline_split=True",
+                         f"{MEG}.override_transformer_config.account_for_loss_in_pipeline_split=True"]
+
+
+def test_plan_with_embedding_and_loss_counted_as_layers():
+    """Megatron's account_for_embedding/loss_in_pipeline_split (verl's Qwen3-235B script): 94 + 2 = 96 over
+    PP=4 is 24 per stage, the first and last building 23 decoder layers -- the same stages as 23 + 24 + 24 + 23
+    set by count, so the same most loaded stage (the last: 23 layers + head). One flag alone, 95 over PP=4,
+    is refused with the key named."""
+    plan = plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ACCOUNTED))
+    actor = plan.roles["actor"]
+    assert (actor.params_dense, actor.params_expert) == (23 * DENSE_LAYER + HEAD, 23 * EXPERT_LAYER)
+    by_count = plan_run(load_config("gpu/qwen3_235b_a22b_grpo", SPLIT)).roles["actor"]
+    assert actor.activation_bytes == by_count.activation_bytes
+    with pytest.raises(ValueError, match=r"override_transformer_config.account_for_embedding_in_pipeline_split=True "
+                                         r"counts the embedding as a layer: num_layers \+ 1 = 95 is not divisible by "
+                                         r"pipeline_model_parallel_size=4"):
+        plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ACCOUNTED[:3]))
