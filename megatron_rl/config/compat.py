@@ -67,10 +67,19 @@ INERT_KEYS: dict[str, str] = {
         "log-probs and entropy always come from the chunked vocab-parallel fused pass (actor.logprob_chunk_size); "
         "kernels and activation recompute are Megatron's (megatron.override_transformer_config.recompute_*)",
     "*qat*|*.quantization_config_*|reward.*.quantization|*.model.mtp.*|*.rollout.mtp*"
-    "|*.model.lora*|*.model.target_modules|*.model.exclude_modules|*.freeze_vision_tower|data.image*|data.video_key"
+    "|*.freeze_vision_tower|data.image*|data.video_key"
     "|data.audio_key|data.return_multi_modal_inputs|data.mm_processor_kwargs":
         "quantisation (besides actor_rollout_ref.rollout.quantization=fp8, whose block config is fixed: "
-        "no quantization_config_file), multi-token prediction, LoRA and multimodal inputs are not implemented",
+        "no quantization_config_file), multi-token prediction and multimodal inputs are not implemented",
+    # critic.model.lora.rank / lora_rank are read (a critic that runs with a rank > 0 is refused by key)
+    "actor_rollout_ref.model.lora.type|actor_rollout_ref.model.lora.a2a_experimental"
+    "|actor_rollout_ref.model.lora.adapter_path|actor_rollout_ref.model.lora.freeze_*"
+    "|critic.model.lora.[!r]*|critic.model.lora_alpha|critic.model.target_modules|critic.model.exclude_modules"
+    "|critic.model.lora_adapter_path":
+        "LoRA is built in one kind: lora.type=lora on a frozen base, no vision parts, no all-to-all expert path, "
+        "no PEFT adapter to start from (other values are refused when the config is built); the critic has no "
+        "LoRA: critic.model (a copy of actor_rollout_ref.model when left out) trains every parameter, and a critic "
+        "that runs with critic.model.lora.rank > 0 is refused before any worker starts",
     "critic.megatron.router_replay.*|reward.reward_model.megatron.router_replay.*"
     "|distillation.teacher_model.megatron.router_replay.*|actor_rollout_ref.ref.megatron.router_replay.record_file"
     "|*.megatron.router_replay.replay_file":
@@ -125,13 +134,7 @@ INERT_KEYS: dict[str, str] = {
 }
 """Dotted-path pattern -> why the key has no effect (shown in the warning)."""
 
-NOT_BUILT: dict[str, str] = {
-    "*.model.lora_rank|*.model.lora.rank|*.model.lora_adapter_path|*.model.lora.adapter_path":
-        "LoRA is not built here end to end: the engine takes adapters (megatron_rl.engine.lora, the settings "
-        "megatron_rl.config.lora.LoRAConfig) but the trainer does not hand them to the actor's workers yet, and "
-        "accepting the key would train every parameter instead of the adapters "
-        "(leave the rank at 0 and no adapter path to train the full model)",
-}
+NOT_BUILT: dict[str, str] = {}
 """verl keys accepted only at verl's default: a value away from it would change results, so it is refused
 with the reason (an accepted key that changes results is never inert). Patterns as in ``INERT_KEYS``."""
 

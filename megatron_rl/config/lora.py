@@ -4,8 +4,9 @@ verl 0.9.1 writes Megatron LoRA as ``actor_rollout_ref.model.lora.{type, merge, 
 target_modules, exclude_modules, dropout_position, lora_A_init_method, lora_B_init_method,
 a2a_experimental, dtype, adapter_path, freeze_*}`` and keeps its FSDP-era flat keys
 ``model.{lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path}`` beside them.
-``resolve_lora`` turns a model section's keys (either form, not both) into one ``LoRAConfig``; the
-engine (``megatron_rl.engine.lora``) acts on it. What is not built is refused by name here, before
+``resolve_lora`` turns a model section's keys (either form, not both) into one ``LoRAConfig``
+(``ModelSourceConfig.lora_config()``); the trainer hands the actor's to its workers
+(``megatron_rl.trainer.placement``) and the engine (``megatron_rl.engine.lora``) acts on it. What is not built is refused by name here, before
 any worker starts: ``type`` other than ``lora``, ``merge: false`` (adapter-only sync into vLLM's LoRA),
 ``adapter_path`` (loading a PEFT adapter), ``a2a_experimental``.
 """
@@ -128,14 +129,35 @@ def resolve_lora(model: Mapping[str, Any] | Any, section: str = "actor_rollout_r
     if flat_rank and nested.get("rank", 0):
         raise ValueError(f"{section}.lora_rank={flat_rank} and {section}.lora.rank={nested.get('rank')} are both set; "
                          f"use {section}.lora.* only")
+    if not flat_rank and nested.get("rank", 0):  # a flat key beside the lora section would be ignored: refuse it
+        for nested_key, flat_key in _FLAT_KEYS.items():
+            value = get(flat_key)
+            if flat_key != "lora_rank" and not (value is None or value == [] or value == _FLAT_DEFAULTS[flat_key]):
+                raise ValueError(f"{section}.{flat_key}={value!r} is verl's older flat form, set beside "
+                                 f"{section}.lora.rank={nested['rank']}; set {section}.lora.{nested_key} instead")
     if not flat_rank:
         return _build(dict(nested), f"{section}.lora")
     targets = get("target_modules", _HF_ALL_LINEAR)
     if targets in (None, _HF_ALL_LINEAR):
         targets = list(LORA_TARGET_MODULES)
-    return _build({"rank": flat_rank, "alpha": get("lora_alpha", 16), "target_modules": targets,
-                   "exclude_modules": get("exclude_modules") or [], "adapter_path": get("lora_adapter_path"),
-                   "merge": True}, section)
+    try:
+        return _build({"rank": flat_rank, "alpha": get("lora_alpha", 16), "target_modules": targets,
+                       "exclude_modules": get("exclude_modules") or [], "adapter_path": get("lora_adapter_path"),
+                       "merge": True}, section)
+    except ValueError as exc:  # name the flat key the user wrote, not the lora.* field it maps onto
+        message = str(exc).removeprefix(f"{section}: ")
+        for nested, flat in _FLAT_KEYS.items():
+            message = message.replace(f"lora.{nested}=", f"{section}.{flat}=").replace(f"lora.{nested}:",
+                                                                                     f"{section}.{flat}:")
+        raise ValueError(message) from None
+
+
+_FLAT_KEYS = {"rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules",
+              "exclude_modules": "exclude_modules", "adapter_path": "lora_adapter_path"}
+"""``LoRAConfig`` field -> verl's older flat key on the model section."""
+_FLAT_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": _HF_ALL_LINEAR, "exclude_modules": None,
+                  "lora_adapter_path": None}
+"""verl 0.9.1's defaults of the flat keys (its generated config sets them beside ``lora``)."""
 
 
 def _build(values: dict, where: str) -> LoRAConfig:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from megatron_rl.config.algorithm import ActorConfig, CriticConfig
 from megatron_rl.config.base import TRAINING_ENGINES, BaseConfig, check_built, check_choice, check_range
+from megatron_rl.config.lora import LoRAConfig, resolve_lora
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.distillation import DistillationLossConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -179,8 +180,26 @@ class ModelSourceConfig(BaseConfig):
     """Allow custom modelling code when reading an HF checkpoint or tokenizer."""
     custom_chat_template: Optional[str] = None
     """Jinja chat template replacing the tokenizer's."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """verl 0.9.1's Megatron LoRA (``megatron_rl.config.lora.LoRAConfig``); ``lora.rank: 0`` (the default)
+    trains every parameter. The actor's only: a critic that runs with ``rank > 0`` is refused (not built)
+    before any worker starts (``megatron_rl.trainer.placement.check_lora_roles``)."""
+    lora_rank: int = 0
+    """verl's older flat form of ``lora.rank`` (0 = off); with it ``lora_alpha``, ``target_modules``,
+    ``exclude_modules`` and ``lora_adapter_path`` map onto ``lora.*`` (``lora_config()``). Set one form only."""
+    lora_alpha: float = 16
+    """Flat form of ``lora.alpha`` (with ``lora_rank > 0``; a flat key set beside ``lora.rank > 0`` is refused)."""
+    target_modules: Any = "all-linear"
+    """Flat form of ``lora.target_modules``: Megatron linear names, or ``all-linear`` (every one)."""
+    exclude_modules: Optional[list] = None
+    """Flat form of ``lora.exclude_modules``."""
+    lora_adapter_path: Optional[str] = None
+    """Flat form of ``lora.adapter_path`` (loading a PEFT adapter is not built: refused when set)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, Mapping):  # built by keyword: the section as a mapping
+            self.lora = resolve_lora({"lora": self.lora}, "model")
+        resolve_lora(self, "model")  # both forms set, or a bad flat value: ValueError naming the key
         names = [f.name for f in dataclasses.fields(ModelConfig)]
         wrapped = self.override_config.get("model_config", {})
         if not isinstance(wrapped, Mapping):
@@ -195,6 +214,16 @@ class ModelSourceConfig(BaseConfig):
     def is_inline(self) -> bool:
         """True for a from-scratch model described by ``config``."""
         return self.config is not None
+
+    def lora_config(self) -> LoRAConfig:
+        """This model's one LoRA setting: ``lora`` itself, or (``lora_rank > 0``) verl's flat keys mapped
+        onto a ``LoRAConfig`` (``merge: true``: the flat form has no merge key). Every flat key is looked
+        at: one set beside ``lora.rank > 0`` would be ignored, so it is refused (``resolve_lora``)."""
+        flat = {"lora": self.lora, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "target_modules": self.target_modules, "exclude_modules": self.exclude_modules,
+                "lora_adapter_path": self.lora_adapter_path}
+        resolved = resolve_lora(flat, "model")
+        return resolved if self.lora_rank else self.lora  # the section itself: its readers are its keys
 
 
 # ----------------------------------------------------------------------------- data
