@@ -36,7 +36,8 @@ def role_class(name: str) -> type:
 
 def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
                transformer_overrides: Optional[Mapping[str, Any]] = None, sequence_parallel: bool = False,
-               remove_padding: bool = True, distributed_optimizer: bool = False, routing_replay: bool = False) -> Any:
+               remove_padding: bool = True, distributed_optimizer: bool = False, routing_replay: bool = False,
+               lora: Optional[Any] = None) -> Any:
     """This rank's role object: its engine, built on ``mesh``, and the role's methods.
 
     ``config`` is the role's typed config: ``ActorConfig`` for ``actor`` / ``ref`` / ``teacher``,
@@ -44,7 +45,9 @@ def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
     engine gets ``config.optim``. ``remove_padding`` (``megatron.use_remove_padding``) packs every
     micro-batch into one THD sequence; ``distributed_optimizer`` (``megatron.use_distributed_optimizer``)
     shards a trainable role's optimizer state over DP; ``routing_replay`` (``megatron.router_replay.mode``
-    not ``disabled``) builds the MoE routers with Megatron's router replay.
+    not ``disabled``) builds the MoE routers with Megatron's router replay. ``lora`` (a ``LoRAConfig``,
+    the actor only) puts LoRA adapters on a frozen base: only they train, and ``Actor.compute_ref_log_prob``
+    is the base model's (the reference policy).
     """
     cls = role_class(name)
     check_config(name, config, cls.config_type)  # before the (collective, slow) engine build
@@ -53,5 +56,5 @@ def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
                             optim=config.optim if trainable else None, transformer_overrides=transformer_overrides,
                             sequence_parallel=sequence_parallel, remove_padding=remove_padding,
                             distributed_optimizer=distributed_optimizer and trainable,
-                            routing_replay=routing_replay, name=name)
+                            routing_replay=routing_replay, name=name, lora=lora)
     return cls(engine, config)

@@ -16,13 +16,14 @@ from typing import Any, Optional
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
 from megatron_rl.config import ActorConfig, TrainerRunConfig
+from megatron_rl.config.lora import LoRAConfig, check_lora_fits
 from megatron_rl.models.tiny import megatron_overrides
 from megatron_rl.utils.engine_map import rollout_layout
 from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
 __all__ = ["role_specs", "role_token_budgets", "RoleBudget", "actor_config", "check_token_budget", "Placement",
-           "gpu_rollout_placement_error"]
+           "gpu_rollout_placement_error", "actor_lora", "check_lora_roles", "reference_in_actor"]
 
 def _with_horizon(role_config, total_steps: int):
     """``role_config`` whose LR schedule spans the run: ``optim.total_training_steps`` set to
@@ -133,13 +134,51 @@ def role_token_budgets(config: TrainerRunConfig) -> dict[str, RoleBudget]:
     }
 
 
+def actor_lora(config: TrainerRunConfig) -> LoRAConfig:
+    """The actor's LoRA: ``actor_rollout_ref.model.lora`` or verl's flat ``lora_rank`` keys (``rank: 0`` = off)."""
+    return config.actor_rollout_ref.model.lora_config()
+
+
+def reference_in_actor(config: TrainerRunConfig, needs: RunNeeds) -> bool:
+    """True when the run's reference log-probs come from the actor with its adapters off (a LoRA actor:
+    the reference is the base model, so no reference worker is built)."""
+    return bool(needs.reference and actor_lora(config).enabled)
+
+
+def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str) -> LoRAConfig:
+    """The actor's ``LoRAConfig``, checked before any worker starts: a rank larger than a targeted linear's
+    dimensions (``check_lora_fits`` on the actor's architecture at ``model_path``) and a critic that would
+    run with LoRA (``critic.model`` left out copies the actor's model, LoRA settings included) are
+    ``ValueError`` naming the key."""
+    lora = actor_lora(config)
+    if needs.critic:
+        critic_lora = config.critic.model.lora_config()
+        if critic_lora.enabled:
+            key = "critic.model.lora_rank" if config.critic.model.lora_rank else "critic.model.lora.rank"
+            raise ValueError(f"{key}={critic_lora.rank} is refused: LoRA on the critic is not built (its value head "
+                             "would stay frozen at its initialisation); a critic without its own model section "
+                             "copies actor_rollout_ref.model's LoRA settings. Allowed: 0 (set critic.model.lora.rank=0: "
+                             "the critic trains every parameter)")
+    if lora.enabled:
+        from megatron_rl.models.families import get_family
+
+        model_cfg = get_family(model_path).model_config(
+            model_path, **_model_overrides(config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.model))
+        check_lora_fits(lora, model_cfg, "actor_rollout_ref.model.lora")
+    return lora
+
+
 def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int,
                teacher_path: Optional[str] = None) -> dict[str, WorkerSpec]:
     """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always). ``model_path`` is the
     policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon.
     Each role's config carries its token budgets (``role_token_budgets``, checked here, before any
-    worker starts)."""
+    worker starts). A LoRA actor (``check_lora_roles``) gets its ``LoRAConfig`` and no reference worker
+    is built: its reference is itself with the adapters off (``reference_in_actor``)."""
     arr = config.actor_rollout_ref
+    lora = check_lora_roles(config, needs, model_path)
+    if lora.enabled:
+        needs = dataclasses.replace(needs, reference=False)
     budgets = role_token_budgets(config)
     for role, runs in (("actor", True), ("ref", needs.reference), ("critic", needs.critic),
                        ("reward", needs.reward_model), ("teacher", needs.teacher)):
@@ -152,7 +191,8 @@ def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, to
                                    log_prob_max_token_len_per_gpu=fwd or role_config.ppo_max_token_len_per_gpu)
 
     specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config, total_steps), hf_dir=model_path,
-                                 model_overrides=_model_overrides(arr.actor.megatron, arr.model))}
+                                 model_overrides=_model_overrides(arr.actor.megatron, arr.model),
+                                 lora=lora if lora.enabled else None)}
     if needs.reference:
         specs["ref"] = WorkerSpec("ref", arr.ref.megatron, lm_forward(arr.actor, "ref"), hf_dir=model_path,
                                   model_overrides=_model_overrides(arr.ref.megatron, arr.model))

@@ -17,6 +17,7 @@ main job, ``megatron_rl.job``, prepares inline toy models and SFT warm-ups).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -43,6 +44,7 @@ from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build
 from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator, load_callbacks
 from megatron_rl.trainer.failures import worker_failure
 from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics
+from megatron_rl.trainer.placement import reference_in_actor
 from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
 from megatron_rl.trainer.watchdog import guard_fit, phase as timer  # timed phases the hang watchdog sees
 
@@ -98,7 +100,10 @@ class RayPPOTrainer:
         if tcfg.val_only and self.val_dataloader is None:
             raise ValueError("trainer.val_only=True needs a validation set: set data.val_files (or data.task)")
         # the colocated phases (offload / rollout sleep); bad offload settings fail here, before any worker
-        self.schedule = step_schedule(self.config, self.needs)
+        # A LoRA actor is its own reference (adapters off): no reference role, no reference phase.
+        self.ref_in_actor = reference_in_actor(self.config, self.needs)
+        role_needs = dataclasses.replace(self.needs, reference=False) if self.ref_in_actor else self.needs
+        self.schedule = step_schedule(self.config, role_needs)
         self._check_router_replay()
         self.callbacks = load_callbacks(tcfg.callbacks)  # the user's own (trainer.callbacks), before any worker
         for message in self.schedule.warnings:
@@ -251,6 +256,11 @@ class RayPPOTrainer:
                 replay = {"routing": "replay"} if self.ref_router_replay.enabled else {}  # R2: the actor's record
                 batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature,
                                                                   micro_batch_size=micro, **replay)["log_probs"]
+        elif self.ref_in_actor:  # LoRA: the actor with its adapters off is the reference policy
+            with timer("ref", timing):
+                micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+                batch["ref_log_prob"] = self.actor.collect("compute_ref_log_prob", batch, temperature=self.temperature,
+                                                           micro_batch_size=micro)["log_probs"]
         if self.teacher is not None:
             with timer("teacher", timing):
                 phases.enter("teacher_log_prob", metrics)

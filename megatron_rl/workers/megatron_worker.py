@@ -86,12 +86,14 @@ class MegatronWorker(WeightSyncRank):
                                remove_padding=spec.megatron.use_remove_padding,
                                distributed_optimizer=role in ("actor", "critic")
                                and spec.megatron.use_distributed_optimizer,
-                               routing_replay=role in ("actor", "ref") and spec.megatron.router_replay.enabled)
+                               routing_replay=role in ("actor", "ref") and spec.megatron.router_replay.enabled,
+                               lora=spec.lora)
         self.engine = self.role.engine
         if spec.hf_dir is not None:
             # A critic from a causal LM keeps its value head's fresh initialisation; one from a
             # reward model (verl's usual PPO start) loads the score head.
-            ignore = (r"output_layer\.",) if role == "critic" and head == "lm" else ()
+            # LoRA adapters (engine.bridge_ignore) have no HF name: they keep their initialisation.
+            ignore = ((r"output_layer\.",) if role == "critic" and head == "lm" else ()) + self.engine.bridge_ignore
             load_hf_checkpoint(self.engine.model, self.weight_map, spec.hf_dir, mesh=self.mesh, ignore=ignore)
         m = self.mesh
         return {"rank": self.rank, "dp_rank": m.dp_rank, "dp_size": m.size("dp"), "tp_rank": m.tp_rank,

@@ -38,9 +38,13 @@ class WorkerSpec:
     """Inline architecture (random init seeded by ``megatron.seed``) instead of ``hf_dir``."""
     model_overrides: dict = dataclasses.field(default_factory=dict)
     """``ModelConfig`` fields set on top of the checkpoint's (``model.override_config``)."""
+    lora: Optional[Any] = None
+    """The actor's ``megatron_rl.config.lora.LoRAConfig`` (``rank > 0``): adapters on a frozen base; None = none."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r}; allowed: {list(ROLES)}")
         if (self.hf_dir is None) == (self.model_config is None):
             raise ValueError(f"{self.role}: give exactly one of hf_dir and model_config")
+        if self.lora is not None and self.role != "actor":
+            raise ValueError(f"{self.role}: LoRA adapters go on the actor only (got lora.rank={self.lora.rank})")

@@ -38,6 +38,15 @@ from megatron_rl.config.rollout import WeightSyncConfig
 __all__ = ["WeightSync", "WeightSyncRank", "export_weights", "connect_weight_sync", "sync_weights"]
 
 
+def _check_merged_sync(engine) -> None:
+    """A LoRA engine syncs and exports its merged weights (``lora.merge: true``, checked when the config
+    is built); the adapters alone (``merge: false``, into vLLM's LoRA) are not built."""
+    lora = engine.lora
+    if lora is not None and not lora.merge:
+        raise ValueError(f"lora.merge={lora.merge!r} with lora.rank={lora.rank}: adapter-only weight sync into "
+                         "vLLM's LoRA is not built; allowed: true (the merged weights W + alpha/rank * B A)")
+
+
 class WeightSyncRank:
     """Mixin of ``MegatronWorker``: uses ``self.engine``, ``self.weight_map``, ``self.mesh``, ``self.rank``."""
 
@@ -47,16 +56,20 @@ class WeightSyncRank:
     def export_weights(self, bucket_bytes: int, dtype: Optional[str] = None,
                        quantization: Optional[str] = None) -> Optional[list]:
         """Collective: global rank 0 returns the full model as HF ``(name, tensor)`` copies (block FP8
-        weight + scale pairs with ``quantization="fp8"``); others None."""
+        weight + scale pairs with ``quantization="fp8"``); others None. A LoRA engine exports its merged
+        weights (``W + scale * B A`` under the base's names; the adapters, ``bridge_ignore``, left out)."""
         from parallel.bridge import HFExporter
 
         if self.weight_map is None:
             raise ValueError("export_weights needs the HF family of the model: build the group with hf_dir")
+        _check_merged_sync(self.engine)
         if self._exporter is None:
             self._exporter = HFExporter(self.engine.model, self.weight_map, mesh=self.mesh,
-                                        dtype=getattr(torch, dtype) if dtype else None)
-        weights = self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)
-        out = [(name, t.detach().clone()) for name, t in weights]
+                                        dtype=getattr(torch, dtype) if dtype else None,
+                                        ignore=self.engine.bridge_ignore)
+        with self.engine.merged_weights():  # copies taken inside: the base is restored bit for bit after
+            weights = self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)
+            out = [(name, t.detach().clone()) for name, t in weights]
         if quantization is not None and self.rank == 0:
             from megatron_rl.config.base import check_choice
             from megatron_rl.config.rollout import QUANTIZATIONS
@@ -77,6 +90,7 @@ class WeightSyncRank:
 
         if self.weight_map is None:
             raise ValueError("weight sync needs the HF family of the model: build the group with hf_dir")
+        _check_merged_sync(self.engine)
         if self._weight_sync is not None:
             self._weight_sync.close()
         self._weight_sync = ActorWeightSync.from_engine(self.engine, self.weight_map, mesh=self.mesh,

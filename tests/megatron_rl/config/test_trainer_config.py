@@ -22,6 +22,7 @@ GPU_SCALE += [f"gpu/{model}_grpo" for model in ("deepseek_v3_671b", "glm4_5_air"
 AGENT = ["tool_agent"]  # tests/megatron_rl/rollout/agent/test_tool_agent_recipe.py runs it
 MOE = ["grpo_moe"]  # tests/megatron_rl/trainer/test_recipes.py runs it (EP=2, router replay R2)
 ASYNC = ["grpo_async"]  # tests/megatron_rl/trainer/test_async_trainer.py runs it (separate_async)
+LORA = ["grpo_lora"]  # tests/megatron_rl/trainer/test_lora_trainer.py runs it (adapters on a frozen base)
 
 # recipe -> (adv_estimator, loss_mode, loss_agg_mode, needs_critic, needs_reference, needs_teacher)
 EXPECTED = {
@@ -46,7 +47,7 @@ def _error(recipe, overrides=()):
 
 # ----------------------------------------------------------------------------- recipes
 def test_recipe_list_is_complete():
-    assert list_recipes() == sorted(ALGOS + GPU + GPU_SCALE + AGENT + MOE + ASYNC)
+    assert list_recipes() == sorted(ALGOS + GPU + GPU_SCALE + AGENT + MOE + ASYNC + LORA)
 
 
 @pytest.mark.parametrize("name", ALGOS + GPU)
@@ -204,7 +205,7 @@ def test_unknown_key_in_yaml_names_file_and_suggestion(tmp_path):
 
 def test_unknown_recipe_lists_the_built_in_ones():
     assert _error("grpx") == (f"unknown recipe 'grpx': not a file and not a built-in recipe; built-in recipes: "
-                              f"{sorted(ALGOS + GPU + GPU_SCALE + AGENT + MOE + ASYNC)}; did you mean 'grpo' or 'dr_grpo' or 'gspo'?")
+                              f"{sorted(ALGOS + GPU + GPU_SCALE + AGENT + MOE + ASYNC + LORA)}; did you mean 'grpo' or 'dr_grpo' or 'gspo'?")
 
 
 # ----------------------------------------------------------------------------- names and numbers
@@ -389,3 +390,99 @@ def test_verl_command_line_with_uneven_stages_plans_that_split(first, stage_laye
     stages = (vocab * h + stage_layers[0] * layer, stage_layers[1] * layer + h + vocab * h)  # + embedding | + norm, head
     assert plan.roles["actor"].params_dense == max(stages)
     assert plan.fits
+
+
+# ----------------------------------------------------------------------------- LoRA (issue 29)
+def test_grpo_lora_recipe_resolves_lora_and_the_reference_is_the_actor():
+    from megatron_rl.trainer.placement import actor_lora, reference_in_actor
+
+    cfg = load_config("grpo_lora")
+    needs = resolve_run(cfg)
+    lora = actor_lora(cfg)
+    assert (lora.rank, lora.alpha, lora.merge, lora.target_modules) == (
+        16, 32.0, True, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    assert needs.reference and reference_in_actor(cfg, needs)  # the KL loss's reference: the base model
+    dumped = TrainerRunConfig.from_dict(cfg.to_dict())
+    assert dumped == cfg and actor_lora(dumped) == lora
+
+
+def test_verl_flat_lora_keys_map_onto_the_lora_section():
+    from megatron_rl.trainer.placement import actor_lora
+
+    m = "actor_rollout_ref.model"
+    cfg = load_config("grpo", [f"{m}.lora_rank=8", f"{m}.lora_alpha=4", f"{m}.target_modules=[linear_qkv, linear_fc2]",
+                               f"{m}.exclude_modules=[linear_proj]"])
+    lora = actor_lora(cfg)
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules, lora.merge) == (
+        8, 4.0, ["linear_qkv", "linear_fc2"], ["linear_proj"], True)  # the flat form has no merge key
+    assert actor_lora(load_config("grpo", [f"{m}.lora_rank=8"])).target_modules == [
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]  # verl's all-linear
+    assert not actor_lora(load_config("grpo")).enabled  # verl's default: rank 0, LoRA off
+
+
+LORA_ON = ["actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.merge=true"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.type=dora"],
+     "actor_rollout_ref.model.lora.type='dora' is not allowed; choose one of ['lora']"),
+    ([*LORA_ON, "actor_rollout_ref.model.lora.target_modules=[q_proj]"],
+     "actor_rollout_ref.model.lora.target_modules: ['q_proj'] not allowed; each one of ['linear_qkv', "),
+    (["actor_rollout_ref.model.lora.rank=4"],  # verl's default merge: false (adapter-only sync) is not built
+     "lora.merge=False is refused with lora.rank=4: adapter-only weight sync into vLLM's LoRA is not built"),
+    ([*LORA_ON, "actor_rollout_ref.model.lora.adapter_path=/adapter"],
+     "lora.adapter_path='/adapter' is refused with lora.rank=4: loading a PEFT adapter is not built"),
+    (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=true"],
+     "actor_rollout_ref.model.lora_rank=4 and model.lora.rank=8 are both set"),
+    (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=0"],
+     "actor_rollout_ref.model.lora_alpha: 0.0 is not allowed; a number > 0"),
+])
+def test_bad_lora_settings_are_refused_by_key_when_the_config_is_built(overrides, says):
+    with pytest.raises(ValueError) as err:
+        load_config("grpo", overrides)
+    assert says in str(err.value)
+
+
+def _tiny_hf_dir(cfg, tmp_path):
+    """The recipe's inline model's HF ``config.json`` (the architecture the main job materialises)."""
+    from transformers import Qwen3Config
+
+    from megatron_rl.models.tiny import hf_config_kwargs
+
+    Qwen3Config(**hf_config_kwargs(cfg.actor_rollout_ref.model.config, "qwen3"),
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    # hidden 128, 4 heads x 32 with 2 KV groups: linear_proj is 128 x 128, linear_qkv 256 x 128
+    (["actor_rollout_ref.model.lora.rank=200"], "actor_rollout_ref.model.lora.rank=200 is larger than linear_qkv's "
+                                                "dimensions (256 x 128); allowed: 1..128"),
+    # PPO: the critic copies the actor's model section (LoRA included) but LoRA on a critic is not built
+    (["algorithm.adv_estimator=gae"], "critic.model.lora.rank=16 is refused: LoRA on the critic is not built"),
+])
+def test_lora_misfits_are_refused_before_any_worker_starts(overrides, says, tmp_path):
+    from megatron_rl.trainer.placement import role_specs
+
+    cfg = load_config("grpo_lora", overrides)
+    with pytest.raises(ValueError) as err:
+        role_specs(cfg, resolve_run(cfg), model_path=_tiny_hf_dir(cfg, tmp_path), total_steps=1)
+    assert says in str(err.value)
+
+
+def test_lora_actor_gets_its_adapters_and_no_reference_worker(tmp_path):
+    from megatron_rl.trainer.placement import role_specs
+
+    cfg = load_config("grpo_lora")
+    specs = role_specs(cfg, resolve_run(cfg), model_path=_tiny_hf_dir(cfg, tmp_path), total_steps=1)
+    assert sorted(specs) == ["actor"] and specs["actor"].lora.rank == 16
+    # the same run without LoRA keeps its reference worker (the KL loss needs one)
+    full = load_config("grpo_lora", ["actor_rollout_ref.model.lora.rank=0"])
+    specs = role_specs(full, resolve_run(full), model_path="/unused", total_steps=1)
+    assert sorted(specs) == ["actor", "ref"] and specs["actor"].lora is None
+    # a PPO critic with its own model section and lora.rank 0 trains every parameter beside a LoRA actor
+    hf_dir = _tiny_hf_dir(cfg, tmp_path / "critic")
+    ppo = load_config("grpo_lora", ["algorithm.adv_estimator=gae", f"critic.model.path={hf_dir}",
+                                    "critic.model.lora.rank=0"])
+    specs = role_specs(ppo, resolve_run(ppo), model_path=hf_dir, total_steps=1)
+    assert sorted(specs) == ["actor", "critic"] and specs["critic"].lora is None
