@@ -92,12 +92,15 @@ class TrainerRunConfig(BaseConfig):
     """On-policy distillation."""
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "TrainerRunConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "", warn: bool = True) -> "TrainerRunConfig":
         """Build from a nested mapping (YAML, ``DictConfig``): derived keys are filled where
-        missing, unknown keys are errors with the nearest valid keys, leaf types are checked."""
+        missing, unknown keys are errors with the nearest valid keys, leaf types are checked.
+        ``warn=False`` skips the scan for inert keys (``InertKeyWarning``), for callers that build many
+        variants of one config and show no warnings (the layout hint's search)."""
         config = build_config(cls, fill_derived(data or {}, cls, DERIVED_KEYS), path=path)
         read_tracking.tag_paths(config)
-        warn_inert_keys(config)
+        if warn:
+            warn_inert_keys(config)
         return config
 
     # -- cross-section validation -------------------------------------------------------------

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import math
 import re
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["with_layout_hint", "nearest_valid_layout"]
 
@@ -39,8 +40,13 @@ def _section_of(message: str) -> str:
     return "critic" if message.startswith("critic") else "actor_rollout_ref.actor"
 
 
-def _planned(raw: dict, suggest: bool = False):
-    """The plan of ``raw`` when it builds and its roles check (``plan.fits`` says if it fits), else None."""
+_ROLES = {"actor_rollout_ref.actor": "actor", "actor_rollout_ref.ref": "ref", "critic": "critic",
+          "reward.reward_model": "reward", "distillation.teacher_model": "teacher"}
+"""A refused section -> the planner's name of its role (``Plan.role_models``)."""
+
+
+def _built(raw: dict, suggest: bool = False):
+    """``(config, plan)`` of ``raw`` when it builds and its roles check (``plan.fits`` says if it fits), else None."""
     from megatron_rl.algos.needs import resolve_run
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.planner import plan_run
@@ -48,11 +54,47 @@ def _planned(raw: dict, suggest: bool = False):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = TrainerRunConfig.from_dict(raw)
+            config = TrainerRunConfig.from_dict(raw, warn=False)  # warnings are not shown here
             resolve_run(config)
-            return plan_run(config, suggest=suggest)
+            return config, plan_run(config, suggest=suggest)
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _planned(raw: dict, suggest: bool = False):
+    """The plan of ``raw`` when it builds and its roles check (``plan.fits`` says if it fits), else None."""
+    built = _built(raw, suggest)
+    return None if built is None else built[1]
+
+
+def _model_refuses(config, plan, section: str) -> Optional[Callable[[dict], bool]]:
+    """From one planned variant of the config: a test, cheap beside building the config, for candidate
+    layouts (``tp``, ``pp``, ``ep``; VPP dropped) of ``section`` that ``plan_run`` is sure to refuse:
+    ``ParallelConfig.validate`` of the layout against the section's model on the plan's world (a subset
+    of the checks the planner makes of every role it evaluates, so the search's answers do not change).
+    None when the planner does not evaluate the section's role."""
+    from parallel.config import uneven_pipeline_fields
+
+    model = plan.role_models.get(_ROLES.get(section, ""))
+    if model is None:
+        return None
+    megatron = config
+    for part in f"{section}.megatron".split("."):
+        megatron = getattr(megatron, part)
+    base, world = megatron.parallel(), plan.nodes * plan.gpus_per_node
+    dims = dict(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+                num_query_groups=model.num_query_groups or model.num_attention_heads,
+                num_experts=model.num_moe_experts, **uneven_pipeline_fields(megatron.override_transformer_config))
+
+    def refuses(cand: dict) -> bool:
+        try:
+            dataclasses.replace(base, virtual_pipeline_model_parallel_size=None,
+                                **{name: cand[k] for k, name in _KEYS.items()}).validate(world, **dims)
+        except ValueError:
+            return True
+        return False
+
+    return refuses
 
 
 def _peak(plan) -> str:
@@ -82,7 +124,10 @@ def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") ->
         if distance > 0:
             candidates.append((distance, cand))
     lowest = None  # (peak bytes, changes, plan) of the valid layout with the lowest peak
+    refuses = None  # known once one candidate plans: skips those the planner's layout check refuses
     for _, cand in sorted(candidates, key=lambda c: c[0])[:200]:
+        if refuses is not None and refuses(cand):
+            continue
         trial = copy.deepcopy(raw)
         node = trial
         for part in f"{section}.megatron".split("."):
@@ -92,9 +137,12 @@ def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") ->
         node.pop("virtual_pipeline_model_parallel_size", None)
         if micro_key:
             _get(trial, section)[micro_key] = cand["micro"]
-        plan = _planned(trial)
-        if plan is None:
+        built = _built(trial)
+        if built is None:
             continue
+        plan = built[1]
+        if refuses is None:
+            refuses = _model_refuses(*built, section) or (lambda cand: False)
         changes = [f"{section}.megatron.{name}={cand[k]}" for k, name in _KEYS.items() if cand[k] != current[k]]
         if micro_key and cand["micro"] != current["micro"]:
             changes.append(f"{section}.{micro_key}={cand['micro']}")

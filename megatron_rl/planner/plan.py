@@ -56,6 +56,8 @@ class Plan:
     suggestion: Optional[str] = None
     engines: Optional[EngineMap] = None
     """The rollout's engine map (``megatron_rl.utils.engine_map``): replicas and their GPUs."""
+    role_models: dict[str, ModelConfig] = dataclasses.field(default_factory=dict)
+    """The model each evaluated role runs (``actor``, ``ref``, ``critic``, ``reward``, ``teacher``)."""
 
     @property
     def peak_phase(self) -> str:
@@ -273,7 +275,7 @@ class _Context:
         world = nodes * gpus
         actor_meg = dataclasses.replace(arr.actor.megatron, **{k: getattr(actor_par, k) for k in
                                                               dataclasses.asdict(actor_par)})
-        roles = {}
+        roles, models = {}, {"actor": self.model}
         roles["actor"], sizes = self._role("actor", actor_meg, self.model, actor_par, micro, True, arr.actor.optim,
                                            arr.actor.ppo_mini_batch_size, world, gpus, strict)
         if self.needs.reference:
@@ -281,6 +283,7 @@ class _Context:
             roles["ref"], _ = self._role("ref", ref_meg, self.model, ref_meg.parallel(),
                                          arr.ref.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
                                          world, gpus, strict)
+            models["ref"] = self.model
         if self.needs.critic:
             critic_model, _ = resolve_architecture("critic.model.path", path=cfg.critic.model.path,
                                                    config=cfg.critic.model.config,
@@ -288,11 +291,13 @@ class _Context:
             roles["critic"], _ = self._role("critic", cfg.critic.megatron, critic_model, cfg.critic.megatron.parallel(),
                                             cfg.critic.ppo_micro_batch_size_per_gpu, True, cfg.critic.optim,
                                             cfg.critic.ppo_mini_batch_size, world, gpus, strict)
+            models["critic"] = critic_model
         if self.needs.reward_model:
             rm = cfg.reward.reward_model
             rm_model, _ = resolve_architecture("reward.reward_model.model_path", path=rm.model_path)
             roles["reward"], _ = self._role("reward", rm.megatron, rm_model, rm.megatron.parallel(),
                                             rm.micro_batch_size_per_gpu, False, None, None, world, gpus, strict)
+            models["reward"] = rm_model
         if self.needs.teacher:
             t = cfg.distillation.teacher_model
             t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path,
@@ -300,6 +305,7 @@ class _Context:
             roles["teacher"], _ = self._role("teacher", t.megatron, t_model, t.megatron.parallel(),
                                              t.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
                                              world, gpus, strict)
+            models["teacher"] = t_model
         forward = dict(roles)  # forward-only activations of the trainable roles' log-prob / value phases
         forward["actor"], _ = self._role("actor", actor_meg, self.model, actor_par, micro, False, None, None,
                                          world, gpus, strict)
@@ -320,7 +326,8 @@ class _Context:
                             "mode): its tensor-parallel all-reduces cross the inter-node network")
         return Plan(nodes=nodes, gpus_per_node=gpus, device=cfg.trainer.device, memory_budget_bytes=self.budget,
                     model=self.model, model_source="", sizes=sizes, roles=roles, phases=phases,
-                    placement=_placement(sizes, nodes, gpus), warnings=warnings, engines=engines)
+                    placement=_placement(sizes, nodes, gpus), warnings=warnings, engines=engines,
+                    role_models=models)
 
     def _phases(self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory]) -> dict[str, dict[str, int]]:
         """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
