@@ -258,14 +258,17 @@ def test_a_worker_that_sleeps_in_a_phase_trips_the_watchdog(tmp_path, ray_cluste
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.trainer.watchdog import PhaseTimeout
 
-    timeout = 6.0
-    config = TrainerRunConfig.from_dict(compose("grpo", [*QUICK, "trainer.save_freq=1", f"trainer.phase_timeout_s={timeout}",
+    from megatron_rl.trainer import watchdog
+
+    timeout = 6.0  # step 2's; step 1 runs under 120 s, for a loaded machine's first (slow) phases
+    config = TrainerRunConfig.from_dict(compose("grpo", [*QUICK, "trainer.save_freq=1", "trainer.phase_timeout_s=120",
                                                         f"trainer.default_local_dir={tmp_path}"]))
     trainer = build_trainer(config, tmp_path)
     slept = {}
 
     def sleep_in_step_2(metrics):  # after step 1: actor rank 0 gets stuck, so step 2's first actor call hangs
         if metrics["training/global_step"] == 1:
+            watchdog._ACTIVE.timeout_s = timeout
             trainer.actor.workers[0].__ray_call__.remote(lambda worker: time.sleep(300))
             slept["at"] = time.monotonic()
 

@@ -44,7 +44,7 @@ def test_verl_generated_config_runs_two_otb_steps_through_main_ppo(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("verl keys of"):].splitlines()[:4]
     assert table[3].split() == ["refused", "0"], table
-    assert int(table[1].split()[-1]) > 200 and int(table[2].split()[4]) > 600, table
+    assert int(table[1].split()[-1]) > 200 and int(table[2].split()[4]) > 580, table
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [int(r["step"]) for r in rows] == [1, 2]
     for r in rows:
