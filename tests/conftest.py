@@ -13,8 +13,8 @@ BUDGET_S = 60.0
 # node id (as pytest prints it, parameters included) -> why it may take longer than BUDGET_S
 LONG_TESTS: dict[str, str] = {
     "tests/megatron_rl/config/test_every_key_is_read.py::test_every_config_key_is_read_or_listed_as_inert":
-        "three real trainer runs (every optional part on, a resume with agent sessions, the MoE recipe "
-        "with router replay): a key is only shown to be read by running the code that reads it",
+        "four real trainer runs (every optional part on, a resume with agent sessions, the MoE recipe "
+        "with router replay, the LoRA recipe): a key is only shown to be read by running the code that reads it",
     "tests/megatron_rl/trainer/test_resume.py::test_killed_run_resumes_to_the_same_next_step":
         "three real `megatron-rl train` processes (uninterrupted, SIGKILLed after step 1's checkpoint, "
         "resumed): the property is that a killed process resumes to the uninterrupted run's step 2",

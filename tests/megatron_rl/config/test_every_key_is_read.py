@@ -10,7 +10,8 @@ on -- critic (GAE), reference (KL loss and adaptive KL-in-reward), a Megatron re
 distillation teacher, DAPO rounds with overlong shaping, decoupled rollout correction,
 validation, checkpoints, sample dumps, an SFT warm-up; the second resumes the first, rolling out
 multi-turn agent sessions with tools through a custom agent loop; a third runs the MoE recipe with
-router replay (R2 for actor and reference, the routing saved by ``record_file``) -- plus the
+router replay (R2 for actor and reference, the routing saved by ``record_file``), a fourth the LoRA
+recipe (adapters on a frozen base, the reference the actor with its adapters off) -- plus the
 planner on a GPU recipe, and every registered estimator, policy loss and distillation loss called
 with the run's own (tracked) config sections.
 """
@@ -83,6 +84,13 @@ MOE_RUN = [  # a third, one-step run: the MoE recipe (EP=2) with router replay R
     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.max_num_seqs=32", "actor_rollout_ref.actor.use_kl_loss=true",
     "actor_rollout_ref.ref.megatron.router_replay.mode=R2",  # the reference replays the actor's record
+]
+LORA_RUN = [  # a fourth, one-step run: the LoRA recipe (adapters on a frozen base; the KL loss's reference is
+    # the actor with its adapters off)
+    "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
+    "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.max_num_seqs=32",
 ]
 AGENT_LOOPS = "- name: my_tool_agent\n  _target_: megatron_rl.rollout.agent.loop.ToolAgentLoop\n"
 REWARD = """
@@ -186,6 +194,8 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
             moe = _train(TrainerRunConfig.from_dict(compose("grpo_moe", [
                 *MOE_RUN, f"actor_rollout_ref.actor.megatron.router_replay.record_file={record}",
                 f"trainer.default_local_dir={tmp_path / 'moe'}"])))
+            lora = _train(TrainerRunConfig.from_dict(compose("grpo_lora", [
+                *LORA_RUN, f"trainer.default_local_dir={tmp_path / 'lora'}"])))
         finally:
             ray.shutdown()
         from megatron_rl.planner import plan_run
@@ -204,6 +214,7 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     assert [int(h["training/global_step"]) for h in first if "training/global_step" in h] == [1, 2]
     assert [int(h["training/global_step"]) for h in resumed if "training/global_step" in h] == [3]
     assert moe[-1]["actor/router_agreement/old_vs_update"] == 1.0 and (tmp_path / "routing" / "step_1.pt").is_file()
+    assert [int(h["training/global_step"]) for h in lora] == [1] and "timing_s/ref" in lora[0]
     # the colocated phases ran in the schedule's order, and offloaded roles kept nothing on the device
     step = next(h for h in first if "training/global_step" in h)
     assert [k.split("@")[1] for k in step if k.startswith("memory/actor/resident_gb@")] == [
