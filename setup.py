@@ -40,8 +40,10 @@ EXTRAS = {
     # lint-imports: the layers of .importlinter; ruff: pyproject.toml's lint (tests/test_lint.py);
     # ray[default]: the dashboard's job server that tests/test_slurm.py submits a `ray job submit` run to
     # (every other ray.init turns it off);
-    # the docs toolchain: tests/test_docs.py builds the site strictly, so CI's `.[test,cpu]` needs it
-    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ruff==0.17.6", "ray[default]==2.60.0", *DOCS],
+    # the docs toolchain: tests/test_docs.py builds the site strictly, so CI's `.[test,cpu]` needs it;
+    # peft: the LoRA export tests load the exported adapter with it (0.21.2 keeps torch 2.13 / transformers 5.19)
+    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ruff==0.17.6", "ray[default]==2.60.0", "peft==0.21.2",
+             *DOCS],
 }
 
 setup(

@@ -21,7 +21,8 @@ With ``quantization="fp8"`` (``actor_rollout_ref.rollout.quantization``; the tra
 quantises the export into DeepSeek-V3's block FP8 before it travels (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``),
 whichever path is taken; an FP8 engine given unquantised weights quantises them itself.
 
-``export_weights(group, bucket_bytes)`` is the gathered HF export on its own (HF checkpoints).
+``export_weights(group, bucket_bytes)`` is the gathered HF export on its own (HF checkpoints);
+``WeightSyncRank.export_lora_adapter`` the LoRA adapters as a PEFT adapter (``lora_adapter/`` of one).
 ``WeightSyncRank`` is the part each actor rank runs (mixed into ``MegatronWorker``).
 ``connect_weight_sync`` / ``sync_weights`` are the older two-call form of the streamed path.
 """
@@ -79,6 +80,29 @@ class WeightSyncRank:
             check_choice("rollout.quantization", quantization, QUANTIZATIONS)
             out = [pair for bucket in quantize_fp8_stream([out], DEFAULT_BLOCK) for pair in bucket]
         return out if self.rank == 0 else None
+
+    def export_lora_adapter(self, bucket_bytes: int, base_model_name_or_path: Optional[str] = None, *,
+                            required: bool = True) -> Optional[tuple[dict, dict] | str]:
+        """Collective: global rank 0 returns the LoRA adapters as a PEFT adapter, ``(tensors, config)``
+        (``megatron_rl.engine.lora_peft``: PEFT's names, gathered over TP / PP); others, and every rank
+        of an engine without LoRA, None. Adapters with no PEFT form (inside MoE experts) raise, or with
+        ``required=False`` rank 0 returns the reason as a string."""
+        if self.engine.lora is None:
+            return None
+        from megatron_rl.engine.lora_peft import PeftExportUnsupported, peft_adapter_config, peft_adapter_tensors
+
+        if self.weight_map is None:
+            raise ValueError("export_lora_adapter needs the HF family of the model: build the group with hf_dir")
+        try:
+            tensors = peft_adapter_tensors(self.engine.model, self.weight_map, mesh=self.mesh,
+                                           bucket_bytes=bucket_bytes)
+        except PeftExportUnsupported as exc:  # raised on every rank alike (the check follows a gather)
+            if required:
+                raise
+            return str(exc) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return tensors, peft_adapter_config(self.engine.lora, tensors, base_model_name_or_path=base_model_name_or_path)
 
     def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float, shm_dir: str,
                            dtype: Optional[str] = None, quantization: Optional[str] = None) -> Optional[tuple[str, int]]:

