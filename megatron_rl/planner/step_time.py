@@ -18,7 +18,10 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   (attention projections, shared experts, dense MLPs, the head; the embedding is a lookup) at
   ``DENSE_GEMM_EFFICIENCY``, ``2 x top-k`` routed experts at ``GROUPED_GEMM_EFFICIENCY``, causal
   attention ``2 x layers x heads x head_dim x sequence`` at ``ATTENTION_EFFICIENCY``; an update is 3
-  forwards' worth, full recompute one more; the pipeline bubble ``(pp - 1) / (vpp x microbatches)``.
+  forwards' worth, full recompute one more. Each pipeline stage is counted with its own layers (Megatron's
+  uneven ``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/loss_in_pipeline_split``),
+  the output layer on the last; the slowest stage decides the pass, plus the bubble ``(pp - 1) / (vpp x
+  microbatches)`` of it.
   Exposed communication: TP all-reduce / reduce-scatter + all-gather (2 per layer and direction),
   the EP all-to-all (dispatch + combine, per MoE layer and direction), the distributed optimizer's
   parameter all-gather per optimizer step; the CP ring and the DP gradient reduce-scatter overlap the
@@ -52,6 +55,7 @@ from megatron_rl.planner.hardware import (ATTENTION_EFFICIENCY, DECODE_ALLREDUCE
                                           DENSE_GEMM_EFFICIENCY, GLOO_BYTES_PER_S, GROUPED_GEMM_EFFICIENCY,
                                           HBM_COPY_EFFICIENCY, HOST_LINK_EFFICIENCY, NETWORK_EFFICIENCY,
                                           NVLINK_EFFICIENCY, Hardware, get_hardware)
+from megatron_rl.models.gpt import padded_vocab_size
 from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_weight_bytes
 from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
 
@@ -95,6 +99,9 @@ class PhaseTime:
     seconds: float
     bound: str
     detail: str = ""
+    stages: tuple = ()
+    """Seconds of each pipeline stage of a Megatron pass, first to last (compute + exposed per-layer
+    communication, before the bubble): the slowest decides the pass."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,9 @@ class _Pass:
     distributed_optimizer: bool
     micro_tokens: int
     """Tokens per micro-batch (for the pipeline bubble)."""
+    stage_layers: tuple
+    """Decoder layers of each pipeline stage (``parallel.config.pipeline_stage_layers``: Megatron's uneven
+    first / last stages or the embedding / loss counted as a layer)."""
     repeats: int = 1
     """ppo_epochs of an update."""
     skipped: bool = False
@@ -223,6 +233,26 @@ def _active(m: ModelConfig, value_head: bool = False) -> tuple[int, int]:
     embed = m.vocab_size * m.hidden_size
     active_expert = expert * m.moe_router_topk // m.num_moe_experts if m.is_moe else 0
     return dense - embed, active_expert
+
+
+def _stage_work(m: ModelConfig, stage_layers: tuple, value_head: bool = False) -> list[tuple[int, int, int, int]]:
+    """Per pipeline stage, what one token costs there: ``(dense, routed expert)`` parameters it multiplies,
+    its decoder layers and MoE layers. The first stage's embedding is a lookup; the last stage's output layer
+    (the value head of a critic) is a matmul there, tied to the embedding or not."""
+    pp = len(stage_layers)
+    embed = padded_vocab_size(m.vocab_size, 1, m.make_vocab_size_divisible_by) * m.hidden_size
+    out, first = [], 0
+    for s, layers in enumerate(stage_layers):
+        dense, expert = count_params(m, pp=pp, stage=s, stage_layers=stage_layers, value_head=value_head)
+        dense -= embed if s == 0 else 0
+        if s == pp - 1 and pp == 1 and m.tie_word_embeddings and not value_head:
+            dense += embed  # count_params stores a tied head once, as the embedding; its matmul still runs
+        moe = sum(m.layer_is_moe(i) for i in range(first, first + layers)) if hasattr(m, "layer_is_moe") else \
+            (layers if m.is_moe else 0)
+        routed = expert * m.moe_router_topk // m.num_moe_experts if m.is_moe else 0
+        out.append((dense, routed, layers, moe))
+        first += layers
+    return out
 
 
 def _link(hw: Hardware, span: int) -> tuple[float, str]:
@@ -305,38 +335,41 @@ def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
     dp, vpp = s["dp"], s["vpp"] or 1
     seq = run.prompt_length + run.response_mean
     tokens = run.sequences * seq
-    dense, expert = _active(m, p.value_head)
-    attention = 2 * m.num_layers * _attention_width(m) * seq
     passes = (3 if p.trainable else 1) + (1 if p.trainable and p.recompute == "full" else 0)
     attn_passes = passes + (1 if p.trainable and p.recompute == "selective" else 0)
-    per_gpu = tokens / world
-    compute = per_gpu * (passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
-                         + passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
-                         + attn_passes * attention / (hw.bf16_flops * ATTENTION_EFFICIENCY))
+    directions = passes  # every forward and backward moves the layer's activations once
+    per_rank = tokens / (dp * tp * cp)  # what one rank of a stage computes: its DP share, split over TP x CP
+    local = tokens / (dp * cp)  # the [tokens, h] a TP group's collectives move
+    width = _attention_width(m)
+    stages, overlapped_by_stage = [], []
+    for dense, expert, layers, moe_layers in _stage_work(m, p.stage_layers, p.value_head):
+        compute = per_rank * (passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+                              + passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
+                              + attn_passes * 2 * layers * width * seq / (hw.bf16_flops * ATTENTION_EFFICIENCY))
+        comm = 0.0
+        if tp > 1:  # per layer and direction: all-gather + reduce-scatter of [tokens, h] (= one all-reduce) twice
+            bw, _ = _link(hw, tp)
+            comm += layers * directions * 2 * 2 * (tp - 1) / tp * local * m.hidden_size * 2 / bw
+        if m.is_moe and ep > 1:  # dispatch + combine of top-k copies of each token, per MoE layer and direction
+            bw, _ = _link(hw, ep * etp)
+            comm += moe_layers * directions * 2 * per_rank * m.moe_router_topk * m.hidden_size * 2 * (ep - 1) / ep / bw
+        ring = 0.0
+        if cp > 1:
+            bw, _ = _link(hw, tp * cp)
+            kv_heads = max((m.num_query_groups or m.num_attention_heads) // tp, 1)
+            ring = layers * directions * (cp - 1) * 2 * local * kv_heads * m.head_dim * 2 / bw
+        stages.append((compute, comm))
+        overlapped_by_stage.append(ring)
+    # the slowest stage decides: every micro-batch waits for it, and the bubble is (pp - 1) / (vpp x micro) of it
+    slowest = max(range(pp), key=lambda i: sum(stages[i]) + max(overlapped_by_stage[i] - stages[i][0], 0))
+    compute, exposed = stages[slowest]
+    overlapped = overlapped_by_stage[slowest]
     steps = run.mini_batches if p.trainable else 1
     micro = max(tokens / dp / steps / p.micro_tokens, 1.0)
     compute *= 1 + (pp - 1) / (vpp * micro)
-    directions = passes  # every forward and backward moves the layer's activations once
-    layers = math.ceil(m.num_layers / pp)
-    moe_layers = sum(m.layer_is_moe(i) for i in range(m.num_layers)) if hasattr(m, "layer_is_moe") else \
-        (m.num_layers if m.is_moe else 0)
-    exposed = 0.0
-    if tp > 1:  # per layer and direction: all-gather + reduce-scatter of [tokens, h] (= one all-reduce) twice
-        bw, _ = _link(hw, tp)
-        local = tokens / (dp * cp)
-        exposed += layers * directions * 2 * 2 * (tp - 1) / tp * local * m.hidden_size * 2 / bw
-    if m.is_moe and ep > 1:  # dispatch + combine of top-k copies of each token, per MoE layer and direction
-        bw, _ = _link(hw, ep * etp)
-        local = tokens * pp / world
-        exposed += math.ceil(moe_layers / pp) * directions * 2 * local * m.moe_router_topk * m.hidden_size * 2 \
-            * (ep - 1) / ep / bw
-    overlapped = 0.0
-    if cp > 1:
-        bw, _ = _link(hw, tp * cp)
-        kv_heads = max((m.num_query_groups or m.num_attention_heads) // tp, 1)
-        overlapped += layers * directions * (cp - 1) * 2 * tokens / (dp * cp) * kv_heads * m.head_dim * 2 / bw
     if p.trainable:  # per optimizer step: gradient reduce-scatter (overlapped), parameter all-gather (exposed)
-        dense_local, expert_local = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head)
+        dense_local, expert_local = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head,
+                                                 stage_layers=p.stage_layers)  # the most loaded stage
         bw, _ = _link(hw, world // pp)
         for params, group in ((dense_local, dp * cp), (expert_local, s["expert_dp"])):
             if group > 1 and params:
@@ -348,9 +381,10 @@ def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
         exposed += steps * shard * 2 * 18 / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # Adam reads + writes 18 B
     seconds = (max(compute, overlapped) + exposed) * p.repeats
     bound = "communication" if exposed + max(overlapped - compute, 0) > compute else "compute"
+    where = f", slowest stage {slowest} of {pp} ({p.stage_layers[slowest]} layers)" if pp > 1 else ""
     detail = (f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}, compute {compute:.1f} s, "
-              f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s")
-    return PhaseTime(seconds, bound, detail)
+              f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s{where}")
+    return PhaseTime(seconds, bound, detail, stages=tuple(c + e for c, e in stages))
 
 
 def _hf_tensor_count(m: ModelConfig) -> int:
@@ -441,6 +475,7 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
     from megatron_rl.planner.architectures import resolve_architecture
     from megatron_rl.trainer.placement import role_token_budgets
     from megatron_rl.trainer.schedule import step_schedule
+    from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
 
     arr, data, rollout, v1 = cfg.actor_rollout_ref, cfg.data, cfg.actor_rollout_ref.rollout, cfg.trainer.v1
     _check_length("--response-length-mean", mean, data.max_response_length)
@@ -458,6 +493,11 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
     def sizes(megatron: Any) -> dict:
         return megatron.parallel().sizes(world)
 
+    def stages(megatron: Any, model: ModelConfig) -> tuple:
+        size = sizes(megatron)
+        return pipeline_stage_layers(model.num_layers, size["pp"], size["vpp"],
+                                     **uneven_pipeline_fields(megatron.override_transformer_config))
+
     def recompute(megatron: Any) -> str:
         return str(megatron.override_transformer_config.get("recompute_granularity") or "")
 
@@ -466,28 +506,32 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
     correction = cfg.algorithm.rollout_correction
     bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
     passes = [_Pass("actor_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
-                    budgets["actor"].forward or log_prob_micro * seq_max, skipped=bypass)]
+                    budgets["actor"].forward or log_prob_micro * seq_max, stages(actor.megatron, plan.model),
+                    skipped=bypass)]
     if needs.reference:
         passes.append(_Pass("ref_log_prob", plan.model, sizes(arr.ref.megatron), False, False, "", False,
-                            budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max))
+                            budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                            stages(arr.ref.megatron, plan.model)))
     if needs.teacher:
         t = cfg.distillation.teacher_model
         t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path, config=t.config)
         passes.append(_Pass("teacher_log_prob", t_model, sizes(t.megatron), False, False, "", False,
-                            budgets["teacher"].forward or (t.log_prob_micro_batch_size_per_gpu or 1) * seq_max))
+                            budgets["teacher"].forward or (t.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                            stages(t.megatron, t_model)))
     if needs.critic:
         c = cfg.critic
         c_model, _ = resolve_architecture("critic.model.path", path=c.model.path, config=c.model.config,
                                           overrides=c.model.override_config)
         micro = c.ppo_micro_batch_size_per_gpu * seq_max
         passes.append(_Pass("critic_values", c_model, sizes(c.megatron), False, True, "", False,
-                            budgets["critic"].forward or micro))
+                            budgets["critic"].forward or micro, stages(c.megatron, c_model)))
         passes.append(_Pass("critic_update", c_model, sizes(c.megatron), True, True, recompute(c.megatron),
                             c.megatron.use_distributed_optimizer, budgets["critic"].train or micro,
-                            getattr(c, "ppo_epochs", 1)))
+                            stages(c.megatron, c_model), getattr(c, "ppo_epochs", 1)))
     passes.append(_Pass("actor_update", plan.model, sizes(actor.megatron), True, False, recompute(actor.megatron),
                         actor.megatron.use_distributed_optimizer,
-                        budgets["actor"].train or actor.ppo_micro_batch_size_per_gpu * seq_max, actor.ppo_epochs))
+                        budgets["actor"].train or actor.ppo_micro_batch_size_per_gpu * seq_max,
+                        stages(actor.megatron, plan.model), actor.ppo_epochs))
     passes.sort(key=lambda p: schedule.names.index(p.phase))
     engines = plan.engines
     kv_dtype = str(rollout.engine_kwargs.get("vllm", {}).get("kv_cache_dtype", "auto"))

@@ -194,24 +194,96 @@ def test_separate_async_overlaps_generation_with_training():
     assert strict.step_time_s == pytest.approx(sum(phases.values()), rel=1e-9)  # staleness 0: no overlap
 
 
+# ----------------------------------------------------------------------------- uneven pipeline stages
+MEG = "actor_rollout_ref.actor.megatron"
+SPLIT = f"{MEG}.override_transformer_config"
+
+
+def test_deepseek_v3_uneven_stages_by_hand():
+    """DeepSeek-V3 at PP=16 as 4 + 14 x 4 + 1 (TP=1, EP=8, DP=16 on 32 x 8 H200): per token, a layer's MLA
+    projections (q_a 7168 x 1536, q_b 1536 x 128 x 192, kv_a 7168 x 576, kv_b 512 x 128 x 256, o 16,384 x 7168,
+    the q/kv norms: 187,107,328) and two norms are 187,121,664 parameters; a dense layer adds 3 x 7168 x 18,432, a MoE layer
+    the router 256 x 7168 and the shared expert 3 x 7168 x 2048 (dense) and 8 routed experts of 3 x 7168 x 2048.
+    Stage 0 (3 dense + 1 MoE layer, the embedding a lookup) 3.39 s, a middle stage (4 MoE layers) 5.11 s, the
+    last (1 MoE layer + the 129,280 x 7168 head) 2.20 s: the middle stages decide the log-prob pass."""
+    cfg = load_config("gpu/deepseek_v3_671b_grpo", [
+        f"{MEG}.tensor_model_parallel_size=1", f"{MEG}.pipeline_model_parallel_size=16",
+        f"{MEG}.expert_model_parallel_size=8", f"{SPLIT}.num_layers_in_first_pipeline_stage=4",
+        f"{SPLIT}.num_layers_in_last_pipeline_stage=1"])
+    st = estimate_step_time(cfg, plan_run(cfg, gpu_memory_gb=141, suggest=False), hardware="H200")
+    attention, dense_mlp = 187_107_328 + 2 * 7168, 3 * 7168 * 18432
+    moe_dense, routed = attention + 256 * 7168 + 3 * 7168 * 2048, 8 * 3 * 7168 * 2048
+    head = 129280 * 7168 + 7168  # output layer + final norm
+    per_rank = 2048 * 3072 / 16  # 256 prompts x 8 samples x (1,024 + 2,048) tokens over DP 16
+    mla = 2 * 128 * (128 + 64 + 128) // 2 * 3072  # causal attention FLOPs per token and layer
+
+    def stage(dense, experts, layers, moe_layers):
+        compute = per_rank * (2 * dense / (989e12 * 0.8) + 2 * experts / (989e12 * 0.4) + layers * mla / (989e12 * 0.4))
+        a2a = moe_layers * 2 * per_rank * 8 * 7168 * 2 * 7 / 8 / 360e9  # dispatch + combine over NVLink
+        return compute, a2a
+
+    hand = [stage(3 * (attention + dense_mlp) + moe_dense, routed, 4, 1)] + [stage(4 * moe_dense, 4 * routed, 4, 4)] * 14 \
+        + [stage(moe_dense + head, routed, 1, 1)]
+    log_prob = st.phases["actor_log_prob"]
+    assert log_prob.stages == pytest.approx([c + a for c, a in hand], rel=1e-6)  # 3.39, 5.11 x 14, 2.20 s
+    # the middle stage, with the bubble of 15 stages over 393,216 / 3,072 = 128 micro-batches of one sequence
+    compute, a2a = hand[1]
+    assert log_prob.seconds == pytest.approx(compute * (1 + 15 / 128) + a2a, rel=1e-6)  # ~5.60 s
+    assert "slowest stage 1 of 16 (4 layers)" in log_prob.detail
+
+
+def test_qwen3_235b_accounted_split_by_hand():
+    """Qwen3-235B-A22B's 94 layers over PP=8 with the embedding and the loss counted as a layer each: 11 + 6 x 12
+    + 11 (TP=4, EP=4, DP=4 on 16 x 8 H100). Per token and layer: q/o 2 x 4096 x 8192, k/v 2 x 4096 x 512, q/k
+    norms, two norms and the router 128 x 4096 = 71,835,904 dense and 8 experts of 3 x 4096 x 1536; per layer two
+    TP all-reduce pairs and the EP all-to-all. The last stage's 11 layers + the 151,936 x 4096 head (7.62 s) come
+    close to a middle stage's 12 layers (7.64 s), which decides; the first stage's 11 layers take 7.00 s."""
+    cfg = load_config("gpu/qwen3_235b_a22b_grpo", [
+        f"{MEG}.tensor_model_parallel_size=4", f"{MEG}.pipeline_model_parallel_size=8",
+        f"{MEG}.expert_model_parallel_size=4", f"{SPLIT}.account_for_embedding_in_pipeline_split=True",
+        f"{SPLIT}.account_for_loss_in_pipeline_split=True"])
+    st = estimate_step_time(cfg, plan_run(cfg, suggest=False))
+    layer, routed, head = 71_835_904, 8 * 3 * 4096 * 1536, 151936 * 4096 + 4096
+    tokens = 2048 * 3072
+    per_rank, local = tokens / 16, tokens / 4  # DP 4 x TP 4; a TP group's [tokens, h]
+    # per layer: 2 all-gather + reduce-scatter pairs of 3/4 of [tokens, h] bf16, and dispatch + combine of 8
+    # copies of each token, 3/4 of them leaving the GPU, over NVLink (0.8 x 450 GB/s)
+    comm = 2 * 2 * 3 / 4 * local * 4096 * 2 / 360e9 + 2 * per_rank * 8 * 4096 * 2 * 3 / 4 / 360e9
+
+    def compute(dense, layers):
+        return per_rank * (2 * dense / (989e12 * 0.8) + 2 * layers * routed / (989e12 * 0.4)
+                           + layers * 2 * 8192 * 3072 / (989e12 * 0.4))
+
+    hand = [compute(11 * layer, 11) + 11 * comm] + [compute(12 * layer, 12) + 12 * comm] * 6 \
+        + [compute(11 * layer + head, 11) + 11 * comm]
+    log_prob = st.phases["actor_log_prob"]
+    assert log_prob.stages == pytest.approx(hand, rel=1e-6)  # 7.00, 7.64 x 6, 7.62 s
+    # 1,572,864 tokens per DP rank / 3,072 = 512 micro-batches: the bubble is 7 / 512 of the middle stage's compute
+    assert log_prob.seconds == pytest.approx(compute(12 * layer, 12) * (1 + 7 / 512) + 12 * comm, rel=1e-6)
+    assert "slowest stage 1 of 8 (12 layers)" in log_prob.detail
+    even = load_config("gpu/qwen3_235b_a22b_grpo")  # PP=2: 47 + 47 layers, the head makes the last stage slower
+    stages = estimate_step_time(even, plan_run(even, suggest=False)).phases["actor_log_prob"].stages
+    assert stages[1] > stages[0]
+
+
 # ----------------------------------------------------------------------------- every GPU recipe, and the CLI
 GPU_RECIPE_STEPS = [  # (recipe, hardware, step seconds, the longest phase) as the model gives them today
     ("gpu/deepseek_v3_671b_grpo", "H200", 334.1, "weight_sync"),
-    ("gpu/glm4_5_355b_grpo", "H200", 443.4, "weight_sync"),
-    ("gpu/glm4_5_air_grpo", "H100", 430.0, "actor_update"),
-    ("gpu/llama3_1_70b_dapo", "H100", 1535.0, "gen"),
-    ("gpu/llama3_1_70b_grpo", "H100", 284.8, "actor_update"),
-    ("gpu/qwen3_235b_a22b_dapo", "H100", 1383.7, "gen"),
-    ("gpu/qwen3_235b_a22b_grpo", "H100", 427.1, "gen"),
-    ("gpu/qwen3_30b_a3b_dapo", "H100", 653.5, "gen"),
-    ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 98.8, "gen"),
-    ("gpu/qwen3_30b_a3b_grpo", "H100", 104.9, "gen"),
-    ("gpu/qwen3_30b_a3b_gspo", "H100", 98.8, "gen"),
-    ("gpu/qwen3_30b_a3b_opd", "H100", 185.5, "gen"),
-    ("gpu/qwen3_30b_a3b_ppo", "H100", 65.5, "gen"),
-    ("gpu/qwen3_30b_a3b_reinforce_plus_plus", "H100", 104.9, "gen"),
-    ("gpu/qwen3_30b_a3b_remax", "H100", 111.2, "gen"),
-    ("gpu/qwen3_30b_a3b_rloo", "H100", 104.9, "gen"),
+    ("gpu/glm4_5_355b_grpo", "H200", 445.7, "weight_sync"),
+    ("gpu/glm4_5_air_grpo", "H100", 432.3, "actor_update"),
+    ("gpu/llama3_1_70b_dapo", "H100", 1548.2, "gen"),
+    ("gpu/llama3_1_70b_grpo", "H100", 289.5, "actor_update"),
+    ("gpu/qwen3_235b_a22b_dapo", "H100", 1384.4, "gen"),
+    ("gpu/qwen3_235b_a22b_grpo", "H100", 427.6, "gen"),
+    ("gpu/qwen3_30b_a3b_dapo", "H100", 656.1, "gen"),
+    ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 99.6, "gen"),
+    ("gpu/qwen3_30b_a3b_grpo", "H100", 105.9, "gen"),
+    ("gpu/qwen3_30b_a3b_gspo", "H100", 99.6, "gen"),
+    ("gpu/qwen3_30b_a3b_opd", "H100", 186.6, "gen"),
+    ("gpu/qwen3_30b_a3b_ppo", "H100", 65.7, "gen"),
+    ("gpu/qwen3_30b_a3b_reinforce_plus_plus", "H100", 105.9, "gen"),
+    ("gpu/qwen3_30b_a3b_remax", "H100", 112.1, "gen"),
+    ("gpu/qwen3_30b_a3b_rloo", "H100", 105.9, "gen"),
 ]
 
 
