@@ -11,6 +11,10 @@
 #   transports    tools/bench_transports.py: 1 GiB streamed process to process by shm, broadcast,
 #                 cuda_ipc (one GPU) and nccl (GPU 0 -> GPU 1; skipped with one GPU), vs one copy
 #   weight_sync   tools/bench_weight_sync.py (needs vLLM; a "skipped" line without it)
+#   rollout_node  tests/megatron_rl/trainer/gpu_node.py --gpus N: the trainer on the node's N GPUs with N//2
+#                 TP=2 vLLM engines (shm and cuda_ipc sync, log-prob parity) and an NCCL sync into two
+#                 separate engines; needs vLLM and >= 2 GPUs ("skipped" naming the GPU count otherwise);
+#                 --smoke prints the expected engine maps of an 8-GPU node instead
 #
 #   tools/bench_gpu.sh            # on a GPU machine
 #   tools/bench_gpu.sh --smoke    # tiny sizes, CPU, ~1 minute (tests/test_tools_bench_gpu.py runs it)
@@ -67,6 +71,7 @@ if [[ $smoke == 1 ]]; then
   run transports  $PY tools/bench_transports.py --smoke
   # tests/test_tools_bench_weight_sync.py runs the vLLM benchmark itself; starting vLLM here would double it.
   $PY -c 'import json; print(json.dumps({"benchmark": "weight_sync", "skipped": "smoke: run by tests/test_tools_bench_weight_sync.py"}))'
+  run rollout_node $PY -m tests.megatron_rl.trainer.gpu_node --plan 8
 else
   run packing     $PY tools/bench_packing.py --preset qwen3-0.6b --dtype bf16 --repeats 3
   run train_dense $PY tools/bench_train_step.py --preset dense-1b --seq 4096 --mbs 2 --dtype bf16
@@ -80,6 +85,15 @@ else
     run weight_sync $PY tools/bench_weight_sync.py --transport shm
   else
     $PY -c 'import json; print(json.dumps({"benchmark": "weight_sync", "skipped": "vllm does not import"}))'
+  fi
+  gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
+  if (( gpus < 2 )); then  # e.g. one H200: the TP=2 case cannot run here
+    $PY -c 'import json, sys; from tests.megatron_rl.trainer.gpu_node import too_few_gpus
+print(json.dumps({"benchmark": "rollout_node", "skipped": too_few_gpus(int(sys.argv[1]), "colocated")}))' "$gpus"
+  elif ! $PY -c 'import vllm' 2>/dev/null; then
+    $PY -c 'import json; print(json.dumps({"benchmark": "rollout_node", "skipped": "vllm does not import"}))'
+  else
+    run rollout_node $PY -m tests.megatron_rl.trainer.gpu_node --gpus "$gpus"
   fi
 fi
 exit $failed
