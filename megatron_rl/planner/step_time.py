@@ -13,7 +13,10 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   tokens it holds at once runs in waves (a warning says so); blocks are taken as sequences grow, so
   ``capacity / (prompt + mean)`` run at once on average and an engine's ``S`` sequences take
   ``S / running x mean`` decode steps plus ``p99 - mean`` for the last to finish its longest
-  (``partial_rollout`` carries unfinished ones over and cuts that tail).
+  (``partial_rollout`` carries unfinished ones over and cuts that tail). A rollout PP > 1 splits the layers
+  as vLLM does (``vllm_stage_layers``), the embedding on the first stage and the head on the last; the
+  stages decode different micro-batches at once, so the slowest stage's step sets the pace, and every
+  stage gets as many KV blocks as the tightest worker holds.
 * **log-prob and update passes** (compute): FLOPs per token ``2 x`` the active dense parameters
   (attention projections, shared experts, dense MLPs, the head; the embedding is a lookup) at
   ``DENSE_GEMM_EFFICIENCY``, ``2 x top-k`` routed experts at ``GROUPED_GEMM_EFFICIENCY``, causal
@@ -60,7 +63,7 @@ from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_w
 from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
 
 __all__ = ["PhaseTime", "KVCache", "StepTime", "estimate_step_time", "format_step_time", "step_time_json",
-           "kv_bytes_per_token", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR"]
+           "kv_bytes_per_token", "vllm_stage_layers", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR"]
 
 VLLM_LOAD_S_PER_TENSOR = 50e-6
 """Assumed: vLLM's ``load_weights`` handles each HF-named tensor in Python (name mapping, the weight
@@ -227,14 +230,6 @@ def _attention_width(m: ModelConfig) -> int:
     return m.num_attention_heads * m.head_dim
 
 
-def _active(m: ModelConfig, value_head: bool = False) -> tuple[int, int]:
-    """``(dense, routed expert)`` parameters one token multiplies: the embedding is a lookup, experts top-k of E."""
-    dense, expert = count_params(m, value_head=value_head)
-    embed = m.vocab_size * m.hidden_size
-    active_expert = expert * m.moe_router_topk // m.num_moe_experts if m.is_moe else 0
-    return dense - embed, active_expert
-
-
 def _stage_work(m: ModelConfig, stage_layers: tuple, value_head: bool = False) -> list[tuple[int, int, int, int]]:
     """Per pipeline stage, what one token costs there: ``(dense, routed expert)`` parameters it multiplies,
     its decoder layers and MoE layers. The first stage's embedding is a lookup; the last stage's output layer
@@ -274,11 +269,57 @@ def _engine_weights(run: _Run) -> tuple[int, int]:
     return per_gpu, per_gpu - engine_weight_bytes_per_gpu(total - experts, 0, **kw)
 
 
+def vllm_stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Decoder layers of each pipeline stage of a vLLM engine (``vllm.distributed.utils.get_pp_indices`` without
+    ``VLLM_PP_LAYER_PARTITION``): ``L // pp`` each, the remainder one more on the stages before the last
+    (which holds the head), from the second-to-last backwards."""
+    layers = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        layers[-i] += 1
+    return tuple(layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EngineStage:
+    """One pipeline stage of a rollout engine, per GPU: what it holds and what a token costs there."""
+
+    weights: int
+    expert_weights: int
+    kv_per_token: int
+    layers: int
+    dense: int
+    """Dense parameters a token multiplies there (the head on the last stage; the embedding is a lookup)."""
+    routed: int
+
+
+def _engine_stages(run: _Run) -> list[_EngineStage]:
+    """The engine's stages (one at PP=1): each holds its layers' share of the weights (``_engine_weights`` at
+    PP=1) and of the KV cache; the first also the embedding, the last the head."""
+    m, split = run.model, vllm_stage_layers(run.model.num_layers, run.rollout_pp)
+    total = rollout_weight_bytes(m, run.rollout_dtype, run.quantization)
+    per_param = DTYPE_BYTES[run.rollout_dtype] if run.quantization is None else 1 + 4 / 128 ** 2
+    all_dense, all_expert = count_params(m)
+    experts = int(all_expert * per_param)
+    kw = dict(tp=run.rollout_tp, dp=run.rollout_dp, pp=1, ep=run.rollout_ep)
+    kv_layer = kv_bytes_per_token(m, tp=run.rollout_tp, dtype_bytes=run.kv_dtype_bytes) // m.num_layers
+    out = []
+    for s, (dense, routed, layers, _) in enumerate(_stage_work(m, split)):
+        held_dense, held_expert = count_params(m, pp=len(split), stage=s, stage_layers=split)
+        stage_experts = int(experts * held_expert / all_expert) if all_expert else 0
+        stage_total = int((total - experts) * held_dense / all_dense) + stage_experts
+        weights = engine_weight_bytes_per_gpu(stage_total, stage_experts, **kw)
+        out.append(_EngineStage(weights, weights - engine_weight_bytes_per_gpu(stage_total - stage_experts, 0, **kw),
+                                kv_layer * layers, layers, dense, routed))
+    return out
+
+
 def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
     m, hw, tp, pp = run.model, run.hw, run.rollout_tp, run.rollout_pp
-    weights, expert_weights = _engine_weights(run)
-    per_token = kv_bytes_per_token(m, tp=tp, pp=pp, dtype_bytes=run.kv_dtype_bytes)
-    free = int(run.vllm_bytes - weights - VLLM_NON_KV_GIB * GIB)
+    stages = _engine_stages(run)
+    # vLLM sizes the cache by its most constrained worker: the same number of blocks on every stage
+    free_of = [int(run.vllm_bytes - st.weights - VLLM_NON_KV_GIB * GIB) for st in stages]
+    tight = min(range(pp), key=lambda i: max(free_of[i], 0) // stages[i].kv_per_token)
+    free, per_token = free_of[tight], stages[tight].kv_per_token
     capacity = max(free, 0) // per_token
     per_engine = math.ceil((run.sequences + run.extra_generations) / run.decode_groups)
     longest = run.prompt_length + run.response_p99
@@ -302,26 +343,30 @@ def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
         steps += run.response_p99 - run.response_mean
     context = run.prompt_length + run.response_mean / 2
     touched = 1.0 - (1.0 - m.moe_router_topk / m.num_moe_experts) ** concurrent if m.is_moe else 1.0
-    read = weights - expert_weights + expert_weights * touched + concurrent * context * per_token
-    t_mem = read / (hw.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY)
-    dense, expert = _active(m)
-    flops = concurrent * (2 * (dense + expert) + 4 * m.num_layers * _attention_width(m) * context) / (tp * pp)
-    t_compute = flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
-    t_comm = 0.0
-    if tp > 1:
-        bw, _ = _link(hw, tp if run.nodes_per_engine == 1 else hw.nvlink_domain + 1)
-        message = concurrent * m.hidden_size * 2
-        t_comm = math.ceil(m.num_layers / pp) * 2 * (DECODE_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * message / bw)
+    width = _attention_width(m)
+    bw, _ = _link(hw, tp if run.nodes_per_engine == 1 else hw.nvlink_domain + 1)
+    timings = []  # per stage: (memory, compute, communication) seconds of one decode step
+    for st in stages:  # stages work on different micro-batches at once: the slowest sets the pace
+        read = st.weights - st.expert_weights + st.expert_weights * touched + concurrent * context * st.kv_per_token
+        flops = concurrent * (2 * (st.dense + st.routed) + 4 * st.layers * width * context) / tp
+        t_comm = st.layers * 2 * (DECODE_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * concurrent * m.hidden_size * 2 / bw) \
+            if tp > 1 else 0.0
+        timings.append((read / (hw.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY),
+                        flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY), t_comm))
+    slowest = max(range(pp), key=lambda i: max(timings[i][:2]) + timings[i][2])
+    t_mem, t_compute, t_comm = timings[slowest]
     step = max(t_mem, t_compute) + t_comm
     prompt_tokens = (math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine) * run.prompt_length
-    prefill = prompt_tokens * (2 * (dense + expert) + 2 * m.num_layers * _attention_width(m) * run.prompt_length)
-    t_prefill = prefill / (tp * pp) / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+    t_prefill = max(prompt_tokens * (2 * (st.dense + st.routed) + 2 * st.layers * width * run.prompt_length)
+                    for st in stages) / tp / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
     seconds = t_prefill + steps * step
     bound = "compute" if t_compute > t_mem else "memory bandwidth"
     if t_comm > max(t_mem, t_compute):
         bound = "communication"
+    where = f", slowest stage {slowest} of {pp} ({stages[slowest].layers} layers)" if pp > 1 else ""
     detail = (f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "
-              f"(weights {weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched), prefill {t_prefill:.1f} s")
+              f"(weights {stages[slowest].weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched{where}), "
+              f"prefill {t_prefill:.1f} s")
     kv = KVCache(bytes_per_token=per_token, capacity_tokens=int(capacity), free_bytes_per_gpu=max(free, 0),
                  fits_at_once=max(fits, 0), sequences_per_engine=per_engine, waves=waves)
     return PhaseTime(seconds, bound, detail), kv, warnings

@@ -15,7 +15,7 @@ from megatron_rl.cli import PLANNER_HARDWARE, main
 from megatron_rl.config.loader import load_config
 from megatron_rl.planner import KNOWN_ARCHITECTURES, plan_run
 from megatron_rl.planner.hardware import HARDWARE, get_hardware
-from megatron_rl.planner.step_time import CALIBRATION, estimate_step_time, kv_bytes_per_token
+from megatron_rl.planner.step_time import CALIBRATION, estimate_step_time, kv_bytes_per_token, vllm_stage_layers
 
 GIB = 2 ** 30
 QWEN3_30B_PARAMS = 30.53e9  # tests/megatron_rl/test_planner.py pins the count
@@ -264,6 +264,40 @@ def test_qwen3_235b_accounted_split_by_hand():
     even = load_config("gpu/qwen3_235b_a22b_grpo")  # PP=2: 47 + 47 layers, the head makes the last stage slower
     stages = estimate_step_time(even, plan_run(even, suggest=False)).phases["actor_log_prob"].stages
     assert stages[1] > stages[0]
+
+
+def test_vllm_splits_layers_as_get_pp_indices():
+    # L // PP each, the remainder on the stages before the last, from the second-to-last backwards
+    assert vllm_stage_layers(94, 4) == (23, 24, 24, 23)
+    assert vllm_stage_layers(61, 4) == (15, 15, 16, 15)  # vLLM's docs' example for a 61-layer model
+    assert vllm_stage_layers(5, 3) == (2, 2, 1) and vllm_stage_layers(48, 2) == (24, 24)
+
+
+def test_rollout_pipeline_decodes_at_its_slowest_stage():
+    """Qwen3-235B-A22B in engines of rollout TP=2 x PP=4 (16 engines on 16 x 8 H100): vLLM places 23 + 24 + 24 + 23
+    layers, the embedding on the first stage, the 151,936 x 4096 head on the last. Per GPU (bf16, / TP 2) a layer
+    is 71,835,904 dense + 128 x 3 x 4096 x 1536 expert parameters; a middle stage holds 24 layers (55.6 GiB), the
+    last 23 + the head (53.9 GiB). Every stage gets the KV blocks of the tightest worker, a middle one: 0.85 x 80 GiB
+    - 55.6 - 2 GiB over 24 layers x 2 of 4 KV heads x 128 x (K, V) x 2 B. A decode step takes the middle stage's
+    read (its 24 layers, the experts the batch touches, its KV cache) and its 24 x 2 all-reduces."""
+    cfg = load_config("gpu/qwen3_235b_a22b_grpo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                                                   "actor_rollout_ref.rollout.pipeline_model_parallel_size=4"])
+    gen = estimate_step_time(cfg, plan_run(cfg, suggest=False)).phases["gen"]
+    dense, experts, head = 71_835_904, 128 * 3 * 4096 * 1536, 151936 * 4096
+    middle = 24 * (dense + experts) * 2 / 2
+    last = (23 * (dense + experts) + head + 4096) * 2 / 2
+    assert round(middle / GIB, 1) == 55.6 and round(last / GIB, 1) == 53.9
+    kv_layer = 2 * 2 * 128 * 2
+    capacity = (0.85 * 80 * GIB - middle - 2 * GIB) / (24 * kv_layer)  # ~454 k tokens
+    # (1,024 prompt + 2,048 response) tokens a sequence: 147 fit, more than the 128 of each of the 16 engines
+    running = min(capacity / 3072, 128)
+    assert capacity / 3072 > 128
+    steps = 2048  # all 128 at once, the mean = the p99
+    touched = 1 - (1 - 8 / 128) ** running
+    read = 24 * dense * 2 / 2 + 24 * experts * 2 / 2 * touched + running * 2048 * 24 * kv_layer
+    step_s = read / (3.35e12 * 0.33) + 48 * (10e-6 + running * 4096 * 2 / 360e9)
+    assert gen.seconds == pytest.approx(steps * step_s, rel=0.003)  # ~124 s; prefill ~0.1 s
+    assert "slowest stage 1 of 4 (24 layers)" in gen.detail
 
 
 # ----------------------------------------------------------------------------- every GPU recipe, and the CLI
