@@ -8,7 +8,7 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   shared by their ``rollout.n`` samples through prefix caching); every decode step of an engine reads
   its weight shard -- only the experts its running tokens touch, ``E (1 - (1 - k/E)^B)`` of ``E`` --
   and the KV cache of its running sequences, at ``DECODE_HBM_EFFICIENCY`` of HBM bandwidth, plus two
-  tensor-parallel all-reduces per layer. The KV cache holds what ``gpu_memory_utilization`` leaves
+  tensor-parallel all-reduces per layer and the engine's fixed ``VLLM_DECODE_STEP_OVERHEAD_S``. The KV cache holds what ``gpu_memory_utilization`` leaves
   after the weights and ``VLLM_NON_KV_GIB``. A batch larger than the sequences of ``prompt + p99``
   tokens it holds at once runs in waves (a warning says so); blocks are taken as sequences grow, so
   ``capacity / (prompt + mean)`` run at once on average and an engine's ``S`` sequences take
@@ -43,8 +43,9 @@ passes -- the step is the slower of the two, plus the sync that pauses both -- u
 bound is 0 (``trainer.v1.sampler.max_off_policy_threshold=0``: strictly on-policy, no overlap).
 
 Calibration (``CALIBRATION``): NeMo-RL v0.6's published GRPO run on Qwen3-30B-A3B; only
-``DECODE_HBM_EFFICIENCY`` was fitted to it. Figures read, not fitted: the hardware table's peaks and
-every other fraction in ``hardware.py`` (each says where it came from).
+``DECODE_HBM_EFFICIENCY`` was fitted to it (before ``VLLM_DECODE_STEP_OVERHEAD_S`` was added, which is
+read from vLLM's published measurements, not fitted). Figures read, not fitted: the hardware table's peaks
+and every other fraction in ``hardware.py`` (each says where it came from).
 """
 
 from __future__ import annotations
@@ -63,11 +64,22 @@ from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_w
 from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
 
 __all__ = ["PhaseTime", "KVCache", "StepTime", "estimate_step_time", "format_step_time", "step_time_json",
-           "kv_bytes_per_token", "vllm_stage_layers", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR"]
+           "kv_bytes_per_token", "vllm_stage_layers", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR",
+           "VLLM_DECODE_STEP_OVERHEAD_S"]
 
 VLLM_LOAD_S_PER_TENSOR = 50e-6
 """Assumed: vLLM's ``load_weights`` handles each HF-named tensor in Python (name mapping, the weight
 loader's shard selection) for ~50 us, on top of the bytes' copy; MoE checkpoints have tens of thousands."""
+VLLM_DECODE_STEP_OVERHEAD_S = 3e-3
+"""Assumed from published measurements, not fitted: what one vLLM decode step costs beyond its GPU work --
+scheduling, preparing the step's inputs, launching the CUDA graph, syncing and processing the sampled tokens.
+vLLM's multi-step RFC (github.com/vllm-project/vllm/issues/6854) profiles ~4 ms of GPU idle per decode step
+(5-13 ms in the cases it cites); issue #10634 measures a 5-6 ms gap between two decode steps of Llama-2-7B at
+batch 256 and estimates 2-3 ms of it removable. V1 (persistent batch, CUDA graphs, detokenisation in its own
+process) keeps scheduling and input preparation between steps unless async scheduling overlaps them
+(PR #19970; with PP=4, PR #32618 gains 31.8 % TPOT from it): 3 ms, the low end of the measured gaps. Recent
+vLLM releases turn async scheduling on by default (not at PP > 1 on the V1 model runner), which hides part
+of it: an upper figure for those."""
 VLLM_NON_KV_GIB = 2.0
 """Assumed: what a vLLM engine keeps per GPU besides weights and KV cache (CUDA graphs, the profiled
 activation peak of ``max_num_batched_tokens``, sampler scratch)."""
@@ -355,7 +367,7 @@ def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
                         flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY), t_comm))
     slowest = max(range(pp), key=lambda i: max(timings[i][:2]) + timings[i][2])
     t_mem, t_compute, t_comm = timings[slowest]
-    step = max(t_mem, t_compute) + t_comm
+    step = max(t_mem, t_compute) + t_comm + VLLM_DECODE_STEP_OVERHEAD_S
     prompt_tokens = (math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine) * run.prompt_length
     t_prefill = max(prompt_tokens * (2 * (st.dense + st.routed) + 2 * st.layers * width * run.prompt_length)
                     for st in stages) / tp / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
@@ -363,9 +375,12 @@ def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
     bound = "compute" if t_compute > t_mem else "memory bandwidth"
     if t_comm > max(t_mem, t_compute):
         bound = "communication"
+    if VLLM_DECODE_STEP_OVERHEAD_S > max(t_mem, t_compute, t_comm):
+        bound = "engine overhead"
     where = f", slowest stage {slowest} of {pp} ({stages[slowest].layers} layers)" if pp > 1 else ""
     detail = (f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "
-              f"(weights {stages[slowest].weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched{where}), "
+              f"({VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms of them vLLM's per-step overhead; "
+              f"weights {stages[slowest].weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched{where}), "
               f"prefill {t_prefill:.1f} s")
     kv = KVCache(bytes_per_token=per_token, capacity_tokens=int(capacity), free_bytes_per_gpu=max(free, 0),
                  fits_at_once=max(fits, 0), sequences_per_engine=per_engine, waves=waves)
