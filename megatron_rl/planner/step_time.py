@@ -330,9 +330,9 @@ def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
     stages = _engine_stages(run)
     # vLLM sizes the cache by its most constrained worker: the same number of blocks on every stage
     free_of = [int(run.vllm_bytes - st.weights - VLLM_NON_KV_GIB * GIB) for st in stages]
-    tight = min(range(pp), key=lambda i: max(free_of[i], 0) // stages[i].kv_per_token)
+    tight = min(range(pp), key=lambda i: max(free_of[i], 0) // max(stages[i].kv_per_token, 1))
     free, per_token = free_of[tight], stages[tight].kv_per_token
-    capacity = max(free, 0) // per_token
+    capacity = max(free, 0) // max(per_token, 1)
     per_engine = math.ceil((run.sequences + run.extra_generations) / run.decode_groups)
     longest = run.prompt_length + run.response_p99
     fits = min(run.max_num_seqs, int(capacity // longest))
