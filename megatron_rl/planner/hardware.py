@@ -111,10 +111,12 @@ bytes are streamed in bulk: the engine loading synced weights, the optimizer ste
 DECODE_HBM_EFFICIENCY = 0.33
 """Fitted -- the one constant fitted -- to NeMo-RL v0.6's GRPO on Qwen3-30B-A3B (4 x 8 H100, 192 s per
 step; ``step_time.CALIBRATION``), with every other constant fixed beforehand (the fit gave 0.329; the
-model then predicts ~190 s and ~1,120 tokens/s/GPU against the published 1,102): the fraction of HBM
+model then predicted ~190 s and ~1,120 tokens/s/GPU against the published 1,102; with the later, unfitted
+``step_time.VLLM_DECODE_STEP_OVERHEAD_S`` added and left unrefitted: 204.3 s, 1,042): the fraction of HBM
 bandwidth a vLLM decode step reaches while it reads the weight shard, the touched experts and the
-KV cache, i.e. the whole engine-step overhead (fused-MoE kernels on a few tokens per expert, paged
-attention, sampling over the vocabulary, scheduling) expressed as bandwidth."""
+KV cache, i.e. the engine step's GPU-side overhead (fused-MoE kernels on a few tokens per expert, paged
+attention, sampling over the vocabulary) expressed as bandwidth; the host-side per-step cost (scheduling,
+launch) is ``VLLM_DECODE_STEP_OVERHEAD_S``, part of which this fit also absorbed."""
 NVLINK_EFFICIENCY = 0.80
 """Read: nccl-tests ``all_reduce_perf`` bus bandwidth on an 8-GPU HGX H100 board levels off at
 ~360 of 450 GB/s for large messages."""
