@@ -17,23 +17,16 @@ so there is one mapping and one gather, tested once.
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-import uuid
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["PeftExportUnsupported", "ADAPTER_DIR_NAME", "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_weight_map",
-           "peft_adapter_tensors", "peft_adapter_config", "write_peft_adapter"]
+from megatron_rl.models.peft import (ADAPTER_CONFIG_NAME, ADAPTER_DIR_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX,
+                                     expand_shared, peft_adapter_config, write_peft_adapter)
 
-ADAPTER_DIR_NAME = "lora_adapter"
-"""verl's name of the adapter directory inside an exported HF checkpoint."""
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-"""What PEFT's ``PeftModelForCausalLM`` puts before the HF module names in a saved adapter."""
+__all__ = ["PeftExportUnsupported", "ADAPTER_DIR_NAME", "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_weight_map",
+           "peft_adapter_parts", "peft_adapter_tensors", "peft_adapter_config", "expand_shared", "write_peft_adapter"]
+
 _TARGET_SUFFIXES = tuple(f".{leaf}.weight" for leaf in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
 _NOT_ADAPTER = r"(?!.*\.lora_[AB]\Z)"
 """Matches (at the start) every parameter name that is not an adapter: the bridge leaves those out."""
@@ -77,10 +70,12 @@ def adapter_weight_map(weight_map: Any) -> tuple[Any, dict[str, Any]]:
     return dataclasses.replace(weight_map, rules=tuple(rules), optional_hf=(), unsupported_hf=(), mtp=None), copies
 
 
-def peft_adapter_tensors(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
-                         dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """Collective over the model's ranks: every adapter of ``chunks`` under PEFT's names, whole
-    (gathered over TP / PP / EP by the bridge) on global rank 0; an empty dict on the others.
+def peft_adapter_parts(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
+                       dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
+    """Collective over the model's ranks: the compact adapter on global rank 0 -- every adapter of
+    ``chunks`` once under PEFT's names, whole (gathered over TP / PP / EP by the bridge), and
+    ``shared`` (a fused target's ``A`` name -> the other HF modules' ``A`` names, which hold the same
+    tensor; ``megatron_rl.models.peft.expand_shared``); empty dicts on the other ranks.
 
     ``PeftExportUnsupported`` (a ``ValueError``, raised on every rank) for adapters inside MoE experts
     (their PEFT form is not built); ``ValueError`` for a model without adapters.
@@ -91,63 +86,24 @@ def peft_adapter_tensors(chunks, weight_map: Any, *, mesh=None, bucket_bytes: in
     exporter = HFExporter(chunks, adapter_map, mesh=mesh, dtype=dtype, ignore=(_NOT_ADAPTER,))
     experts = [item.global_name for item in exporter.items if item.rule.is_expert]
     if experts:
-        raise PeftExportUnsupported(f"adapter export: adapters inside MoE experts ({experts[0]}, ...) have no PEFT export "
-                         "yet; leave the experts out (lora.exclude_modules: [experts]) to export the others")
+        raise PeftExportUnsupported(f"adapter export: adapters inside MoE experts ({experts[0]}, ...) have no PEFT "
+                                    "export yet; leave the experts out (lora.exclude_modules: [experts]) to export "
+                                    "the others")
     if not exporter.items:
         raise ValueError("adapter export: the model has no LoRA adapters (lora.rank: 0)")
     out = {name: t.detach().clone() for name, t in exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)}
-    for item in exporter.items:
-        if item.rule.megatron in copies:
-            first, *others = copies[item.rule.megatron].match(item.global_name)
-            out.update({other: out[first].clone() for other in others} if out else {})
-    return out
+    shared = {}
+    if out:
+        for item in exporter.items:
+            if item.rule.megatron in copies:
+                first, *others = copies[item.rule.megatron].match(item.global_name)
+                shared[first] = tuple(others)
+    return out, shared
 
 
-def peft_adapter_config(lora: Any, tensor_names, *, base_model_name_or_path: Optional[str] = None) -> dict:
-    """PEFT's ``LoraConfig`` as JSON for adapters named ``tensor_names`` (``peft_adapter_tensors``'s keys).
-
-    ``r`` / ``lora_alpha`` / ``lora_dropout`` are ``lora.rank`` / ``alpha`` / ``dropout`` (PEFT scales
-    by ``lora_alpha / r`` too). ``target_modules`` are HF leaf names (``q_proj``, ...) when every module
-    of that leaf has an adapter, else the full HF module names (``lora.exclude_modules`` left some out).
-    """
-    modules = sorted({n[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for n in tensor_names})
-    if not modules:
-        raise ValueError("adapter export: no adapter tensors")
-    targets = sorted({m.rsplit(".", 1)[-1] for m in modules}) if not lora.exclude_modules else modules
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": int(lora.rank),
-        "lora_alpha": float(lora.alpha),
-        "lora_dropout": float(lora.dropout),
-        "target_modules": targets,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "inference_mode": True,
-        "init_lora_weights": True,
-    }
-
-
-def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
-    """Write ``tensors`` and ``config`` as a PEFT adapter directory at ``out_dir``. Atomic: a temporary
-    sibling directory is renamed into place; ``FileExistsError`` if ``out_dir`` exists."""
-    from safetensors.torch import save_file
-
-    final = Path(out_dir).resolve()
-    if final.exists():
-        raise FileExistsError(f"write_peft_adapter: {final} exists")
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        save_file({n: t.contiguous() for n, t in sorted(tensors.items())}, str(tmp / ADAPTER_WEIGHTS_NAME),
-                  metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+def peft_adapter_tensors(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
+                         dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """``peft_adapter_parts`` made whole (``expand_shared``: each HF module's ``A`` its own copy):
+    what PEFT's ``adapter_model.safetensors`` holds, on global rank 0; an empty dict elsewhere."""
+    tensors, shared = peft_adapter_parts(chunks, weight_map, mesh=mesh, bucket_bytes=bucket_bytes, dtype=dtype)
+    return {name: t.clone() for name, t in expand_shared(tensors, shared).items()}

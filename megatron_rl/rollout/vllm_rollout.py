@@ -54,10 +54,13 @@ on a CPU without it (``fp8_unsupported``). The FP8 engine path is built but unve
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import threading
 import time
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -256,11 +259,14 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, config: RolloutConfig | Mapping | None = None, *,
                  tokenizer_path: str | None = None, pad_token_id: int | None = None,
-                 multi_node: Optional[Mapping[str, Any]] = None):
+                 multi_node: Optional[Mapping[str, Any]] = None, max_lora_rank: int = 0):
         from vllm import LLM
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
         self._multi_node = dict(multi_node or {})  # the head of an engine larger than a node (GPU only)
+        self.max_lora_rank = vllm_lora_rank(max_lora_rank)  # 0: no LoRA; else vLLM's slot rank >= the adapters'
+        self._lora_request = None  # the adapter every generation uses (``load_lora_adapter``)
+        self._lora_dir: Path | None = None  # the directory ``load_lora_tensors`` wrote it to
         cfg = self.config
         self.on_gpu = torch.cuda.is_available()
         if cfg.quantization == "fp8":  # refused before anything is built
@@ -316,6 +322,8 @@ class VLLMRollout:
         )
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
+        if self.max_lora_rank:  # one adapter slot: the actor's current adapters (lora.merge: false)
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         kwargs.update(_parallel_kwargs(cfg, getattr(self, "_multi_node", None)))
         extra = dict(cfg.engine_kwargs.get("vllm") or {})
         if cfg.quantization == "fp8":
@@ -361,7 +369,8 @@ class VLLMRollout:
             return self._generate_pausable(ids, uids, kw, n, seed, pause, on_step)
         params = [SamplingParams(**kw, seed=None if seed is None else seed + i * n) for i in range(len(ids))]
         with self._world.engine():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False,
+                                        lora_request=self._lora_request)
 
         rows, logps, reasons, row_prompts, row_uids, routed = [], [], [], [], [], []
         for i, out in enumerate(outputs):
@@ -390,6 +399,9 @@ class VLLMRollout:
         sample, seeded as vLLM seeds its n children (``seed + i * n + k``), driven step by step."""
         from vllm import SamplingParams
 
+        if self._lora_request is not None:
+            raise ValueError("partial rollouts (trainer.v1.partial_rollout) with a LoRA adapter in vLLM "
+                             "(lora.merge: false) are not built; set lora.merge=true")
         if self.returns_routed_experts:
             raise ValueError(f"partial rollouts (trainer.v1.partial_rollout) with engine_kwargs.vllm."
                              f"{ROUTED_EXPERTS_KWARG}=True are not supported: a continuation's routing would "
@@ -440,7 +452,7 @@ class VLLMRollout:
                   for i, m in enumerate(max_tokens)]
         with self._world.engine():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], params,
-                                        use_tqdm=False)
+                                        use_tqdm=False, lora_request=self._lora_request)
         turns = []
         for out in outputs:
             comp = out.outputs[0]
@@ -551,6 +563,68 @@ class VLLMRollout:
                              f"{loaded['not_loaded'][:8]}; pass allow_partial=True for a partial update")
         return {**stats.as_dict(), "seconds": seconds}
 
+    def load_lora_adapter(self, adapter_dir: str | os.PathLike) -> dict[str, Any]:
+        """Make the PEFT adapter directory ``adapter_dir`` the adapter every generation uses, the base
+        weights untouched (``lora.merge: false``): vLLM loads it now (under a new adapter id, so nothing
+        stale is reused; the previous adapter is dropped) and the prefix cache is reset. Needs an engine
+        built with ``max_lora_rank`` >= the adapter's ``r``. Returns ``{"bytes", "seconds", "lora_int_id"}``
+        (``bytes``: the adapter's safetensors file, what vLLM read)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.max_lora_rank:
+            raise ValueError("load_lora_adapter: the engine was built without LoRA; build VLLMRollout with "
+                             "max_lora_rank >= the adapter's rank")
+        path = Path(adapter_dir)
+        rank = int(json.loads((path / "adapter_config.json").read_text())["r"])
+        if rank > self.max_lora_rank:
+            raise ValueError(f"load_lora_adapter: the adapter's r={rank} exceeds the engine's max_lora_rank="
+                             f"{self.max_lora_rank}")
+        start = time.perf_counter()
+        previous = self._lora_request
+        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        request = LoRARequest(f"actor-{lora_id}", lora_id, str(path))
+        with self._world.engine():
+            if previous is not None:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"load_lora_adapter: vLLM did not load the adapter at {path}")
+        self._lora_request = request
+        self.reset_prefix_cache()
+        return {"bytes": (path / "adapter_model.safetensors").stat().st_size, "seconds": time.perf_counter() - start,
+                "lora_int_id": lora_id}
+
+    def load_lora_tensors(self, tensors: Mapping[str, torch.Tensor], shared: Mapping[str, Sequence[str]],
+                          peft_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Adapter-only weight sync (``lora.merge: false``): the actor's compact PEFT adapter
+        (``megatron_rl.engine.lora_peft.peft_adapter_parts``: each tensor once, ``shared`` naming the
+        HF modules that reuse a fused linear's ``A``) becomes the adapter every generation uses. It is
+        made whole and written as a PEFT directory under ``checkpoint_engine.shm_dir`` (this machine's
+        memory on Linux), which ``load_lora_adapter`` loads; the previous one is removed. Returns
+        ``{"transport": "lora", "bytes", "num_tensors", "seconds"}`` (``bytes``: the adapter tensors
+        received, each once)."""
+        from megatron_rl.models.peft import expand_shared, write_peft_adapter
+
+        start = time.perf_counter()
+        root = Path(self.config.checkpoint_engine.shm_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        path = write_peft_adapter(expand_shared(tensors, {k: tuple(v) for k, v in shared.items()}), dict(peft_config),
+                                  root / f"lora-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.load_lora_adapter(path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        self._lora_dir = path
+        return {"transport": "lora", "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "num_tensors": len(tensors), "seconds": time.perf_counter() - start}
+
+    @property
+    def lora_request(self):
+        """The ``vllm.lora.request.LoRARequest`` generations use (None: the base model)."""
+        return self._lora_request
+
     def _sender(self, transport: str) -> Sender:
         """This engine's sender for ``transport``, built on first use (connecting the side band
         to its own workers first when the transport travels over one)."""
@@ -643,6 +717,9 @@ class VLLMRollout:
             self._side_band.close()
             self._side_band = None
         self._senders.clear()
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
         llm, self.llm = self.llm, None
         if llm is None:
             return
@@ -654,6 +731,22 @@ class VLLMRollout:
         if self._store_file is not None:
             with contextlib.suppress(OSError):
                 os.remove(self._store_file)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank`` (0 = no LoRA)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"max_lora_rank: {rank!r} is not allowed; an integer >= 0 (0 = no LoRA)")
+    if rank == 0:
+        return 0
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"max_lora_rank: {rank} is not allowed; vLLM holds adapters of rank <= {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
 
 
 def _parallel_kwargs(cfg: RolloutConfig, multi_node: Optional[Mapping[str, Any]]) -> dict[str, Any]:
