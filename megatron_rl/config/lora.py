@@ -7,8 +7,9 @@ a2a_experimental, dtype, adapter_path, freeze_*}`` and keeps its FSDP-era flat k
 ``resolve_lora`` turns a model section's keys (either form, not both) into one ``LoRAConfig``
 (``ModelSourceConfig.lora_config()``); the trainer hands the actor's to its workers
 (``megatron_rl.trainer.placement``) and the engine (``megatron_rl.engine.lora``) acts on it. What is not built is refused by name here, before
-any worker starts: ``type`` other than ``lora``, ``merge: false`` (adapter-only sync into vLLM's LoRA),
-``adapter_path`` (loading a PEFT adapter), ``a2a_experimental``.
+any worker starts: ``type`` other than ``lora``, ``adapter_path`` (loading a PEFT adapter),
+``a2a_experimental``. ``merge: false`` (verl's default) syncs only the adapters into vLLM's LoRA
+(``vllm_lora_engine_kwargs`` starts the engine with it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Optional
 from megatron_rl.config.base import BaseConfig, check_choice
 
 __all__ = ["LoRAConfig", "resolve_lora", "check_lora_fits", "lora_target_shapes", "LORA_TARGET_MODULES",
-           "LORA_INIT_METHODS"]
+           "LORA_INIT_METHODS", "VLLM_LORA_RANKS", "vllm_lora_rank", "vllm_lora_engine_kwargs"]
 
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron's linear names an adapter can wrap (also inside MoE experts)."""
@@ -37,7 +38,8 @@ class LoRAConfig(BaseConfig):
     """Adapter kind: only ``lora`` is built (``dora`` and others are refused)."""
     merge: bool = False
     """Weight sync: True streams the merged weights ``W + alpha/rank * B A`` under their HF names;
-    False (verl's default: only the adapters into vLLM's LoRA) is not built and is refused with rank > 0."""
+    False (verl's default) moves only the adapters into vLLM's LoRA (the engine starts with
+    ``enable_lora``; generation uses the adapter; the base weights in vLLM are never touched)."""
     rank: int = 0
     """Adapter rank r; 0 = LoRA off."""
     alpha: float = 32.0
@@ -94,8 +96,6 @@ class LoRAConfig(BaseConfig):
             raise ValueError("lora.target_modules: [] is not allowed with lora.rank > 0; name at least one of "
                              f"{list(LORA_TARGET_MODULES)}")
         refusals = {
-            "merge": (self.merge is False, "adapter-only weight sync into vLLM's LoRA is not built; set "
-                                           "lora.merge=true (the merged weights are synced)"),
             "adapter_path": (self.adapter_path is not None, "loading a PEFT adapter is not built"),
             "a2a_experimental": (self.a2a_experimental, "the experimental all-to-all expert adapters are not built"),
             "freeze_language_model": (not self.freeze_language_model, "LoRA keeps the base frozen; for full "
@@ -118,7 +118,7 @@ def resolve_lora(model: Mapping[str, Any] | Any, section: str = "actor_rollout_r
     its ``lora`` mapping, or verl's flat keys (``lora_rank``, ``lora_alpha``, ``target_modules``,
     ``exclude_modules``, ``lora_adapter_path``; flat ``target_modules: all-linear`` is every Megatron
     linear). Setting both forms (both ranks > 0) is an error naming the keys. Flat keys carry
-    ``merge: true`` (the flat form has no merge key; adapter-only sync is not built)."""
+    ``merge: true`` (the flat form has no merge key)."""
     get = (lambda k, d=None: model.get(k, d)) if isinstance(model, Mapping) else (lambda k, d=None: getattr(model, k, d))
     nested = get("lora") or {}
     if isinstance(nested, LoRAConfig):
@@ -200,3 +200,28 @@ def check_lora_fits(lora: LoRAConfig, model_cfg: Any, section: str = "actor_roll
             if lora.rank > min(out_dim, in_dim):
                 raise ValueError(f"{section}.rank={lora.rank} is larger than {target}'s dimensions "
                                  f"({out_dim} x {in_dim}); allowed: 1..{min(out_dim, in_dim)}")
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank`` (0 = no LoRA)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"max_lora_rank: {rank!r} is not allowed; an integer >= 0 (0 = no LoRA)")
+    if rank == 0:
+        return 0
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank: {rank} is not allowed with lora.merge=false; vLLM holds adapters of rank <= "
+                         f"{VLLM_LORA_RANKS[-1]} (or set lora.merge=true)")
+    return fits[0]
+
+
+def vllm_lora_engine_kwargs(lora: LoRAConfig) -> dict:
+    """The ``vllm.LLM`` arguments an adapter-only sync needs (``lora.merge: false``): LoRA on, one
+    adapter slot of at least ``lora.rank``; ``{}`` when the merged weights are synced or LoRA is off."""
+    if not lora.enabled or lora.merge:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}

@@ -33,6 +33,10 @@ that already has a ``torch.distributed`` default group (a trainer rank hosting t
 engine gets a group of its own (``vllm_extension.EngineWorld``); call the engine only through
 this class's methods (or inside ``engine_call()``).
 
+**LoRA.** With ``max_lora_rank`` (or ``engine_kwargs.vllm.enable_lora``, which the trainer sets for
+``lora.merge: false``) the engine has one LoRA slot; ``load_lora_tensors`` / ``load_lora_adapter``
+put the actor's PEFT adapter in it (base weights untouched) and every later generation uses it.
+
 **Weight sync.** ``update_weights`` moves the HF-named buckets with a ``parallel.transport``
 transport (``checkpoint_engine.backend`` unless named): ``transfer`` hands each bucket's message
 to the engine's workers by RPC (``WeightSyncExtension.receive_bucket``), which load it inside one
@@ -67,6 +71,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron_rl.config.base import check_choice
+from megatron_rl.config.lora import vllm_lora_rank
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
 from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.vllm_extension import EngineWorld
@@ -264,7 +269,12 @@ class VLLMRollout:
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
         self._multi_node = dict(multi_node or {})  # the head of an engine larger than a node (GPU only)
-        self.max_lora_rank = vllm_lora_rank(max_lora_rank)  # 0: no LoRA; else vLLM's slot rank >= the adapters'
+        # 0: no LoRA; else vLLM's slot rank >= the adapters' (the argument, or engine_kwargs.vllm's enable_lora
+        # and max_lora_rank, which the trainer sets from lora.merge: false: config.lora.vllm_lora_engine_kwargs)
+        engine_vllm = self.config.engine_kwargs.get("vllm") or {}
+        if not max_lora_rank and engine_vllm.get("enable_lora"):
+            max_lora_rank = int(engine_vllm.get("max_lora_rank", 16))  # vLLM's default
+        self.max_lora_rank = vllm_lora_rank(max_lora_rank)
         self._lora_request = None  # the adapter every generation uses (``load_lora_adapter``)
         self._lora_dir: Path | None = None  # the directory ``load_lora_tensors`` wrote it to
         cfg = self.config
@@ -731,22 +741,6 @@ class VLLMRollout:
         if self._store_file is not None:
             with contextlib.suppress(OSError):
                 os.remove(self._store_file)
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)."""
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank`` (0 = no LoRA)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"max_lora_rank: {rank!r} is not allowed; an integer >= 0 (0 = no LoRA)")
-    if rank == 0:
-        return 0
-    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"max_lora_rank: {rank} is not allowed; vLLM holds adapters of rank <= {VLLM_LORA_RANKS[-1]}")
-    return fits[0]
 
 
 def _parallel_kwargs(cfg: RolloutConfig, multi_node: Optional[Mapping[str, Any]]) -> dict[str, Any]:

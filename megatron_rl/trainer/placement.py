@@ -23,7 +23,8 @@ from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
 __all__ = ["role_specs", "role_token_budgets", "RoleBudget", "actor_config", "check_token_budget", "Placement",
-           "gpu_rollout_placement_error", "actor_lora", "check_lora_roles", "reference_in_actor"]
+           "gpu_rollout_placement_error", "actor_lora", "check_lora_roles", "reference_in_actor",
+           "lora_rollout_config"]
 
 def _with_horizon(role_config, total_steps: int):
     """``role_config`` whose LR schedule spans the run: ``optim.total_training_steps`` set to
@@ -145,11 +146,26 @@ def reference_in_actor(config: TrainerRunConfig, needs: RunNeeds) -> bool:
     return bool(needs.reference and actor_lora(config).enabled)
 
 
+def lora_rollout_config(config: TrainerRunConfig):
+    """``actor_rollout_ref.rollout``, with vLLM's LoRA switched on in ``engine_kwargs.vllm`` when the actor
+    syncs only its adapters (``lora.merge: false``: ``vllm_lora_engine_kwargs``); otherwise unchanged."""
+    from megatron_rl.config.lora import vllm_lora_engine_kwargs
+
+    rollout_cfg = config.actor_rollout_ref.rollout
+    lora_kwargs = vllm_lora_engine_kwargs(actor_lora(config))
+    if not lora_kwargs:
+        return rollout_cfg
+    engine_kwargs = dict(rollout_cfg.engine_kwargs)
+    engine_kwargs["vllm"] = {**lora_kwargs, **dict(engine_kwargs.get("vllm") or {})}  # the user's own win
+    return dataclasses.replace(rollout_cfg, engine_kwargs=engine_kwargs)
+
+
 def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str) -> LoRAConfig:
     """The actor's ``LoRAConfig``, checked before any worker starts: a rank larger than a targeted linear's
     dimensions (``check_lora_fits`` on the actor's architecture at ``model_path``) and a critic that would
     run with LoRA (``critic.model`` left out copies the actor's model, LoRA settings included) are
-    ``ValueError`` naming the key."""
+    ``ValueError`` naming the key; so are, with ``lora.merge: false`` (adapter-only sync), a rank vLLM
+    cannot hold, FP8 rollout quantization, partial rollouts and adapters inside MoE experts."""
     lora = actor_lora(config)
     if needs.critic:
         critic_lora = config.critic.model.lora_config()
@@ -165,6 +181,24 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
         model_cfg = get_family(model_path).model_config(
             model_path, **_model_overrides(config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.model))
         check_lora_fits(lora, model_cfg, "actor_rollout_ref.model.lora")
+        if not lora.merge:  # adapter-only sync into vLLM's LoRA: what it cannot do yet is refused here
+            from megatron_rl.config.lora import vllm_lora_engine_kwargs
+
+            vllm_lora_engine_kwargs(lora)  # a rank vLLM cannot hold
+            rollout_cfg = config.actor_rollout_ref.rollout
+            refused = {"actor_rollout_ref.rollout.quantization": (rollout_cfg.quantization, None),
+                       "trainer.v1.partial_rollout": (config.trainer.v1.partial_rollout, False)}
+            for key, (value, allowed) in refused.items():
+                if value != allowed:
+                    raise ValueError(f"{key}={value!r} with actor_rollout_ref.model.lora.merge=false is not built "
+                                     f"(adapter-only sync into vLLM's LoRA); allowed: {allowed!r}, or set "
+                                     "actor_rollout_ref.model.lora.merge=true")
+            experts = model_cfg.is_moe and "experts" not in lora.exclude_modules and any(
+                t in lora.target_modules for t in ("linear_fc1", "linear_fc2"))
+            if experts:
+                raise ValueError(f"actor_rollout_ref.model.lora.target_modules={lora.target_modules!r} adapts MoE "
+                                 "experts, whose adapter-only sync (lora.merge=false) is not built; allowed: "
+                                 "exclude_modules=[experts], or set actor_rollout_ref.model.lora.merge=true")
     return lora
 
 
@@ -262,7 +296,7 @@ class Placement:
         from megatron_rl.workers.rollout_worker import create_rollout_replicas
         from megatron_rl.workers.router import RolloutRouter
 
-        world, rollout_cfg, trainer = config.trainer.world_size, config.actor_rollout_ref.rollout, config.trainer
+        world, rollout_cfg, trainer = config.trainer.world_size, lora_rollout_config(config), config.trainer
         self.engines = rollout_layout(config)  # ValueError by key before any worker starts
         separate = not self.engines.colocated
         cuda = trainer.device == "cuda"

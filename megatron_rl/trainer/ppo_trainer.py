@@ -140,7 +140,7 @@ class RayPPOTrainer:
     def init_workers(self) -> None:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
         from megatron_rl.trainer.phases import PhaseRunner
-        from megatron_rl.trainer.placement import Placement, role_specs
+        from megatron_rl.trainer.placement import Placement, actor_lora, role_specs
         from megatron_rl.trainer.rollout_phase import RolloutPhase
         from megatron_rl.workers.weight_sync import WeightSync
 
@@ -155,8 +155,9 @@ class RayPPOTrainer:
         if self.placement.started_asleep:  # GPU: the engines started before the roles and were put to sleep
             self.phases.state["rollout"] = ()
         rollout_cfg = self.config.actor_rollout_ref.rollout  # an fp8 engine gets its blocks quantised by the actor
+        lora = actor_lora(self.config)  # lora.merge: false -> only the adapters go into vLLM's LoRA
         self.weight_sync = WeightSync(self.actor, router.actors, rollout_cfg.checkpoint_engine,
-                                      quantization=rollout_cfg.quantization)
+                                      quantization=rollout_cfg.quantization, adapter_only=lora.enabled and not lora.merge)
         reward_fn = FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn  # agent sessions: final answers
         self.rollout_phase = RolloutPhase(self.config, self.needs, router, self.train_dataloader, reward_fn,
                                           self.rm, dump=GenerationDump.create(self.config.trainer.rollout_data_dir))

@@ -124,6 +124,14 @@ class RolloutWorker:
         with self._push():
             return self.rollout.update_weights(weights, **kwargs)
 
+    def load_lora_adapter_parts(self, parts: tuple) -> dict[str, Any]:
+        """Adapter-only weight sync (``lora.merge: false``): ``VLLMRollout.load_lora_tensors`` of actor
+        rank 0's ``(tensors, shared, peft_config)`` (``WeightSyncRank.export_lora_adapter_parts``)."""
+        if parts is None:
+            raise ValueError("load_lora_adapter_parts got None: pass the adapter of global rank 0")
+        with self._push():
+            return self.rollout.load_lora_tensors(*parts)
+
     def sleep(self, level: int = 1) -> None:
         """``VLLMRollout.sleep``: release the engine's GPU memory (the phase schedule, between generations)."""
         self.rollout.sleep(level)

@@ -23,6 +23,8 @@ whichever path is taken; an FP8 engine given unquantised weights quantises them 
 
 ``export_weights(group, bucket_bytes)`` is the gathered HF export on its own (HF checkpoints);
 ``WeightSyncRank.export_lora_adapter`` the LoRA adapters as a PEFT adapter (``lora_adapter/`` of one).
+A LoRA actor with ``lora.merge: false`` syncs its adapters only (``WeightSync(adapter_only=True)``):
+rank 0's compact PEFT adapter goes through Ray's object store to every replica's vLLM LoRA.
 ``WeightSyncRank`` is the part each actor rank runs (mixed into ``MegatronWorker``).
 ``connect_weight_sync`` / ``sync_weights`` are the older two-call form of the streamed path.
 """
@@ -40,12 +42,13 @@ __all__ = ["WeightSync", "WeightSyncRank", "export_weights", "connect_weight_syn
 
 
 def _check_merged_sync(engine) -> None:
-    """A LoRA engine syncs and exports its merged weights (``lora.merge: true``, checked when the config
-    is built); the adapters alone (``merge: false``, into vLLM's LoRA) are not built."""
+    """A full (streamed or gathered) sync of a LoRA engine moves its merged weights; with
+    ``lora.merge: false`` the rollout gets the adapters instead (``WeightSync(adapter_only=True)``)."""
     lora = engine.lora
     if lora is not None and not lora.merge:
-        raise ValueError(f"lora.merge={lora.merge!r} with lora.rank={lora.rank}: adapter-only weight sync into "
-                         "vLLM's LoRA is not built; allowed: true (the merged weights W + alpha/rank * B A)")
+        raise ValueError(f"lora.merge={lora.merge!r} with lora.rank={lora.rank}: this engine syncs only its adapters "
+                         "into vLLM's LoRA (WeightSync(adapter_only=True)); a full-weight sync is not its path. "
+                         "Allowed here: lora.merge=true (the merged weights W + alpha/rank * B A)")
 
 
 class WeightSyncRank:
@@ -63,7 +66,6 @@ class WeightSyncRank:
 
         if self.weight_map is None:
             raise ValueError("export_weights needs the HF family of the model: build the group with hf_dir")
-        _check_merged_sync(self.engine)
         if self._exporter is None:
             self._exporter = HFExporter(self.engine.model, self.weight_map, mesh=self.mesh,
                                         dtype=getattr(torch, dtype) if dtype else None,
@@ -103,6 +105,22 @@ class WeightSyncRank:
         if self.rank != 0:
             return None
         return tensors, peft_adapter_config(self.engine.lora, tensors, base_model_name_or_path=base_model_name_or_path)
+
+    def export_lora_adapter_parts(self, bucket_bytes: int) -> Optional[tuple[dict, dict, dict]]:
+        """Collective: global rank 0 returns the compact PEFT adapter ``(tensors, shared, peft_config)``
+        (``megatron_rl.engine.lora_peft.peft_adapter_parts``: each adapter tensor once) for an
+        adapter-only sync (``lora.merge: false``); the others None."""
+        from megatron_rl.engine.lora_peft import expand_shared, peft_adapter_config, peft_adapter_parts
+
+        if self.engine.lora is None:
+            raise ValueError("an adapter-only weight sync needs a LoRA actor (actor_rollout_ref.model.lora.rank > 0)")
+        if self.weight_map is None:
+            raise ValueError("export_lora_adapter_parts needs the HF family of the model: build the group with hf_dir")
+        tensors, shared = peft_adapter_parts(self.engine.model, self.weight_map, mesh=self.mesh,
+                                             bucket_bytes=bucket_bytes)
+        if self.rank != 0:
+            return None
+        return tensors, shared, peft_adapter_config(self.engine.lora, expand_shared(tensors, shared))
 
     def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float, shm_dir: str,
                            dtype: Optional[str] = None, quantization: Optional[str] = None) -> Optional[tuple[str, int]]:
@@ -148,16 +166,23 @@ class WeightSync:
         dtype: cast the exported tensors (a torch dtype name, e.g. ``"bfloat16"``); None keeps them.
         quantization: ``actor_rollout_ref.rollout.quantization`` (None or ``"fp8"``: rank 0 sends
             block FP8 weight + scale pairs).
+        adapter_only: a LoRA actor with ``lora.merge: false``: every sync moves only the adapters (rank
+            0's compact PEFT adapter, through Ray's object store to each replica, which loads it into
+            vLLM's LoRA: ``VLLMRollout.load_lora_tensors``); the transport setting is not used.
     """
 
     def __init__(self, actor_group, rollout_worker, config: WeightSyncConfig, *, dtype: Optional[str] = None,
-                 quantization: Optional[str] = None):
+                 quantization: Optional[str] = None, adapter_only: bool = False):
         from parallel.transport import get_transport
 
         self.rollouts = list(rollout_worker) if isinstance(rollout_worker, (list, tuple)) else [rollout_worker]
         self.group, self.rollout, self.config, self.dtype = actor_group, self.rollouts[0], config, dtype
         self.quantization = quantization
-        self.streamed = get_transport(config.backend).streamable
+        if adapter_only and quantization is not None:
+            raise ValueError(f"rollout.quantization={quantization!r} with lora.merge=false is not built (the adapters "
+                             "go to vLLM's LoRA unquantised); allowed: None, or set lora.merge=true")
+        self.adapter_only = adapter_only
+        self.streamed = get_transport(config.backend).streamable and not adapter_only
         self.connected = False
 
     @property
@@ -193,7 +218,16 @@ class WeightSync:
         """
 
         start = time.perf_counter()
-        if self.streamed:
+        if self.adapter_only:
+            import ray
+
+            parts = [w.export_lora_adapter_parts.remote(self.bucket_bytes) for w in self.group.workers]
+            acks = [r.load_lora_adapter_parts.remote(parts[0]) for r in self.rollouts]  # rank 0's, by reference
+            try:
+                ray.get(parts)
+            finally:
+                out = _acknowledged(acks)[0]
+        elif self.streamed:
             if not self.connected:
                 self.connect()
             out = _streamed_sync(self.group, self.rollouts)

@@ -428,8 +428,6 @@ LORA_ON = ["actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.
      "actor_rollout_ref.model.lora.type='dora' is not allowed; choose one of ['lora']"),
     ([*LORA_ON, "actor_rollout_ref.model.lora.target_modules=[q_proj]"],
      "actor_rollout_ref.model.lora.target_modules: ['q_proj'] not allowed; each one of ['linear_qkv', "),
-    (["actor_rollout_ref.model.lora.rank=4"],  # verl's default merge: false (adapter-only sync) is not built
-     "lora.merge=False is refused with lora.rank=4: adapter-only weight sync into vLLM's LoRA is not built"),
     ([*LORA_ON, "actor_rollout_ref.model.lora.adapter_path=/adapter"],
      "lora.adapter_path='/adapter' is refused with lora.rank=4: loading a PEFT adapter is not built"),
     (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=true"],
@@ -441,6 +439,21 @@ def test_bad_lora_settings_are_refused_by_key_when_the_config_is_built(overrides
     with pytest.raises(ValueError) as err:
         load_config("grpo", overrides)
     assert says in str(err.value)
+
+
+def test_lora_merge_false_is_verls_default_and_builds():
+    """``lora.merge`` left out is verl's ``false``: the adapters alone go into vLLM's LoRA, whose engine
+    gets ``enable_lora`` with a slot rank vLLM accepts (4 -> 8)."""
+    from megatron_rl.config.lora import vllm_lora_engine_kwargs
+    from megatron_rl.trainer.placement import actor_lora
+
+    lora = actor_lora(load_config("grpo", ["actor_rollout_ref.model.lora.rank=4"]))
+    assert (lora.rank, lora.merge) == (4, False)
+    assert vllm_lora_engine_kwargs(lora) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    assert vllm_lora_engine_kwargs(actor_lora(load_config("grpo", LORA_ON))) == {}  # merged sync: no vLLM LoRA
+    with pytest.raises(ValueError, match="lora.rank: 600 is not allowed with lora.merge=false; vLLM holds adapters "
+                                         "of rank <= 512"):
+        vllm_lora_engine_kwargs(actor_lora(load_config("grpo", ["actor_rollout_ref.model.lora.rank=600"])))
 
 
 def _tiny_hf_dir(cfg, tmp_path):

@@ -127,8 +127,8 @@ def test_lora_engine_refusals():
     from megatron_rl.config.lora import resolve_lora
 
     run_distributed(_frozen_refuses, world_size=1)
-    cases = [({"lora": {"rank": 4}}, "lora.merge=False is refused"),
-             ({"lora": {"rank": 4, "merge": True, "type": "dora"}}, "lora.type='dora' is not allowed"),
+    assert resolve_lora({"lora": {"rank": 4}}).merge is False  # verl's default: the adapter-only sync
+    cases = [({"lora": {"rank": 4, "merge": True, "type": "dora"}}, "lora.type='dora' is not allowed"),
              ({"lora": {"rank": 4, "merge": True, "target_modules": ["q_proj"]}}, "['q_proj'] not allowed"),
              ({"lora": {"rank": 4, "merge": True, "adapter_path": "/x"}}, "lora.adapter_path='/x' is refused"),
              ({"lora": {"rank": -1}}, "lora.rank: -1 is not allowed"),

@@ -4,8 +4,9 @@ Two GRPO steps of the recipe, shrunk as tests/megatron_rl/trainer/test_recipes.p
 with a reward that gives a random model varied scores (so the adapters get a gradient). Checked: the
 actor's base weights are bit-identical after the steps (the merged-weight sync and the HF export put
 them back), its adapters moved, no reference worker exists while the KL loss ran on the base model's
-log-probs (the actor with adapters off), the merged weights' sync is logged (``weight_sync/bytes``: the
-whole HF model), and vLLM, after the last sync, gives the trained actor's log-probs. The final HF
+log-probs (the actor with adapters off), the sync is logged (``weight_sync/bytes``: the whole HF model
+with ``lora.merge: true``; the adapters' bytes alone with ``merge: false``, which loads them into vLLM's
+LoRA), and vLLM, after the last sync, gives the trained actor's log-probs either way. The final HF
 export holds the merged model and, in ``lora_adapter/``, the adapters as a PEFT adapter: ``peft`` puts
 it on the starting checkpoint and gets the merged model's logits (``PEFT_TOL``: ``W x + s B (A x)`` vs
 ``(W + s B A) x`` in float32).
@@ -43,7 +44,8 @@ def _parameters(trainer) -> dict:
                         for name, p in chunk.named_parameters()}))
 
 
-def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path, ray_cluster):
+@pytest.mark.parametrize("merge", [True, False], ids=["merged-sync", "adapter-sync"])
+def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path, ray_cluster, merge):
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
@@ -51,7 +53,8 @@ def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path,
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.rollout.testing import chat_prompts
 
-    config = TrainerRunConfig.from_dict(compose("grpo_lora", [*SMALL, f"trainer.default_local_dir={tmp_path}"]))
+    config = TrainerRunConfig.from_dict(compose("grpo_lora", [*SMALL, f"trainer.default_local_dir={tmp_path}",
+                                                              f"actor_rollout_ref.model.lora.merge={str(merge).lower()}"]))
     trainer = build_trainer(config, tmp_path)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score)
     assert trainer.needs.reference and trainer.ref_in_actor  # the KL loss's reference is the base model
@@ -77,8 +80,12 @@ def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path,
     assert all(not (before[n] == after[n]).all() for n in adapters if n.endswith("lora_B"))  # B starts at 0
     assert [int(h["training/global_step"]) for h in history] == [1, 2]
     base_bytes = sum(before[n].nbytes for n in base)
+    adapter_bytes = sum(before[n].nbytes for n in adapters)
     for step in history:
-        assert step["weight_sync/bytes"] == base_bytes  # merged weights: the whole model, under HF names
+        if merge:
+            assert step["weight_sync/bytes"] == base_bytes  # merged weights: the whole model, under HF names
+        else:  # only the adapters, each tensor once (<= adapter bytes + 1 %), into vLLM's LoRA
+            assert step["weight_sync/bytes"] == adapter_bytes < base_bytes  # 14 % here: rank 16 on a tiny model
         assert step["actor/grad_norm"] > 0 and math.isfinite(step["actor/kl_loss"]), step
         assert "timing_s/ref" in step
     mask = sample["response_mask"].bool()
