@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl.data.batch import fields_of
 from megatron_rl.workers.dispatch import ShardCache
+from megatron_rl.workers.probes import bundle_where
 from megatron_rl.workers.spec import WorkerSpec
 
 __all__ = ["MegatronWorkerGroup", "GpuBundles"]
@@ -28,7 +29,7 @@ class GpuBundles:
     colocated role (verl's ``max_colocate_count``): rank ``g`` of each role and the engine worker of
     GPU ``g`` take slot ``g``, so they see the same device and no two ranks of one role share one.
 
-    Ray's bundle order is not node-grouped (a known cause of cross-node TP groups), so a probe actor
+    Ray's bundle order is not node-grouped (a known cause of cross-node TP groups), so a probe task
     in each bundle reports its node and GPU id and the slots are the bundles sorted by (node, GPU):
     node order is that of the first bundle Ray placed on each node. ``gpus`` gives each slot's
     ``(node_index, node_id, node_ip, gpu_id)``.
@@ -55,11 +56,10 @@ class GpuBundles:
             raise RuntimeError(f"{name}: Ray could not reserve {total} bundles of one GPU and {num_cpus_per_bundle} "
                                f"CPU(s) ({nodes} node(s) x {gpus_per_node} GPUs) within {timeout_s:.0f} s; cluster "
                                f"resources: {ray.cluster_resources()}") from err
-        probe = ray.remote(num_cpus=0, num_gpus=0.001)(_BundleProbe)
-        probes = [probe.options(scheduling_strategy=self._strategy(b)).remote() for b in range(total)]
-        found = ray.get([p.where.remote() for p in probes])
-        for p in probes:
-            ray.kill(p)
+        # A task, not an actor: it runs on a pooled worker process instead of starting one per bundle, and
+        # it lives in a module that imports neither torch nor this one (a worker unpickles it by module).
+        probe = ray.remote(num_cpus=0, num_gpus=0.001, max_calls=0)(bundle_where)  # 0: reuse (it holds no GPU memory)
+        found = ray.get([probe.options(scheduling_strategy=self._strategy(b)).remote() for b in range(total)])
         node_order: dict[str, int] = {}
         for node_id, _, _ in found:
             node_order.setdefault(node_id, len(node_order))
@@ -95,16 +95,6 @@ class GpuBundles:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.placement_group)
-
-
-class _BundleProbe:
-    """Reports where Ray put it: ``(node_id, node_ip, gpu_id)``."""
-
-    def where(self) -> tuple:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return ctx.get_node_id(), ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0])
 
 
 class MegatronWorkerGroup:

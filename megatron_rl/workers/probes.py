@@ -1,13 +1,23 @@
-"""Probe actors for the placement tests: they stand in for ``MegatronWorker``, ``RolloutWorker`` and
+"""Where Ray put a process: ``bundle_where``, the probe ``GpuBundles`` runs in each of its bundles, and the
+probe actors of the placement tests, which stand in for ``MegatronWorker``, ``RolloutWorker`` and
 ``HeadlessEngineNode`` (same constructor and the calls the placement makes) and report where Ray put
 them (node, ``CUDA_VISIBLE_DEVICES``, GPU ids). They live in the package so that a Ray worker started
-with a ``runtime_env`` (the engines' ``CUDA_VISIBLE_DEVICES``) can import them."""
+with a ``runtime_env`` (the engines' ``CUDA_VISIBLE_DEVICES``) can import them, and in a module that
+imports nothing but ``os``: each Ray worker that runs one imports this module (torch would cost a
+placement of 8 GPUs ~40 s on a 2-core machine)."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["RankProbe", "EngineProbe", "HeadlessProbe"]
+__all__ = ["bundle_where", "RankProbe", "EngineProbe", "HeadlessProbe"]
+
+
+def bundle_where() -> tuple:
+    """``(node_id, node_ip, gpu_id)`` of the bundle this Ray task runs in (``GpuBundles``' probe)."""
+    import ray
+
+    return _node(), ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0])
 
 
 def _node() -> str:
