@@ -399,8 +399,8 @@ def test_grpo_lora_recipe_resolves_lora_and_the_reference_is_the_actor():
     cfg = load_config("grpo_lora")
     needs = resolve_run(cfg)
     lora = actor_lora(cfg)
-    assert (lora.rank, lora.alpha, lora.merge, lora.target_modules) == (
-        16, 32.0, True, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    assert (lora.rank, lora.alpha, lora.merge, lora.target_modules) == (  # merge: false: adapters-only sync
+        16, 32.0, False, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     assert needs.reference and reference_in_actor(cfg, needs)  # the KL loss's reference: the base model
     dumped = TrainerRunConfig.from_dict(cfg.to_dict())
     assert dumped == cfg and actor_lora(dumped) == lora
