@@ -160,6 +160,21 @@ def lora_rollout_config(config: TrainerRunConfig):
     return dataclasses.replace(rollout_cfg, engine_kwargs=engine_kwargs)
 
 
+def _warn_sync_keys_unused(sync) -> None:
+    """With ``lora.merge: false`` the adapters travel once through Ray's object store, not through the
+    weight-sync transport: its keys set away from their defaults warn by name (``InertKeyWarning``)."""
+    from megatron_rl.config.compat import warn_once
+    from megatron_rl.config.rollout import WeightSyncConfig
+
+    default = WeightSyncConfig()
+    for name in ("backend", "update_weights_bucket_megabytes", "shm_dir"):
+        value = getattr(sync, name)
+        if value != getattr(default, name):
+            warn_once(f"actor_rollout_ref.rollout.checkpoint_engine.{name}={value!r} has no effect with "
+                      "actor_rollout_ref.model.lora.merge=false: the adapters reach vLLM's LoRA through Ray's "
+                      "object store, not through the weight-sync transport")
+
+
 def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str) -> LoRAConfig:
     """The actor's ``LoRAConfig``, checked before any worker starts: a rank larger than a targeted linear's
     dimensions (``check_lora_fits`` on the actor's architecture at ``model_path``) and a critic that would
@@ -193,6 +208,7 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
                     raise ValueError(f"{key}={value!r} with actor_rollout_ref.model.lora.merge=false is not built "
                                      f"(adapter-only sync into vLLM's LoRA); allowed: {allowed!r}, or set "
                                      "actor_rollout_ref.model.lora.merge=true")
+            _warn_sync_keys_unused(rollout_cfg.checkpoint_engine)
             experts = model_cfg.is_moe and "experts" not in lora.exclude_modules and any(
                 t in lora.target_modules for t in ("linear_fc1", "linear_fc2"))
             if experts:

@@ -499,3 +499,26 @@ def test_lora_actor_gets_its_adapters_and_no_reference_worker(tmp_path):
                                     "critic.model.lora.rank=0"])
     specs = role_specs(ppo, resolve_run(ppo), model_path=hf_dir, total_steps=1)
     assert sorted(specs) == ["actor", "critic"] and specs["critic"].lora is None
+
+
+def test_lora_adapter_only_sync_warns_that_the_transport_keys_do_nothing(tmp_path):
+    """With ``lora.merge: false`` the adapters go through Ray's object store: a weight-sync transport key set
+    away from its default warns by name; left at the defaults, nothing warns; with the merged sync it acts."""
+    from megatron_rl.config.compat import InertKeyWarning
+    from megatron_rl.trainer.placement import role_specs
+
+    def sync_warnings(overrides):
+        cfg = load_config("grpo_lora", overrides)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            role_specs(cfg, resolve_run(cfg), model_path=_tiny_hf_dir(cfg, tmp_path), total_steps=1)
+        return [str(w.message) for w in caught if issubclass(w.category, InertKeyWarning)
+                and "checkpoint_engine" in str(w.message)]
+
+    said = sync_warnings(["actor_rollout_ref.rollout.checkpoint_engine.backend=shm"])
+    assert said == ["actor_rollout_ref.rollout.checkpoint_engine.backend='shm' has no effect with "
+                    "actor_rollout_ref.model.lora.merge=false: the adapters reach vLLM's LoRA through Ray's "
+                    "object store, not through the weight-sync transport"]
+    assert sync_warnings([]) == []
+    assert sync_warnings(["actor_rollout_ref.rollout.checkpoint_engine.backend=shm",
+                          "actor_rollout_ref.model.lora.merge=true"]) == []
