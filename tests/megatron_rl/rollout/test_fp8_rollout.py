@@ -217,7 +217,7 @@ def test_fp8_engine_kwargs_are_verls_and_bad_input_is_named(deepseek, tmp_path):
         fp8_engine_kwargs(str(mixtral), "dummy")
     # the whole vllm.LLM argument set a GPU engine is built with (nothing allocated: no engine is started)
     gpu = VLLMRollout.__new__(VLLMRollout)
-    gpu.on_gpu = True
+    gpu.on_gpu, gpu.max_lora_rank = True, 0  # no LoRA slot (what __init__ sets without max_lora_rank)
     gpu.config = RolloutConfig(quantization="fp8", load_format="dummy", gpu_memory_utilization=0.85,
                                engine_kwargs={"vllm": {"hf_overrides": {"max_position_embeddings": 64}}})
     kwargs = gpu._engine_kwargs(str(deepseek.hf_dir), None)
