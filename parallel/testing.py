@@ -10,7 +10,7 @@ CPU (gloo) ranks are forked from a fork server of this module's own that importe
 Megatron once (``parallel._rank_preload``): a rank starts in a fraction of a second instead of
 the seconds a spawned interpreter spends importing them, and every rank of the session shares
 those pages. A rank still gets the caller's ``sys.path``, working directory and environment as
-they are at the call (a spawned rank would inherit them the same way). NCCL ranks are spawned.
+they are at the call (a spawned rank would inherit them the same way). NCCL ranks, and every rank on a machine with CUDA, are spawned (``spawn_ranks``).
 
 No rank outlives the call: each rank leads its own process group, which is killed (the rank
 and anything it started) on every way out of ``run_distributed``, and each rank is set to die
@@ -81,7 +81,7 @@ class _RankProcess(mp.get_context("forkserver").Process):
     def _Popen(process_obj):
         return _RankPopen(process_obj)
 
-__all__ = ["run_distributed", "find_free_port", "DistributedTestError", "exit_server_at_once"]
+__all__ = ["run_distributed", "spawn_ranks", "find_free_port", "DistributedTestError", "exit_server_at_once"]
 
 
 class DistributedTestError(RuntimeError):
@@ -178,6 +178,19 @@ def _worker(rank: int, world_size: int, backend: str, port: int, fn: Callable, a
                 pass
 
 
+def spawn_ranks(backend: str, cuda: bool | None = None) -> bool:
+    """Whether ``run_distributed`` spawns its ranks (a fresh interpreter each) rather than forking them
+    from the preloaded fork server: NCCL ranks, and any rank on a machine with CUDA (``cuda``; default
+    ``torch.cuda.is_available()``, which does not initialise CUDA). A CUDA context does not survive a fork,
+    and the fork server's imports may initialise one: forked gloo ranks on the first H200 failed with
+    "Cannot re-initialize CUDA in forked subprocess" at ``torch.cuda.set_device``."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    return backend == "nccl" or bool(cuda)
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -194,8 +207,9 @@ def run_distributed(
         raise ValueError(f"world_size={world_size} must be >= 1")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not allowed; choose 'gloo' or 'nccl'")
-    ctx = mp.get_context("spawn" if backend == "nccl" else "forkserver")
-    process = ctx.Process if backend == "nccl" else _RankProcess
+    spawned = spawn_ranks(backend)
+    ctx = mp.get_context("spawn" if spawned else "forkserver")
+    process = ctx.Process if spawned else _RankProcess
     results = ctx.Queue()
     port = find_free_port()
     rank_env = {**os.environ, **(env or {})}

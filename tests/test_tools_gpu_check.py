@@ -31,3 +31,15 @@ def test_a_failed_or_missing_test_fails_its_path():
     assert fold(paths, results) == [("FAIL", "a", "AssertionError: 3 != 4"), ("SKIP", "b", "no GPU"),
                                     ("FAIL", "c", "t.py::w did not run")]
     assert fold({"a": ["t.py::x"]}, results) == [("PASS", "a", "")]
+
+
+def test_a_rank_failure_names_its_cause_not_only_its_rank():
+    from tools.gpu_check import failure_summary
+
+    text = ("Traceback (most recent call last):\n  File \"parallel/mesh.py\", line 181, in init_mesh\n"
+            "RuntimeError: Cannot re-initialize CUDA in forked subprocess\n")
+    assert failure_summary("parallel.testing.DistributedTestError: _case failed on rank 0 of 1:", text) == (
+        "parallel.testing.DistributedTestError: _case failed on rank 0 of 1: ... "
+        "RuntimeError: Cannot re-initialize CUDA in forked subprocess")
+    assert failure_summary("AssertionError: 1 != 2", "AssertionError: 1 != 2") == "AssertionError: 1 != 2"
+    assert failure_summary("", "") == ""

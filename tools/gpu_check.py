@@ -57,6 +57,17 @@ def fp8_skip_reason() -> str | None:
     return None if (major, minor) >= (8, 9) else f"no FP8 on compute capability {major}.{minor} (needs 8.9+)"
 
 
+def failure_summary(message: str, text: str) -> str:
+    """A failure's first line and, where they differ, the last line of its traceback: a rank's
+    ``DistributedTestError`` starts "<case> failed on rank 0 of 1:" and its cause is the last line
+    (the first H200 check printed only the first)."""
+    lines = [line.strip() for line in f"{message}\n{text}".splitlines() if line.strip()]
+    if not lines:
+        return ""
+    first, last = lines[0], lines[-1]
+    return (first if last == first else f"{first} ... {last}")[:400]
+
+
 def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     """``node id -> (pass | fail | skip, message)`` from a pytest JUnit report."""
     out = {}
@@ -66,7 +77,7 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
         status, message = "pass", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                status, message = "fail", (child.get("message") or child.text or "").strip().splitlines()[0][:300]
+                status, message = "fail", failure_summary(child.get("message") or "", child.text or "")
             elif child.tag == "skipped":
                 status, message = "skip", (child.get("message") or "").strip()[:300]
         out[node] = status, message

@@ -143,3 +143,13 @@ def _hang_writing_pid(rank: int, world_size: int, pid_file: str) -> int:
         f.write(str(os.getpid()))
     time.sleep(300)
     return rank
+
+
+def test_ranks_are_spawned_for_nccl_and_on_cuda_machines_else_forked():
+    """A CUDA context does not survive a fork (the first H200 run's forked gloo ranks failed with
+    "Cannot re-initialize CUDA in forked subprocess"): with CUDA every rank is a fresh interpreter."""
+    from parallel.testing import spawn_ranks
+
+    assert spawn_ranks("nccl", cuda=False) and spawn_ranks("nccl", cuda=True) and spawn_ranks("gloo", cuda=True)
+    assert not spawn_ranks("gloo", cuda=False)
+    assert spawn_ranks("gloo") == torch.cuda.is_available()
