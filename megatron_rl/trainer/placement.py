@@ -162,12 +162,14 @@ def lora_rollout_config(config: TrainerRunConfig):
 
 def _warn_sync_keys_unused(sync) -> None:
     """With ``lora.merge: false`` the adapters travel once through Ray's object store, not through the
-    weight-sync transport: its keys set away from their defaults warn by name (``InertKeyWarning``)."""
+    weight-sync transport: its backend and bucket size set away from their defaults warn by name
+    (``InertKeyWarning``). ``shm_dir`` still acts: the engine writes the adapter's PEFT directory there
+    (``VLLMRollout.load_lora_tensors``)."""
     from megatron_rl.config.compat import warn_once
     from megatron_rl.config.rollout import WeightSyncConfig
 
     default = WeightSyncConfig()
-    for name in ("backend", "update_weights_bucket_megabytes", "shm_dir"):
+    for name in ("backend", "update_weights_bucket_megabytes"):
         value = getattr(sync, name)
         if value != getattr(default, name):
             warn_once(f"actor_rollout_ref.rollout.checkpoint_engine.{name}={value!r} has no effect with "

@@ -502,8 +502,9 @@ def test_lora_actor_gets_its_adapters_and_no_reference_worker(tmp_path):
 
 
 def test_lora_adapter_only_sync_warns_that_the_transport_keys_do_nothing(tmp_path):
-    """With ``lora.merge: false`` the adapters go through Ray's object store: a weight-sync transport key set
-    away from its default warns by name; left at the defaults, nothing warns; with the merged sync it acts."""
+    """With ``lora.merge: false`` the adapters go through Ray's object store: the transport's backend set
+    away from its default warns by name; left at the defaults, nothing warns; ``shm_dir`` (where the engine
+    writes the adapter) and the merged sync act."""
     from megatron_rl.config.compat import InertKeyWarning
     from megatron_rl.trainer.placement import role_specs
 
@@ -520,5 +521,6 @@ def test_lora_adapter_only_sync_warns_that_the_transport_keys_do_nothing(tmp_pat
                     "actor_rollout_ref.model.lora.merge=false: the adapters reach vLLM's LoRA through Ray's "
                     "object store, not through the weight-sync transport"]
     assert sync_warnings([]) == []
+    assert sync_warnings(["actor_rollout_ref.rollout.checkpoint_engine.shm_dir=/tmp"]) == []  # the adapter's dir
     assert sync_warnings(["actor_rollout_ref.rollout.checkpoint_engine.backend=shm",
                           "actor_rollout_ref.model.lora.merge=true"]) == []
