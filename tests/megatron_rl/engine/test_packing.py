@@ -239,7 +239,10 @@ def _te_case(rank, world_size, ckpt):
 
 @pytest.mark.gpu
 def test_transformer_engine_thd_attention_equals_padded(tmp_path):
-    """TE's THD attention (cu_seqlens, padding_causal) on one GPU: packed + token budget equals padded."""
+    """TE's THD attention (cu_seqlens, padding_causal) on one GPU: packed + token budget equals padded.
+    A GPU without Transformer Engine installed (the first H200's image) skips it by name rather than
+    failing in a rank's import."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed (the [gpu] extra's TE)")
     out = run_distributed(_te_case, 1, str(tmp_path / "te"), backend="nccl")[0]
     mask = make_batch(DENSE["vocab_size"], ragged=True)["response_mask"].bool()
     for key in ("log_probs", "entropys"):
