@@ -25,7 +25,7 @@ from megatron_rl.data.batch import batch_fields
 from megatron_rl.engine import MegatronEngine, ModelOutput, StepInfo
 from megatron_rl.engine.router_replay import ROUTED_EXPERTS
 from megatron_rl.roles.lm_head import response_log_probs, topk_distillation_terms, topk_log_probs
-from megatron_rl.roles.policy_loss import PolicyLossInputs, PolicyObjective
+from megatron_rl.roles.actor_loss import PolicyLossInputs, PolicyObjective
 from megatron_rl.roles.common import check_config, require_fields, update_in_mini_batches, with_batch_info
 
 __all__ = ["Actor"]
