@@ -51,7 +51,8 @@ def _positive_float(label: str, text: str) -> float:
 def parse_rollout_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> tuple[float, Optional[float]]:
     """``(upper, lower)`` from an IS threshold: a number (TIS, ``lower=None``) or ``"low_high"`` (IcePop)."""
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise TypeError(f"{field}={spec!r} must be a number or a 'lower_upper' string, not {type(spec).__name__}")
+        kind = "a boolean" if isinstance(spec, bool) else type(spec).__name__  # verl's wording for a bool
+        raise TypeError(f"{field}={spec!r} must be a number or a 'lower_upper' string, not {kind}")
     text = str(spec).strip()
     if not text:
         raise ValueError(f"{field}={spec!r} is not a valid threshold: empty string")

@@ -1,0 +1,1 @@
+"""Part of the verl import shim (see verl/__init__.py)."""

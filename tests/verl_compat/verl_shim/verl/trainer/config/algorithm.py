@@ -1,0 +1,3 @@
+"""``verl.trainer.config.algorithm`` -> ``megatron_rl.config``."""
+
+from megatron_rl.config import AlgoConfig, RolloutCorrectionConfig  # noqa: F401
