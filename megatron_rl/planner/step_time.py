@@ -33,6 +33,14 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   ``colocated``: gathered from the training shards over NVLink; ``nccl``: NVLink or network;
   ``broadcast``: gloo over TCP; ``shm`` / ``bytes``: through host memory), plus the engine copying
   them into place.
+* **LoRA** (``lora.rank > 0``, ``megatron_rl.planner.lora``): the frozen base computes no weight gradients
+  (Megatron's ``linear_with_frozen_weight``), so an update's base GEMMs are 2 forwards' worth (3 with full
+  recompute), attention's 3 as before, and the adapters' own ``2 x r x (in + out)`` FLOPs per token and
+  linear are added at 3 passes; the gradient reduce-scatter, the distributed optimizer's all-gather and Adam
+  move only the adapters. The reference log-prob pass runs on the actor (adapters off), in its layout. With
+  ``merge: false`` vLLM keeps a LoRA slot per linear (``vllm_lora_slot_bytes``): it takes KV-cache room and
+  every decode step reads it; the sync moves the compact adapter only (through Ray's object store into a
+  file vLLM loads: host memory, down and up) plus vLLM's per-tensor load.
 * **offload** (PCIe): every onload / offload / sleep / wake of the schedule's transitions around the
   step (``StepSchedule.transitions``): the bytes of the parts moved; vLLM sleep level 1 moves its
   weights to host and back, level 2 drops them (the sync refills them).
@@ -178,6 +186,12 @@ class _Pass:
     """ppo_epochs of an update."""
     skipped: bool = False
     """Rollout-correction bypass mode: the rollout's log-probs are the old ones, no actor forward."""
+    frozen_base: bool = False
+    """LoRA: the base weights take no gradient (no weight-gradient GEMMs; only the adapters are optimised)."""
+    adapter_work: tuple = ()
+    """LoRA: per pipeline stage, the adapter parameters a token multiplies there (routed experts: top-k of them)."""
+    adapter_local: tuple = (0, 0)
+    """LoRA: ``(dense, expert)`` adapter parameters of one rank of the most loaded stage (the optimizer's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +231,11 @@ class _Run:
     mode: str
     overlap: bool
     partial_rollout: bool
+    lora_slot_rank: int = 0
+    """vLLM's ``max_lora_rank`` with ``lora.merge: false`` (0: no LoRA slot; the merged weights are synced)."""
+    adapter_sync_bytes: int = 0
+    """``lora.merge: false``: bytes of the compact adapter each sync moves."""
+    adapter_sync_tensors: int = 0
 
     @property
     def decode_groups(self) -> int:
@@ -320,9 +339,18 @@ def _engine_stages(run: _Run) -> list[_EngineStage]:
         stage_experts = int(experts * held_expert / all_expert) if all_expert else 0
         stage_total = int((total - experts) * held_dense / all_dense) + stage_experts
         weights = engine_weight_bytes_per_gpu(stage_total, stage_experts, **kw)
-        out.append(_EngineStage(weights, weights - engine_weight_bytes_per_gpu(stage_total - stage_experts, 0, **kw),
+        slot = _lora_slot(run) * layers // m.num_layers  # read every decode step like the weights
+        out.append(_EngineStage(weights + slot, weights - engine_weight_bytes_per_gpu(stage_total - stage_experts, 0, **kw),
                                 kv_layer * layers, layers, dense, routed))
     return out
+
+
+def _lora_slot(run: _Run) -> int:
+    """Bytes of vLLM's LoRA slot on one engine GPU at PP = 1 (``lora.merge: false``; else 0)."""
+    from megatron_rl.planner.lora import vllm_lora_slot_bytes
+
+    return vllm_lora_slot_bytes(run.model, run.lora_slot_rank, DTYPE_BYTES[run.rollout_dtype], tp=run.rollout_tp,
+                                ep=run.rollout_ep)
 
 
 def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
@@ -402,9 +430,12 @@ def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
     local = tokens / (dp * cp)  # the [tokens, h] a TP group's collectives move
     width = _attention_width(m)
     stages, overlapped_by_stage = [], []
-    for dense, expert, layers, moe_layers in _stage_work(m, p.stage_layers, p.value_head):
-        compute = per_rank * (passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
-                              + passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
+    base_passes = passes - (1 if p.trainable and p.frozen_base else 0)  # a frozen base: no weight-gradient GEMMs
+    adapter_work = p.adapter_work or (0,) * len(p.stage_layers)
+    for (dense, expert, layers, moe_layers), adapter in zip(_stage_work(m, p.stage_layers, p.value_head), adapter_work):
+        compute = per_rank * (base_passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+                              + base_passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
+                              + passes * 2 * adapter / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
                               + attn_passes * 2 * layers * width * seq / (hw.bf16_flops * ATTENTION_EFFICIENCY))
         comm = 0.0
         if tp > 1:  # per layer and direction: all-gather + reduce-scatter of [tokens, h] (= one all-reduce) twice
@@ -428,8 +459,8 @@ def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
     micro = max(tokens / dp / steps / p.micro_tokens, 1.0)
     compute *= 1 + (pp - 1) / (vpp * micro)
     if p.trainable:  # per optimizer step: gradient reduce-scatter (overlapped), parameter all-gather (exposed)
-        dense_local, expert_local = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head,
-                                                 stage_layers=p.stage_layers)  # the most loaded stage
+        dense_local, expert_local = p.adapter_local if p.frozen_base else count_params(
+            m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head, stage_layers=p.stage_layers)  # most loaded stage
         bw, _ = _link(hw, world // pp)
         for params, group in ((dense_local, dp * cp), (expert_local, s["expert_dp"])):
             if group > 1 and params:
@@ -442,7 +473,8 @@ def _megatron_pass(run: _Run, p: _Pass) -> PhaseTime:
     seconds = (max(compute, overlapped) + exposed) * p.repeats
     bound = "communication" if exposed + max(overlapped - compute, 0) > compute else "compute"
     where = f", slowest stage {slowest} of {pp} ({p.stage_layers[slowest]} layers)" if pp > 1 else ""
-    detail = (f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}, compute {compute:.1f} s, "
+    frozen = f" (LoRA: the frozen base's GEMMs {base_passes})" if base_passes != passes else ""
+    detail = (f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}{frozen}, compute {compute:.1f} s, "
               f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s{where}")
     return PhaseTime(seconds, bound, detail, stages=tuple(c + e for c, e in stages))
 
@@ -461,6 +493,13 @@ def _hf_tensor_count(m: ModelConfig) -> int:
 
 def _weight_sync(run: _Run) -> PhaseTime:
     hw = run.hw
+    if run.lora_slot_rank:  # lora.merge: false: the compact adapter, through host memory, into vLLM's LoRA slot
+        move = 2 * run.adapter_sync_bytes / (hw.host_bytes_per_s * HOST_LINK_EFFICIENCY)
+        load = 2 * _lora_slot(run) / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)
+        load += run.adapter_sync_tensors * VLLM_LOAD_S_PER_TENSOR
+        return PhaseTime(move + load, "communication" if move >= load else "engine load",
+                         f"{run.adapter_sync_bytes / GIB:.2f} GiB of LoRA adapters only (lora.merge=false) over host "
+                         f"memory, load {load:.2f} s")
     total = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization)
     shard = _engine_weights(run)[0]
     load = 2 * shard / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # the engine copies each tensor into place
@@ -546,7 +585,9 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
         raise ValueError(f"--response-length-mean={mean:g} is larger than the p99 ({p99:g}, "
                          f"{'--response-length-p99' if p99 != data.max_response_length else 'data.max_response_length'})")
     needs = resolve_run(cfg)
-    schedule = step_schedule(cfg, needs)
+    lora = arr.model.lora_config()
+    ref_in_actor = lora.enabled and needs.reference  # the trainer's rule: the reference is the actor, adapters off
+    schedule = step_schedule(cfg, dataclasses.replace(needs, reference=False) if ref_in_actor else needs)
     world, seq_max = cfg.trainer.world_size, data.max_prompt_length + data.max_response_length
     budgets = role_token_budgets(cfg)
 
@@ -562,13 +603,18 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
         return str(megatron.override_transformer_config.get("recompute_granularity") or "")
 
     actor = arr.actor
+    frozen = _lora_pass_fields(plan.model, lora, sizes(actor.megatron), stages(actor.megatron, plan.model))
     log_prob_micro = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None) or actor.ppo_micro_batch_size_per_gpu
     correction = cfg.algorithm.rollout_correction
     bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
     passes = [_Pass("actor_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
                     budgets["actor"].forward or log_prob_micro * seq_max, stages(actor.megatron, plan.model),
-                    skipped=bypass)]
-    if needs.reference:
+                    skipped=bypass, adapter_work=frozen.get("adapter_work", ()))]
+    if ref_in_actor:  # the actor's own forward with the adapters off, in the actor's layout
+        passes.append(_Pass("ref_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
+                            budgets["actor"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                            stages(actor.megatron, plan.model)))
+    elif needs.reference:
         passes.append(_Pass("ref_log_prob", plan.model, sizes(arr.ref.megatron), False, False, "", False,
                             budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
                             stages(arr.ref.megatron, plan.model)))
@@ -591,8 +637,10 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
     passes.append(_Pass("actor_update", plan.model, sizes(actor.megatron), True, False, recompute(actor.megatron),
                         actor.megatron.use_distributed_optimizer,
                         budgets["actor"].train or actor.ppo_micro_batch_size_per_gpu * seq_max,
-                        stages(actor.megatron, plan.model), actor.ppo_epochs))
-    passes.sort(key=lambda p: schedule.names.index(p.phase))
+                        stages(actor.megatron, plan.model), actor.ppo_epochs, **frozen))
+    order = schedule.names + (["ref_log_prob"] if ref_in_actor else [])
+    passes.sort(key=lambda p: order.index(p.phase) if p.phase != "ref_log_prob" or not ref_in_actor
+                else order.index("actor_log_prob") + 0.5)
     engines = plan.engines
     kv_dtype = str(rollout.engine_kwargs.get("vllm", {}).get("kv_cache_dtype", "auto"))
     dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
@@ -612,7 +660,33 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
                 backend=rollout.checkpoint_engine.backend, passes=tuple(passes),
                 offload_bytes=_offload_bytes(schedule, plan.roles), sleep_level=schedule.sleep_level,
                 sleeps=schedule.rollout_sleeps, mode=v1.trainer_mode, overlap=overlap,
-                partial_rollout=v1.partial_rollout)
+                partial_rollout=v1.partial_rollout, **_lora_sync_fields(plan, lora))
+
+
+def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple) -> dict:
+    """The actor update's ``_Pass`` fields of a LoRA actor (``{}`` without LoRA): the base frozen, the adapters'
+    work per stage (whole, routed experts at top-k of E) and one rank's adapters on the most loaded stage."""
+    from megatron_rl.planner.lora import adapter_params
+
+    if not lora.enabled:
+        return {}
+    pp = size["pp"]
+    whole = adapter_params(m, lora, pp=pp, stage_layers=stage_layers)
+    topk = m.moe_router_topk / m.num_moe_experts if m.is_moe else 0
+    local = adapter_params(m, lora, tp=size["tp"], pp=pp, ep=size["ep"], etp=size["etp"], stage_layers=stage_layers)
+    return {"frozen_base": True, "adapter_work": tuple(d + e * topk for d, e in whole),
+            "adapter_local": max(local, key=sum)}
+
+
+def _lora_sync_fields(plan: Any, lora: Any) -> dict:
+    """The ``_Run`` fields of an adapter-only sync (``lora.merge: false``; ``{}`` otherwise)."""
+    from megatron_rl.config.lora import vllm_lora_rank
+    from megatron_rl.planner.lora import adapter_sync_tensors
+
+    if not lora.enabled or lora.merge:
+        return {}
+    return {"lora_slot_rank": vllm_lora_rank(lora.rank), "adapter_sync_tensors": adapter_sync_tensors(plan.model, lora),
+            "adapter_sync_bytes": plan.phases["weight sync"]["sync adapter"]}
 
 
 def estimate_step_time(config: Any, plan: Any, *, hardware: str = "H100", response_length_mean: Optional[float] = None,
