@@ -35,7 +35,8 @@ this class's methods (or inside ``engine_call()``).
 
 **LoRA.** With ``max_lora_rank`` (or ``engine_kwargs.vllm.enable_lora``, which the trainer sets for
 ``lora.merge: false``) the engine has one LoRA slot; ``load_lora_tensors`` / ``load_lora_adapter``
-put the actor's PEFT adapter in it (base weights untouched) and every later generation uses it.
+put the actor's PEFT adapter in it (base weights untouched) and every later generation uses it
+(``megatron_rl.rollout.vllm_lora.VLLMLoRA``).
 
 **Weight sync.** ``update_weights`` moves the HF-named buckets with a ``parallel.transport``
 transport (``checkpoint_engine.backend`` unless named): ``transfer`` hands each bucket's message
@@ -58,23 +59,20 @@ on a CPU without it (``fp8_unsupported``). The FP8 engine path is built but unve
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import threading
 import time
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_rl.config.base import check_choice
-from megatron_rl.config.lora import vllm_lora_rank
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
 from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.vllm_extension import EngineWorld
+from megatron_rl.rollout.vllm_lora import VLLMLoRA
 from megatron_rl.rollout.weight_sync import quantize_fp8_stream
 from megatron_rl.rollout.fp8 import FP8_MODEL_TYPES, fp8_engine_kwargs, fp8_unsupported
 from parallel.bridge.fp8 import DEFAULT_BLOCK
@@ -251,7 +249,7 @@ def _file_store_path(llm) -> str | None:
     return path if os.path.basename(path).startswith("vllm_dist_") else None
 
 
-class VLLMRollout:
+class VLLMRollout(VLLMLoRA):
     """A ``vllm.LLM`` engine that returns verl-layout rollout batches and takes weight syncs.
 
     Args:
@@ -269,14 +267,7 @@ class VLLMRollout:
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
         self._multi_node = dict(multi_node or {})  # the head of an engine larger than a node (GPU only)
-        # 0: no LoRA; else vLLM's slot rank >= the adapters' (the argument, or engine_kwargs.vllm's enable_lora
-        # and max_lora_rank, which the trainer sets from lora.merge: false: config.lora.vllm_lora_engine_kwargs)
-        engine_vllm = self.config.engine_kwargs.get("vllm") or {}
-        if not max_lora_rank and engine_vllm.get("enable_lora"):
-            max_lora_rank = int(engine_vllm.get("max_lora_rank", 16))  # vLLM's default
-        self.max_lora_rank = vllm_lora_rank(max_lora_rank)
-        self._lora_request = None  # the adapter every generation uses (``load_lora_adapter``)
-        self._lora_dir: Path | None = None  # the directory ``load_lora_tensors`` wrote it to
+        self._init_lora(max_lora_rank)
         cfg = self.config
         self.on_gpu = torch.cuda.is_available()
         if cfg.quantization == "fp8":  # refused before anything is built
@@ -332,8 +323,7 @@ class VLLMRollout:
         )
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine)
-        if self.max_lora_rank:  # one adapter slot: the actor's current adapters (lora.merge: false)
-            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        kwargs.update(self._lora_engine_kwargs())
         kwargs.update(_parallel_kwargs(cfg, getattr(self, "_multi_node", None)))
         extra = dict(cfg.engine_kwargs.get("vllm") or {})
         if cfg.quantization == "fp8":
@@ -573,68 +563,6 @@ class VLLMRollout:
                              f"{loaded['not_loaded'][:8]}; pass allow_partial=True for a partial update")
         return {**stats.as_dict(), "seconds": seconds}
 
-    def load_lora_adapter(self, adapter_dir: str | os.PathLike) -> dict[str, Any]:
-        """Make the PEFT adapter directory ``adapter_dir`` the adapter every generation uses, the base
-        weights untouched (``lora.merge: false``): vLLM loads it now (under a new adapter id, so nothing
-        stale is reused; the previous adapter is dropped) and the prefix cache is reset. Needs an engine
-        built with ``max_lora_rank`` >= the adapter's ``r``. Returns ``{"bytes", "seconds", "lora_int_id"}``
-        (``bytes``: the adapter's safetensors file, what vLLM read)."""
-        from vllm.lora.request import LoRARequest
-
-        if not self.max_lora_rank:
-            raise ValueError("load_lora_adapter: the engine was built without LoRA; build VLLMRollout with "
-                             "max_lora_rank >= the adapter's rank")
-        path = Path(adapter_dir)
-        rank = int(json.loads((path / "adapter_config.json").read_text())["r"])
-        if rank > self.max_lora_rank:
-            raise ValueError(f"load_lora_adapter: the adapter's r={rank} exceeds the engine's max_lora_rank="
-                             f"{self.max_lora_rank}")
-        start = time.perf_counter()
-        previous = self._lora_request
-        lora_id = 1 if previous is None else previous.lora_int_id + 1
-        request = LoRARequest(f"actor-{lora_id}", lora_id, str(path))
-        with self._world.engine():
-            if previous is not None:
-                self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            if not self.llm.llm_engine.add_lora(request):
-                raise RuntimeError(f"load_lora_adapter: vLLM did not load the adapter at {path}")
-        self._lora_request = request
-        self.reset_prefix_cache()
-        return {"bytes": (path / "adapter_model.safetensors").stat().st_size, "seconds": time.perf_counter() - start,
-                "lora_int_id": lora_id}
-
-    def load_lora_tensors(self, tensors: Mapping[str, torch.Tensor], shared: Mapping[str, Sequence[str]],
-                          peft_config: Mapping[str, Any]) -> dict[str, Any]:
-        """Adapter-only weight sync (``lora.merge: false``): the actor's compact PEFT adapter
-        (``megatron_rl.engine.lora_peft.peft_adapter_parts``: each tensor once, ``shared`` naming the
-        HF modules that reuse a fused linear's ``A``) becomes the adapter every generation uses. It is
-        made whole and written as a PEFT directory under ``checkpoint_engine.shm_dir`` (this machine's
-        memory on Linux), which ``load_lora_adapter`` loads; the previous one is removed. Returns
-        ``{"transport": "lora", "bytes", "num_tensors", "seconds"}`` (``bytes``: the adapter tensors
-        received, each once)."""
-        from megatron_rl.models.peft import expand_shared, write_peft_adapter
-
-        start = time.perf_counter()
-        root = Path(self.config.checkpoint_engine.shm_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        path = write_peft_adapter(expand_shared(tensors, {k: tuple(v) for k, v in shared.items()}), dict(peft_config),
-                                  root / f"lora-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            self.load_lora_adapter(path)
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
-        self._lora_dir = path
-        return {"transport": "lora", "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-                "num_tensors": len(tensors), "seconds": time.perf_counter() - start}
-
-    @property
-    def lora_request(self):
-        """The ``vllm.lora.request.LoRARequest`` generations use (None: the base model)."""
-        return self._lora_request
-
     def _sender(self, transport: str) -> Sender:
         """This engine's sender for ``transport``, built on first use (connecting the side band
         to its own workers first when the transport travels over one)."""
@@ -727,9 +655,7 @@ class VLLMRollout:
             self._side_band.close()
             self._side_band = None
         self._senders.clear()
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
-            self._lora_dir = None
+        self._drop_lora_dir()
         llm, self.llm = self.llm, None
         if llm is None:
             return
