@@ -1,16 +1,17 @@
 """verl 0.9.1's own algorithm-layer unit tests, run against this project through a same-name import shim.
 
-``verl_tests/`` holds nine test files of the verl 0.9.1 wheel, unchanged but for a provenance note under
-their Apache-2.0 header (``tests/trainer/ppo/``: core_algos, dynamic_policy_losses, loss_aggregation,
-reinforce_pp_multiturn, rollout_corr, rollout_corr_integration, value_loss_normalization, metric_utils;
-``tests/trainer/``: multi_trajectories_advantage). ``verl_shim/verl`` gives verl's module paths, each
+``verl_tests/`` holds ten of verl's test files, unchanged but for a provenance note under their Apache-2.0
+header: nine from the verl 0.9.1 wheel (``tests/trainer/ppo/``: core_algos, dynamic_policy_losses,
+loss_aggregation, reinforce_pp_multiturn, rollout_corr, rollout_corr_integration, value_loss_normalization,
+metric_utils; ``tests/trainer/``: multi_trajectories_advantage) and ``tests/utils/test_torch_functional.py``
+from the verl repository (the wheel lacks it). ``verl_shim/verl`` gives verl's module paths, each
 name being the project's own object or a thin adapter over it (a ``DataProto`` in, tensors to the
 project's function); ``test_every_name_verl_imports_is_the_projects`` checks that. The files run in a
 pytest subprocess (they empty the registries; the shim must not be importable by the rest of the suite).
 
-Expected: 96 pass, 35 skipped (verl-only helpers, listed with reasons in ``verl_tests/conftest.py``:
-verl's ``Metric`` container and its list reduction, best@n / maj@n validation statistics, and one test
-that patches a private verl helper), and one failure:
+Expected: 100 pass, 39 skipped (verl-only helpers, listed with reasons in ``verl_tests/conftest.py``:
+verl's ``Metric`` container and its list reduction, best@n / maj@n validation statistics, NCCL-spawning
+distributed reductions, and one test that patches a private verl helper), and one failure:
 
 ``test_get_adv_estimator_fn_invalid_name`` asserts verl's exact wording ("Unknown advantage estimator
 simply: invalid_name"); the project's registries name the unknown name and list the valid ones ("unknown
@@ -35,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 VERL_TESTS = HERE / "verl_tests"
 SHIM = HERE / "verl_shim"
 EXPECTED_FAILURE = "test_core_algos_on_cpu.TestRegisterAdvEst.test_get_adv_estimator_fn_invalid_name"
-NUM_PASSED, NUM_SKIPPED = 96, 35
+NUM_PASSED, NUM_SKIPPED = 100, 39
 
 
 def _run_vendored_tests(tmp_path: Path) -> tuple[dict[str, tuple[str, str]], str]:

@@ -1,12 +1,13 @@
 """The vendored verl tests that need a verl-only helper are skipped here, by node id, with the reason.
 
 The ``test_*.py`` files here are verl's (Copyright Bytedance Ltd. and/or its affiliates), taken from the
-PyPI wheel verl 0.9.1 (``pip install --no-deps verl==0.9.1``; the wheel ships ``tests/``) and kept unchanged
-but for a provenance note under each licence header; verl's Apache License 2.0 is ``LICENSE`` beside them.
+PyPI wheel verl 0.9.1 (``pip install --no-deps verl==0.9.1``; the wheel ships ``tests/trainer/``) and, for
+``test_torch_functional.py``, which the wheel lacks, from the verl repository at commit b178a3cd; each is
+unchanged but for a provenance note under its licence header. verl's Apache License 2.0 is ``LICENSE``.
 
 Loaded only by the subprocess of ``../test_verl_tests_through_shim.py`` (which passes ``--confcutdir`` here);
 the project's own suite ignores this directory (``../conftest.py``). A prefix ending in ``::`` covers a
-whole test class.
+whole test class; a test's id covers its parametrised cases.
 
 verl's ``TestRegisterAdvEst`` empties the advantage registry in ``tearDown`` and never refills it. In verl
 that goes unnoticed by later files because verl's ``compute_advantage`` calls GAE and GRPO directly, not
@@ -19,6 +20,12 @@ import pytest
 from megatron_rl.algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 
 SKIPS: dict[str, str] = {
+    "test_torch_functional.py::test_distributed_mean_max_min_std":
+        "spawns NCCL ranks, one GPU each, through verl's device helpers and verl's distributed_mean_max_min_std; "
+        "the project has no cross-rank metric reduction of that kind",
+    "test_torch_functional.py::test_distributed_masked_mean":
+        "spawns NCCL ranks, one GPU each, through verl's device helpers and verl's distributed_masked_mean; "
+        "the project's losses take the global token counts instead (megatron_rl.algos.global_batch_info)",
     "test_metric_utils_on_cpu.py::TestReduceMetrics::":
         "verl's reduce_metrics over lists of values (verl.utils.metric); the project reduces typed "
         "LossMetrics collectively (megatron_rl.engine.metrics.reduce_metrics)",
@@ -45,7 +52,7 @@ SKIPS: dict[str, str] = {
 def skip_reason(nodeid: str):
     """The reason ``nodeid`` is skipped, or None."""
     for prefix, reason in SKIPS.items():
-        if nodeid == prefix or (prefix.endswith("::") and nodeid.startswith(prefix)):
+        if nodeid == prefix or nodeid.startswith(prefix + "[") or (prefix.endswith("::") and nodeid.startswith(prefix)):
             return reason
     return None
 

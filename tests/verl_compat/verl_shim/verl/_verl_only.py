@@ -16,6 +16,12 @@ VERL_ONLY: dict[str, str] = {
     "calc_maj_val": "verl's majority-vote validation metric (maj@n); not built here",
     "process_validation_metrics": "verl's best@n / maj@n / std@n validation table; the project's Validator "
                                   "reports val-core/<source>/reward/mean@n only",
+    "distributed_masked_mean": "verl's NCCL masked mean across ranks; the project's losses take the global "
+                               "token counts (megatron_rl.algos.global_batch_info) instead",
+    "distributed_mean_max_min_std": "verl's NCCL mean / max / min / std across ranks; not built here",
+    "get_device_name": "verl's device abstraction (verl.utils.device)",
+    "get_nccl_backend": "verl's device abstraction (verl.utils.device)",
+    "get_torch_device": "verl's device abstraction (verl.utils.device)",
     "_compute_response_info": "verl's private length helper; the project reads the lengths from the masks",
 }
 
