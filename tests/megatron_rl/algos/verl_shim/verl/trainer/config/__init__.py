@@ -1,1 +1,0 @@
-"""Part of the verl import shim (see verl/__init__.py)."""

@@ -1,3 +1,0 @@
-"""``verl.trainer.config.algorithm`` -> ``megatron_rl.config``."""
-
-from megatron_rl.config import AlgoConfig, RolloutCorrectionConfig  # noqa: F401

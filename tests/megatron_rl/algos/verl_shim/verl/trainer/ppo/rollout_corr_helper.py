@@ -1,3 +1,0 @@
-"""``verl.trainer.ppo.rollout_corr_helper`` -> ``megatron_rl.algos``."""
-
-from megatron_rl.algos import *  # noqa: F401,F403
