@@ -3,7 +3,7 @@
 What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the in-process parts):
 
 * **privileges**: a user namespace whose root is host ``nobody`` (this process, as root, writes
-  the map; unprivileged, ``unshare --map-root-user`` maps it to this user), so the code owns no
+  the map; unprivileged, the runner maps it to this user), so the code owns no
   host file; then every capability set (bounding included) is emptied and ``no_new_privs`` set;
   a seccomp filter (libseccomp through ctypes) refuses process creation, non-AF_UNIX sockets,
   mount/ptrace/unshare/setns/bpf/io_uring/userfaultfd and the other kernel interfaces of
@@ -34,7 +34,7 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   each is returned; more than ``max_file_bytes`` on one pipe stops the run (``output_limit``), as
   it caps each file the code writes (RLIMIT_FSIZE);
 * **network**: a fresh network namespace (no interfaces up; no abstract Unix socket of the host)
-  where ``unshare`` may create one (as root, or unprivileged through a user namespace), else the
+  where the runner may create one (as root, or unprivileged through a user namespace), else the
   audit hook refuses sockets; fresh IPC and UTS namespaces too (no System V shared memory,
   semaphore or message queue of the host; the host named ``sandbox``, not the node the code
   runs on), and a cgroup namespace where the kernel has one
@@ -58,6 +58,7 @@ import functools
 import json
 import math
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -160,9 +161,8 @@ class SandboxResult:
 class Isolation:
     """What this machine lets the sandbox use (``isolation()`` probes it once per process)."""
 
-    prefix: tuple[str, ...]
-    """Command prefix entering the namespaces (empty: none available)."""
     network_namespace: bool
+    """User, network, PID, mount, IPC and UTS namespaces, made by the runner itself."""
     pid_namespace: bool
     minimal_root: bool
     """``pivot_root`` into a root holding only the interpreter, its libraries, ``/proc``, a tiny
@@ -172,14 +172,12 @@ class Isolation:
     seccomp: Optional[str] = None
     """libseccomp to build the code's system-call filter with (None: no filter)."""
     map_to: Optional[int] = None
-    """Host uid/gid that this process (root) maps the user namespace's root to (None: ``unshare
-    --map-root-user`` maps it to this process's own, unprivileged, user)."""
+    """Host uid/gid that this process (root) maps the user namespace's root to (None: the runner
+    maps it to this process's own, unprivileged, user)."""
     cgroup: tuple[str, ...] = ()
     """Controllers (of ``memory``, ``pids``, ``cpu``) bounding each run as a whole, through a cgroup
-    per run (only with ``map_to``: the runner waits for its map, so it joins before the code runs)."""
-
-
-_NAMESPACES = ("--net", "--pid", "--ipc", "--uts", "--mount", "--mount-proc", "--fork", "--kill-child")
+    per run (the runner waits for this process to move it there, so it joins before the code
+    runs). Root's own cgroups, or those delegated to an unprivileged user (directories it owns)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,24 +186,18 @@ def isolation() -> Isolation:
     ``nobody`` (this process, as root, writes the map) or this process's own unprivileged user,
     with a minimal root; the cgroup controllers this process may use. Without namespaces the code
     runs in a plain process group (as ``nobody`` when this process is root)."""
-    unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    if unshare is not None:
-        # Root inside a user namespace holds no capability over the host (no /proc/<caller>/mem,
-        # no remount of host mounts, no setns); mapped to nobody, it owns no host file either.
-        if root:  # the runner makes the namespaces (unshare(1) would exec it unmapped, without capabilities)
-            candidate = Isolation((), True, True, True, None, find_library("seccomp"), _NOBODY,
-                                  tuple(_cgroup_roots()))
-        else:
-            candidate = Isolation((unshare, "--user", "--map-root-user", *_NAMESPACES), True, True, True, None,
-                                  find_library("seccomp"))
-        probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
-        if probe.status == "ok" and probe.stdout == "ok\n":
-            return candidate
-        warnings.warn(f"sandbox: {unshare} is here but the namespaced sandbox failed its probe "
-                      f"({probe.status}: {probe.stderr.strip()[-600:]!r}); code runs in a plain process group",
-                      RuntimeWarning, stacklevel=2)
-    return Isolation((), False, False, False, _NOBODY if root else None)
+    # Root inside a user namespace holds no capability over the host (no /proc/<caller>/mem, no
+    # remount of host mounts, no setns); mapped to nobody, it owns no host file either. The runner
+    # makes the namespaces (unshare(1) would exec it inside: its init's /proc files the code's).
+    candidate = Isolation(True, True, True, None, find_library("seccomp"), _NOBODY if root else None,
+                          tuple(_cgroup_roots()))
+    probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
+    if probe.status == "ok" and probe.stdout == "ok\n":
+        return candidate
+    warnings.warn(f"sandbox: the namespaced sandbox failed its probe ({probe.status}: "
+                  f"{probe.stderr.strip()[-600:]!r}); code runs in a plain process group", RuntimeWarning, stacklevel=2)
+    return Isolation(False, False, False, _NOBODY if root else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,7 +362,7 @@ def _map_ids(proc: subprocess.Popen, host_id: int, deadline: float) -> None:
     own = os.readlink("/proc/self/ns/user")
     while os.readlink(f"/proc/{proc.pid}/ns/user") == own:
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise OSError(f"unshare (pid {proc.pid}) did not enter a user namespace")
+            raise OSError(f"the sandbox runner (pid {proc.pid}) did not enter a user namespace")
         time.sleep(0.0005)
     for name in ("uid_map", "gid_map"):
         with open(f"/proc/{proc.pid}/{name}", "w") as f:
@@ -456,22 +448,24 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
             os.chown(code_path, owner, owner)
         if iso.pid_namespace:  # the init writes its report here; the code never holds this pipe
             status_read, status_write = os.pipe()
-        cgroup = _Cgroup(iso.cgroup, limits) if iso.cgroup and iso.map_to is not None else None
+        cgroup = _Cgroup(iso.cgroup, limits) if iso.cgroup else None
+        wait = iso.map_to is not None or cgroup is not None  # the runner waits for a byte on its stdin
         binds, links = root_layout() if iso.minimal_root else ((), ())
         spec = {"workdir": workdir, "code_path": str(code_path), "cpu_seconds": limits.cpu_seconds,
-                "memory_bytes": limits.memory_mb << 20, "cpus": max(1, math.ceil(limits.max_cpus)),
+                "memory_bytes": limits.memory_mb << 20, "cpu_ids": _cpu_share(limits.max_cpus),
                 "file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
                 "init": iso.pid_namespace, "python_guards": python_guards, "status_fd": status_write,
-                "unshare": iso.map_to is not None, "seccomp": iso.seccomp,
+                "unshare": iso.pid_namespace, "map_self": iso.map_to is None, "wait_for_caller": wait,
+                "seccomp": iso.seccomp,
                 "root": {"binds": binds, "links": links} if iso.minimal_root else None,
                 "cgroup_memory": cgroup is not None and "memory" in cgroup.dirs,
                 "disk_bytes": limits.max_disk_bytes, "max_files": limits.max_files,
                 "max_processes": limits.max_processes, "own_user_namespace": iso.pid_namespace}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([*iso.prefix, sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
-                                stdin=subprocess.DEVNULL if iso.map_to is None else subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
+                                stdin=subprocess.PIPE if wait else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
                                 start_new_session=True, pass_fds=() if status_write is None else (status_write,))
         if status_write is not None:
@@ -481,6 +475,9 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
             cgroup.add(proc.pid)  # before the map: the runner waits for it, so the code starts inside
         if iso.map_to is not None:
             _map_ids(proc, iso.map_to, start + limits.wall_seconds)
+        elif wait:  # in its cgroup now: the runner may go on
+            proc.stdin.write(b"1")
+            proc.stdin.close()
         fds = [proc.stdout.fileno(), proc.stderr.fileno()] + ([status_read] if status_read is not None else [])
         streams, stopped = _drain(fds, limits.max_output_bytes, limits.max_file_bytes, start + limits.wall_seconds)
         cpu_used = 0.0
@@ -516,6 +513,17 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
         if cgroup is not None:
             cgroup.remove()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _cpu_share(max_cpus: float) -> list[int]:
+    """The CPUs one run may use: ``ceil(max_cpus)`` of this process's, from a random one on (so
+    that concurrent runs spread over the machine). The code sees these alone (its affinity, the
+    CPUs of its ``/proc``), never how many the host has; it cannot widen them (the seccomp
+    filter refuses ``sched_setaffinity``). Their numbers stay the host's: Linux has no CPU
+    namespace to renumber them."""
+    allowed = sorted(os.sched_getaffinity(0))
+    start = secrets.randbelow(len(allowed))
+    return [allowed[(start + i) % len(allowed)] for i in range(min(len(allowed), math.ceil(max_cpus)))]
 
 
 def _wait(proc: subprocess.Popen, deadline: float) -> float:

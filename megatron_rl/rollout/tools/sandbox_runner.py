@@ -8,8 +8,8 @@ kernel kills everything left in the namespace.
 
 Order: the code read and libseccomp loaded while the host is still visible; with namespaces
 (``spec["unshare"]``: this process unshares, then waits for the caller's uid/gid map, one byte on
-stdin) it becomes the namespace's root, which is host ``nobody``, and forks the PID namespace's
-init; the init builds the minimal root (``_minimal_root``: ``pivot_root``, the host's root
+stdin, or maps its own unprivileged user, ``spec["map_self"]``) it becomes the namespace's root,
+which is host ``nobody`` (or the caller's own user), and forks the PID namespace's init; the init builds the minimal root (``_minimal_root``: ``pivot_root``, the host's root
 detached), a time namespace for the code (``_new_time_namespace``) and a cgroup namespace
 (``_new_cgroup_namespace``) and names the host ``sandbox`` (``_name_the_host``); a fresh session
 keyring replaces the caller's (``_new_session_keyring``); privileges go for good (the capability bounding set emptied, root dropped to ``nobody`` --
@@ -111,14 +111,19 @@ def _open_binds(binds) -> dict:
 # the sandbox's own: the code can neither fingerprint the host nor time the caller through them.
 _PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "diskstats", "partitions", "swaps",
                "interrupts", "softirqs", "schedstat", "sched_debug", "timer_list", "keys", "key-users", "locks",
-               "latency_stats", "pressure/cpu", "pressure/memory", "pressure/io", "sys/kernel/random/boot_id")
+               "latency_stats", "pressure/cpu", "pressure/memory", "pressure/io", "sys/kernel/random/boot_id",
+               # the host's boot line, kernel build and hardware; host-wide counts that move as the
+               # caller works (its open files, inodes, cgroups: one per sandbox run)
+               "cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "consoles", "misc", "mtrr",
+               "vmallocinfo", "cgroups", "sys/fs/file-nr", "sys/fs/inode-nr", "sys/fs/inode-state",
+               "sys/fs/dentry-state")
 
 
 def _proc_masks(spec: dict) -> dict:
     """/proc path -> the text bound over it: figures of the sandbox (``memory_bytes`` of memory,
     ``cpus`` CPUs, never used, never loaded, just booted), no figure of the host; empty files for
     the other host-wide counters (``_PROC_EMPTY``)."""
-    kib, cpus = spec["memory_bytes"] >> 10, int(spec["cpus"])
+    kib, cpus = spec["memory_bytes"] >> 10, len(spec["cpu_ids"])
     zeros = " 0" * 10
     stat = "".join([f"cpu {zeros}\n", *(f"cpu{i}{zeros}\n" for i in range(cpus)), "intr 0\nctxt 0\nbtime 0\n"
                     "processes 0\nprocs_running 1\nprocs_blocked 0\nsoftirq 0\n"])
@@ -127,18 +132,20 @@ def _proc_masks(spec: dict) -> dict:
         ("SwapCached", 0), ("SwapTotal", 0), ("SwapFree", 0), ("Shmem", 0)))
     cpuinfo = "".join(f"processor\t: {i}\nvendor_id\t: sandbox\nmodel name\t: sandbox CPU\nphysical id\t: 0\n"
                       f"core id\t\t: {i}\ncpu cores\t: {cpus}\n\n" for i in range(cpus))
+    uname = os.uname()  # the kernel's release and version are the host's for uname(2) too: no more than that
     masks = {"stat": stat, "meminfo": meminfo, "cpuinfo": cpuinfo, "loadavg": "0.00 0.00 0.00 1/2 2\n",
-             "uptime": "0.00 0.00\n"}
+             "uptime": "0.00 0.00\n", "version": f"{uname.sysname} version {uname.release} {uname.version}\n"}
     masks.update(dict.fromkeys(_PROC_EMPTY, ""))
     return masks
 
 
-def _minimal_root(spec: dict, handles: dict) -> None:
+def _minimal_root(spec: dict, handles: dict, devices: dict) -> None:
     """``pivot_root`` into a new root (a read-only tmpfs) holding only: the bound directories
     (the interpreter's prefix, the directories of its shared libraries: read-only, nosuid, nodev),
     the symlinks leading to them (``/lib -> usr/lib``), a fresh ``/proc`` of this PID namespace
     (its host-wide files covered by read-only binds of ``_proc_masks``), a
-    ``/dev`` of null, zero and urandom, and the working directory, a tmpfs of ``disk_bytes`` and
+    ``/dev`` of null, zero and urandom (``devices``: handles on nodes of ``_device_nodes``, else
+    the host's devtmpfs nodes, whose mount tells the host's memory size), and the working directory, a tmpfs of ``disk_bytes`` and
     ``max_files`` inodes mounted nodev, nosuid, noexec. The host's old root is detached: nothing
     else of the host (home, project, checkpoints, credentials, Ray's sockets) can be named."""
     import ctypes
@@ -168,10 +175,19 @@ def _minimal_root(spec: dict, handles: dict) -> None:
     for path, target in spec["root"]["links"]:
         os.makedirs(os.path.dirname(root + path), exist_ok=True)
         os.symlink(target, root + path)
+    os.chdir(root)
     for path, fd in handles.items():
         os.makedirs(root + path, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}".encode(), root + path, None, _MS_BIND | _MS_REC)
-        readonly(root + path, True)
+        # An overlay whose top layer is its own (empty) mount point on the root tmpfs: statvfs of
+        # any file in it reads that tmpfs (overlayfs asks its top layer), not the host's disk, and
+        # mountinfo names "overlay sandbox", not the host's device. Where the kernel refuses an
+        # overlay here (none built in, or one before 5.11 in a user namespace): a read-only bind.
+        options = f"lowerdir=.{path}:/proc/self/fd/{fd}".encode()
+        try:
+            mount(b"sandbox", root + path, b"overlay", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, options)
+        except OSError:
+            mount(f"/proc/self/fd/{fd}".encode(), root + path, None, _MS_BIND | _MS_REC)
+            readonly(root + path, True)
         os.close(fd)
     os.makedirs(root + "/proc")
     mount(b"proc", root + "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
@@ -191,9 +207,10 @@ def _minimal_root(spec: dict, handles: dict) -> None:
     os.rmdir(staging)
     os.makedirs(root + "/dev")
     mount(b"tmpfs", root + "/dev", b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=64k,nr_inodes=64,mode=0755")
-    for name in ("null", "zero", "urandom"):
+    for name in _DEVICES:
         open(f"{root}/dev/{name}", "x").close()
-        mount(f"/dev/{name}".encode(), f"{root}/dev/{name}", None, _MS_BIND)
+        source = f"/proc/self/fd/{devices[name]}" if name in devices else f"/dev/{name}"
+        mount(source.encode(), f"{root}/dev/{name}", None, _MS_BIND)
         readonly(f"{root}/dev/{name}", False, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
@@ -244,25 +261,60 @@ _CLONE_NEWIPC, _CLONE_NEWUTS = 0x08000000, 0x04000000
 _PR_SET_PDEATHSIG = 1
 
 
-def _enter_namespaces(spec: dict) -> dict:
+_DEVICES = {"null": (1, 3), "zero": (1, 5), "urandom": (1, 9)}
+
+
+def _device_nodes(workdir: str) -> None:
+    """The sandbox's device nodes on a tiny tmpfs of their own over ``workdir``, in a mount
+    namespace of this process alone, made while this process is still host root (only host root
+    may make device nodes: a user namespace's root may not). Bound from there, ``/dev/null`` tells
+    statvfs and mountinfo that tmpfs's size, not the host's devtmpfs (half of the host's memory).
+    The user namespace made next copies this mount, locked: the code cannot unmount it."""
+    import ctypes
+    import stat
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
+            libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=4k,nr_inodes=8,mode=0755"):
+        raise OSError(ctypes.get_errno(), "a mount namespace and tmpfs for the device nodes")
+    for name, (major, minor) in _DEVICES.items():
+        os.mknod(f"{workdir}/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        os.chmod(f"{workdir}/{name}", 0o666)  # whatever the umask
+
+
+def _enter_namespaces(spec: dict) -> tuple[dict, dict]:
     """New user, mount, network, PID, IPC (no System V object or POSIX queue of the host) and UTS
-    namespaces; wait for the caller's uid/gid map (its byte on
-    stdin), take the namespace's root (host ``nobody``: until now this process kept host root's uid
-    and groups, only unmapped), then fork the PID namespace's init, which returns (with the handles
-    of ``_open_binds``). This process only waits for the init and exits as it does (as ``unshare
-    --fork`` would)."""
+    namespaces; the uid/gid map: as host root, the caller's (its byte on stdin: the namespace's
+    root is host ``nobody``; until then this process kept host root's uid and groups, only
+    unmapped), else this process maps its own unprivileged user to the namespace's root. Then it
+    takes that root and forks the PID namespace's init, which returns (with the handles of
+    ``_open_binds`` and of ``_device_nodes``). This process only waits for the init and exits as
+    it does (as ``unshare --fork`` would). Made here, not by ``unshare(1)``, in both cases: the
+    init's memory then belongs to the host's user namespace, so once it is not dumpable its
+    ``/proc/1`` files (``oom_score_adj``, ``sched``, ``comm``, ``fd`` ...) are host root's, not the
+    code's to write."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+    host_root, uid, gid = os.geteuid() == 0, os.geteuid(), os.getegid()
+    if host_root:
+        _device_nodes(spec["workdir"])
     if libc.unshare(flags) != 0:
         raise OSError(ctypes.get_errno(), "unshare")
-    handles = _open_binds(spec["root"]["binds"])  # in the new mount namespace, still as host root
-    os.read(0, 1)
+    handles = _open_binds(spec["root"]["binds"])  # in the new mount namespace, still as the host's user
+    devices = {name: os.open(f"{spec['workdir']}/{name}", os.O_PATH) for name in _DEVICES} if host_root else {}
+    if spec["map_self"]:  # an unprivileged user may map itself alone, with setgroups refused for good
+        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1\n"), ("gid_map", f"0 {gid} 1\n")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    if spec["wait_for_caller"]:  # the caller's map written (as root) and this process in the run's cgroup
+        os.read(0, 1)
+    if not spec["map_self"]:
+        os.setgroups([])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    os.setgroups([])
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
     init = os.fork()
@@ -274,7 +326,7 @@ def _enter_namespaces(spec: dict) -> dict:
         code = os.waitstatus_to_exitcode(status)
         os._exit(code if code >= 0 else 128 - code)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    return handles
+    return handles, devices
 
 
 _CLONE_NEWTIME, _EINVAL, _PR_GET_DUMPABLE = 0x80, 22, 3
@@ -359,17 +411,20 @@ _DENIED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "personality",
     "open_by_handle_at", "name_to_handle_at", "io_uring_setup", "userfaultfd", "swapon", "swapoff", "reboot",
     "acct", "quotactl", "fsopen", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
-    "fork", "vfork", "execve", "execveat")
+    "fork", "vfork", "execve", "execveat", "sched_setaffinity")
 _SCMP_ACT_ALLOW, _SCMP_ACT_ERRNO_EPERM, _SCMP_ACT_ERRNO_ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
 _SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
 _AF_UNIX, _CLONE_THREAD, _FS_IOC_SETFLAGS = 1, 0x10000, 0x40086602
+_PRIO_PROCESS, _IOPRIO_WHO_PROCESS = 0, 1
 
 
 def _seccomp(lib) -> None:
     """A seccomp filter (libseccomp through ctypes) refusing with EPERM: the syscalls of
     ``_DENIED_SYSCALLS``, sockets other than AF_UNIX, ``clone`` without CLONE_THREAD (threads stay
     possible, processes do not), and the ioctl that sets inode flags (immutable files). ``clone3``
-    answers ENOSYS, so that the C library falls back to ``clone``, whose flags the filter can read."""
+    answers ENOSYS, so that the C library falls back to ``clone``, whose flags the filter can read;
+    limits, priorities and scheduling of any process but the caller's own (``prlimit64``,
+    ``setpriority``, ``ioprio_set``, ``sched_set*`` with a pid)."""
     import ctypes
 
     class ArgCmp(ctypes.Structure):
@@ -401,6 +456,13 @@ def _seccomp(lib) -> None:
     deny("socket", _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, _AF_UNIX, 0))
     deny("socketpair", _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, _AF_UNIX, 0))
     deny("ioctl", _SCMP_ACT_ERRNO_EPERM, ArgCmp(1, _SCMP_CMP_EQ, _FS_IOC_SETFLAGS, 0))
+    # The init has the code's uid, so the kernel would let the code lower its limits (no file
+    # descriptor left for the report's checks), its priority, its scheduling: only its own.
+    for name in ("prlimit64", "sched_setscheduler", "sched_setparam", "sched_setattr"):
+        deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, 0, 0))  # pid 0: the calling thread
+    for name, self_kind in (("setpriority", _PRIO_PROCESS), ("ioprio_set", _IOPRIO_WHO_PROCESS)):
+        deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, self_kind, 0))  # not a process: a group or a uid
+        deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(1, _SCMP_CMP_NE, 0, 0))  # a process other than this one
     rc = lib.seccomp_load(ctx)
     if rc != 0:
         raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
@@ -414,6 +476,7 @@ def _limit(spec: dict) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_bytes"], spec["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (spec["max_open_files"], spec["max_open_files"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.sched_setaffinity(0, spec["cpu_ids"])  # the sandbox's CPUs alone; seccomp then keeps it there
     if spec.get("own_user_namespace"):  # there the kernel counts this uid's tasks (threads too) per namespace:
         # the sandbox's alone, the runner's three included -- the bound on tasks where no cgroup is
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_processes"], spec["max_processes"]))
@@ -465,6 +528,23 @@ def _largest_file(top: str) -> int:
     return largest
 
 
+def _deaf_to_signals() -> dict:
+    """Every signal's action back to the default; the handlers it had, for the code's process.
+
+    The kernel drops a signal sent to a PID namespace's init from inside the namespace unless the
+    init handles it, and Python handles SIGINT: without this, the code (the same uid) could end
+    its init with ``kill(1, SIGINT)`` before it reports, and the run would read ``sandbox_error``."""
+    handlers = {}
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handlers[sig] = signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):  # e.g. the real-time signals glibc keeps for itself
+            pass
+    return {sig: handler for sig, handler in handlers.items() if handler is not None}
+
+
 def _supervise(child: int, spec: dict) -> None:
     """The PID namespace's init: reap every process until the code's own ends, then write on the
     status pipe (which the code never held) how it ended, as the kernel told us: its exit status
@@ -503,11 +583,11 @@ def main() -> None:
 
         seccomp_lib = ctypes.CDLL(spec["seccomp"], use_errno=True)  # loaded while the host's libraries are visible
     if spec.get("unshare"):
-        handles = _enter_namespaces(spec)
+        handles, devices = _enter_namespaces(spec)
     else:
-        handles = _open_binds(spec["root"]["binds"]) if spec.get("root") else {}
+        handles, devices = {}, {}  # no namespaces, so no minimal root either
     if spec.get("root"):
-        _minimal_root(spec, handles)
+        _minimal_root(spec, handles, devices)
         _new_time_namespace()
         _new_cgroup_namespace()
         _name_the_host()
@@ -516,9 +596,12 @@ def main() -> None:
     _new_session_keyring()
     _drop_privileges(spec.get("drop_uid"))
     if spec.get("init"):
+        handlers = _deaf_to_signals()  # before the fork: the code cannot signal the init in between
         child = os.fork()
         if child:
             _supervise(child, spec)
+        for sig, handler in handlers.items():  # the code gets Python's usual handlers back
+            signal.signal(sig, handler)
         os.close(spec["status_fd"])  # the code cannot write its own report
     _run(spec, seccomp_lib)
 

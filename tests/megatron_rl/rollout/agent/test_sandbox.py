@@ -287,7 +287,7 @@ def test_code_tool_refuses_an_unisolated_sandbox_unless_allowed(monkeypatch):
     from megatron_rl.rollout.tools import code_tool
     from megatron_rl.rollout.tools.sandbox import Isolation
 
-    monkeypatch.setattr(code_tool, "isolation", lambda: Isolation((), False, False, False, None))
+    monkeypatch.setattr(code_tool, "isolation", lambda: Isolation(False, False, False, None))
     with pytest.raises(RuntimeError, match="no user namespace and no seccomp filter.*allow_unisolated: true"):
         CodeInterpreterTool({})
     with pytest.warns(RuntimeWarning, match="allow_unisolated is set"):

@@ -1,0 +1,168 @@
+"""What the code can learn about the host from inside the sandbox (issue 27): each probe runs in
+the real sandbox and what it saw is compared with the host's own answer.
+
+Hidden: the host's disks (statvfs and mountinfo see overlays on the sandbox's root tmpfs, never
+the host's device, its file-system type or size), the host's memory through devtmpfs (as root:
+the device nodes live on a 4 KiB tmpfs of their own), the host's CPUs (the run's affinity is its
+``ceil(max_cpus)`` share and cannot be widened), the host's boot line, kernel build and host-wide
+counters in ``/proc``. Not hidden, by Linux's design: the kernel release and version that
+``uname(2)`` returns (no namespace covers them), the numbers of the CPUs the run is given (no CPU
+namespace renumbers them), and global serial numbers (mount ids, anonymous device numbers).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_rl.rollout.tools import sandbox
+from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
+
+pytestmark = pytest.mark.skipif(not (isolation().minimal_root and isolation().seccomp),
+                                reason="needs user namespaces and libseccomp")
+ROOT = os.geteuid() == 0  # only host root can make the sandbox its own device nodes
+
+
+def probe(code: str, limits: SandboxLimits = SandboxLimits(wall_seconds=10)) -> dict:
+    res = run_python(code, limits, python_guards=False)
+    assert res.ok, res
+    return json.loads(res.stdout)
+
+
+def _host_mount_of(path: str) -> tuple[str, str, str]:
+    """(major:minor, fs type, source) of the host mount that holds ``path``."""
+    best = None
+    with open("/proc/self/mountinfo") as f:
+        for row in f:
+            fields = row.split()
+            point, sep = fields[4], fields.index("-")
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[0])):
+                best = (point, fields[2], fields[sep + 1], fields[sep + 2])
+    return best[1:]
+
+
+def test_statvfs_reads_the_sandboxs_own_file_systems_not_the_hosts_disk():
+    binds, _ = sandbox.root_layout()
+    paths = ["/", *binds, sys.executable, os.__file__, "/dev/null", "/dev"]
+    code = ("import json, os\nout = {}\nfor p in %r + [os.getcwd()]:\n    s = os.statvfs(p)\n"
+            "    out[p] = [s.f_bsize * s.f_blocks, s.f_files, s.f_bsize * s.f_bfree]\n"
+            "out['cwd'] = os.getcwd()\nprint(json.dumps(out))" % (paths,))
+    limits = SandboxLimits(wall_seconds=10, max_disk_bytes=8 << 20, max_files=300)
+    got = probe(code, limits)
+    host = os.statvfs(sys.prefix)
+    assert host.f_bsize * host.f_blocks > 1 << 30  # the host's disk: what must not show
+    for path in ["/", *binds, sys.executable, os.__file__]:  # the root tmpfs (1 MiB, 4096 inodes)
+        assert got[path][:2] == [1 << 20, 4096], (path, got[path])
+    assert got[got["cwd"]][:2] == [8 << 20, 300]  # the working directory: the run's own quota
+    assert got["/dev"][:2] == [64 << 10, 64]
+    if ROOT:
+        assert got["/dev/null"][:2] == [4 << 10, 8], got["/dev/null"]  # the nodes' own tmpfs
+    else:  # unprivileged, the nodes are the host's devtmpfs's: its size (half the host's memory) shows
+        dev = os.statvfs("/dev/null")
+        assert got["/dev/null"][:2] == [dev.f_bsize * dev.f_blocks, dev.f_files]
+
+
+def test_mountinfo_names_no_host_device_file_system_or_size():
+    device, fstype, source = _host_mount_of(sys.prefix)
+    code = ("import json\nprint(json.dumps({n: open('/proc/' + n).read() for n in "
+            "('self/mountinfo', 'self/mounts', '1/mountinfo', 'mounts')}))")
+    got = probe(code, SandboxLimits(wall_seconds=10, max_output_bytes=1 << 16))
+    assert fstype not in ("tmpfs", "overlay") and source.startswith("/")  # e.g. ext4 on /dev/vda
+    rows = [line.split() for line in got["self/mountinfo"].splitlines()]
+    types = {row[row.index("-") + 1] for row in rows}
+    assert types <= {"tmpfs", "overlay", "proc"} | ({"devtmpfs"} if not ROOT else set()), types
+    for text in got.values():
+        assert f" {device} " not in text and f" {fstype} " not in text and source not in text, text
+    mounted = {row[4]: row for row in rows}
+    for path in sandbox.root_layout()[0]:  # the host's directories: overlays named "sandbox"
+        assert mounted[path][mounted[path].index("-") + 1:][:2] == ["overlay", "sandbox"], mounted[path]
+    sizes = {option for row in rows for option in row[-1].split(",") if option.startswith("size=")}
+    if ROOT:  # every size is one the sandbox chose: 1 MiB root, 64 KiB /dev and masks, 4 KiB nodes, 64 MiB workdir
+        assert sizes == {"size=1024k", "size=64k", "size=4k", "size=65536k"}, sizes
+
+
+def test_the_cpus_are_the_runs_share_and_cannot_be_widened():
+    host = sorted(os.sched_getaffinity(0))
+    code = ("import json, os\nbefore = sorted(os.sched_getaffinity(0))\ntry:\n"
+            "    os.sched_setaffinity(0, range(os.cpu_count() or 1, 1024))\n    widened = 'widened'\n"
+            "except OSError as err:\n    widened = err.errno\n"
+            "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+            "print(json.dumps({'before': before, 'after': sorted(os.sched_getaffinity(0)), 'widened': widened,"
+            " 'count': os.cpu_count(), 'list': status['Cpus_allowed_list'].strip()}))")
+    for max_cpus in (1.0, 2.5):
+        got = probe(code, SandboxLimits(wall_seconds=10, max_cpus=max_cpus))
+        share = min(len(host), -int(-max_cpus // 1))
+        assert len(got["before"]) == share and set(got["before"]) <= set(host), (got, host)
+        assert got["after"] == got["before"] and got["widened"] == errno.EPERM, got
+        assert got["count"] == share  # /proc/stat and cpuinfo: the share too
+        assert got["list"] == ",".join(map(str, got["before"])) or share > 1, got
+
+
+def test_the_kernel_release_is_the_hosts_but_its_build_and_boot_line_are_not():
+    """Linux gives ``uname(2)``'s release, version and machine no namespace: the code learns the
+    host's kernel release whatever the sandbox does (``/proc/sys/kernel/osrelease`` says the
+    same); only the node name is the UTS namespace's. ``/proc/version`` is cut down to what uname
+    says (not the compiler and builder); the boot line, kernel config and symbols, the hardware
+    lists and the host-wide counters (open files, inodes, dentries, cgroups) read empty."""
+    empty = ("cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "cgroups", "sys/fs/file-nr",
+             "sys/fs/inode-nr", "sys/fs/dentry-state")
+    code = ("import json, os\nout = {'uname': list(os.uname())}\nfor n in %r:\n"
+            "    out[n] = open('/proc/' + n, 'rb').read().decode('latin-1')\nprint(json.dumps(out))"
+            % (("version", "sys/kernel/osrelease") + empty,))
+    got = probe(code)
+    host = os.uname()
+    assert got["uname"] == [host.sysname, "sandbox", host.release, host.version, host.machine]
+    assert got["sys/kernel/osrelease"] == host.release + "\n"  # the host's, by Linux's design
+    assert got["version"] == f"{host.sysname} version {host.release} {host.version}\n"
+    assert open("/proc/version").read() != got["version"]  # the host's names the compiler as well
+    for name in empty:
+        if os.path.exists("/proc/" + name):
+            assert got[name] == "" and open("/proc/" + name, "rb").read(1) != b"", name
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64's cpuid instruction")
+def test_the_cpuid_instruction_names_the_hosts_cpu_vendor():
+    """Not hidden: ``cpuid`` is an instruction, not a system call, and the kernel lets every
+    process run it (CPUID faulting, where the hardware has it, would break the libraries that
+    pick their code paths by it). The sandbox's ``/proc/cpuinfo`` names a "sandbox CPU"; the
+    instruction still names the host's vendor."""
+    code = ("import ctypes, json, mmap\nm = mmap.mmap(-1, 4096, prot=7)\n"
+            "m.write(bytes.fromhex('5331c00fa289d85bc3'))\n"  # push rbx; cpuid(0); mov eax, ebx; pop rbx; ret
+            "run = ctypes.CFUNCTYPE(ctypes.c_uint32)(ctypes.addressof(ctypes.c_char.from_buffer(m)))\n"
+            "print(json.dumps({'cpuid': run().to_bytes(4, 'little').decode(), 'cpuinfo': open('/proc/cpuinfo').read()}))")
+    got = probe(code)
+    host_vendor = next(line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
+    assert got["cpuid"] == host_vendor[:4] and host_vendor not in got["cpuinfo"], got
+
+
+@pytest.mark.skipif(not ROOT, reason="run as an unprivileged user, every test here is the rootless path")
+def test_every_fingerprint_and_attack_test_holds_for_an_unprivileged_caller():
+    """This file and ``test_sandbox_attacks`` again, with the caller as host ``nobody`` (the
+    runner maps the caller's own user; the overlays as well, the host's devtmpfs nodes for
+    ``/dev``, the address-space limit for memory)."""
+    import subprocess
+    import tempfile
+
+    import megatron_rl
+
+    from . import test_sandbox_attacks
+    from .test_sandbox_escapes import _ROOTLESS_CALLER
+
+    project = os.path.dirname(os.path.dirname(megatron_rl.__file__))
+    home = tempfile.mkdtemp(prefix="mrl-nobody-")
+    try:
+        os.chown(home, 65534, 65534)
+        os.chmod(home, 0o755)
+        out = subprocess.run([sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-m", "pytest", "-q", "-rs",
+                              "-p", "no:cacheprovider", f"--basetemp={home}/base", os.path.relpath(__file__, project),
+                              os.path.relpath(test_sandbox_attacks.__file__, project)],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["rm", "-rf", home], check=True)
+    summary = out.stdout.strip().splitlines()[-1]
+    expected = len([name for name in [*globals(), *vars(test_sandbox_attacks)] if name.startswith("test_")]) - 1
+    assert out.returncode == 0 and f"{expected} passed, 1 skipped" in summary, out.stdout[-4000:] + out.stderr[-2000:]
