@@ -112,6 +112,25 @@ def test_a_failing_one_rank_run_leaves_no_rank_and_no_child_of_a_rank(tmp_path):
     assert _wait_dead([rank_pid, child_pid]) == []
 
 
+def _write_pid_then_hang_on_rank_1(rank: int, world_size: int, pid_file: str) -> int:
+    with open(f"{pid_file}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        time.sleep(300)
+    return rank
+
+
+def test_a_timed_out_run_leaves_no_rank(tmp_path):
+    """The timeout path reaps too: the hung rank does not sleep on after the caller gave up."""
+    run_distributed(_sum_ranks, 1, 0.0)  # the rank fork server is up: the ranks below start at once
+    pid_file = tmp_path / "pids"
+    with pytest.raises(DistributedTestError, match=r"^_write_pid_then_hang_on_rank_1 timed out after 10 s"):
+        run_distributed(_write_pid_then_hang_on_rank_1, 2, str(pid_file), timeout_s=10)
+    ranks = [int(p.read_text()) for p in sorted(tmp_path.glob("pids.*"))]
+    assert len(ranks) == 2  # both ranks ran: the hung one is among those checked
+    assert _wait_dead(ranks) == []
+
+
 def test_ranks_die_with_a_parent_killed_by_sigkill(tmp_path):
     import signal
     import subprocess
