@@ -73,11 +73,11 @@ INERT_KEYS: dict[str, str] = {
         "no quantization_config_file), multi-token prediction and multimodal inputs are not implemented",
     # critic.model.lora.rank / lora_rank are read (a critic that runs with a rank > 0 is refused by key)
     "actor_rollout_ref.model.lora.type|actor_rollout_ref.model.lora.a2a_experimental"
-    "|actor_rollout_ref.model.lora.adapter_path|actor_rollout_ref.model.lora.freeze_*"
+    "|actor_rollout_ref.model.lora.freeze_*"
     "|critic.model.lora.[!r]*|critic.model.lora_alpha|critic.model.target_modules|critic.model.exclude_modules"
     "|critic.model.lora_adapter_path":
-        "LoRA is built in one kind: lora.type=lora on a frozen base, no vision parts, no all-to-all expert path, "
-        "no PEFT adapter to start from (other values are refused when the config is built); the critic has no "
+        "LoRA is built in one kind: lora.type=lora on a frozen base, no vision parts, no all-to-all expert path "
+        "(other values are refused when the config is built); the critic has no "
         "LoRA: critic.model (a copy of actor_rollout_ref.model when left out) trains every parameter, and a critic "
         "that runs with critic.model.lora.rank > 0 is refused before any worker starts",
     "critic.megatron.router_replay.*|reward.reward_model.megatron.router_replay.*"

@@ -7,8 +7,9 @@ a2a_experimental, dtype, adapter_path, freeze_*}`` and keeps its FSDP-era flat k
 ``resolve_lora`` turns a model section's keys (either form, not both) into one ``LoRAConfig``
 (``ModelSourceConfig.lora_config()``); the trainer hands the actor's to its workers
 (``megatron_rl.trainer.placement``) and the engine (``megatron_rl.engine.lora``) acts on it. What is not built is refused by name here, before
-any worker starts: ``type`` other than ``lora``, ``adapter_path`` (loading a PEFT adapter),
-``a2a_experimental``. ``merge: false`` (verl's default) syncs only the adapters into vLLM's LoRA
+any worker starts: ``type`` other than ``lora``, ``a2a_experimental``. ``adapter_path`` starts the
+adapters from a saved PEFT adapter directory (``megatron_rl.engine.lora_peft.load_peft_adapter``; its
+``r`` / ``lora_alpha`` must be ``rank`` / ``alpha``). ``merge: false`` (verl's default) syncs only the adapters into vLLM's LoRA
 (``vllm_lora_engine_kwargs`` starts the engine with it).
 """
 
@@ -61,7 +62,8 @@ class LoRAConfig(BaseConfig):
     dtype: Optional[str] = None
     """Adapter parameter dtype; None = the base weights' dtype."""
     adapter_path: Optional[str] = None
-    """A PEFT adapter directory to start from: loading one is not built (refused when set)."""
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, e.g. an earlier run's
+    ``final_hf/lora_adapter``) whose adapters the actor starts from instead of ``lora_*_init_method``."""
     freeze_vision_model: bool = True
     """verl's multimodal switch; there is no vision tower here (refused when False)."""
     freeze_vision_projection: bool = True
@@ -96,7 +98,6 @@ class LoRAConfig(BaseConfig):
             raise ValueError("lora.target_modules: [] is not allowed with lora.rank > 0; name at least one of "
                              f"{list(LORA_TARGET_MODULES)}")
         refusals = {
-            "adapter_path": (self.adapter_path is not None, "loading a PEFT adapter is not built"),
             "a2a_experimental": (self.a2a_experimental, "the experimental all-to-all expert adapters are not built"),
             "freeze_language_model": (not self.freeze_language_model, "LoRA keeps the base frozen; for full "
                                                                       "fine-tuning set lora.rank=0"),

@@ -194,7 +194,7 @@ class ModelSourceConfig(BaseConfig):
     exclude_modules: Optional[list] = None
     """Flat form of ``lora.exclude_modules``."""
     lora_adapter_path: Optional[str] = None
-    """Flat form of ``lora.adapter_path`` (loading a PEFT adapter is not built: refused when set)."""
+    """Flat form of ``lora.adapter_path`` (a PEFT adapter directory the actor's adapters start from)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, Mapping):  # built by keyword: the section as a mapping

@@ -12,6 +12,11 @@ weight row by row, so each HF module's adapter is the same ``A`` with that modul
 does, and ``A`` is copied to every part. The gathering over TP / PP / EP is the bridge's
 (``parallel.bridge.HFExporter``) on a weight map derived from the family's (``adapter_weight_map``),
 so there is one mapping and one gather, tested once.
+
+``load_peft_adapter`` is the way back (verl's ``lora.adapter_path``): a PEFT adapter directory (this
+export's, or ``peft``'s with the same structure) into the actor's ``lora_A``/``lora_B``, through the
+bridge's loader on the same adapter weight map, every rank reading only its shards. A fused target's
+``A`` must be one tensor for all its HF modules (q/k/v; gate/up), as Megatron holds one.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from typing import Any, Optional
 import torch
 
 from megatron_rl.models.peft import (ADAPTER_CONFIG_NAME, ADAPTER_DIR_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX,
-                                     expand_shared, peft_adapter_config, write_peft_adapter)
+                                     expand_shared, peft_adapter_config, read_peft_adapter_config, write_peft_adapter)
 
 __all__ = ["PeftExportUnsupported", "ADAPTER_DIR_NAME", "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_weight_map",
-           "peft_adapter_parts", "peft_adapter_tensors", "peft_adapter_config", "expand_shared", "write_peft_adapter"]
+           "peft_adapter_parts", "peft_adapter_tensors", "peft_adapter_config", "expand_shared", "write_peft_adapter",
+           "load_peft_adapter"]
 
 _TARGET_SUFFIXES = tuple(f".{leaf}.weight" for leaf in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
 _NOT_ADAPTER = r"(?!.*\.lora_[AB]\Z)"
@@ -107,3 +113,60 @@ def peft_adapter_tensors(chunks, weight_map: Any, *, mesh=None, bucket_bytes: in
     what PEFT's ``adapter_model.safetensors`` holds, on global rank 0; an empty dict elsewhere."""
     tensors, shared = peft_adapter_parts(chunks, weight_map, mesh=mesh, bucket_bytes=bucket_bytes, dtype=dtype)
     return {name: t.clone() for name, t in expand_shared(tensors, shared).items()}
+
+
+def _template_regex(template: str):
+    import re
+
+    pattern = re.escape(template)
+    for field in ("layer", "expert"):
+        pattern = pattern.replace(re.escape("{" + field + "}"), f"(?P<{field}>\\d+)")
+    return re.compile(pattern + r"\Z")
+
+
+def load_peft_adapter(chunks, weight_map: Any, adapter_dir, lora: Any, *, mesh=None,
+                      key: str = "actor_rollout_ref.model.lora.adapter_path"):
+    """Collective over the model's ranks: load the PEFT adapter directory ``adapter_dir`` into ``chunks``'
+    LoRA adapters (``lora``: the ``LoRAConfig`` they were built with; its ``rank`` / ``alpha`` must be the
+    adapter's). Returns the bridge's ``LoadReport``.
+
+    ``ValueError`` (every rank alike, naming ``key``) for a config that does not match, a fused target whose
+    HF modules carry different ``A`` tensors, adapter tensors no adapter of the model takes (other targets)
+    and adapters of the model the directory lacks; ``PeftExportUnsupported`` for adapters in MoE experts.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from parallel.bridge import HFExporter, load_hf_checkpoint
+
+    read_peft_adapter_config(adapter_dir, lora, key)
+    adapter_map, copies = adapter_weight_map(weight_map)
+    experts = [item.global_name for item in HFExporter(chunks, adapter_map, mesh=mesh, ignore=(_NOT_ADAPTER,)).items
+               if item.rule.is_expert]
+    if experts:
+        raise PeftExportUnsupported(f"{key}: adapters inside MoE experts ({experts[0]}, ...) have no PEFT form yet; "
+                                    "leave the experts out (lora.exclude_modules: [experts])")
+    tensors = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS_NAME))
+    for rule in copies.values():  # a fused target's A: one tensor under each HF module's name, kept once
+        first, *others = rule.hf
+        regex = _template_regex(first)
+        for name in [n for n in tensors if regex.match(n)]:
+            fields = {k: int(v) for k, v in regex.match(name).groupdict().items()}
+            for other in (o.format(**fields) for o in others):
+                if other in tensors and not torch.equal(tensors.pop(other), tensors[name]):
+                    raise ValueError(f"{key}={str(adapter_dir)!r}: {other} differs from {name}; Megatron's fused "
+                                     f"{rule.megatron.rsplit('.', 2)[-2]} holds one A for all its HF modules (an "
+                                     "adapter whose q/k/v or gate/up A differ cannot be loaded into it)")
+    staging = Path(tempfile.mkdtemp(prefix="peft_adapter_"))
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            return load_hf_checkpoint(chunks, adapter_map, staging, mesh=mesh, ignore=(_NOT_ADAPTER,))
+        except ValueError as exc:  # name the user's file, not the staging copy
+            message = str(exc).replace(str(staging / "model.safetensors"), ADAPTER_WEIGHTS_NAME)
+            raise ValueError(f"{key}={str(adapter_dir)!r}: {message.replace(str(staging), ADAPTER_WEIGHTS_NAME)}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -4,7 +4,8 @@ A LoRA adapter on disk, as ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRAR
 ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's names
 (``base_model.model.<hf module>.lora_A.weight`` / ``lora_B.weight``). Pure file format (no Megatron,
 no vLLM): the export gathers the tensors (``megatron_rl.engine.lora_peft``), the rollout loads them
-(``megatron_rl.rollout.vllm_rollout``).
+(``megatron_rl.rollout.vllm_lora``), the actor starts from them (``engine.lora_peft.load_peft_adapter``;
+``read_peft_adapter_config`` checks the directory before any worker starts).
 
 Megatron's fused linears (``linear_qkv``, a gated ``linear_fc1``) hold one ``A`` for several HF modules
 (q/k/v, gate/up); a compact adapter keeps that ``A`` once under the first module's name and lists the
@@ -22,7 +23,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 __all__ = ["ADAPTER_DIR_NAME", "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "PEFT_PREFIX", "peft_adapter_config",
-           "expand_shared", "write_peft_adapter"]
+           "expand_shared", "write_peft_adapter", "read_peft_adapter_config"]
 
 ADAPTER_DIR_NAME = "lora_adapter"
 """verl's name of the adapter directory inside an exported HF checkpoint."""
@@ -97,3 +98,35 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict, out_dir: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def read_peft_adapter_config(adapter_dir: str | Path, lora: Any,
+                             key: str = "actor_rollout_ref.model.lora.adapter_path") -> dict:
+    """``adapter_dir``'s ``adapter_config.json``, checked against ``lora`` (a ``LoRAConfig``) before anything
+    is loaded: a LoRA adapter (``peft_type: LORA``) without DoRA, rsLoRA, biases or extra saved modules, whose
+    ``r`` and ``lora_alpha`` are ``lora.rank`` / ``lora.alpha`` (the engine builds its adapters from those).
+    ``FileNotFoundError`` / ``ValueError`` naming ``key`` and the mismatching fields."""
+    path = Path(adapter_dir)
+    for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{key}={str(adapter_dir)!r}: {path / name} does not exist (a PEFT adapter "
+                                    f"directory holds {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME})")
+    try:
+        config = json.loads((path / ADAPTER_CONFIG_NAME).read_text())
+    except ValueError as exc:
+        raise ValueError(f"{key}={str(adapter_dir)!r}: {ADAPTER_CONFIG_NAME} is not JSON: {exc}") from None
+    wrong = []
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        wrong.append(f"peft_type={config.get('peft_type')!r} (only LORA is built)")
+    for field, allowed in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("modules_to_save", None),
+                           ("fan_in_fan_out", False)):
+        if config.get(field, allowed) not in (allowed, [] if allowed is None else allowed):
+            wrong.append(f"{field}={config.get(field)!r} (allowed: {allowed!r})")
+    if int(config.get("r", -1)) != lora.rank:
+        wrong.append(f"r={config.get('r')!r} but actor_rollout_ref.model.lora.rank={lora.rank}")
+    if float(config.get("lora_alpha", -1)) != float(lora.alpha):
+        wrong.append(f"lora_alpha={config.get('lora_alpha')!r} but actor_rollout_ref.model.lora.alpha={lora.alpha}")
+    if wrong:
+        raise ValueError(f"{key}={str(adapter_dir)!r}: its {ADAPTER_CONFIG_NAME} does not match the LoRA settings: "
+                         + "; ".join(wrong))
+    return config

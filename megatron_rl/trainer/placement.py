@@ -181,8 +181,9 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
     """The actor's ``LoRAConfig``, checked before any worker starts: a rank larger than a targeted linear's
     dimensions (``check_lora_fits`` on the actor's architecture at ``model_path``) and a critic that would
     run with LoRA (``critic.model`` left out copies the actor's model, LoRA settings included) are
-    ``ValueError`` naming the key; so are, with ``lora.merge: false`` (adapter-only sync), a rank vLLM
-    cannot hold, FP8 rollout quantization, partial rollouts and adapters inside MoE experts."""
+    ``ValueError`` naming the key; so are a ``lora.adapter_path`` whose ``adapter_config.json`` does not match
+    the LoRA settings and, with ``lora.merge: false`` (adapter-only sync), a rank vLLM cannot hold, FP8
+    rollout quantization, partial rollouts and adapters inside MoE experts."""
     lora = actor_lora(config)
     if needs.critic:
         critic_lora = config.critic.model.lora_config()
@@ -198,6 +199,12 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
         model_cfg = get_family(model_path).model_config(
             model_path, **_model_overrides(config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.model))
         check_lora_fits(lora, model_cfg, "actor_rollout_ref.model.lora")
+        if lora.adapter_path:  # a PEFT adapter to start from: its config must be these settings
+            from megatron_rl.models.peft import read_peft_adapter_config
+
+            key = ("actor_rollout_ref.model.lora_adapter_path" if config.actor_rollout_ref.model.lora_rank
+                   else "actor_rollout_ref.model.lora.adapter_path")
+            read_peft_adapter_config(lora.adapter_path, lora, key)
         if not lora.merge:  # adapter-only sync into vLLM's LoRA: what it cannot do yet is refused here
             from megatron_rl.config.lora import vllm_lora_engine_kwargs
 

@@ -95,6 +95,10 @@ class MegatronWorker(WeightSyncRank):
             # LoRA adapters (engine.bridge_ignore) have no HF name: they keep their initialisation.
             ignore = ((r"output_layer\.",) if role == "critic" and head == "lm" else ()) + self.engine.bridge_ignore
             load_hf_checkpoint(self.engine.model, self.weight_map, spec.hf_dir, mesh=self.mesh, ignore=ignore)
+            if spec.lora is not None and spec.lora.adapter_path:  # verl's lora.adapter_path: a saved PEFT adapter
+                from megatron_rl.engine.lora_peft import load_peft_adapter
+
+                load_peft_adapter(self.engine.model, self.weight_map, spec.lora.adapter_path, spec.lora, mesh=self.mesh)
         m = self.mesh
         return {"rank": self.rank, "dp_rank": m.dp_rank, "dp_size": m.size("dp"), "tp_rank": m.tp_rank,
                 "cp_rank": m.cp_rank, "pp_rank": m.pp_rank, "is_last_pp_stage": m.is_last_pp_stage}

@@ -428,8 +428,6 @@ LORA_ON = ["actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.
      "actor_rollout_ref.model.lora.type='dora' is not allowed; choose one of ['lora']"),
     ([*LORA_ON, "actor_rollout_ref.model.lora.target_modules=[q_proj]"],
      "actor_rollout_ref.model.lora.target_modules: ['q_proj'] not allowed; each one of ['linear_qkv', "),
-    ([*LORA_ON, "actor_rollout_ref.model.lora.adapter_path=/adapter"],
-     "lora.adapter_path='/adapter' is refused with lora.rank=4: loading a PEFT adapter is not built"),
     (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=true"],
      "actor_rollout_ref.model.lora_rank=4 and model.lora.rank=8 are both set"),
     (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=0"],

@@ -130,7 +130,7 @@ def test_lora_engine_refusals():
     assert resolve_lora({"lora": {"rank": 4}}).merge is False  # verl's default: the adapter-only sync
     cases = [({"lora": {"rank": 4, "merge": True, "type": "dora"}}, "lora.type='dora' is not allowed"),
              ({"lora": {"rank": 4, "merge": True, "target_modules": ["q_proj"]}}, "['q_proj'] not allowed"),
-             ({"lora": {"rank": 4, "merge": True, "adapter_path": "/x"}}, "lora.adapter_path='/x' is refused"),
+             ({"lora": {"rank": 4, "merge": True, "a2a_experimental": True}}, "lora.a2a_experimental=True is refused"),
              ({"lora": {"rank": -1}}, "lora.rank: -1 is not allowed"),
              ({"lora": {"rank": 4, "merge": True, "alpah": 2}}, "unknown key(s) ['alpah']"),
              ({"lora_rank": 4, "lora": {"rank": 8}}, "are both set")]
@@ -142,6 +142,9 @@ def test_lora_engine_refusals():
     assert (flat.rank, flat.alpha, flat.merge, flat.target_modules) == (8, 16, True, list(
         ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")))
     assert not resolve_lora({"lora": {"rank": 0}}).enabled  # verl's default: no LoRA, nothing refused
+    # a PEFT adapter to start from (its directory is checked by the placement, tests/.../test_lora_peft_load.py)
+    assert resolve_lora({"lora": {"rank": 4, "adapter_path": "/x"}}).adapter_path == "/x"
+    assert resolve_lora({"lora_rank": 4, "lora_adapter_path": "/y"}).adapter_path == "/y"
     from megatron_rl.config.lora import check_lora_fits
     from megatron_rl.config.model import ModelConfig
     from tests.megatron_rl.engine.test_engine import MOE

@@ -115,3 +115,38 @@ def _check_peft_adapter(hf_out, model_path, input_ids) -> None:
             base = model(input_ids=input_ids).logits
     assert float((adapted - merged).abs().max()) <= PEFT_TOL
     assert float((base - merged).abs().max()) > 1e-4  # the adapters were trained away from the base
+
+
+def test_grpo_lora_starts_from_a_saved_peft_adapter(tmp_path, ray_cluster):
+    """``actor_rollout_ref.model.lora.adapter_path``: a PEFT adapter written for the recipe's model (rank 16,
+    alpha 32, B drawn non-zero) is what the actor workers hold after ``init_workers``: exported again
+    (``save_lora_adapter``) it is the file's tensors bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config.loader import compose
+    from megatron_rl.job.main_job import build_trainer
+    from megatron_rl.job.prepare import prepare_policy_model
+    from megatron_rl.trainer.export import save_lora_adapter
+    from parallel.testing import run_distributed
+    from tests.megatron_rl.engine.test_lora_peft_load import _export
+
+    base = [*SMALL, "actor_rollout_ref.model.lora.merge=true"]
+    first = TrainerRunConfig.from_dict(compose("grpo_lora", [*base, f"trainer.default_local_dir={tmp_path / 'a'}"]))
+    model_path = prepare_policy_model(first, tmp_path / "a", log=lambda *_: None)
+    adapter = tmp_path / "saved_adapter"
+    run_distributed(_export, 1, model_path, str(adapter), torch.zeros(1, 4, dtype=torch.long),
+                    {"rank": 16, "alpha": 32.0}, timeout_s=240)
+    config = TrainerRunConfig.from_dict(compose("grpo_lora", [*base, f"trainer.default_local_dir={tmp_path / 'b'}",
+                                                              f"actor_rollout_ref.model.lora.adapter_path={adapter}"]))
+    trainer = build_trainer(config, tmp_path / "b")
+    try:
+        trainer.init_workers()
+        out = save_lora_adapter(trainer.actor, trainer.model_path, tmp_path / "again", bucket_bytes=1 << 20)
+    finally:
+        trainer.shutdown()
+    saved, again = (load_file(str(d / "adapter_model.safetensors")) for d in (adapter, out))
+    assert sorted(saved) == sorted(again) and len(saved) == 2 * (3 + 1 + 2 + 1) * 2  # A, B per HF module, 2 layers
+    assert all(torch.equal(saved[n], again[n]) for n in saved)
+    assert any(float(saved[n].abs().max()) > 0 for n in saved if ".lora_B." in n)
