@@ -6,26 +6,35 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   the map; unprivileged, the runner maps it to this user), so the code owns no
   host file; then every capability set (bounding included) is emptied and ``no_new_privs`` set;
   a seccomp filter (libseccomp through ctypes) refuses process creation, non-AF_UNIX sockets,
-  mount/ptrace/unshare/setns/bpf/io_uring/userfaultfd and the other kernel interfaces of
-  ``sandbox_runner._DENIED_SYSCALLS``;
+  mount/ptrace/unshare/setns/bpf/io_uring/userfaultfd/sched_setaffinity and the other kernel
+  interfaces of ``sandbox_runner._DENIED_SYSCALLS``, and the limits, priority and scheduling of
+  any process but the code's own (its init has the same uid); the init drops every signal
+  handler, so the kernel keeps the code's signals from it;
 * **files**: ``pivot_root`` into a minimal root (``root_layout()``): a read-only tmpfs holding the
-  interpreter's prefix and the directories of its shared libraries (read-only, nosuid, nodev), a
+  interpreter's prefix and the directories of its shared libraries (read-only, nosuid, nodev
+  overlays whose top layer is that tmpfs: statvfs and mountinfo tell the sandbox's 1 MiB, never
+  the host's disk, device or file system), a
   fresh ``/proc`` of the sandbox's PID namespace (its host-wide files -- ``stat``, ``meminfo``,
   ``cpuinfo``, ``loadavg``, ``uptime`` -- replaced by the sandbox's own figures: ``memory_mb``,
-  ``ceil(max_cpus)`` idle CPUs, no load, no uptime; ``vmstat``, ``interrupts``, ``diskstats``, the
-  boot id and the like empty: nothing to fingerprint the host or time the caller by; a time
+  the run's CPUs, idle, no load, no uptime; ``vmstat``, ``interrupts``, ``diskstats``, the boot id,
+  the boot line, the kernel's config and symbols, the hardware lists and the host-wide counts of
+  open files, inodes and cgroups empty, ``version`` no more than ``uname``: nothing to fingerprint
+  the host or time the caller by; a time
   namespace where the kernel has one, so CLOCK_MONOTONIC / CLOCK_BOOTTIME and the start times in
   ``/proc/<pid>/stat`` count from the sandbox's start, not the host's boot), a read-only
-  ``/dev`` of null, zero and urandom,
+  ``/dev`` of null, zero and urandom (as root, nodes on a 4 KiB tmpfs of their own; unprivileged,
+  the host's devtmpfs nodes, whose statvfs tells half the host's memory),
   and the working directory (also HOME and TMPDIR): a tmpfs of ``max_disk_bytes`` and
   ``max_files`` inodes, nodev, nosuid, noexec. The host's root is detached: no home, project,
   checkpoint, credential or Ray socket can be named. An audit hook refuses writes outside the
   working directory as well (a convenience, not the barrier);
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
-* **the whole sandbox** (a cgroup per run where this process may make one, ``Isolation.cgroup``):
-  ``memory_mb`` of memory, ``max_processes`` tasks, ``max_cpus`` of CPU bandwidth; without one
-  (an unprivileged caller gets none), ``memory_mb`` of address space for the code's process, the
+* **the whole sandbox** (a cgroup per run where this process may make one, ``Isolation.cgroup``:
+  root's own, or a subtree delegated to an unprivileged caller): ``memory_mb`` of memory,
+  ``max_processes`` tasks, ``max_cpus`` of CPU bandwidth, and an affinity of ``ceil(max_cpus)``
+  of this process's CPUs (``_cpu_share``); without a cgroup, ``memory_mb`` of address space for
+  the code's process, the
   only one the seccomp filter lets it have (the code gets MemoryError), and ``max_processes``
   tasks through RLIMIT_NPROC, which the kernel counts per user namespace: the sandbox's tasks
   alone, threads included (with namespaces; set with a cgroup too);
@@ -43,6 +52,11 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   empty ``/proc/keys`` (which lists the keys of the caller's uid when it is the one mapped in);
 * **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
   every process left in it --, else the process group is killed.
+
+What the code still learns of the host, as Linux gives no namespace for it: the kernel's release
+and version (``uname``), the numbers of the CPUs it is given, the CPU's vendor and model
+(``cpuid`` is an instruction), the host's memory, load and task count (``sysinfo(2)``, which
+glibc's ``sysconf`` needs), and global serial numbers (mount ids, anonymous device numbers).
 
 The status is the sandbox's own observation, never the code's word: the PID namespace's init
 (which the code cannot signal or trace) reports the code's exit status or signal, its CPU

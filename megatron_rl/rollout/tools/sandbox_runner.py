@@ -17,7 +17,7 @@ keyring replaces the caller's (``_new_session_keyring``); privileges go for good
 the init forks the code's process and only reaps and reports
 (``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
 cgroup bounds memory, file size, open files, no core files, tasks in the sandbox's user
-namespace), the seccomp filter, an audit hook
+namespace; the CPU affinity of ``spec["cpu_ids"]``), the seccomp filter, an audit hook
 (a convenience: it refuses process creation, signals, ctypes, writes outside the working
 directory, Unix sockets and -- when no network namespace isolates the process -- every socket);
 then ``exec`` the code as ``__main__``.
@@ -116,13 +116,14 @@ _PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "d
                # caller works (its open files, inodes, cgroups: one per sandbox run)
                "cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "consoles", "misc", "mtrr",
                "vmallocinfo", "cgroups", "sys/fs/file-nr", "sys/fs/inode-nr", "sys/fs/inode-state",
-               "sys/fs/dentry-state")
+               "sys/fs/dentry-state", "sys/fs/dentry-negative", "sys/fs/aio-nr", "sys/kernel/pty/nr")
 
 
 def _proc_masks(spec: dict) -> dict:
     """/proc path -> the text bound over it: figures of the sandbox (``memory_bytes`` of memory,
-    ``cpus`` CPUs, never used, never loaded, just booted), no figure of the host; empty files for
-    the other host-wide counters (``_PROC_EMPTY``)."""
+    as many CPUs as ``cpu_ids``, never used, never loaded, just booted; the kernel's version in
+    uname's words), no figure of the host; empty files for the other host-wide counters and
+    descriptions of the host (``_PROC_EMPTY``)."""
     kib, cpus = spec["memory_bytes"] >> 10, len(spec["cpu_ids"])
     zeros = " 0" * 10
     stat = "".join([f"cpu {zeros}\n", *(f"cpu{i}{zeros}\n" for i in range(cpus)), "intr 0\nctxt 0\nbtime 0\n"

@@ -7,7 +7,8 @@ the device nodes live on a 4 KiB tmpfs of their own), the host's CPUs (the run's
 ``ceil(max_cpus)`` share and cannot be widened), the host's boot line, kernel build and host-wide
 counters in ``/proc``. Not hidden, by Linux's design: the kernel release and version that
 ``uname(2)`` returns (no namespace covers them), the numbers of the CPUs the run is given (no CPU
-namespace renumbers them), and global serial numbers (mount ids, anonymous device numbers).
+namespace renumbers them), the CPU's vendor (``cpuid``), the host's memory, load and task count
+that ``sysinfo(2)`` returns, and global serial numbers (mount ids, anonymous device numbers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -109,7 +111,7 @@ def test_the_kernel_release_is_the_hosts_but_its_build_and_boot_line_are_not():
     says (not the compiler and builder); the boot line, kernel config and symbols, the hardware
     lists and the host-wide counters (open files, inodes, dentries, cgroups) read empty."""
     empty = ("cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "cgroups", "sys/fs/file-nr",
-             "sys/fs/inode-nr", "sys/fs/dentry-state")
+             "sys/fs/inode-nr", "sys/fs/dentry-state", "sys/fs/aio-nr", "sys/kernel/pty/nr")
     code = ("import json, os\nout = {'uname': list(os.uname())}\nfor n in %r:\n"
             "    out[n] = open('/proc/' + n, 'rb').read().decode('latin-1')\nprint(json.dumps(out))"
             % (("version", "sys/kernel/osrelease") + empty,))
@@ -122,6 +124,26 @@ def test_the_kernel_release_is_the_hosts_but_its_build_and_boot_line_are_not():
     for name in empty:
         if os.path.exists("/proc/" + name):
             assert got[name] == "" and open("/proc/" + name, "rb").read(1) != b"", name
+
+
+def test_sysinfo_tells_the_hosts_memory_and_task_count():
+    """Not hidden: ``sysinfo(2)`` has no namespace but the time namespace's uptime; its memory,
+    load and task count are the host's. A seccomp filter can only refuse it, and glibc's
+    ``sysconf(_SC_PHYS_PAGES)`` reads it without checking for a failure, so refusing it would
+    hand libraries garbage; faking it would take a seccomp user-notification supervisor (the
+    init is placed for one). With a cgroup the code cannot use more than ``memory_mb`` anyway."""
+    code = ("import ctypes, json, os\nclass Info(ctypes.Structure):\n    _fields_ = [('uptime', ctypes.c_long), "
+            "('loads', ctypes.c_ulong * 3), ('totalram', ctypes.c_ulong), ('freeram', ctypes.c_ulong), "
+            "('pad', ctypes.c_ulong * 4), ('procs', ctypes.c_ushort), ('pad2', ctypes.c_char * 22), "
+            "('mem_unit', ctypes.c_uint)]\ninfo = Info()\nassert ctypes.CDLL(None).sysinfo(ctypes.byref(info)) == 0\n"
+            "print(json.dumps({'uptime': info.uptime, 'total': info.totalram * info.mem_unit, 'procs': info.procs,"
+            " 'phys': os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')}))")
+    got = probe(code)
+    host_total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert got["total"] == got["phys"] == host_total and got["total"] > SandboxLimits().memory_mb << 20, got
+    assert got["procs"] > 2, got  # the host's tasks, not the sandbox's two
+    if os.path.exists("/proc/self/ns/time"):  # the one figure the time namespace covers
+        assert got["uptime"] < 12 < time.clock_gettime(time.CLOCK_BOOTTIME), got
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64's cpuid instruction")
