@@ -51,3 +51,29 @@ def gpt_forward_terms(model: dict, seq_len: int) -> int:
     hidden, ffn = model["hidden_size"], model["ffn_hidden_size"]
     head_dim = hidden // model["num_attention_heads"]
     return model["num_layers"] * (6 * hidden + head_dim + 2 * seq_len + ffn) + 2 * hidden + model["vocab_size"]
+
+
+def assert_close_within(got: torch.Tensor, exact: torch.Tensor, bound: float, what: str) -> None:
+    """``assert_within(max_abs_diff(got, exact), bound, what)`` after checking that the shapes agree."""
+    assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} is not {tuple(exact.shape)}"
+    assert_within(max_abs_diff(got, exact), bound, what)
+
+
+def group_advantage_bound(groups: list[torch.Tensor], width: int, norm: bool) -> float:
+    """Two float32 paths to GRPO's (s - mean) / (std + eps) differ by at most this.
+
+    ``groups``: each group's scores in float64, s being a row's sum over ``width`` tokens. s - mean
+    errs by eps * (width + k + 1) * max|s| (k = the group's size); std by eps * (width + 2k + 4) * max|s|,
+    which moves a = (s - mean) / std by |a| times that over std. With ``norm`` False only s - mean.
+    A group of equal scores has std 0 and gives exactly 0 on both paths. Both paths: twice the sum.
+    """
+    eps, bound = torch.finfo(torch.float32).eps, 0.0
+    for scores in groups:
+        k, top = scores.numel(), float(scores.abs().max())
+        std = float(scores.std()) if k > 1 else 1.0  # a group of one divides by 1
+        centred = eps * (width + k + 1) * top
+        if norm and std > 0:
+            a_max = float((scores - (scores.mean() if k > 1 else 0.0)).abs().max()) / std
+            centred = (centred + a_max * eps * (width + 2 * k + 4) * top) / std + eps * a_max
+        bound = max(bound, 2 * centred)
+    return bound

@@ -5,6 +5,7 @@ equals what verl itself returned for the same inputs (``data/verl_reference.pt``
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -34,9 +35,21 @@ from megatron_rl.algos import (
 from megatron_rl.config import ActorConfig, AlgoConfig, RolloutCorrectionConfig, omega_conf_to_dataclass
 from megatron_rl.config.algorithm import ROLLOUT_CORRECTION_PRESETS
 from megatron_rl.data.batch import Batch, DataProto
+from tests.numerics import assert_close_within, rounding_bound
 
 REF = torch.load(Path(__file__).parent / "data" / "verl_reference.pt", weights_only=False)
 INP = REF["inputs"]
+_TOKENS, _SEQ_LEN = INP["mask"].numel(), INP["mask"].shape[-1]
+# Ours and verl's are two float32 paths over the same [6, 7] inputs. A weight exp(log-ratio) errs relatively
+# by the log-ratio's error: for a sequence's exp(sum), eps * seq_len * sum |log-ratio| over its row.
+_SEQ_TERMS = math.ceil(_SEQ_LEN * float(((INP["old"] - INP["roll"]).abs() * INP["mask"]).sum(-1).max()))
+# The reductions on a metric's path: the batch's tokens, the subtraction and exp, a sequence's exp(sum).
+METRIC_TERMS = _TOKENS + 2 + _SEQ_TERMS
+
+
+def both_paths(num_terms: int, scale: float) -> float:
+    """Two float32 computations of one value, each within rounding_bound of the exact one."""
+    return 2 * rounding_bound(num_terms, scale)
 
 
 def _strip(value):
@@ -46,10 +59,11 @@ def _strip(value):
     return value
 
 
-def close_metrics(ours: dict, theirs: dict, tol: float = 1e-6) -> None:
+def close_metrics(ours: dict, theirs: dict, num_terms: int = METRIC_TERMS) -> None:
+    """Each metric within both_paths(num_terms, max(1, |value|)): relative above 1, absolute below."""
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
-        assert ours[key] == pytest.approx(value, rel=tol, abs=tol), key
+        assert ours[key] == pytest.approx(value, abs=both_paths(num_terms, max(1.0, abs(value)))), key
 
 
 def test_registries_getters_and_enum_are_verls():
@@ -100,11 +114,19 @@ def test_compute_policy_loss_rewards_and_group_mean_std_equal_verl():
         ours = compute_policy_loss(old_log_prob=INP["old"], log_prob=INP["new"], advantages=INP["adv"],
                                    response_mask=INP["mask"], cliprange=0.2, cliprange_low=0.1, cliprange_high=0.28,
                                    clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean")
-    for a, b in zip(ours, REF["compute_policy_loss"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # a token's term is A * ratio, at most clip_ratio_c * |A|; exp(new - old) errs relatively by eps * |new - old|;
+    # then the token and sequence means over the batch's tokens
+    log_ratio_terms = math.ceil(float((INP["new"] - INP["old"]).abs().max())) + 2
+    bound = both_paths(_TOKENS + log_ratio_terms, 3.0 * float(INP["adv"].abs().max()))
+    for name, a, b in zip(("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"), ours, REF["compute_policy_loss"]):
+        assert_close_within(a, b, bound, name)
     torch.testing.assert_close(compute_rewards(INP["scores"], INP["old"], INP["ref"], 0.05), REF["compute_rewards"])
-    for a, b in zip(group_mean_std(INP["scores"].sum(-1), INP["gidx"], eps=1e-6), REF["group_mean_std"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # a row's sum over seq_len scores, then a group's mean and std over at most its 6 rows (std moves by at
+    # most the deviations' error), on values up to the largest row sum of |scores|
+    bound = both_paths(_SEQ_LEN + 2 * 6 + 2, float(INP["scores"].abs().sum(-1).max()))
+    for name, a, b in zip(("mean", "std", "count"), group_mean_std(INP["scores"].sum(-1), INP["gidx"], eps=1e-6),
+                          REF["group_mean_std"]):
+        assert_close_within(a, b, bound, name)
 
 
 def test_rollout_rs_option_sets_and_metric_functions_equal_verl():
@@ -142,9 +164,12 @@ def test_rollout_correction_returns_a_dataproto_first_as_verl(preset):
     assert (type(w).__name__ if w is not None else None) == ("Batch" if theirs["weights_type"] else None)
     assert isinstance(w, DataProto) or w is None
     if w is not None:
-        torch.testing.assert_close(w.batch["rollout_is_weights"], theirs["weights"], rtol=1e-6, atol=1e-6)
+        weights = w.batch["rollout_is_weights"]
+        assert weights.dtype == theirs["weights"].dtype
+        assert_close_within(weights, theirs["weights"], both_paths(METRIC_TERMS, float(theirs["weights"].abs().max())),
+                            "rollout_is_weights")
     torch.testing.assert_close(mask, theirs["mask"])
-    close_metrics(metrics, theirs["metrics"], tol=1e-5)
+    close_metrics(metrics, theirs["metrics"])
     # verl's add_to_batch on a DataProto: union of the weights, the rejection mask in place.
     batch = Batch({"old_log_probs": INP["old"], "rollout_log_probs": INP["roll"], "response_mask": INP["mask"]})
     batch, _ = compute_rollout_correction_and_add_to_batch(batch, cfg)
