@@ -111,7 +111,8 @@ class SandboxLimits:
     """Tasks (processes and threads) of the whole sandbox, the runner's three included (a cgroup's
     pids.max, and RLIMIT_NPROC in the sandbox's own user namespace)."""
     max_cpus: float = 1.0
-    """CPU bandwidth of the whole sandbox, in CPUs (with a cgroup)."""
+    """CPU bandwidth of the whole sandbox, in CPUs (with a cgroup); its affinity, always: ``ceil(max_cpus)``
+    of the caller's CPUs (at most all of them), which the code sees as its machine's."""
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
