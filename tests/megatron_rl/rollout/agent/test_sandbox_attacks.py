@@ -51,6 +51,8 @@ def secret(monkeypatch):
 def test_signals_to_the_init_do_not_end_it_before_its_report():
     text, error = execute("import signal, time\nfor s in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGALRM', "
                           "'SIGQUIT', 'SIGCHLD'):\n    print(s, libc.kill(1, getattr(signal, s)))\n"
+                          "pidfd = libc.syscall(434, 1, 0)\n"  # pidfd_send_signal: the same rule
+                          "print('pidfd', libc.syscall(424, pidfd, signal.SIGINT, None, 0))\n"
                           "time.sleep(0.3)\nprint('after', 'sent')")
     assert not error and lines(text)["after"] == "sent", text  # the init reported: status ok
     assert "sandbox failed" not in text and "KeyboardInterrupt" not in text, text
@@ -101,9 +103,12 @@ def test_real_time_scheduling_and_a_higher_priority_are_refused():
             "except OSError as err:\n    print('fifo', err.errno)\n"
             "try:\n    os.nice(-5)\n    print('nice', 'raised')\nexcept OSError as err:\n    print('nice', err.errno)\n"
             "print('ioprio_rt', libc.syscall(251, 1, 0, 1 << 13), ctypes.get_errno())\n"
+            "attr = (ctypes.c_uint32 * 12)(48, 6)\nattr[6], attr[8], attr[10] = 10 ** 6, 10 ** 7, 10 ** 8\n"
+            "print('deadline', libc.syscall(314, 0, attr, 0), ctypes.get_errno())\n"  # sched_setattr(SCHED_DEADLINE)
             "print('mlockall', libc.mlockall(3), ctypes.get_errno())")
     got = lines(execute(code)[0])
-    assert got["fifo"] == got["nice"] == f"{errno.EPERM}" and got["ioprio_rt"] == f"-1 {errno.EPERM}", got
+    assert got["fifo"] == got["nice"] == f"{errno.EPERM}", got
+    assert got["ioprio_rt"] == got["deadline"] == f"-1 {errno.EPERM}", got
     assert got["mlockall"] in (f"-1 {errno.ENOMEM}", f"-1 {errno.EPERM}"), got  # RLIMIT_MEMLOCK: no pinned memory
 
 
@@ -130,6 +135,25 @@ def test_descriptors_in_flight_on_a_unix_socket_are_bounded():
             "        sent += 1\nexcept OSError as err:\n    print('stopped', sent, err.errno)")
     sent, err = lines(execute(code)[0])["stopped"].split()
     assert int(sent) < 64 and int(err) in (errno.ETOOMANYREFS, errno.EAGAIN), (sent, err)
+
+
+def test_netlink_vsock_packet_and_inet_sockets_are_refused():
+    # AF_VSOCK would reach the hypervisor's host of a VM like this one, AF_NETLINK the kernel's
+    # routing and audit interfaces, AF_PACKET raw frames: the filter leaves AF_UNIX alone.
+    code = ("import socket\nfor family, kind in ((40, socket.SOCK_STREAM), (16, socket.SOCK_RAW), (17, socket.SOCK_RAW),"
+            " (2, socket.SOCK_DGRAM), (10, socket.SOCK_STREAM)):\n    try:\n        socket.socket(family, kind)\n"
+            "        print(family, 'opened')\n    except OSError as err:\n        print(family, err.errno)")
+    assert lines(execute(code)[0]) == dict.fromkeys(("40", "16", "17", "2", "10"), f"{errno.EPERM}")
+
+
+def test_extended_attributes_count_against_the_working_directorys_quota():
+    code = ("total = 0\nfor i in range(1000):\n    open(f'f{i}', 'w').close()\n    try:\n        for j in range(1000):\n"
+            "            os.setxattr(f'f{i}', f'user.k{j}', b'x' * 4000)\n            total += 4000\n"
+            "    except OSError as err:\n        if j == 0:\n            print('stopped', total, err.errno)\n"
+            "            break")
+    text, _ = execute(code)
+    total, err = map(int, lines(text)["stopped"].split())
+    assert total < SandboxLimits().max_disk_bytes and err == errno.ENOSPC, text  # kernel memory, bounded
 
 
 def test_an_abstract_unix_socket_of_the_host_is_unreachable():
