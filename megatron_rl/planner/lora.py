@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 
-__all__ = ["adapter_params", "adapter_sync_tensors", "vllm_lora_slot_bytes", "VLLM_EMBEDDING_LORA_ARCHITECTURES",
+__all__ = ["adapter_params", "adapter_sync_tensors", "wrapped_base_params", "vllm_lora_slot_bytes", "VLLM_EMBEDDING_LORA_ARCHITECTURES",
            "vllm_embedding_lora"]
 
 VLLM_EMBEDDING_LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
@@ -106,6 +106,44 @@ def adapter_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, ep: i
         out.append((sum(c[0] for c in counts), sum(c[1] for c in counts)))
         first += layers
     return out
+
+
+def wrapped_base_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                        stage_layers: Optional[Sequence[int]] = None) -> int:
+    """Base weights of the adapted linears one rank of the most loaded stage holds: what a ``merge: true`` sync
+    copies aside while the merged weights stream out (``engine.lora.merged_adapters`` restores them bit for bit)."""
+    if not lora.enabled:
+        return 0
+    etp = etp or tp
+    h, gate, heads = m.hidden_size, 2 if m.swiglu else 1, m.num_attention_heads
+    layers_of = list(stage_layers) if stage_layers is not None else [m.num_layers // pp] * pp
+    best, first = 0, 0
+    for layers in layers_of:
+        total = 0
+        for i in range(layers):
+            prefix = f"decoder.layers.{i}."
+            if not getattr(m, "multi_latent_attention", False):
+                kv = m.num_query_groups or heads
+                if _on(lora, "linear_qkv", prefix + _PATHS["linear_qkv"]):
+                    total += (heads // tp + 2 * max(kv // tp, 1)) * m.head_dim * h
+                proj_in = heads * m.head_dim
+            else:
+                proj_in = heads * m.v_head_dim
+            if _on(lora, "linear_proj", prefix + _PATHS["linear_proj"]):
+                total += proj_in // tp * h
+            if _is_moe(m, first + i):
+                f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+                widths = [(f, etp, _EXPERT, m.num_moe_experts // ep)]
+                if m.moe_shared_expert_intermediate_size:
+                    widths.append((m.moe_shared_expert_intermediate_size, tp, _SHARED, 1))
+            else:
+                widths = [(m.ffn_hidden_size, tp, "mlp.", 1)]
+            for width, split, where, count in widths:
+                total += count * ((gate * (width // split) * h if _on(lora, "linear_fc1", prefix + where + "linear_fc1")
+                                   else 0) + ((width // split) * h if _on(lora, "linear_fc2", prefix + where + "linear_fc2")
+                                              else 0))
+        best, first = max(best, total), first + layers
+    return best
 
 
 def adapter_sync_tensors(m: ModelConfig, lora: Any) -> int:

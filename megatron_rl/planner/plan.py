@@ -318,7 +318,7 @@ class _Context:
             forward["critic"], _ = self._role("critic", critic_meg, critic_model, critic_meg.parallel(),
                                               cfg.critic.ppo_micro_batch_size_per_gpu, False, None, None, world, gpus,
                                               strict)
-        phases = self._phases(roles, forward)
+        phases = self._phases(roles, forward, sizes)
         warnings = []
         ep_span = sizes["ep"] * sizes["etp"]
         if ep_span > gpus:
@@ -333,7 +333,8 @@ class _Context:
                     placement=_placement(sizes, nodes, gpus), warnings=warnings, engines=engines,
                     role_models=models)
 
-    def _phases(self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory]) -> dict[str, dict[str, int]]:
+    def _phases(self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory],
+                sizes: Optional[dict] = None) -> dict[str, dict[str, int]]:
         """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
         parts each role keeps resident there, the computing role's activations and scratch, the
         rollout engine (awake, weights only, or asleep) and the framework reserve."""
@@ -408,6 +409,8 @@ class _Context:
             elif phase.name == "weight_sync":  # one bucket of the streamed export in flight
                 bucket = int(rollout.checkpoint_engine.update_weights_bucket_megabytes * 2 ** 20)
                 terms["sync bucket"] = min(bucket, sum(count_params(self.model)) * (2 if on_gpu else 4))
+                if self.lora.enabled:  # merge: true: the adapted base weights copied aside while merged ones stream
+                    terms["merge backup"] = self._merge_backup_bytes(sizes)
             phases[phase.label] = terms
         return phases
 
@@ -419,6 +422,21 @@ class _Context:
         actor_dtype = _dtype(self.cfg.actor_rollout_ref.actor.megatron, self.model, self.from_table)
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(self.lora.dtype, self.lora.dtype)
         return sum(adapter_params(self.model, self.lora)[0]) * DTYPE_BYTES[dtype or actor_dtype]
+
+    def _merge_backup_bytes(self, sizes: Optional[dict]) -> int:
+        """``lora.merge: true`` sync: the actor rank's adapted base weights (under ``sizes``, the actor's layout),
+        copied aside while the merged ones stream out (restored after)."""
+        from megatron_rl.planner.lora import wrapped_base_params
+        from megatron_rl.planner.memory import DTYPE_BYTES
+        from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
+
+        meg = self.cfg.actor_rollout_ref.actor.megatron
+        s = sizes or meg.parallel().sizes(self.cfg.trainer.world_size)
+        uneven = uneven_pipeline_fields(meg.override_transformer_config)
+        stages = pipeline_stage_layers(self.model.num_layers, s["pp"], s["vpp"], **uneven) if uneven else None
+        n = wrapped_base_params(self.model, self.lora, tp=s["tp"], pp=s["pp"], ep=s["ep"], etp=s["etp"],
+                                stage_layers=stages)
+        return n * DTYPE_BYTES[_dtype(meg, self.model, self.from_table)]
 
     def _vllm_lora_slot(self, on_gpu: bool) -> int:
         """Bytes per engine GPU of vLLM's LoRA slot (``lora.merge: false``; 0 otherwise): ``max_lora_rank``

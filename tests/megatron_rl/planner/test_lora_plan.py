@@ -214,3 +214,20 @@ def sum_whole(r: int) -> int:
     """Qwen2-7B's whole (TP = 1) compact adapter of rank ``r`` on the four linears."""
     h, f, heads, kv, d, layers = 3584, 18944, 28, 4, 128, 28
     return layers * r * ((h + (heads + 2 * kv) * d) + (heads * d + h) + (h + 2 * f) + (f + h))
+
+
+def test_merged_sync_counts_the_copy_of_the_adapted_base_weights(qwen2_7b):
+    """``lora.merge: true``: ``merged_adapters`` copies every adapted base weight aside while the merged weights
+    stream out; the weight-sync phase counts that copy (``merge backup``) besides the bucket."""
+    from megatron_rl.planner.lora import wrapped_base_params
+    from tests.megatron_rl.config.test_verl_example_scripts import plan
+
+    per_layer = (8 + 8) // 2 * HEAD_DIM * 256 + 8 // 2 * HEAD_DIM * 256 + 2 * 768 // 2 * 256 + 768 // 2 * 256
+    assert wrapped_base_params(SMALL, LoRAConfig(rank=8), tp=2) == 4 * per_layer
+    assert wrapped_base_params(SMALL, LoRAConfig(rank=8, target_modules=["linear_fc2"]), tp=2) == 4 * 768 // 2 * 256
+    h, f, heads, kv, d, layers, tp = 3584, 18944, 28, 4, 128, 28, 4
+    backup = 2 * layers * ((heads + 2 * kv) // tp * d * h + heads // tp * d * h + 3 * f // tp * h)  # bf16 weights
+    rc, out = plan(qwen2_7b[0] + ["actor_rollout_ref.model.lora.merge=true"])
+    assert rc == 0, out[-3000:]
+    sync = next(line for line in out.splitlines() if line.strip().startswith("weight sync"))
+    assert f"merge backup {backup / GIB:.2f}" in sync and "sync bucket" in sync and "sync adapter" not in sync
