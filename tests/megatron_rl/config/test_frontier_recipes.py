@@ -92,7 +92,8 @@ def test_engine_weight_shard_against_the_vllm_budget():
     fp8 = rollout_weight_bytes(model, "bfloat16", "fp8")
     assert fp8 == quantised + 4 * blocks + 2 * (total - quantised)
     assert fp8 / (8 * GIB) == pytest.approx(78.37, abs=0.01) and fp8 / (8 * GIB) < 0.85 * 141
-    assert rollout_weight_bytes(model, "bfloat16") / (8 * GIB) == pytest.approx(deepseek, abs=1e-9)
+    # exact: the same integer byte count (< 2^53) over the same power of two, 8 * 2^30, in float64
+    assert rollout_weight_bytes(model, "bfloat16") / (8 * GIB) == deepseek
 
 
 DEEPSEEK_REFUSAL = ("actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at "

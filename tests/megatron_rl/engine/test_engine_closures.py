@@ -112,8 +112,28 @@ def _case(rank, world_size, micro_batch_size):
         except ValueError as exc:
             errors.append(str(exc))
     scales = {"v": float(v.detach().abs().max()), "grad": max(float(g.abs().max()) for g in grads.values()),
-              "weight": max(float(p.abs().max()) for p in before.values())}
+              "weight": max(float(p.abs().max()) for p in before.values()),
+              "residual": float(((v.detach() - batch["returns"]) * mask).abs().max()),
+              "numel": sum(g.numel() for g in grads.values())}
     return metrics, hand, forward_diff, weight_diff, errors, scales
+
+
+def _metric_bounds(hand: dict, scales: dict) -> dict:
+    """Each metric's bound from the values' forward bound F (two float32 paths, as above).
+
+    Counts are integers: exact. A value, its min/max or its mean over the tokens: F (+ the mean's
+    eps * tokens * max|v|). The loss, a mean of (v - r)^2: 2 * max|v - r| * F + F^2 and each path's
+    mean over the tokens. grad_norm: the gradients' elementwise bound G (the backward's) grows to
+    sqrt(numel) * G in the 2-norm, plus each norm's sum of numel squares.
+    """
+    forward = 2 * rounding_bound(FORWARD_TERMS, max(1.0, scales["v"]))
+    tokens = int(hand["custom/num_tokens"])
+    value = forward + rounding_bound(tokens, scales["v"])
+    loss = 2 * scales["residual"] * forward + forward ** 2 + 2 * rounding_bound(tokens + 2, scales["residual"] ** 2)
+    grad = 2 * rounding_bound(BACKWARD_TERMS, scales["grad"])
+    grad_norm = math.sqrt(scales["numel"]) * grad + 2 * rounding_bound(scales["numel"], hand["grad_norm"])
+    return {"custom/loss": loss, "custom/num_tokens": 0.0, "custom/num_sequences": 0.0, "custom/value_mean": value,
+            "custom/value_min": value, "custom/value_max": value, "grad_norm": grad_norm}
 
 
 @pytest.mark.parametrize("world_size,micro_batch_size", [(1, 3), (2, 2)], ids=["one_rank", "dp2"])
@@ -124,8 +144,9 @@ def test_engine_runs_a_custom_head_and_loss_like_a_hand_computation(world_size, 
     assert_within(max(r[2] for r in results), 2 * rounding_bound(FORWARD_TERMS, max(1.0, scales["v"])),
                   f"closures ws={world_size} forward")
     assert set(metrics) == set(hand) | {"lr"} and metrics["lr"] == LR
-    for key, value in hand.items():  # relative; abs=1e-6 matters only within 0.1 of 0
-        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, metrics[key], value)
+    bounds = _metric_bounds(hand, scales)
+    for key, value in hand.items():
+        assert metrics[key] == pytest.approx(value, abs=bounds[key]), (key, metrics[key], value, bounds[key])
     assert hand["grad_norm"] > 1e-2  # the step moved the weights ...
     # ... by exactly -lr * the hand gradient: w - lr * g rounds once at the weights' scale.
     step_bound = rounding_bound(1, scales["weight"]) + LR * 2 * rounding_bound(BACKWARD_TERMS, scales["grad"])
