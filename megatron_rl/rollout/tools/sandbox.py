@@ -18,7 +18,8 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
   ``cpuinfo``, ``loadavg``, ``uptime`` -- replaced by the sandbox's own figures: ``memory_mb``,
   the run's CPUs, idle, no load, no uptime; ``vmstat``, ``interrupts``, ``diskstats``, the boot id,
   the boot line, the kernel's config and symbols, the hardware lists and the host-wide counts of
-  open files, inodes and cgroups empty, ``version`` no more than ``uname``: nothing to fingerprint
+  open files, inodes and cgroups empty, ``version`` no more than ``uname``, ``/proc/sys`` a
+  read-only tree of a few settings (``sandbox_runner._PROC_SYS_KEPT``): nothing to fingerprint
   the host or time the caller by; a time
   namespace where the kernel has one, so CLOCK_MONOTONIC / CLOCK_BOOTTIME and the start times in
   ``/proc/<pid>/stat`` count from the sandbox's start, not the host's boot), a read-only

@@ -107,6 +107,8 @@ def _open_binds(binds) -> dict:
     return {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in binds}
 
 
+# The UTS namespace's names (``_name_the_host``); (none): the kernel's own name for no domain.
+_HOST_NAME_TEXT, _DOMAIN_NAME_TEXT = "sandbox\n", "(none)\n"
 # /proc files about the host (its load, memory, CPUs, uptime, devices, interrupts), replaced by
 # the sandbox's own: the code can neither fingerprint the host nor time the caller through them.
 _PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "diskstats", "partitions", "swaps",
@@ -117,6 +119,16 @@ _PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "d
                "cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "consoles", "misc", "mtrr",
                "vmallocinfo", "cgroups", "sys/fs/file-nr", "sys/fs/inode-nr", "sys/fs/inode-state",
                "sys/fs/dentry-state", "sys/fs/dentry-negative", "sys/fs/aio-nr", "sys/kernel/pty/nr")
+
+
+# /proc/sys (some 800 of the host's settings and counters: its memory through threads-max and
+# file-max, its load through aio-nr, pty/nr, dentry counts) is replaced by a read-only tree of
+# the few settings programs read (glibc: ngroups_max; malloc: overcommit_memory), the names the
+# UTS namespace gives, and the empty files of ``_PROC_EMPTY``.
+_PROC_SYS_KEPT = ("kernel/ngroups_max", "kernel/pid_max", "kernel/cap_last_cap", "kernel/osrelease",
+                  "kernel/ostype", "kernel/version", "vm/overcommit_memory", "vm/max_map_count", "fs/nr_open",
+                  "fs/pipe-max-size")
+_PROC_SYS_SET = {"kernel/hostname": _HOST_NAME_TEXT, "kernel/domainname": _DOMAIN_NAME_TEXT}
 
 
 def _proc_masks(spec: dict) -> dict:
@@ -194,15 +206,24 @@ def _minimal_root(spec: dict, handles: dict, devices: dict) -> None:
     mount(b"proc", root + "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     staging = root + "/.proc-masks"  # a tmpfs of the sandbox's own /proc files, gone once bound
     os.makedirs(staging)
-    mount(b"tmpfs", staging, b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,nr_inodes=64,mode=0755")
+    mount(b"tmpfs", staging, b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=256k,nr_inodes=256,mode=0755")
     masks = {name: text for name, text in _proc_masks(spec).items()
              if os.path.exists(f"{root}/proc/{name}")}  # e.g. no /proc/pressure without PSI
-    for name, text in masks.items():
-        with open(f"{staging}/{name.replace('/', '_')}", "w") as f:
+    for name in _PROC_SYS_KEPT:  # the few settings programs read, copied; /proc/sys holds nothing else
+        if os.path.exists(f"{root}/proc/sys/{name}"):
+            with open(f"{root}/proc/sys/{name}") as f:
+                masks["sys/" + name] = f.read()
+    masks.update(("sys/" + name, text) for name, text in _PROC_SYS_SET.items())
+    for name, text in masks.items():  # /proc/sys as one tree, the other files one by one
+        path = f"{staging}/{name}" if name.startswith("sys/") else f"{staging}/{name.replace('/', '_')}"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
             f.write(text)
     readonly(staging, False, _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
     for name in masks:  # a bind takes its source mount's flags: read-only, one remount for all
-        mount(f"{staging}/{name.replace('/', '_')}".encode(), f"{root}/proc/{name}", None, _MS_BIND)
+        if not name.startswith("sys/"):
+            mount(f"{staging}/{name.replace('/', '_')}".encode(), f"{root}/proc/{name}", None, _MS_BIND)
+    mount(f"{staging}/sys".encode(), f"{root}/proc/sys", None, _MS_BIND)
     if libc.umount2(staging.encode(), _MNT_DETACH) != 0:
         raise OSError(ctypes.get_errno(), "umount2 of the /proc masks' staging tmpfs")
     os.rmdir(staging)
@@ -375,7 +396,7 @@ def _new_cgroup_namespace() -> None:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWCGROUP)")
 
 
-_HOST_NAME, _DOMAIN_NAME = b"sandbox", b"(none)"  # (none): the kernel's own name for no domain
+_HOST_NAME, _DOMAIN_NAME = _HOST_NAME_TEXT.strip().encode(), _DOMAIN_NAME_TEXT.strip().encode()
 
 
 def _name_the_host() -> None:

@@ -5,7 +5,7 @@ Hidden: the host's disks (statvfs and mountinfo see overlays on the sandbox's ro
 the host's device, its file-system type or size), the host's memory through devtmpfs (as root:
 the device nodes live on a 4 KiB tmpfs of their own), the host's CPUs (the run's affinity is its
 ``ceil(max_cpus)`` share and cannot be widened), the host's boot line, kernel build and host-wide
-counters in ``/proc``. Not hidden, by Linux's design: the kernel release and version that
+counters in ``/proc``, the host's settings in ``/proc/sys`` (a few kept). Not hidden, by Linux's design: the kernel release and version that
 ``uname(2)`` returns (no namespace covers them), the numbers of the CPUs the run is given (no CPU
 namespace renumbers them), the CPU's vendor (``cpuid``), the host's memory, load and task count
 that ``sysinfo(2)`` returns, and global serial numbers (mount ids, anonymous device numbers).
@@ -83,8 +83,8 @@ def test_mountinfo_names_no_host_device_file_system_or_size():
     for path in sandbox.root_layout()[0]:  # the host's directories: overlays named "sandbox"
         assert mounted[path][mounted[path].index("-") + 1:][:2] == ["overlay", "sandbox"], mounted[path]
     sizes = {option for row in rows for option in row[-1].split(",") if option.startswith("size=")}
-    if ROOT:  # every size is one the sandbox chose: 1 MiB root, 64 KiB /dev and masks, 4 KiB nodes, 64 MiB workdir
-        assert sizes == {"size=1024k", "size=64k", "size=4k", "size=65536k"}, sizes
+    if ROOT:  # every size the sandbox's own: 1 MiB root, 64 KiB /dev, 256 KiB masks, 4 KiB nodes, 64 MiB workdir
+        assert sizes == {"size=1024k", "size=64k", "size=256k", "size=4k", "size=65536k"}, sizes
 
 
 def test_the_cpus_are_the_runs_share_and_cannot_be_widened():
@@ -124,6 +124,23 @@ def test_the_kernel_release_is_the_hosts_but_its_build_and_boot_line_are_not():
     for name in empty:
         if os.path.exists("/proc/" + name):
             assert got[name] == "" and open("/proc/" + name, "rb").read(1) != b"", name
+
+
+def test_proc_sys_holds_a_few_settings_not_the_hosts_hundreds():
+    code = ("import json, os\nout = {}\nfor top, _, files in os.walk('/proc/sys'):\n    for name in files:\n"
+            "        path = os.path.join(top, name)\n        out[path[len('/proc/sys/'):]] = open(path).read()\n"
+            "try:\n    open('/proc/sys/kernel/core_pattern', 'w')\nexcept OSError as err:\n    out['write'] = err.errno\n"
+            "print(json.dumps(out))")
+    got = probe(code)
+    host = sum(len(files) for _, _, files in os.walk("/proc/sys"))
+    assert got.pop("write") == errno.EROFS and host > 100, host
+    assert {k: got[k] for k in ("kernel/hostname", "kernel/domainname")} == {"kernel/hostname": "sandbox\n",
+                                                                           "kernel/domainname": "(none)\n"}
+    for name in ("kernel/ngroups_max", "kernel/cap_last_cap", "vm/overcommit_memory"):  # copied, as programs read them
+        assert got[name] == open("/proc/sys/" + name).read(), name
+    for name in ("kernel/threads-max", "fs/file-max", "vm/min_free_kbytes", "kernel/random/entropy_avail", "net"):
+        assert not any(k.startswith(name) for k in got), name  # the host's memory, entropy, network settings
+    assert len(got) <= 24 and all(v == "" for k, v in got.items() if k.endswith(("-nr", "-state", "/nr"))), got
 
 
 def test_sysinfo_tells_the_hosts_memory_and_task_count():
