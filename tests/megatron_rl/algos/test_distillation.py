@@ -67,6 +67,7 @@ def test_forward_kl_topk_chunked_equals_full_and_no_overlap():
     chunked = compute_forward_kl_topk(logits, teacher_lp, teacher_ids, chunk_size=4)
     # log_softmax vs logsumexp-then-gather: each float32 log-prob errs by eps * (40 + 6) * max|logit|, a loss
     # is a sum of teacher probabilities (<= 1) times those; two such paths differ by twice that.
+    assert chunked.distillation_losses.dtype == full.distillation_losses.dtype
     assert_close_within(chunked.distillation_losses, full.distillation_losses,
                         2 * rounding_bound(40 + 6, float(logits.abs().max())), "chunked vs full top-k KL")
     assert torch.equal(chunked.overlap_count, full.overlap_count)

@@ -119,6 +119,7 @@ def test_compute_policy_loss_rewards_and_group_mean_std_equal_verl():
     log_ratio_terms = math.ceil(float((INP["new"] - INP["old"]).abs().max())) + 2
     bound = both_paths(_TOKENS + log_ratio_terms, 3.0 * float(INP["adv"].abs().max()))
     for name, a, b in zip(("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"), ours, REF["compute_policy_loss"]):
+        assert a.dtype == b.dtype, name
         assert_close_within(a, b, bound, name)
     torch.testing.assert_close(compute_rewards(INP["scores"], INP["old"], INP["ref"], 0.05), REF["compute_rewards"])
     # a row's sum over seq_len scores, then a group's mean and std over at most its 6 rows (std moves by at
@@ -126,6 +127,7 @@ def test_compute_policy_loss_rewards_and_group_mean_std_equal_verl():
     bound = both_paths(_SEQ_LEN + 2 * 6 + 2, float(INP["scores"].abs().sum(-1).max()))
     for name, a, b in zip(("mean", "std", "count"), group_mean_std(INP["scores"].sum(-1), INP["gidx"], eps=1e-6),
                           REF["group_mean_std"]):
+        assert a.dtype == b.dtype, name
         assert_close_within(a, b, bound, name)
 
 
