@@ -22,9 +22,17 @@ vLLM's multi-step RFC (github.com/vllm-project/vllm/issues/6854) profiles ~4 ms 
 (5-13 ms in the cases it cites); issue #10634 measures a 5-6 ms gap between two decode steps of Llama-2-7B at
 batch 256 and estimates 2-3 ms of it removable. V1 (persistent batch, CUDA graphs, detokenisation in its own
 process) keeps scheduling and input preparation between steps unless async scheduling overlaps them
-(PR #19970; with PP=4, PR #32618 gains 31.8 % TPOT from it): 3 ms, the low end of the measured gaps. Recent
-vLLM releases turn async scheduling on by default (not at PP > 1 on the V1 model runner), which hides part
-of it: an upper figure for those."""
+(PR #19970; with PP=4, PR #32618 gains 31.8 % TPOT from it): 3 ms, the low end of the measured gaps.
+
+Async scheduling (``Run.async_scheduling``) runs the scheduler one step ahead of the GPU (PR #19970, after
+NanoFlow) and, since PR #23569 ("fully overlap model execution"), lets the model runner prepare step n + 1's
+inputs while step n runs, the sampled ids staying on the GPU: "an elimination of the CPU overhead of input
+preparation and sampling". PR #27614 turned it on by default, #31998 with EAGLE/MTP drafts, #32359 at
+PP > 1; vLLM 0.32 (``vllm/config/vllm.py``, ``VllmConfig``: ``async_scheduling=None`` -> on unless a pooling
+model, a non-EAGLE draft, an executor without support -- ``uni`` and ``mp``, the ones this rollout starts,
+have it -- or PP > 1 on the V1 model runner, the V2 runner being the default on GPUs). verl's rollout
+passes ``engine_kwargs.vllm`` through and sets no ``async_scheduling``, so it is on unless that key says
+``false``. With it a decode step takes ``max(GPU step, this)``; without, their sum."""
 VLLM_NON_KV_GIB = 2.0
 """Assumed: what a vLLM engine keeps per GPU besides weights and KV cache (CUDA graphs, the profiled
 activation peak of ``max_num_batched_tokens``, sampler scratch)."""
@@ -149,7 +157,9 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
                         flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY), t_comm))
     slowest = max(range(pp), key=lambda i: max(timings[i][:2]) + timings[i][2])
     t_mem, t_compute, t_comm = timings[slowest]
-    step = max(t_mem, t_compute) + t_comm + VLLM_DECODE_STEP_OVERHEAD_S
+    gpu = max(t_mem, t_compute) + t_comm
+    # async scheduling prepares step n + 1 on the host while the GPU runs step n: the slower of the two paces it
+    step = max(gpu, VLLM_DECODE_STEP_OVERHEAD_S) if run.async_scheduling else gpu + VLLM_DECODE_STEP_OVERHEAD_S
     prompt_tokens = (math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine) * run.prompt_length
     t_prefill = max(prompt_tokens * (2 * (st.dense + st.routed) + 2 * st.layers * width * run.prompt_length)
                     for st in stages) / tp / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
@@ -157,11 +167,13 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     bound = "compute" if t_compute > t_mem else "memory bandwidth"
     if t_comm > max(t_mem, t_compute):
         bound = "communication"
-    if VLLM_DECODE_STEP_OVERHEAD_S > max(t_mem, t_compute, t_comm):
+    if VLLM_DECODE_STEP_OVERHEAD_S > (gpu if run.async_scheduling else max(t_mem, t_compute, t_comm)):
         bound = "engine overhead"
     where = f", slowest stage {slowest} of {pp} ({stages[slowest].layers} layers)" if pp > 1 else ""
+    overhead = (f"vLLM's {VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms per-step overhead under them: async scheduling"
+                if run.async_scheduling else f"{VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms of them vLLM's per-step overhead")
     detail = (f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "
-              f"({VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms of them vLLM's per-step overhead; "
+              f"({overhead}; "
               f"weights {stages[slowest].weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched{where}), "
               f"prefill {t_prefill:.1f} s")
     kv = KVCache(bytes_per_token=per_token, capacity_tokens=int(capacity), free_bytes_per_gpu=max(free, 0),

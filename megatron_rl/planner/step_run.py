@@ -111,6 +111,10 @@ class Run:
     mode: str
     overlap: bool
     partial_rollout: bool
+    async_scheduling: bool = True
+    """vLLM's async scheduling (``engine_kwargs.vllm.async_scheduling``; unset: on, vLLM 0.32's default for the
+    engines this rollout starts): the host's per-step work overlaps the GPU's step
+    (``generation.VLLM_DECODE_STEP_OVERHEAD_S``)."""
     lora_slot_rank: int = 0
     """vLLM's ``max_lora_rank`` with ``lora.merge: false`` (0: no LoRA slot; the merged weights are synced)."""
     adapter_sync_bytes: int = 0
@@ -274,7 +278,9 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
                 backend=rollout.checkpoint_engine.backend, passes=tuple(passes),
                 offload_bytes=_offload_bytes(schedule, plan.roles), sleep_level=schedule.sleep_level,
                 sleeps=schedule.rollout_sleeps, mode=v1.trainer_mode, overlap=overlap,
-                partial_rollout=v1.partial_rollout, **_lora_sync_fields(cfg, plan, lora))
+                partial_rollout=v1.partial_rollout,
+                async_scheduling=rollout.engine_kwargs.get("vllm", {}).get("async_scheduling") is not False,
+                **_lora_sync_fields(cfg, plan, lora))
 
 
 def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple) -> dict:

@@ -100,13 +100,32 @@ def test_calibration_generation_by_hand(calibration):
     steps = 128 / running * 3200 + 768
     # A step reads the 30.53 GB shard (115 tokens x top-8 touch all 128 experts) and 115.3 sequences x
     # (128 + 1,600) average context x 49,152 B, at 0.33 of 3.35 TB/s; plus 48 layers x 2 all-reduces of
-    # 10 us + 115.3 x 2,048 x 2 B at 0.8 x 450 GB/s (ring factor 2 x 1/2); plus vLLM's 3 ms per step.
+    # 10 us + 115.3 x 2,048 x 2 B at 0.8 x 450 GB/s (ring factor 2 x 1/2). vLLM's 3 ms of host work per step
+    # runs under the 37.5 ms of GPU work (async scheduling, on by default): the slower of the two paces it.
     read = QWEN3_30B_PARAMS + running * 1728 * 49_152
-    step_s = read / (3.35e12 * 0.33) + 96 * (10e-6 + running * 2048 * 2 / 360e9) + 3e-3
+    step_s = max(read / (3.35e12 * 0.33) + 96 * (10e-6 + running * 2048 * 2 / 360e9), 3e-3)
     gen = st.phases["gen"]
     assert gen.bound == "memory bandwidth"
-    assert gen.seconds == pytest.approx(steps * step_s, rel=0.01)  # ~175 s (162 s of GPU time), prefill ~0.03 s
-    assert "decode steps of 40.5 ms (3 ms of them vLLM's per-step overhead;" in gen.detail
+    assert gen.seconds == pytest.approx(steps * step_s, rel=0.01)  # ~162 s, prefill ~0.03 s
+    assert "decode steps of 37.5 ms (vLLM's 3 ms per-step overhead under them: async scheduling;" in gen.detail
+
+
+def test_synchronous_scheduling_adds_the_engine_overhead_to_every_decode_step(calibration):
+    """``engine_kwargs.vllm.async_scheduling: false``: the host's 3 ms follow the GPU's 37.5 ms instead of
+    overlapping them (vLLM PRs #19970 / #23569), so each of the 4,321 decode steps takes 40.5 ms."""
+    cfg, plan, st = calibration
+    sync_cfg = load_config(CALIBRATION["recipe"], CALIBRATION["overrides"]
+                           + ["actor_rollout_ref.rollout.engine_kwargs={vllm: {async_scheduling: false}}"])
+    sync = estimate_step_time(sync_cfg, plan_run(sync_cfg, suggest=False), response_length_mean=3200)
+    capacity = (0.6 * 80 * GIB - QWEN3_30B_PARAMS - 2 * GIB) / 49_152
+    running = capacity / 3328
+    steps = 128 / running * 3200 + 768
+    gpu_s = (QWEN3_30B_PARAMS + running * 1728 * 49_152) / (3.35e12 * 0.33) + 96 * (10e-6 + running * 2048 * 2 / 360e9)
+    assert sync.phases["gen"].seconds == pytest.approx(steps * (gpu_s + 3e-3), rel=0.01)  # ~175 s
+    # 13.0 s; the hand's step count from the stated 0.6 x 80 GiB budget, the plan's from its exact free bytes
+    assert sync.phases["gen"].seconds - st.phases["gen"].seconds == pytest.approx(steps * 3e-3, rel=1e-3)
+    assert "decode steps of 40.5 ms (3 ms of them vLLM's per-step overhead;" in sync.phases["gen"].detail
+    assert sync.phases["actor_update"].seconds == st.phases["actor_update"].seconds
 
 
 def test_calibration_log_prob_and_update_by_hand(calibration):
@@ -152,20 +171,20 @@ def test_weight_sync_and_offload_by_hand(calibration):
 
 def test_the_largest_lever_is_named_with_its_gain(calibration):
     _, _, st = calibration
-    assert st.lever.startswith("gen is 86% of the step (memory bandwidth): ")
-    assert "takes the step from 204 s to" in st.lever
+    assert st.lever.startswith("gen is 85% of the step (memory bandwidth): ")
+    assert "takes the step from 191 s to" in st.lever
 
 
 def test_h200_bandwidth_shortens_the_memory_bound_decode(calibration):
     cfg, plan, h100 = calibration
     h200 = estimate_step_time(cfg, plan, hardware="H200", response_length_mean=3200)  # same 80 GiB budget
     # Only the HBM term scales (3.35 -> 4.8 TB/s); 4,321 steps x (36.47 ms x 3.35 / 4.8 + 0.96 ms of all-reduce
-    # latency + 3 ms engine overhead; the all-reduces' bytes are 0.13 ms)
+    # latency; the all-reduces' bytes are 0.13 ms), the engine's 3 ms overlapped under the 26.4 ms of GPU work
     capacity = (0.6 * 80 * GIB - QWEN3_30B_PARAMS - 2 * GIB) / 49_152
     running = capacity / 3328
     steps = 128 / running * 3200 + 768
     memory = (QWEN3_30B_PARAMS + running * 1728 * 49_152) / (4.8e12 * 0.33)
-    assert h200.phases["gen"].seconds == pytest.approx(steps * (memory + 96 * 10e-6 + 3e-3), rel=0.01)  # ~128 s
+    assert h200.phases["gen"].seconds == pytest.approx(steps * max(memory + 96 * 10e-6, 3e-3), rel=0.01)  # ~115 s
     assert h200.phases["gen"].seconds < 0.74 * h100.phases["gen"].seconds
 
 
@@ -174,8 +193,8 @@ def test_response_lengths_default_to_the_maximum_and_the_tail_costs_steps(calibr
     default = estimate_step_time(cfg, plan)
     assert default.response_mean == default.response_p99 == 3968
     short_tail = estimate_step_time(cfg, plan, response_length_mean=3200, response_length_p99=3200)
-    # 768 fewer decode steps of ~40.5 ms (37.5 ms of GPU time + 3 ms of engine overhead)
-    assert st.phases["gen"].seconds - short_tail.phases["gen"].seconds == pytest.approx(768 * 0.0405, rel=0.03)
+    # 768 fewer decode steps of ~37.5 ms of GPU time (the engine's 3 ms overlapped by async scheduling)
+    assert st.phases["gen"].seconds - short_tail.phases["gen"].seconds == pytest.approx(768 * 0.0375, rel=0.03)
     with pytest.raises(ValueError, match=r"--response-length-mean=3500 is larger than the p99 \(3200"):
         estimate_step_time(cfg, plan, response_length_mean=3500, response_length_p99=3200)
     with pytest.raises(ValueError, match=r"--response-length-p99=5000.0 must be .* at most data.max_response_length=3968"):
@@ -281,8 +300,8 @@ def test_rollout_pipeline_decodes_at_its_slowest_stage():
     is 71,835,904 dense + 128 x 3 x 4096 x 1536 expert parameters; a middle stage holds 24 layers (55.6 GiB), the
     last 23 + the head (53.9 GiB). Every stage gets the KV blocks of the tightest worker, a middle one: 0.85 x 80 GiB
     - 55.6 - 2 GiB over 24 layers x 2 of 4 KV heads x 128 x (K, V) x 2 B. A decode step takes the middle stage's
-    read (its 24 layers, the experts the batch touches, its KV cache), its 24 x 2 all-reduces and the engine's
-    3 ms per step."""
+    read (its 24 layers, the experts the batch touches, its KV cache) and its 24 x 2 all-reduces, the engine's
+    3 ms per step overlapped (async scheduling, on at PP > 1 with vLLM 0.32's V2 model runner)."""
     cfg = load_config("gpu/qwen3_235b_a22b_grpo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                                                    "actor_rollout_ref.rollout.pipeline_model_parallel_size=4"])
     gen = estimate_step_time(cfg, plan_run(cfg, suggest=False)).phases["gen"]
@@ -298,29 +317,29 @@ def test_rollout_pipeline_decodes_at_its_slowest_stage():
     steps = 2048  # all 128 at once, the mean = the p99
     touched = 1 - (1 - 8 / 128) ** running
     read = 24 * dense * 2 / 2 + 24 * experts * 2 / 2 * touched + running * 2048 * 24 * kv_layer
-    step_s = read / (3.35e12 * 0.33) + 48 * (10e-6 + running * 4096 * 2 / 360e9) + 3e-3  # + vLLM's per-step overhead
-    assert gen.seconds == pytest.approx(steps * step_s, rel=0.003)  # ~130 s; prefill ~0.1 s
+    step_s = max(read / (3.35e12 * 0.33) + 48 * (10e-6 + running * 4096 * 2 / 360e9), 3e-3)  # vLLM's 3 ms under it
+    assert gen.seconds == pytest.approx(steps * step_s, rel=0.003)  # ~124 s; prefill ~0.1 s
     assert "slowest stage 1 of 4 (24 layers)" in gen.detail
 
 
 # ----------------------------------------------------------------------------- every GPU recipe, and the CLI
 GPU_RECIPE_STEPS = [  # (recipe, hardware, step seconds, the longest phase) as the model gives them today
-    ("gpu/deepseek_v3_671b_grpo", "H200", 340.3, "weight_sync"),
-    ("gpu/glm4_5_355b_grpo", "H200", 451.8, "weight_sync"),
-    ("gpu/glm4_5_air_grpo", "H100", 442.4, "actor_update"),
-    ("gpu/llama3_1_70b_dapo", "H100", 1631.3, "gen"),
-    ("gpu/llama3_1_70b_grpo", "H100", 295.8, "actor_update"),
-    ("gpu/qwen3_235b_a22b_dapo", "H100", 1448.5, "gen"),
-    ("gpu/qwen3_235b_a22b_grpo", "H100", 437.2, "gen"),
-    ("gpu/qwen3_30b_a3b_dapo", "H100", 702.5, "gen"),
-    ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 105.7, "gen"),
-    ("gpu/qwen3_30b_a3b_grpo", "H100", 112.0, "gen"),
-    ("gpu/qwen3_30b_a3b_gspo", "H100", 105.7, "gen"),
-    ("gpu/qwen3_30b_a3b_opd", "H100", 198.9, "gen"),
-    ("gpu/qwen3_30b_a3b_ppo", "H100", 71.8, "gen"),
-    ("gpu/qwen3_30b_a3b_reinforce_plus_plus", "H100", 112.0, "gen"),
-    ("gpu/qwen3_30b_a3b_remax", "H100", 118.3, "gen"),
-    ("gpu/qwen3_30b_a3b_rloo", "H100", 112.0, "gen"),
+    ("gpu/deepseek_v3_671b_grpo", "H200", 334.1, "weight_sync"),
+    ("gpu/glm4_5_355b_grpo", "H200", 445.7, "weight_sync"),
+    ("gpu/glm4_5_air_grpo", "H100", 432.3, "actor_update"),
+    ("gpu/llama3_1_70b_dapo", "H100", 1548.2, "gen"),
+    ("gpu/llama3_1_70b_grpo", "H100", 289.5, "actor_update"),
+    ("gpu/qwen3_235b_a22b_dapo", "H100", 1384.4, "gen"),
+    ("gpu/qwen3_235b_a22b_grpo", "H100", 427.6, "gen"),
+    ("gpu/qwen3_30b_a3b_dapo", "H100", 656.1, "gen"),
+    ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 99.6, "gen"),
+    ("gpu/qwen3_30b_a3b_grpo", "H100", 105.9, "gen"),
+    ("gpu/qwen3_30b_a3b_gspo", "H100", 99.6, "gen"),
+    ("gpu/qwen3_30b_a3b_opd", "H100", 186.6, "gen"),
+    ("gpu/qwen3_30b_a3b_ppo", "H100", 65.7, "gen"),
+    ("gpu/qwen3_30b_a3b_reinforce_plus_plus", "H100", 105.9, "gen"),
+    ("gpu/qwen3_30b_a3b_remax", "H100", 112.1, "gen"),
+    ("gpu/qwen3_30b_a3b_rloo", "H100", 105.9, "gen"),
 ]
 
 
