@@ -109,14 +109,25 @@ HBM_COPY_EFFICIENCY = 0.79
 """Read: a device-to-device copy on one H200 ran at ~3.8 of 4.8 TB/s (docs/benchmarks.md). Used where
 bytes are streamed in bulk: the engine loading synced weights, the optimizer step."""
 DECODE_HBM_EFFICIENCY = 0.33
-"""Fitted -- the one constant fitted -- to NeMo-RL v0.6's GRPO on Qwen3-30B-A3B (4 x 8 H100, 192 s per
-step; ``step_time.CALIBRATION``), with every other constant fixed beforehand (the fit gave 0.329; the
-model then predicted ~190 s and ~1,120 tokens/s/GPU against the published 1,102; with the later, unfitted
-``step_time.VLLM_DECODE_STEP_OVERHEAD_S`` added and left unrefitted: 204.3 s, 1,042): the fraction of HBM
-bandwidth a vLLM decode step reaches while it reads the weight shard, the touched experts and the
-KV cache, i.e. the engine step's GPU-side overhead (fused-MoE kernels on a few tokens per expert, paged
-attention, sampling over the vocabulary) expressed as bandwidth; the host-side per-step cost (scheduling,
-launch) is ``VLLM_DECODE_STEP_OVERHEAD_S``, part of which this fit also absorbed."""
+"""Fitted -- the one constant fitted -- to one data point, NeMo-RL v0.6's GRPO on Qwen3-30B-A3B (4 x 8 H100,
+192 s per step, 1,102 tokens/s/GPU; ``step_time.CALIBRATION``), with every other constant fixed beforehand:
+the fraction of HBM bandwidth a vLLM decode step reaches while it reads the weight shard, the touched experts
+and the KV cache, i.e. the engine step's GPU-side overhead (fused-MoE kernels on a few tokens per expert, paged
+attention, sampling over the vocabulary) expressed as bandwidth. The host-side per-step cost is
+``generation.VLLM_DECODE_STEP_OVERHEAD_S``, not fitted.
+
+Refit (2026-12-04) after that overhead term and async scheduling (``generation``: a decode step is
+``max(GPU step, overhead)`` with it on, vLLM 0.32's default and the calibration recipe's) were added: the
+bisection on the published step time gives 0.3287 (the first fit, before the overhead term, gave 0.329; the
+overhead term summed on top of the unrefitted 0.33 had given 204.3 s, +6.4 %, and 1,042 tokens/s/GPU, -5.4 %).
+At 0.33 the model gives 191.4 s (residual -0.3 %) and 1,113 tokens/s/GPU (+1.0 %; the two published figures
+differ by 0.7 % between themselves: 2,048 x 3,328 tokens / (192 s x 32 GPUs) = 1,109), a decode step of 37.5 ms
+of GPU time that hides the 3 ms of host work. Had the published run scheduled synchronously (its vLLM's
+setting is not published), the same fit gives 0.358 (192.0 s, 1,109 tokens/s/GPU): the sensitivity of this
+constant to that unknown. Read, not fitted: the device-to-device copy of docs/benchmarks.md's GPU figures
+(3.8 of 4.8 TB/s on an H200, ``HBM_COPY_EFFICIENCY``) bounds it from above -- a decode step streams at 42 %
+of a bulk copy's rate; no vLLM decode ran on that card (vLLM's wheels exceed what a device call carries), so
+those figures hold no decode point to fit, and issue 30 fits the constants to the one published run only."""
 NVLINK_EFFICIENCY = 0.80
 """Read: nccl-tests ``all_reduce_perf`` bus bandwidth on an 8-GPU HGX H100 board levels off at
 ~360 of 450 GB/s for large messages."""
