@@ -249,7 +249,9 @@ def test_yarn_rope_equals_hf():
                                mscale_all_dim=m.mscale_all_dim, use_cpu_initialization=True)
     emb, scale = rope(32)
     inv = emb[1, 0, 0, : m.qk_pos_emb_head_dim // 2].float()  # position 1: the frequencies themselves
-    assert torch.allclose(inv, hf_inv, rtol=1e-6, atol=0)
+    # exact: both compute 1 / base^(2i/d), 1 / (factor * base^(2i/d)) and the ramp blend with the same float32
+    # ops in the same order; position 1 multiplies by 1.0
+    assert torch.equal(inv, hf_inv)
     assert math.isclose(scale, hf_scale, rel_tol=1e-7)
     q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
     mega_softmax = _yarn_get_mscale(m.rotary_scaling_factor, m.mscale_all_dim) ** 2 / math.sqrt(q_head)
