@@ -9,13 +9,13 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   its weight shard -- only the experts its running tokens touch, ``E (1 - (1 - k/E)^B)`` of ``E`` --
   and the KV cache of its running sequences, at ``DECODE_HBM_EFFICIENCY`` of HBM bandwidth, plus two
   tensor-parallel all-reduces per layer and the engine's fixed ``VLLM_DECODE_STEP_OVERHEAD_S`` (the host's
-  work: under async scheduling, vLLM 0.32's default, it overlaps the GPU's step, ``max(gpu, overhead)``). The KV cache holds what ``gpu_memory_utilization`` leaves
-  after the weights and ``VLLM_NON_KV_GIB``. A batch larger than the sequences of ``prompt + p99``
-  tokens it holds at once runs in waves (a warning says so); blocks are taken as sequences grow, so
-  ``capacity / (prompt + mean)`` run at once on average and an engine's ``S`` sequences take
-  ``S / running x mean`` decode steps plus ``p99 - mean`` for the last to finish its longest
-  (``partial_rollout`` carries unfinished ones over and cuts that tail). A rollout PP > 1 splits the layers
-  as vLLM does (``vllm_stage_layers``), the embedding on the first stage and the head on the last; the
+  work: under async scheduling, vLLM 0.32's default, it overlaps the GPU's step, ``max(gpu, overhead)``).
+  The KV cache holds what ``gpu_memory_utilization`` leaves after the weights and ``VLLM_NON_KV_GIB``. A batch
+  larger than the sequences of ``prompt + p99`` tokens it holds at once runs in waves (a warning says so);
+  blocks are taken as sequences grow, so ``capacity / (prompt + mean)`` run at once on average and an
+  engine's ``S`` sequences take ``S / running x mean`` decode steps plus ``p99 - mean`` for the last to
+  finish its longest (``partial_rollout`` carries unfinished ones over and cuts that tail). A rollout PP > 1
+  splits the layers as vLLM does (``vllm_stage_layers``), the embedding on the first stage and the head on the last; the
   stages decode different micro-batches at once, so the slowest stage's step sets the pace, and every
   stage gets as many KV blocks as the tightest worker holds.
 * **log-prob and update passes** (compute): FLOPs per token ``2 x`` the active dense parameters
@@ -58,8 +58,7 @@ this one composes them, names the largest lever and formats the report.
 Calibration (``CALIBRATION``): NeMo-RL v0.6's published GRPO run on Qwen3-30B-A3B; only
 ``DECODE_HBM_EFFICIENCY`` is fitted to it (refit with ``VLLM_DECODE_STEP_OVERHEAD_S``, read from vLLM's
 published measurements, and async scheduling in place; its docstring gives the fit). Figures read, not fitted:
-the hardware table's peaks
-and every other fraction in ``hardware.py`` (each says where it came from).
+the hardware table's peaks and every other fraction in ``hardware.py`` (each says where it came from).
 """
 
 from __future__ import annotations
