@@ -66,8 +66,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megatron_rl.planner.generation import (VLLM_DECODE_STEP_OVERHEAD_S, VLLM_NON_KV_GIB, generation, kv_bytes_per_token,
-                                            vllm_stage_layers)
+from megatron_rl.planner.generation import (VLLM_DECODE_STEP_OVERHEAD_S, VLLM_NON_KV_GIB, generation,
+                                            kv_bytes_per_token, vllm_stage_layers)
 from megatron_rl.planner.hardware import get_hardware
 from megatron_rl.planner.megatron_passes import megatron_pass
 from megatron_rl.planner.memory import GIB
