@@ -1,9 +1,12 @@
-"""Shared pytest set-up: GPU tests are skipped where CUDA is absent, and the time budget is reported.
+"""Shared pytest set-up: GPU tests are skipped where CUDA is absent, the time budget is reported, and one
+Ray cluster serves every test module that only needs *a* Ray (``ray_session``, ``ray_cluster``).
 
 Each test has 60 s on a quiet 2-core machine (set-up, call and tear-down together). A test that
 needs longer is named in ``LONG_TESTS`` with its reason; any other test past the budget is listed
 at the end of the run (``--durations=25`` in pytest.ini lists the slowest in any case).
 """
+
+import os
 
 import pytest
 import torch
@@ -26,6 +29,30 @@ LONG_TESTS: dict[str, str] = {
 }
 
 _durations: dict[str, float] = {}
+_SESSION_ENV = dict(os.environ)  # the shared cluster's workers get the session's starting environment
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """The session's shared Ray cluster (tests/ray_session.py): started by the first test that joins it,
+    shut down at the session's end. ``ray_session.env(base)`` makes a ``megatron-rl train`` subprocess
+    join it."""
+    pytest.importorskip("ray")
+    from tests.ray_session import SessionRay
+
+    cluster = SessionRay(_SESSION_ENV)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session):
+    """This module's tests are one Ray job on the shared cluster (2 CPUs, loopback); its actors and
+    placement groups go when the module ends. A module with isolation needs starts its own Ray instead."""
+    from tests.ray_session import joined
+
+    with joined(ray_session.address):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,9 @@ from tests.faults.runs import REWARD, cli, env, fixture_overrides
 
 
 @pytest.fixture(scope="session")
-def finished_run(tmp_path_factory):
-    """``(run directory, reward file, completed process, wall seconds)`` of the finished run."""
+def finished_run(tmp_path_factory, ray_session):
+    """``(run directory, reward file, completed process, wall seconds)`` of the finished run; it joins the
+    session's Ray (``RAY_ADDRESS``): nothing of it depends on Ray's start or on its workers' environment."""
     pytest.importorskip("ray")
     pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("finished")
@@ -26,15 +27,15 @@ def finished_run(tmp_path_factory):
     run = work / "run"
     start = time.perf_counter()
     done = subprocess.run(cli("train", "grpo", *fixture_overrides(reward), f"trainer.default_local_dir={run}"),
-                          env=env(), capture_output=True, text=True, timeout=600)
+                          env=ray_session.env(env()), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run, reward, done, time.perf_counter() - start
 
 
 @pytest.fixture
-def ray_cluster():
-    """A local Ray with 2 CPUs for one test (an in-process trainer starts its workers in it)."""
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_cluster(ray_session):
+    """One test's Ray job on the session's shared cluster (an in-process trainer starts its workers in it)."""
+    from tests.ray_session import joined
+
+    with joined(ray_session.address):
+        yield

@@ -32,7 +32,8 @@ def fixture_overrides(reward: Path, steps: int = 2) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    """The environment of a ``megatron-rl`` subprocess: this checkout first, no Ray cluster to join."""
+    """The environment of a ``megatron-rl`` subprocess: this checkout first, no Ray cluster to join
+    (``ray_session.env(env())`` adds the session's shared one: tests/ray_session.py)."""
     out = dict(os.environ)
     out.pop("RAY_ADDRESS", None)
     out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")

@@ -41,11 +41,12 @@ GONE_WITHIN_S = 10.0
 
 
 class Run:
-    """A ``megatron-rl train`` subprocess in its own session, its output read line by line."""
+    """A ``megatron-rl train`` subprocess in its own session, its output read line by line; it starts its own
+    Ray unless ``environ`` names one to join (``RAY_ADDRESS``)."""
 
-    def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen(cli("train", *args), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+    def __init__(self, args: list[str], environ: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(cli("train", *args), env=environ or env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -164,7 +165,7 @@ def _mount_tmpfs(path: Path, size_bytes: int) -> bool:
     return done.returncode == 0
 
 
-def test_resume_falls_back_past_a_damaged_checkpoint_and_names_a_full_disk(finished_run, tmp_path):
+def test_resume_falls_back_past_a_damaged_checkpoint_and_names_a_full_disk(finished_run, tmp_path, ray_session):
     from parallel.checkpoint import dir_bytes
 
     run, reward, _, _ = finished_run
@@ -177,7 +178,8 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_names_a_full_disk(finis
         shutil.rmtree(copy / "global_step_2" / "actor")  # the latest checkpoint lost its actor
         kept = {name: sha256(copy / name) for name in ("summary.json", "reward_curve.png")}
         kept_hf = snapshot(copy / "final_hf")
-        job = Run(["grpo", *fixture_overrides(reward, steps=3), f"trainer.default_local_dir={copy}"])
+        job = Run(["grpo", *fixture_overrides(reward, steps=3), f"trainer.default_local_dir={copy}"],
+                  environ=ray_session.env(env()))  # the shared Ray: nothing here is about Ray's start
         rc, text = job.finish(timeout=600)
         assert f"resume: global_step_2 is damaged: {copy / 'global_step_2' / 'actor' / '.metadata'} is missing" in text
         assert f"resuming from {copy / 'global_step_1'}, the newest complete checkpoint" in text

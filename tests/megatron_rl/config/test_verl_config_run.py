@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -36,11 +37,13 @@ CPU = [  # what a CPU run needs instead of verl's GPU defaults; everything else 
 
 
 @pytest.mark.slow
-def test_verl_generated_config_runs_two_otb_steps_through_main_ppo(tmp_path):
+def test_verl_generated_config_runs_two_otb_steps_through_main_ppo(tmp_path, ray_session):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_rl.main_ppo", "--config-path=config", "--config-name=ppo_megatron_trainer",
            "algorithm.adv_estimator=optimal_token_baseline", *CPU, f"trainer.default_local_dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    # It joins the session's Ray (RAY_ADDRESS), as `ray job submit` would: nothing here is about Ray's start.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env=ray_session.env(dict(os.environ)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("verl keys of"):].splitlines()[:4]
     assert table[3].split() == ["refused", "0"], table

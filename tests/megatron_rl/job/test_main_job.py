@@ -70,7 +70,7 @@ def test_cli_train_arguments():
     assert (args.recipe, args.overrides, args.no_progress) == ("dapo", ["trainer.total_training_steps=2"], True)
 
 
-def test_main_job_reduced(tmp_path):
+def test_main_job_reduced(tmp_path, ray_session):
     pytest.importorskip("ray")
     pytest.importorskip("vllm")
     from safetensors.torch import load_file
@@ -78,11 +78,15 @@ def test_main_job_reduced(tmp_path):
 
     from megatron_rl.job.main_job import run_train
 
+    from tests.ray_session import joined_by_run_train
+
     out = tmp_path / "run"
-    summary = run_train(None, ["trainer.total_training_steps=3", "trainer.sft_warmup_steps=40",
-                               "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                               "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-                               f"trainer.default_local_dir={out}"], progress=False)
+    with joined_by_run_train(ray_session.address):  # the session's Ray: nothing here is about Ray's start
+        summary = run_train(None, ["trainer.total_training_steps=3", "trainer.sft_warmup_steps=40",
+                                   "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                   "actor_rollout_ref.rollout.n=4",
+                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                                   f"trainer.default_local_dir={out}"], progress=False)
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # Step 0 is the validation before training (greedy, held-out prompts); the last step validates too.

@@ -53,13 +53,6 @@ def _hf_model(path, family: str, head: str, seed: int):
     return model
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _group(role, hf_dir, tp, role_config):
     from megatron_rl.config import MegatronConfig
     from megatron_rl.workers.group import MegatronWorkerGroup

@@ -12,13 +12,6 @@ from megatron_rl.workers.dispatch import ShardCache, resolve_shard, split_for_dp
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_split_for_dp_names_the_sizes():
     shards = split_for_dp({"a": torch.arange(6)}, 3)
     assert [s["a"].tolist() for s in shards] == [[0, 1], [2, 3], [4, 5]]
@@ -28,7 +21,7 @@ def test_split_for_dp_names_the_sizes():
         split_for_dp({"a": torch.arange(6), "b": torch.arange(2)}, 2)
 
 
-def test_each_shard_is_put_once_per_step_and_fetched_intact(ray_local):
+def test_each_shard_is_put_once_per_step_and_fetched_intact(ray_cluster):  # the session's shared Ray (tests/conftest.py)
     batch = Batch.from_single_dict({"input_ids": torch.arange(12).view(4, 3), "response_mask": torch.ones(4, 3),
                                     "uid": list("aabb")})
     cache = ShardCache()
