@@ -19,7 +19,8 @@ INSTALL_REQUIRES = [
     "omegaconf>=2.3",
     "tensordict>=0.10",
     "tqdm",
-    "transformers>=5", "safetensors",  # HF <-> Megatron weight bridge (parallel.bridge, megatron_rl.models)
+    "transformers>=5",
+    "safetensors",  # HF <-> Megatron weight bridge (parallel.bridge, megatron_rl.models)
     "datasets",  # prompt data from parquet/jsonl (megatron_rl.data.datasets)
     "math-verify",  # the "math" rule reward (megatron_rl.data.rewards); installs without touching torch
     "matplotlib",  # the reward-curve PNG of `megatron-rl train` (megatron_rl.job.main_job)
@@ -42,8 +43,15 @@ EXTRAS = {
     # (every other ray.init turns it off);
     # the docs toolchain: tests/test_docs.py builds the site strictly, so CI's `.[test,cpu]` needs it;
     # peft: the LoRA export tests load the exported adapter with it (0.21.2 keeps torch 2.13 / transformers 5.19)
-    "test": ["pytest>=8", "hypothesis", "import-linter>=2.1", "ruff==0.17.6", "ray[default]==2.60.0", "peft==0.21.2",
-             *DOCS],
+    "test": [
+        "pytest>=8",
+        "hypothesis",
+        "import-linter>=2.1",
+        "ruff==0.17.6",
+        "ray[default]==2.60.0",
+        "peft==0.21.2",
+        *DOCS,
+    ],
 }
 
 setup(
@@ -55,10 +63,14 @@ setup(
     python_requires=">=3.11",
     # The repository's recipes/ ships inside the wheel as megatron_rl/recipes, where
     # megatron_rl.config.loader looks first (a source checkout uses recipes/ directly).
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "parallel", "parallel.*"]) + ["megatron_rl.recipes"],
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "parallel", "parallel.*"])
+    + ["megatron_rl.recipes"],
     package_dir={"megatron_rl.recipes": "recipes"},
-    package_data={"megatron_rl.recipes": ["*.yaml", "*/*.yaml"], "megatron_rl.config": ["verl/*.yaml"],
-                  "megatron_rl.rollout.tools": ["configs/*.yaml"]},
+    package_data={
+        "megatron_rl.recipes": ["*.yaml", "*/*.yaml"],
+        "megatron_rl.config": ["verl/*.yaml"],
+        "megatron_rl.rollout.tools": ["configs/*.yaml"],
+    },
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -73,14 +73,21 @@ def _show_config(recipe: str | None, overrides: list[str]) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"megatron-rl train: {err}", file=sys.stderr)
         return 2
-    print(f"# megatron-rl train {recipe or 'grpo'}{''.join(' ' + o for o in overrides)}: the resolved config "
-          "(every key: docs/reference/configuration.md)")
+    print(
+        f"# megatron-rl train {recipe or 'grpo'}{''.join(' ' + o for o in overrides)}: the resolved config "
+        "(every key: docs/reference/configuration.md)"
+    )
     print(dump_config(config), end="")
     return 0
 
 
-EXIT_CODES = {0: "success", 1: "a failure during the run (named; the last good checkpoint is intact)",
-              2: "bad input (nothing trained, nothing changed)", 130: "SIGINT (Ctrl-C)", 143: "SIGTERM (preemption)"}
+EXIT_CODES = {
+    0: "success",
+    1: "a failure during the run (named; the last good checkpoint is intact)",
+    2: "bad input (nothing trained, nothing changed)",
+    130: "SIGINT (Ctrl-C)",
+    143: "SIGTERM (preemption)",
+}
 """``megatron-rl train``'s exit codes (README: "When things go wrong")."""
 
 
@@ -150,8 +157,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.recipe is not None:  # argparse took the first override for the recipe
             overrides.insert(0, args.recipe)
     elif args.recipe is None:
-        print("megatron-rl plan: give a recipe (a name under recipes/ or a YAML path) or verl's "
-              "--config-path/--config-name", file=sys.stderr)
+        print(
+            "megatron-rl plan: give a recipe (a name under recipes/ or a YAML path) or verl's "
+            "--config-path/--config-name",
+            file=sys.stderr,
+        )
         return 2
     if args.nodes is not None:
         overrides.append(f"trainer.nnodes={args.nodes}")
@@ -169,9 +179,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory_gb = args.gpu_memory_gb or hardware.memory_gib
         with with_layout_hint(raw):  # an invalid layout gets the nearest valid one, as a misfit one does
             plan = plan_run(config, gpu_memory_gb=gpu_memory_gb, architecture=args.architecture)
-        step = None if plan.device != "cuda" else estimate_step_time(
-            config, plan, hardware=hardware.name, response_length_mean=args.response_length_mean,
-            response_length_p99=args.response_length_p99)
+        step = (
+            None
+            if plan.device != "cuda"
+            else estimate_step_time(
+                config,
+                plan,
+                hardware=hardware.name,
+                response_length_mean=args.response_length_mean,
+                response_length_p99=args.response_length_p99,
+            )
+        )
     except (ValueError, FileNotFoundError) as err:
         print(f"megatron-rl plan: {err}", file=sys.stderr)
         return 2
@@ -201,8 +219,16 @@ def _train_epilog() -> str:
 
 # megatron_rl.planner.architectures.KNOWN_ARCHITECTURES by name (importing it here would slow every command's
 # start-up); tests/megatron_rl/test_planner.py checks the two agree.
-PLANNER_ARCHITECTURES = ("deepseek_r1", "deepseek_v3", "glm4_5", "glm4_5_air", "llama3_1_70b", "qwen3_235b_a22b",
-                         "qwen3_30b_a3b", "qwen3_32b")
+PLANNER_ARCHITECTURES = (
+    "deepseek_r1",
+    "deepseek_v3",
+    "glm4_5",
+    "glm4_5_air",
+    "llama3_1_70b",
+    "qwen3_235b_a22b",
+    "qwen3_30b_a3b",
+    "qwen3_32b",
+)
 
 
 # megatron_rl.planner.hardware.HARDWARE by name (tests/megatron_rl/planner/test_step_time.py checks they agree).
@@ -221,62 +247,114 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("convert", help="convert checkpoints: HF -> Megatron dist checkpoint, or back",
-                       description="Run megatron_rl.convert.hf_to_mcore (hf-to-mcore) or "
-                                   "megatron_rl.convert.mcore_to_hf (mcore-to-hf); the remaining arguments go to the tool "
-                                   "(see its --help).")
+    p = sub.add_parser(
+        "convert",
+        help="convert checkpoints: HF -> Megatron dist checkpoint, or back",
+        description="Run megatron_rl.convert.hf_to_mcore (hf-to-mcore) or "
+        "megatron_rl.convert.mcore_to_hf (mcore-to-hf); the remaining arguments go to the tool "
+        "(see its --help).",
+    )
     p.add_argument("direction", choices=sorted(CONVERTERS), help="which conversion")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the converter")
     p.set_defaults(func=_cmd_convert)
-    p = sub.add_parser("train", help="run an RL recipe (default: GRPO on the CPU toy task)",
-                       description="Train with a recipe (a name under recipes/ or a YAML path; default: grpo, "
-                                   "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "
-                                   "reward_curve.png and an HF checkpoint to trainer.default_local_dir (the CPU "
-                                   "recipes: outputs/<experiment_name>; verl's default: "
-                                   "checkpoints/<project>/<experiment>). Every config key (type, default, "
-                                   "verl's key, what it does or why it is inert) is in the configuration reference "
-                                   "of the docs, docs/reference/configuration.md (generated from megatron_rl.config "
-                                   "by tools/gen_config_reference.py; `mkdocs serve` shows it); --show-config "
-                                   "prints a recipe's resolved values.",
-                       epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="run an RL recipe (default: GRPO on the CPU toy task)",
+        description="Train with a recipe (a name under recipes/ or a YAML path; default: grpo, "
+        "the CPU toy run) and Hydra-style key=value overrides. Writes metrics.jsonl, "
+        "reward_curve.png and an HF checkpoint to trainer.default_local_dir (the CPU "
+        "recipes: outputs/<experiment_name>; verl's default: "
+        "checkpoints/<project>/<experiment>). Every config key (type, default, "
+        "verl's key, what it does or why it is inert) is in the configuration reference "
+        "of the docs, docs/reference/configuration.md (generated from megatron_rl.config "
+        "by tools/gen_config_reference.py; `mkdocs serve` shows it); --show-config "
+        "prints a recipe's resolved values.",
+        epilog=_train_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (default: grpo)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_training_steps=5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one console line per step)")
-    p.add_argument("--show-config", action="store_true",
-                   help="print the resolved config (recipe + overrides + derived keys) as YAML and exit; runs nothing")
-    p.add_argument("--config", default=None, metavar="FILE.yaml",
-                   help="a config file, e.g. a verl 0.9.1 one (Hydra overrides follow: key=value, +key=value, ~key); "
-                        "prints which keys act, have no effect here, or are refused")
+    p.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the resolved config (recipe + overrides + derived keys) as YAML and exit; runs nothing",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.yaml",
+        help="a config file, e.g. a verl 0.9.1 one (Hydra overrides follow: key=value, +key=value, ~key); "
+        "prints which keys act, have no effect here, or are refused",
+    )
     p.set_defaults(func=_cmd_train)
-    p = sub.add_parser("plan", help="dry run: validate a recipe's layout on a cluster and estimate memory per GPU",
-                       description="Validate TP/PP/VPP/EP/ETP/CP/DP and batch sizes against the model and the "
-                                   "cluster, show the rank placement and the per-GPU memory per phase; exit 1 "
-                                   "with the nearest fitting layout when the peak exceeds the GPU memory, 2 when "
-                                   "the layout is invalid. Needs no GPU.")
-    p.add_argument("recipe", nargs="?", default=None,
-                   help="recipe name or YAML path (or none, with --config-path/--config-name)")
-    p.add_argument("overrides", nargs="*",
-                   help="key=value overrides (Hydra's +key=value, ~key with verl's config)")
-    p.add_argument("--config-path", "-cp", default=None, metavar="DIR",
-                   help="verl's Hydra config directory, as megatron_rl.main_ppo takes it")
-    p.add_argument("--config-name", "-cn", default=None, metavar="NAME",
-                   help="verl's config name (DIR/NAME.yaml, else verl's ppo_megatron_trainer; default ppo_trainer)")
+    p = sub.add_parser(
+        "plan",
+        help="dry run: validate a recipe's layout on a cluster and estimate memory per GPU",
+        description="Validate TP/PP/VPP/EP/ETP/CP/DP and batch sizes against the model and the "
+        "cluster, show the rank placement and the per-GPU memory per phase; exit 1 "
+        "with the nearest fitting layout when the peak exceeds the GPU memory, 2 when "
+        "the layout is invalid. Needs no GPU.",
+    )
+    p.add_argument(
+        "recipe", nargs="?", default=None, help="recipe name or YAML path (or none, with --config-path/--config-name)"
+    )
+    p.add_argument("overrides", nargs="*", help="key=value overrides (Hydra's +key=value, ~key with verl's config)")
+    p.add_argument(
+        "--config-path",
+        "-cp",
+        default=None,
+        metavar="DIR",
+        help="verl's Hydra config directory, as megatron_rl.main_ppo takes it",
+    )
+    p.add_argument(
+        "--config-name",
+        "-cn",
+        default=None,
+        metavar="NAME",
+        help="verl's config name (DIR/NAME.yaml, else verl's ppo_megatron_trainer; default ppo_trainer)",
+    )
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's trainer.nnodes)")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)")
-    p.add_argument("--gpu-memory-gb", type=_gpu_memory_gb, default=None,
-                   help="memory per GPU in GiB (default: the --hardware GPU's, 80 for H100)")
-    p.add_argument("--hardware", default="H100", metavar="NAME",
-                   help=f"GPU of the step-time estimate, one of {', '.join(PLANNER_HARDWARE)} (default H100)")
-    p.add_argument("--response-length-mean", type=_tokens, default=None, metavar="TOKENS",
-                   help="mean generated tokens per response (default: data.max_response_length)")
-    p.add_argument("--response-length-p99", type=_tokens, default=None, metavar="TOKENS",
-                   help="99th-percentile response length: the step waits for its longest (default: the maximum)")
-    p.add_argument("--json", action="store_true",
-                   help="print the plan as one JSON object (its \"rollout\" member: the vLLM engines' GPUs per node)")
-    p.add_argument("--architecture", default=None,
-                   help="built-in architecture when the checkpoint is not local (one of "
-                        f"{', '.join(PLANNER_ARCHITECTURES)}); default: inferred from the checkpoint path")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: the recipe's trainer.n_gpus_per_node)"
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=_gpu_memory_gb,
+        default=None,
+        help="memory per GPU in GiB (default: the --hardware GPU's, 80 for H100)",
+    )
+    p.add_argument(
+        "--hardware",
+        default="H100",
+        metavar="NAME",
+        help=f"GPU of the step-time estimate, one of {', '.join(PLANNER_HARDWARE)} (default H100)",
+    )
+    p.add_argument(
+        "--response-length-mean",
+        type=_tokens,
+        default=None,
+        metavar="TOKENS",
+        help="mean generated tokens per response (default: data.max_response_length)",
+    )
+    p.add_argument(
+        "--response-length-p99",
+        type=_tokens,
+        default=None,
+        metavar="TOKENS",
+        help="99th-percentile response length: the step waits for its longest (default: the maximum)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the plan as one JSON object (its "rollout" member: the vLLM engines\' GPUs per node)',
+    )
+    p.add_argument(
+        "--architecture",
+        default=None,
+        help="built-in architecture when the checkpoint is not local (one of "
+        f"{', '.join(PLANNER_ARCHITECTURES)}); default: inferred from the checkpoint path",
+    )
     p.set_defaults(func=_cmd_plan)
     return parser
 
@@ -285,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # `plan|train RECIPE --option key=value`: overrides may follow the options
-        if getattr(args, "command", None) not in ("plan", "train") or any(e.startswith("-") or "=" not in e for e in extra):
+        if getattr(args, "command", None) not in ("plan", "train") or any(
+            e.startswith("-") or "=" not in e for e in extra
+        ):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):

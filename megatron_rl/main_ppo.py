@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Optional[str], str, list[str]]:
                     raise ValueError(f"{flag} needs a value")
                 value, i = args[i + 1], i + 1
             else:
-                value = arg[len(flag) + 1:]
+                value = arg[len(flag) + 1 :]
             if slot == "path":
                 config_path = value
             else:
@@ -46,8 +46,10 @@ def parse_args(argv: Sequence[str]) -> tuple[Optional[str], str, list[str]]:
             break
         else:
             if arg.startswith("-") and not arg.startswith("--config"):
-                raise ValueError(f"unknown option {arg!r}: main_ppo takes --config-path, --config-name and "
-                                 "Hydra overrides (key=value, +key=value, ~key)")
+                raise ValueError(
+                    f"unknown option {arg!r}: main_ppo takes --config-path, --config-name and "
+                    "Hydra overrides (key=value, +key=value, ~key)"
+                )
             overrides.append(arg)
         i += 1
     return config_path, config_name, overrides

@@ -33,9 +33,21 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_model", "load_model", "is_complete_checkpoint", "verify_dist_checkpoint", "COMPLETE_MARKER",
-           "DiskFullError", "check_free_space", "free_bytes", "is_disk_full", "fmt_bytes", "dir_bytes",
-           "resolve_checkpoint_dir", "TRACKER_FILE"]
+__all__ = [
+    "save_model",
+    "load_model",
+    "is_complete_checkpoint",
+    "verify_dist_checkpoint",
+    "COMPLETE_MARKER",
+    "DiskFullError",
+    "check_free_space",
+    "free_bytes",
+    "is_disk_full",
+    "fmt_bytes",
+    "dir_bytes",
+    "resolve_checkpoint_dir",
+    "TRACKER_FILE",
+]
 
 COMPLETE_MARKER = "megatron_rl_complete.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -65,8 +77,9 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _sharded_state_dict(chunks: Iterable[torch.nn.Module], optimizer=None, scheduler=None, *,
-                        is_loading: bool = False) -> dict[str, Any]:
+def _sharded_state_dict(
+    chunks: Iterable[torch.nn.Module], optimizer=None, scheduler=None, *, is_loading: bool = False
+) -> dict[str, Any]:
     chunks = list(chunks)
     if len(chunks) == 1:
         state = {"model": _unwrap(chunks[0]).sharded_state_dict()}
@@ -121,8 +134,9 @@ def _broadcast_str(value: str, group=None) -> str:
 class DiskFullError(RuntimeError):
     """A write that does not fit on its file system, named: what, where, bytes needed and free."""
 
-    def __init__(self, message: str, *, path: str | os.PathLike = "", needed: Optional[int] = None,
-                 free: Optional[int] = None):
+    def __init__(
+        self, message: str, *, path: str | os.PathLike = "", needed: Optional[int] = None, free: Optional[int] = None
+    ):
         super().__init__(message)
         self.path, self.needed, self.free = str(path), needed, free
 
@@ -161,8 +175,13 @@ def check_free_space(path: str | os.PathLike, needed: int, what: str, *, hint: s
     """``DiskFullError`` unless ``needed`` bytes (with 2% slack) are free where ``path`` goes."""
     free = free_bytes(path)
     if free < needed * 1.02:
-        raise DiskFullError(f"disk full: {what} needs ~{fmt_bytes(needed)} at {path} but only {fmt_bytes(free)} "
-                            f"are free on that file system{hint}", path=path, needed=needed, free=free)
+        raise DiskFullError(
+            f"disk full: {what} needs ~{fmt_bytes(needed)} at {path} but only {fmt_bytes(free)} "
+            f"are free on that file system{hint}",
+            path=path,
+            needed=needed,
+            free=free,
+        )
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -184,8 +203,12 @@ def is_disk_full(exc: BaseException) -> bool:
 
 def _disk_full(exc: BaseException, path: Path, what: str) -> DiskFullError:
     free = free_bytes(path)
-    return DiskFullError(f"disk full: {what} at {path} failed with {type(exc).__name__}: {exc}; "
-                         f"{fmt_bytes(free)} are free on that file system", path=path, free=free)
+    return DiskFullError(
+        f"disk full: {what} at {path} failed with {type(exc).__name__}: {exc}; "
+        f"{fmt_bytes(free)} are free on that file system",
+        path=path,
+        free=free,
+    )
 
 
 # ----------------------------------------------------------------------------- integrity
@@ -321,10 +344,20 @@ def _save_strategy(writer_threads: int, in_process: bool, hooks=None):
     return InProcessStrategy("torch_dist", 1, thread_count=writer_threads)
 
 
-def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, overwrite: bool = False,
-               metadata: Optional[dict] = None, optimizer=None, scheduler=None, save_rng: bool = False,
-               common: Optional[dict] = None, writer_threads: int = 2, in_process: bool = False,
-               write_hooks: Optional[tuple] = None) -> Path:
+def save_model(
+    chunks: Iterable[torch.nn.Module],
+    path: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    metadata: Optional[dict] = None,
+    optimizer=None,
+    scheduler=None,
+    save_rng: bool = False,
+    common: Optional[dict] = None,
+    writer_threads: int = 2,
+    in_process: bool = False,
+    write_hooks: Optional[tuple] = None,
+) -> Path:
     """Save the model chunks of every rank to ``path`` atomically; call on all ranks.
 
     With ``optimizer`` (a Megatron optimizer) / ``scheduler`` / ``save_rng`` the checkpoint also
@@ -352,9 +385,13 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
     if dist.is_initialized():
         dist.barrier()
     try:
-        dist_checkpointing.save({**(common or {}), **_sharded_state_dict(chunks, optimizer, scheduler)}, str(tmp),
-                                sharded_strategy=None if writer_threads == 2 and not in_process  # Megatron's default
-                                else _save_strategy(writer_threads, in_process, write_hooks))
+        dist_checkpointing.save(
+            {**(common or {}), **_sharded_state_dict(chunks, optimizer, scheduler)},
+            str(tmp),
+            sharded_strategy=None
+            if writer_threads == 2 and not in_process  # Megatron's default
+            else _save_strategy(writer_threads, in_process, write_hooks),
+        )
         if save_rng:
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
@@ -366,9 +403,17 @@ def save_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, ov
         dist.barrier()
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({
-            "world_size": world, "optimizer": optimizer is not None, "scheduler": scheduler is not None,
-            "rng": save_rng, **(metadata or {})}))
+        (tmp / COMPLETE_MARKER).write_text(
+            json.dumps(
+                {
+                    "world_size": world,
+                    "optimizer": optimizer is not None,
+                    "scheduler": scheduler is not None,
+                    "rng": save_rng,
+                    **(metadata or {}),
+                }
+            )
+        )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -384,10 +429,16 @@ def _tiles(parts, data: torch.Tensor) -> bool:
         return False
     offset, rows = data.storage_offset(), 0
     for part in parts:
-        if (not isinstance(part, torch.Tensor) or not part.is_contiguous() or part.dtype != data.dtype
-                or part.device != data.device or part.dim() != data.dim() or part.shape[1:] != data.shape[1:]
-                or part.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
-                or part.storage_offset() != offset):
+        if (
+            not isinstance(part, torch.Tensor)
+            or not part.is_contiguous()
+            or part.dtype != data.dtype
+            or part.device != data.device
+            or part.dim() != data.dim()
+            or part.shape[1:] != data.shape[1:]
+            or part.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+            or part.storage_offset() != offset
+        ):
             return False
         offset, rows = offset + part.numel(), rows + part.shape[0]
     return rows == data.shape[0]
@@ -402,6 +453,7 @@ def _merge_in_place(state: dict) -> None:
 
     for factory in nested_values(state):
         if isinstance(factory, ShardedTensorFactory) and isinstance(factory.data, torch.Tensor):
+
             def merge(parts, _data=factory.data.detach(), _merge=factory.merge_fn):
                 return _data if _tiles(parts, _data) else _merge(parts)
 
@@ -454,8 +506,11 @@ class PartialLoad:
         self._by_storage: dict[int, list[tuple[tuple, Any]]] = defaultdict(list)
         for keys, leaf in _leaf_paths(state):
             data = getattr(leaf, "data", None)
-            if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and isinstance(data, torch.Tensor) \
-                    and data.numel():
+            if (
+                isinstance(leaf, (ShardedTensor, ShardedTensorFactory))
+                and isinstance(data, torch.Tensor)
+                and data.numel()
+            ):
                 self._by_storage[data.untyped_storage().data_ptr()].append((keys, leaf))
 
     def load(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -464,8 +519,9 @@ class PartialLoad:
 
         if not dist.is_initialized() or dist.get_world_size() == 1:  # see the class docstring
             tensors = [leaf.data for entries in self._by_storage.values() for _, leaf in entries]
-        chosen = [entry for t in tensors if t.numel()
-                  for entry in self._by_storage.pop(t.untyped_storage().data_ptr(), [])]
+        chosen = [
+            entry for t in tensors if t.numel() for entry in self._by_storage.pop(t.untyped_storage().data_ptr(), [])
+        ]
         wanted: dict = {}
         for keys, leaf in chosen:
             node = wanted
@@ -491,8 +547,15 @@ class PartialLoad:
             t.untyped_storage().resize_(0)
 
 
-def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, optimizer=None, scheduler=None,
-               load_rng: bool = False, in_place_merges: bool = False) -> None:
+def load_model(
+    chunks: Iterable[torch.nn.Module],
+    path: str | os.PathLike,
+    *,
+    optimizer=None,
+    scheduler=None,
+    load_rng: bool = False,
+    in_place_merges: bool = False,
+) -> None:
     """Load ``path`` into this rank's model chunks (any layout); call on all ranks.
 
     With ``optimizer`` / ``scheduler`` / ``load_rng``, restore that training state too: the
@@ -529,5 +592,8 @@ def load_model(chunks: Iterable[torch.nn.Module], path: str | os.PathLike, *, op
         elif rank == 0:  # resharded: per-rank RNG streams have no counterpart; keep this run's seeds
             import warnings
 
-            warnings.warn(f"{path}: RNG states were saved by {marker.get('world_size')} ranks, this run has "
-                          f"{world}; they are not restored (model and optimizer state are)", stacklevel=2)
+            warnings.warn(
+                f"{path}: RNG states were saved by {marker.get('world_size')} ranks, this run has "
+                f"{world}; they are not restored (model and optimizer state are)",
+                stacklevel=2,
+            )

@@ -17,8 +17,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["ACCOUNT_FOR_PIPELINE_FIELDS", "ParallelConfig", "UNEVEN_PIPELINE_FIELDS", "pipeline_stage_layers",
-           "uneven_pipeline_fields"]
+__all__ = [
+    "ACCOUNT_FOR_PIPELINE_FIELDS",
+    "ParallelConfig",
+    "UNEVEN_PIPELINE_FIELDS",
+    "pipeline_stage_layers",
+    "uneven_pipeline_fields",
+]
 
 UNEVEN_PIPELINE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
 """Megatron ``TransformerConfig`` fields of an uneven pipeline split (verl sets them through
@@ -52,41 +57,53 @@ def uneven_pipeline_fields(overrides: Optional[Mapping[str, Any]]) -> dict[str, 
     return fields
 
 
-def _accounted_stage_layers(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool,
-                            key: str) -> tuple[int, ...]:
+def _accounted_stage_layers(
+    num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool, key: str
+) -> tuple[int, ...]:
     """``pipeline_stage_layers`` with the embedding (loss) counted as a layer of the first (last) stage,
     as Megatron-Core's ``get_num_layers_to_build``: ``num_layers + embedding + loss`` over PP (and each
     stage's share over VPP), then one fewer decoder layer in the first (last) model chunk."""
-    on = " and ".join(f"{key}.{name}=True" for name, value in zip(ACCOUNT_FOR_PIPELINE_FIELDS, (embedding, loss))
-                      if value)
+    on = " and ".join(
+        f"{key}.{name}=True" for name, value in zip(ACCOUNT_FOR_PIPELINE_FIELDS, (embedding, loss)) if value
+    )
     counted = num_layers + embedding + loss
     if counted % pp:
         what = " and ".join(n for n, v in (("the embedding", embedding), ("the loss", loss)) if v)
-        raise ValueError(f"{on} count{'' if embedding + loss == 2 else 's'} {what} as "
-                         f"{'one layer each' if embedding + loss == 2 else 'a layer'}: num_layers + {embedding + loss} = "
-                         f"{counted} is not divisible by pipeline_model_parallel_size={pp}")
+        raise ValueError(
+            f"{on} count{'' if embedding + loss == 2 else 's'} {what} as "
+            f"{'one layer each' if embedding + loss == 2 else 'a layer'}: num_layers + {embedding + loss} = "
+            f"{counted} is not divisible by pipeline_model_parallel_size={pp}"
+        )
     per_stage = counted // pp
     if per_stage % vpp:
-        raise ValueError(f"{on}: (num_layers + {embedding + loss}) / pipeline_model_parallel_size = {counted}/{pp} = "
-                         f"{per_stage} layers per stage is not divisible by virtual_pipeline_model_parallel_size={vpp}")
+        raise ValueError(
+            f"{on}: (num_layers + {embedding + loss}) / pipeline_model_parallel_size = {counted}/{pp} = "
+            f"{per_stage} layers per stage is not divisible by virtual_pipeline_model_parallel_size={vpp}"
+        )
     chunks = [[per_stage // vpp] * vpp for _ in range(pp)]
     chunks[0][0] -= embedding
     chunks[-1][-1] -= loss
     if min(min(c) for c in chunks) < 1:
-        raise ValueError(f"{on} leave{'s' if embedding + loss == 1 else ''} a pipeline stage"
-                         f"{' (model chunk)' if vpp > 1 else ''} of num_layers={num_layers} at "
-                         f"pipeline_model_parallel_size={pp}{f' x virtual_pipeline_model_parallel_size={vpp}' if vpp > 1 else ''} "
-                         "without a decoder layer; a stage without one is not built here (use a smaller PP or VPP)")
+        raise ValueError(
+            f"{on} leave{'s' if embedding + loss == 1 else ''} a pipeline stage"
+            f"{' (model chunk)' if vpp > 1 else ''} of num_layers={num_layers} at "
+            f"pipeline_model_parallel_size={pp}{f' x virtual_pipeline_model_parallel_size={vpp}' if vpp > 1 else ''} "
+            "without a decoder layer; a stage without one is not built here (use a smaller PP or VPP)"
+        )
     return tuple(sum(c) for c in chunks)
 
 
-def pipeline_stage_layers(num_layers: int, pipeline_model_parallel_size: int,
-                          virtual_pipeline_model_parallel_size: Optional[int] = None, *,
-                          num_layers_in_first_pipeline_stage: Optional[int] = None,
-                          num_layers_in_last_pipeline_stage: Optional[int] = None,
-                          account_for_embedding_in_pipeline_split: bool = False,
-                          account_for_loss_in_pipeline_split: bool = False,
-                          key: str = "megatron.override_transformer_config") -> tuple[int, ...]:
+def pipeline_stage_layers(
+    num_layers: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    *,
+    num_layers_in_first_pipeline_stage: Optional[int] = None,
+    num_layers_in_last_pipeline_stage: Optional[int] = None,
+    account_for_embedding_in_pipeline_split: bool = False,
+    account_for_loss_in_pipeline_split: bool = False,
+    key: str = "megatron.override_transformer_config",
+) -> tuple[int, ...]:
     """Decoder layers on each pipeline stage, first to last, as Megatron-Core builds them.
 
     Without the uneven fields every stage holds ``num_layers / PP``; with them the first (last)
@@ -99,48 +116,66 @@ def pipeline_stage_layers(num_layers: int, pipeline_model_parallel_size: int,
     """
     pp, vpp = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
     ends = {"first": num_layers_in_first_pipeline_stage, "last": num_layers_in_last_pipeline_stage}
-    accounted = dict(zip(ACCOUNT_FOR_PIPELINE_FIELDS,
-                         (account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split)))
+    accounted = dict(
+        zip(ACCOUNT_FOR_PIPELINE_FIELDS, (account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split))
+    )
     for name, value in accounted.items():
         if not isinstance(value, bool):
             raise ValueError(f"{key}.{name}={value!r} is not allowed; it must be true or false")
     if any(accounted.values()):
         if any(v is not None for v in ends.values()):
-            set_ = ", ".join(f"{key}.num_layers_in_{end}_pipeline_stage={v}" for end, v in ends.items() if v is not None)
+            set_ = ", ".join(
+                f"{key}.num_layers_in_{end}_pipeline_stage={v}" for end, v in ends.items() if v is not None
+            )
             on = ", ".join(f"{key}.{name}=True" for name, value in accounted.items() if value)
-            raise ValueError(f"{set_} cannot be combined with {on} (Megatron-Core refuses both); set either the "
-                             "stage counts or the account_for_* flags")
-        return _accounted_stage_layers(num_layers, pp, vpp, account_for_embedding_in_pipeline_split,
-                                       account_for_loss_in_pipeline_split, key)
+            raise ValueError(
+                f"{set_} cannot be combined with {on} (Megatron-Core refuses both); set either the "
+                "stage counts or the account_for_* flags"
+            )
+        return _accounted_stage_layers(
+            num_layers, pp, vpp, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split, key
+        )
     if all(v is None for v in ends.values()):
         if num_layers % (pp * vpp):
-            what = (f"pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp}*{vpp} = {pp * vpp}"
-                    if vpp > 1 else f"pipeline_model_parallel_size={pp}")
+            what = (
+                f"pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {pp}*{vpp} = {pp * vpp}"
+                if vpp > 1
+                else f"pipeline_model_parallel_size={pp}"
+            )
             raise ValueError(f"num_layers={num_layers} is not divisible by {what}")
         return (num_layers // pp,) * pp
     for end, value in ends.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{key}.num_layers_in_{end}_pipeline_stage={value!r} is not allowed; it must be an "
-                             "int >= 1 or null")
+            raise ValueError(
+                f"{key}.num_layers_in_{end}_pipeline_stage={value!r} is not allowed; it must be an int >= 1 or null"
+            )
     set_ = ", ".join(f"{key}.num_layers_in_{end}_pipeline_stage={v}" for end, v in ends.items() if v is not None)
     if pp < 2:
         raise ValueError(f"{set_} needs pipeline_model_parallel_size > 1, got {pp}; unset it for one stage")
     middle_stages = pp - sum(v is not None for v in ends.values())
     middle_layers = num_layers - sum(v or 0 for v in ends.values())
     if middle_stages == 0 and middle_layers != 0:
-        raise ValueError(f"{set_} place {num_layers - middle_layers} of num_layers={num_layers} layers on the "
-                         f"pipeline_model_parallel_size={pp} stages; the counts must add up to {num_layers}")
+        raise ValueError(
+            f"{set_} place {num_layers - middle_layers} of num_layers={num_layers} layers on the "
+            f"pipeline_model_parallel_size={pp} stages; the counts must add up to {num_layers}"
+        )
     if middle_stages and (middle_layers < middle_stages or middle_layers % middle_stages):
-        raise ValueError(f"{set_} leave {middle_layers} of num_layers={num_layers} layers for the {middle_stages} "
-                         f"middle stage(s) of pipeline_model_parallel_size={pp}: they must share them evenly, at "
-                         "least one layer each")
+        raise ValueError(
+            f"{set_} leave {middle_layers} of num_layers={num_layers} layers for the {middle_stages} "
+            f"middle stage(s) of pipeline_model_parallel_size={pp}: they must share them evenly, at "
+            "least one layer each"
+        )
     per_middle = middle_layers // middle_stages if middle_stages else 0
-    stages = tuple([ends["first"] if ends["first"] is not None else per_middle]
-                   + [per_middle] * (pp - 2)
-                   + [ends["last"] if ends["last"] is not None else per_middle])
+    stages = tuple(
+        [ends["first"] if ends["first"] is not None else per_middle]
+        + [per_middle] * (pp - 2)
+        + [ends["last"] if ends["last"] is not None else per_middle]
+    )
     if vpp > 1 and any(n % vpp for n in stages):
-        raise ValueError(f"{set_} give pipeline stages of {list(stages)} layers; with "
-                         f"virtual_pipeline_model_parallel_size={vpp} each must be divisible by {vpp}")
+        raise ValueError(
+            f"{set_} give pipeline stages of {list(stages)} layers; with "
+            f"virtual_pipeline_model_parallel_size={vpp} each must be divisible by {vpp}"
+        )
     return stages
 
 
@@ -298,8 +333,7 @@ class ParallelConfig:
             _check_positive_int("num_attention_heads", num_attention_heads)
             if num_attention_heads % tp:
                 raise ValueError(
-                    f"num_attention_heads={num_attention_heads} is not divisible by "
-                    f"tensor_model_parallel_size={tp}"
+                    f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={tp}"
                 )
         if num_query_groups is not None:
             _check_positive_int("num_query_groups", num_query_groups)
@@ -310,28 +344,27 @@ class ParallelConfig:
                 )
             if num_attention_heads is not None and num_attention_heads % num_query_groups:
                 raise ValueError(
-                    f"num_attention_heads={num_attention_heads} is not divisible by "
-                    f"num_query_groups={num_query_groups}"
+                    f"num_attention_heads={num_attention_heads} is not divisible by num_query_groups={num_query_groups}"
                 )
         if num_layers is not None:
             _check_positive_int("num_layers", num_layers)
-            pipeline_stage_layers(num_layers, pp, vpp,
-                                  num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-                                  num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
-                                  account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
-                                  account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split)
+            pipeline_stage_layers(
+                num_layers,
+                pp,
+                vpp,
+                num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
+                account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split,
+            )
         if num_experts is not None:
             _check_positive_int("num_experts", num_experts)
             if num_experts % ep:
-                raise ValueError(
-                    f"num_experts={num_experts} is not divisible by expert_model_parallel_size={ep}"
-                )
+                raise ValueError(f"num_experts={num_experts} is not divisible by expert_model_parallel_size={ep}")
         if seq_length is not None:
             _check_positive_int("seq_length", seq_length)
             if cp > 1 and seq_length % (2 * cp):
-                raise ValueError(
-                    f"seq_length={seq_length} is not divisible by 2 * context_parallel_size = {2 * cp}"
-                )
+                raise ValueError(f"seq_length={seq_length} is not divisible by 2 * context_parallel_size = {2 * cp}")
             if sequence_parallel and seq_length % (tp * cp):
                 raise ValueError(
                     f"seq_length={seq_length} is not divisible by tensor_model_parallel_size * "

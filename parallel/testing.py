@@ -81,6 +81,7 @@ class _RankProcess(mp.get_context("forkserver").Process):
     def _Popen(process_obj):
         return _RankPopen(process_obj)
 
+
 __all__ = ["run_distributed", "spawn_ranks", "find_free_port", "DistributedTestError", "exit_server_at_once"]
 
 
@@ -145,14 +146,27 @@ def _kill_rank(proc: Any) -> None:
         proc.join(timeout=5)
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, fn: Callable, args: tuple,
-            env: dict[str, str], results: Any, caller_pid: int) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    env: dict[str, str],
+    results: Any,
+    caller_pid: int,
+) -> None:
     _tie_to_parent(caller_pid)
     os.environ.clear()  # the caller's environment at the call (a forked rank has the server's)
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import torch
     import torch.distributed as dist
@@ -214,8 +228,9 @@ def run_distributed(
     port = find_free_port()
     rank_env = {**os.environ, **(env or {})}
     procs = [
-        process(target=_worker, daemon=False,
-                args=(r, world_size, backend, port, fn, args, rank_env, results, os.getpid()))
+        process(
+            target=_worker, daemon=False, args=(r, world_size, backend, port, fn, args, rank_env, results, os.getpid())
+        )
         for r in range(world_size)
     ]
     deadline = time.monotonic() + timeout_s

@@ -69,8 +69,9 @@ def _chunks(num_tokens: int, chunk_size: Optional[int]):
         yield start, min(start + step, num_tokens)
 
 
-def _check_args(labels: torch.Tensor, token_shape: torch.Size, vocab_size: int, temperature,
-                chunk_size, what: str) -> None:
+def _check_args(
+    labels: torch.Tensor, token_shape: torch.Size, vocab_size: int, temperature, chunk_size, what: str
+) -> None:
     """Raise ``ValueError`` naming the offending argument; ``what`` names the tensor labels match."""
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor of token ids, got dtype {labels.dtype}")
@@ -84,9 +85,7 @@ def _check_args(labels: torch.Tensor, token_shape: torch.Size, vocab_size: int, 
         low, high = torch.aminmax(labels)
         low, high = int(low), int(high)
         if low < 0 or high >= vocab_size:
-            raise ValueError(
-                f"labels must lie in [0, {vocab_size}) (vocab/tp x tp); got min {low}, max {high}"
-            )
+            raise ValueError(f"labels must lie in [0, {vocab_size}) (vocab/tp x tp); got min {low}, max {high}")
 
 
 def _local_index(labels: torch.Tensor, vocab_start: int, vocab_local: int):
@@ -101,17 +100,18 @@ def _sum_of_squares(e: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(e, ord=2, dim=-1).square()
 
 
-def _shard_stats(x: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, compute_entropy: bool,
-                 compute_sum_sq: bool = False):
+def _shard_stats(
+    x: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, compute_entropy: bool, compute_sum_sq: bool = False
+):
     """Per-token partial statistics of one shard's scaled logits ``x: [n, v]`` (consumed in place).
 
     Returns ``(m, s, a, t, q)``: local max, ``sum exp(x - m)``, ``sum exp(x - m) * (x - m)``
     (``None`` without entropy), the label's logit (0 where this shard does not own it) and
     ``sum exp(2 (x - m))`` (``None`` unless ``compute_sum_sq``).
     """
-    m = x.amax(dim=-1)                                                   # [n]
+    m = x.amax(dim=-1)  # [n]
     t = x.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-    x.sub_(m.unsqueeze(-1))                                              # z = x - m
+    x.sub_(m.unsqueeze(-1))  # z = x - m
     if not compute_entropy:
         e = x.exp_()
         return m, e.sum(dim=-1), None, t, _sum_of_squares(e) if compute_sum_sq else None
@@ -136,7 +136,7 @@ def _combine_stats(m, s, a, t, tp_group, tp_size, q=None):
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
         w = torch.exp(m - big_m)
         parts = [w * s, t] + ([] if a is None else [w * (a + (m - big_m) * s)]) + ([] if q is None else [w * w * q])
-        packed = torch.stack(parts)                                      # [2..4, n]: one SUM for all of them
+        packed = torch.stack(parts)  # [2..4, n]: one SUM for all of them
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
         s, t = packed[0], packed[1]
         a = None if a is None else packed[2]
@@ -157,7 +157,7 @@ def _grad_from_log_probs(x, entropy, grad_lp, grad_h, index, owned, temperature)
     """
     p = torch.exp(x)
     if grad_h is not None:
-        x.add_(entropy.unsqueeze(-1)).mul_(grad_h.neg().unsqueeze(-1))   # -g_h * (log p + H)
+        x.add_(entropy.unsqueeze(-1)).mul_(grad_h.neg().unsqueeze(-1))  # -g_h * (log p + H)
         if grad_lp is not None:
             x.sub_(grad_lp.unsqueeze(-1))
         x.mul_(p)
@@ -176,9 +176,9 @@ def _log_probs_of(src, logz, dtype, temperature, out=None):
     if out is None:
         out = torch.empty(src.shape, dtype=dtype, device=src.device)
     if temperature == 1.0:
-        return torch.sub(src, logz.unsqueeze(-1), out=out)              # one pass: copy + subtract
+        return torch.sub(src, logz.unsqueeze(-1), out=out)  # one pass: copy + subtract
     out.copy_(src)
-    return out.div_(temperature).sub_(logz.unsqueeze(-1))               # same division as forward
+    return out.div_(temperature).sub_(logz.unsqueeze(-1))  # same division as forward
 
 
 def _scaled_copy(src: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
@@ -186,7 +186,7 @@ def _scaled_copy(src: torch.Tensor, dtype: torch.dtype, temperature: float) -> t
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     out.copy_(src)
     if temperature != 1.0:
-        out.div_(temperature)                                            # same op order as vLLM
+        out.div_(temperature)  # same op order as vLLM
     return out
 
 
@@ -221,7 +221,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
         stats = [[], [], [], [], []]
         for lo, hi in _chunks(num_tokens, chunk_size):
-            x = _scaled_copy(logits[lo:hi], dtype, temperature)           # [c, vocab/tp] working copy
+            x = _scaled_copy(logits[lo:hi], dtype, temperature)  # [c, vocab/tp] working copy
             for acc, val in zip(stats, _shard_stats(x, index[lo:hi], owned[lo:hi], compute_entropy)):
                 acc.append(val)
             del x
@@ -245,14 +245,18 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             return None, None, None, None, None, None
         temperature, dtype = ctx.temperature, _math_dtype(logits.dtype)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        in_place = grad_logits.dtype == dtype   # work directly in the output rows: no extra buffer
+        in_place = grad_logits.dtype == dtype  # work directly in the output rows: no extra buffer
         for lo, hi in _chunks(logits.shape[0], ctx.chunk_size):
             out = grad_logits[lo:hi] if in_place else None
             x = _log_probs_of(logits[lo:hi], logz[lo:hi], dtype, temperature, out=out)
             x = _grad_from_log_probs(
-                x, None if entropy is None else entropy[lo:hi],
-                None if grad_lp is None else grad_lp[lo:hi], None if grad_h is None else grad_h[lo:hi],
-                index[lo:hi], owned[lo:hi], temperature,
+                x,
+                None if entropy is None else entropy[lo:hi],
+                None if grad_lp is None else grad_lp[lo:hi],
+                None if grad_h is None else grad_h[lo:hi],
+                index[lo:hi],
+                owned[lo:hi],
+                temperature,
             )
             if not in_place:
                 grad_logits[lo:hi].copy_(x)
@@ -286,14 +290,15 @@ def vocab_parallel_log_probs_and_entropy(
         identical on every rank of ``tp_group``; differentiable w.r.t. ``logits``.
     """
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point or logits.dim() < 1:
-        raise ValueError("logits must be a floating tensor [..., vocab/tp], got "
-                         f"{getattr(logits, 'dtype', type(logits))} {list(getattr(logits, 'shape', []))}")
+        raise ValueError(
+            "logits must be a floating tensor [..., vocab/tp], got "
+            f"{getattr(logits, 'dtype', type(logits))} {list(getattr(logits, 'shape', []))}"
+        )
     tp_size, _ = _group_size_rank(tp_group)
     vocab_local = logits.shape[-1]
-    _check_args(labels, logits.shape[:-1], vocab_local * tp_size, temperature, chunk_size,
-                "logits.shape[:-1]")
+    _check_args(labels, logits.shape[:-1], vocab_local * tp_size, temperature, chunk_size, "logits.shape[:-1]")
     token_shape = labels.shape
-    flat_logits = logits.reshape(-1, vocab_local)                        # [n, vocab/tp]
+    flat_logits = logits.reshape(-1, vocab_local)  # [n, vocab/tp]
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
     out = _VocabParallelLogProbEntropy.apply(
         flat_logits, flat_labels, tp_group, float(temperature), bool(compute_entropy), chunk_size
@@ -311,8 +316,18 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     """hidden ``[n, h]`` x weight ``[vocab/tp, h]`` -> log_probs ``[n]`` (+ entropy), logits by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, tp_group, temperature, compute_entropy, chunk_size, vocab_start,
-                compute_sum_sq=False):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        tp_group,
+        temperature,
+        compute_entropy,
+        chunk_size,
+        vocab_start,
+        compute_sum_sq=False,
+    ):
         tp_size, tp_rank = _group_size_rank(tp_group)
         num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         dtype = _math_dtype(hidden.dtype)
@@ -325,7 +340,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
             weight_t = weight_t.to(dtype)
         stats = [[], [], [], [], []]
         for lo, hi in _chunks(num_tokens, chunk_size):
-            x = _mm_math(hidden[lo:hi], weight_t, dtype)                 # [c, vocab/tp] float32 logits
+            x = _mm_math(hidden[lo:hi], weight_t, dtype)  # [c, vocab/tp] float32 logits
             if temperature != 1.0:
                 x.div_(temperature)
             for acc, val in zip(stats, _shard_stats(x, index[lo:hi], owned[lo:hi], compute_entropy, compute_sum_sq)):
@@ -371,11 +386,11 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         vocab_start = ctx.vocab_start
         for lo in range(0, vocab_local, vocab_step):
             hi = min(lo + vocab_step, vocab_local)
-            w_slice = weight[lo:hi]                                      # [v, h]
-            x = _mm_math(hidden, w_slice.t(), dtype)                     # [n, v] recomputed logits
+            w_slice = weight[lo:hi]  # [v, h]
+            x = _mm_math(hidden, w_slice.t(), dtype)  # [n, v] recomputed logits
             if temperature != 1.0:
                 x.div_(temperature)
-            x.sub_(logz.unsqueeze(-1))                                   # log p
+            x.sub_(logz.unsqueeze(-1))  # log p
             index, owned = _local_index(labels, vocab_start + lo, hi - lo)
             g = _grad_from_log_probs(x, entropy, grad_lp, grad_h, index, owned, temperature)
             del x
@@ -440,8 +455,10 @@ def fused_linear_log_probs_and_entropy(
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating tensor, got {getattr(tensor, 'dtype', type(tensor))}")
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"hidden {list(hidden.shape)} must be [..., h] and weight {list(weight.shape)} "
-                         "[vocab/tp, h] with the same h")
+        raise ValueError(
+            f"hidden {list(hidden.shape)} must be [..., h] and weight {list(weight.shape)} "
+            "[vocab/tp, h] with the same h"
+        )
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
     tp_size, tp_rank = _group_size_rank(tp_group)
@@ -459,11 +476,18 @@ def fused_linear_log_probs_and_entropy(
         )
     _check_args(labels, hidden.shape[:-1], vocab_size, temperature, chunk_size, "hidden.shape[:-1]")
     token_shape = labels.shape
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])                   # [n, h]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [n, h]
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
     out = _FusedLinearLogProbEntropy.apply(
-        flat_hidden, weight[:valid_local] if valid_local < padded_local else weight, flat_labels, tp_group,
-        float(temperature), bool(compute_entropy), chunk_size, vocab_start, bool(return_sum_pi_squared),
+        flat_hidden,
+        weight[:valid_local] if valid_local < padded_local else weight,
+        flat_labels,
+        tp_group,
+        float(temperature),
+        bool(compute_entropy),
+        chunk_size,
+        vocab_start,
+        bool(return_sum_pi_squared),
     )
     out = out if isinstance(out, tuple) else (out,)
     log_probs = out[0].view(token_shape)

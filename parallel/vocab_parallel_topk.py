@@ -74,8 +74,9 @@ class _AllReduceIdentityBackward(torch.autograd.Function):
 
 
 @torch.no_grad()
-def vocab_parallel_topk_log_probs(logits: torch.Tensor, k: int, *, tp_group=None, temperature: float = 1.0,
-                                  vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_topk_log_probs(
+    logits: torch.Tensor, k: int, *, tp_group=None, temperature: float = 1.0, vocab_size: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest ``log_softmax(logits / temperature)`` values and their global ids.
 
     Args:
@@ -105,8 +106,14 @@ def vocab_parallel_topk_log_probs(logits: torch.Tensor, k: int, *, tp_group=None
     return values - log_z.unsqueeze(-1), ids
 
 
-def vocab_parallel_gather_log_probs(logits: torch.Tensor, ids: torch.Tensor, *, tp_group=None,
-                                    temperature: float = 1.0, vocab_size: Optional[int] = None) -> torch.Tensor:
+def vocab_parallel_gather_log_probs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    tp_group=None,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at global ``ids [..., k]``; differentiable w.r.t. ``logits``.
 
     Returns ``[..., k]`` float32 (float64 for float64 logits), identical on every TP rank.

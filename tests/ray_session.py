@@ -42,8 +42,14 @@ def _serve(num_cpus: int) -> None:
     stdin closes."""
     import ray
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _node_ip_address="127.0.0.1",
+    )
     print(_MARK + ray.get_runtime_context().gcs_address, flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe from here on
     sys.stdin.read()  # EOF: the test session ended (or died)
@@ -67,12 +73,18 @@ class SessionRay:
             start = time.perf_counter()
             # Its own session: a Ctrl-C to pytest's process group does not take the cluster down under
             # a test's teardown; pytest's end (or death) closes stdin and the helper shuts Ray down.
-            self._proc = subprocess.Popen([sys.executable, "-m", "tests.ray_session", str(NUM_CPUS)], cwd=ROOT,
-                                          env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.ray_session", str(NUM_CPUS)],
+                cwd=ROOT,
+                env=self._env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             for line in self._proc.stdout:
                 if line.startswith(_MARK):
-                    self._address = line[len(_MARK):].strip()
+                    self._address = line[len(_MARK) :].strip()
                     break
             else:
                 rc = self._proc.wait(timeout=60)
@@ -111,8 +123,10 @@ def _wait_idle(timeout_s: float = IDLE_TIMEOUT_S) -> None:
         if free >= total > 0:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the session's Ray cluster still has {total - free:g} of {total:g} CPUs in use "
-                               f"{timeout_s:g} s after the previous job: a test left actors or placement groups")
+            raise RuntimeError(
+                f"the session's Ray cluster still has {total - free:g} of {total:g} CPUs in use "
+                f"{timeout_s:g} s after the previous job: a test left actors or placement groups"
+            )
         time.sleep(0.2)
 
 

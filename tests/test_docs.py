@@ -20,9 +20,22 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT))
 
-PAGES = ["index.md", "getting-started.md", "coming-from-verl.md", "reference/configuration.md", "algorithms.md",
-         "parallelism.md", "moe.md", "agentic.md", "async.md", "checkpoints.md", "slurm.md", "troubleshooting.md",
-         "benchmarks.md", "architecture.md"]
+PAGES = [
+    "index.md",
+    "getting-started.md",
+    "coming-from-verl.md",
+    "reference/configuration.md",
+    "algorithms.md",
+    "parallelism.md",
+    "moe.md",
+    "agentic.md",
+    "async.md",
+    "checkpoints.md",
+    "slurm.md",
+    "troubleshooting.md",
+    "benchmarks.md",
+    "architecture.md",
+]
 """The pages issue 32 asks for (the configuration reference is generated at build time)."""
 
 
@@ -38,8 +51,14 @@ def site(tmp_path_factory) -> Path:
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
     out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "WARNING" not in done.stderr, done.stderr[-4000:]
     return out
@@ -151,11 +170,15 @@ def test_the_reference_gives_type_default_and_verl_key():
     from tools.gen_config_reference import render
 
     rows = _reference_rows(render())
-    assert rows["data.train_batch_size"] == ("| `data.train_batch_size` | `int` | `1024` | same | Prompts per training "
-                                             "step (each sampled ``rollout.n`` times). |")
+    assert rows["data.train_batch_size"] == (
+        "| `data.train_batch_size` | `int` | `1024` | same | Prompts per training "
+        "step (each sampled ``rollout.n`` times). |"
+    )
     assert "| = `actor_rollout_ref.rollout.n` |" in rows["actor_rollout_ref.actor.rollout_n"]
     assert rows["data.task"].split(" | ")[3] == "—"  # not a verl key
-    assert "`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`" in rows["actor_rollout_ref.actor.ppo_micro_batch_size"]
+    assert (
+        "`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`" in rows["actor_rollout_ref.actor.ppo_micro_batch_size"]
+    )
 
 
 # ----------------------------------------------------------------------------- pictures
@@ -172,7 +195,7 @@ def test_step_phase_picture_is_the_trainer_s_schedule():
     schedule = step_schedule(config, resolve_run(config), device="cuda")
     svg = step_phases("gpu/qwen3_30b_a3b_ppo")
     labels = re.findall(r'text-anchor="middle">([^<]+)</text>', svg)
-    assert [p.label for p in schedule.phases] == labels[:len(schedule.phases)]
+    assert [p.label for p in schedule.phases] == labels[: len(schedule.phases)]
     assert [">critic<" in svg, ">ref<" in svg] == [True, False]  # PPO without KL: a critic, no reference
     cells = [schedule.resident(p.name)[role] for p in schedule.phases for role in [*schedule.roles, "rollout"]]
     for part, label in (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("kv_cache", "KV")):
@@ -197,8 +220,10 @@ def test_reward_curve_gives_the_exact_fraction_its_own_axis(tmp_path):
     from tools.gen_pictures import reward_curve
 
     rows = [{"step": 0, "val-core/toy/reward/mean@1": 0.25}]
-    rows += [{"step": s, "training/global_step": s, "critic/score/mean": 0.1 * s, "reward/acc/mean": 0.02 * s}
-             for s in range(1, 6)]
+    rows += [
+        {"step": s, "training/global_step": s, "critic/score/mean": 0.1 * s, "reward/acc/mean": 0.02 * s}
+        for s in range(1, 6)
+    ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps(r) for r in rows))
     svg = reward_curve(metrics)
@@ -220,15 +245,21 @@ def _runnable_blocks() -> list:
 
 @pytest.mark.parametrize("page,code", _runnable_blocks())
 def test_runnable_example(page, code):
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"{page}:\n{code}\n{done.stderr[-3000:]}"
 
 
 def test_architecture_has_a_worked_example_for_each_extension_point():
     text = (DOCS / "architecture.md").read_text()
-    for heading in ("Add an advantage estimator", "Add a policy loss", "Add a model family", "Add a weight transport",
-                    "Add a tool"):
+    for heading in (
+        "Add an advantage estimator",
+        "Add a policy loss",
+        "Add a model family",
+        "Add a weight transport",
+        "Add a tool",
+    ):
         assert f"### {heading}" in text, heading
     assert len(_runnable_blocks()) >= 5
 
@@ -236,8 +267,7 @@ def test_architecture_has_a_worked_example_for_each_extension_point():
 def test_benchmarks_page_covers_every_benchmark_with_a_date():
     text = (DOCS / "benchmarks.md").read_text()
     for tool in sorted((ROOT / "tools").glob("bench_*")):
-        row = next((line for line in text.splitlines() if f"tools/{tool.name}" in line and line.startswith("|")),
-                   None)
+        row = next((line for line in text.splitlines() if f"tools/{tool.name}" in line and line.startswith("|")), None)
         assert row is not None, tool.name
         assert re.search(r"\| (20\d\d-\d\d-\d\d|--) \|$", row), row
 
@@ -252,14 +282,19 @@ def test_troubleshooting_lists_the_cli_s_exit_codes():
 def test_no_pointer_to_an_architecture_document_outside_the_repository():
     """Code, recipes, README and docs cite the repository's own pages (docs/), never the development
     notes beside the checkout (``../shared``: ARCHITECTURE.md, STYLE.md, notes/*.md)."""
-    outside = re.compile(r"\.\./shared|shared/(ARCHITECTURE|notes)|\b(gpu-baselines|cpu-stack)\.md|notes/slurm\.md|"
-                         r"\b(ARCHITECTURE|STYLE)\.md")
+    outside = re.compile(
+        r"\.\./shared|shared/(ARCHITECTURE|notes)|\b(gpu-baselines|cpu-stack)\.md|notes/slurm\.md|"
+        r"\b(ARCHITECTURE|STYLE)\.md"
+    )
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     offenders = []
     for name in tracked:
         path = ROOT / name
-        if path.suffix not in (".py", ".md", ".yaml", ".yml", ".cfg", ".toml", ".sh", ".sbatch", "") or \
-                not path.is_file() or name.startswith("tests/test_docs"):
+        if (
+            path.suffix not in (".py", ".md", ".yaml", ".yml", ".cfg", ".toml", ".sh", ".sbatch", "")
+            or not path.is_file()
+            or name.startswith("tests/test_docs")
+        ):
             continue
         for number, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
             if outside.search(line):
@@ -284,8 +319,13 @@ def _doc_commands() -> list:
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split("  #")[0].strip()
                 if "megatron-rl " in line:
-                    found.append(pytest.param(page.name, line[line.index("megatron-rl "):].split("&&")[0].strip(),
-                                              id=f"{page.stem}-{len(found)}"))
+                    found.append(
+                        pytest.param(
+                            page.name,
+                            line[line.index("megatron-rl ") :].split("&&")[0].strip(),
+                            id=f"{page.stem}-{len(found)}",
+                        )
+                    )
     return found
 
 
@@ -300,14 +340,26 @@ def test_every_megatron_rl_command_in_the_docs_runs_or_parses(page, command, tmp
     placeholder = any(a.endswith((".yaml", ".yml")) and not (ROOT / a).exists() for a in argv)
     if argv[0] == "convert" or placeholder:
         sub = argv[:2] if argv[0] == "convert" else argv[:1]
-        done = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *sub, "--help"], cwd=tmp_path, env=_env(),
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_rl.cli", *sub, "--help"],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         flags = [a.split("=")[0] for a in argv if a.startswith("--")]
         assert all(flag in done.stdout for flag in flags), (page, command, done.stdout)
         return
     if argv[0] == "train" and "--show-config" not in argv:
         argv.append("--show-config")
-    done = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", *argv],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"{page}: {command}\n{done.stdout[-1500:]}\n{done.stderr[-2000:]}"

@@ -16,7 +16,9 @@ def _bash_blocks() -> list[str]:
 
 
 def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
-    commands = [line.strip() for block in _bash_blocks() for line in block.splitlines() if line.startswith("pip install")]
+    commands = [
+        line.strip() for block in _bash_blocks() for line in block.splitlines() if line.startswith("pip install")
+    ]
     assert len(commands) == 2, commands
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert commands[1] in ci, f".ci/run must run the README's test command {commands[1]!r}"
@@ -28,13 +30,20 @@ def test_cli_version(capsys):
 
 
 def test_cli_help_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "--help"], capture_output=True, text=True, check=True
+    )
     assert "version" in out.stdout and "bench" in out.stdout
 
 
 def test_train_help_names_where_the_keys_are_documented():
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--help"], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     text = " ".join(out.stdout.split())
     assert "docs/reference/configuration.md" in text and "--show-config" in text
     assert (ROOT / "tools" / "gen_config_reference.py").is_file()

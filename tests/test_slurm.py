@@ -45,9 +45,14 @@ WAIT_PY = REPO / "recipes" / "slurm" / "wait_for_ray.py"
 SUBMIT_SH = REPO / "recipes" / "slurm" / "submit_ray_job.sh"
 
 # The CPU toy recipe shrunk to ~1 min on 2 cores: 4 prompts x 2 samples, no SFT warm-up, 2 steps.
-TOY = ["trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "data.train_batch_size=4",
-       "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+TOY = [
+    "trainer.total_training_steps=2",
+    "trainer.sft_warmup_steps=0",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+]
 # CPU-only test node: no GPUs (overrides the script's --gpus-per-node=8).
 CPU_JOB = ["--nodes=1", "--gpus-per-node=0"]
 
@@ -100,8 +105,15 @@ def _free_port_block(n: int = 3) -> int:
 
 def _job_env(slurm: SlurmCluster, ray_tmp: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not (k.startswith("SLURM_") or k.startswith("RAY_"))}
-    env.update({"SLURM_CONF": str(slurm.conf), "MEGATRON_RL_PYTHON": sys.executable,
-                "RAY_PORT": str(_free_port_block()), "RAY_TMPDIR": str(ray_tmp), **extra})
+    env.update(
+        {
+            "SLURM_CONF": str(slurm.conf),
+            "MEGATRON_RL_PYTHON": sys.executable,
+            "RAY_PORT": str(_free_port_block()),
+            "RAY_TMPDIR": str(ray_tmp),
+            **extra,
+        }
+    )
     return env
 
 
@@ -130,8 +142,9 @@ def _sbatch(slurm: SlurmCluster, cwd: Path, env: dict, args: list[str], timeout:
     if job and not wait:
         deadline = time.monotonic() + timeout
         while True:
-            info = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True,
-                                  text=True).stdout
+            info = subprocess.run(
+                ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
+            ).stdout
             state = re.search(r"JobState=(\S+)", info)
             if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
                 code, sig = re.search(r" ExitCode=(\d+):(\d+)", info).groups()
@@ -162,9 +175,13 @@ def _ray_procs(ray_tmp: Path) -> list[str]:
 def test_train_sbatch_end_to_end(slurm, tmp_path, ray_tmp):
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
-                                 [*CPU_JOB, str(SBATCH), "grpo", *TOY, f"trainer.default_local_dir={run_dir}"],
-                                 wait=True)
+    rc, job, text, out = _sbatch(
+        slurm,
+        tmp_path,
+        _job_env(slurm, ray_tmp),
+        [*CPU_JOB, str(SBATCH), "grpo", *TOY, f"trainer.default_local_dir={run_dir}"],
+        wait=True,
+    )
     wall = time.monotonic() - start
     assert rc == 0, f"sbatch exit {rc}\n{text}\n{out}"
     print(f"\nend-to-end job {job}: {wall:.1f}s wall (sbatch --wait)")
@@ -196,8 +213,14 @@ def test_train_sbatch_end_to_end(slurm, tmp_path, ray_tmp):
 
 def test_too_many_nodes_is_refused(slurm, tmp_path):
     start = time.monotonic()
-    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", "--gpus-per-node=0", str(SBATCH), "grpo"], cwd=tmp_path,
-                          env=_job_env(slurm, tmp_path), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--nodes=2", "--gpus-per-node=0", str(SBATCH), "grpo"],
+        cwd=tmp_path,
+        env=_job_env(slurm, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "sbatch: error: Batch job submission failed: Node count specification invalid"
     assert time.monotonic() - start < 10  # refused at submission, not left pending
@@ -216,8 +239,11 @@ def test_node_that_never_joins_fails_the_job(slurm, tmp_path, ray_tmp):
     head_ip = re.search(rf"head {slurm.node} at ([0-9.]+):{env['RAY_PORT']},", out).group(1)
     assert not head_ip.startswith("127.")
     # The head may or may not have joined by the time ghost01's srun step has failed.
-    error = re.search(rf"ERROR: the Ray start step for node\(s\) ghost01 exited before joining the cluster at "
-                      rf"{re.escape(head_ip)}:{env['RAY_PORT']}; missing ([12]) of 2 node\(s\): (.*)", out)
+    error = re.search(
+        rf"ERROR: the Ray start step for node\(s\) ghost01 exited before joining the cluster at "
+        rf"{re.escape(head_ip)}:{env['RAY_PORT']}; missing ([12]) of 2 node\(s\): (.*)",
+        out,
+    )
     assert error, out
     assert error.group(2).endswith(f"ghost01 (log: {logs}/ray-worker-ghost01.log)")
     assert "never-runs" not in out and not (logs / "train.log").exists()
@@ -241,11 +267,17 @@ print("PROBE", len(nodes), ray.cluster_resources()["CPU"], ray.cluster_resources
 def test_worker_started_by_srun_joins(slurm, tmp_path, ray_tmp):
     # The node list names this node twice: the second Ray node is started the way every worker
     # node is, by `srun --overlap -N1 -n1 -w <node>`, and joins the head over TCP.
-    env = _job_env(slurm, ray_tmp, RAY_SLURM_NODES=f"{slurm.node} {slurm.node}", RAY_JOIN_TIMEOUT_S="120",
-                   RAY_WORKER_START_ARGS=f"--dashboard-agent-listen-port={_free_port_block(1)}")
+    env = _job_env(
+        slurm,
+        ray_tmp,
+        RAY_SLURM_NODES=f"{slurm.node} {slurm.node}",
+        RAY_JOIN_TIMEOUT_S="120",
+        RAY_WORKER_START_ARGS=f"--dashboard-agent-listen-port={_free_port_block(1)}",
+    )
     start = time.monotonic()
-    rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, "--exclusive", str(CLUSTER_SH), sys.executable, "-c",
-                                                         PROBE % slurm.node])
+    rc, job, text, out = _sbatch(
+        slurm, tmp_path, env, [*CPU_JOB, "--exclusive", str(CLUSTER_SH), sys.executable, "-c", PROBE % slurm.node]
+    )
     print(f"\ntwo-Ray-node job {job}: {time.monotonic() - start:.1f}s wall")
     assert rc == 0, f"{text}\n{out}"
     assert "all 2 node(s) joined the Ray cluster" in out
@@ -264,9 +296,10 @@ def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path, ray_tmp):
     rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, str(CLUSTER_SH), "echo", "never-runs"])
     assert rc == 3, f"{text}\n{out}"
     logs = tmp_path / "logs" / job
-    assert (f"ERROR: the Ray start step for node(s) {slurm.node} exited before joining the cluster at "
-            f"127.0.0.1:{env['RAY_PORT']}; missing 1 of 1 node(s): {slurm.node} (log: {logs}/ray-head-{slurm.node}.log)"
-            ) in out
+    assert (
+        f"ERROR: the Ray start step for node(s) {slurm.node} exited before joining the cluster at "
+        f"127.0.0.1:{env['RAY_PORT']}; missing 1 of 1 node(s): {slurm.node} (log: {logs}/ray-head-{slurm.node}.log)"
+    ) in out
     assert f"]   {slurm.node}: Error: No such option '--no-such-option'." in out
     assert "never-runs" not in out and "Ray stopped in" in out
     assert _ray_procs(ray_tmp) == []
@@ -275,8 +308,14 @@ def test_head_that_fails_to_start_fails_the_job(slurm, tmp_path, ray_tmp):
 def test_scancel_tears_ray_down(slurm, tmp_path, ray_tmp):
     """scancel (and the time limit) sends SIGTERM: the command is stopped, Ray torn down, nothing left."""
     env = _job_env(slurm, ray_tmp)
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *CPU_JOB, str(CLUSTER_SH),
-                           "sleep", "300"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *CPU_JOB, str(CLUSTER_SH), "sleep", "300"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip()
     out_file = tmp_path / f"slurm-{job}.out"
@@ -287,8 +326,9 @@ def test_scancel_tears_ray_down(slurm, tmp_path, ray_tmp):
     start = time.monotonic()
     subprocess.run(["scancel", job], env=slurm.env, check=True)
     while True:
-        info = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True,
-                              text=True).stdout
+        info = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
+        ).stdout
         queued = subprocess.run(["squeue", "-h", "-j", job], env=slurm.env, capture_output=True, text=True).stdout
         if "JobState=CANCELLED" in info and not queued.strip():
             break
@@ -308,11 +348,27 @@ def test_preemption_signal_to_the_batch_script_saves_a_checkpoint(slurm, tmp_pat
 
     run_dir = tmp_path / "run"
     env = _job_env(slurm, ray_tmp)
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *CPU_JOB, str(SBATCH), "grpo",
-                           *TOY, "trainer.total_training_steps=50", "trainer.val_before_train=false",
-                           "trainer.test_freq=-1", "trainer.save_on_preemption=true",
-                           f"trainer.default_local_dir={run_dir}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={tmp_path}/slurm-%j.out",
+            *CPU_JOB,
+            str(SBATCH),
+            "grpo",
+            *TOY,
+            "trainer.total_training_steps=50",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_on_preemption=true",
+            f"trainer.default_local_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip()
     train_log = tmp_path / "logs" / job / "train.log"
@@ -323,8 +379,9 @@ def test_preemption_signal_to_the_batch_script_saves_a_checkpoint(slurm, tmp_pat
     subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=slurm.env, check=True)
     start = time.monotonic()
     while True:
-        info = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True,
-                              text=True).stdout
+        info = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
+        ).stdout
         if re.search(r"JobState=(COMPLETED|FAILED|CANCELLED)", info):
             break
         assert time.monotonic() - start < 120, info
@@ -342,25 +399,55 @@ def test_preemption_signal_to_the_batch_script_saves_a_checkpoint(slurm, tmp_pat
 def test_join_timeout_names_missing_nodes(tmp_path):
     port = _free_port_block(1)  # nothing listens there
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(WAIT_PY), "--address", f"127.0.0.1:{port}", "--nodes", "node01",
-                           "node02", "--timeout", "2", "--log-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(WAIT_PY),
+            "--address",
+            f"127.0.0.1:{port}",
+            "--nodes",
+            "node01",
+            "node02",
+            "--timeout",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     wall = time.monotonic() - start
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert (f"ERROR: the Ray head at 127.0.0.1:{port} did not answer within 2s (RAY_JOIN_TIMEOUT_S); "
-            f"missing node01 (log: {tmp_path}/ray-head-node01.log), node02 (log: {tmp_path}/ray-worker-node02.log)"
-            ) in proc.stdout
+    assert (
+        f"ERROR: the Ray head at 127.0.0.1:{port} did not answer within 2s (RAY_JOIN_TIMEOUT_S); "
+        f"missing node01 (log: {tmp_path}/ray-head-node01.log), node02 (log: {tmp_path}/ray-worker-node02.log)"
+    ) in proc.stdout
     assert 2 <= wall < 30
-    bad = subprocess.run([sys.executable, str(WAIT_PY), "--address", "h:1", "--nodes", "a", "--timeout", "5",
-                          "--launcher", "a:12"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, str(WAIT_PY), "--address", "h:1", "--nodes", "a", "--timeout", "5", "--launcher", "a:12"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--launcher must be NODE=PID, got 'a:12'" in bad.stderr
 
 
 def test_training_failure_is_the_job_exit_status(slurm, tmp_path, ray_tmp):
     start = time.monotonic()
-    rc, job, text, out = _sbatch(slurm, tmp_path, _job_env(slurm, ray_tmp),
-                                 [*CPU_JOB, str(SBATCH), "grpo", *TOY, "algorithm.adv_estimator=nope",
-                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
+    rc, job, text, out = _sbatch(
+        slurm,
+        tmp_path,
+        _job_env(slurm, ray_tmp),
+        [
+            *CPU_JOB,
+            str(SBATCH),
+            "grpo",
+            *TOY,
+            "algorithm.adv_estimator=nope",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
     print(f"\nfailing-training job {job}: {time.monotonic() - start:.1f}s wall")
     assert rc == 2, f"{text}\n{out}"
     train_log = (tmp_path / "logs" / job / "train.log").read_text()
@@ -377,16 +464,27 @@ def test_submit_ray_job_arguments_and_address(tmp_path):
     env["MEGATRON_RL_PYTHON"] = sys.executable
     usage = subprocess.run([str(SUBMIT_SH)], env=env, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and usage.stderr == "usage: submit_ray_job.sh [--address URL] RECIPE [key=value ...]\n"
-    bad = subprocess.run([str(SUBMIT_SH), "grpo"], env=dict(env, RAY_JOB_ENV_VARS="NCCL_DEBUG=WARN B"),
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [str(SUBMIT_SH), "grpo"],
+        env=dict(env, RAY_JOB_ENV_VARS="NCCL_DEBUG=WARN B"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip() == "submit_ray_job.sh: RAY_JOB_ENV_VARS entries must be NAME=VALUE, got ['B']"
     port = _free_port_block(1)
-    proc = subprocess.run([str(SUBMIT_SH), "--address", f"http://127.0.0.1:{port}", "grpo", "trainer.total_training_steps=1"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(SUBMIT_SH), "--address", f"http://127.0.0.1:{port}", "grpo", "trainer.total_training_steps=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
-    assert proc.stdout.startswith(f"submit_ray_job.sh: {REPO} -> http://127.0.0.1:{port}: megatron-rl train grpo "
-                                  "trainer.total_training_steps=1\n")
+    assert proc.stdout.startswith(
+        f"submit_ray_job.sh: {REPO} -> http://127.0.0.1:{port}: megatron-rl train grpo trainer.total_training_steps=1\n"
+    )
     assert f"ConnectionError: Failed to connect to Ray at address: http://127.0.0.1:{port}." in proc.stderr
 
 
@@ -407,11 +505,29 @@ def test_submit_ray_job_trains_on_the_job_cluster(slurm, tmp_path, ray_tmp):
     if py is None:
         pytest.skip("Ray's dashboard/job server dependencies (ray[default]) are not installed")
     port = _free_port_block(1)
-    env = _job_env(slurm, ray_tmp, MEGATRON_RL_PYTHON=py, RAY_DASHBOARD="true", RAY_DASHBOARD_PORT=str(port),
-                   RAY_JOB_ADDRESS=f"http://127.0.0.1:{port}")
+    env = _job_env(
+        slurm,
+        ray_tmp,
+        MEGATRON_RL_PYTHON=py,
+        RAY_DASHBOARD="true",
+        RAY_DASHBOARD_PORT=str(port),
+        RAY_JOB_ADDRESS=f"http://127.0.0.1:{port}",
+    )
     run_dir = tmp_path / "run"
-    rc, job, text, out = _sbatch(slurm, tmp_path, env, [*CPU_JOB, "--exclusive", str(CLUSTER_SH), str(SUBMIT_SH),
-                                                         "grpo", *TOY, f"trainer.default_local_dir={run_dir}"])
+    rc, job, text, out = _sbatch(
+        slurm,
+        tmp_path,
+        env,
+        [
+            *CPU_JOB,
+            "--exclusive",
+            str(CLUSTER_SH),
+            str(SUBMIT_SH),
+            "grpo",
+            *TOY,
+            f"trainer.default_local_dir={run_dir}",
+        ],
+    )
     assert rc == 0, f"{text}\n{out}"
     assert re.search(r"Job 'raysubmit_\w+' succeeded", out)
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

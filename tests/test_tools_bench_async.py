@@ -29,18 +29,44 @@ def test_steps_per_min_counts_from_the_end_of_the_first_step():
 
 
 def test_bad_arguments_exit_2_with_the_reason():
-    for args, message in ((["--steps", "2"], "--steps=2 must be >= 3"), (["--modes", "fast"], "unknown ['fast']"),
-                          (["--min-len", "9", "--max-len", "8"], "--max-len=8 must be >= --min-len=9")):
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_async.py"), *args],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    for args, message in (
+        (["--steps", "2"], "--steps=2 must be >= 3"),
+        (["--modes", "fast"], "unknown ['fast']"),
+        (["--min-len", "9", "--max-len", "8"], "--max-len=8 must be >= --min-len=9"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tools", "bench_async.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
 
 
 @pytest.mark.slow
 def test_bench_async_tiny_run_prints_json_last():
     pytest.importorskip("vllm")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_async.py"), "--modes", "async", "--steps", "3",
-           "--batch", "2", "--n", "2", "--min-len", "4", "--max-len", "16", "--sft-steps", "0", "--async-ahead", "1"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "bench_async.py"),
+        "--modes",
+        "async",
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--n",
+        "2",
+        "--min-len",
+        "4",
+        "--max-len",
+        "16",
+        "--sft-steps",
+        "0",
+        "--async-ahead",
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -10,8 +10,25 @@ BENCH = [sys.executable, str(ROOT / "tools" / "bench_bridge.py")]
 
 
 def test_bench_bridge_tiny_run_prints_json_last():
-    cmd = [*BENCH, "--hidden", "64", "--ffn", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab",
-           "512", "--bucket-mb", "0.05", "--repeats", "2"]
+    cmd = [
+        *BENCH,
+        "--hidden",
+        "64",
+        "--ffn",
+        "128",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "512",
+        "--bucket-mb",
+        "0.05",
+        "--repeats",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,13 +11,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_gpu_smoke_prints_one_json_line_per_benchmark():
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "bench_gpu.sh"), "--smoke"], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tools" / "bench_gpu.sh"), "--smoke"], capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert [line["benchmark"] for line in lines] == ["packing", "train_dense", "train_moe", "logprob", "offload",
-                                                     "algos", "bridge", "transports", "weight_sync",
-                                                     "rollout_node"]
+    assert [line["benchmark"] for line in lines] == [
+        "packing",
+        "train_dense",
+        "train_moe",
+        "logprob",
+        "offload",
+        "algos",
+        "bridge",
+        "transports",
+        "weight_sync",
+        "rollout_node",
+    ]
     by_name = {line["benchmark"]: line for line in lines}
     assert not [line for line in lines if "error" in line]
     assert {"padding_fraction", "ideal_speedup", "speedup", "peak_ratio"} <= set(by_name["packing"])

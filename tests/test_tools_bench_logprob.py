@@ -9,9 +9,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_logprob_tiny_run_prints_json_last():
-    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_logprob.py"), "--tokens", "64", "--vocab", "512",
-           "--hidden", "32", "--chunk-size", "16", "--linear-chunk-size", "16", "--iters", "1",
-           "--temperature", "0.8"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "bench_logprob.py"),
+        "--tokens",
+        "64",
+        "--vocab",
+        "512",
+        "--hidden",
+        "32",
+        "--chunk-size",
+        "16",
+        "--linear-chunk-size",
+        "16",
+        "--iters",
+        "1",
+        "--temperature",
+        "0.8",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -28,10 +43,15 @@ def test_bench_logprob_tiny_run_prints_json_last():
     assert out["linear_fused_max_rel_grad_weight_err"] < 1e-5
     assert (out["tokens"], out["vocab"], out["hidden"], out["dtype"]) == (64, 512, 32, "fp32")
     assert out["logits_bytes"] == 64 * 512 * 4
-    assert "ce_ms" not in out   # the cross_entropy reference runs on CUDA only
+    assert "ce_ms" not in out  # the cross_entropy reference runs on CUDA only
 
 
 def test_bench_logprob_rejects_bad_sizes():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_logprob.py"), "--tokens", "0"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "bench_logprob.py"), "--tokens", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "--tokens=0 must be >= 1" in proc.stderr

@@ -11,7 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_train_step_tiny():
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_train_step.py"), "--seq", "64", "--steps", "1", "--warmup", "0"],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["preset"] == "tiny" and result["device"] == "cpu"
@@ -21,6 +24,10 @@ def test_bench_train_step_tiny():
 
 
 def test_bench_train_step_rejects_bad_sizes():
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train_step.py"), "--seq", "0"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_train_step.py"), "--seq", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--seq must be >= 1, got 0" in out.stderr

@@ -16,9 +16,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_weight_sync_tiny_run_prints_json_last():
     import torch
 
-    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--transport", "all", "--hidden", "64",
-           "--intermediate", "128", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-           "--vocab", "512", "--bucket-mb", "0.1", "--repeats", "2"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "bench_weight_sync.py"),
+        "--transport",
+        "all",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "32",
+        "--vocab",
+        "512",
+        "--bucket-mb",
+        "0.1",
+        "--repeats",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -26,10 +47,11 @@ def test_bench_weight_sync_tiny_run_prints_json_last():
     assert list(rows) == ["colocated", "bytes", "shm", "broadcast", "nccl", "cuda_ipc"]  # the transport column
     lines = proc.stdout.strip().splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["transport", "MiB"])
-    assert [line.split()[0] for line in lines[head + 1:-1]] == list(rows)  # the table: one row per transport
+    assert [line.split()[0] for line in lines[head + 1 : -1]] == list(rows)  # the table: one row per transport
     if not torch.cuda.is_available():
-        assert [rows[n] for n in ("nccl", "cuda_ipc")] == [{"transport": n, "skipped": "needs CUDA"}
-                                                           for n in ("nccl", "cuda_ipc")]
+        assert [rows[n] for n in ("nccl", "cuda_ipc")] == [
+            {"transport": n, "skipped": "needs CUDA"} for n in ("nccl", "cuda_ipc")
+        ]
         assert "nccl       needs CUDA" in proc.stdout
     for name in ("colocated", "bytes", "broadcast"):  # every CPU transport moved the same bytes
         assert rows[name]["bytes"] == rows["shm"]["bytes"] and rows[name]["sync_over_floor"] > 1, rows[name]
@@ -47,9 +69,19 @@ def test_bench_weight_sync_tiny_run_prints_json_last():
 
 
 def test_bench_weight_sync_rejects_bad_sizes():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--layers", "0"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--layers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "--layers=0 must be >= 1" in proc.stderr
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--tp", "2",
-                           "--kv-heads", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "bench_weight_sync.py"), "--tp", "2", "--kv-heads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "--kv-heads=1 must be divisible by --tp=2" in proc.stderr

@@ -73,8 +73,13 @@ from megatron_rl.config import AlgoConfig
 AGREEMENT_ATOL = 1e-5
 
 
-def grpo_loop_reference(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
-                        epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True) -> torch.Tensor:
+def grpo_loop_reference(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> torch.Tensor:
     """GRPO the way verl's original implementation computes it: Python loops over samples."""
     scores = token_level_rewards.sum(dim=-1)
     id2score: dict = defaultdict(list)
@@ -141,8 +146,10 @@ def time_interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
             results[name] = fn()
             cpu[name].append((time.process_time() - start_cpu) * 1e3)
             wall[name].append((time.perf_counter() - start) * 1e3)
-    timings = {name: {"ms": statistics.median(wall[name]), "cpu_ms": statistics.median(cpu[name]),
-                      "runs": wall[name]} for name in fns}
+    timings = {
+        name: {"ms": statistics.median(wall[name]), "cpu_ms": statistics.median(cpu[name]), "runs": wall[name]}
+        for name in fns
+    }
     return timings, results
 
 
@@ -160,19 +167,25 @@ def retain_freed_memory() -> bool:
 
 def compare_grpo(batch: dict, common: dict, repeats: int, label: str) -> dict:
     """Vectorised vs loop GRPO on the full batch, taking turns; exits 1 if they disagree."""
-    timings, results = time_interleaved({
-        "grpo": lambda: ADV_ESTIMATORS["grpo"](**common)[0],
-        "loop": lambda: grpo_loop_reference(batch["token_level_rewards"], batch["response_mask"], batch["index"]),
-    }, repeats)
+    timings, results = time_interleaved(
+        {
+            "grpo": lambda: ADV_ESTIMATORS["grpo"](**common)[0],
+            "loop": lambda: grpo_loop_reference(batch["token_level_rewards"], batch["response_mask"], batch["index"]),
+        },
+        repeats,
+    )
     max_diff = (results["grpo"] - results["loop"]).abs().max().item()
     if not max_diff <= AGREEMENT_ATOL:
         print(f"FAIL: vectorised and loop GRPO advantages differ by {max_diff:.3e} > {AGREEMENT_ATOL}", flush=True)
         sys.exit(1)
     vec, loop = timings["grpo"], timings["loop"]
-    print(f"grpo, {label}: vectorised {vec['ms']:.1f} ms (runs {_fmt(vec['runs'])}), per-sample loop "
-          f"{loop['ms']:.1f} ms (runs {_fmt(loop['runs'])}), speedup {loop['ms'] / vec['ms']:.1f}x "
-          f"(CPU time: {vec['cpu_ms']:.1f} vs {loop['cpu_ms']:.1f} ms, {loop['cpu_ms'] / vec['cpu_ms']:.1f}x), "
-          f"max |vectorised - loop| = {max_diff:.3e}", flush=True)
+    print(
+        f"grpo, {label}: vectorised {vec['ms']:.1f} ms (runs {_fmt(vec['runs'])}), per-sample loop "
+        f"{loop['ms']:.1f} ms (runs {_fmt(loop['runs'])}), speedup {loop['ms'] / vec['ms']:.1f}x "
+        f"(CPU time: {vec['cpu_ms']:.1f} vs {loop['cpu_ms']:.1f} ms, {loop['cpu_ms'] / vec['cpu_ms']:.1f}x), "
+        f"max |vectorised - loop| = {max_diff:.3e}",
+        flush=True,
+    )
     return {"vec": vec, "loop": loop, "max_diff": max_diff}
 
 
@@ -185,46 +198,73 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-responses", type=int, default=65536)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--response-length", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=7,
-                   help="timed rounds (median) of each GRPO implementation, after one warm-up round")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=7,
+        help="timed rounds (median) of each GRPO implementation, after one warm-up round",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads for every implementation (default 1: on a shared 2-core machine "
-                        "a second OpenMP thread makes every op wait for the busier core)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for every implementation (default 1: on a shared 2-core machine "
+        "a second OpenMP thread makes every op wait for the busier core)",
+    )
     p.add_argument("--no-thp", action="store_true", help="do not allocate on transparent huge pages")
-    p.add_argument("--fresh-pages", action="store_true",
-                   help="keep glibc's allocator defaults for the headline figures too (see the module docstring)")
+    p.add_argument(
+        "--fresh-pages",
+        action="store_true",
+        help="keep glibc's allocator defaults for the headline figures too (see the module docstring)",
+    )
     args = p.parse_args(argv)
     for name in ("num_responses", "group_size", "response_length", "repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
 
-    print(f"batch: {args.num_responses} responses, groups of {args.group_size}, {args.response_length} tokens, "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(
+        f"batch: {args.num_responses} responses, groups of {args.group_size}, {args.response_length} tokens, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
     batch = make_batch(args.num_responses, args.group_size, args.response_length, args.seed)
-    common = {"token_level_rewards": batch["token_level_rewards"], "response_mask": batch["response_mask"],
-              "index": batch["index"], "config": AlgoConfig(gamma=1.0, lam=1.0)}
+    common = {
+        "token_level_rewards": batch["token_level_rewards"],
+        "response_mask": batch["response_mask"],
+        "index": batch["index"],
+        "config": AlgoConfig(gamma=1.0, lam=1.0),
+    }
 
     # glibc's defaults first: retaining freed memory cannot be switched off again (freed heap blocks stay).
     fresh = compare_grpo(batch, common, args.repeats, "fresh pages (glibc defaults)")
 
     scores = batch["token_level_rewards"].sum(dim=-1, keepdim=True)  # [bs, 1]
     scores_only = {"token_level_rewards": scores, "response_mask": torch.ones_like(scores), "index": batch["index"]}
-    scores_timings, scores_results = time_interleaved({
-        "grpo": lambda: ADV_ESTIMATORS["grpo"](**scores_only)[0],
-        "loop": lambda: grpo_loop_reference(scores, scores_only["response_mask"], batch["index"]),
-    }, args.repeats)
+    scores_timings, scores_results = time_interleaved(
+        {
+            "grpo": lambda: ADV_ESTIMATORS["grpo"](**scores_only)[0],
+            "loop": lambda: grpo_loop_reference(scores, scores_only["response_mask"], batch["index"]),
+        },
+        args.repeats,
+    )
     if not (scores_results["grpo"] - scores_results["loop"]).abs().max().item() <= AGREEMENT_ATOL:
         print("FAIL: vectorised and loop GRPO disagree on the scores alone", flush=True)
         sys.exit(1)
-    print(f"grpo on scores alone [bs, 1]: vectorised {scores_timings['grpo']['ms']:.1f} ms, loop "
-          f"{scores_timings['loop']['ms']:.1f} ms", flush=True)
+    print(
+        f"grpo on scores alone [bs, 1]: vectorised {scores_timings['grpo']['ms']:.1f} ms, loop "
+        f"{scores_timings['loop']['ms']:.1f} ms",
+        flush=True,
+    )
 
     others = {}
     # The token-level recursions take seconds at full size: timed once.
-    for name, extra, repeats, warmup in (("rloo", {}, args.repeats, 1), ("reinforce_plus_plus", {}, 1, 0),
-                                         ("gae", {"values": batch["values"], "gamma": 0.99, "lam": 0.95}, 1, 0)):
+    for name, extra, repeats, warmup in (
+        ("rloo", {}, args.repeats, 1),
+        ("reinforce_plus_plus", {}, 1, 0),
+        ("gae", {"values": batch["values"], "gamma": 0.99, "lam": 0.95}, 1, 0),
+    ):
         others[name], (adv, _) = time_ms(lambda: ADV_ESTIMATORS[name](**common, **extra), repeats, warmup)
         if not bool(torch.isfinite(adv).all()):
             print(f"FAIL: {name} produced non-finite advantages", flush=True)
@@ -232,8 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: {others[name]:.1f} ms", flush=True)
 
     retained = False if args.fresh_pages else retain_freed_memory()
-    headline = compare_grpo(batch, common, args.repeats, "freed memory reused (caching allocator)") if retained \
-        else fresh
+    headline = (
+        compare_grpo(batch, common, args.repeats, "freed memory reused (caching allocator)") if retained else fresh
+    )
 
     result = {
         "num_responses": args.num_responses,

@@ -113,21 +113,37 @@ class LongTailRollout:
 
 
 def _overrides(args, mode: str) -> tuple[str, list[str]]:
-    common = [f"trainer.total_training_steps={args.steps}", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-              "trainer.test_freq=-1", "trainer.logger=[console]", f"data.train_batch_size={args.batch}",
-              f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
-              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.batch * args.n}",
-              f"actor_rollout_ref.rollout.n={args.n}", f"data.max_response_length={args.max_len}",
-              f"actor_rollout_ref.rollout.max_num_seqs={args.batch * args.n}", "data.task_kwargs={num_samples: 512}"]
+    common = [
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.sft_warmup_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.logger=[console]",
+        f"data.train_batch_size={args.batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.batch * args.n}",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        f"data.max_response_length={args.max_len}",
+        f"actor_rollout_ref.rollout.max_num_seqs={args.batch * args.n}",
+        "data.task_kwargs={num_samples: 512}",
+    ]
     if mode == "sync":
         return "grpo", common
     if mode == "one_step_off":
-        return "grpo", [*common, "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
-                        "trainer.v1.sampler.max_off_policy_threshold=1"]
+        return "grpo", [
+            *common,
+            "trainer.v1.trainer_mode=colocate_async",
+            "trainer.v1.colocate_async.num_warmup_batches=1",
+            "trainer.v1.sampler.max_off_policy_threshold=1",
+        ]
     partial = ["trainer.v1.partial_rollout=true"] if mode == "async_partial" else []
-    return "grpo_async", [*common, "trainer.v1.separate_async.parameter_sync_step=1",
-                          f"trainer.v1.separate_async.num_warmup_batches={args.async_ahead}",
-                          f"trainer.v1.sampler.max_off_policy_threshold={args.async_ahead}", *partial]
+    return "grpo_async", [
+        *common,
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        f"trainer.v1.separate_async.num_warmup_batches={args.async_ahead}",
+        f"trainer.v1.sampler.max_off_policy_threshold={args.async_ahead}",
+        *partial,
+    ]
 
 
 def _pin(trainer) -> dict:
@@ -162,8 +178,10 @@ def _run_mode(args, mode: str, model_path: str, root: str) -> dict:
         trainer.init_workers()
         pids = _pin(trainer)
         router = trainer.rollout_phase.rollout  # generation goes through the router's copies only
-        router.replicas = [dataclasses.replace(r, actor=LongTailRollout(r.actor, args.min_len, args.max_len, args.alpha))
-                           for r in router.replicas]
+        router.replicas = [
+            dataclasses.replace(r, actor=LongTailRollout(r.actor, args.min_len, args.max_len, args.alpha))
+            for r in router.replicas
+        ]
         procs = [psutil.Process(p) for p in [pids["rollout"], *pids["actor"]]]
 
         def on_step(metrics):
@@ -176,13 +194,19 @@ def _run_mode(args, mode: str, model_path: str, root: str) -> dict:
     finally:
         trainer.shutdown()
     rewards = [h["critic/score/mean"] for h in history]
-    return {"steps_per_min": steps_per_min(ends), "wall_s": wall, "first_step_s": ends[0] - start,
-            "reward_last2": sum(rewards[-2:]) / 2, "reward_per_step": rewards,
-            "response_length_mean": sum(h["response_length/mean"] for h in history) / len(history),
-            "staleness_mean": sum(h.get("async/staleness_mean", 0.0) for h in history) / len(history),
-            "trainer_idle_s": sum(h.get("async/trainer_idle_s", 0.0) for h in history),
-            "partial_ratio": sum(h.get("async/partial/partial_ratio", 0.0) for h in history) / len(history),
-            "samples": len(history) * args.batch * args.n, "peak_rss_gb": peak[0] / 2**30}
+    return {
+        "steps_per_min": steps_per_min(ends),
+        "wall_s": wall,
+        "first_step_s": ends[0] - start,
+        "reward_last2": sum(rewards[-2:]) / 2,
+        "reward_per_step": rewards,
+        "response_length_mean": sum(h["response_length/mean"] for h in history) / len(history),
+        "staleness_mean": sum(h.get("async/staleness_mean", 0.0) for h in history) / len(history),
+        "trainer_idle_s": sum(h.get("async/trainer_idle_s", 0.0) for h in history),
+        "partial_ratio": sum(h.get("async/partial/partial_ratio", 0.0) for h in history) / len(history),
+        "samples": len(history) * args.batch * args.n,
+        "peak_rss_gb": peak[0] / 2**30,
+    }
 
 
 def main(argv=None) -> dict:
@@ -196,8 +220,9 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="bench_async_")  # the model and the runs' checkpoints; removed at the end
     results = {}
     try:
-        base = TrainerRunConfig.from_dict(compose("grpo", [*_overrides(args, "sync")[1],
-                                                            f"trainer.sft_warmup_steps={args.sft_steps}"]))
+        base = TrainerRunConfig.from_dict(
+            compose("grpo", [*_overrides(args, "sync")[1], f"trainer.sft_warmup_steps={args.sft_steps}"])
+        )
         model_path = prepare_policy_model(base, f"{root}/model")
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
@@ -210,16 +235,29 @@ def main(argv=None) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     out = {f"steps_per_min_{m}": r["steps_per_min"] for m, r in results.items()}
     if "sync" in results:
-        out.update({f"speedup_{m}": r["steps_per_min"] / results["sync"]["steps_per_min"]
-                    for m, r in results.items() if m != "sync"})
+        out.update(
+            {
+                f"speedup_{m}": r["steps_per_min"] / results["sync"]["steps_per_min"]
+                for m, r in results.items()
+                if m != "sync"
+            }
+        )
     out.update({f"reward_{m}": r["reward_last2"] for m, r in results.items()})
     out.update({f"staleness_mean_{m}": r["staleness_mean"] for m, r in results.items()})
     out.update({f"peak_rss_gb_{m}": r["peak_rss_gb"] for m, r in results.items()})
     if "async_partial" in results:
         out["partial_ratio_async_partial"] = results["async_partial"]["partial_ratio"]
-    out.update(steps=args.steps, batch=args.batch, n=args.n, min_len=args.min_len, max_len=args.max_len,
-               alpha=args.alpha, async_ahead=args.async_ahead,
-               samples=args.steps * args.batch * args.n, cores={"rollout": 0, "trainer": 1})
+    out.update(
+        steps=args.steps,
+        batch=args.batch,
+        n=args.n,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        alpha=args.alpha,
+        async_ahead=args.async_ahead,
+        samples=args.steps * args.batch * args.n,
+        cores={"rollout": 0, "trainer": 1},
+    )
     print(json.dumps(out), flush=True)
     return out
 

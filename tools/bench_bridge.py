@@ -44,8 +44,12 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary (divisible by --tp: no padding rows)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (spawned gloo processes)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype")
-    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
-                   help="export bucket bound in MiB (default: the bridge's)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help="export bucket bound in MiB (default: the bridge's)",
+    )
     p.add_argument("--all-ranks", action="store_true", help="every rank yields every tensor (broadcasts)")
     p.add_argument("--repeats", type=int, default=5, help="timed exports (median reported)")
     args = p.parse_args(argv)
@@ -55,8 +59,10 @@ def _parse(argv=None) -> argparse.Namespace:
     if args.bucket_mb <= 0:
         p.error(f"--bucket-mb={args.bucket_mb} must be > 0")
     if args.heads % args.tp or args.heads % args.kv_heads or args.vocab % args.tp:
-        p.error(f"--heads={args.heads} and --vocab={args.vocab} must be divisible by --tp={args.tp}, "
-                f"and --heads by --kv-heads={args.kv_heads}")
+        p.error(
+            f"--heads={args.heads} and --vocab={args.vocab} must be divisible by --tp={args.tp}, "
+            f"and --heads by --kv-heads={args.kv_heads}"
+        )
     return args
 
 
@@ -87,9 +93,16 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     pc = ParallelConfig(tensor_model_parallel_size=args.tp)
     mesh = init_mesh(pc, seed=0)
-    model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
-                            num_attention_heads=args.heads, num_query_groups=args.kv_heads, vocab_size=args.vocab,
-                            qk_layernorm=True, params_dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype])
+    model_cfg = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        vocab_size=args.vocab,
+        qk_layernorm=True,
+        params_dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
+    )
     chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
     weight_map = get_family("Qwen3ForCausalLM").weight_map(model_cfg)
     exporter = HFExporter(chunks, weight_map, mesh=mesh)
@@ -112,8 +125,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         stats = ExportStats()
         dist.barrier()
         start = time.perf_counter()
-        for _name, _tensor in exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=args.all_ranks,
-                                                    stats=stats):
+        for _name, _tensor in exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=args.all_ranks, stats=stats):
             pass
         seconds = time.perf_counter() - start
         dist.barrier()
@@ -129,14 +141,22 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         seconds, stats = export()
         exported.append(seconds)
         if rank == 0:
-            print(f"repeat {i}: export {exported[-1]:.4f} s ({stats.num_buckets} buckets), floor {floor[-1]:.4f} s",
-                  flush=True)
+            print(
+                f"repeat {i}: export {exported[-1]:.4f} s ({stats.num_buckets} buckets), floor {floor[-1]:.4f} s",
+                flush=True,
+            )
     destroy_mesh(mesh)
     if rank != 0:
         return {}
-    return {"bytes": stats.total_bytes, "floor_bytes": floor_bytes, "export_s": statistics.median(exported),
-            "floor_s": statistics.median(floor), "num_tensors": stats.num_tensors, "num_buckets": stats.num_buckets,
-            "max_live_bytes": stats.max_live_bytes}
+    return {
+        "bytes": stats.total_bytes,
+        "floor_bytes": floor_bytes,
+        "export_s": statistics.median(exported),
+        "floor_s": statistics.median(floor),
+        "num_tensors": stats.num_tensors,
+        "num_buckets": stats.num_buckets,
+        "max_live_bytes": stats.max_live_bytes,
+    }
 
 
 def main(argv=None) -> dict:
@@ -163,11 +183,19 @@ def main(argv=None) -> dict:
         "bucket_mb": args.bucket_mb,
         "dtype": args.dtype,
         "repeats": args.repeats,
-        "model": dict(hidden=args.hidden, ffn=args.ffn, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                      vocab=args.vocab),
+        "model": dict(
+            hidden=args.hidden,
+            ffn=args.ffn,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            vocab=args.vocab,
+        ),
     }
-    print(f"{out['bytes'] / 2**20:.1f} MiB at TP={args.tp}: export {out['export_s']:.4f} s, "
-          f"cat/clone floor {out['floor_s']:.4f} s, ratio {result['export_over_floor']:.2f}")
+    print(
+        f"{out['bytes'] / 2**20:.1f} MiB at TP={args.tp}: export {out['export_s']:.4f} s, "
+        f"cat/clone floor {out['floor_s']:.4f} s, ratio {result['export_over_floor']:.2f}"
+    )
     print(json.dumps(result), flush=True)
     return result
 

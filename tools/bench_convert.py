@@ -34,16 +34,41 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
-              num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-              tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-              dtype="bfloat16")
+_QWEN3 = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    dtype="bfloat16",
+)
 SYNTH_CONFIGS = {
     "qwen3-0.6b": _QWEN3,
-    "qwen3-30b-a3b": dict(_QWEN3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
-                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          tie_word_embeddings=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3-30b-a3b": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
 }
 """config.json of the models ``--synth`` imitates (the hub configs' shapes)."""
 
@@ -67,7 +92,8 @@ def synth_checkpoint(path: Path, name: str, layers: int | None, shard_bytes: int
     config = load_hf_config(data)
     config.save_pretrained(str(path))
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
-        str(path))
+        str(path)
+    )
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
@@ -98,8 +124,9 @@ def synth_checkpoint(path: Path, name: str, layers: int | None, shard_bytes: int
         save_file(shard, str(path / file), metadata={"format": "pt"})
         weight_map.update({n: file for n in shard})
     total = sum(t.numel() * 2 for s in shards for t in s.values())
-    (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     return path
 
 
@@ -138,8 +165,13 @@ def _first_byte(parent: Path, name: str) -> bool:
 def run_conversion(argv: list[str], out: Path, tool: str = "convert_hf_to_mcore.py") -> dict:
     """Run the converter ``tool`` with ``argv``; its wall time, peak tree memory, startup and output."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / tool), *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / tool), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     peak, startup = [0], [None]
 
     def sample() -> None:
@@ -156,7 +188,12 @@ def run_conversion(argv: list[str], out: Path, tool: str = "convert_hf_to_mcore.
     sampler.join()
     if proc.returncode:
         raise SystemExit(f"conversion failed (exit {proc.returncode}):\n{stderr[-3000:]}")
-    return {"seconds": seconds, "peak_bytes": peak[0], "startup_s": startup[0], "summary": stdout.strip().splitlines()[-1]}
+    return {
+        "seconds": seconds,
+        "peak_bytes": peak[0],
+        "startup_s": startup[0],
+        "summary": stdout.strip().splitlines()[-1],
+    }
 
 
 def floor(hf_dir: Path, work: Path) -> dict:
@@ -206,48 +243,77 @@ def main(argv=None) -> int:
         size = base["bytes"]
         mib = size / 2**20
         floor_rate = mib / base["seconds"]
-        print(f"floor: read + write {mib:.1f} MiB of safetensors in {base['seconds']:.2f} s = {floor_rate:.1f} MB/s",
-              flush=True)
-        plain = run_conversion(["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore"), *convert_args],
-                               work / "mcore")
-        streaming = "" if plain["startup_s"] is None else \
-            f" ({mib / (plain['seconds'] - plain['startup_s']):.1f} MB/s from the first byte)"
-        print(f"convert: {plain['seconds']:.2f} s = {mib / plain['seconds']:.1f} MB/s{streaming}, startup {plain['startup_s']} s, "
-              f"peak {plain['peak_bytes'] / 2**20:.0f} MiB = {plain['peak_bytes'] / size:.2f} x the checkpoint\n  "
-              f"{plain['summary']}", flush=True)
+        print(
+            f"floor: read + write {mib:.1f} MiB of safetensors in {base['seconds']:.2f} s = {floor_rate:.1f} MB/s",
+            flush=True,
+        )
+        plain = run_conversion(
+            ["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore"), *convert_args], work / "mcore"
+        )
+        streaming = (
+            ""
+            if plain["startup_s"] is None
+            else f" ({mib / (plain['seconds'] - plain['startup_s']):.1f} MB/s from the first byte)"
+        )
+        print(
+            f"convert: {plain['seconds']:.2f} s = {mib / plain['seconds']:.1f} MB/s{streaming}, startup {plain['startup_s']} s, "
+            f"peak {plain['peak_bytes'] / 2**20:.0f} MiB = {plain['peak_bytes'] / size:.2f} x the checkpoint\n  "
+            f"{plain['summary']}",
+            flush=True,
+        )
         verify = None
         if not args.skip_verify:
-            verify = run_conversion(["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore_verify"), "--verify",
-                                     *convert_args], work / "mcore_verify")
-            print(f"convert --verify: {verify['seconds']:.2f} s = {mib / verify['seconds']:.1f} MB/s, peak "
-                  f"{verify['peak_bytes'] / 2**20:.0f} MiB = {verify['peak_bytes'] / size:.2f} x the checkpoint\n  "
-                  f"{verify['summary']}", flush=True)
+            verify = run_conversion(
+                ["--hf-dir", str(hf_dir), "--out-dir", str(work / "mcore_verify"), "--verify", *convert_args],
+                work / "mcore_verify",
+            )
+            print(
+                f"convert --verify: {verify['seconds']:.2f} s = {mib / verify['seconds']:.1f} MB/s, peak "
+                f"{verify['peak_bytes'] / 2**20:.0f} MiB = {verify['peak_bytes'] / size:.2f} x the checkpoint\n  "
+                f"{verify['summary']}",
+                flush=True,
+            )
         back = None
         if not args.skip_back:  # (4) the way back, from (2)'s output at the same layout
-            back = run_conversion(["--mcore-dir", str(work / "mcore"), "--out-dir", str(work / "hf_back")],
-                                  work / "hf_back", tool="convert_mcore_to_hf.py")
-            print(f"mcore-to-hf: {back['seconds']:.2f} s = {mib / back['seconds']:.1f} MB/s, startup "
-                  f"{back['startup_s']} s, peak {back['peak_bytes'] / 2**20:.0f} MiB = "
-                  f"{back['peak_bytes'] / size:.2f} x the checkpoint\n  {back['summary']}", flush=True)
+            back = run_conversion(
+                ["--mcore-dir", str(work / "mcore"), "--out-dir", str(work / "hf_back")],
+                work / "hf_back",
+                tool="convert_mcore_to_hf.py",
+            )
+            print(
+                f"mcore-to-hf: {back['seconds']:.2f} s = {mib / back['seconds']:.1f} MB/s, startup "
+                f"{back['startup_s']} s, peak {back['peak_bytes'] / 2**20:.0f} MiB = "
+                f"{back['peak_bytes'] / size:.2f} x the checkpoint\n  {back['summary']}",
+                flush=True,
+            )
 
         def figure(stage, value):
             return None if stage is None else value(stage)
 
-        result = dict(checkpoint_bytes=size, mb_per_s=mib / plain["seconds"], floor_mb_per_s=floor_rate,
-                      speed_over_floor=(mib / plain["seconds"]) / floor_rate,
-                      streaming_mb_per_s=(mib / (plain["seconds"] - plain["startup_s"])
-                                          if plain["startup_s"] is not None else None),
-                      peak_over_checkpoint=plain["peak_bytes"] / size,
-                      peak_over_checkpoint_verify=figure(verify, lambda v: v["peak_bytes"] / size),
-                      startup_s=plain["startup_s"], seconds=plain["seconds"],
-                      seconds_verify=figure(verify, lambda v: v["seconds"]), floor_seconds=base["seconds"],
-                      peak_bytes=plain["peak_bytes"], peak_bytes_verify=figure(verify, lambda v: v["peak_bytes"]),
-                      mb_per_s_verify=figure(verify, lambda v: mib / v["seconds"]),
-                      mcore_to_hf_mb_per_s=figure(back, lambda b: mib / b["seconds"]),
-                      mcore_to_hf_peak_over_checkpoint=figure(back, lambda b: b["peak_bytes"] / size),
-                      mcore_to_hf_startup_s=figure(back, lambda b: b["startup_s"]),
-                      mcore_to_hf_seconds=figure(back, lambda b: b["seconds"]),
-                      convert_args=convert_args, hf_dir=str(hf_dir))
+        result = dict(
+            checkpoint_bytes=size,
+            mb_per_s=mib / plain["seconds"],
+            floor_mb_per_s=floor_rate,
+            speed_over_floor=(mib / plain["seconds"]) / floor_rate,
+            streaming_mb_per_s=(
+                mib / (plain["seconds"] - plain["startup_s"]) if plain["startup_s"] is not None else None
+            ),
+            peak_over_checkpoint=plain["peak_bytes"] / size,
+            peak_over_checkpoint_verify=figure(verify, lambda v: v["peak_bytes"] / size),
+            startup_s=plain["startup_s"],
+            seconds=plain["seconds"],
+            seconds_verify=figure(verify, lambda v: v["seconds"]),
+            floor_seconds=base["seconds"],
+            peak_bytes=plain["peak_bytes"],
+            peak_bytes_verify=figure(verify, lambda v: v["peak_bytes"]),
+            mb_per_s_verify=figure(verify, lambda v: mib / v["seconds"]),
+            mcore_to_hf_mb_per_s=figure(back, lambda b: mib / b["seconds"]),
+            mcore_to_hf_peak_over_checkpoint=figure(back, lambda b: b["peak_bytes"] / size),
+            mcore_to_hf_startup_s=figure(back, lambda b: b["startup_s"]),
+            mcore_to_hf_seconds=figure(back, lambda b: b["seconds"]),
+            convert_args=convert_args,
+            hf_dir=str(hf_dir),
+        )
         print(json.dumps(result), flush=True)
     return 0
 

@@ -91,7 +91,7 @@ class _Memory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            with open("/proc/self/clear_refs", "w") as f:   # reset VmHWM to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
                 f.write("5")
             self.base = self._status("VmRSS")
 
@@ -130,8 +130,9 @@ def _make_step(variant, args, logits, hidden, weight, labels):
         elif variant == "linear_naive":
             lp, ent = _naive(hidden @ weight.t(), labels, T)
         elif variant == "linear_fused":
-            lp, ent = fused_linear_log_probs_and_entropy(hidden, weight, labels, temperature=T,
-                                                         chunk_size=args.linear_chunk_size)
+            lp, ent = fused_linear_log_probs_and_entropy(
+                hidden, weight, labels, temperature=T, chunk_size=args.linear_chunk_size
+            )
         elif variant == "ce":
             lp, ent = -F.cross_entropy(logits / T if T != 1.0 else logits, labels, reduction="none"), None
         else:  # linear_ce
@@ -152,28 +153,32 @@ def _reference_errors(variant, args, logits, hidden, weight, labels, lp, ent) ->
     if variant in ("naive", "fused"):
         lp_err = ent_err = grad_err = grad_max = 0.0
         for lo in range(0, args.tokens, rows):
-            x = logits[lo:lo + rows].detach().float().requires_grad_(True)
-            rlp, rent = _naive(x, labels[lo:lo + rows], T)
+            x = logits[lo : lo + rows].detach().float().requires_grad_(True)
+            rlp, rent = _naive(x, labels[lo : lo + rows], T)
             (rlp.sum() + rent.sum()).backward()
-            lp_err = max(lp_err, (lp[lo:lo + rows] - rlp).abs().max().item())
-            ent_err = max(ent_err, (ent[lo:lo + rows] - rent).abs().max().item())
-            grad_err = max(grad_err, (logits.grad[lo:lo + rows].float() - x.grad).abs().max().item())
+            lp_err = max(lp_err, (lp[lo : lo + rows] - rlp).abs().max().item())
+            ent_err = max(ent_err, (ent[lo : lo + rows] - rent).abs().max().item())
+            grad_err = max(grad_err, (logits.grad[lo : lo + rows].float() - x.grad).abs().max().item())
             grad_max = max(grad_max, x.grad.abs().max().item())
         out.update(max_abs_logp_err=lp_err, max_abs_entropy_err=ent_err, max_rel_grad_err=grad_err / grad_max)
     elif variant in ("linear_naive", "linear_fused"):
         w32 = weight.detach().float().requires_grad_(True)
         lp_err = ent_err = gh_err = gh_max = 0.0
         for lo in range(0, args.tokens, rows):
-            h32 = hidden[lo:lo + rows].detach().float().requires_grad_(True)
-            rlp, rent = _naive(h32 @ w32.t(), labels[lo:lo + rows], T)
+            h32 = hidden[lo : lo + rows].detach().float().requires_grad_(True)
+            rlp, rent = _naive(h32 @ w32.t(), labels[lo : lo + rows], T)
             (rlp.sum() + rent.sum()).backward()
-            lp_err = max(lp_err, (lp[lo:lo + rows] - rlp).abs().max().item())
-            ent_err = max(ent_err, (ent[lo:lo + rows] - rent).abs().max().item())
-            gh_err = max(gh_err, (hidden.grad[lo:lo + rows].float() - h32.grad).abs().max().item())
+            lp_err = max(lp_err, (lp[lo : lo + rows] - rlp).abs().max().item())
+            ent_err = max(ent_err, (ent[lo : lo + rows] - rent).abs().max().item())
+            gh_err = max(gh_err, (hidden.grad[lo : lo + rows].float() - h32.grad).abs().max().item())
             gh_max = max(gh_max, h32.grad.abs().max().item())
         gw_err = (weight.grad.float() - w32.grad).abs().max().item() / w32.grad.abs().max().item()
-        out.update(max_abs_logp_err=lp_err, max_abs_entropy_err=ent_err,
-                   max_rel_grad_hidden_err=gh_err / gh_max, max_rel_grad_weight_err=gw_err)
+        out.update(
+            max_abs_logp_err=lp_err,
+            max_abs_entropy_err=ent_err,
+            max_rel_grad_hidden_err=gh_err / gh_max,
+            max_rel_grad_weight_err=gw_err,
+        )
     return out
 
 
@@ -188,7 +193,7 @@ def _worker(args) -> dict:
     if linear:
         hidden = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype).requires_grad_(True)
         weight = torch.randn(args.vocab, args.hidden, device=device, dtype=dtype)
-        weight.mul_(2.0 / args.hidden ** 0.5).requires_grad_(True)   # logits with std ~2
+        weight.mul_(2.0 / args.hidden**0.5).requires_grad_(True)  # logits with std ~2
     else:
         logits = torch.randn(args.tokens, args.vocab, device=device, dtype=dtype)
         logits.mul_(2.0).requires_grad_(True)
@@ -219,7 +224,7 @@ def _worker(args) -> dict:
         if i == 0:
             peak = memory.peak()
     result = {"peak_bytes": int(peak), "ms": statistics.median(times)}
-    if ent is not None and args.worker != "naive":   # the naive path *is* the float32 reference
+    if ent is not None and args.worker != "naive":  # the naive path *is* the float32 reference
         result.update(_reference_errors(args.worker, args, logits, hidden, weight, labels, lp, ent))
     return result
 
@@ -231,8 +236,9 @@ def _run_variant(variant: str, argv: list[str]) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker", variant],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *argv, "--worker", variant], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"variant {variant} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -250,21 +256,37 @@ def main(argv=None) -> dict:
     res = {}
     for v in variants:
         res[v] = _run_variant(v, argv)
-        print(f"{v:>13}: {res[v]['ms']:9.1f} ms  peak +{res[v]['peak_bytes'] / 2**20:8.1f} MiB "
-              f"({res[v]['peak_bytes'] / logits_bytes:.2f} x logits)", flush=True)
+        print(
+            f"{v:>13}: {res[v]['ms']:9.1f} ms  peak +{res[v]['peak_bytes'] / 2**20:8.1f} MiB "
+            f"({res[v]['peak_bytes'] / logits_bytes:.2f} x logits)",
+            flush=True,
+        )
 
-    out = {"device": args.device, "dtype": args.dtype, "tokens": args.tokens, "vocab": args.vocab,
-           "hidden": args.hidden, "chunk_size": args.chunk_size, "linear_chunk_size": args.linear_chunk_size,
-           "temperature": args.temperature, "logits_bytes": logits_bytes}
+    out = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "chunk_size": args.chunk_size,
+        "linear_chunk_size": args.linear_chunk_size,
+        "temperature": args.temperature,
+        "logits_bytes": logits_bytes,
+    }
     for prefix, naive, fused in (("", "naive", "fused"), ("linear_", "linear_naive", "linear_fused")):
         n, f = res[naive], res[fused]
-        out.update({
-            f"{prefix}naive_peak_bytes": n["peak_bytes"], f"{prefix}fused_peak_bytes": f["peak_bytes"],
-            f"{prefix}peak_ratio": n["peak_bytes"] / max(f["peak_bytes"], 1),
-            f"{prefix}naive_peak_x_logits": n["peak_bytes"] / logits_bytes,
-            f"{prefix}fused_peak_x_logits": f["peak_bytes"] / logits_bytes,
-            f"{prefix}naive_ms": n["ms"], f"{prefix}fused_ms": f["ms"], f"{prefix}time_ratio": f["ms"] / n["ms"],
-        })
+        out.update(
+            {
+                f"{prefix}naive_peak_bytes": n["peak_bytes"],
+                f"{prefix}fused_peak_bytes": f["peak_bytes"],
+                f"{prefix}peak_ratio": n["peak_bytes"] / max(f["peak_bytes"], 1),
+                f"{prefix}naive_peak_x_logits": n["peak_bytes"] / logits_bytes,
+                f"{prefix}fused_peak_x_logits": f["peak_bytes"] / logits_bytes,
+                f"{prefix}naive_ms": n["ms"],
+                f"{prefix}fused_ms": f["ms"],
+                f"{prefix}time_ratio": f["ms"] / n["ms"],
+            }
+        )
         for key, value in f.items():
             if key.startswith("max_"):
                 out[f"{prefix}fused_{key}"] = value

@@ -40,18 +40,40 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRESETS = {
-    "smoke": dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1,
-                  kv_channels=32, vocab_size=256),
-    "cpu-small": dict(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4, num_query_groups=2,
-                      kv_channels=32, vocab_size=2048),
-    "qwen3-0.6b": dict(num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
-                       num_query_groups=8, kv_channels=128, vocab_size=151936),
+    "smoke": dict(
+        num_layers=1,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=32,
+        vocab_size=256,
+    ),
+    "cpu-small": dict(
+        num_layers=2,
+        hidden_size=128,
+        ffn_hidden_size=384,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        vocab_size=2048,
+    ),
+    "qwen3-0.6b": dict(
+        num_layers=28,
+        hidden_size=1024,
+        ffn_hidden_size=3072,
+        num_attention_heads=16,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=151936,
+    ),
 }
 """Qwen3-shaped (RMSNorm, q/k norm, GQA, SwiGLU, untied head): a CPU size and Qwen3-0.6B for GPUs."""
 
 
-def make_workload(num_samples: int, prompt_range: tuple[int, int], max_response: int, seed: int = 0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def make_workload(
+    num_samples: int, prompt_range: tuple[int, int], max_response: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_lengths, response_lengths)``: prompts uniform in ``prompt_range``; responses
     log-normal (sigma 1) with median ``max_response / 4 / e^0.5`` -- mean about a quarter of the
     limit -- clipped to ``[1, max_response]``."""
@@ -63,8 +85,9 @@ def make_workload(num_samples: int, prompt_range: tuple[int, int], max_response:
     return prompts, responses
 
 
-def make_batch(prompts: torch.Tensor, responses: torch.Tensor, max_prompt: int, max_response: int, vocab: int,
-               seed: int = 0) -> dict[str, torch.Tensor]:
+def make_batch(
+    prompts: torch.Tensor, responses: torch.Tensor, max_prompt: int, max_response: int, vocab: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """verl's layout: left-padded prompts, right-padded responses, advantages and old log-probs."""
     g = torch.Generator().manual_seed(seed)
     n = len(prompts)
@@ -72,9 +95,14 @@ def make_batch(prompts: torch.Tensor, responses: torch.Tensor, max_prompt: int, 
     response_mask = (torch.arange(max_response)[None] < responses[:, None]).long()
     mask = torch.cat([prompt_mask, response_mask], 1)
     ids = torch.randint(1, vocab, (n, max_prompt + max_response), generator=g) * mask
-    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, max_prompt:], "response_mask": response_mask,
-            "advantages": torch.randn(n, max_response, generator=g) * response_mask,
-            "old_log_probs": (-torch.rand(n, max_response, generator=g) - 6.0) * response_mask}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "responses": ids[:, max_prompt:],
+        "response_mask": response_mask,
+        "advantages": torch.randn(n, max_response, generator=g) * response_mask,
+        "old_log_probs": (-torch.rand(n, max_response, generator=g) - 6.0) * response_mask,
+    }
 
 
 def _select(batch: dict, rows) -> dict:
@@ -87,9 +115,15 @@ def _actor(model_kw: dict, mesh, *, packed: bool, rows: int, micro: int, budget:
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.roles import build_role
 
-    cfg = dict(ppo_mini_batch_size=rows, rollout_n=1, ppo_micro_batch_size_per_gpu=micro, calculate_entropy=False,
-               use_dynamic_bsz=packed, ppo_max_token_len_per_gpu=budget,
-               optim={"optimizer": "sgd", "lr": 0.0, "weight_decay": 0.0, "clip_grad": 1.0})
+    cfg = dict(
+        ppo_mini_batch_size=rows,
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=micro,
+        calculate_entropy=False,
+        use_dynamic_bsz=packed,
+        ppo_max_token_len_per_gpu=budget,
+        optim={"optimizer": "sgd", "lr": 0.0, "weight_decay": 0.0, "clip_grad": 1.0},
+    )
     return build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig.from_dict(cfg), remove_padding=packed)
 
 
@@ -121,15 +155,21 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     max_len = args.max_prompt + args.max_response
-    model_kw = dict(PRESETS[args.preset], params_dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
-                    max_position_embeddings=max_len, qk_layernorm=True)
+    model_kw = dict(
+        PRESETS[args.preset],
+        params_dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
+        max_position_embeddings=max_len,
+        qk_layernorm=True,
+    )
     prompts, responses = make_workload(args.samples, (args.min_prompt, args.max_prompt), args.max_response, args.seed)
     batch = make_batch(prompts, responses, args.max_prompt, args.max_response, model_kw["vocab_size"], args.seed)
     batch = {k: v.to(device) for k, v in batch.items()}
     n, budget = args.samples, args.micro_batch_size * max_len
     lengths = (prompts + responses).tolist()
     valid = sum(lengths)
-    padded_tokens = sum(len(mb) * max(lengths[i] for i in mb) for mb in fixed_micro_batches(n, args.micro_batch_size).indices)
+    padded_tokens = sum(
+        len(mb) * max(lengths[i] for i in mb) for mb in fixed_micro_batches(n, args.micro_batch_size).indices
+    )
     packed_plan = token_budget_micro_batches(lengths, budget)
 
     mesh = init_mesh(ParallelConfig(), seed=args.seed)
@@ -155,8 +195,14 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     # Peak memory of one micro-batch each: a padded one holding B tokens (micro_batch_size rows, one of
     # the longest possible length) vs a packed one of the workload's rows filled up to B tokens.
-    full = make_batch(torch.tensor([args.max_prompt]), torch.tensor([args.max_response]), args.max_prompt,
-                      args.max_response, model_kw["vocab_size"], args.seed + 1)
+    full = make_batch(
+        torch.tensor([args.max_prompt]),
+        torch.tensor([args.max_response]),
+        args.max_prompt,
+        args.max_response,
+        model_kw["vocab_size"],
+        args.seed + 1,
+    )
     rows = _select(batch, range(args.micro_batch_size - 1))
     padded_mb = {k: torch.cat([rows[k], full[k].to(device)]) for k in batch}
     chosen, filled = [], 0
@@ -172,15 +218,27 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     ideal = 1.0 / (1.0 - padding_fraction)
     speedup = padded_s / packed_s
     return {
-        "preset": args.preset, "device": device, "dtype": args.dtype, "samples": n, "micro_batch_size": args.micro_batch_size,
-        "token_budget": budget, "valid_tokens": valid, "padded_tokens": padded_tokens,
-        "mean_response": round(float(responses.float().mean()), 1), "padded_micro_batches": math.ceil(n / args.micro_batch_size),
-        "packed_micro_batches": len(packed_plan), "padding_fraction": round(padding_fraction, 4),
-        "ideal_speedup": round(ideal, 3), "padded_s": round(padded_s, 3), "packed_s": round(packed_s, 3),
-        "speedup": round(speedup, 3), "speedup_over_ideal": round(speedup / ideal, 3),
+        "preset": args.preset,
+        "device": device,
+        "dtype": args.dtype,
+        "samples": n,
+        "micro_batch_size": args.micro_batch_size,
+        "token_budget": budget,
+        "valid_tokens": valid,
+        "padded_tokens": padded_tokens,
+        "mean_response": round(float(responses.float().mean()), 1),
+        "padded_micro_batches": math.ceil(n / args.micro_batch_size),
+        "packed_micro_batches": len(packed_plan),
+        "padding_fraction": round(padding_fraction, 4),
+        "ideal_speedup": round(ideal, 3),
+        "padded_s": round(padded_s, 3),
+        "packed_s": round(packed_s, 3),
+        "speedup": round(speedup, 3),
+        "speedup_over_ideal": round(speedup / ideal, 3),
         "padded_mb_tokens": int(padded_mb["attention_mask"].shape[0] * max_len),
         "packed_mb_tokens": int(packed_mb["attention_mask"].sum()),
-        "padded_peak_bytes": int(peaks["padded"]), "packed_peak_bytes": int(peaks["packed"]),
+        "padded_peak_bytes": int(peaks["padded"]),
+        "packed_peak_bytes": int(peaks["packed"]),
         "peak_ratio": round(peaks["packed"] / peaks["padded"], 4),
     }
 
@@ -193,14 +251,22 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-response", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=4, help="rows per padded micro-batch; budget = this x max length")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=4, help="rows per padded micro-batch; budget = this x max length"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed updates of each kind, alternating (median kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="16 short samples on the smoke preset (seconds)")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.samples, args.min_prompt, args.max_prompt, args.max_response, args.repeats = (
-            "smoke", 16, 4, 16, 64, 1)
+            "smoke",
+            16,
+            4,
+            16,
+            64,
+            1,
+        )
     for name in ("samples", "min_prompt", "max_prompt", "max_response", "micro_batch_size", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -217,10 +283,13 @@ def main(argv=None) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     result = run_distributed(run, 1, args, backend=backend, timeout_s=3600)[0]
-    print(f"padding {result['padding_fraction']:.1%} -> ideal x{result['ideal_speedup']:.2f}; measured "
-          f"x{result['speedup']:.2f} ({result['padded_s']:.2f} s padded vs {result['packed_s']:.2f} s packed, "
-          f"{result['speedup_over_ideal']:.2f} of ideal); peak of a {result['token_budget']}-token micro-batch: "
-          f"packed / padded = {result['peak_ratio']:.3f}", file=sys.stderr)
+    print(
+        f"padding {result['padding_fraction']:.1%} -> ideal x{result['ideal_speedup']:.2f}; measured "
+        f"x{result['speedup']:.2f} ({result['padded_s']:.2f} s padded vs {result['packed_s']:.2f} s packed, "
+        f"{result['speedup_over_ideal']:.2f} of ideal); peak of a {result['token_budget']}-token micro-batch: "
+        f"packed / padded = {result['peak_ratio']:.3f}",
+        file=sys.stderr,
+    )
     print(json.dumps(result))
     return 0
 

@@ -31,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
+
     def plain():
         subprocess.run([sys.executable, "-I", "-c", "print(1)"], capture_output=True, check=True)
 
@@ -38,6 +39,7 @@ def main() -> None:
         res = run_python("print(1)")
         if res.stdout != "1\n":
             raise RuntimeError(f"sandbox returned {res.status}: {res.stderr[:200]}")
+
     calls = {"plain": plain, "sandbox": sandbox}
     times = {name: [] for name in calls}
     for fn in calls.values():

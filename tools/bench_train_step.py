@@ -27,14 +27,39 @@ import time
 import torch
 
 PRESETS = {
-    "tiny": dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                 vocab_size=2048),
-    "tiny-moe": dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                     vocab_size=2048, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128),
-    "dense-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
-                     num_query_groups=8, vocab_size=151936),
-    "moe": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16, num_query_groups=8,
-                vocab_size=151936, num_moe_experts=16, moe_router_topk=2, moe_ffn_hidden_size=1024),
+    "tiny": dict(
+        num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2, vocab_size=2048
+    ),
+    "tiny-moe": dict(
+        num_layers=2,
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=2048,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=128,
+    ),
+    "dense-1b": dict(
+        num_layers=16,
+        hidden_size=2048,
+        ffn_hidden_size=6144,
+        num_attention_heads=16,
+        num_query_groups=8,
+        vocab_size=151936,
+    ),
+    "moe": dict(
+        num_layers=8,
+        hidden_size=1024,
+        ffn_hidden_size=4096,
+        num_attention_heads=16,
+        num_query_groups=8,
+        vocab_size=151936,
+        num_moe_experts=16,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=1024,
+    ),
 }
 
 
@@ -59,22 +84,37 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    model_kw = dict(PRESETS[args.preset], params_dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
-                    max_position_embeddings=max(args.seq, 128))
+    model_kw = dict(
+        PRESETS[args.preset],
+        params_dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
+        max_position_embeddings=max(args.seq, 128),
+    )
     mesh = init_mesh(ParallelConfig(), seed=0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.mbs * args.micro_batches
-    actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig(
-        ppo_mini_batch_size=n, ppo_micro_batch_size_per_gpu=args.mbs, optim=OptimConfig(lr=1e-6),
-        calculate_entropy=False), remove_padding=not args.padded)
+    actor = build_role(
+        "actor",
+        ModelConfig(**model_kw),
+        mesh,
+        ActorConfig(
+            ppo_mini_batch_size=n,
+            ppo_micro_batch_size_per_gpu=args.mbs,
+            optim=OptimConfig(lr=1e-6),
+            calculate_entropy=False,
+        ),
+        remove_padding=not args.padded,
+    )
     prompt = args.seq // 4
     response = args.seq - prompt
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model_kw["vocab_size"], (n, args.seq), generator=g)
     batch = {
-        "input_ids": ids, "attention_mask": torch.ones(n, args.seq, dtype=torch.long),
-        "responses": ids[:, prompt:], "response_mask": torch.ones(n, response, dtype=torch.long),
-        "old_log_probs": torch.full((n, response), -2.0), "advantages": torch.randn(n, response, generator=g),
+        "input_ids": ids,
+        "attention_mask": torch.ones(n, args.seq, dtype=torch.long),
+        "responses": ids[:, prompt:],
+        "response_mask": torch.ones(n, response, dtype=torch.long),
+        "old_log_probs": torch.full((n, response), -2.0),
+        "advantages": torch.randn(n, response, generator=g),
     }
     batch = {k: v.to(device) for k, v in batch.items()}
     times = []
@@ -98,11 +138,19 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     offload = _offload_round_trip(actor, batch, device) if args.offload else {}
-    return {**offload,
-        "preset": args.preset, "device": device, "dtype": args.dtype, "seq": args.seq, "mbs": args.mbs,
-        "micro_batches": args.micro_batches, "step_ms": round(step_s * 1e3, 2),
-        "tokens_per_s": round(tokens / step_s, 1), "model_tflops": round(tflops, 3),
-        "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None, "peak_bytes": int(peak),
+    return {
+        **offload,
+        "preset": args.preset,
+        "device": device,
+        "dtype": args.dtype,
+        "seq": args.seq,
+        "mbs": args.mbs,
+        "micro_batches": args.micro_batches,
+        "step_ms": round(step_s * 1e3, 2),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "model_tflops": round(tflops, 3),
+        "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None,
+        "peak_bytes": int(peak),
         "packed": not args.padded,
     }
 
@@ -125,10 +173,14 @@ def _offload_round_trip(actor, batch: dict, device: str) -> dict:
     restored = allocated()
     metrics = actor.update_policy(batch)
     moved = before - after_offload
-    return {"offload_s": round(t1 - t0, 4), "reload_s": round(t2 - t1, 4), "offloaded_bytes": int(moved),
-            "restored_bytes": int(restored - after_offload),
-            "offload_gb_per_s": round(moved / (t1 - t0) / 1e9, 2) if moved else None,
-            "update_after_reload_ok": bool(math.isfinite(metrics["actor/grad_norm"]))}
+    return {
+        "offload_s": round(t1 - t0, 4),
+        "reload_s": round(t2 - t1, 4),
+        "offloaded_bytes": int(moved),
+        "restored_bytes": int(restored - after_offload),
+        "offload_gb_per_s": round(moved / (t1 - t0) / 1e9, 2) if moved else None,
+        "update_after_reload_ok": bool(math.isfinite(metrics["actor/grad_norm"])),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--peak-tflops", type=float, default=989.0 if torch.cuda.is_available() else 0.0,
-                   help="device peak for MFU (H100/H200 dense bf16: 989)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0 if torch.cuda.is_available() else 0.0,
+        help="device peak for MFU (H100/H200 dense bf16: 989)",
+    )
     p.add_argument("--padded", action="store_true", help="padded micro-batches instead of packed THD sequences")
     p.add_argument("--offload", action="store_true", help="also time the host-memory offload round trip")
     args = p.parse_args(argv)
@@ -157,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         from parallel.testing import run_distributed
 
         result = run_distributed(run, 1, args, timeout_s=3600)[0]
-    print(f"{result['preset']}: {result['step_ms']} ms/step, {result['tokens_per_s']} tokens/s, "
-          f"{result['model_tflops']} TFLOP/s, peak {result['peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    print(
+        f"{result['preset']}: {result['step_ms']} ms/step, {result['tokens_per_s']} tokens/s, "
+        f"{result['model_tflops']} TFLOP/s, peak {result['peak_bytes'] / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
     print(json.dumps(result))
     return 0
 

@@ -59,8 +59,14 @@ def _sender(transport: str, port_q, out_q, args: dict):
         floors.append(time.perf_counter() - start)
         seconds.append(sender.send(weights, int(args["bucket_mb"] * 2**20))["seconds"])
     sender.close()
-    out_q.put({"seconds": seconds[1:], "floors": floors[1:], "bytes": sum(t.nbytes for _, t in weights),
-               "last_sum": float(weights[-1][1].float().sum())})
+    out_q.put(
+        {
+            "seconds": seconds[1:],
+            "floors": floors[1:],
+            "bytes": sum(t.nbytes for _, t in weights),
+            "last_sum": float(weights[-1][1].float().sum()),
+        }
+    )
 
 
 def _receiver(transport: str, port_q, out_q, args: dict):
@@ -104,11 +110,19 @@ def _measure(transport: str, args: dict) -> dict:
     for p in procs:
         p.join(60)
     if got["receiver_last_sum"] != got["last_sum"]:
-        raise RuntimeError(f"{transport}: the receiver's last tensor sums to {got['receiver_last_sum']}, "
-                           f"the sender's to {got['last_sum']}")
+        raise RuntimeError(
+            f"{transport}: the receiver's last tensor sums to {got['receiver_last_sum']}, "
+            f"the sender's to {got['last_sum']}"
+        )
     seconds, floor = statistics.median(got["seconds"]), statistics.median(got["floors"])
-    return {"transport": transport, "bytes": got["bytes"], "seconds": seconds, "gb_per_s": got["bytes"] / seconds / 1e9,
-            "floor_s": floor, "over_floor": seconds / floor}
+    return {
+        "transport": transport,
+        "bytes": got["bytes"],
+        "seconds": seconds,
+        "gb_per_s": got["bytes"] / seconds / 1e9,
+        "floor_s": floor,
+        "over_floor": seconds / floor,
+    }
 
 
 def main(argv=None) -> dict:
@@ -129,9 +143,15 @@ def main(argv=None) -> dict:
             why = _cannot_run(transport)
             rows.append({"transport": transport, "skipped": why} if why else _measure(transport, args))
     for row in rows:
-        print(f"{row['transport']:<10} " + (row["skipped"] if "skipped" in row else
-              f"{row['gb_per_s']:.2f} GB/s, {row['seconds']:.4f} s, floor {row['floor_s']:.4f} s, "
-              f"{row['over_floor']:.1f}x"))
+        print(
+            f"{row['transport']:<10} "
+            + (
+                row["skipped"]
+                if "skipped" in row
+                else f"{row['gb_per_s']:.2f} GB/s, {row['seconds']:.4f} s, floor {row['floor_s']:.4f} s, "
+                f"{row['over_floor']:.1f}x"
+            )
+        )
     result = {"rows": rows, "mib": a.mib, "bucket_mb": a.bucket_mb, "repeats": a.repeats}
     print(json.dumps(result), flush=True)
     return result

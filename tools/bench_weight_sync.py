@@ -40,8 +40,12 @@ from parallel.transport import TRANSPORTS  # noqa: E402
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--transport", default="colocated", choices=list(TRANSPORTS) + ["all"],
-                   help="a parallel.transport name, or 'all' (one row per transport)")
+    p.add_argument(
+        "--transport",
+        default="colocated",
+        choices=list(TRANSPORTS) + ["all"],
+        help="a parallel.transport name, or 'all' (one row per transport)",
+    )
     p.add_argument("--tp", type=int, default=1, help="actor tensor parallel size (spawned gloo ranks)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1536)
@@ -106,7 +110,7 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
     exported = [t.clone() for _, t in sync.iter_weights()]
     params = [p for _, p in engine.named_parameters()]
     rows = {}
-    for transport in (list(TRANSPORTS) if args.transport == "all" else [args.transport]):
+    for transport in list(TRANSPORTS) if args.transport == "all" else [args.transport]:
         why = _cannot_run(transport)
         if why:
             rows[transport] = {"skipped": why}
@@ -123,8 +127,11 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
             stats = sync.sync(**target)
             if rank == 0:
                 sync_s.append(stats["seconds"])
-                print(f"{transport} repeat {i}: sync {sync_s[-1]:.4f} s ({stats['num_buckets']} buckets), "
-                      f"floor {floor_s[-1]:.4f} s", flush=True)
+                print(
+                    f"{transport} repeat {i}: sync {sync_s[-1]:.4f} s ({stats['num_buckets']} buckets), "
+                    f"floor {floor_s[-1]:.4f} s",
+                    flush=True,
+                )
         rows[transport] = {"sync": sync_s, "floor": floor_s, "stats": stats}
     if rollout is not None:
         rollout.shutdown()
@@ -151,30 +158,51 @@ def main(argv=None) -> dict:
     from megatron_rl.rollout.testing import build_tiny_qwen3
     from parallel.testing import run_distributed
 
-    overrides = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                     num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                     vocab_size=args.vocab)
+    overrides = dict(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_qwen3(tmp, seed=0, **overrides)
-        out = run_distributed(_bench_rank, args.tp, args, tmp, timeout_s=1800,
-                              env={"VLLM_LOGGING_LEVEL": os.environ["VLLM_LOGGING_LEVEL"]})[0]
+        out = run_distributed(
+            _bench_rank,
+            args.tp,
+            args,
+            tmp,
+            timeout_s=1800,
+            env={"VLLM_LOGGING_LEVEL": os.environ["VLLM_LOGGING_LEVEL"]},
+        )[0]
     rows = {name: _row(name, row, out["floor_bytes"]) for name, row in out["rows"].items()}
-    settings = {"source": "megatron_bridge_export", "tp": args.tp, "bucket_mb": args.bucket_mb,
-                "repeats": args.repeats, "model": overrides}
+    settings = {
+        "source": "megatron_bridge_export",
+        "tp": args.tp,
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "model": overrides,
+    }
     print(f"{'transport':<10} {'MiB':>8} {'sync_s':>9} {'floor_s':>9} {'ratio':>6} {'buckets':>7}")
     for name, row in rows.items():
         if "skipped" in row:
             print(f"{name:<10} {row['skipped']}")
         else:
-            print(f"{name:<10} {row['bytes'] / 2**20:>8.1f} {row['sync_s']:>9.4f} {row['floor_s']:>9.4f} "
-                  f"{row['sync_over_floor']:>6.2f} {row['num_buckets']:>7}")
+            print(
+                f"{name:<10} {row['bytes'] / 2**20:>8.1f} {row['sync_s']:>9.4f} {row['floor_s']:>9.4f} "
+                f"{row['sync_over_floor']:>6.2f} {row['num_buckets']:>7}"
+            )
     if args.transport == "all":
         result = {"transport": "all", "rows": list(rows.values()), **settings}
         print(json.dumps(result), flush=True)
         return result
     result = {**rows[args.transport], **settings}
-    print(f"{result['bytes'] / 2**20:.1f} MiB from the TP={args.tp} actor via {result['transport']}: sync "
-          f"{result['sync_s']:.4f} s, one-copy floor {result['floor_s']:.4f} s, ratio {result['sync_over_floor']:.2f}")
+    print(
+        f"{result['bytes'] / 2**20:.1f} MiB from the TP={args.tp} actor via {result['transport']}: sync "
+        f"{result['sync_s']:.4f} s, one-copy floor {result['floor_s']:.4f} s, ratio {result['sync_over_floor']:.2f}"
+    )
     print(json.dumps(result), flush=True)
     return result
 

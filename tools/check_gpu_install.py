@@ -30,8 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def gpu_extra(setup_py: Path = ROOT / "setup.py") -> list[str]:
     """The ``gpu`` entry of ``EXTRAS`` in ``setup.py`` (read, not executed)."""
     for node in ast.walk(ast.parse(setup_py.read_text())):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
-                and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets)):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict)
+            and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets)
+        ):
             for key, value in zip(node.value.keys, node.value.values):
                 if isinstance(key, ast.Constant) and key.value == "gpu":
                     return list(ast.literal_eval(value))  # only this entry: others may name constants
@@ -46,8 +49,22 @@ def resolve(requirements: list[str], python: str, workdir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in ("PIP_CERT", "PIP_DEFAULT_TIMEOUT")}
     env["PIP_CONFIG_FILE"] = os.devnull  # no find-links folder, extra index or constraint file of this machine
     report = workdir / "report.json"
-    subprocess.run([str(venv / "bin" / "pip"), "install", "--dry-run", "--ignore-installed", "--only-binary", ":all:",
-                    "--quiet", "--report", str(report), *requirements], check=True, env=env)
+    subprocess.run(
+        [
+            str(venv / "bin" / "pip"),
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--only-binary",
+            ":all:",
+            "--quiet",
+            "--report",
+            str(report),
+            *requirements,
+        ],
+        check=True,
+        env=env,
+    )
     return json.loads(report.read_text())
 
 
@@ -68,15 +85,22 @@ def check(report: dict, cuda_major: int) -> list[tuple[bool, str]]:
         lines.append((pinned == torch_v, f"vllm {vllm['version']} pins torch {pinned} (resolved {torch_v})"))
     runtime = next((m["version"] for n, m in got.items() if n.startswith("nvidia-cuda-runtime")), None)
     torch_cuda = int(runtime.split(".")[0]) if runtime else None
-    lines.append((torch_cuda == cuda_major, f"torch's CUDA runtime wheel {runtime} (CUDA {torch_cuda}; wanted {cuda_major})"))
+    lines.append(
+        (torch_cuda == cuda_major, f"torch's CUDA runtime wheel {runtime} (CUDA {torch_cuda}; wanted {cuda_major})")
+    )
     te = next(((n, m["version"]) for n, m in got.items() if re.fullmatch(r"transformer-engine-cu\d+", n)), None)
     if te is None:
         lines.append((False, "no TransformerEngine core wheel (transformer-engine-cuNN) in the set"))
     else:
         te_cuda = int(te[0].rsplit("cu", 1)[1])
         lines.append((te_cuda == cuda_major, f"{te[0]} {te[1]} (CUDA {te_cuda})"))
-        lines.append((True, f"then: pip install --no-build-isolation transformer-engine-torch=={te[1]} "
-                            "(sdist; builds against the installed torch, needs nvcc)"))
+        lines.append(
+            (
+                True,
+                f"then: pip install --no-build-isolation transformer-engine-torch=={te[1]} "
+                "(sdist; builds against the installed torch, needs nvcc)",
+            )
+        )
     return lines
 
 

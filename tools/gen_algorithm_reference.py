@@ -37,8 +37,14 @@ def _registry_section(title: str, key: str, registry, lead: str) -> list[str]:
         except Exception:  # a registry without declared traits
             traits = None
         fn = registry[name]
-        lines += [f"#### `{name}`", "", f"`{key}: {name}` -- `{fn.__module__}.{fn.__name__}`{_needs(traits)}", "",
-                  _doc(fn), ""]
+        lines += [
+            f"#### `{name}`",
+            "",
+            f"`{key}: {name}` -- `{fn.__module__}.{fn.__name__}`{_needs(traits)}",
+            "",
+            _doc(fn),
+            "",
+        ]
     return lines
 
 
@@ -50,23 +56,39 @@ def render() -> str:
     from megatron_rl.algos.loss_agg import LOSS_AGG_MODES, agg_loss
 
     lines = _registry_section(
-        f"Advantage estimators ({len(ADV_ESTIMATORS)})", "algorithm.adv_estimator", ADV_ESTIMATORS,
+        f"Advantage estimators ({len(ADV_ESTIMATORS)})",
+        "algorithm.adv_estimator",
+        ADV_ESTIMATORS,
         "Registered with `register_adv_est(name, **needs)`; the trainer asks an entry what it needs (a critic, a "
-        "greedy baseline, the reference, the reward's fields, sum pi^2), never its name.")
+        "greedy baseline, the reference, the reward's fields, sum pi^2), never its name.",
+    )
     lines += _registry_section(
-        f"Policy losses ({len(POLICY_LOSSES)})", "actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSSES,
+        f"Policy losses ({len(POLICY_LOSSES)})",
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        POLICY_LOSSES,
         "Registered with `register_policy_loss(name)`; each takes `(old_log_prob, log_prob, advantages, "
-        "response_mask, loss_agg_mode, config, rollout_is_weights)` and returns `(loss, metrics)`, as in verl.")
+        "response_mask, loss_agg_mode, config, rollout_is_weights)` and returns `(loss, metrics)`, as in verl.",
+    )
     lines += _registry_section(
         f"KL estimators ({len(KL_ESTIMATORS)})",
-        "actor_rollout_ref.actor.kl_loss_type` / `algorithm.kl_penalty", KL_ESTIMATORS,
-        "The per-token KL between the policy and the reference, for the KL loss and the KL-in-reward penalty.")
+        "actor_rollout_ref.actor.kl_loss_type` / `algorithm.kl_penalty",
+        KL_ESTIMATORS,
+        "The per-token KL between the policy and the reference, for the KL loss and the KL-in-reward penalty.",
+    )
     lines += _registry_section(
-        f"Distillation losses ({len(DISTILLATION_LOSSES)})", "distillation.distillation_loss.loss_mode",
-        DISTILLATION_LOSSES, "On-policy distillation against `distillation.teacher_model`.")
-    lines += [f"### Loss aggregation ({len(LOSS_AGG_MODES)})", "",
-              f"`actor_rollout_ref.actor.loss_agg_mode`: one of {', '.join(f'`{m}`' for m in LOSS_AGG_MODES)}.",
-              "", _doc(agg_loss), ""]
+        f"Distillation losses ({len(DISTILLATION_LOSSES)})",
+        "distillation.distillation_loss.loss_mode",
+        DISTILLATION_LOSSES,
+        "On-policy distillation against `distillation.teacher_model`.",
+    )
+    lines += [
+        f"### Loss aggregation ({len(LOSS_AGG_MODES)})",
+        "",
+        f"`actor_rollout_ref.actor.loss_agg_mode`: one of {', '.join(f'`{m}`' for m in LOSS_AGG_MODES)}.",
+        "",
+        _doc(agg_loss),
+        "",
+    ]
     return "\n".join(lines)
 
 

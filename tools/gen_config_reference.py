@@ -52,8 +52,13 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, nxt in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -121,7 +126,8 @@ def schema_rows() -> list[tuple[str, str, list[Row]]]:
                 continue  # a section, not a leaf (an Optional section left None is a leaf too: set it or not)
         shown = f"= `{derived[path]}`" if path in derived else f"`{_default(default)}`"
         sections.setdefault(parent, ("", []))[1].append(
-            Row(path, _type_name(hint), shown, path if is_verl_key(path) else "", doc, inert_reason(path)))
+            Row(path, _type_name(hint), shown, path if is_verl_key(path) else "", doc, inert_reason(path))
+        )
     return [(path, doc, rows) for path, (doc, rows) in sections.items() if rows]
 
 
@@ -208,21 +214,39 @@ def render() -> str:
         "",
     ]
     for path, doc, rows in sections:
-        lines += [f"## `{path or 'top level'}`", "", doc, "", "| key | type | default | verl key | what it does |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"## `{path or 'top level'}`",
+            "",
+            doc,
+            "",
+            "| key | type | default | verl key | what it does |",
+            "|---|---|---|---|---|",
+        ]
         for r in rows:
             what = f"**inert**: {r.inert}" if r.inert else (r.doc or "")
-            lines.append(f"| `{r.key}` | `{_cell(r.type)}` | {_cell(r.default)} | {'same' if r.verl_key else '—'} "
-                         f"| {_cell(what)} |")
+            lines.append(
+                f"| `{r.key}` | `{_cell(r.type)}` | {_cell(r.default)} | {'same' if r.verl_key else '—'} "
+                f"| {_cell(what)} |"
+            )
         lines.append("")
-    lines += ["## verl's deprecated micro-batch keys", "",
-              "verl's global micro-batch sizes act: each sets the per-GPU key beside it to `value // data-parallel "
-              "size`, as verl's workers do.", "", "| verl key | verl's default | sets |", "|---|---|---|"]
+    lines += [
+        "## verl's deprecated micro-batch keys",
+        "",
+        "verl's global micro-batch sizes act: each sets the per-GPU key beside it to `value // data-parallel "
+        "size`, as verl's workers do.",
+        "",
+        "| verl key | verl's default | sets |",
+        "|---|---|---|",
+    ]
     lines += [f"| `{key}` | `{_cell(default)}` | `{target}` |" for key, default, target in translated_rows()]
     lines.append("")
-    lines += ["## verl keys without a field here (inert)", "",
-              "These keys of verl's config have no field in the typed tree; they are accepted (and read back as "
-              "given on their section) but do nothing. Grouped by the reason.", ""]
+    lines += [
+        "## verl keys without a field here (inert)",
+        "",
+        "These keys of verl's config have no field in the typed tree; they are accepted (and read back as "
+        "given on their section) but do nothing. Grouped by the reason.",
+        "",
+    ]
     for reason, keys in inert_only.items():
         lines += [f"**{_cell(reason)}**", "", "| verl key | verl's default |", "|---|---|"]
         lines += [f"| `{key}` | `{_cell(default)}` |" for key, default in keys]

@@ -73,10 +73,10 @@ def _expand(match: re.Match) -> str:
             report, _ = key_report(VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml")
         return f"```text\n{report.replace(str(ROOT) + '/', '')}\n```"
     if what.startswith("include "):  # a Markdown file of the repository outside docs/, its headings one level down
-        text = (ROOT / what[len("include "):]).read_text()
+        text = (ROOT / what[len("include ") :]).read_text()
         return re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)
     if what.startswith("megatron-rl "):
-        return f"```console\n$ {what}\n{run_command(what[len('megatron-rl '):])}\n```"
+        return f"```console\n$ {what}\n{run_command(what[len('megatron-rl ') :])}\n```"
     raise ValueError(f"unknown generated block {what!r}")
 
 

@@ -24,25 +24,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PATHS: dict[str, list[str]] = {
     "device moves (host batch in, host results out)": [
-        "tests/megatron_rl/engine/test_gpu_paths.py::test_worker_call_on_cuda_takes_and_returns_host_tensors"],
+        "tests/megatron_rl/engine/test_gpu_paths.py::test_worker_call_on_cuda_takes_and_returns_host_tensors"
+    ],
     "TE layers + THD attention": [
-        "tests/megatron_rl/engine/test_packing.py::test_transformer_engine_thd_attention_equals_padded"],
+        "tests/megatron_rl/engine/test_packing.py::test_transformer_engine_thd_attention_equals_padded"
+    ],
     "context parallel CP=2 (bf16)": [
-        "tests/megatron_rl/engine/test_engine.py::test_context_parallel_actor_equals_single_rank"],
+        "tests/megatron_rl/engine/test_engine.py::test_context_parallel_actor_equals_single_rank"
+    ],
     "DistributedOptimizer on NCCL": [
-        "tests/megatron_rl/engine/test_gpu_paths.py::test_distributed_optimizer_on_nccl_equals_the_plain_one"],
+        "tests/megatron_rl/engine/test_gpu_paths.py::test_distributed_optimizer_on_nccl_equals_the_plain_one"
+    ],
     "offload and reload": [
         "tests/megatron_rl/engine/test_engine.py::test_offload_round_trip_keeps_weights_and_frees_gpu_memory",
         "tests/megatron_rl/engine/test_offload.py::test_offload_frees_the_planned_gpu_bytes",
         "tests/megatron_rl/engine/test_gpu_paths.py::"
-        "test_offload_pins_exactly_what_it_holds_outside_the_caching_host_allocator"],
+        "test_offload_pins_exactly_what_it_holds_outside_the_caching_host_allocator",
+    ],
     "FlexAttention packed segments": [
-        "tests/megatron_rl/models/test_attention.py::test_flex_attention_on_cuda_equals_segments_with_gradients"],
+        "tests/megatron_rl/models/test_attention.py::test_flex_attention_on_cuda_equals_segments_with_gradients"
+    ],
     "vLLM sleep / wake": [
-        "tests/megatron_rl/engine/test_gpu_paths.py::test_vllm_sleep_releases_gpu_memory_and_wake_up_restores_the_engine"],
+        "tests/megatron_rl/engine/test_gpu_paths.py::test_vllm_sleep_releases_gpu_memory_and_wake_up_restores_the_engine"
+    ],
     "CUDA-IPC sync": ["tests/parallel/test_transport_gpu.py::test_cuda_ipc_between_two_processes_on_one_gpu"],
     "NCCL sync": ["tests/parallel/test_transport_gpu.py::test_nccl_stream_between_two_gpus"],
-    "FP8 rollout": ["tests/megatron_rl/rollout/test_fp8_rollout.py::test_fp8_vllm_engine_after_a_sync_matches_the_actor"],
+    "FP8 rollout": [
+        "tests/megatron_rl/rollout/test_fp8_rollout.py::test_fp8_vllm_engine_after_a_sync_matches_the_actor"
+    ],
     "CPU compatibility off on CUDA": ["tests/parallel/test_cpu_compat.py::test_apply_is_a_no_op_with_cuda"],
 }
 
@@ -113,8 +122,18 @@ def main(argv=None) -> int:
     nodes = [n for ns in paths.values() for n in ns]
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               "-o", "junit_family=xunit1", *nodes]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_family=xunit1",
+            *nodes,
+        ]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)

@@ -28,8 +28,15 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["StorageTracker", "measure_train_step", "measure_offload_phases", "DEFAULT_MODEL", "DEFAULT_BATCH"]
 
-DEFAULT_MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=8,
-                     num_query_groups=4, vocab_size=4096, max_position_embeddings=512)
+DEFAULT_MODEL = dict(
+    num_layers=4,
+    hidden_size=256,
+    ffn_hidden_size=768,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=4096,
+    max_position_embeddings=512,
+)
 """~5.3 M parameters: parameters, gradients, Adam state and activations are all tens of MB."""
 DEFAULT_BATCH = dict(batch_size=4, prompt_length=64, response_length=192, micro_batch_size=2)
 """One mini-batch of 4 full-length responses (sequence 256), two micro-batches of 2."""
@@ -73,8 +80,9 @@ def _static_tensors(engine) -> list[torch.Tensor]:
     out = [p for _, p in engine.named_parameters()]
     for chunk in engine.model:
         for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
-            out += [t for t in (getattr(buffer, "grad_data", None), getattr(buffer, "param_data", None))
-                    if t is not None]
+            out += [
+                t for t in (getattr(buffer, "grad_data", None), getattr(buffer, "param_data", None)) if t is not None
+            ]
     for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
         for group in opt.optimizer.param_groups:
             out += list(group["params"])
@@ -98,8 +106,9 @@ def _batch(vocab: int, batch_size: int, prompt_length: int, response_length: int
     }
 
 
-def measure_train_step(rank: int, world_size: int, layouts: list[dict], model_kw: dict, batch_kw: dict,
-                       optim: str = "adam") -> list[dict[str, Any]]:
+def measure_train_step(
+    rank: int, world_size: int, layouts: list[dict], model_kw: dict, batch_kw: dict, optim: str = "adam"
+) -> list[dict[str, Any]]:
     """For each layout (``ParallelConfig`` kwargs): build the actor engine, run one
     ``update_policy`` step (forward + backward + optimizer step) as warm-up -- Adam creates its
     state lazily -- then a second one under a ``StorageTracker``; return per layout ``{"static": bytes before the step, "peak": peak live bytes}`` for this rank."""
@@ -115,12 +124,17 @@ def measure_train_step(rank: int, world_size: int, layouts: list[dict], model_kw
         pc = ParallelConfig(**par)
         mesh = init_mesh(pc, seed=1234)
         dp, dp_rank = mesh.size("dp"), mesh.dp_rank
-        cfg = {"ppo_mini_batch_size": batch_kw["batch_size"], "rollout_n": 1,
-               "ppo_micro_batch_size_per_gpu": batch_kw["micro_batch_size"], "use_kl_loss": False,
-               "optim": {"optimizer": optim, "lr": 1e-4, "clip_grad": 1.0}}
+        cfg = {
+            "ppo_mini_batch_size": batch_kw["batch_size"],
+            "rollout_n": 1,
+            "ppo_micro_batch_size_per_gpu": batch_kw["micro_batch_size"],
+            "use_kl_loss": False,
+            "optim": {"optimizer": optim, "lr": 1e-4, "clip_grad": 1.0},
+        }
         actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig.from_dict(cfg))
-        batch = _batch(model_kw["vocab_size"], batch_kw["batch_size"] * dp, batch_kw["prompt_length"],
-                       batch_kw["response_length"])
+        batch = _batch(
+            model_kw["vocab_size"], batch_kw["batch_size"] * dp, batch_kw["prompt_length"], batch_kw["response_length"]
+        )
         batch = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
         actor.update_policy(batch)  # warm-up: creates the optimizer state (steady state from here)
         tracker = StorageTracker()
@@ -148,13 +162,18 @@ def measure_offload_phases(rank: int, world_size: int, model_kw: dict, batch_kw:
 
     torch.manual_seed(0)
     mesh = init_mesh(ParallelConfig(), seed=1234)
-    cfg = {"ppo_mini_batch_size": batch_kw["batch_size"], "rollout_n": 1,
-           "ppo_micro_batch_size_per_gpu": batch_kw["micro_batch_size"], "use_kl_loss": False,
-           "optim": {"optimizer": "adam", "lr": 1e-4, "clip_grad": 1.0}}
+    cfg = {
+        "ppo_mini_batch_size": batch_kw["batch_size"],
+        "rollout_n": 1,
+        "ppo_micro_batch_size_per_gpu": batch_kw["micro_batch_size"],
+        "use_kl_loss": False,
+        "optim": {"optimizer": "adam", "lr": 1e-4, "clip_grad": 1.0},
+    }
     actor = build_role("actor", ModelConfig(**model_kw), mesh, ActorConfig.from_dict(cfg))
     engine = actor.engine
-    batch = _batch(model_kw["vocab_size"], batch_kw["batch_size"], batch_kw["prompt_length"],
-                   batch_kw["response_length"])
+    batch = _batch(
+        model_kw["vocab_size"], batch_kw["batch_size"], batch_kw["prompt_length"], batch_kw["response_length"]
+    )
     actor.update_policy(batch)  # warm-up: Adam's state exists from here
 
     def tracked(fn) -> dict:

@@ -25,8 +25,14 @@ from megatron_rl.algos.registry import (
     register_policy_loss,
 )
 from megatron_rl.algos.loss_agg import LOSS_AGG_MODES, agg_loss, global_batch_info
-from megatron_rl.algos.utils import (entropy_from_logits, expand_as_nested, masked_mean, masked_sum, masked_var,
-                                   masked_whiten)
+from megatron_rl.algos.utils import (
+    entropy_from_logits,
+    expand_as_nested,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from megatron_rl.algos.value_loss import compute_entropy_loss, compute_value_loss
 from megatron_rl.algos.kl import (
     AdaptiveKLController,

@@ -60,8 +60,13 @@ __all__ = [
 # ----------------------------------------------------------------------------- input checks
 
 
-def _check_inputs(estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                  cast_mask: bool = True, **others: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_inputs(
+    estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    cast_mask: bool = True,
+    **others: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate shapes and reward finiteness.
 
     Returns ``(mask, scores)``: the mask in the reward dtype (as given when ``cast_mask=False``)
@@ -92,8 +97,7 @@ def _groups(estimator: str, index: Any, batch_size: int, device: torch.device) -
     """Dense group ids ``[bs]`` from ``index`` (one prompt uid per sample) and the group count."""
     if index is None:
         raise ValueError(
-            f"{estimator}: index is required (the prompt uid of each sample, e.g. "
-            f"non_tensor_batch['uid']); got None"
+            f"{estimator}: index is required (the prompt uid of each sample, e.g. non_tensor_batch['uid']); got None"
         )
     gid, num_groups = group_ids(index, device=device)
     if gid.numel() != batch_size:
@@ -110,8 +114,9 @@ def _label(index: Any, position: int) -> Any:
     return label.item() if hasattr(label, "item") else label
 
 
-def _group_mean_std(scores: torch.Tensor, gid: torch.Tensor, num_groups: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_mean_std(
+    scores: torch.Tensor, gid: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-group mean, unbiased std (``torch.std``) and count of ``scores: [bs]`` -> ``[G]`` each.
 
     Means are taken relative to the group minimum, so a group of equal scores has mean equal
@@ -151,10 +156,15 @@ def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 @register_adv_est("gae", needs_values=True)
 @torch.no_grad()
-def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor | None = None,
-                                 response_mask: torch.Tensor | None = None, gamma: float | None = None,
-                                 lam: float | None = None, config: Any = None, **kwargs: Any
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    gamma: float | None = None,
+    lam: float | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016), whitened over the batch.
 
     ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``, where
@@ -204,9 +214,13 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
 
 @register_adv_est("reinforce_plus_plus")
 @torch.no_grad()
-def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                                  config: Any = None, gamma: float | None = None, **kwargs: Any
-                                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    gamma: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (arXiv:2501.03262): discounted reward-to-go, whitened over the batch.
 
     ``gamma`` is verl's ``config.gamma`` (an explicit ``gamma=`` wins; default 1.0).
@@ -219,9 +233,13 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
 
 @register_adv_est("remax", needs_baseline=True)
 @torch.no_grad()
-def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor | None = None,
-                                    response_mask: torch.Tensor | None = None, config: Any = None, **kwargs: Any
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (arXiv:2310.10505): reward-to-go minus the greedy rollout's reward ``b: [bs]``.
 
     ``returns = revcumsum(r * mask)``, ``advantages = returns - b * mask``.
@@ -251,8 +269,7 @@ def _contiguous_group_size(gid: torch.Tensor, num_groups: int) -> int:
     return k if bool((gid.view(num_groups, k) == blocks).all()) else 0
 
 
-def _grpo_scalars(scores: torch.Tensor, gid: torch.Tensor, num_groups: int, epsilon: float, norm: bool
-                  ) -> torch.Tensor:
+def _grpo_scalars(scores: torch.Tensor, gid: torch.Tensor, num_groups: int, epsilon: float, norm: bool) -> torch.Tensor:
     """Per-sample GRPO advantage ``(s - mean_g) / (std_g + eps)`` (or ``s - mean_g``);
     a one-sample group uses mean 0 / std 1 like verl."""
     k = _contiguous_group_size(gid, num_groups)
@@ -278,9 +295,15 @@ def _grpo_scalars(scores: torch.Tensor, gid: torch.Tensor, num_groups: int, epsi
 @register_adv_est("grpo")
 @register_adv_est("grpo_vectorized")
 @torch.no_grad()
-def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
-                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool | None = None,
-                                   config: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage: each response's score ``s = sum(r)`` normalised within its group.
 
     ``A = (s - mean_g) / (std_g + epsilon)`` with ``torch.std`` (unbiased); with
@@ -307,10 +330,15 @@ compute_grpo_vectorized_outcome_advantage = compute_grpo_outcome_advantage
 
 @register_adv_est("grpo_passk")
 @torch.no_grad()
-def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                         index: Any = None, epsilon: float = 1e-6,
-                                         norm_adv_by_std_in_grpo: bool | None = None, config: Any = None,
-                                         **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k GRPO (arXiv:2503.19595): only each group's best response gets ``r_max - r_second``
     (divided by ``std_g + epsilon`` when normalising); every group needs >= 2 samples."""
     mask, scores = _check_inputs("grpo_passk", token_level_rewards, response_mask)
@@ -335,10 +363,9 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, resp
 
 @register_adv_est("reinforce_plus_plus_baseline")
 @torch.no_grad()
-def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
-                                                           response_mask: torch.Tensor, index: Any = None,
-                                                           config: Any = None, **kwargs: Any
-                                                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: subtract the group mean score (0 for a one-sample group), broadcast
     over the response, then whiten over the whole batch's valid tokens."""
     mask, scores = _check_inputs("reinforce_plus_plus_baseline", token_level_rewards, response_mask)
@@ -349,8 +376,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
     return advantages, advantages
 
 
-def _rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any, name: str,
-          keep_single_score: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rloo(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any, name: str, keep_single_score: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     mask, scores = _check_inputs(name, token_level_rewards, response_mask)
     gid, num_groups = _groups(name, index, scores.shape[0], scores.device)
     mean, _, count = _group_mean_std(scores, gid, num_groups)
@@ -365,9 +393,9 @@ def _rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index:
 
 @register_adv_est("rloo")
 @torch.no_grad()
-def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                   index: Any = None, config: Any = None, **kwargs: Any
-                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (arXiv:2402.14740): ``s_i - mean_{j != i} s_j``. A one-sample group keeps its raw
     score as the advantage, as verl's ``rloo`` does (``rloo_vectorized`` gives it 0)."""
     return _rloo(token_level_rewards, response_mask, index, "rloo", keep_single_score=True)
@@ -375,18 +403,18 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
 
 @register_adv_est("rloo_vectorized")
 @torch.no_grad()
-def compute_rloo_vectorized_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                              index: Any = None, config: Any = None, **kwargs: Any
-                                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO as verl's ``rloo_vectorized``: same as ``rloo`` except a one-sample group gets 0."""
     return _rloo(token_level_rewards, response_mask, index, "rloo_vectorized", keep_single_score=False)
 
 
 @register_adv_est("opo")
 @torch.no_grad()
-def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                  index: Any = None, config: Any = None, **kwargs: Any
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (arXiv:2505.23585): subtract the length-weighted group mean ``sum(l*s) / sum(l)``
     (0 for a one-sample group, and for a group of empty responses where verl gives NaN)."""
     mask, scores = _check_inputs("opo", token_level_rewards, response_mask)
@@ -404,9 +432,15 @@ def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
 
 @register_adv_est("gpg")
 @torch.no_grad()
-def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
-                                  epsilon: float = 1e-6, f_norm: float = 1.0, config: Any = None, **kwargs: Any
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (arXiv:2504.02546): ``alpha * (s - mean_g) / f_norm`` with
     ``alpha = bs / max(#nonzero scores, 1)`` (mean 0 for a one-sample group; no std)."""
     mask, scores = _check_inputs("gpg", token_level_rewards, response_mask)
@@ -420,10 +454,17 @@ def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
 
 @register_adv_est("gdpo", needs_reward_fields=True)
 @torch.no_grad()
-def compute_gdpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
-                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool | None = None,
-                                   config: Any = None, non_tensor_batch: dict | None = None,
-                                   batch: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool | None = None,
+    config: Any = None,
+    non_tensor_batch: dict | None = None,
+    batch: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GDPO (arXiv:2601.05242): GRPO-normalise each reward component separately, sum them with
     ``algorithm.gdpo_reward_weights``, then whiten over the batch.
 

@@ -24,27 +24,41 @@ __all__ = [
 ]
 
 
-def _otb_inputs(name: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                old_log_probs: torch.Tensor | None, sum_pi_squared: torch.Tensor | None,
-                rollout_is_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _otb_inputs(
+    name: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    sum_pi_squared: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks, then ``(mask, returns G_t, cumulative path-variance W_t)``, all ``[bs, T]``."""
     for arg, value in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared)):
         if value is None:
-            raise ValueError(f"{name}: {arg} [batch, response_length] is required (set "
-                             f"actor.calculate_sum_pi_squared=True for sum_pi_squared)")
-    mask, _ = _check_inputs(name, token_level_rewards, response_mask, old_log_probs=old_log_probs,
-                            sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights)
+            raise ValueError(
+                f"{name}: {arg} [batch, response_length] is required (set "
+                f"actor.calculate_sum_pi_squared=True for sum_pi_squared)"
+            )
+    mask, _ = _check_inputs(
+        name,
+        token_level_rewards,
+        response_mask,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+    )
     returns = _reverse_cumsum(token_level_rewards * mask)
     # ||s_t||^2 = 1 - 2 pi_t + sum_v pi_v^2, scaled by rho^2 under rollout importance sampling
     w = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
     if rollout_is_weights is not None:
-        w = w * rollout_is_weights ** 2
+        w = w * rollout_is_weights**2
     w_cum = torch.where(mask.bool(), w, 0.0).cumsum(dim=-1)
     return mask, returns, w_cum
 
 
-def _zero_tail_cut(lengths: torch.Tensor, gid: torch.Tensor, num_groups: int, member: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _zero_tail_cut(
+    lengths: torch.Tensor, gid: torch.Tensor, num_groups: int, member: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For groups (of ``member`` rows, >= 2) whose longest row is unique, return which rows are
     that longest row and, per row, the second-longest length from which its baseline is zeroed."""
     fill = torch.full((num_groups,), -1, dtype=lengths.dtype, device=lengths.device)
@@ -60,12 +74,17 @@ def _zero_tail_cut(lengths: torch.Tensor, gid: torch.Tensor, num_groups: int, me
 
 @register_adv_est("optimal_token_baseline", needs_sum_pi_squared=True)
 @torch.no_grad()
-def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                             index: Any = None, old_log_probs: torch.Tensor | None = None,
-                                             sum_pi_squared: torch.Tensor | None = None,
-                                             rollout_is_weights: torch.Tensor | None = None,
-                                             handle_zero_tail: bool = True, epsilon: float = 1e-8, **kwargs: Any
-                                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimal Token Baseline: a per-timestep group baseline ``B_t = sum(G_t W_t) / (sum(W_t) + eps)``
     with ``W_t = cumsum(1 - 2 pi + sum pi^2)`` (times ``rho^2`` with IS weights).
 
@@ -73,8 +92,9 @@ def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, 
     gets no baseline from the second-longest length on (no peers to average with there).
     Returns ``((G - B) * mask, G)`` with ``G`` the undiscounted reward-to-go.
     """
-    mask, returns, w_cum = _otb_inputs("optimal_token_baseline", token_level_rewards, response_mask,
-                                       old_log_probs, sum_pi_squared, rollout_is_weights)
+    mask, returns, w_cum = _otb_inputs(
+        "optimal_token_baseline", token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
+    )
     batch_size, seq_len = returns.shape
     gid, num_groups = _groups("optimal_token_baseline", index, batch_size, returns.device)
     w_masked = w_cum * mask
@@ -92,13 +112,17 @@ def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, 
 
 @register_adv_est("tir_optimal_token_baseline", needs_sum_pi_squared=True)
 @torch.no_grad()
-def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor,
-                                                        response_mask: torch.Tensor, index: Any = None,
-                                                        old_log_probs: torch.Tensor | None = None,
-                                                        sum_pi_squared: torch.Tensor | None = None,
-                                                        rollout_is_weights: torch.Tensor | None = None,
-                                                        handle_zero_tail: bool = True, epsilon: float = 1e-8,
-                                                        **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_multi_turn_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimal Token Baseline for multi-turn / tool-integrated rollouts.
 
     Like ``optimal_token_baseline`` but timesteps count *valid* tokens: each row's valid tokens
@@ -106,8 +130,14 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards: tor
     baseline is computed per packed position over the group's non-empty rows, and the result is
     scattered back. Empty rows get advantage 0 and are not group members.
     """
-    mask, returns, w_cum = _otb_inputs("tir_optimal_token_baseline", token_level_rewards, response_mask,
-                                       old_log_probs, sum_pi_squared, rollout_is_weights)
+    mask, returns, w_cum = _otb_inputs(
+        "tir_optimal_token_baseline",
+        token_level_rewards,
+        response_mask,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights,
+    )
     batch_size, seq_len = returns.shape
     gid, num_groups = _groups("tir_optimal_token_baseline", index, batch_size, returns.device)
     valid = mask.bool()

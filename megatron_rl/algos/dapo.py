@@ -84,7 +84,9 @@ def filter_groups(
         order. Metrics: ``filter_groups/num_groups``, ``num_kept_groups``, ``num_filtered_groups``,
         ``num_kept_samples``, ``kept_group_ratio``.
     """
-    values = torch.as_tensor(np.asarray(metric_values) if not isinstance(metric_values, torch.Tensor) else metric_values)
+    values = torch.as_tensor(
+        np.asarray(metric_values) if not isinstance(metric_values, torch.Tensor) else metric_values
+    )
     values = values.detach().reshape(-1).to(torch.float64)
     ids, num_groups = group_ids(index, device=values.device)
     if ids.numel() != values.numel():

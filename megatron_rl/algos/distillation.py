@@ -30,7 +30,12 @@ from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.algos.loss_agg import agg_loss
 from megatron_rl.algos.registry import POLICY_LOSSES, Registry
 from megatron_rl.algos.utils import cfg_get, check_same_shape
-from megatron_rl.config.distillation import ESTIMATOR_LOSS_MODES, TOPK_LOSS_MODES, DistillationLossConfig, validate_modes
+from megatron_rl.config.distillation import (
+    ESTIMATOR_LOSS_MODES,
+    TOPK_LOSS_MODES,
+    DistillationLossConfig,
+    validate_modes,
+)
 
 __all__ = [
     "DISTILLATION_LOSSES",
@@ -49,6 +54,7 @@ __all__ = [
 
 DISTILLATION_LOSSES = Registry("distillation loss")
 """``distillation_loss.loss_mode`` -> ``fn(inputs: DistillationInputs, config) -> (per-token loss [bs, T], metrics)``."""
+
 
 @dataclasses.dataclass
 class TopKDistillation:
@@ -93,9 +99,9 @@ def _topk_log_probs_chunked(logits: torch.Tensor, ids: torch.Tensor, chunk_size:
     flat_logits, flat_ids = logits.reshape(-1, vocab), ids.reshape(-1, k)
     chunks = []
     for start in range(0, flat_logits.shape[0], chunk_size):
-        chunk = flat_logits[start:start + chunk_size].float()
+        chunk = flat_logits[start : start + chunk_size].float()
         log_z = torch.logsumexp(chunk, dim=-1, keepdim=True)
-        chunks.append((torch.gather(chunk, -1, flat_ids[start:start + chunk_size]) - log_z).to(logits.dtype))
+        chunks.append((torch.gather(chunk, -1, flat_ids[start : start + chunk_size]) - log_z).to(logits.dtype))
     if not chunks:
         return logits.new_empty(ids.shape)
     return torch.cat(chunks).reshape(ids.shape)
@@ -123,7 +129,10 @@ def compute_forward_kl_topk(
     Returns:
         ``TopKDistillation`` with ``[bs, T]`` loss, masses and overlap diagnostics (arXiv:2604.13016).
     """
-    if teacher_topk_log_probs.shape != teacher_topk_ids.shape or student_logits.shape[:-1] != teacher_topk_ids.shape[:-1]:
+    if (
+        teacher_topk_log_probs.shape != teacher_topk_ids.shape
+        or student_logits.shape[:-1] != teacher_topk_ids.shape[:-1]
+    ):
         raise ValueError(
             f"shape mismatch: student_logits{list(student_logits.shape)} must be [bs, T, V] and "
             f"teacher_topk_log_probs{list(teacher_topk_log_probs.shape)}, teacher_topk_ids"
@@ -138,8 +147,9 @@ def compute_forward_kl_topk(
         # log_softmax is monotonic: the student's top-k of logits and of log-probs agree.
         student_topk_ids = torch.topk(student_logits, k=k, dim=-1).indices
         student_topk_log_probs = _topk_log_probs_chunked(student_logits, teacher_topk_ids, chunk_size)
-    return topk_distillation_from_log_probs(student_topk_log_probs, student_topk_ids, teacher_topk_log_probs,
-                                            teacher_topk_ids, log_prob_min_clamp)
+    return topk_distillation_from_log_probs(
+        student_topk_log_probs, student_topk_ids, teacher_topk_log_probs, teacher_topk_ids, log_prob_min_clamp
+    )
 
 
 def topk_distillation_from_log_probs(
@@ -202,8 +212,11 @@ def _estimator_loss(inputs: DistillationInputs, config: Any) -> tuple[torch.Tens
     """Single-sample KL estimate ``kl_penalty(student, teacher, loss_mode)`` per token."""
     if inputs.student_log_probs is None or inputs.teacher_log_probs is None:
         raise ValueError("single-sample distillation losses need inputs.student_log_probs and inputs.teacher_log_probs")
-    check_same_shape(student_log_probs=inputs.student_log_probs, teacher_log_probs=inputs.teacher_log_probs,
-                     response_mask=inputs.response_mask)
+    check_same_shape(
+        student_log_probs=inputs.student_log_probs,
+        teacher_log_probs=inputs.teacher_log_probs,
+        response_mask=inputs.response_mask,
+    )
     losses = kl_penalty(inputs.student_log_probs, inputs.teacher_log_probs, cfg_get(config, "loss_mode", "k3"))
     # k1 can be negative: report the mean absolute loss.
     abs_loss = losses.detach()[inputs.response_mask.bool()].abs().mean().item()
@@ -308,8 +321,15 @@ def resolve_distillation_config(config: Any):
     return DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
 
 
-def distillation_ppo_loss(mb: Mapping[str, torch.Tensor], lp: torch.Tensor, task_loss: Optional[torch.Tensor], dcfg: Any, loss_agg_mode: str,
-                          gbi: dict, topk: Optional[TopKDistillation] = None) -> tuple[torch.Tensor, dict, dict]:
+def distillation_ppo_loss(
+    mb: Mapping[str, torch.Tensor],
+    lp: torch.Tensor,
+    task_loss: Optional[torch.Tensor],
+    dcfg: Any,
+    loss_agg_mode: str,
+    gbi: dict,
+    topk: Optional[TopKDistillation] = None,
+) -> tuple[torch.Tensor, dict, dict]:
     """verl's ``distillation_ppo_loss`` for one micro-batch of the engine: ``(total loss, metrics,
     {"min"|"max": metrics})``. ``mb`` holds ``response_mask``, ``teacher_log_probs`` and (policy-gradient
     mode) ``old_log_probs`` / ``rollout_is_weights``; ``lp`` the student's log-probs; ``topk`` the
@@ -320,8 +340,12 @@ def distillation_ppo_loss(mb: Mapping[str, torch.Tensor], lp: torch.Tensor, task
     mask = mb["response_mask"]
     if mask.any():
         inputs = DistillationInputs(
-            response_mask=mask, student_log_probs=lp, teacher_log_probs=mb.get("teacher_log_probs"), topk=topk,
-            old_log_probs=mb.get("old_log_probs"), rollout_is_weights=mb.get("rollout_is_weights"),
+            response_mask=mask,
+            student_log_probs=lp,
+            teacher_log_probs=mb.get("teacher_log_probs"),
+            topk=topk,
+            old_log_probs=mb.get("old_log_probs"),
+            rollout_is_weights=mb.get("rollout_is_weights"),
         )
         distill, metrics = compute_distillation_loss(inputs, dcfg, loss_agg_mode, gbi)
     else:  # no response token: every aggregation of this micro-batch is 0 (and min/max are undefined)

@@ -191,8 +191,10 @@ def apply_kl_penalty(
         ``actor/reward_kl_penalty_coeff`` (the ``beta`` used, i.e. before the update).
     """
     check_same_shape(
-        token_level_scores=token_level_scores, old_log_probs=old_log_probs,
-        ref_log_prob=ref_log_prob, response_mask=response_mask,
+        token_level_scores=token_level_scores,
+        old_log_probs=old_log_probs,
+        ref_log_prob=ref_log_prob,
+        response_mask=response_mask,
     )
     kld = kl_penalty_fn(old_log_probs, ref_log_prob, kl_penalty) * response_mask  # [bs, T]
     beta = kl_ctrl.value

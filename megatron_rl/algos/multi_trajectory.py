@@ -22,8 +22,12 @@ import torch
 
 from megatron_rl.algos.registry import ADV_ESTIMATORS
 
-__all__ = ["MULTI_TRAJECTORY_ESTIMATORS", "compute_advantage_for_multi_trajectories", "parse_trajectory_key",
-           "trajectory_keys"]
+__all__ = [
+    "MULTI_TRAJECTORY_ESTIMATORS",
+    "compute_advantage_for_multi_trajectories",
+    "parse_trajectory_key",
+    "trajectory_keys",
+]
 
 MULTI_TRAJECTORY_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 """Estimators whose group statistics use each session's final output only."""
@@ -32,8 +36,10 @@ MULTI_TRAJECTORY_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 def trajectory_keys(uids: Sequence[Any], session_ids: Sequence[Any], indices: Sequence[Any]) -> list[str]:
     """verl's sample keys ``"{uid}_{session_id}_{index}"``."""
     if not len(uids) == len(session_ids) == len(indices):
-        raise ValueError(f"uids ({len(uids)}), session_ids ({len(session_ids)}) and indices ({len(indices)}) "
-                         "must have one entry per sample")
+        raise ValueError(
+            f"uids ({len(uids)}), session_ids ({len(session_ids)}) and indices ({len(indices)}) "
+            "must have one entry per sample"
+        )
     return [f"{u}_{int(s)}_{int(i)}" for u, s, i in zip(uids, session_ids, indices)]
 
 
@@ -46,11 +52,17 @@ def parse_trajectory_key(key: str) -> tuple[str, str, int]:
 
 
 @torch.no_grad()
-def compute_advantage_for_multi_trajectories(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                             batch_keys: Sequence[str], adv_estimator: str, gamma: float = 1.0,
-                                             lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
-                                             config: Any = None, **estimator_kwargs: Any
-                                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantage_for_multi_trajectories(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    batch_keys: Sequence[str],
+    adv_estimator: str,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **estimator_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` ``[bs, T]`` by the multi-output rule (module docstring).
 
     ``estimator_kwargs`` (``values``, ``reward_baselines`` ...) reach the registry entry of
@@ -63,8 +75,13 @@ def compute_advantage_for_multi_trajectories(token_level_rewards: torch.Tensor, 
     common = dict(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
     if adv_estimator not in MULTI_TRAJECTORY_ESTIMATORS:
         index = np.array([uid for uid, _, _ in parsed], dtype=object)
-        return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, index=index, **common,
-                  **estimator_kwargs)
+        return fn(
+            token_level_rewards=token_level_rewards,
+            response_mask=response_mask,
+            index=index,
+            **common,
+            **estimator_kwargs,
+        )
     final: dict[tuple[str, str], tuple[int, int]] = {}  # (uid, session) -> (largest index, its row)
     for row, (uid, session, index) in enumerate(parsed):
         if (uid, session) not in final or final[(uid, session)][0] < index:
@@ -74,10 +91,16 @@ def compute_advantage_for_multi_trajectories(token_level_rewards: torch.Tensor, 
     local = torch.tensor([sessions[(uid, session)] for uid, session, _ in parsed], device=token_level_rewards.device)
     final_mask = response_mask[rows]
     size = token_level_rewards.shape[0]
-    extra = {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == size else v
-             for k, v in estimator_kwargs.items()}  # per-sample inputs follow the final outputs
-    advantages, _ = fn(token_level_rewards=token_level_rewards[rows], response_mask=final_mask,
-                       index=np.array([uid for uid, _ in sessions], dtype=object), **common, **extra)
+    extra = {
+        k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == size else v for k, v in estimator_kwargs.items()
+    }  # per-sample inputs follow the final outputs
+    advantages, _ = fn(
+        token_level_rewards=token_level_rewards[rows],
+        response_mask=final_mask,
+        index=np.array([uid for uid, _ in sessions], dtype=object),
+        **common,
+        **extra,
+    )
     first = final_mask.argmax(dim=1)  # verl reads the final output's advantage at its first response token
     per_session = advantages[torch.arange(len(sessions), device=advantages.device), first]  # [sessions]
     scores = per_session[local].unsqueeze(-1) * response_mask  # [bs, T]

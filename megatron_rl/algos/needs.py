@@ -41,8 +41,9 @@ class RunNeeds:
 def _check_name(field_name: str, value: object, registry, what: str) -> None:
     if value not in registry:
         names = sorted(registry)
-        raise ValueError(f"{field_name}={value!r} is not a registered {what}; choose one of {names}"
-                         f"{suggest(value, names)}")
+        raise ValueError(
+            f"{field_name}={value!r} is not a registered {what}; choose one of {names}{suggest(value, names)}"
+        )
 
 
 def resolve_run(config: TrainerRunConfig) -> RunNeeds:
@@ -57,8 +58,9 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
     """
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
     _check_name("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS, "advantage estimator")
-    _check_name("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES,
-                "policy loss")
+    _check_name(
+        "actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES, "policy loss"
+    )
     estimator = ADV_ESTIMATORS.traits_of(algo.adv_estimator)
     if config.critic.enable is False and estimator.values:
         raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs a critic, but critic.enable=False")
@@ -70,8 +72,9 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
         baseline=estimator.baseline,
         estimator=estimator,
     )
-    config.check_roles(critic=needs.critic, reference=needs.reference, reward_model=needs.reward_model,
-                       teacher=needs.teacher)
+    config.check_roles(
+        critic=needs.critic, reference=needs.reference, reward_model=needs.reward_model, teacher=needs.teacher
+    )
     snapshot = plugins()
     if snapshot is not None:  # losses registered in the driver's script travel to the workers with the config
         actor.policy_loss.plugins = snapshot

@@ -94,7 +94,9 @@ def _scalar(value: torch.Tensor | float) -> float:
     return value.detach().item() if isinstance(value, torch.Tensor) else float(value)
 
 
-def _pg_metrics(pg_clipfrac: torch.Tensor | float, ppo_kl: torch.Tensor, pg_clipfrac_lower: torch.Tensor | float) -> Metrics:
+def _pg_metrics(
+    pg_clipfrac: torch.Tensor | float, ppo_kl: torch.Tensor, pg_clipfrac_lower: torch.Tensor | float
+) -> Metrics:
     return {
         "actor/pg_clipfrac": _scalar(pg_clipfrac),
         "actor/ppo_kl": _scalar(ppo_kl),
@@ -123,8 +125,14 @@ def compute_policy_loss_vanilla(
     where the dual-clip cap applies.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     clip_low, clip_high = _clip_bounds(config)
     clip_ratio_c = cfg_get(config, "clip_ratio_c", 3.0)
     if not clip_ratio_c > 1.0:
@@ -166,8 +174,14 @@ def compute_policy_loss_gspo(
     The log of it is clamped at 10.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     clip_low, clip_high = _clip_bounds(config)
 
     log_ratio = log_prob - old_log_prob
@@ -200,8 +214,14 @@ def compute_policy_loss_cispo(
     The clipped ratio only weights the REINFORCE term, so every token keeps a gradient.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     clip_low, clip_high = _clip_bounds(config)
 
     log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
@@ -233,8 +253,14 @@ def compute_policy_loss_clip_cov(
     their loss is multiplied by 0. ``pg_clipfrac`` is the fraction of tokens so detached.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     clip_low, clip_high = _clip_bounds(config)
     clip_cov_ratio = cfg_get(config, "policy_loss.clip_cov_ratio", 0.0002)
     clip_cov_lb = cfg_get(config, "policy_loss.clip_cov_lb", 1.0)
@@ -286,8 +312,14 @@ def compute_policy_loss_kl_cov(
     (``torch.topk``, deterministic). Reports ``actor/ppo_kl`` as the mean *absolute* log-ratio.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     kl_cov_ratio = cfg_get(config, "policy_loss.kl_cov_ratio", 0.0002)
     ppo_kl_coef = cfg_get(config, "policy_loss.ppo_kl_coef", 1.0)
     if not 0 < kl_cov_ratio <= 1:
@@ -335,8 +367,14 @@ def compute_policy_loss_geo_mean(
     geometric mean.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     clip_low, clip_high = _clip_bounds(config)
 
     log_ratio = log_prob - old_log_prob

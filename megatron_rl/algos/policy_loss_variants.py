@@ -52,8 +52,14 @@ def _dppo_loss(
     threshold here and ``clip_ratio_c`` (default 20) a truncated-IS cap, not a dual clip.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     clip_low, clip_high = _clip_bounds(config)
     truncation = cfg_get(config, "clip_ratio_c", 20.0)
 
@@ -99,8 +105,9 @@ def compute_policy_loss_dppo_tv(
 ) -> tuple[torch.Tensor, Metrics]:
     """DPPO-Binary-TV: tokens whose probability moved by more than ``clip_ratio_high`` (up, for
     ``A > 0``) or ``clip_ratio_low`` (down, for ``A <= 0``) get no gradient."""
-    return _dppo_loss(_tv_trust_region, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                      config, rollout_is_weights)
+    return _dppo_loss(
+        _tv_trust_region, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 @register_policy_loss("dppo_kl")
@@ -115,8 +122,16 @@ def compute_policy_loss_dppo_kl(
 ) -> tuple[torch.Tensor, Metrics]:
     """DPPO-Binary-KL: like ``dppo_tv`` with the binary KL ``KL(Bern(p_old) || Bern(p))`` as the
     divergence (bounded by ``clip_ratio_high`` for ``A > 0``, ``clip_ratio_low`` otherwise)."""
-    return _dppo_loss(_binary_kl_trust_region, old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode, config, rollout_is_weights)
+    return _dppo_loss(
+        _binary_kl_trust_region,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 @register_policy_loss("sapo")
@@ -136,8 +151,14 @@ def compute_policy_loss_sapo(
     ``seq-mean-token-mean`` (as verl); the clip fractions are reported as 0.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     tau_pos = torch.as_tensor(cfg_get(config, "tau_pos", 1.0), dtype=advantages.dtype, device=advantages.device)
     tau_neg = torch.as_tensor(cfg_get(config, "tau_neg", 1.05), dtype=advantages.dtype, device=advantages.device)
 
@@ -166,8 +187,14 @@ def compute_policy_loss_gpg(
 ) -> tuple[torch.Tensor, Metrics]:
     """GPG (arXiv:2504.02546): plain policy gradient ``-logp * A``; no metrics (as verl)."""
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     pg_losses = -log_prob * advantages
     return _aggregate(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights), {}
 
@@ -187,8 +214,14 @@ def compute_policy_loss_dro(
     ``policy_loss.dro_beta`` must be set to a positive number.
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     beta = cfg_get(config, "policy_loss.dro_beta", None)
     if beta is None or not beta > 0:
         raise ValueError(f"policy_loss.dro_beta={beta!r}: loss_mode 'dro' needs a positive dro_beta")
@@ -213,8 +246,14 @@ def compute_policy_loss_reinforce(
     ``actor/ppo_kl`` is the mean ``rollout_log_prob - log_prob`` (the policy drift since rollout).
     """
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, rollout_log_prob=rollout_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    _check_inputs(
+        loss_agg_mode,
+        rollout_log_prob=rollout_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
     if rollout_is_weights is not None:
         pg_losses = -advantages * log_prob * rollout_is_weights
     else:
@@ -246,8 +285,9 @@ def compute_policy_loss_bypass_mode(
     from megatron_rl.algos.rollout_correction import compute_rollout_correction_and_rejection_mask, is_weights_of
 
     config = _actor_config(config)
-    _check_inputs(loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                  response_mask=response_mask)
+    _check_inputs(
+        loss_agg_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
+    )
     rc = cfg_get(config, "policy_loss.rollout_correction", None)
     if rc is None:
         raise ValueError(
@@ -255,8 +295,10 @@ def compute_policy_loss_bypass_mode(
         )
     loss_type = rc.get("loss_type", "ppo_clip")
     if loss_type not in ("ppo_clip", "reinforce"):
-        raise ValueError(f"policy_loss.rollout_correction.loss_type={loss_type!r} is not allowed; "
-                         "choose one of ['ppo_clip', 'reinforce']")
+        raise ValueError(
+            f"policy_loss.rollout_correction.loss_type={loss_type!r} is not allowed; "
+            "choose one of ['ppo_clip', 'reinforce']"
+        )
 
     with torch.no_grad():
         is_weights, effective_mask, rollout_metrics = compute_rollout_correction_and_rejection_mask(

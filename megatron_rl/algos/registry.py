@@ -204,7 +204,9 @@ class Plugins:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plugins) and (sorted(self.estimators), sorted(self.losses)) == (
-            sorted(other.estimators), sorted(other.losses))
+            sorted(other.estimators),
+            sorted(other.losses),
+        )
 
     def __reduce__(self):
         return (Plugins, (self.estimators, self.losses))
@@ -219,12 +221,24 @@ def plugins() -> Plugins | None:
     return snapshot if snapshot else None
 
 
-def register_adv_est(name: str | Enum, *, needs_values: bool = False, needs_baseline: bool = False,
-                     needs_ref: bool = False, needs_reward_fields: bool = False,
-                     needs_sum_pi_squared: bool = False) -> Callable[[F], F]:
+def register_adv_est(
+    name: str | Enum,
+    *,
+    needs_values: bool = False,
+    needs_baseline: bool = False,
+    needs_ref: bool = False,
+    needs_reward_fields: bool = False,
+    needs_sum_pi_squared: bool = False,
+) -> Callable[[F], F]:
     """Register an advantage estimator (verl's decorator name) with what it needs (``EstimatorNeeds``)."""
-    return ADV_ESTIMATORS.register(name, values=needs_values, baseline=needs_baseline, ref=needs_ref,
-                                   reward_fields=needs_reward_fields, sum_pi_squared=needs_sum_pi_squared)
+    return ADV_ESTIMATORS.register(
+        name,
+        values=needs_values,
+        baseline=needs_baseline,
+        ref=needs_ref,
+        reward_fields=needs_reward_fields,
+        sum_pi_squared=needs_sum_pi_squared,
+    )
 
 
 def register_policy_loss(name: str | Enum) -> Callable[[F], F]:

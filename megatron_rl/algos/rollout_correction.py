@@ -156,8 +156,11 @@ def compute_rollout_correction_and_add_to_batch(
         if key not in batch.keys():
             raise ValueError(f"rollout correction needs batch[{key!r}]; the batch has {sorted(batch.keys())}")
     weights, modified_mask, metrics = compute_rollout_correction_and_rejection_mask(
-        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-        group=group, **rollout_correction_kwargs(rollout_corr_config),
+        batch["old_log_probs"],
+        batch["rollout_log_probs"],
+        batch["response_mask"],
+        group=group,
+        **rollout_correction_kwargs(rollout_corr_config),
     )
     batch["response_mask"] = modified_mask
     if weights is not None:
@@ -224,7 +227,9 @@ def bypass_policy_loss_config(policy_loss_config: Any, rollout_corr_config: Any)
     set (typed ``PolicyLossConfig``, DictConfig or dict alike); the config half of ``apply_bypass_mode``."""
     if dataclasses.is_dataclass(policy_loss_config):
         typed = RolloutCorrectionConfig.from_dict(rollout_corr_config)
-        replace = getattr(policy_loss_config, "replace", None) or (lambda **kw: dataclasses.replace(policy_loss_config, **kw))
+        replace = getattr(policy_loss_config, "replace", None) or (
+            lambda **kw: dataclasses.replace(policy_loss_config, **kw)
+        )
         return replace(loss_mode="bypass_mode", rollout_correction=typed)
     if isinstance(policy_loss_config, DictConfig):
         updated = copy.deepcopy(policy_loss_config)
@@ -232,7 +237,8 @@ def bypass_policy_loss_config(policy_loss_config: Any, rollout_corr_config: Any)
             updated["loss_mode"] = "bypass_mode"
             updated["rollout_correction"] = (
                 OmegaConf.structured(rollout_corr_config)
-                if dataclasses.is_dataclass(rollout_corr_config) else rollout_corr_config
+                if dataclasses.is_dataclass(rollout_corr_config)
+                else rollout_corr_config
             )
         return updated
     return {**dict(policy_loss_config or {}), "loss_mode": "bypass_mode", "rollout_correction": rollout_corr_config}

@@ -30,10 +30,17 @@ SAFETY_BOUND = 20.0
 
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
 )
 
 
@@ -58,7 +65,10 @@ def parse_rollout_is_threshold(spec: Any, field: str = "rollout_is_threshold") -
         raise ValueError(f"{field}={spec!r} is not a valid threshold: empty string")
     if isinstance(spec, str) and "_" in text:
         lower_text, upper_text = text.split("_", 1)
-        lower, upper = _positive_float(f"{field}={spec!r}", lower_text), _positive_float(f"{field}={spec!r}", upper_text)
+        lower, upper = (
+            _positive_float(f"{field}={spec!r}", lower_text),
+            _positive_float(f"{field}={spec!r}", upper_text),
+        )
         if lower > upper:
             raise ValueError(f"{field}={spec!r} is not a valid threshold: lower bound {lower} > upper bound {upper}")
         return upper, lower
@@ -353,9 +363,7 @@ def compute_rollout_rejection_mask(
             metrics[f"{prefix}_max"] = _masked_max(stat, mask_bool).item()
             metrics[f"{prefix}_min"] = _masked_min(stat, mask_bool).item()
             metrics[f"{prefix}_fraction_high"] = _count_fraction(stat > upper_t, mask_bool, num_tokens)
-            metrics[f"{prefix}_fraction_low"] = (
-                _count_fraction(stat < lower_t, mask_bool, num_tokens) if is_k1 else 0.0
-            )
+            metrics[f"{prefix}_fraction_low"] = _count_fraction(stat < lower_t, mask_bool, num_tokens) if is_k1 else 0.0
             first, second = masked_mean(clamped, response_mask), masked_mean(clamped.square(), response_mask)
             metrics[f"{prefix}_masked_fraction"] = _count_fraction(~keep, mask_bool, num_tokens)
             seq_option_keep = ~((~keep) & mask_bool).any(dim=-1)
@@ -446,7 +454,9 @@ def compute_offpolicy_metrics(
     # chi^2 = E[rho^2] - 1 with rho = exp(clamped log-ratio), in log space: log E[rho^2] = lse(2 log rho) - log n.
     mask_bool = response_mask.bool()
     doubled = (2.0 * torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)).masked_fill_(~mask_bool, -math.inf)
-    log_mean_rho_squared = torch.logsumexp(doubled.flatten(), dim=0).item() - math.log(response_mask.sum().item() + 1e-8)
+    log_mean_rho_squared = torch.logsumexp(doubled.flatten(), dim=0).item() - math.log(
+        response_mask.sum().item() + 1e-8
+    )
     metrics["chi2_token"] = math.exp(log_mean_rho_squared) - 1.0
     seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1)  # [bs]
     rho_squared_seq = torch.exp(2.0 * torch.clamp(seq_log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND))

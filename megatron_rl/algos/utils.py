@@ -109,13 +109,13 @@ def group_ids(index: Any, device: torch.device | None = None) -> tuple[torch.Ten
         starts = _run_starts(index)
         if starts is not None:
             run_labels = index[starts].tolist()
-            run_ids = np.fromiter((mapping.setdefault(label, len(mapping)) for label in run_labels),
-                                  dtype=np.int64, count=len(run_labels))
+            run_ids = np.fromiter(
+                (mapping.setdefault(label, len(mapping)) for label in run_labels), dtype=np.int64, count=len(run_labels)
+            )
             ids = np.repeat(run_ids, np.diff(starts, append=index.size))  # [bs]
             return torch.from_numpy(ids).to(device=device), len(mapping)
     labels = index.tolist() if hasattr(index, "tolist") else list(index)
-    ids = np.fromiter((mapping.setdefault(label, len(mapping)) for label in labels), dtype=np.int64,
-                      count=len(labels))
+    ids = np.fromiter((mapping.setdefault(label, len(mapping)) for label in labels), dtype=np.int64, count=len(labels))
     return torch.from_numpy(ids).to(device=device), len(mapping)
 
 
@@ -145,10 +145,14 @@ def expand_as_nested(tensor: torch.Tensor, nested_tensor: torch.Tensor) -> torch
     if tensor.dim() != 1:
         raise NestedShapeError(f"expand_as_nested: tensor must be 1-D [batch], got shape {tuple(tensor.shape)}")
     if tensor.shape[0] != nested_tensor.size(0):
-        raise NestedShapeError(f"expand_as_nested: the batch sizes differ: tensor has {tensor.shape[0]} rows, "
-                               f"nested_tensor {nested_tensor.size(0)}")
+        raise NestedShapeError(
+            f"expand_as_nested: the batch sizes differ: tensor has {tensor.shape[0]} rows, "
+            f"nested_tensor {nested_tensor.size(0)}"
+        )
     if nested_tensor.dim() != 2:
-        raise NestedShapeError(f"expand_as_nested: nested_tensor must be [batch, jagged], got {nested_tensor.dim()} dims")
+        raise NestedShapeError(
+            f"expand_as_nested: nested_tensor must be [batch, jagged], got {nested_tensor.dim()} dims"
+        )
     offsets = nested_tensor.offsets()
     values = torch.repeat_interleave(tensor, offsets.diff(), dim=0)
     return torch.nested.nested_tensor_from_jagged(values=values, offsets=offsets)

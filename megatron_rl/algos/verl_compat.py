@@ -41,41 +41,55 @@ TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {"token_k1", "token_k2", "token_k3"}
 """The options that reject single tokens; the others keep or drop whole sequences."""
 
 
-def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, cliprange: Optional[float] = None,
-                        cliprange_low: Optional[float] = None, cliprange_high: Optional[float] = None,
-                        clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean"
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: Optional[float] = None,
+    cliprange_low: Optional[float] = None,
+    cliprange_high: Optional[float] = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """verl's deprecated PPO-clip loss: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``.
 
     ``cliprange_low`` / ``cliprange_high`` default to ``cliprange`` (which must then be given);
     ``clip_ratio_c`` is the dual-clip bound (> 1). Same numbers as the ``vanilla`` policy loss,
     which is what new code should call (``get_policy_loss_fn("vanilla")``).
     """
-    warnings.warn("compute_policy_loss is deprecated in verl; use get_policy_loss_fn('vanilla')",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "compute_policy_loss is deprecated in verl; use get_policy_loss_fn('vanilla')", DeprecationWarning, stacklevel=2
+    )
     low = cliprange if cliprange_low is None else cliprange_low
     high = cliprange if cliprange_high is None else cliprange_high
     if low is None or high is None:
         raise ValueError("compute_policy_loss: give cliprange (or both cliprange_low and cliprange_high)")
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c!r} must be > 1.0 (the dual-clip bound for negative advantages)")
-    config = {"clip_ratio": cliprange if cliprange is not None else low, "clip_ratio_low": low,
-              "clip_ratio_high": high, "clip_ratio_c": clip_ratio_c}
-    loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
-                                                loss_agg_mode, config, None)
+    config = {
+        "clip_ratio": cliprange if cliprange is not None else low,
+        "clip_ratio_low": low,
+        "clip_ratio_high": high,
+        "clip_ratio_c": clip_ratio_c,
+    }
+    loss, metrics = compute_policy_loss_vanilla(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, None
+    )
     as_tensor = lambda key: torch.tensor(metrics[key], dtype=log_prob.dtype, device=log_prob.device)  # noqa: E731
     return loss, as_tensor("actor/pg_clipfrac"), as_tensor("actor/ppo_kl"), as_tensor("actor/pg_clipfrac_lower")
 
 
-def compute_rewards(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                    kl_ratio: float) -> torch.Tensor:
+def compute_rewards(
+    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ratio: float
+) -> torch.Tensor:
     """Token rewards with a fixed k1 KL penalty: ``scores - kl_ratio * (old_log_prob - ref_log_prob)``."""
     return token_level_scores - (old_log_prob - ref_log_prob) * kl_ratio
 
 
-def group_mean_std(scores: torch.Tensor, gidx: torch.Tensor, eps: float = 1e-6,
-                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_mean_std(
+    scores: torch.Tensor, gidx: torch.Tensor, eps: float = 1e-6, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-group ``(mean, std, count)``, each ``[G]`` float32, of ``scores [N]`` with group ids ``gidx [N]``
     in ``0..G-1`` (verl's ``group_mean_std``).
 
@@ -102,10 +116,15 @@ def _masked_extreme(values: torch.Tensor, mask_bool: torch.Tensor, largest: bool
     return (filled.max() if largest else filled.min()).item()
 
 
-def compute_is_metrics(rollout_is_weights: torch.Tensor, raw_rollout_is_weights: torch.Tensor,
-                       log_ratio_for_metrics: torch.Tensor, response_mask: torch.Tensor, rollout_is: str,
-                       rollout_is_threshold: float, rollout_is_threshold_lower: Optional[float] = None
-                       ) -> dict[str, float]:
+def compute_is_metrics(
+    rollout_is_weights: torch.Tensor,
+    raw_rollout_is_weights: torch.Tensor,
+    log_ratio_for_metrics: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str,
+    rollout_is_threshold: float,
+    rollout_is_threshold_lower: Optional[float] = None,
+) -> dict[str, float]:
     """Diagnostics of IS weights (verl's names, no ``rollout_corr/`` prefix).
 
     Args:
@@ -126,22 +145,28 @@ def compute_is_metrics(rollout_is_weights: torch.Tensor, raw_rollout_is_weights:
     metrics: dict[str, float] = {"rollout_is_mean": masked_mean(rollout_is_weights, response_mask).item()}
     if rollout_is == "sequence":
         device = rollout_is_weights.device
-        log_upper, log_lower = torch.log(torch.tensor(upper, device=device)), torch.log(torch.tensor(lower, device=device))
+        log_upper, log_lower = (
+            torch.log(torch.tensor(upper, device=device)),
+            torch.log(torch.tensor(lower, device=device)),
+        )
         metrics["rollout_is_max"] = torch.exp(torch.clamp(log_ratio_for_metrics.max(), max=SAFETY_BOUND)).item()
         metrics["rollout_is_min"] = torch.exp(log_ratio_for_metrics.min()).item()
         metrics["rollout_is_ratio_fraction_high"] = (log_ratio_for_metrics > log_upper).float().mean().item()
         metrics["rollout_is_ratio_fraction_low"] = (log_ratio_for_metrics < log_lower).float().mean().item()
     else:
-        metrics["rollout_is_ratio_fraction_high"] = masked_mean((raw_rollout_is_weights > upper).float(),
-                                                                response_mask).item()
-        metrics["rollout_is_ratio_fraction_low"] = masked_mean((raw_rollout_is_weights < lower).float(),
-                                                               response_mask).item()
+        metrics["rollout_is_ratio_fraction_high"] = masked_mean(
+            (raw_rollout_is_weights > upper).float(), response_mask
+        ).item()
+        metrics["rollout_is_ratio_fraction_low"] = masked_mean(
+            (raw_rollout_is_weights < lower).float(), response_mask
+        ).item()
         metrics["rollout_is_max"] = _masked_extreme(rollout_is_weights, mask_bool, largest=True)
         metrics["rollout_is_min"] = _masked_extreme(rollout_is_weights, mask_bool, largest=False)
     clamped = rollout_is_weights.clamp(min=0.0, max=upper)
     first, second = masked_mean(clamped, response_mask), masked_mean(clamped.square(), response_mask)
-    metrics["rollout_is_std"] = (torch.sqrt(torch.clamp(second - first.square(), min=0.0)).item()
-                                 if response_mask.sum() > 1 else 0.0)
+    metrics["rollout_is_std"] = (
+        torch.sqrt(torch.clamp(second - first.square(), min=0.0)).item() if response_mask.sum() > 1 else 0.0
+    )
     normalized = clamped / (first + 1e-8)
     # ESS = 1 / E[(w / E[w])^2]; with every weight zeroed (IcePop) no sample is effective.
     mean_square = masked_mean(normalized.square(), response_mask).item()
@@ -149,22 +174,32 @@ def compute_is_metrics(rollout_is_weights: torch.Tensor, raw_rollout_is_weights:
     if rollout_is_weights.dim() > 1:
         seq = masked_mean(rollout_is_weights, response_mask, axis=-1)  # [bs]
         raw_seq = masked_mean(raw_rollout_is_weights, response_mask, axis=-1)
-        metrics.update({
-            "rollout_is_seq_mean": seq.mean().item(),
-            "rollout_is_seq_std": seq.std().item() if seq.numel() > 1 else 0.0,
-            "rollout_is_seq_max": seq.max().item(),
-            "rollout_is_seq_min": seq.min().item(),
-            "rollout_is_seq_max_deviation": (seq - 1.0).abs().max().item(),
-            "rollout_is_seq_fraction_high": (raw_seq > upper).float().mean().item(),
-            "rollout_is_seq_fraction_low": (raw_seq < lower).float().mean().item(),
-        })
+        metrics.update(
+            {
+                "rollout_is_seq_mean": seq.mean().item(),
+                "rollout_is_seq_std": seq.std().item() if seq.numel() > 1 else 0.0,
+                "rollout_is_seq_max": seq.max().item(),
+                "rollout_is_seq_min": seq.min().item(),
+                "rollout_is_seq_max_deviation": (seq - 1.0).abs().max().item(),
+                "rollout_is_seq_fraction_high": (raw_seq > upper).float().mean().item(),
+                "rollout_is_seq_fraction_low": (raw_seq < lower).float().mean().item(),
+            }
+        )
     return metrics
 
 
-def compute_rs_metrics(option_name: str, rs_statistic: torch.Tensor, response_mask: torch.Tensor,
-                       seq_valid_mask: torch.Tensor, *, level: str, per_sequence_values: Optional[torch.Tensor],
-                       rollout_rs_threshold: float, rollout_rs_threshold_lower: float,
-                       apply_lower_threshold: bool) -> dict[str, float]:
+def compute_rs_metrics(
+    option_name: str,
+    rs_statistic: torch.Tensor,
+    response_mask: torch.Tensor,
+    seq_valid_mask: torch.Tensor,
+    *,
+    level: str,
+    per_sequence_values: Optional[torch.Tensor],
+    rollout_rs_threshold: float,
+    rollout_rs_threshold_lower: float,
+    apply_lower_threshold: bool,
+) -> dict[str, float]:
     """Diagnostics of one rejection-sampling option, named ``rollout_rs_{option_name}_*`` (verl's).
 
     Args:
@@ -180,10 +215,14 @@ def compute_rs_metrics(option_name: str, rs_statistic: torch.Tensor, response_ma
     if not response_mask.any():
         raise ValueError("response_mask must contain at least one valid token (1).")
     if option_name not in SUPPORTED_ROLLOUT_RS_OPTIONS:
-        raise ValueError(f"rollout_rs option {option_name!r} is not allowed; choose from {sorted(SUPPORTED_ROLLOUT_RS_OPTIONS)}")
+        raise ValueError(
+            f"rollout_rs option {option_name!r} is not allowed; choose from {sorted(SUPPORTED_ROLLOUT_RS_OPTIONS)}"
+        )
     prefix, mask_bool = f"rollout_rs_{option_name}", response_mask.bool()
     upper, lower = rollout_rs_threshold, rollout_rs_threshold_lower
-    seq_values = per_sequence_values if per_sequence_values is not None else masked_mean(rs_statistic, response_mask, axis=-1)
+    seq_values = (
+        per_sequence_values if per_sequence_values is not None else masked_mean(rs_statistic, response_mask, axis=-1)
+    )
     seq_values = seq_values.squeeze(-1) if seq_values.dim() > 1 else seq_values
     valid = seq_values[seq_valid_mask]
     by_sequence = level == "sequence" and valid.numel() > 0
@@ -196,8 +235,9 @@ def compute_rs_metrics(option_name: str, rs_statistic: torch.Tensor, response_ma
         metrics[f"{prefix}_max"] = _masked_extreme(rs_statistic, mask_bool, largest=True)
         metrics[f"{prefix}_min"] = _masked_extreme(rs_statistic, mask_bool, largest=False)
         metrics[f"{prefix}_fraction_high"] = masked_mean((rs_statistic > upper).float(), response_mask).item()
-        metrics[f"{prefix}_fraction_low"] = (masked_mean((rs_statistic < lower).float(), response_mask).item()
-                                             if apply_lower_threshold else 0.0)
+        metrics[f"{prefix}_fraction_low"] = (
+            masked_mean((rs_statistic < lower).float(), response_mask).item() if apply_lower_threshold else 0.0
+        )
     if response_mask.sum() > 1:
         clamped = rs_statistic.clamp(min=lower if apply_lower_threshold else 0.0, max=upper)
         first, second = masked_mean(clamped, response_mask), masked_mean(clamped.square(), response_mask)
@@ -206,14 +246,20 @@ def compute_rs_metrics(option_name: str, rs_statistic: torch.Tensor, response_ma
         metrics[f"{prefix}_std"] = 0.0
     summary: dict[str, Any]
     if valid.numel() > 0:
-        summary = {"seq_mean": valid.mean().item(), "seq_std": valid.std().item() if valid.numel() > 1 else 0.0,
-                   "seq_max": valid.max().item(), "seq_min": valid.min().item(),
-                   "seq_max_deviation": valid.abs().max().item(),
-                   "seq_fraction_high": (valid > upper).float().mean().item()}
+        summary = {
+            "seq_mean": valid.mean().item(),
+            "seq_std": valid.std().item() if valid.numel() > 1 else 0.0,
+            "seq_max": valid.max().item(),
+            "seq_min": valid.min().item(),
+            "seq_max_deviation": valid.abs().max().item(),
+            "seq_fraction_high": (valid > upper).float().mean().item(),
+        }
         if apply_lower_threshold:
             summary["seq_fraction_low"] = (valid < lower).float().mean().item()
     else:
-        summary = dict.fromkeys(("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
-                                 "seq_fraction_high", "seq_fraction_low"), 0.0)
+        summary = dict.fromkeys(
+            ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low"),
+            0.0,
+        )
     metrics.update({f"{prefix}_{key}": value for key, value in summary.items()})
     return metrics

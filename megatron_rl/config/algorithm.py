@@ -116,8 +116,12 @@ class RolloutCorrectionConfig(BaseConfig):
     @classmethod
     def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.5_2.0") -> "RolloutCorrectionConfig":
         """Sequence IS plus sequence rejection on the summed log-ratio (Seq-MIS)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
-                   rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="sequence",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_sum_k1",
+            rollout_rs_threshold=rs_threshold,
+        )
 
     @classmethod
     def decoupled_geo_rs(cls, rs_threshold: Any = "0.999_1.001") -> "RolloutCorrectionConfig":
@@ -132,60 +136,109 @@ class RolloutCorrectionConfig(BaseConfig):
     @classmethod
     def bypass_ppo_clip_geo_rs(cls, rs_threshold: Any = "0.999_1.001") -> "RolloutCorrectionConfig":
         """Bypass mode, PPO-clip loss, Geo-RS."""
-        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="ppo_clip")
+        return cls(
+            rollout_is=None,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+            bypass_mode=True,
+            loss_type="ppo_clip",
+        )
 
     @classmethod
     def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
         """Bypass mode, PPO-clip loss, rejection on the sequence-mean k3 divergence."""
-        return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="ppo_clip")
+        return cls(
+            rollout_is=None,
+            rollout_rs="seq_mean_k3",
+            rollout_rs_threshold=rs_threshold,
+            bypass_mode=True,
+            loss_type="ppo_clip",
+        )
 
     @classmethod
     def bypass_pg_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
         """Bypass mode, REINFORCE loss with sequence-level truncated IS weights."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, rollout_rs=None, bypass_mode=True,
-                   loss_type="reinforce")
+        return cls(
+            rollout_is="sequence",
+            rollout_is_threshold=threshold,
+            rollout_rs=None,
+            bypass_mode=True,
+            loss_type="reinforce",
+        )
 
     @classmethod
     def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
         """Bypass mode, REINFORCE loss with token-level IcePop weights."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", rollout_rs=None,
-                   bypass_mode=True, loss_type="reinforce")
+        return cls(
+            rollout_is="token",
+            rollout_is_threshold=f"{threshold_lower}_{threshold}",
+            rollout_rs=None,
+            bypass_mode=True,
+            loss_type="reinforce",
+        )
 
     @classmethod
     def bypass_pg_geo_rs(cls, rs_threshold: Any = "0.999_1.001") -> "RolloutCorrectionConfig":
         """Bypass mode, REINFORCE loss, Geo-RS."""
-        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="reinforce")
+        return cls(
+            rollout_is=None,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+            bypass_mode=True,
+            loss_type="reinforce",
+        )
 
     @classmethod
-    def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
-                                 ) -> "RolloutCorrectionConfig":
+    def decoupled_geo_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Geo-RS plus sequence-level truncated IS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="sequence",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+        )
 
     @classmethod
-    def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
-                                   ) -> "RolloutCorrectionConfig":
+    def decoupled_geo_rs_token_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Geo-RS plus token-level truncated IS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="token",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+        )
 
     @classmethod
-    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
-                                 ) -> "RolloutCorrectionConfig":
+    def bypass_pg_geo_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Bypass mode, REINFORCE loss, Geo-RS plus sequence-level truncated IS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+        return cls(
+            rollout_is="sequence",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+            bypass_mode=True,
+            loss_type="reinforce",
+        )
 
     @classmethod
-    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
-                                   ) -> "RolloutCorrectionConfig":
+    def bypass_pg_geo_rs_token_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: Any = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Bypass mode, REINFORCE loss, Geo-RS plus token-level truncated IS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+        return cls(
+            rollout_is="token",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+            bypass_mode=True,
+            loss_type="reinforce",
+        )
 
     @classmethod
     def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
@@ -193,16 +246,28 @@ class RolloutCorrectionConfig(BaseConfig):
         return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
     @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    def decoupled_k3_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
+    ) -> "RolloutCorrectionConfig":
         """K3-RS plus sequence-level truncated IS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
-                   rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="sequence",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k3",
+            rollout_rs_threshold=rs_threshold,
+        )
 
     @classmethod
-    def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    def decoupled_k3_rs_token_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
+    ) -> "RolloutCorrectionConfig":
         """K3-RS plus token-level truncated IS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
-                   rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="token",
+            rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k3",
+            rollout_rs_threshold=rs_threshold,
+        )
 
     @classmethod
     def disabled(cls) -> "RolloutCorrectionConfig":
@@ -210,8 +275,11 @@ class RolloutCorrectionConfig(BaseConfig):
         return cls(rollout_is=None, rollout_rs=None)
 
 
-ROLLOUT_CORRECTION_PRESETS = tuple(name for name, value in vars(RolloutCorrectionConfig).items()
-                                   if isinstance(value, classmethod) and name not in ("from_dict",))
+ROLLOUT_CORRECTION_PRESETS = tuple(
+    name
+    for name, value in vars(RolloutCorrectionConfig).items()
+    if isinstance(value, classmethod) and name not in ("from_dict",)
+)
 """The names of verl's ``RolloutCorrectionConfig`` presets (classmethods), ``disabled`` included."""
 
 
@@ -321,9 +389,13 @@ class OptimConfig(BaseConfig):
     def __post_init__(self) -> None:
         check_choice("optim.optimizer", self.optimizer, ("adam", "sgd"))
         if self.override_optimizer_config is not None and not isinstance(self.override_optimizer_config, Mapping):
-            raise ValueError(f"optim.override_optimizer_config={self.override_optimizer_config!r} must be a mapping "
-                             "of Megatron OptimizerConfig fields")
-        check_choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine", "inverse-square-root"))
+            raise ValueError(
+                f"optim.override_optimizer_config={self.override_optimizer_config!r} must be a mapping "
+                "of Megatron OptimizerConfig fields"
+            )
+        check_choice(
+            "optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine", "inverse-square-root")
+        )
         check_range("optim.lr", self.lr, low=0.0)
         check_range("optim.clip_grad", self.clip_grad, low=0.0)
         if len(tuple(self.betas)) != 2:
@@ -402,8 +474,14 @@ class ActorConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_choice("actor.strategy", self.strategy, ("megatron",))
-        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n", "logprob_chunk_size",
-                     "ppo_max_token_len_per_gpu"):
+        for name in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_epochs",
+            "rollout_n",
+            "logprob_chunk_size",
+            "ppo_max_token_len_per_gpu",
+        ):
             check_range(f"actor.{name}", getattr(self, name), low=1)
         if self.log_prob_max_token_len_per_gpu is not None:
             check_range("actor.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1)
@@ -464,8 +542,13 @@ class CriticConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_choice("critic.strategy", self.strategy, ("megatron",))
-        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "rollout_n",
-                     "ppo_max_token_len_per_gpu"):
+        for name in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_epochs",
+            "rollout_n",
+            "ppo_max_token_len_per_gpu",
+        ):
             check_range(f"critic.{name}", getattr(self, name), low=1)
         if self.forward_max_token_len_per_gpu is not None:
             check_range("critic.forward_max_token_len_per_gpu", self.forward_max_token_len_per_gpu, low=1)

@@ -24,8 +24,16 @@ from typing import Any, Sequence
 from megatron_rl.config import read_tracking
 from megatron_rl.config import verl_keys as _verl
 
-__all__ = ["BaseConfig", "INTERNAL", "ROLLOUT_ENGINES", "TRAINING_ENGINES", "is_internal", "check_built", "check_choice",
-           "check_range"]
+__all__ = [
+    "BaseConfig",
+    "INTERNAL",
+    "ROLLOUT_ENGINES",
+    "TRAINING_ENGINES",
+    "is_internal",
+    "check_built",
+    "check_choice",
+    "check_range",
+]
 
 INTERNAL = {"internal": True}
 """Field metadata of a value the code sets while it runs (e.g. the per-step ``global_batch_info``):
@@ -56,13 +64,21 @@ def check_built(field: str, value: Any, built: Sequence[str], kind: str) -> None
     if value in built:
         return
     if value == "???":
-        raise ValueError(f"{field}={value!r} is unset (verl's config leaves it to the script); {kind} built here: "
-                         f"{list(built)}")
+        raise ValueError(
+            f"{field}={value!r} is unset (verl's config leaves it to the script); {kind} built here: {list(built)}"
+        )
     raise ValueError(f"{field}={value!r} is not built here; {kind} built here: {list(built)}")
 
 
-def check_range(field: str, value: float, *, low: float | None = None, high: float | None = None,
-                low_inclusive: bool = True, high_inclusive: bool = True) -> None:
+def check_range(
+    field: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+) -> None:
     """Raise ``ValueError`` naming ``field`` unless ``value`` lies in the given interval."""
     ok = True
     if low is not None:

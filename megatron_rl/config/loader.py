@@ -83,8 +83,9 @@ def find_recipe(recipe: Union[str, os.PathLike]) -> Path:
     names = list_recipes()
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    raise ValueError(f"unknown recipe {str(recipe)!r}: not a file and not a built-in recipe; "
-                     f"built-in recipes: {names}{hint}")
+    raise ValueError(
+        f"unknown recipe {str(recipe)!r}: not a file and not a built-in recipe; built-in recipes: {names}{hint}"
+    )
 
 
 # ----------------------------------------------------------------------------- YAML + overrides
@@ -133,8 +134,10 @@ def _hydra_defaults(defaults: Any, including: Path) -> list[Path]:
             group, choice = next(iter(entry.items()))
             if str(group).replace("override ", "").strip() == "model_engine" and choice == "megatron":
                 continue
-        raise ValueError(f"defaults entry {entry!r} of {including}: only config names, _self_ and "
-                         "'model_engine: megatron' are supported")
+        raise ValueError(
+            f"defaults entry {entry!r} of {including}: only config names, _self_ and "
+            "'model_engine: megatron' are supported"
+        )
     return files
 
 
@@ -212,8 +215,7 @@ def _has_key(cfg: Any, key: str) -> bool:
     return node is not None and hasattr(node, "keys") and last in node
 
 
-def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = (), *,
-            check: bool = True) -> dict:
+def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = (), *, check: bool = True) -> dict:
     """The merged, interpolation-resolved configuration of ``recipe`` + ``overrides`` as plain
     data (before derived keys are filled and types are built). ``check=False`` leaves unknown keys
     and override types to the caller (``key_report`` lists every refused key at once)."""
@@ -235,8 +237,10 @@ def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[st
                 del node[last]
             continue
         if op == "add" and _has_key(cfg, key) and OmegaConf.select(cfg, key) is not None:  # Hydra 1.3: null adds
-            raise ValueError(f"cannot add {key!r} (in {source}): the configuration already has it; use "
-                             f"{key}=... to change it, or ++{key}=... to add or change it")
+            raise ValueError(
+                f"cannot add {key!r} (in {source}): the configuration already has it; use "
+                f"{key}=... to change it, or ++{key}=... to add or change it"
+            )
         if key in ONE_AS_LIST and isinstance(value, str):
             value = [value]
         hint = check_key(TrainerRunConfig, key, source=source, value=value) if check else VERL_ONLY

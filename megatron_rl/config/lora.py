@@ -21,8 +21,17 @@ from typing import Any, Optional
 
 from megatron_rl.config.base import BaseConfig, check_choice
 
-__all__ = ["LoRAConfig", "resolve_lora", "check_lora_fits", "lora_target_shapes", "LORA_TARGET_MODULES",
-           "LORA_INIT_METHODS", "VLLM_LORA_RANKS", "vllm_lora_rank", "vllm_lora_engine_kwargs"]
+__all__ = [
+    "LoRAConfig",
+    "resolve_lora",
+    "check_lora_fits",
+    "lora_target_shapes",
+    "LORA_TARGET_MODULES",
+    "LORA_INIT_METHODS",
+    "VLLM_LORA_RANKS",
+    "vllm_lora_rank",
+    "vllm_lora_engine_kwargs",
+]
 
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron's linear names an adapter can wrap (also inside MoE experts)."""
@@ -95,12 +104,16 @@ class LoRAConfig(BaseConfig):
         if self.rank == 0:
             return
         if not self.target_modules:
-            raise ValueError("lora.target_modules: [] is not allowed with lora.rank > 0; name at least one of "
-                             f"{list(LORA_TARGET_MODULES)}")
+            raise ValueError(
+                "lora.target_modules: [] is not allowed with lora.rank > 0; name at least one of "
+                f"{list(LORA_TARGET_MODULES)}"
+            )
         refusals = {
             "a2a_experimental": (self.a2a_experimental, "the experimental all-to-all expert adapters are not built"),
-            "freeze_language_model": (not self.freeze_language_model, "LoRA keeps the base frozen; for full "
-                                                                      "fine-tuning set lora.rank=0"),
+            "freeze_language_model": (
+                not self.freeze_language_model,
+                "LoRA keeps the base frozen; for full fine-tuning set lora.rank=0",
+            ),
             "freeze_vision_model": (not self.freeze_vision_model, "there is no vision tower"),
             "freeze_vision_projection": (not self.freeze_vision_projection, "there is no vision projection"),
         }
@@ -120,7 +133,9 @@ def resolve_lora(model: Mapping[str, Any] | Any, section: str = "actor_rollout_r
     ``exclude_modules``, ``lora_adapter_path``; flat ``target_modules: all-linear`` is every Megatron
     linear). Setting both forms (both ranks > 0) is an error naming the keys. Flat keys carry
     ``merge: true`` (the flat form has no merge key)."""
-    get = (lambda k, d=None: model.get(k, d)) if isinstance(model, Mapping) else (lambda k, d=None: getattr(model, k, d))
+    get = (
+        (lambda k, d=None: model.get(k, d)) if isinstance(model, Mapping) else (lambda k, d=None: getattr(model, k, d))
+    )
     nested = get("lora") or {}
     if isinstance(nested, LoRAConfig):
         nested = dataclasses.asdict(nested)
@@ -128,36 +143,59 @@ def resolve_lora(model: Mapping[str, Any] | Any, section: str = "actor_rollout_r
         raise ValueError(f"{section}.lora={nested!r} must be a mapping of LoRA keys")
     flat_rank = get("lora_rank", 0) or 0
     if flat_rank and nested.get("rank", 0):
-        raise ValueError(f"{section}.lora_rank={flat_rank} and {section}.lora.rank={nested.get('rank')} are both set; "
-                         f"use {section}.lora.* only")
+        raise ValueError(
+            f"{section}.lora_rank={flat_rank} and {section}.lora.rank={nested.get('rank')} are both set; "
+            f"use {section}.lora.* only"
+        )
     if not flat_rank and nested.get("rank", 0):  # a flat key beside the lora section would be ignored: refuse it
         for nested_key, flat_key in _FLAT_KEYS.items():
             value = get(flat_key)
             if flat_key != "lora_rank" and not (value is None or value == [] or value == _FLAT_DEFAULTS[flat_key]):
-                raise ValueError(f"{section}.{flat_key}={value!r} is verl's older flat form, set beside "
-                                 f"{section}.lora.rank={nested['rank']}; set {section}.lora.{nested_key} instead")
+                raise ValueError(
+                    f"{section}.{flat_key}={value!r} is verl's older flat form, set beside "
+                    f"{section}.lora.rank={nested['rank']}; set {section}.lora.{nested_key} instead"
+                )
     if not flat_rank:
         return _build(dict(nested), f"{section}.lora")
     targets = get("target_modules", _HF_ALL_LINEAR)
     if targets in (None, _HF_ALL_LINEAR):
         targets = list(LORA_TARGET_MODULES)
     try:
-        return _build({"rank": flat_rank, "alpha": get("lora_alpha", 16), "target_modules": targets,
-                       "exclude_modules": get("exclude_modules") or [], "adapter_path": get("lora_adapter_path"),
-                       "merge": True}, section)
+        return _build(
+            {
+                "rank": flat_rank,
+                "alpha": get("lora_alpha", 16),
+                "target_modules": targets,
+                "exclude_modules": get("exclude_modules") or [],
+                "adapter_path": get("lora_adapter_path"),
+                "merge": True,
+            },
+            section,
+        )
     except ValueError as exc:  # name the flat key the user wrote, not the lora.* field it maps onto
         message = str(exc).removeprefix(f"{section}: ")
         for nested, flat in _FLAT_KEYS.items():
-            message = message.replace(f"lora.{nested}=", f"{section}.{flat}=").replace(f"lora.{nested}:",
-                                                                                     f"{section}.{flat}:")
+            message = message.replace(f"lora.{nested}=", f"{section}.{flat}=").replace(
+                f"lora.{nested}:", f"{section}.{flat}:"
+            )
         raise ValueError(message) from None
 
 
-_FLAT_KEYS = {"rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules",
-              "exclude_modules": "exclude_modules", "adapter_path": "lora_adapter_path"}
+_FLAT_KEYS = {
+    "rank": "lora_rank",
+    "alpha": "lora_alpha",
+    "target_modules": "target_modules",
+    "exclude_modules": "exclude_modules",
+    "adapter_path": "lora_adapter_path",
+}
 """``LoRAConfig`` field -> verl's older flat key on the model section."""
-_FLAT_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": _HF_ALL_LINEAR, "exclude_modules": None,
-                  "lora_adapter_path": None}
+_FLAT_DEFAULTS = {
+    "lora_rank": 0,
+    "lora_alpha": 16,
+    "target_modules": _HF_ALL_LINEAR,
+    "exclude_modules": None,
+    "lora_adapter_path": None,
+}
 """verl 0.9.1's defaults of the flat keys (its generated config sets them beside ``lora``)."""
 
 
@@ -178,10 +216,17 @@ def lora_target_shapes(model_cfg: Any) -> dict[str, list[tuple[int, int]]]:
     ``linear_fc1``/``linear_fc2`` included (the router is no target)."""
     heads, groups = model_cfg.num_attention_heads, model_cfg.num_query_groups or model_cfg.num_attention_heads
     hidden, head_dim, gate = model_cfg.hidden_size, model_cfg.head_dim, 2 if model_cfg.swiglu else 1
-    shapes = {"linear_qkv": [((heads + 2 * groups) * head_dim, hidden)], "linear_proj": [(hidden, heads * head_dim)],
-              "linear_fc1": [], "linear_fc2": []}
-    widths = [model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size] if model_cfg.is_moe else [
-        model_cfg.ffn_hidden_size]
+    shapes = {
+        "linear_qkv": [((heads + 2 * groups) * head_dim, hidden)],
+        "linear_proj": [(hidden, heads * head_dim)],
+        "linear_fc1": [],
+        "linear_fc2": [],
+    }
+    widths = (
+        [model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size]
+        if model_cfg.is_moe
+        else [model_cfg.ffn_hidden_size]
+    )
     if model_cfg.is_moe and model_cfg.moe_shared_expert_intermediate_size:
         widths.append(model_cfg.moe_shared_expert_intermediate_size)
     for width in widths:
@@ -199,8 +244,10 @@ def check_lora_fits(lora: LoRAConfig, model_cfg: Any, section: str = "actor_roll
     for target in lora.target_modules:
         for out_dim, in_dim in shapes[target]:
             if lora.rank > min(out_dim, in_dim):
-                raise ValueError(f"{section}.rank={lora.rank} is larger than {target}'s dimensions "
-                                 f"({out_dim} x {in_dim}); allowed: 1..{min(out_dim, in_dim)}")
+                raise ValueError(
+                    f"{section}.rank={lora.rank} is larger than {target}'s dimensions "
+                    f"({out_dim} x {in_dim}); allowed: 1..{min(out_dim, in_dim)}"
+                )
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -215,8 +262,10 @@ def vllm_lora_rank(rank: int) -> int:
         return 0
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fits:
-        raise ValueError(f"lora.rank: {rank} is not allowed with lora.merge=false; vLLM holds adapters of rank <= "
-                         f"{VLLM_LORA_RANKS[-1]} (or set lora.merge=true)")
+        raise ValueError(
+            f"lora.rank: {rank} is not allowed with lora.merge=false; vLLM holds adapters of rank <= "
+            f"{VLLM_LORA_RANKS[-1]} (or set lora.merge=true)"
+        )
     return fits[0]
 
 

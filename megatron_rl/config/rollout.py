@@ -9,8 +9,20 @@ from typing import Any, Mapping, Optional
 
 from megatron_rl.config.base import ROLLOUT_ENGINES, BaseConfig, check_built, check_choice, check_range
 
-__all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "MultiTurnConfig", "AgentLoopConfig", "TRANSPORTS",
-           "PROMPT_TOO_LONG", "QUANTIZATIONS", "TOOL_CALL_FORMATS", "TRUNCATE_SIDES", "SANITY_CHECK_MODES", "check_sampling"]
+__all__ = [
+    "RolloutConfig",
+    "SamplingConfig",
+    "WeightSyncConfig",
+    "MultiTurnConfig",
+    "AgentLoopConfig",
+    "TRANSPORTS",
+    "PROMPT_TOO_LONG",
+    "QUANTIZATIONS",
+    "TOOL_CALL_FORMATS",
+    "TRUNCATE_SIDES",
+    "SANITY_CHECK_MODES",
+    "check_sampling",
+]
 
 TRANSPORTS = ("colocated", "bytes", "shm", "broadcast", "nccl", "cuda_ipc")
 PROMPT_TOO_LONG = ("error", "truncate_left")
@@ -59,8 +71,12 @@ class WeightSyncConfig(BaseConfig):
 
     def __post_init__(self):
         check_choice("checkpoint_engine.backend", self.backend, TRANSPORTS)
-        check_range("checkpoint_engine.update_weights_bucket_megabytes", self.update_weights_bucket_megabytes,
-                    low=0, low_inclusive=False)
+        check_range(
+            "checkpoint_engine.update_weights_bucket_megabytes",
+            self.update_weights_bucket_megabytes,
+            low=0,
+            low_inclusive=False,
+        )
 
 
 @dataclass
@@ -97,8 +113,9 @@ class MultiTurnConfig(BaseConfig):
         check_range("multi_turn.max_parallel_calls", self.max_parallel_calls, low=1)
         check_range("multi_turn.max_tool_response_length", self.max_tool_response_length, low=1)
         check_choice("multi_turn.tool_response_truncate_side", self.tool_response_truncate_side, TRUNCATE_SIDES)
-        check_choice("multi_turn.tokenization_sanity_check_mode", self.tokenization_sanity_check_mode,
-                     SANITY_CHECK_MODES)
+        check_choice(
+            "multi_turn.tokenization_sanity_check_mode", self.tokenization_sanity_check_mode, SANITY_CHECK_MODES
+        )
         check_choice("multi_turn.format", self.format, TOOL_CALL_FORMATS)
 
 
@@ -227,16 +244,26 @@ class RolloutConfig(BaseConfig):
             self.agent = AgentLoopConfig.from_dict(self.agent, path="agent")
         check_built("rollout.name", self.name, ROLLOUT_ENGINES, "rollout engines")
         check_sampling(self, "rollout.")
-        for key in ("prompt_length", "response_length", "tensor_model_parallel_size", "max_num_seqs",
-                    "kv_cache_space_gib", "data_parallel_size", "pipeline_model_parallel_size", "expert_parallel_size"):
+        for key in (
+            "prompt_length",
+            "response_length",
+            "tensor_model_parallel_size",
+            "max_num_seqs",
+            "kv_cache_space_gib",
+            "data_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_parallel_size",
+        ):
             check_range(f"rollout.{key}", getattr(self, key), low=1)
         if self.num_replicas is not None:
             check_range("rollout.num_replicas", self.num_replicas, low=1)
         tp_dp = self.tensor_model_parallel_size * self.data_parallel_size
         if self.expert_parallel_size > 1 and self.expert_parallel_size != tp_dp:
-            raise ValueError(f"rollout.expert_parallel_size={self.expert_parallel_size} must equal "
-                             f"tensor_model_parallel_size x data_parallel_size = {tp_dp} (vLLM's expert parallelism "
-                             "spans the engine's TP x DP ranks, as verl requires), or be 1")
+            raise ValueError(
+                f"rollout.expert_parallel_size={self.expert_parallel_size} must equal "
+                f"tensor_model_parallel_size x data_parallel_size = {tp_dp} (vLLM's expert parallelism "
+                "spans the engine's TP x DP ranks, as verl requires), or be 1"
+            )
         check_choice("rollout.prompt_too_long", self.prompt_too_long, PROMPT_TOO_LONG)
         check_choice("rollout.logprobs_mode", self.logprobs_mode, ("processed_logprobs", "raw_logprobs"))
         check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -249,8 +276,9 @@ class RolloutConfig(BaseConfig):
             )
         unknown = set(self.engine_kwargs) - {"vllm", "sglang"}
         if unknown:
-            raise ValueError(f"rollout.engine_kwargs has unknown engine(s) {sorted(unknown)}; "
-                             "allowed: ['vllm', 'sglang']")
+            raise ValueError(
+                f"rollout.engine_kwargs has unknown engine(s) {sorted(unknown)}; allowed: ['vllm', 'sglang']"
+            )
 
 
 def check_sampling(cfg: Any, prefix: str) -> None:

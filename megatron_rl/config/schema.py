@@ -23,8 +23,18 @@ from typing import Any, Optional, Union
 from megatron_rl.config import verl_keys as verl
 from megatron_rl.config.base import BaseConfig, is_internal
 
-__all__ = ["build_config", "check_key", "check_keys", "coerce", "config_class", "fill_derived", "plain", "all_paths",
-           "field_hint"]
+__all__ = [
+    "build_config",
+    "check_key",
+    "check_keys",
+    "coerce",
+    "config_class",
+    "fill_derived",
+    "plain",
+    "all_paths",
+    "field_hint",
+]
+
 
 @functools.lru_cache(maxsize=None)
 def _fields(cls: type) -> dict[str, Any]:
@@ -90,8 +100,9 @@ def _unknown_key(root: type, cls: type, full: str, source: Optional[str]) -> Val
     where = f" in {source}" if source else ""
     if nearest:
         return ValueError(f"unknown config key {full!r}{where}; nearest valid keys: {', '.join(map(repr, nearest))}")
-    return ValueError(f"unknown config key {full!r}{where}; valid keys under {parent or 'the top level'!r}: "
-                      f"{sorted(names)}")
+    return ValueError(
+        f"unknown config key {full!r}{where}; valid keys under {parent or 'the top level'!r}: {sorted(names)}"
+    )
 
 
 VERL_ONLY = object()
@@ -132,8 +143,9 @@ def check_key(root: type, key: str, *, source: Optional[str] = None, value: Any 
     return Any  # pragma: no cover - the loop always returns
 
 
-def check_keys(root: type, data: Mapping, *, source: Optional[str] = None, _cls: type = None,
-               _prefix: str = "") -> None:
+def check_keys(
+    root: type, data: Mapping, *, source: Optional[str] = None, _cls: type = None, _prefix: str = ""
+) -> None:
     """Check every key of nested mapping ``data`` against the schema (types are left to ``build_config``)."""
     cls = _cls or root
     for key, value in data.items():
@@ -212,8 +224,9 @@ def build_config(cls: type, data: Any, *, path: str = "", root: Optional[type] =
     if not isinstance(data, Mapping):
         raise ValueError(f"{path or cls.__name__} must be a mapping (a config section), got {data!r}")
     kwargs: dict[str, Any] = {}
-    data, extras = verl.take_verl_extras(cls, set(_fields(cls)), data, path,
-                                         unknown=lambda c, full: _unknown_key(root, c, full, None))
+    data, extras = verl.take_verl_extras(
+        cls, set(_fields(cls)), data, path, unknown=lambda c, full: _unknown_key(root, c, full, None)
+    )
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         hint = _fields(cls)[key]
@@ -239,7 +252,7 @@ def _qualify(message: str, path: str, cls: type) -> str:
         return message
     last = path.rpartition(".")[2]
     if message.startswith(f"{last}."):  # "actor.loss_agg_mode=..." -> "actor_rollout_ref.actor.loss_agg_mode=..."
-        return f"{path}.{message[len(last) + 1:]}"
+        return f"{path}.{message[len(last) + 1 :]}"
     if any(message.startswith(f"{name}=") for name in _fields(cls)):
         return f"{path}.{message}"
     return f"{path}: {message}"
@@ -289,5 +302,3 @@ def fill_derived(data: Any, root: type, derived_keys) -> dict:
         else:
             node[last] = value
     return out
-
-

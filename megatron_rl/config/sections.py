@@ -67,9 +67,11 @@ def _check_distributed_optimizer(where: str, megatron: "MegatronConfig", optim: 
     """Megatron's ``DistributedOptimizer`` shards Adam's state and refuses any other optimizer (an
     assertion inside the workers, after allocation): name the keys here instead."""
     if megatron.use_distributed_optimizer and optim.optimizer != "adam":
-        raise ValueError(f"{where}.megatron.use_distributed_optimizer=True is not allowed with {where}.optim.optimizer="
-                         f"{optim.optimizer!r}: Megatron's DistributedOptimizer shards only Adam's state; set "
-                         f"{where}.megatron.use_distributed_optimizer=False or {where}.optim.optimizer=adam")
+        raise ValueError(
+            f"{where}.megatron.use_distributed_optimizer=True is not allowed with {where}.optim.optimizer="
+            f"{optim.optimizer!r}: Megatron's DistributedOptimizer shards only Adam's state; set "
+            f"{where}.megatron.use_distributed_optimizer=False or {where}.optim.optimizer=adam"
+        )
 
 
 def _check_freq(field_name: str, value: int) -> None:
@@ -207,8 +209,10 @@ class ModelSourceConfig(BaseConfig):
         if self.config is not None or self.path is None:  # no HF config to set keys on: only ModelConfig fields
             for key in self.override_config:
                 if key not in names:
-                    raise ValueError(f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)} "
-                                     "(HF config keys apply to a checkpoint given by model.path)")
+                    raise ValueError(
+                        f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)} "
+                        "(HF config keys apply to a checkpoint given by model.path)"
+                    )
 
     @property
     def is_inline(self) -> bool:
@@ -219,9 +223,14 @@ class ModelSourceConfig(BaseConfig):
         """This model's one LoRA setting: ``lora`` itself, or (``lora_rank > 0``) verl's flat keys mapped
         onto a ``LoRAConfig`` (``merge: true``: the flat form has no merge key). Every flat key is looked
         at: one set beside ``lora.rank > 0`` would be ignored, so it is refused (``resolve_lora``)."""
-        flat = {"lora": self.lora, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
-                "target_modules": self.target_modules, "exclude_modules": self.exclude_modules,
-                "lora_adapter_path": self.lora_adapter_path}
+        flat = {
+            "lora": self.lora,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "target_modules": self.target_modules,
+            "exclude_modules": self.exclude_modules,
+            "lora_adapter_path": self.lora_adapter_path,
+        }
         resolved = resolve_lora(flat, "model")
         return resolved if self.lora_rank else self.lora  # the section itself: its readers are its keys
 
@@ -278,8 +287,9 @@ class DataConfig(BaseConfig):
                 check_range(f"data.{name}", getattr(self, name), low=1)
         check_choice("data.truncation", self.truncation, ("error", "left", "right", "middle"))
         if self.task is not None and self.train_files is not None:
-            raise ValueError(f"data: data.task={self.task!r} and data.train_files={self.train_files!r} "
-                             "are exclusive; set one")
+            raise ValueError(
+                f"data: data.task={self.task!r} and data.train_files={self.train_files!r} are exclusive; set one"
+            )
 
 
 # ----------------------------------------------------------------------------- actor / rollout / ref
@@ -438,8 +448,10 @@ class RewardConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         if self.reward_fn is not None and self.custom_reward_function.path is not None:
-            raise ValueError(f"reward: reward.reward_fn={self.reward_fn!r} and reward.custom_reward_function.path="
-                             f"{self.custom_reward_function.path!r} both choose the reward; set one")
+            raise ValueError(
+                f"reward: reward.reward_fn={self.reward_fn!r} and reward.custom_reward_function.path="
+                f"{self.custom_reward_function.path!r} both choose the reward; set one"
+            )
         if self.reward_model.enable and not self.reward_model.model_path:
             raise ValueError("reward.reward_model.enable=True needs reward.reward_model.model_path")
         buf = self.reward_kwargs.overlong_buffer_cfg
@@ -450,8 +462,10 @@ class RewardConfig(BaseConfig):
             check_range(f"{where}.penalty_factor", buf.penalty_factor, low=0.0)
             max_len = self.reward_kwargs.max_resp_len
             if max_len is None or buf.len > max_len:
-                raise ValueError(f"{where}.len={buf.len} must be <= reward.reward_kwargs.max_resp_len={max_len} "
-                                 "(= data.max_response_length unless set)")
+                raise ValueError(
+                    f"{where}.len={buf.len} must be <= reward.reward_kwargs.max_resp_len={max_len} "
+                    "(= data.max_response_length unless set)"
+                )
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -541,8 +555,11 @@ class TrainerConfig(BaseConfig):
         if isinstance(self.callbacks, str):
             self.callbacks = [self.callbacks]
         for i, path in enumerate(self.callbacks):
-            if not isinstance(path, str) or "." not in path.strip(".") or any(not part.isidentifier()
-                                                                             for part in path.split(".")):
+            if (
+                not isinstance(path, str)
+                or "." not in path.strip(".")
+                or any(not part.isidentifier() for part in path.split("."))
+            ):
                 raise ValueError(f"trainer.callbacks[{i}]={path!r}: expected a dotted path 'package.module.Class'")
         for name in self.logger:
             check_choice("trainer.logger entry", name, LOGGERS)
@@ -595,11 +612,15 @@ class TeacherModelConfig(BaseConfig):
     def __post_init__(self) -> None:
         check_range("distillation.teacher_model.sft_warmup_steps", self.sft_warmup_steps, low=0)
         if self.log_prob_micro_batch_size_per_gpu is not None:
-            check_range("distillation.teacher_model.log_prob_micro_batch_size_per_gpu",
-                        self.log_prob_micro_batch_size_per_gpu, low=1)
+            check_range(
+                "distillation.teacher_model.log_prob_micro_batch_size_per_gpu",
+                self.log_prob_micro_batch_size_per_gpu,
+                low=1,
+            )
         if self.log_prob_max_token_len_per_gpu is not None:
-            check_range("distillation.teacher_model.log_prob_max_token_len_per_gpu",
-                        self.log_prob_max_token_len_per_gpu, low=1)
+            check_range(
+                "distillation.teacher_model.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1
+            )
 
 
 @dataclasses.dataclass

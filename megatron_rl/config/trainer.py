@@ -113,25 +113,34 @@ class TrainerRunConfig(BaseConfig):
         fg = self.algorithm.filter_groups
         if fg is not None and fg.enable:
             if not fg.metric:
-                raise ValueError("algorithm.filter_groups.enable=True needs algorithm.filter_groups.metric "
-                                 "(e.g. 'acc' or 'score')")
+                raise ValueError(
+                    "algorithm.filter_groups.enable=True needs algorithm.filter_groups.metric (e.g. 'acc' or 'score')"
+                )
             if rollout.n < 2:
-                raise ValueError(f"algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2 "
-                                 f"(a group of one is never informative), got {rollout.n}")
+                raise ValueError(
+                    f"algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2 "
+                    f"(a group of one is never informative), got {rollout.n}"
+                )
         _check_source("actor_rollout_ref.model", arr.model)
         context = self.data.max_prompt_length + self.data.max_response_length
-        for where, model in (("actor_rollout_ref.model", arr.model.config),
-                             ("distillation.teacher_model", self.distillation.teacher_model.config)):
+        for where, model in (
+            ("actor_rollout_ref.model", arr.model.config),
+            ("distillation.teacher_model", self.distillation.teacher_model.config),
+        ):
             if model is not None and context > model.max_position_embeddings:
-                raise ValueError(f"data.max_prompt_length + data.max_response_length = {context} exceeds "
-                                 f"{where}.config.max_position_embeddings={model.max_position_embeddings}")
+                raise ValueError(
+                    f"data.max_prompt_length + data.max_response_length = {context} exceeds "
+                    f"{where}.config.max_position_embeddings={model.max_position_embeddings}"
+                )
         world = self.trainer.world_size
         self._check_batch("actor_rollout_ref.actor", arr.actor, arr.model, world)
         rollout_tp = rollout.tensor_model_parallel_size
         if world % rollout_tp:
-            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide "
-                             f"world_size={world} (trainer.nnodes * trainer.n_gpus_per_node = "
-                             f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})")
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide "
+                f"world_size={world} (trainer.nnodes * trainer.n_gpus_per_node = "
+                f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})"
+            )
         check_async_run(self)  # trainer.v1 modes against placement, batch sizes and run length
 
     def check_roles(self, *, critic: bool, reference: bool, reward_model: bool, teacher: bool) -> None:
@@ -148,9 +157,11 @@ class TrainerRunConfig(BaseConfig):
             _check_source("distillation.teacher_model", source, path_key="model_path", family_required=False)
             student = arr.model.config
             if student is not None and source.config is not None and student.vocab_size != source.config.vocab_size:
-                raise ValueError(f"distillation.teacher_model.config.vocab_size={source.config.vocab_size} must equal "
-                                 f"actor_rollout_ref.model.config.vocab_size={student.vocab_size} "
-                                 "(teacher and student share the tokenizer)")
+                raise ValueError(
+                    f"distillation.teacher_model.config.vocab_size={source.config.vocab_size} must equal "
+                    f"actor_rollout_ref.model.config.vocab_size={student.vocab_size} "
+                    "(teacher and student share the tokenizer)"
+                )
         if reference:
             self._check_forward_only("actor_rollout_ref.ref", arr.ref.megatron, arr.model, world)
         if reward_model:
@@ -163,39 +174,53 @@ class TrainerRunConfig(BaseConfig):
         arr, data = self.actor_rollout_ref, self.data
         pairs = (
             (rollout_n_key, rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),
-            ("actor_rollout_ref.rollout.prompt_length", arr.rollout.prompt_length,
-             "data.max_prompt_length", data.max_prompt_length),
-            ("actor_rollout_ref.rollout.response_length", arr.rollout.response_length,
-             "data.max_response_length", data.max_response_length),
+            (
+                "actor_rollout_ref.rollout.prompt_length",
+                arr.rollout.prompt_length,
+                "data.max_prompt_length",
+                data.max_prompt_length,
+            ),
+            (
+                "actor_rollout_ref.rollout.response_length",
+                arr.rollout.response_length,
+                "data.max_response_length",
+                data.max_response_length,
+            ),
         )
         for name, value, source, expected in pairs:
             if value != expected:
-                raise ValueError(f"{name}={value} disagrees with {source}={expected}; leave {name} out "
-                                 f"(it is derived from {source})")
+                raise ValueError(
+                    f"{name}={value} disagrees with {source}={expected}; leave {name} out (it is derived from {source})"
+                )
 
-    def _layout(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig],
-                world: int) -> dict:
+    def _layout(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig], world: int) -> dict:
         """Validate ``megatron``'s layout on ``world`` ranks (and against an inline model, its layers split
         as ``megatron.override_transformer_config``'s uneven-pipeline fields and ``account_for_*`` flags
         say); return sizes."""
         if self.trainer.device == "cpu" and megatron.context_parallel_size > 1:
-            raise ValueError(f"{where}.megatron.context_parallel_size={megatron.context_parallel_size} needs "
-                             "TransformerEngine attention (trainer.device='cuda'); use 1 on CPU")
+            raise ValueError(
+                f"{where}.megatron.context_parallel_size={megatron.context_parallel_size} needs "
+                "TransformerEngine attention (trainer.device='cuda'); use 1 on CPU"
+            )
         model = source.config if source is not None else None
         dims = {}
         if model is not None:
-            dims = dict(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                        num_query_groups=model.num_query_groups or model.num_attention_heads,
-                        num_experts=model.num_moe_experts)
+            dims = dict(
+                num_layers=model.num_layers,
+                num_attention_heads=model.num_attention_heads,
+                num_query_groups=model.num_query_groups or model.num_attention_heads,
+                num_experts=model.num_moe_experts,
+            )
             dims.update(uneven_pipeline_fields(megatron.override_transformer_config))
         try:
             return megatron.parallel().validate(world, **dims)
         except ValueError as err:
-            raise ValueError(f"{where}.megatron: {err} (world_size={world} = trainer.nnodes * "
-                             f"trainer.n_gpus_per_node = {self.trainer.nnodes}*{self.trainer.n_gpus_per_node})") from None
+            raise ValueError(
+                f"{where}.megatron: {err} (world_size={world} = trainer.nnodes * "
+                f"trainer.n_gpus_per_node = {self.trainer.nnodes}*{self.trainer.n_gpus_per_node})"
+            ) from None
 
-    def _check_batch(self, where: str, cfg: ActorConfig | CriticConfig, source: ModelSourceConfig,
-                     world: int) -> None:
+    def _check_batch(self, where: str, cfg: ActorConfig | CriticConfig, source: ModelSourceConfig, world: int) -> None:
         """verl's batch arithmetic for a trained role: prompts split into mini-batches, each
         mini-batch's responses split evenly over data-parallel ranks and into micro-batches. Under
         ``use_dynamic_bsz`` token budgets form the micro-batches, so (as verl) the micro-batch size
@@ -205,32 +230,47 @@ class TrainerRunConfig(BaseConfig):
         if train < mini:
             raise ValueError(f"data.train_batch_size={train} must be >= {where}.ppo_mini_batch_size={mini}")
         if (train * n) % (mini * n):
-            raise ValueError(f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
-                             f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n}")
+            raise ValueError(
+                f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
+                f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n}"
+            )
         dp = self._layout(where, cfg.megatron, source, world)["dp"]
-        dynamic = cfg.use_dynamic_bsz if cfg.use_dynamic_bsz is not None else self.actor_rollout_ref.actor.use_dynamic_bsz
+        dynamic = (
+            cfg.use_dynamic_bsz if cfg.use_dynamic_bsz is not None else self.actor_rollout_ref.actor.use_dynamic_bsz
+        )
         if dynamic and (mini * n) % dp:
-            raise ValueError(f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
-                             f"the data-parallel size {dp} of {where}")
+            raise ValueError(
+                f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
+                f"the data-parallel size {dp} of {where}"
+            )
         if not dynamic and (mini * n) % (dp * micro):
-            raise ValueError(f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
-                             f"data-parallel size * {where}.ppo_micro_batch_size_per_gpu = {dp}*{micro} = {dp * micro}")
+            raise ValueError(
+                f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
+                f"data-parallel size * {where}.ppo_micro_batch_size_per_gpu = {dp}*{micro} = {dp * micro}"
+            )
 
-    def _check_forward_only(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig],
-                            world: int) -> None:
+    def _check_forward_only(
+        self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig], world: int
+    ) -> None:
         n, train = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
         dp = self._layout(where, megatron, source, world)["dp"]
         if (train * n) % dp:
-            raise ValueError(f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
-                             f"the data-parallel size {dp} of {where}")
+            raise ValueError(
+                f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
+                f"the data-parallel size {dp} of {where}"
+            )
 
 
 def _check_source(where: str, source: Any, *, path_key: str = "path", family_required: bool = True) -> None:
     path = getattr(source, path_key)
     if (path is None) == (source.config is None):
         got = "neither" if path is None else "both"
-        raise ValueError(f"{where}: set exactly one of {where}.{path_key} (an HF checkpoint directory) and "
-                         f"{where}.config (an inline ModelConfig); got {got}")
+        raise ValueError(
+            f"{where}: set exactly one of {where}.{path_key} (an HF checkpoint directory) and "
+            f"{where}.config (an inline ModelConfig); got {got}"
+        )
     if family_required and source.config is not None and source.family is None:
-        raise ValueError(f"{where}.family must name the HF family an inline model is exported as for vLLM "
-                         f"(e.g. 'qwen3') when {where}.config is set")
+        raise ValueError(
+            f"{where}.family must name the HF family an inline model is exported as for vLLM "
+            f"(e.g. 'qwen3') when {where}.config is set"
+        )

@@ -37,8 +37,15 @@ from typing import Any, Optional
 
 from megatron_rl.config.base import BaseConfig, check_choice, check_range
 
-__all__ = ["V1Config", "ColocateAsyncConfig", "SeparateAsyncConfig", "SamplerConfig", "TRAINER_MODES",
-           "OFF_POLICY_STRATEGIES", "check_async_run"]
+__all__ = [
+    "V1Config",
+    "ColocateAsyncConfig",
+    "SeparateAsyncConfig",
+    "SamplerConfig",
+    "TRAINER_MODES",
+    "OFF_POLICY_STRATEGIES",
+    "check_async_run",
+]
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
@@ -82,10 +89,11 @@ class SamplerConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         if self.max_off_policy_threshold is not None and self.max_off_policy_threshold < 0:
-            raise ValueError(f"trainer.v1.sampler.max_off_policy_threshold={self.max_off_policy_threshold} must be "
-                             ">= 0 (policy versions a sample may lag the trainer; 0 = on-policy) or null (unbounded)")
-        check_choice("trainer.v1.sampler.max_off_policy_strategy", self.max_off_policy_strategy,
-                     OFF_POLICY_STRATEGIES)
+            raise ValueError(
+                f"trainer.v1.sampler.max_off_policy_threshold={self.max_off_policy_threshold} must be "
+                ">= 0 (policy versions a sample may lag the trainer; 0 = on-policy) or null (unbounded)"
+            )
+        check_choice("trainer.v1.sampler.max_off_policy_strategy", self.max_off_policy_strategy, OFF_POLICY_STRATEGIES)
 
 
 @dataclasses.dataclass
@@ -106,16 +114,21 @@ class V1Config(BaseConfig):
     version). Needs an async ``trainer_mode`` and the in-process vLLM engine (see the module docstring)."""
 
     def __post_init__(self) -> None:
-        for name, cls in (("colocate_async", ColocateAsyncConfig), ("separate_async", SeparateAsyncConfig),
-                          ("sampler", SamplerConfig)):
+        for name, cls in (
+            ("colocate_async", ColocateAsyncConfig),
+            ("separate_async", SeparateAsyncConfig),
+            ("sampler", SamplerConfig),
+        ):
             if isinstance(getattr(self, name), Mapping):
                 setattr(self, name, cls.from_dict(getattr(self, name), path=name))
         check_choice("trainer.v1.trainer_mode", self.trainer_mode, TRAINER_MODES)
         if self.partial_rollout and self.trainer_mode == "sync":
-            raise ValueError("trainer.v1.partial_rollout=True is not supported: the rollout engine pauses "
-                             "generations only for weight pushes that arrive while it generates, and "
-                             "trainer.v1.trainer_mode='sync' never pushes then; use trainer_mode='colocate_async' "
-                             "or 'separate_async', or set trainer.v1.partial_rollout=false")
+            raise ValueError(
+                "trainer.v1.partial_rollout=True is not supported: the rollout engine pauses "
+                "generations only for weight pushes that arrive while it generates, and "
+                "trainer.v1.trainer_mode='sync' never pushes then; use trainer_mode='colocate_async' "
+                "or 'separate_async', or set trainer.v1.partial_rollout=false"
+            )
 
     @property
     def is_async(self) -> bool:
@@ -139,57 +152,83 @@ def check_async_run(config: Any) -> None:
         check_range(f"actor_rollout_ref.rollout.{key}", getattr(rollout, key), low=0)
     separate = rollout.nnodes > 0
     if separate and rollout.n_gpus_per_node < 1:
-        raise ValueError(f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} places the rollout on its own resources "
-                         f"and needs actor_rollout_ref.rollout.n_gpus_per_node >= 1, got {rollout.n_gpus_per_node}")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} places the rollout on its own resources "
+            f"and needs actor_rollout_ref.rollout.n_gpus_per_node >= 1, got {rollout.n_gpus_per_node}"
+        )
     if separate and trainer.device == "cpu" and rollout.nnodes != 1:
-        raise ValueError(f"actor_rollout_ref.rollout.nnodes={rollout.nnodes}: on CPU the separate rollout is one "
-                         "process on this machine (nnodes=1, n_gpus_per_node = its CPUs)")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.nnodes={rollout.nnodes}: on CPU the separate rollout is one "
+            "process on this machine (nnodes=1, n_gpus_per_node = its CPUs)"
+        )
     mode = v1.trainer_mode
     if mode == "separate_async" and not separate:
-        raise ValueError("trainer.v1.trainer_mode='separate_async' needs the rollout on its own resources: set "
-                         "actor_rollout_ref.rollout.nnodes >= 1 and n_gpus_per_node >= 1 (got nnodes="
-                         f"{rollout.nnodes}); for a colocated rollout use trainer_mode='colocate_async'")
+        raise ValueError(
+            "trainer.v1.trainer_mode='separate_async' needs the rollout on its own resources: set "
+            "actor_rollout_ref.rollout.nnodes >= 1 and n_gpus_per_node >= 1 (got nnodes="
+            f"{rollout.nnodes}); for a colocated rollout use trainer_mode='colocate_async'"
+        )
     if mode == "colocate_async" and separate:
-        raise ValueError(f"trainer.v1.trainer_mode='colocate_async' shares the trainer's resources, but "
-                         f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} separates the rollout; set nnodes=0 "
-                         "or use trainer_mode='separate_async'")
+        raise ValueError(
+            f"trainer.v1.trainer_mode='colocate_async' shares the trainer's resources, but "
+            f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} separates the rollout; set nnodes=0 "
+            "or use trainer_mode='separate_async'"
+        )
     if mode == "sync" and separate:
-        raise ValueError(f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} (a separate rollout) idles one side "
-                         "of the machine in trainer.v1.trainer_mode='sync'; use separate_async, or nnodes=0")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} (a separate rollout) idles one side "
+            "of the machine in trainer.v1.trainer_mode='sync'; use separate_async, or nnodes=0"
+        )
     if mode == "sync":
         return
     if v1.partial_rollout and not rollout.in_process_engine:
-        raise ValueError("trainer.v1.partial_rollout=True needs actor_rollout_ref.rollout.in_process_engine=True: "
-                         "the pause between engine steps drives the in-process vLLM engine (got "
-                         "in_process_engine=False, an engine core in its own process, which cannot be paused here)")
+        raise ValueError(
+            "trainer.v1.partial_rollout=True needs actor_rollout_ref.rollout.in_process_engine=True: "
+            "the pause between engine steps drives the in-process vLLM engine (got "
+            "in_process_engine=False, an engine core in its own process, which cannot be paused here)"
+        )
     if trainer.device == "cuda" and rollout.free_cache_engine:
-        raise ValueError(f"trainer.v1.trainer_mode={mode!r} generates while the actor trains, so the engine must "
-                         "stay awake: set actor_rollout_ref.rollout.free_cache_engine=false")
+        raise ValueError(
+            f"trainer.v1.trainer_mode={mode!r} generates while the actor trains, so the engine must "
+            "stay awake: set actor_rollout_ref.rollout.free_cache_engine=false"
+        )
     if config.actor_rollout_ref.rollout.multi_turn.enable:
-        raise ValueError(f"trainer.v1.trainer_mode={mode!r} with actor_rollout_ref.rollout.multi_turn.enable=True "
-                         "is not supported (agent sessions run synchronously)")
+        raise ValueError(
+            f"trainer.v1.trainer_mode={mode!r} with actor_rollout_ref.rollout.multi_turn.enable=True "
+            "is not supported (agent sessions run synchronously)"
+        )
     # DAPO dynamic sampling (algorithm.filter_groups) works here: the rollouter filters each finished
     # group before the replay buffer and the trainer waits for enough kept ones
     gen, train_prompts = config.data.gen_batch_size, config.data.train_batch_size
     if gen is not None and train_prompts % gen:
-        raise ValueError(f"data.gen_batch_size={gen} must divide data.train_batch_size={train_prompts} in "
-                         f"trainer.v1.trainer_mode={mode!r} (the rollouter submits whole prompt batches)")
+        raise ValueError(
+            f"data.gen_batch_size={gen} must divide data.train_batch_size={train_prompts} in "
+            f"trainer.v1.trainer_mode={mode!r} (the rollouter submits whole prompt batches)"
+        )
     if mode == "separate_async" and config.reward.reward_model.enable:
-        raise ValueError("trainer.v1.trainer_mode='separate_async' with reward.reward_model.enable=True is not "
-                         "supported: the rollouter scores on its own thread while the trainer's groups run")
+        raise ValueError(
+            "trainer.v1.trainer_mode='separate_async' with reward.reward_model.enable=True is not "
+            "supported: the rollouter scores on its own thread while the trainer's groups run"
+        )
     if mode == "separate_async":
         mini, train = config.actor_rollout_ref.actor.ppo_mini_batch_size, config.data.train_batch_size
         step = v1.separate_async.parameter_sync_step
         if train != step * mini:
-            raise ValueError(f"trainer.v1.separate_async.parameter_sync_step={step}: verl's separate_async pushes "
-                             f"weights every parameter_sync_step mini-batches, once per step, so data.train_batch_size"
-                             f"={train} must equal parameter_sync_step * actor_rollout_ref.actor.ppo_mini_batch_size "
-                             f"= {step}*{mini} = {step * mini}")
+            raise ValueError(
+                f"trainer.v1.separate_async.parameter_sync_step={step}: verl's separate_async pushes "
+                f"weights every parameter_sync_step mini-batches, once per step, so data.train_batch_size"
+                f"={train} must equal parameter_sync_step * actor_rollout_ref.actor.ppo_mini_batch_size "
+                f"= {step}*{mini} = {step * mini}"
+            )
         if not rollout.calculate_log_probs:
-            raise ValueError("trainer.v1.trainer_mode='separate_async' forces bypass mode (the rollout's log-probs "
-                             "are the old ones): set actor_rollout_ref.rollout.calculate_log_probs=True")
+            raise ValueError(
+                "trainer.v1.trainer_mode='separate_async' forces bypass mode (the rollout's log-probs "
+                "are the old ones): set actor_rollout_ref.rollout.calculate_log_probs=True"
+            )
     ahead, total = v1.lookahead(), trainer.total_training_steps
     section = "colocate_async" if mode == "colocate_async" else "separate_async"
     if total is not None and ahead >= total:
-        raise ValueError(f"trainer.v1.{section}.num_warmup_batches={ahead} is not smaller than "
-                         f"trainer.total_training_steps={total}: the batches generated ahead would never be trained on")
+        raise ValueError(
+            f"trainer.v1.{section}.num_warmup_batches={ahead} is not smaller than "
+            f"trainer.total_training_steps={total}: the batches generated ahead would never be trained on"
+        )

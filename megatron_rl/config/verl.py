@@ -62,8 +62,10 @@ def omega_conf_to_dataclass(config: Any, dataclass_type: Optional[type] = None) 
     if dataclass_type is None:
         target = config.get("_target_")
         if target is None:
-            raise ValueError("omega_conf_to_dataclass: without dataclass_type the config must name its class in "
-                             f"_target_; got keys {sorted(config)}")
+            raise ValueError(
+                "omega_conf_to_dataclass: without dataclass_type the config must name its class in "
+                f"_target_; got keys {sorted(config)}"
+            )
         name = str(target).rpartition(".")[2]
         classes = _target_classes()
         if name not in classes:
@@ -140,14 +142,22 @@ def _nearest(path: str, known: tuple[str, ...]) -> str:
 
 def format_key_table(table: KeyTable, source: str = "config") -> str:
     """The short table the entry points print: counts, the warned keys, the refused keys with the nearest valid key."""
-    lines = [f"verl keys of {source}:",
-             f"  acted on                  {len(table.acted):4d}",
-             f"  accepted, no effect here  {len(table.inert):4d}  ({len(table.warned)} set away from verl's default, warned)",
-             f"  refused                   {len(table.refused):4d}"]
+    lines = [
+        f"verl keys of {source}:",
+        f"  acted on                  {len(table.acted):4d}",
+        f"  accepted, no effect here  {len(table.inert):4d}  ({len(table.warned)} set away from verl's default, warned)",
+        f"  refused                   {len(table.refused):4d}",
+    ]
     lines += [f"    warned: {key}" for key in table.warned[:20]]
     if len(table.warned) > 20:
         lines.append(f"    ... and {len(table.warned) - 20} more warned keys")
     for key, nearest in table.refused:
-        why = f"  ({table.reasons[key]})" if key in table.reasons else f"  (nearest valid key: {nearest})" if nearest else ""
+        why = (
+            f"  ({table.reasons[key]})"
+            if key in table.reasons
+            else f"  (nearest valid key: {nearest})"
+            if nearest
+            else ""
+        )
         lines.append(f"    refused: {key}{why}")
     return "\n".join(lines)

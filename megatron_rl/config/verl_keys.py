@@ -94,16 +94,29 @@ VERL_TARGETS: dict[str, tuple[str, ...]] = {
 """Our section class -> the verl classes a ``_target_`` in that section may name (by last component)."""
 
 CANONICAL_PATHS: dict[str, str] = {
-    "AlgoConfig": "algorithm", "KLControlConfig": "algorithm.kl_ctrl", "FilterGroupsConfig": "algorithm.filter_groups",
-    "RolloutCorrectionConfig": "algorithm.rollout_correction", "PolicyLossConfig": "actor_rollout_ref.actor.policy_loss",
-    "OptimConfig": "actor_rollout_ref.actor.optim", "ActorConfig": "actor_rollout_ref.actor",
-    "ActorRunConfig": "actor_rollout_ref.actor", "RefConfig": "actor_rollout_ref.ref", "CriticConfig": "critic",
-    "CriticRunConfig": "critic", "MegatronConfig": "actor_rollout_ref.actor.megatron",
-    "ModelSourceConfig": "actor_rollout_ref.model", "RolloutConfig": "actor_rollout_ref.rollout",
-    "SamplingConfig": "actor_rollout_ref.rollout.val_kwargs", "WeightSyncConfig": "actor_rollout_ref.rollout.checkpoint_engine",
-    "MultiTurnConfig": "actor_rollout_ref.rollout.multi_turn", "AgentLoopConfig": "actor_rollout_ref.rollout.agent",
-    "DataConfig": "data", "TrainerConfig": "trainer", "RewardConfig": "reward",
-    "RewardModelConfig": "reward.reward_model", "DistillationConfig": "distillation",
+    "AlgoConfig": "algorithm",
+    "KLControlConfig": "algorithm.kl_ctrl",
+    "FilterGroupsConfig": "algorithm.filter_groups",
+    "RolloutCorrectionConfig": "algorithm.rollout_correction",
+    "PolicyLossConfig": "actor_rollout_ref.actor.policy_loss",
+    "OptimConfig": "actor_rollout_ref.actor.optim",
+    "ActorConfig": "actor_rollout_ref.actor",
+    "ActorRunConfig": "actor_rollout_ref.actor",
+    "RefConfig": "actor_rollout_ref.ref",
+    "CriticConfig": "critic",
+    "CriticRunConfig": "critic",
+    "MegatronConfig": "actor_rollout_ref.actor.megatron",
+    "ModelSourceConfig": "actor_rollout_ref.model",
+    "RolloutConfig": "actor_rollout_ref.rollout",
+    "SamplingConfig": "actor_rollout_ref.rollout.val_kwargs",
+    "WeightSyncConfig": "actor_rollout_ref.rollout.checkpoint_engine",
+    "MultiTurnConfig": "actor_rollout_ref.rollout.multi_turn",
+    "AgentLoopConfig": "actor_rollout_ref.rollout.agent",
+    "DataConfig": "data",
+    "TrainerConfig": "trainer",
+    "RewardConfig": "reward",
+    "RewardModelConfig": "reward.reward_model",
+    "DistillationConfig": "distillation",
     "DistillationLossConfig": "distillation.distillation_loss",
 }
 """Where a section used on its own (``ActorConfig(...)``, ``AlgoConfig.from_dict(...)``) sits in verl's tree."""
@@ -198,7 +211,7 @@ def verl_default(path: str) -> Any:
     if prefix is None:
         return NO_DEFAULT
     node: Any = catalogue[prefix]
-    for part in path[len(prefix) + 1:].split("."):
+    for part in path[len(prefix) + 1 :].split("."):
         if not isinstance(node, Mapping) or part not in node:
             return NO_DEFAULT
         node = node[part]
@@ -230,8 +243,10 @@ def check_target(cls: type, target: Any, path: str = "") -> None:
     name = str(target).rpartition(".")[2] if isinstance(target, str) else None
     if name is None or (name not in allowed and name != cls.__name__):
         expected = sorted({*(f"verl...{a}" for a in allowed), f"{cls.__module__}.{cls.__name__}"})
-        raise ValueError(f"{where}={target!r} names a class that does not fit this section ({cls.__name__}); "
-                         f"expected one of {expected}")
+        raise ValueError(
+            f"{where}={target!r} names a class that does not fit this section ({cls.__name__}); "
+            f"expected one of {expected}"
+        )
 
 
 LEGACY_SECTIONS = ("reward_model", "custom_reward_function", "sandbox_fusion")
@@ -290,7 +305,7 @@ router-replay options that moved under ``actor.megatron``. A section maps every 
 
 RETIRED_KEYS: dict[str, str] = {
     "trainer.use_legacy_worker_impl": "verl's switch between its old and new worker classes; one worker "
-                                      "implementation is built here",
+    "implementation is built here",
     "reward_model.use_reward_loop": "verl's switch to its reward loop; rewards are always scored in the rollout phase",
 }
 """Keys an older verl accepted that name no setting here: dropped with a note giving the reason."""
@@ -307,7 +322,7 @@ def legacy_successor(path: str) -> Optional[str]:
     """The current key of the older verl key ``path``, or None when it has none."""
     for old, new in LEGACY_KEYS:
         if path == old or path.startswith(old + "."):
-            return new + path[len(old):]
+            return new + path[len(old) :]
     return None
 
 
@@ -371,14 +386,18 @@ def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             yield from _leaves(value, f"{path}.")
             continue
-        default = f.default_factory() if f.default is dataclasses.MISSING and f.default_factory is not \
-            dataclasses.MISSING else f.default
+        default = (
+            f.default_factory()
+            if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING
+            else f.default
+        )
         yield path, value, default
 
 
 def warn_inert_keys(config: Any) -> list[str]:
     """Warn (``InertKeyWarning``) for every inert key of ``config`` set to a value that is neither the
     field's default nor verl's (``algorithm.pf_ppo`` holds verl's options by default); return the texts."""
+
     def verl_default(path: str, value: Any) -> bool:
         return is_verl_key(path) and not any(differs_from_verl(leaf, v) for leaf, v in leaves_of(value, path))
 
@@ -393,8 +412,9 @@ def warn_inert_keys(config: Any) -> list[str]:
     return messages
 
 
-def take_verl_extras(cls: type, fields: set[str], data: Mapping[str, Any], path: str = "",
-                     *, unknown: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def take_verl_extras(
+    cls: type, fields: set[str], data: Mapping[str, Any], path: str = "", *, unknown: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split section ``data`` into ``(own keys, verl-only extras)``.
 
     ``_target_`` is checked and dropped; a key that is not one of ``fields`` is an extra when it
@@ -424,9 +444,11 @@ def warn_verl_extras(cls: type, extras: Mapping[str, Any], path: str = "") -> li
     for key, value in extras.items():
         for leaf, leaf_value in leaves_of(value, f"{base}.{key}" if base else key):
             if differs_from_verl(leaf, leaf_value):
-                name = shown + leaf[len(base):] if base else leaf
-                messages.append(f"{name}={leaf_value!r} is accepted for verl compatibility but has no effect "
-                                f"here: {inert_reason(leaf)}")
+                name = shown + leaf[len(base) :] if base else leaf
+                messages.append(
+                    f"{name}={leaf_value!r} is accepted for verl compatibility but has no effect "
+                    f"here: {inert_reason(leaf)}"
+                )
     for message in messages:
         warn_once(message)
     return messages
@@ -446,9 +468,11 @@ def attach_extras(obj: Any, extras: Mapping[str, Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------- run-tree normalisation
-_MICRO_BATCH_KEYS = (("actor_rollout_ref.actor", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"),
-                     ("critic", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"),
-                     ("actor_rollout_ref.ref", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu"))
+_MICRO_BATCH_KEYS = (
+    ("actor_rollout_ref.actor", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"),
+    ("critic", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"),
+    ("actor_rollout_ref.ref", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu"),
+)
 
 
 def _get(data: Mapping, path: str, default: Any = None) -> Any:
@@ -503,8 +527,10 @@ def normalize(data: dict) -> dict:
             continue
         total, per_gpu = node.pop(global_key, None), node.get(per_gpu_key)
         if total is not None and per_gpu is not None:
-            raise ValueError(f"{section}: both {section}.{global_key}={total} and {section}.{per_gpu_key}={per_gpu} "
-                             f"are set; remove {global_key} (verl deprecated it for {per_gpu_key})")
+            raise ValueError(
+                f"{section}: both {section}.{global_key}={total} and {section}.{per_gpu_key}={per_gpu} "
+                f"are set; remove {global_key} (verl deprecated it for {per_gpu_key})"
+            )
         if total is not None:
             node[per_gpu_key] = max(1, int(total) // _dp_size(data, section))
         elif per_gpu_key in node and per_gpu is None and global_key == "ppo_micro_batch_size":
@@ -522,7 +548,9 @@ def translate_kwargs(cls: type, kwargs: dict) -> dict:
             if total is None:
                 continue
             if kwargs.get(per_gpu_key) is not None:
-                raise ValueError(f"both {global_key}={total} and {per_gpu_key}={kwargs[per_gpu_key]} are set; remove "
-                                 f"{global_key} (verl deprecated it for {per_gpu_key})")
+                raise ValueError(
+                    f"both {global_key}={total} and {per_gpu_key}={kwargs[per_gpu_key]} are set; remove "
+                    f"{global_key} (verl deprecated it for {per_gpu_key})"
+                )
             kwargs[per_gpu_key] = int(total)
     return kwargs

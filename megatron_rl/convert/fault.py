@@ -30,15 +30,19 @@ def apply_fault(weight_map, model_cfg):
             if not name.endswith("self_attn.q_proj.weight") or dim not in (None, 0):
                 return plain(self, name, dim, start, stop, out=out)
             full = plain(self, name).clone()
-            full[:head_dim], full[head_dim: 2 * head_dim] = full[head_dim: 2 * head_dim].clone(), full[:head_dim].clone()
+            full[:head_dim], full[head_dim : 2 * head_dim] = (
+                full[head_dim : 2 * head_dim].clone(),
+                full[:head_dim].clone(),
+            )
             wrong = full if dim is None else full[start:stop]
             return wrong if out is None else out.copy_(wrong)
 
         HFCheckpointReader.read = read
         return weight_map
     if fault == "gate_up":
-        rules = tuple(dataclasses.replace(r, hf=r.hf[::-1]) if r.transform == "gate_up" else r
-                      for r in weight_map.rules)
+        rules = tuple(
+            dataclasses.replace(r, hf=r.hf[::-1]) if r.transform == "gate_up" else r for r in weight_map.rules
+        )
         return dataclasses.replace(weight_map, rules=rules)
     experts = model_cfg.num_moe_experts
     if not experts:
@@ -55,5 +59,3 @@ def apply_fault(weight_map, model_cfg):
 
     rules = tuple(Shifted(r.megatron, r.hf, r.transform, r.export) if r.is_expert else r for r in weight_map.rules)
     return dataclasses.replace(weight_map, rules=rules)
-
-

@@ -30,12 +30,32 @@ from pathlib import Path
 
 # Nothing imported here loads torch or transformers: ``main`` starts the ranks' fork server first.
 from megatron_rl.convert.support import (
-    DTYPES, METADATA_FILE, METADATA_VERSION, FastEncoder, ToolError, check_tokenizer, copy_files, dir_bytes,
-    ensure_space, exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
+    DTYPES,
+    METADATA_FILE,
+    METADATA_VERSION,
+    FastEncoder,
+    ToolError,
+    check_tokenizer,
+    copy_files,
+    dir_bytes,
+    ensure_space,
+    exit_now,
+    fast_hf_config,
+    fast_tokenizer_size,
+    fmt_bytes,
+    load_tokenizer,
+    run_main,
+    side_files,
 )
 from megatron_rl.convert.fault import apply_fault
 from megatron_rl.convert.launch import (
-    add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout, under_torchrun,
+    add_layout_args,
+    is_driver,
+    launch,
+    prestart,
+    prestart_for,
+    resolve_layout,
+    under_torchrun,
 )
 from megatron_rl.convert.output import AtomicDir, Progress, TreeMemory, check_output_dir, peak_summary, rank_peaks
 
@@ -47,15 +67,27 @@ def _parse(argv=None, prog: str = "convert_hf_to_mcore.py") -> argparse.Namespac
     p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--out-dir", required=True, help="Megatron checkpoint directory to create")
     add_layout_args(p, required=True)
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="parameter dtype of the Megatron checkpoint (auto: config.json's dtype, else fp32)")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the embedding to a multiple of this x TP (Megatron-LM's default 128)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="parameter dtype of the Megatron checkpoint (auto: config.json's dtype, else fp32)",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the embedding to a multiple of this x TP (Megatron-LM's default 128)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
-    p.add_argument("--ckpt-layout", choices=("megatron-lm", "flat"), default="megatron-lm",
-                   help="megatron-lm (default): Megatron-LM's --load layout (latest_checkpointed_iteration.txt = "
-                        "release, the dist checkpoint in release/, megatron_args.json beside it); flat: the dist "
-                        "checkpoint files directly in --out-dir (older conversions; both are read back)")
+    p.add_argument(
+        "--ckpt-layout",
+        choices=("megatron-lm", "flat"),
+        default="megatron-lm",
+        help="megatron-lm (default): Megatron-LM's --load layout (latest_checkpointed_iteration.txt = "
+        "release, the dist checkpoint in release/, megatron_args.json beside it); flat: the dist "
+        "checkpoint files directly in --out-dir (older conversions; both are read back)",
+    )
     add_verify_args(p)
     args = p.parse_args(argv)
     for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
@@ -96,8 +128,9 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
     mesh = init_mesh(pc)
     fork_write_queue()  # before the weights exist
     stages = ["build model", "check HF weights", "read + save dist checkpoint"]
-    progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
-                        enabled=rank == 0)
+    progress = Progress(
+        stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []), enabled=rank == 0
+    )
     try:
         with progress:
             progress.stage(stages[0])
@@ -117,9 +150,15 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                 # One .distcp file per rank, written by the rank itself: no writer process holding a
                 # copy-on-write image of it (the writer fsyncs each file as Megatron's does).
                 # checkpoint_version 3.0: Megatron-LM would otherwise treat it as a pre-2.0 checkpoint.
-                save_model(streamed.chunks, ckpt, metadata={"family": spec["family"], "layout": spec["layout"]},
-                           common={"checkpoint_version": 3.0, "iteration": 0}, writer_threads=1, in_process=True,
-                           write_hooks=streamed)
+                save_model(
+                    streamed.chunks,
+                    ckpt,
+                    metadata={"family": spec["family"], "layout": spec["layout"]},
+                    common={"checkpoint_version": 3.0, "iteration": 0},
+                    writer_threads=1,
+                    in_process=True,
+                    write_hooks=streamed,
+                )
                 del streamed
             finally:
                 done.set()
@@ -135,22 +174,30 @@ def convert_ranks(rank: int, world: int, spec: dict) -> dict:
                         for param in chunk.parameters():
                             param.fill_(float("nan"))
                 load_model(chunks, ckpt, in_place_merges=True)  # fc1 loads into its halves: no copy
-                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"],
-                                         release=True)
+                logits = verify_forwards(
+                    chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"], release=True
+                )
         peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
-    return {"logits": logits, "bytes_read": bytes_read, "checkpoint_bytes": report.checkpoint_bytes,
-            "peaks": peaks, "marks": marks}
+    return {
+        "logits": logits,
+        "bytes_read": bytes_read,
+        "checkpoint_bytes": report.checkpoint_bytes,
+        "peaks": peaks,
+        "marks": marks,
+    }
 
 
 def _timings(result: dict, t0: float) -> str:
     """Where the time went, from rank 0's marks: until the ranks ran, the model build, the read, the save."""
     m = result["marks"]
     both = m["saved"] - m["read"]
-    return (f"ranks up at {m['started'] - t0:.1f} s, model built in {m['built'] - m['started']:.1f} s, HF weights "
-            f"checked in {m['read'] - m['built']:.1f} s, rank 0 read and saved {fmt_bytes(result['bytes_read'])} in "
-            f"{both:.1f} s ({result['bytes_read'] / 2**20 / max(both, 1e-3):.0f} MB/s)")
+    return (
+        f"ranks up at {m['started'] - t0:.1f} s, model built in {m['built'] - m['started']:.1f} s, HF weights "
+        f"checked in {m['read'] - m['built']:.1f} s, rank 0 read and saved {fmt_bytes(result['bytes_read'])} in "
+        f"{both:.1f} s ({result['bytes_read'] / 2**20 / max(both, 1e-3):.0f} MB/s)"
+    )
 
 
 def _check_mtp(hf_dir: Path, mtp):
@@ -165,8 +212,9 @@ def _check_mtp(hf_dir: Path, mtp):
     with open_dequantizing(HFCheckpointReader(hf_dir), hf_dir) as reader:
         errors = mtp.check(reader, count)
         if errors:
-            raise ToolError(f"{hf_dir}: bad multi-token-prediction layers (num_nextn_predict_layers={count}): "
-                            + "; ".join(errors))
+            raise ToolError(
+                f"{hf_dir}: bad multi-token-prediction layers (num_nextn_predict_layers={count}): " + "; ".join(errors)
+            )
         return mtp if mtp.names(reader, count) else None
 
 
@@ -211,8 +259,9 @@ def _convert(args: argparse.Namespace) -> int:
     family = get_family(hf_config)
     architecture = next(a for a in hf_config.architectures if a in family.architectures)
     dtype = _model_dtype(args.dtype, hf_config)
-    model_cfg = family.model_config(hf_config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                    params_dtype=dtype)
+    model_cfg = family.model_config(
+        hf_config, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, params_dtype=dtype
+    )
     pc, world, device, layout = resolve_layout(args, model_cfg)
     mtp = _check_mtp(hf_dir, family.weight_map(model_cfg).mtp)  # incomplete / mis-shaped: named, nothing written
     # The tokenizer's size, and --verify's prompt ids, from tokenizer.json where that is exact.
@@ -221,13 +270,17 @@ def _convert(args: argparse.Namespace) -> int:
     if tokenizer is None:
         tokenizer = encoder = load_tokenizer(hf_dir)
     tokenizer_size = check_tokenizer(tokenizer, model_cfg.vocab_size, hf_dir)
-    verify_ids, lengths = (verify_inputs(encoder, model_cfg.vocab_size, pc.tensor_model_parallel_size)
-                           if args.verify else (None, None))
+    verify_ids, lengths = (
+        verify_inputs(encoder, model_cfg.vocab_size, pc.tensor_model_parallel_size) if args.verify else (None, None)
+    )
     verify_dtypes = verify_settings(args, dtype)
     extra = side_files(hf_dir)
     if is_driver():
-        print(f"converting {family.name} checkpoint {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) to a "
-              f"Megatron checkpoint at {layout} on {world} {device} ranks, {dtype}", flush=True)
+        print(
+            f"converting {family.name} checkpoint {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) to a "
+            f"Megatron checkpoint at {layout} on {world} {device} ranks, {dtype}",
+            flush=True,
+        )
 
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
     ensure_space(out, hf_numel * itemsize, "the Megatron checkpoint")  # before any rank starts
@@ -235,39 +288,66 @@ def _convert(args: argparse.Namespace) -> int:
     atomic = AtomicDir(out, args.overwrite)
     memory = TreeMemory()  # the ranks are this process's descendants (not under torchrun)
     with atomic as tmp, memory if not under_torchrun() else contextlib.nullcontext():
-        spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=architecture, family=family.name,
-                    hf_dir=str(hf_dir), tmp=str(tmp), verify_ids=verify_ids, verify_dtypes=verify_dtypes,
-                    expected_bytes=hf_numel * itemsize, t0=t0,
-                    ckpt_subdir="release" if args.ckpt_layout == "megatron-lm" else "")
+        spec = dict(
+            layout=pc.to_dict(),
+            model_cfg=model_cfg,
+            architecture=architecture,
+            family=family.name,
+            hf_dir=str(hf_dir),
+            tmp=str(tmp),
+            verify_ids=verify_ids,
+            verify_dtypes=verify_dtypes,
+            expected_bytes=hf_numel * itemsize,
+            t0=t0,
+            ckpt_subdir="release" if args.ckpt_layout == "megatron-lm" else "",
+        )
         result = launch(convert_ranks, world, spec, device=device)
         if is_driver():
             copy_files(extra, tmp)
             mtp_names = _copy_mtp(hf_dir, mtp, tmp)
-            metadata = dict(format_version=METADATA_VERSION, written_by="megatron_rl.convert.hf_to_mcore",
-                            megatron_rl_version=megatron_rl.__version__, family=family.name,
-                            architecture=architecture, dtype=dtype, layout=pc.to_dict(),
-                            world_size=world, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                            hf_config=config_dict, hf_tensors=len(names), hf_numel=hf_numel, hf_bytes=hf_bytes,
-                            tokenizer_size=tokenizer_size, ckpt_layout=args.ckpt_layout,
-                            side_files=[f.name for f in extra], source=str(hf_dir),
-                            **({"mtp_file": MTP_FILE, "mtp_tensors": mtp_names} if mtp_names else {}))
+            metadata = dict(
+                format_version=METADATA_VERSION,
+                written_by="megatron_rl.convert.hf_to_mcore",
+                megatron_rl_version=megatron_rl.__version__,
+                family=family.name,
+                architecture=architecture,
+                dtype=dtype,
+                layout=pc.to_dict(),
+                world_size=world,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                hf_config=config_dict,
+                hf_tensors=len(names),
+                hf_numel=hf_numel,
+                hf_bytes=hf_bytes,
+                tokenizer_size=tokenizer_size,
+                ckpt_layout=args.ckpt_layout,
+                side_files=[f.name for f in extra],
+                source=str(hf_dir),
+                **({"mtp_file": MTP_FILE, "mtp_tensors": mtp_names} if mtp_names else {}),
+            )
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
             if args.ckpt_layout == "megatron-lm":
                 from megatron_rl.models.gpt import padded_vocab_size
                 from megatron_rl.convert.megatron_lm import megatron_lm_args, write_megatron_lm_files
 
-                padded = padded_vocab_size(model_cfg.vocab_size, pc.tensor_model_parallel_size,
-                                           model_cfg.make_vocab_size_divisible_by)
+                padded = padded_vocab_size(
+                    model_cfg.vocab_size, pc.tensor_model_parallel_size, model_cfg.make_vocab_size_divisible_by
+                )
                 write_megatron_lm_files(tmp, out, megatron_lm_args(model_cfg, pc, padded))
             if args.verify:
-                diff = max(check_logits(result["logits"], hf_dir, verify_ids, model_cfg.dtype, lengths,
-                                        args.tolerance).values())
+                diff = max(
+                    check_logits(
+                        result["logits"], hf_dir, verify_ids, model_cfg.dtype, lengths, args.tolerance
+                    ).values()
+                )
             atomic.commit()
     if is_driver():
-        line = (f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "
-                f"(Megatron dist checkpoint, {fmt_bytes(dir_bytes(out))}) at {layout} on {world} {device} ranks, "
-                f"{dtype}, in {time.perf_counter() - start:.1f} s ({_timings(result, t0)}), "
-                f"{peak_summary(result['peaks'], memory.peak)}")
+        line = (
+            f"done: {family.name} {hf_dir} ({len(names)} tensors, {fmt_bytes(hf_bytes)}) -> {out} "
+            f"(Megatron dist checkpoint, {fmt_bytes(dir_bytes(out))}) at {layout} on {world} {device} ranks, "
+            f"{dtype}, in {time.perf_counter() - start:.1f} s ({_timings(result, t0)}), "
+            f"{peak_summary(result['peaks'], memory.peak)}"
+        )
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 

@@ -44,8 +44,14 @@ def quiet_warnings() -> None:
 
 def _child(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable, spec: Any, results) -> None:
     quiet_warnings()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     import torch
     import torch.distributed as dist
 
@@ -139,8 +145,10 @@ def launch(fn: Callable[[int, int, Any], Any], world: int, spec: Any, *, device:
     from parallel.testing import find_free_port
 
     if device == "cuda" and torch.cuda.device_count() < world:
-        raise ToolError(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} visible; use --device cpu "
-                        f"or torchrun across nodes")
+        raise ToolError(
+            f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} visible; use --device cpu "
+            f"or torchrun across nodes"
+        )
     if device == "cpu":
         prestart("cpu")  # a no-op when already started
     ctx = mp.get_context("forkserver" if device == "cpu" else "spawn")
@@ -151,8 +159,12 @@ def launch(fn: Callable[[int, int, Any], Any], world: int, spec: Any, *, device:
     if hide_gpus:  # CPU ranks on a GPU machine: Megatron must not see CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        procs = [ctx.Process(target=_child, args=(r, world, port, "nccl" if device == "cuda" else "gloo", threads,
-                                                  fn, spec, results)) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_child, args=(r, world, port, "nccl" if device == "cuda" else "gloo", threads, fn, spec, results)
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
     finally:
@@ -173,8 +185,9 @@ def launch(fn: Callable[[int, int, Any], Any], world: int, spec: Any, *, device:
                 if dead and failure is None:
                     time.sleep(2.0)  # a dying rank may still be delivering its report
                     if results.empty():
-                        failure = ToolError(f"ranks {sorted(dead)} of {world} died without a report (exit codes "
-                                            f"{dead}); out of memory?")
+                        failure = ToolError(
+                            f"ranks {sorted(dead)} of {world} died without a report (exit codes {dead}); out of memory?"
+                        )
                         break
                 continue
             reported.add(rank)
@@ -210,10 +223,17 @@ def add_layout_args(p, *, required: bool) -> None:
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved schedule)")
     p.add_argument("--ep", type=int, default=default, help="expert-parallel size (MoE)")
     p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
-    p.add_argument("--nprocs", default="auto",
-                   help="ranks to spawn on CPU (auto = the fewest the layout needs); under torchrun the launch decides")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the ranks compute (auto: cuda if visible, else cpu)")
+    p.add_argument(
+        "--nprocs",
+        default="auto",
+        help="ranks to spawn on CPU (auto = the fewest the layout needs); under torchrun the launch decides",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the ranks compute (auto: cuda if visible, else cpu)",
+    )
 
 
 def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
@@ -223,9 +243,13 @@ def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
     from parallel.config import ParallelConfig
 
     stored = dict(stored or {})
-    for flag, key in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
-                      ("vpp", "virtual_pipeline_model_parallel_size"), ("ep", "expert_model_parallel_size"),
-                      ("etp", "expert_tensor_parallel_size")):
+    for flag, key in (
+        ("tp", "tensor_model_parallel_size"),
+        ("pp", "pipeline_model_parallel_size"),
+        ("vpp", "virtual_pipeline_model_parallel_size"),
+        ("ep", "expert_model_parallel_size"),
+        ("etp", "expert_tensor_parallel_size"),
+    ):
         if getattr(args, flag) is not None:
             stored[key] = getattr(args, flag)
     if args.vpp is None and args.pp is not None and stored.get("pipeline_model_parallel_size", 1) < 2:
@@ -248,12 +272,16 @@ def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
             raise ToolError(f"--nprocs={nprocs} but torchrun started {world} ranks")
     else:
         world = nprocs or min_world_size(pc)
-    desc = (f"tp={pc.tensor_model_parallel_size} pp={pc.pipeline_model_parallel_size}"
-            + (f" vpp={pc.virtual_pipeline_model_parallel_size}" if pc.virtual_pipeline_model_parallel_size else "")
-            + f" ep={pc.expert_model_parallel_size} etp={pc.effective_expert_tensor_parallel_size}")
+    desc = (
+        f"tp={pc.tensor_model_parallel_size} pp={pc.pipeline_model_parallel_size}"
+        + (f" vpp={pc.virtual_pipeline_model_parallel_size}" if pc.virtual_pipeline_model_parallel_size else "")
+        + f" ep={pc.expert_model_parallel_size} etp={pc.effective_expert_tensor_parallel_size}"
+    )
     if not model_cfg.is_moe and (pc.expert_model_parallel_size > 1 or pc.expert_tensor_parallel_size is not None):
-        raise ToolError(f"the layout {desc} sets expert parallelism, but the model is dense (no MoE experts); "
-                        f"leave --ep at 1 and --etp unset")
+        raise ToolError(
+            f"the layout {desc} sets expert parallelism, but the model is dense (no MoE experts); "
+            f"leave --ep at 1 and --etp unset"
+        )
     try:
         check_layout(pc, world, model_cfg)
     except ValueError as exc:
@@ -280,4 +308,3 @@ def broadcast_str(value: str) -> str:
     from parallel.bridge.collective import broadcast_str as _broadcast
 
     return _broadcast(value)
-

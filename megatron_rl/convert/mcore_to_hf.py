@@ -24,14 +24,38 @@ from pathlib import Path
 
 # Nothing imported here loads torch or transformers: ``main`` starts the ranks' fork server first.
 from megatron_rl.convert.support import (
-    METADATA_FILE, METADATA_VERSION, FastEncoder, ToolError, check_tokenizer, copy_files, dir_bytes, ensure_space,
-    exit_now, fast_hf_config, fast_tokenizer_size, fmt_bytes, load_tokenizer, run_main, side_files,
+    METADATA_FILE,
+    METADATA_VERSION,
+    FastEncoder,
+    ToolError,
+    check_tokenizer,
+    copy_files,
+    dir_bytes,
+    ensure_space,
+    exit_now,
+    fast_hf_config,
+    fast_tokenizer_size,
+    fmt_bytes,
+    load_tokenizer,
+    run_main,
+    side_files,
 )
 from megatron_rl.convert.launch import (
-    add_layout_args, is_driver, launch, prestart, prestart_for, resolve_layout, under_torchrun,
+    add_layout_args,
+    is_driver,
+    launch,
+    prestart,
+    prestart_for,
+    resolve_layout,
+    under_torchrun,
 )
 from megatron_rl.convert.output import (
-    AtomicDir, Progress, TreeMemory, check_output_dir, peak_summary, rank_peaks,
+    AtomicDir,
+    Progress,
+    TreeMemory,
+    check_output_dir,
+    peak_summary,
+    rank_peaks,
 )
 
 
@@ -45,9 +69,12 @@ def _parse(argv=None, prog: str = "convert_mcore_to_hf.py") -> argparse.Namespac
     p.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file, in MiB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
     add_verify_args(p)
-    p.add_argument("--export-fp8", action="store_true",
-                   help="write DeepSeek-V3's FP8 block format (float8_e4m3fn + weight_scale_inv per block) instead of "
-                        "plain tensors (parallel.bridge.fp8.write_fp8_export; --verify checks the plain tensors first)")
+    p.add_argument(
+        "--export-fp8",
+        action="store_true",
+        help="write DeepSeek-V3's FP8 block format (float8_e4m3fn + weight_scale_inv per block) instead of "
+        "plain tensors (parallel.bridge.fp8.write_fp8_export; --verify checks the plain tensors first)",
+    )
     args = p.parse_args(argv)
     for name in ("tp", "pp", "ep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -65,21 +92,27 @@ def read_metadata(mcore_dir: Path) -> dict:
         raise ToolError(f"--mcore-dir {mcore_dir} is not a directory")
     path = mcore_dir / METADATA_FILE
     if not path.is_file():
-        raise ToolError(f"{mcore_dir} has no {METADATA_FILE}: "
-                        "not a checkpoint written by `megatron-rl convert hf-to-mcore`")
+        raise ToolError(
+            f"{mcore_dir} has no {METADATA_FILE}: not a checkpoint written by `megatron-rl convert hf-to-mcore`"
+        )
     if not is_complete_checkpoint(mcore_dir):
         raise ToolError(f"{mcore_dir} is not a complete checkpoint (no {COMPLETE_MARKER}); was its save interrupted?")
     try:
         meta = json.loads(path.read_text())
     except ValueError as exc:
         raise ToolError(f"{path}: not valid JSON: {exc}") from None
-    missing = [k for k in ("format_version", "architecture", "hf_config", "layout", "dtype",
-                           "make_vocab_size_divisible_by") if k not in meta]
+    missing = [
+        k
+        for k in ("format_version", "architecture", "hf_config", "layout", "dtype", "make_vocab_size_divisible_by")
+        if k not in meta
+    ]
     if missing:
         raise ToolError(f"{path}: missing keys {missing}")
     if meta["format_version"] > METADATA_VERSION:
-        raise ToolError(f"{path}: format_version {meta['format_version']} is newer than this tool reads "
-                        f"({METADATA_VERSION}); update megatron_rl")
+        raise ToolError(
+            f"{path}: format_version {meta['format_version']} is newer than this tool reads "
+            f"({METADATA_VERSION}); update megatron_rl"
+        )
     damage = verify_dist_checkpoint(mcore_dir)  # truncated or missing .distcp files, named before any rank starts
     if damage:
         raise ToolError(f"{mcore_dir} is damaged: {'; '.join(damage)}")
@@ -102,8 +135,9 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
     model_cfg, tmp = spec["model_cfg"], Path(spec["tmp"])
     mesh = init_mesh(pc)
     stages = ["build model", "load + export HF safetensors, bucket by bucket"]
-    progress = Progress(stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []),
-                        enabled=rank == 0)
+    progress = Progress(
+        stages + (["verify: reload + forward"] if spec["verify_ids"] is not None else []), enabled=rank == 0
+    )
     try:
         with progress:
             progress.stage(stages[0])
@@ -114,9 +148,16 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
             done = progress.watch(tmp, spec["expected_bytes"])
             try:
                 # A rank holds the parameters of one export bucket at a time, never its shard.
-                save_hf_checkpoint(chunks, get_family(spec["architecture"]).weight_map(model_cfg), tmp,
-                                   spec["hf_config"], mesh=mesh, max_shard_bytes=spec["max_shard_bytes"], stats=stats,
-                                   staging=PartialLoad(chunks, spec["mcore_dir"]))
+                save_hf_checkpoint(
+                    chunks,
+                    get_family(spec["architecture"]).weight_map(model_cfg),
+                    tmp,
+                    spec["hf_config"],
+                    mesh=mesh,
+                    max_shard_bytes=spec["max_shard_bytes"],
+                    stats=stats,
+                    staging=PartialLoad(chunks, spec["mcore_dir"]),
+                )
             finally:
                 done.set()
             logits = None
@@ -124,13 +165,19 @@ def export_ranks(rank: int, world: int, spec: dict) -> dict:
                 progress.stage("verify: reload + forward")
                 restore_storage(chunks)
                 load_model(chunks, spec["mcore_dir"], in_place_merges=True)
-                logits = verify_forwards(chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"],
-                                         release=True)
+                logits = verify_forwards(
+                    chunks, model_cfg, pc, mesh, spec["verify_ids"], spec["verify_dtypes"], release=True
+                )
         peaks = rank_peaks()  # before the groups go
     finally:
         destroy_mesh(mesh)
-    return {"logits": logits, "num_tensors": stats.num_tensors, "bytes": stats.total_bytes,
-            "num_buckets": stats.num_buckets, "peaks": peaks}
+    return {
+        "logits": logits,
+        "num_tensors": stats.num_tensors,
+        "bytes": stats.total_bytes,
+        "num_buckets": stats.num_buckets,
+        "peaks": peaks,
+    }
 
 
 def _config_text(meta: dict, mcore_dir: Path) -> str:
@@ -157,8 +204,9 @@ def _mtp_file(meta: dict, mcore_dir: Path):
 
     path = mcore_dir / meta["mtp_file"]
     if not path.is_file():
-        raise ToolError(f"{mcore_dir}: {meta['mtp_file']} (the source's {len(meta['mtp_tensors'])} MTP tensors) "
-                        "is missing")
+        raise ToolError(
+            f"{mcore_dir}: {meta['mtp_file']} (the source's {len(meta['mtp_tensors'])} MTP tensors) is missing"
+        )
     try:
         with safe_open(str(path), "pt") as f:
             names = list(f.keys())
@@ -182,9 +230,11 @@ def _convert(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out_dir, args.overwrite, mcore_dir)
     family = get_family(meta["architecture"])
     # transformers' config class, without its docstring imports
-    model_cfg = family.model_config(fast_hf_config(meta["hf_config"]),
-                                    make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
-                                    params_dtype=meta["dtype"])
+    model_cfg = family.model_config(
+        fast_hf_config(meta["hf_config"]),
+        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+        params_dtype=meta["dtype"],
+    )
     pc, world, device, layout = resolve_layout(args, model_cfg, stored=meta["layout"])
     # The tokenizer's size, and --verify's prompt ids, from tokenizer.json where that is exact.
     tokenizer = fast_tokenizer_size(mcore_dir)
@@ -192,25 +242,37 @@ def _convert(args: argparse.Namespace) -> int:
     if tokenizer is None:
         tokenizer = encoder = load_tokenizer(mcore_dir)
     check_tokenizer(tokenizer, model_cfg.vocab_size, mcore_dir)
-    verify_ids, lengths = (verify_inputs(encoder, model_cfg.vocab_size, pc.tensor_model_parallel_size)
-                           if args.verify else (None, None))
+    verify_ids, lengths = (
+        verify_inputs(encoder, model_cfg.vocab_size, pc.tensor_model_parallel_size) if args.verify else (None, None)
+    )
     verify_dtypes = verify_settings(args, meta["dtype"])
     extra = [f for f in side_files(mcore_dir) if f.name != "config.json"]
     mtp = _mtp_file(meta, mcore_dir)  # the MTP layers carried from the HF source, checked before any rank starts
     itemsize = torch.empty((), dtype=model_cfg.dtype).element_size()
     ensure_space(out, int(meta.get("hf_numel", 0)) * itemsize, "the HF checkpoint")  # before any rank starts
     if is_driver():
-        print(f"converting {family.name} Megatron checkpoint {mcore_dir} ({fmt_bytes(dir_bytes(mcore_dir))}, "
-              f"{meta['dtype']}) to HF safetensors at {layout} on {world} {device} ranks", flush=True)
+        print(
+            f"converting {family.name} Megatron checkpoint {mcore_dir} ({fmt_bytes(dir_bytes(mcore_dir))}, "
+            f"{meta['dtype']}) to HF safetensors at {layout} on {world} {device} ranks",
+            flush=True,
+        )
 
     diff, result = None, None
     atomic = AtomicDir(out, args.overwrite)
     memory = TreeMemory()  # the ranks are this process's descendants (not under torchrun)
     with atomic as tmp, memory if not under_torchrun() else contextlib.nullcontext():
-        spec = dict(layout=pc.to_dict(), model_cfg=model_cfg, architecture=meta["architecture"],
-                    hf_config=meta["hf_config"], mcore_dir=str(mcore_dir), tmp=str(tmp), verify_ids=verify_ids,
-                    verify_dtypes=verify_dtypes, max_shard_bytes=int(args.max_shard_mb * 2**20),
-                    expected_bytes=int(meta.get("hf_numel", 0)) * itemsize)
+        spec = dict(
+            layout=pc.to_dict(),
+            model_cfg=model_cfg,
+            architecture=meta["architecture"],
+            hf_config=meta["hf_config"],
+            mcore_dir=str(mcore_dir),
+            tmp=str(tmp),
+            verify_ids=verify_ids,
+            verify_dtypes=verify_dtypes,
+            max_shard_bytes=int(args.max_shard_mb * 2**20),
+            expected_bytes=int(meta.get("hf_numel", 0)) * itemsize,
+        )
         result = launch(export_ranks, world, spec, device=device)
         if is_driver():
             copy_files(extra, tmp)
@@ -220,8 +282,9 @@ def _convert(args: argparse.Namespace) -> int:
                 add_mtp_shard(tmp, mtp)
             (tmp / "config.json").write_text(_config_text(meta, mcore_dir))
             if args.verify:
-                diff = max(check_logits(result["logits"], tmp, verify_ids, model_cfg.dtype, lengths,
-                                        args.tolerance).values())
+                diff = max(
+                    check_logits(result["logits"], tmp, verify_ids, model_cfg.dtype, lengths, args.tolerance).values()
+                )
             if args.export_fp8:  # the source's FP8 scales are kept where its weights are unchanged
                 from parallel.bridge.fp8 import fp8_block_size, write_fp8_export
 
@@ -229,10 +292,12 @@ def _convert(args: argparse.Namespace) -> int:
             atomic.commit()
     if is_driver():
         carried = f" + {len(meta['mtp_tensors'])} MTP tensors carried" if mtp else ""
-        line = (f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors{carried}, "
-                f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
-                f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s, "
-                f"{peak_summary(result['peaks'], memory.peak)}")
+        line = (
+            f"done: {family.name} {mcore_dir} -> {out} ({result['num_tensors']} tensors{carried}, "
+            f"{fmt_bytes(result['bytes'])} of weights, {fmt_bytes(dir_bytes(out))} on disk) from {layout} on "
+            f"{world} {device} ranks, {meta['dtype']}, in {time.perf_counter() - start:.1f} s, "
+            f"{peak_summary(result['peaks'], memory.peak)}"
+        )
         print(line + (f", max |logit diff| {diff:.3e}" if diff is not None else ""), flush=True)
     return 0
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from megatron_rl.convert.support import ToolError, dir_bytes, fmt_bytes
 from megatron_rl.convert.launch import broadcast_str, is_driver, under_torchrun
 
+
 # ------------------------------------------------------------------------------------------
 # Output directory: built aside, renamed into place.
 # ------------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ class AtomicDir:
         if not self.final.parent.is_dir():
             return removed
         for leftover in self.final.parent.glob(f"{glob_escape(prefix)}*"):
-            pid = leftover.name[len(prefix):].split("-")[0].split(".")[0]
+            pid = leftover.name[len(prefix) :].split("-")[0].split(".")[0]
             if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
                 shutil.rmtree(leftover, ignore_errors=True)
                 removed.append(leftover)
@@ -201,12 +202,16 @@ def peak_summary(peaks: list[int], tree_pss: int | None = None) -> str:
     this process and its ranks, summed, sampled every 0.2 s)``; else (torchrun, no PSS) ``peak memory
     1.5 GiB (2 ranks' max RSS summed + this process 0.3 GiB; RSS counts shared pages in every process)``."""
     if tree_pss is not None:
-        return (f"peak memory {fmt_bytes(tree_pss)} (PSS of this process, its fork server, ranks and writers, "
-                f"summed; shared pages counted once)")
+        return (
+            f"peak memory {fmt_bytes(tree_pss)} (PSS of this process, its fork server, ranks and writers, "
+            f"summed; shared pages counted once)"
+        )
     own = max_rss() if not under_torchrun() else 0
     text = f"peak memory {fmt_bytes(sum(peaks) + own)} ({len(peaks)} ranks' max RSS summed"
     text += f" + this process {fmt_bytes(own)}" if own else ""
     return text + "; RSS counts shared pages in every process, an overcount)"
+
+
 class Progress:
     """A tqdm bar (stderr, one process only) over a conversion's stages; ``watch`` adds a
     byte counter for a stage that writes files, by polling the sizes under a directory."""
@@ -214,8 +219,14 @@ class Progress:
     def __init__(self, stages: list[str], enabled: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=len(stages), desc=stages[0], unit="stage", disable=not enabled, file=sys.stderr,
-                        bar_format="{desc:<34} {n_fmt}/{total_fmt} [{elapsed}] {postfix}")
+        self.bar = tqdm(
+            total=len(stages),
+            desc=stages[0],
+            unit="stage",
+            disable=not enabled,
+            file=sys.stderr,
+            bar_format="{desc:<34} {n_fmt}/{total_fmt} [{elapsed}] {postfix}",
+        )
         self.started = False
 
     def stage(self, name: str) -> None:

@@ -61,15 +61,36 @@ def _attributes_only_init():
 
     original = layers._initialize_affine_weight_cpu
 
-    def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1,
-                        return_master_weight=False, *, skip_set_tensor_parallel_attributes=False, **_):
+    def attributes_only(
+        weight,
+        output_size,
+        input_size,
+        per_partition_size,
+        partition_dim,
+        init_method,
+        stride=1,
+        return_master_weight=False,
+        *,
+        skip_set_tensor_parallel_attributes=False,
+        **_,
+    ):
         if return_master_weight:  # a caller that keeps the master weight (tests only): Megatron's own path
-            return original(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride,
-                            return_master_weight,
-                            skip_set_tensor_parallel_attributes=skip_set_tensor_parallel_attributes, **_)
+            return original(
+                weight,
+                output_size,
+                input_size,
+                per_partition_size,
+                partition_dim,
+                init_method,
+                stride,
+                return_master_weight,
+                skip_set_tensor_parallel_attributes=skip_set_tensor_parallel_attributes,
+                **_,
+            )
         if not skip_set_tensor_parallel_attributes:
-            layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim,
-                                                        stride=stride)
+            layers.set_tensor_model_parallel_attributes(
+                tensor=weight, is_parallel=True, dim=partition_dim, stride=stride
+            )
         return None
 
     modules = [m for m in (layers, experts) if getattr(m, "_initialize_affine_weight_cpu", None) is original]
@@ -163,8 +184,10 @@ class StreamedSave:
             return
         ptr = _ptr(tensor)
         if ptr not in self._known:
-            raise RuntimeError(f"streamed save: the writer was handed a tensor of shape {list(tensor.shape)} that "
-                               f"the state dict does not hold (a copy of a parameter not read yet?)")
+            raise RuntimeError(
+                f"streamed save: the writer was handed a tensor of shape {list(tensor.shape)} that "
+                f"the state dict does not hold (a copy of a parameter not read yet?)"
+            )
         if ptr in self._halves:
             half, view, owner = self._halves.pop(ptr)
             if self._deferred is not None:

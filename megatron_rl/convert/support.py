@@ -33,9 +33,19 @@ METADATA_FILE = "megatron_rl_conversion.json"
 """Written next to the Megatron checkpoint: family, HF config, layout, dtype."""
 METADATA_VERSION = 1
 SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt",
-    "chat_template.jinja", "chat_template.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 """Files copied next to the weights in both directions (those that exist)."""
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -75,8 +85,10 @@ def _disk_full_message(exc: BaseException, output: Optional[str]) -> Optional[st
     free = free_bytes(output)
     if is_disk_full(exc) or ("unexpected pos" in str(exc) and free < 64 * 2**20):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return (f"disk full: writing {Path(output).resolve()} failed ({first}); {fmt(free)} are free on that file "
-                "system; nothing was written (free space, or choose another --out-dir)")
+        return (
+            f"disk full: writing {Path(output).resolve()} failed ({first}); {fmt(free)} are free on that file "
+            "system; nothing was written (free space, or choose another --out-dir)"
+        )
     return None
 
 
@@ -150,25 +162,29 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-
 # ------------------------------------------------------------------------------------------
 # Tokenizer.
 # ------------------------------------------------------------------------------------------
 def load_tokenizer(directory: str | os.PathLike):
     """The HF tokenizer saved in ``directory`` (no hub access), or None if it holds none or it
     cannot be loaded here (then a warning says its size goes unchecked)."""
-    if not any((Path(directory) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
-                                                          "tokenizer.model", "vocab.json")):
+    if not any(
+        (Path(directory) / n).is_file()
+        for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    ):
         return None
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that needs remote code
-
         if is_driver():
-            print(f"warning: cannot load the tokenizer in {directory} ({type(exc).__name__}: {exc}); its size is "
-                  f"not checked against the model's vocabulary", file=sys.stderr, flush=True)
+            print(
+                f"warning: cannot load the tokenizer in {directory} ({type(exc).__name__}: {exc}); its size is "
+                f"not checked against the model's vocabulary",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
 
 
@@ -230,15 +246,19 @@ def fast_tokenizer_size(directory: str | os.PathLike) -> Optional[int]:
     if not (d / "tokenizer.json").is_file():
         return None
     try:
-        config = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() \
-            else {}
+        config = (
+            json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
+        )
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_file(str(d / "tokenizer.json"))
     except Exception:  # noqa: BLE001 - unreadable here: transformers decides (and warns)
         return None
-    if not isinstance(config, dict) or "auto_map" in config or config.get("tokenizer_class") not in \
-            _PLAIN_TOKENIZER_CLASSES:
+    if (
+        not isinstance(config, dict)
+        or "auto_map" in config
+        or config.get("tokenizer_class") not in _PLAIN_TOKENIZER_CLASSES
+    ):
         return None
     tokens = _named_tokens(config)
     if tokens is None:
@@ -279,9 +299,11 @@ def check_tokenizer(tokenizer, vocab_size: int, where: str | os.PathLike) -> Opt
         return None
     size = tokenizer if isinstance(tokenizer, int) else len(tokenizer)
     if size > vocab_size:
-        raise ToolError(f"the tokenizer in {where} has {size} tokens (ids up to {size - 1}) but the model's "
-                        f"vocab_size is {vocab_size} (config.json): ids >= {vocab_size} have no embedding row; "
-                        f"use the tokenizer the model was trained with")
+        raise ToolError(
+            f"the tokenizer in {where} has {size} tokens (ids up to {size - 1}) but the model's "
+            f"vocab_size is {vocab_size} (config.json): ids >= {vocab_size} have no embedding row; "
+            f"use the tokenizer the model was trained with"
+        )
     return size
 
 

@@ -36,7 +36,6 @@ VERIFY_PROMPTS = (
 )
 
 
-
 def verify_inputs(tokenizer, vocab_size: int, multiple: int) -> tuple[torch.Tensor, list[int]]:
     """Fixed prompts as right-padded ids ``[prompts, seq]`` (seq a multiple of ``multiple``,
     for sequence parallelism) and their lengths. Without a tokenizer: fixed random ids."""
@@ -122,8 +121,7 @@ def _gather_vocab_parts(part: torch.Tensor, mesh) -> Optional[torch.Tensor]:
     return parts.permute(1, 2, 0, 3).reshape(*parts.shape[1:3], -1)  # [b, s, tp * V / tp], rank-major
 
 
-def hf_logits(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,
-              compute_dtypes) -> Any:
+def hf_logits(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype, compute_dtypes) -> Any:
     """Float32 logits of the HF checkpoint in ``hf_dir`` (transformers, eager attention, CPU):
     weights rounded to ``weight_dtype`` (the Megatron model's), forward in each of ``compute_dtypes``
     (one dtype: one tensor; a tuple: a tuple of tensors, the model loaded once)."""
@@ -132,11 +130,12 @@ def hf_logits(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: 
 
     hf_logging.disable_progress_bar()
     single = isinstance(compute_dtypes, torch.dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=weight_dtype, attn_implementation="eager",
-                                                 local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=weight_dtype, attn_implementation="eager", local_files_only=True
+    ).eval()
     outs = []
     with torch.no_grad():
-        for dtype in ((compute_dtypes,) if single else compute_dtypes):
+        for dtype in (compute_dtypes,) if single else compute_dtypes:
             model = model.to(dtype)  # an upcast of the rounded weights is exact; downcasts follow upcasts only
             outs.append(model(input_ids=input_ids).logits.float())
     del model
@@ -176,21 +175,34 @@ class ForwardResults(dict):
 def add_verify_args(p) -> None:
     """--verify / --verify-dtype / --tolerance / --verify-layers-per-group (both converters)."""
     p.add_argument("--verify", action="store_true", help="compare logits with the other side on fixed prompts")
-    p.add_argument("--verify-dtype", choices=("fp32", "model", "both"), default="fp32",
-                   help="compute dtype of the Megatron forward: fp32 (default; the converted weights' values, "
-                        "upcast, so the check measures the mapping and not bf16 rounding), the model's own dtype "
-                        "(bf16/fp16: its per-token mean |logit diff| from HF's fp32 forward of the same weights must be "
-                        f"within {GAP_FACTOR:g} x that of HF's own bf16 forward on the same prompts, printed), or both")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="bound on max |logit diff| in every dtype (default: 1e-4 for fp32 compute; for bf16/fp16 "
-                        f"compute a bound on the per-token mean, {GAP_FACTOR:g} x HF's own gap, at least 2e-2)")
-    p.add_argument("--verify-layers-per-group", type=int, default=DEFAULT_LAYERS_PER_GROUP, metavar="N",
-                   help="verify layer group by layer group: HF's reference reads the weights of N decoder layers at a "
-                        "time from the safetensors and the Megatron forward runs on the converted model (another "
-                        "dtype one module at a time), so verifying needs about the checkpoint plus one group in RAM; "
-                        "the hidden states after each group are compared too and a failure names the first group "
-                        f"that diverges (default {DEFAULT_LAYERS_PER_GROUP}; 0: both whole models at once, about "
-                        "twice the checkpoint or more)")
+    p.add_argument(
+        "--verify-dtype",
+        choices=("fp32", "model", "both"),
+        default="fp32",
+        help="compute dtype of the Megatron forward: fp32 (default; the converted weights' values, "
+        "upcast, so the check measures the mapping and not bf16 rounding), the model's own dtype "
+        "(bf16/fp16: its per-token mean |logit diff| from HF's fp32 forward of the same weights must be "
+        f"within {GAP_FACTOR:g} x that of HF's own bf16 forward on the same prompts, printed), or both",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="bound on max |logit diff| in every dtype (default: 1e-4 for fp32 compute; for bf16/fp16 "
+        f"compute a bound on the per-token mean, {GAP_FACTOR:g} x HF's own gap, at least 2e-2)",
+    )
+    p.add_argument(
+        "--verify-layers-per-group",
+        type=int,
+        default=DEFAULT_LAYERS_PER_GROUP,
+        metavar="N",
+        help="verify layer group by layer group: HF's reference reads the weights of N decoder layers at a "
+        "time from the safetensors and the Megatron forward runs on the converted model (another "
+        "dtype one module at a time), so verifying needs about the checkpoint plus one group in RAM; "
+        "the hidden states after each group are compared too and a failure names the first group "
+        f"that diverges (default {DEFAULT_LAYERS_PER_GROUP}; 0: both whole models at once, about "
+        "twice the checkpoint or more)",
+    )
 
 
 def verify_settings(args, model_dtype: str) -> VerifySettings:
@@ -215,8 +227,14 @@ def _references(hf_dir, input_ids: torch.Tensor, weight_dtype: torch.dtype, low:
     return [r[0] for r in runs], [r[1] for r in runs]
 
 
-def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,
-                 lengths: list[int], tolerance: Optional[float]) -> dict:
+def check_logits(
+    logits: dict,
+    hf_dir: str | os.PathLike,
+    input_ids: torch.Tensor,
+    weight_dtype: torch.dtype,
+    lengths: list[int],
+    tolerance: Optional[float],
+) -> dict:
     """Compare the Megatron ``logits`` (compute dtype name -> tensor) with the HF model in ``hf_dir``;
     print one verify line per dtype; a ``ToolError`` if one fails. Returns {dtype: diff}.
 
@@ -249,10 +267,15 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
             bound = max(GAP_FACTOR * mean_gap, TOLERANCES[dtype])
             ok = mean <= bound
             line = f"per-token mean |logit diff| = {mean:.3e} (max {diff:.3e})"
-            how = (f" = max({GAP_FACTOR:g} x HF's own {dtype}-vs-float32 gap on these prompts, {TOLERANCES[dtype]:.0e}) "
-                   f"(that gap: per-token mean {mean_gap:.3e}, max {gap:.3e})")
-        print(f"verify ({dtype} forward): {line} over {len(lengths)} prompts ({sum(lengths)} tokens), tolerance "
-              f"{bound:.3e}{how}: {'OK' if ok else 'FAILED'}", flush=True)
+            how = (
+                f" = max({GAP_FACTOR:g} x HF's own {dtype}-vs-float32 gap on these prompts, {TOLERANCES[dtype]:.0e}) "
+                f"(that gap: per-token mean {mean_gap:.3e}, max {gap:.3e})"
+            )
+        print(
+            f"verify ({dtype} forward): {line} over {len(lengths)} prompts ({sum(lengths)} tokens), tolerance "
+            f"{bound:.3e}{how}: {'OK' if ok else 'FAILED'}",
+            flush=True,
+        )
         where = None
         if per_group:
             from megatron_rl.convert.verify_groups import compare_groups
@@ -260,19 +283,22 @@ def check_logits(logits: dict, hf_dir: str | os.PathLike, input_ids: torch.Tenso
 
             groups = layer_groups(max(ref_hidden[0]) + 1, per_group)  # HF's decoder layers
             own_hidden = None if dtype == "float32" else ref_hidden[1 + low.index(dtype)]
-            group_line, where = compare_groups(dtype, logits.hidden[dtype], ref_hidden[0], own_hidden, groups,
-                                               lengths)
+            group_line, where = compare_groups(dtype, logits.hidden[dtype], ref_hidden[0], own_hidden, groups, lengths)
             print(group_line, flush=True)
         if not ok:
-            failed.append(f"{line.split(' = ')[0]} {line.split(' = ')[1].split(' ')[0]} of the {dtype} forward "
-                          f"exceeds the tolerance {bound:.3e}")
+            failed.append(
+                f"{line.split(' = ')[0]} {line.split(' = ')[1].split(' ')[0]} of the {dtype} forward "
+                f"exceeds the tolerance {bound:.3e}"
+            )
             if per_group:
-                failed[-1] += (f" (first diverging: {where})" if where else
-                               " (the hidden states of every layer group agree: it arises after the last decoder "
-                               "layer, in the final norm or the output layer)")
+                failed[-1] += (
+                    f" (first diverging: {where})"
+                    if where
+                    else " (the hidden states of every layer group agree: it arises after the last decoder "
+                    "layer, in the final norm or the output layer)"
+                )
     if failed:
-        raise ToolError(f"--verify: {'; '.join(failed)}; the output was not written (raise --tolerance to accept "
-                        f"it)")
+        raise ToolError(f"--verify: {'; '.join(failed)}; the output was not written (raise --tolerance to accept it)")
     return diffs
 
 
@@ -301,8 +327,9 @@ def model_in_dtype(chunks, model_cfg, parallel_config, dtype: str, *, release: b
     return copies
 
 
-def verify_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.Tensor, dtypes: list[str], *,
-                    release: bool = False) -> dict:
+def verify_forwards(
+    chunks, model_cfg, parallel_config, mesh, input_ids: torch.Tensor, dtypes: list[str], *, release: bool = False
+) -> dict:
     """{compute dtype: full float32 logits on rank 0 (None elsewhere)} of the model in each dtype
     (in that order); collective. ``release``: ``chunks`` is given up (``model_in_dtype``), so a
     verify in another dtype holds one model at a time -- the float32 one at most.
@@ -326,4 +353,3 @@ def verify_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.T
         current, cfg = nxt, dataclasses.replace(cfg, params_dtype=dtype)
         out[dtype] = megatron_logits(current, mesh, input_ids, model_cfg.vocab_size)
     return out
-

@@ -52,18 +52,21 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
         def hook(*_):
             for param, source in pairs:
                 param.data = source.data.to(target)  # an upcast (or the downcast of an upcast): exact
+
         return hook
 
     def empty(pairs):
         def hook(*_):
             for param, _source in pairs:
                 param.data = torch.empty(0, dtype=target, device=param.device)
+
         return hook
 
     def lookup(pairs):
         def hook(*_):
             for param, source in pairs:
                 param.data = source.data  # rows picked in the stored dtype, upcast after: the same values
+
         return hook
 
     def upcast(_module, _inputs, output):
@@ -77,8 +80,9 @@ def model_for_dtype(chunks, model_cfg, parallel_config, dtype: str):
                 buf.copy_(buffers[name])
             for name, module in twin.named_modules():
                 pairs = [(p, sources[name]._parameters[n]) for n, p in module._parameters.items() if p is not None]
-                tied = getattr(twin, "share_embeddings_and_output_weights", False) and getattr(twin, "pre_process",
-                                                                                               False)
+                tied = getattr(twin, "share_embeddings_and_output_weights", False) and getattr(
+                    twin, "pre_process", False
+                )
                 if name.endswith("output_layer") and module.bias is None and not module.gather_output:
                     # The output layer reads the embedding's matrix when tied (passed in as its weight).
                     source = chunk.embedding.word_embeddings.weight if tied else pairs[0][1]
@@ -124,7 +128,7 @@ def _in_row_blocks(module, source: torch.nn.Parameter, target: torch.dtype):
         out = []
         try:
             for start in range(0, rows, step):
-                block = source.data[start: start + step].to(target)
+                block = source.data[start : start + step].to(target)
                 module.output_size_per_partition = block.shape[0]  # what its shape check expects
                 out.append(forward(module, input_, weight=block, runtime_gather_output=False, **kwargs)[0])
         finally:
@@ -152,14 +156,16 @@ def capture_hidden(chunks, mesh, ends: set[int], store: dict):
                 hidden = torch.cat(parts, dim=0)
             if holder:
                 store[number] = hidden.detach().float().transpose(0, 1).contiguous().cpu()
+
         return hook
 
     handles = []
     for chunk in chunks:
         for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
             if layer.layer_number - 1 in ends:  # Megatron numbers layers from 1, globally
-                handles.append(layer.register_forward_hook(hook_for(layer.layer_number - 1,
-                                                                    chunk.config.sequence_parallel)))
+                handles.append(
+                    layer.register_forward_hook(hook_for(layer.layer_number - 1, chunk.config.sequence_parallel))
+                )
     try:
         yield store
     finally:
@@ -181,8 +187,9 @@ def gather_hidden(store: dict) -> Optional[dict]:
     return merged
 
 
-def grouped_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.Tensor, dtypes: list[str],
-                     layers_per_group: int) -> tuple[dict, dict]:
+def grouped_forwards(
+    chunks, model_cfg, parallel_config, mesh, input_ids: torch.Tensor, dtypes: list[str], layers_per_group: int
+) -> tuple[dict, dict]:
     """({dtype: float32 logits on rank 0}, {dtype: {last layer of each group: hidden states}} on
     rank 0; None elsewhere) of the model in each dtype; collective. Holds the converted model plus
     one module in another dtype (``model_for_dtype``)."""
@@ -193,8 +200,10 @@ def grouped_forwards(chunks, model_cfg, parallel_config, mesh, input_ids: torch.
     logits, hidden = {}, {}
     for dtype in dtypes:
         store: dict = {}
-        with model_for_dtype(chunks, model_cfg, parallel_config, dtype) as model, \
-                capture_hidden(model, mesh, ends, store):
+        with (
+            model_for_dtype(chunks, model_cfg, parallel_config, dtype) as model,
+            capture_hidden(model, mesh, ends, store),
+        ):
             logits[dtype] = megatron_logits(model, mesh, input_ids, model_cfg.vocab_size)
         hidden[dtype] = gather_hidden(store)
     return logits, hidden
@@ -209,8 +218,9 @@ def relative_diffs(a: torch.Tensor, b: torch.Tensor, lengths: list[int]) -> torc
     return torch.cat(out)
 
 
-def compare_groups(dtype: str, mine: dict, reference: dict, own: Optional[dict], groups: list[tuple[int, int]],
-                   lengths: list[int]) -> tuple[str, Optional[str]]:
+def compare_groups(
+    dtype: str, mine: dict, reference: dict, own: Optional[dict], groups: list[tuple[int, int]], lengths: list[int]
+) -> tuple[str, Optional[str]]:
     """Set the Megatron ``mine`` hidden states ({last layer: tensor}) of the ``dtype`` forward
     against HF's float32 ``reference`` (and, for bf16/fp16, HF's ``own`` forward in ``dtype``),
     group by group. Returns the line to print and, when a group diverges, its description."""
@@ -221,19 +231,19 @@ def compare_groups(dtype: str, mine: dict, reference: dict, own: Optional[dict],
             value, bound = float(rel.max()), HIDDEN_TOLERANCE
         else:
             value = float(rel.mean())
-            bound = max(GAP_FACTOR * float(relative_diffs(own[b - 1], reference[b - 1], lengths).mean()),
-                        HIDDEN_FLOOR)
+            bound = max(GAP_FACTOR * float(relative_diffs(own[b - 1], reference[b - 1], lengths).mean()), HIDDEN_FLOOR)
         if worst is None or value / bound > worst[0]:
             worst = (value / bound, k, value, bound)
         if first is None and value > bound:
             first = (k, a, b, value, bound)
     kind = "max" if own is None else "per-token mean"
-    head = (f"verify ({dtype} forward) hidden states: {len(groups)} layer groups of {groups[0][1] - groups[0][0]} "
-            f"layer(s), {kind} relative diff (max |diff| / max |HF| per token)")
+    head = (
+        f"verify ({dtype} forward) hidden states: {len(groups)} layer groups of {groups[0][1] - groups[0][0]} "
+        f"layer(s), {kind} relative diff (max |diff| / max |HF| per token)"
+    )
     if first is None:
         _, k, value, bound = worst
-        return (f"{head}: every group agrees (closest to its bound: group {k + 1}, {value:.3e} <= {bound:.3e})",
-                None)
+        return (f"{head}: every group agrees (closest to its bound: group {k + 1}, {value:.3e} <= {bound:.3e})", None)
     k, a, b, value, bound = first
     layers = f"decoder layer {a}" if b - a == 1 else f"decoder layers {a}-{b - 1}"
     where = f"layer group {k + 1} of {len(groups)} ({layers})"

@@ -30,8 +30,10 @@ def layer_groups(num_layers: int, layers_per_group: int) -> list[tuple[int, int]
     """``[(start, stop), ...]``: the decoder layers in consecutive groups of ``layers_per_group``
     (the last one may be shorter); one group of all layers for ``layers_per_group`` 0."""
     if layers_per_group < 0:
-        raise ValueError(f"--verify-layers-per-group={layers_per_group} is not allowed; give 0 (the whole model "
-                         "at once) or a number of layers >= 1")
+        raise ValueError(
+            f"--verify-layers-per-group={layers_per_group} is not allowed; give 0 (the whole model "
+            "at once) or a number of layers >= 1"
+        )
     step = layers_per_group or num_layers
     return [(s, min(s + step, num_layers)) for s in range(0, num_layers, step)]
 
@@ -100,8 +102,9 @@ class _Streamer:
             # Parameters in the weight dtype: transformers' loader casts to them (the rounding);
             # ``load`` upcasts to the compute dtype. Eager experts: a loop over the experts' own matrices (the grouped-mm default copies
             # every expert's matrix transposed: a layer's worth of weights more, per MoE layer).
-            self.model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype, attn_implementation="eager",
-                                                          experts_implementation="eager").eval()
+            self.model = AutoModelForCausalLM.from_config(
+                config, dtype=weight_dtype, attn_implementation="eager", experts_implementation="eager"
+            ).eval()
         self.config = config
         self.files = _tensor_files(hf_dir)
         self.weight_dtype = weight_dtype
@@ -138,15 +141,17 @@ class _Streamer:
         with contextlib.ExitStack() as stack:
             handles, state = {}, {}
             for file, names in wanted.items():
-                handles[file] = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt",
-                                                              backend="pread"))
+                handles[file] = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt", backend="pread"))
                 state.update({n: handles[file].get_slice(n) for n in names})
             if self.fp8_block is not None:
                 self._dequantize(state, handles, stack)
             # Fresh converters for each part: they collect the tensors of the call they serve.
             dtype = self.weight_dtype
-            config = LoadStateDictConfig(dtype=dtype, dtype_plan=self.model._get_dtype_plan(dtype),
-                                         weight_mapping=get_model_conversion_mapping(self.model, None, None))
+            config = LoadStateDictConfig(
+                dtype=dtype,
+                dtype_plan=self.model._get_dtype_plan(dtype),
+                weight_mapping=get_model_conversion_mapping(self.model, None, None),
+            )
             convert_and_load_state_dict_in_model(self.model, state, config)
             del config, state
         if self.tied and self.head in modules:
@@ -166,8 +171,13 @@ class _Streamer:
         rows cast to the compute dtype, concatenated: each logit is the same dot product."""
         weight = self.head.weight
         step = max(1, HEAD_BLOCK_BYTES // (weight.shape[1] * self.compute_dtype.itemsize))
-        return torch.cat([torch.nn.functional.linear(hidden, weight[i: i + step].to(self.compute_dtype))
-                          for i in range(0, weight.shape[0], step)], dim=-1)
+        return torch.cat(
+            [
+                torch.nn.functional.linear(hidden, weight[i : i + step].to(self.compute_dtype))
+                for i in range(0, weight.shape[0], step)
+            ],
+            dim=-1,
+        )
 
     def _dequantize(self, state: dict, handles: dict, stack) -> None:
         """Replace the FP8 weights in ``state`` by their float32 values and drop their scales."""
@@ -180,8 +190,7 @@ class _Streamer:
             if file is None:
                 raise ValueError(f"{self.hf_dir}: {name!r} is FP8 but {scale_name!r} is missing")
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt",
-                                                              backend="pread"))
+                handles[file] = stack.enter_context(safe_open(str(self.hf_dir / file), framework="pt", backend="pread"))
             state[name] = dequantize_fp8_blocks(state[name][:], handles[file].get_tensor(scale_name), self.fp8_block)
             state.pop(scale_name, None)
 
@@ -192,13 +201,18 @@ class _Streamer:
             for sub in module.modules():
                 for name, p in list(sub._parameters.items()):
                     if p is not None and not p.is_meta:
-                        sub._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
-                                                                   requires_grad=False)
+                        sub._parameters[name] = torch.nn.Parameter(
+                            torch.empty_like(p, device="meta"), requires_grad=False
+                        )
 
 
-def hf_stream_forward(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight_dtype: torch.dtype,
-                      compute_dtype: torch.dtype,
-                      layers_per_group: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def hf_stream_forward(
+    hf_dir: str | os.PathLike,
+    input_ids: torch.Tensor,
+    weight_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    layers_per_group: int,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Float32 logits ``[b, s, vocab]`` of the HF checkpoint in ``hf_dir`` with weights rounded
     to ``weight_dtype`` and the forward in ``compute_dtype``, and {last layer of each group (0-based):
     its output hidden states, float32 ``[b, s, hidden]``}; at most one part of the model (the
@@ -211,11 +225,13 @@ def hf_stream_forward(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight
     groups = layer_groups(len(stream.layers), layers_per_group)
     hidden: dict[int, torch.Tensor] = {}
     parts: list[tuple[torch.nn.Module, torch.nn.Module, list[torch.nn.Module], Optional[int]]] = [
-        (stream.embedding, stream.embedding, [stream.embedding], None)]
+        (stream.embedding, stream.embedding, [stream.embedding], None)
+    ]
     parts += [(stream.layers[a], stream.layers[b - 1], stream.layers[a:b], b - 1) for a, b in groups]
     # A tied output layer is the embedding's matrix: read again for the head.
-    parts.append((stream.norm, stream.head, [stream.norm, stream.head, *([stream.embedding] if stream.tied else [])],
-                  None))
+    parts.append(
+        (stream.norm, stream.head, [stream.norm, stream.head, *([stream.embedding] if stream.tied else [])], None)
+    )
     handles = []
 
     def on_enter(modules):
@@ -226,6 +242,7 @@ def hf_stream_forward(hf_dir: str | os.PathLike, input_ids: torch.Tensor, weight
             if last is not None:
                 hidden[last] = (output[0] if isinstance(output, tuple) else output).detach().float().clone()
             stream.release(modules)
+
         return hook
 
     try:

@@ -38,7 +38,7 @@ AGENT_DEMOS = Registry("agent demonstration")
 
 
 def _number(rng: np.random.Generator, digits: int) -> int:
-    return int(rng.integers(10 ** (digits - 1), 10 ** digits))
+    return int(rng.integers(10 ** (digits - 1), 10**digits))
 
 
 @TOY_TASKS.register(TOY_MULTIPLY)
@@ -48,8 +48,9 @@ def _toy_multiply(rng: np.random.Generator, length: int) -> tuple[str, str]:
 
 
 @register_reward(TOY_MULTIPLY)
-def toy_multiply_score(data_source: str, solution_str: str, ground_truth: str,
-                       extra_info: Optional[dict] = None) -> dict:
+def toy_multiply_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None
+) -> dict:
     """Digit-by-digit credit of the last integer in ``solution_str`` against ``ground_truth`` (module docstring)."""
     found = re.findall(r"\d+", solution_str)
     target, pred = str(ground_truth).strip(), found[-1] if found else ""
@@ -64,7 +65,12 @@ def multiply_demo(row: dict, use_tool: bool) -> list[dict]:
     answer = str(row["extra_info"]["answer"])
     if not use_tool:
         return [{"role": "assistant", "content": answer}]
-    call = {"type": "function", "function": {"name": "calculator",
-                                             "arguments": {"expression": row["extra_info"]["question"]}}}
-    return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": answer},
-            {"role": "assistant", "content": answer}]
+    call = {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": {"expression": row["extra_info"]["question"]}},
+    }
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": answer},
+    ]

@@ -53,8 +53,12 @@ class Batch:
         meta_info: step-level values (not per sample).
     """
 
-    def __init__(self, batch: Optional[Mapping[str, torch.Tensor] | TensorDict] = None,
-                 non_tensor_batch: Optional[Mapping[str, Sequence]] = None, meta_info: Optional[dict] = None):
+    def __init__(
+        self,
+        batch: Optional[Mapping[str, torch.Tensor] | TensorDict] = None,
+        non_tensor_batch: Optional[Mapping[str, Sequence]] = None,
+        meta_info: Optional[dict] = None,
+    ):
         tensors = dict(batch.items()) if batch is not None else {}
         sizes = {k: int(v.shape[0]) for k, v in tensors.items()}
         non_tensors = {k: _object_array(v) for k, v in (non_tensor_batch or {}).items()}
@@ -68,8 +72,12 @@ class Batch:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, tensors: Optional[Mapping[str, torch.Tensor]] = None,
-                  non_tensors: Optional[Mapping[str, Sequence]] = None, meta_info: Optional[dict] = None) -> "Batch":
+    def from_dict(
+        cls,
+        tensors: Optional[Mapping[str, torch.Tensor]] = None,
+        non_tensors: Optional[Mapping[str, Sequence]] = None,
+        meta_info: Optional[dict] = None,
+    ) -> "Batch":
         """verl's ``DataProto.from_dict``."""
         return cls(tensors, non_tensors, meta_info)
 
@@ -130,8 +138,12 @@ class Batch:
         return {k: self.batch[k] for k in names}
 
     # -- DataProto's surface ----------------------------------------------------------------
-    def select(self, batch_keys: Optional[Sequence[str]] = None, non_tensor_batch_keys: Optional[Sequence[str]] = None,
-               meta_info_keys: Optional[Sequence[str]] = None) -> "Batch":
+    def select(
+        self,
+        batch_keys: Optional[Sequence[str]] = None,
+        non_tensor_batch_keys: Optional[Sequence[str]] = None,
+        meta_info_keys: Optional[Sequence[str]] = None,
+    ) -> "Batch":
         """A batch with only the named fields (None = all of that kind)."""
         tensors = self.tensors(batch_keys)
         names = self.non_tensor_batch if non_tensor_batch_keys is None else non_tensor_batch_keys
@@ -161,8 +173,11 @@ class Batch:
         for key in other.keys():
             if key in self and not _equal(self[key], other[key]):
                 raise ValueError(f"union: field {key!r} differs between the two batches")
-        return Batch({**self.tensors(), **other.tensors()}, {**self.non_tensor_batch, **other.non_tensor_batch},
-                     {**self.meta_info, **other.meta_info})
+        return Batch(
+            {**self.tensors(), **other.tensors()},
+            {**self.non_tensor_batch, **other.non_tensor_batch},
+            {**self.meta_info, **other.meta_info},
+        )
 
     def pop(self, batch_keys: Sequence[str] = (), non_tensor_batch_keys: Sequence[str] = ()) -> "Batch":
         """Remove the named fields and return them as a batch."""
@@ -194,8 +209,7 @@ class Batch:
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> "Batch":
         """Every sample ``repeat_times`` times: ``a a b b`` (interleave) or ``a b a b``."""
         n = len(self)
-        idx = (torch.arange(n).repeat_interleave(repeat_times) if interleave
-               else torch.arange(n).repeat(repeat_times))
+        idx = torch.arange(n).repeat_interleave(repeat_times) if interleave else torch.arange(n).repeat(repeat_times)
         return self.select_idxs(idx)
 
     def to(self, device: torch.device | str) -> "Batch":

@@ -77,8 +77,9 @@ def _toy_count(rng: np.random.Generator, length: int) -> tuple[str, str]:
     return f"Count {digit} in: {_digit_string(digits)}", str(int((digits == digit).sum()))
 
 
-def toy_rows(name: str, num_samples: int, seed: int = 0, *, min_len: int = 3, max_len: int = 5,
-             split: str = "train") -> list[dict]:
+def toy_rows(
+    name: str, num_samples: int, seed: int = 0, *, min_len: int = 3, max_len: int = 5, split: str = "train"
+) -> list[dict]:
     """``num_samples`` verl-layout rows of toy task ``name`` (digit sequences of ``min_len..max_len``).
 
     ``extra_info`` also carries ``question`` and ``answer`` (the exact target, for SFT warm-up).
@@ -93,18 +94,21 @@ def toy_rows(name: str, num_samples: int, seed: int = 0, *, min_len: int = 3, ma
     rows = []
     for i in range(num_samples):
         question, answer = task(rng, int(rng.integers(min_len, max_len + 1)))
-        rows.append({
-            "data_source": name,
-            "prompt": [{"role": "user", "content": question}],
-            "ability": "toy",
-            "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"split": split, "index": i, "question": question, "answer": answer},
-        })
+        rows.append(
+            {
+                "data_source": name,
+                "prompt": [{"role": "user", "content": question}],
+                "ability": "toy",
+                "reward_model": {"style": "rule", "ground_truth": answer},
+                "extra_info": {"split": split, "index": i, "question": question, "answer": answer},
+            }
+        )
     return rows
 
 
-def make_toy_dataset(name: str, num_samples: int, seed: int = 0, path: str | Path = "toy.parquet",
-                     **kwargs: Any) -> Path:
+def make_toy_dataset(
+    name: str, num_samples: int, seed: int = 0, path: str | Path = "toy.parquet", **kwargs: Any
+) -> Path:
     """Write ``toy_rows(name, num_samples, seed, **kwargs)`` to ``path`` (``.parquet`` or
     ``.jsonl``/``.json``) and return the path."""
     path = Path(path)
@@ -134,15 +138,18 @@ def _prompt_is_empty(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return not prompt.strip()
     if isinstance(prompt, Sequence) and prompt:  # [] and messages without content are malformed, not empty
-        return all(isinstance(m, Mapping) and isinstance(m.get("content"), str) and not m["content"].strip()
-                   for m in prompt)
+        return all(
+            isinstance(m, Mapping) and isinstance(m.get("content"), str) and not m["content"].strip() for m in prompt
+        )
     return False
 
 
 def _empty_prompt_error(path: str, where: str, empty: list[int], total: int, prompt_key: str) -> ValueError:
     shown = ", ".join(str(i) for i in empty[:_SHOWN_ROWS]) + (", ..." if len(empty) > _SHOWN_ROWS else "")
-    return ValueError(f"data file {path!r}: {len(empty)} of {total} prompts (column {prompt_key!r}) are empty "
-                      f"({where} {shown}); an empty prompt gives the model nothing to answer -- remove those rows")
+    return ValueError(
+        f"data file {path!r}: {len(empty)} of {total} prompts (column {prompt_key!r}) are empty "
+        f"({where} {shown}); an empty prompt gives the model nothing to answer -- remove those rows"
+    )
 
 
 def _json_rows(path: Path) -> list[tuple[int, dict]]:
@@ -154,8 +161,10 @@ def _json_rows(path: Path) -> list[tuple[int, dict]]:
             rows = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             line = raw[: exc.start].count(b"\n") + 1
-            raise ValueError(f"data file {str(path)!r} line {line}: not UTF-8 text (byte {exc.start} of the file is "
-                             f"{raw[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
+            raise ValueError(
+                f"data file {str(path)!r} line {line}: not UTF-8 text (byte {exc.start} of the file is "
+                f"{raw[exc.start : exc.start + 1]!r}); save it as UTF-8"
+            ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"data file {str(path)!r} line {exc.lineno}: not valid JSON ({exc.msg})") from None
         return [(i + 1, row) for i, row in enumerate(rows)]
@@ -164,18 +173,22 @@ def _json_rows(path: Path) -> list[tuple[int, dict]]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"data file {str(path)!r} line {number}: not UTF-8 text (byte {exc.start} of the line is "
-                             f"{line[exc.start:exc.start + 1]!r}); save the file as UTF-8") from None
+            raise ValueError(
+                f"data file {str(path)!r} line {number}: not UTF-8 text (byte {exc.start} of the line is "
+                f"{line[exc.start : exc.start + 1]!r}); save the file as UTF-8"
+            ) from None
         if not text.strip():
             continue
         try:
             row = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"data file {str(path)!r} line {number}: not valid JSON ({exc.msg} at column "
-                             f"{exc.colno})") from None
+            raise ValueError(
+                f"data file {str(path)!r} line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
         if not isinstance(row, dict):
-            raise ValueError(f"data file {str(path)!r} line {number}: a row must be a JSON object, got "
-                             f"{type(row).__name__}")
+            raise ValueError(
+                f"data file {str(path)!r} line {number}: a row must be a JSON object, got {type(row).__name__}"
+            )
         out.append((number, row))
     return out
 
@@ -190,8 +203,9 @@ def inspect_data_file(path: str | Path, columns: Sequence[str] = ("prompt",), *,
     path = Path(path).expanduser()
     name = str(path)
     if path.suffix not in _FORMATS:
-        raise ValueError(f"data file {name!r}: unsupported format {path.suffix or '(no suffix)'!r}; "
-                         "use .parquet, .jsonl or .json")
+        raise ValueError(
+            f"data file {name!r}: unsupported format {path.suffix or '(no suffix)'!r}; use .parquet, .jsonl or .json"
+        )
     if not path.exists():
         raise ValueError(f"data file {name!r} does not exist")
     if not path.is_file():
@@ -223,8 +237,9 @@ def inspect_data_file(path: str | Path, columns: Sequence[str] = ("prompt",), *,
         for number, row in rows:
             missing = [c for c in columns if c not in row]
             if missing:
-                raise ValueError(f"data file {name!r} line {number} has no field {missing[0]!r}; fields there: "
-                                 f"{sorted(row)}")
+                raise ValueError(
+                    f"data file {name!r} line {number} has no field {missing[0]!r}; fields there: {sorted(row)}"
+                )
         prompts = [row.get(prompt_key) for _, row in rows]
         where, index = "lines", [number for number, _ in rows]
     empty = [index[i] for i, p in enumerate(prompts) if _prompt_is_empty(p)]
@@ -288,8 +303,15 @@ class PromptDataset(torch.utils.data.Dataset):
             file and row).
     """
 
-    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, config: Any = None, *,
-                 max_samples: int = -1, require_ground_truth: bool = True):
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        config: Any = None,
+        *,
+        max_samples: int = -1,
+        require_ground_truth: bool = True,
+    ):
         files = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
         if not files:
             raise ValueError("data_files is empty; give at least one .parquet/.jsonl file")
@@ -312,7 +334,8 @@ class PromptDataset(torch.utils.data.Dataset):
             if cfg_get(config, "shuffle", False):
                 seed = cfg_get(config, "seed")
                 keep = np.random.default_rng(*(() if seed is None else (seed,))).choice(
-                    len(rows), size=max_samples, replace=False)
+                    len(rows), size=max_samples, replace=False
+                )
             else:
                 keep = np.arange(max_samples)
             rows = [rows[int(i)] for i in keep]
@@ -328,8 +351,10 @@ class PromptDataset(torch.utils.data.Dataset):
             row["input_ids"] = ids
             self.rows.append(row)
         if not self.rows:
-            raise ValueError(f"no prompts left in {self.files}: all {len(rows)} rows are longer than "
-                             f"data.max_prompt_length={self.max_prompt_length}")
+            raise ValueError(
+                f"no prompts left in {self.files}: all {len(rows)} rows are longer than "
+                f"data.max_prompt_length={self.max_prompt_length}"
+            )
 
     def _read(self, cache_dir: Optional[str], require_ground_truth: bool) -> list[dict]:
         required = [self.prompt_key, self.reward_fn_key] + (["reward_model"] if require_ground_truth else [])
@@ -354,21 +379,37 @@ class PromptDataset(torch.utils.data.Dataset):
                 truth = rm.get("ground_truth") if isinstance(rm, Mapping) else None
                 if require_ground_truth and truth is None:
                     raise ValueError(f"{origin}: reward_model.ground_truth is missing (reward_model={rm!r})")
-                rows.append({"origin": origin, "raw_prompt": self._messages(prompt, origin), "data_source": source,
-                             "ground_truth": truth, "extra_info": dict(extra) if extra else {}})
+                rows.append(
+                    {
+                        "origin": origin,
+                        "raw_prompt": self._messages(prompt, origin),
+                        "data_source": source,
+                        "ground_truth": truth,
+                        "extra_info": dict(extra) if extra else {},
+                    }
+                )
         return rows
 
     def _messages(self, prompt: Any, origin: str) -> list[dict] | str:
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}] if self.apply_chat_template else prompt
         if not self.apply_chat_template:
-            raise ValueError(f"{origin}: column {self.prompt_key!r} holds a message list but "
-                             "data.apply_chat_template=False; give plain strings or enable the template")
-        if not isinstance(prompt, Sequence) or not prompt or not all(
+            raise ValueError(
+                f"{origin}: column {self.prompt_key!r} holds a message list but "
+                "data.apply_chat_template=False; give plain strings or enable the template"
+            )
+        if (
+            not isinstance(prompt, Sequence)
+            or not prompt
+            or not all(
                 isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in prompt):
-            raise ValueError(f"{origin}: column {self.prompt_key!r} must be a string or a non-empty list of "
-                             f"{{'role': str, 'content': str}} messages, got {prompt!r}")
+                for m in prompt
+            )
+        ):
+            raise ValueError(
+                f"{origin}: column {self.prompt_key!r} must be a string or a non-empty list of "
+                f"{{'role': str, 'content': str}} messages, got {prompt!r}"
+            )
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
     def _tokenize(self, row: dict) -> list[int]:
@@ -376,24 +417,28 @@ class PromptDataset(torch.utils.data.Dataset):
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; set one or use data.apply_chat_template=False "
-                             "with string prompts")
-        text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
-                                                  **self.chat_template_kwargs)
+            raise ValueError(
+                "the tokenizer has no chat template; set one or use data.apply_chat_template=False with string prompts"
+            )
+        text = self.tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _truncate(self, ids: list[int], origin: str) -> list[int]:
         limit = self.max_prompt_length
         if self.truncation == "error":
-            raise ValueError(f"{origin}: prompt has {len(ids)} tokens, more than data.max_prompt_length={limit}; "
-                             "set data.filter_overlong_prompts=True to drop such rows or "
-                             "data.truncation=left|right|middle to cut them")
+            raise ValueError(
+                f"{origin}: prompt has {len(ids)} tokens, more than data.max_prompt_length={limit}; "
+                "set data.filter_overlong_prompts=True to drop such rows or "
+                "data.truncation=left|right|middle to cut them"
+            )
         if self.truncation == "left":
             return ids[-limit:]
         if self.truncation == "right":
             return ids[:limit]
         head = limit // 2  # "middle": keep the start and the end, as verl does
-        return ids[:head] + ids[len(ids) - (limit - head):]
+        return ids[:head] + ids[len(ids) - (limit - head) :]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -414,8 +459,9 @@ class PromptDataset(torch.utils.data.Dataset):
         }
 
 
-def collate_prompts(items: Sequence[Mapping], pad_token_id: int, *, pad_to: Optional[int] = None,
-                    uids: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def collate_prompts(
+    items: Sequence[Mapping], pad_token_id: int, *, pad_to: Optional[int] = None, uids: Optional[Sequence[str]] = None
+) -> dict[str, Any]:
     """Left-pad ``items`` (``PromptDataset`` rows) into a batch.
 
     Returns ``input_ids``, ``attention_mask``, ``position_ids`` ``[b, P]`` (``P`` = the longest
@@ -431,7 +477,7 @@ def collate_prompts(items: Sequence[Mapping], pad_token_id: int, *, pad_to: Opti
     input_ids = torch.full((len(items), width), int(pad_token_id), dtype=torch.long)
     for j, it in enumerate(items):
         if it["input_ids"]:
-            input_ids[j, width - len(it["input_ids"]):] = torch.tensor(it["input_ids"], dtype=torch.long)
+            input_ids[j, width - len(it["input_ids"]) :] = torch.tensor(it["input_ids"], dtype=torch.long)
     attention_mask = (torch.arange(width) >= width - lengths[:, None]).long()  # [b, P]
     batch: dict[str, Any] = {
         "input_ids": input_ids,
@@ -465,16 +511,27 @@ class PromptDataLoader:
         pad_to: fixed prompt width (e.g. ``max_prompt_length``); default the longest in the batch.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: Optional[int] = 0,
-                 drop_last: bool = True, pad_token_id: Optional[int] = None, pad_to: Optional[int] = None):
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: Optional[int] = 0,
+        drop_last: bool = True,
+        pad_token_id: Optional[int] = None,
+        pad_to: Optional[int] = None,
+    ):
         if batch_size <= 0:
             raise ValueError(f"batch_size={batch_size} must be > 0")
         self.dataset, self.batch_size = dataset, int(batch_size)
         self.shuffle, self.seed, self.drop_last, self.pad_to = bool(shuffle), int(seed or 0), bool(drop_last), pad_to
         self.num_samples = len(dataset)
         if self.num_batches == 0:
-            raise ValueError(f"batch_size={batch_size} is larger than the dataset ({self.num_samples} prompts) "
-                             "with drop_last=True; no batch could be drawn")
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the dataset ({self.num_samples} prompts) "
+                "with drop_last=True; no batch could be drawn"
+            )
         if pad_token_id is None:
             tok = getattr(dataset, "tokenizer", None)
             pad_token_id = getattr(tok, "pad_token_id", None)
@@ -496,15 +553,18 @@ class PromptDataLoader:
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_cache is None or self._order_cache[0] != epoch:
-            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-                     if self.shuffle else np.arange(self.num_samples))
+            order = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                if self.shuffle
+                else np.arange(self.num_samples)
+            )
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
     def next_batch(self) -> dict[str, Any]:
         """The batch at the current position; advance (into the next epoch after the last one)."""
         epoch, start = self.epoch, self.batch_in_epoch * self.batch_size
-        rows = self._order(epoch)[start: start + self.batch_size].tolist()
+        rows = self._order(epoch)[start : start + self.batch_size].tolist()
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.num_batches:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
@@ -519,25 +579,36 @@ class PromptDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position and the settings the order depends on (checked by ``load_state_dict``)."""
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
-                "shuffle": self.shuffle, "batch_size": self.batch_size, "num_samples": self.num_samples,
-                "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "num_samples": self.num_samples,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``'s position; the order-defining settings must match this loader's."""
         for key in ("seed", "shuffle", "batch_size", "num_samples", "drop_last"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"dataloader state has {key}={state[key]!r} but this loader has "
-                                 f"{key}={getattr(self, key)!r}; resuming would replay a different data order")
+                raise ValueError(
+                    f"dataloader state has {key}={state[key]!r} but this loader has "
+                    f"{key}={getattr(self, key)!r}; resuming would replay a different data order"
+                )
         epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 0 or not 0 <= batch < self.num_batches:
-            raise ValueError(f"dataloader state position epoch={epoch}, batch_in_epoch={batch} is out of range "
-                             f"(0 <= batch_in_epoch < {self.num_batches})")
+            raise ValueError(
+                f"dataloader state position epoch={epoch}, batch_in_epoch={batch} is out of range "
+                f"(0 <= batch_in_epoch < {self.num_batches})"
+            )
         self.epoch, self.batch_in_epoch = epoch, batch
 
 
-def build_prompt_dataloader(data_files: Any, tokenizer: Any, config: Any, *, batch_size: Optional[int] = None,
-                            **dataset_kwargs: Any) -> PromptDataLoader:
+def build_prompt_dataloader(
+    data_files: Any, tokenizer: Any, config: Any, *, batch_size: Optional[int] = None, **dataset_kwargs: Any
+) -> PromptDataLoader:
     """``PromptDataset`` + ``PromptDataLoader`` from verl's ``data`` config keys
     (``gen_batch_size`` or ``train_batch_size``, ``shuffle``, ``seed``)."""
     dataset = PromptDataset(data_files, tokenizer, config, **dataset_kwargs)
@@ -546,7 +617,10 @@ def build_prompt_dataloader(data_files: Any, tokenizer: Any, config: Any, *, bat
         raise ValueError("no batch size: pass batch_size or set data.train_batch_size")
     if int(size) > len(dataset):
         key = "data.gen_batch_size" if cfg_get(config, "gen_batch_size") and not batch_size else "data.train_batch_size"
-        raise ValueError(f"{key}={size} is larger than the dataset: {len(dataset)} prompts in {dataset.files} "
-                         "(after data.train_max_samples / data.filter_overlong_prompts); no batch could be drawn")
-    return PromptDataLoader(dataset, int(size), shuffle=bool(cfg_get(config, "shuffle", True)),
-                            seed=cfg_get(config, "seed", 0))
+        raise ValueError(
+            f"{key}={size} is larger than the dataset: {len(dataset)} prompts in {dataset.files} "
+            "(after data.train_max_samples / data.filter_overlong_prompts); no batch could be drawn"
+        )
+    return PromptDataLoader(
+        dataset, int(size), shuffle=bool(cfg_get(config, "shuffle", True)), seed=cfg_get(config, "seed", 0)
+    )

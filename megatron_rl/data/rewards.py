@@ -96,8 +96,9 @@ def get_reward_fn(name_or_fn: str | Callable | None = None, **reward_kwargs: Any
     return partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
-                          extra_info: Optional[dict] = None, **kwargs: Any) -> float | dict:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, **kwargs: Any
+) -> float | dict:
     """verl's ``default_compute_score``: pick the rule reward from ``data_source``.
 
     ``data_source`` is looked up in ``DATA_SOURCE_TO_REWARD``, then as a registry name; an
@@ -132,8 +133,9 @@ def check_custom_reward_file(path: str | Path, name: str = "compute_score") -> N
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as exc:
-        raise ValueError(f"reward.custom_reward_function.path={str(path)!r}: syntax error at {path}:{exc.lineno}: "
-                         f"{exc.msg}") from None
+        raise ValueError(
+            f"reward.custom_reward_function.path={str(path)!r}: syntax error at {path}:{exc.lineno}: {exc.msg}"
+        ) from None
     defined = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -143,11 +145,13 @@ def check_custom_reward_file(path: str | Path, name: str = "compute_score") -> N
                 defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             defined.update((a.asname or a.name).split(".")[0] for a in node.names)
-    if name not in defined and not any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)
-                                       for n in tree.body):
+    if name not in defined and not any(
+        isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in tree.body
+    ):
         functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-        raise ValueError(f"reward.custom_reward_function.name={name!r} is not a function in {path}; functions there: "
-                         f"{functions}")
+        raise ValueError(
+            f"reward.custom_reward_function.name={name!r} is not a function in {path}; functions there: {functions}"
+        )
 
 
 def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Callable:
@@ -166,8 +170,10 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Call
     except Exception as exc:  # noqa: BLE001 - whatever the user's file raises is reported with its line
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
         where = f"{path}:{frames[-1].lineno}" if frames else str(path)
-        raise ValueError(f"reward.custom_reward_function.path={str(path)!r}: importing it raised "
-                         f"{type(exc).__name__}: {exc} (at {where})") from None
+        raise ValueError(
+            f"reward.custom_reward_function.path={str(path)!r}: importing it raised "
+            f"{type(exc).__name__}: {exc} (at {where})"
+        ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"custom_reward_function.name={name!r} is not a function in {path}")
@@ -181,8 +187,14 @@ def _digits(text: Any) -> list[str]:
 
 @register_reward("toy_copy")
 @register_reward("toy_reverse")
-def toy_sequence_score(data_source: str, solution_str: str, ground_truth: str,
-                       extra_info: Optional[dict] = None, *, partial_credit: bool = True) -> dict:
+def toy_sequence_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: Optional[dict] = None,
+    *,
+    partial_credit: bool = True,
+) -> dict:
     """Copy/reverse a digit sequence: the fraction of positions right, over the longer length.
 
     The response and ``ground_truth`` (e.g. ``"9 1 7 3"``) are split on whitespace;
@@ -200,8 +212,14 @@ def toy_sequence_score(data_source: str, solution_str: str, ground_truth: str,
 
 
 @register_reward("toy_count")
-def toy_count_score(data_source: str, solution_str: str, ground_truth: str,
-                    extra_info: Optional[dict] = None, *, format_score: float = 0.0) -> dict:
+def toy_count_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: Optional[dict] = None,
+    *,
+    format_score: float = 0.0,
+) -> dict:
     """Count task: 1.0 when the stripped response is exactly the count, ``format_score`` when
     it is some other integer, else 0.0."""
     pred = solution_str.strip()
@@ -236,14 +254,23 @@ def gsm8k_extract_solution(solution_str: str, method: str = "strict") -> Optiona
 
 
 @register_reward("gsm8k")
-def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None,
-                *, method: str = "strict", format_score: float = 0.0, score: float = 1.0) -> dict:
+def gsm8k_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: Optional[dict] = None,
+    *,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> dict:
     """verl's GSM8K score: ``score`` if the extracted answer equals ``ground_truth`` (string
     equality), ``format_score`` if an answer was extracted but differs, 0.0 if none was found."""
     if not isinstance(ground_truth, str):
         # verl compares strings; a numeric ground truth would silently never match.
-        raise TypeError(f"gsm8k ground_truth must be a string like '72', got {type(ground_truth).__name__} "
-                        f"{ground_truth!r}")
+        raise TypeError(
+            f"gsm8k ground_truth must be a string like '72', got {type(ground_truth).__name__} {ground_truth!r}"
+        )
     answer = gsm8k_extract_solution(solution_str, method=method)
     if answer is None:
         return {"score": 0.0, "acc": 0.0}
@@ -253,8 +280,9 @@ def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_in
 
 # ----------------------------------------------------------------------------- math (math-verify)
 @register_reward("math")
-def math_verify_score(data_source: str, solution_str: str, ground_truth: str,
-                      extra_info: Optional[dict] = None) -> dict:
+def math_verify_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None
+) -> dict:
     """verl's math-verify score: 1.0 if any answer parsed from the response (plain expression
     or LaTeX) is equivalent to ``\\boxed{ground_truth}``, else 0.0.
 
@@ -316,8 +344,15 @@ def _countdown_value(equation: str) -> Optional[float]:
 
 
 @register_reward("countdown")
-def countdown_score(data_source: str, solution_str: str, ground_truth: Mapping, extra_info: Optional[dict] = None,
-                    *, format_score: float = 0.1, score: float = 1.0) -> dict:
+def countdown_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Mapping,
+    extra_info: Optional[dict] = None,
+    *,
+    format_score: float = 0.1,
+    score: float = 1.0,
+) -> dict:
     """TinyZero's countdown score.
 
     ``ground_truth = {"target": int, "numbers": [int, ...]}``. No ``<answer>`` -> 0.0; an
@@ -352,8 +387,9 @@ class RewardError(RuntimeError):
         self.indices = [i for i, _, _ in failures]
         shown = "; ".join(f"sample {i} (data_source={src!r}): {why}" for i, src, why in failures[:5])
         more = f"; ... and {len(failures) - 5} more" if len(failures) > 5 else ""
-        super().__init__(f"reward function failed on {len(failures)} of {batch_size} samples "
-                         f"(indices {self.indices}): {shown}{more}")
+        super().__init__(
+            f"reward function failed on {len(failures)} of {batch_size} samples (indices {self.indices}): {shown}{more}"
+        )
 
 
 @dataclass
@@ -419,9 +455,15 @@ class RewardFunction:
         max_resp_len: response-length limit the overlong buffer is measured from.
     """
 
-    def __init__(self, tokenizer: Any = None, compute_score: str | Callable | None = None, *,
-                 reward_kwargs: Optional[Mapping[str, Any]] = None, overlong_buffer_cfg: Any = None,
-                 max_resp_len: Optional[int] = None):
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        compute_score: str | Callable | None = None,
+        *,
+        reward_kwargs: Optional[Mapping[str, Any]] = None,
+        overlong_buffer_cfg: Any = None,
+        max_resp_len: Optional[int] = None,
+    ):
         self.tokenizer = tokenizer
         self.compute_score = get_reward_fn(compute_score, **dict(reward_kwargs or {}))
         self.overlong_buffer_cfg = overlong_buffer_cfg
@@ -436,8 +478,13 @@ class RewardFunction:
         eos = getattr(self.tokenizer, "eos_token", None)
         return [t[: -len(eos)] if eos and t.endswith(eos) else t for t in texts]
 
-    def score_texts(self, texts: Sequence[str], data_sources: Sequence[Any], ground_truths: Sequence[Any],
-                    extra_infos: Optional[Sequence[Any]] = None) -> tuple[list[float], dict[str, list]]:
+    def score_texts(
+        self,
+        texts: Sequence[str],
+        data_sources: Sequence[Any],
+        ground_truths: Sequence[Any],
+        extra_infos: Optional[Sequence[Any]] = None,
+    ) -> tuple[list[float], dict[str, list]]:
         """Score decoded responses: ``(scores, reward_extra_info)``; raises ``RewardError``."""
         size = len(texts)
         data_sources = _as_list(data_sources, "data_source", size)
@@ -448,8 +495,9 @@ class RewardFunction:
         failures: list[tuple[int, Any, str]] = []
         for i, (text, source, truth, info) in enumerate(zip(texts, data_sources, ground_truths, extra_infos)):
             try:
-                result = self.compute_score(data_source=source, solution_str=text, ground_truth=truth,
-                                            extra_info=dict(info) if info else {})
+                result = self.compute_score(
+                    data_source=source, solution_str=text, ground_truth=truth, extra_info=dict(info) if info else {}
+                )
             except Exception as e:  # noqa: BLE001 - every failure is collected and re-raised below
                 failures.append((i, source, f"{type(e).__name__}: {e}"))
                 continue

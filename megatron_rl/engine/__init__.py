@@ -15,6 +15,20 @@ from megatron_rl.engine.layout import Layout, ModelOutput, left_align, response_
 from megatron_rl.engine.metrics import LossMetrics, StepInfo
 from megatron_rl.engine.packing import PackedLayout, pack_micro_batch
 
-__all__ = ["MegatronEngine", "HEADS", "ForwardFn", "LossFn", "ModelOutput", "Layout", "PackedLayout", "StepInfo",
-           "LossMetrics", "MicroBatchPlan", "balanced_partitions", "token_budget_micro_batches", "pack_micro_batch",
-           "left_align", "response_positions"]
+__all__ = [
+    "MegatronEngine",
+    "HEADS",
+    "ForwardFn",
+    "LossFn",
+    "ModelOutput",
+    "Layout",
+    "PackedLayout",
+    "StepInfo",
+    "LossMetrics",
+    "MicroBatchPlan",
+    "balanced_partitions",
+    "token_budget_micro_batches",
+    "pack_micro_batch",
+    "left_align",
+    "response_positions",
+]

@@ -27,8 +27,14 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MicroBatchPlan", "fixed_micro_batches", "token_budget_micro_batches", "balanced_partitions",
-           "karmarkar_karp", "attention_workload"]
+__all__ = [
+    "MicroBatchPlan",
+    "fixed_micro_batches",
+    "token_budget_micro_batches",
+    "balanced_partitions",
+    "karmarkar_karp",
+    "attention_workload",
+]
 
 
 def attention_workload(lengths: Sequence[int]) -> list[int]:
@@ -82,7 +88,7 @@ def karmarkar_karp(values: Sequence[int], k: int, *, equal_size: bool) -> list[l
     step = k if equal_size else 1
     heap: list[_State] = []
     for start in range(0, len(ordered), step):
-        seeds = [_Set([(i, v)]) for v, i in ordered[start:start + step]]
+        seeds = [_Set([(i, v)]) for v, i in ordered[start : start + step]]
         heapq.heappush(heap, _State(seeds + [_Set([]) for _ in range(k - len(seeds))]))
     while len(heap) > 1:
         first, second = heapq.heappop(heap), heapq.heappop(heap)
@@ -119,7 +125,7 @@ class MicroBatchPlan:
         out = []
         for mb in self.indices:
             if list(mb) == list(range(mb[0], mb[0] + len(mb))):
-                out.append({k: v[mb[0]: mb[0] + len(mb)] for k, v in batch.items()})
+                out.append({k: v[mb[0] : mb[0] + len(mb)] for k, v in batch.items()})
             else:
                 index = torch.tensor(mb, dtype=torch.long)
                 out.append({k: v[index.to(v.device)] for k, v in batch.items()})
@@ -150,9 +156,15 @@ def _agree(values: list[int], op: Any, group: Any, device: torch.device) -> list
     return [int(x) for x in t.tolist()]
 
 
-def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int, *, dp_group: Any = None,
-                               multiple_of: int = 1, budget_key: str = "max_token_len",
-                               device: Optional[torch.device] = None) -> MicroBatchPlan:
+def token_budget_micro_batches(
+    lengths: Sequence[int],
+    max_token_len: int,
+    *,
+    dp_group: Any = None,
+    multiple_of: int = 1,
+    budget_key: str = "max_token_len",
+    device: Optional[torch.device] = None,
+) -> MicroBatchPlan:
     """Micro-batches whose token sums stay within ``max_token_len`` (collective over ``dp_group``).
 
     ``lengths`` are this rank's per-sample token counts (as the model sees them: alignment padding
@@ -166,17 +178,21 @@ def token_budget_micro_batches(lengths: Sequence[int], max_token_len: int, *, dp
     longest, fewest = _agree([max(lengths, default=0), -n], dist.ReduceOp.MAX, dp_group, device)
     fewest = -fewest
     if longest > max_token_len:
-        raise ValueError(f"a sample of {longest} tokens is longer than the token budget {budget_key}="
-                         f"{max_token_len}; raise {budget_key} to at least {longest}")
+        raise ValueError(
+            f"a sample of {longest} tokens is longer than the token budget {budget_key}="
+            f"{max_token_len}; raise {budget_key} to at least {longest}"
+        )
     step = max(1, multiple_of)
     (count,) = _agree([max(1, min(n, math.ceil(sum(lengths) / max_token_len)))], dist.ReduceOp.MAX, dp_group, device)
     count = -(-count // step) * step
     workloads = attention_workload(lengths)
     while True:
         if count > fewest:
-            raise ValueError(f"{budget_key}={max_token_len} needs {count} micro-batches on every data-parallel rank "
-                             f"(a multiple of {step}), but a rank holds only {fewest} samples; raise {budget_key} "
-                             "or give every rank more samples")
+            raise ValueError(
+                f"{budget_key}={max_token_len} needs {count} micro-batches on every data-parallel rank "
+                f"(a multiple of {step}), but a rank holds only {fewest} samples; raise {budget_key} "
+                "or give every rank more samples"
+            )
         groups = balanced_partitions(workloads, count, equal_size=False)
         fits = int(all(sum(lengths[i] for i in g) <= max_token_len for g in groups))
         (fits,) = _agree([fits], dist.ReduceOp.MIN, dp_group, device)

@@ -54,8 +54,14 @@ from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_leng
 from megatron_rl.engine.offload import CATEGORIES, OffloadStore, resident_bytes
 from megatron_rl.engine.router_replay import ROUTED_EXPERTS, RoutingReplay, RoutingSession
 from megatron_rl.models.attention import check_packing_support
-from megatron_rl.models.gpt import (HEADS, build_model, build_transformer_config, hidden_states_output, require_te,
-                                    te_available)
+from megatron_rl.models.gpt import (
+    HEADS,
+    build_model,
+    build_transformer_config,
+    hidden_states_output,
+    require_te,
+    te_available,
+)
 
 __all__ = ["MegatronEngine", "HEADS", "ForwardFn", "LossFn", "ModelOutput", "StepInfo", "LossMetrics"]
 
@@ -97,10 +103,22 @@ class MegatronEngine:
             reference policy). A trainable engine only.
     """
 
-    def __init__(self, model_cfg: ModelConfig, mesh: Any, *, head: str = "lm", trainable: bool = False,
-                 optim: Optional[OptimConfig] = None, transformer_overrides: Optional[Mapping[str, Any]] = None,
-                 sequence_parallel: bool = False, remove_padding: bool = True, distributed_optimizer: bool = False,
-                 routing_replay: bool = False, name: str = "model", lora: Optional[Any] = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        mesh: Any,
+        *,
+        head: str = "lm",
+        trainable: bool = False,
+        optim: Optional[OptimConfig] = None,
+        transformer_overrides: Optional[Mapping[str, Any]] = None,
+        sequence_parallel: bool = False,
+        remove_padding: bool = True,
+        distributed_optimizer: bool = False,
+        routing_replay: bool = False,
+        name: str = "model",
+        lora: Optional[Any] = None,
+    ):
         from megatron.core.transformer import TransformerConfig
 
         if head not in HEADS:
@@ -109,8 +127,11 @@ class MegatronEngine:
             raise ValueError(f"the {name!r} engine is trainable but has no optim config")
         check_context_parallel(model_cfg, mesh.config.context_parallel_size)  # before anything is allocated
         if remove_padding:
-            check_packing_support(model_cfg.attention_backend, context_parallel_size=mesh.config.context_parallel_size,
-                                  te_importable=te_available())
+            check_packing_support(
+                model_cfg.attention_backend,
+                context_parallel_size=mesh.config.context_parallel_size,
+                te_importable=te_available(),
+            )
         self.remove_padding = remove_padding
         overrides = dict(transformer_overrides or {})
         if routing_replay:
@@ -127,42 +148,61 @@ class MegatronEngine:
         check_mtp_layout(mesh.config, overrides)  # MTP fields / layout stages: refused before the model is built
         uneven = uneven_pipeline_fields(overrides)
         if uneven:  # named errors instead of Megatron's asserts mid-build
-            pipeline_stage_layers(model_cfg.num_layers, mesh.config.pipeline_model_parallel_size,
-                                  mesh.config.virtual_pipeline_model_parallel_size, **uneven)
+            pipeline_stage_layers(
+                model_cfg.num_layers,
+                mesh.config.pipeline_model_parallel_size,
+                mesh.config.virtual_pipeline_model_parallel_size,
+                **uneven,
+            )
         self.name, self.head, self.trainable = name, head, trainable
         self.model_cfg, self.mesh = model_cfg, mesh
-        self.tf_config = build_transformer_config(model_cfg, mesh.config, sequence_parallel=sequence_parallel,
-                                                  **overrides)
+        self.tf_config = build_transformer_config(
+            model_cfg, mesh.config, sequence_parallel=sequence_parallel, **overrides
+        )
         self.lora = lora if lora is not None and lora.enabled else None
         if self.lora is not None:  # refused before the model is built
             if not trainable:
-                raise ValueError(f"the {name!r} engine is frozen; LoRA adapters go on a trainable engine "
-                                 "(the reference of a LoRA actor is the actor with adapters off)")
+                raise ValueError(
+                    f"the {name!r} engine is frozen; LoRA adapters go on a trainable engine "
+                    "(the reference of a LoRA actor is the actor with adapters off)"
+                )
             check_lora_fits(self.lora, model_cfg)
         chunks = build_model(model_cfg, self.tf_config, head=head)
         if self.lora is not None:
-            self.lora_modules = add_lora(chunks, self.lora, mesh, model_cfg.dtype,
-                                         sequence_parallel=self.tf_config.sequence_parallel)
+            self.lora_modules = add_lora(
+                chunks, self.lora, mesh, model_cfg.dtype, sequence_parallel=self.tf_config.sequence_parallel
+            )
         self.cp_size = mesh.size("cp")
         # Pure DP: the CP ranks of one DP replica hold the same samples, so token counts and
         # metrics reduce over DP only (Megatron's DDP reduces gradients over DP x CP itself).
         self.dp_size = mesh.size("dp")
         # Collectives on small host values still need device tensors under NCCL.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.optimizer = self.scheduler = None
         self.distributed_optimizer = bool(distributed_optimizer and trainable)
         self._offload = OffloadStore()
         if trainable:
             self.model = wrap_ddp(chunks, self.tf_config, distributed_optimizer=distributed_optimizer)
-            self.optimizer, self.scheduler = build_optimizer(self.model, self.tf_config, optim,
-                                                             distributed_optimizer=distributed_optimizer)
+            self.optimizer, self.scheduler = build_optimizer(
+                self.model, self.tf_config, optim, distributed_optimizer=distributed_optimizer
+            )
         else:
             self.model = chunks
             for chunk in chunks:
                 chunk.requires_grad_(False)
                 chunk.eval()
-        self.routing = (RoutingReplay(self.model, num_layers=model_cfg.num_layers, num_experts=model_cfg.num_moe_experts,
-                                      topk=model_cfg.moe_router_topk) if routing_replay else None)
+        self.routing = (
+            RoutingReplay(
+                self.model,
+                num_layers=model_cfg.num_layers,
+                num_experts=model_cfg.num_moe_experts,
+                topk=model_cfg.moe_router_topk,
+            )
+            if routing_replay
+            else None
+        )
         self.routing_agreement: dict[str, float] = {}
         """After a call that replayed routing: the fractions of router decisions agreeing with the
         replayed ids, ``used`` (what the routers used) and ``natural`` (what they would have picked)."""
@@ -186,9 +226,16 @@ class MegatronEngine:
 
     # -- the two entry points -----------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: Batch, fn: ForwardFn, *, micro_batch_size: Optional[int] = None,
-                max_token_len: Optional[int] = None, budget_key: str = "max_token_len",
-                routing: Optional[str] = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        batch: Batch,
+        fn: ForwardFn,
+        *,
+        micro_batch_size: Optional[int] = None,
+        max_token_len: Optional[int] = None,
+        budget_key: str = "max_token_len",
+        routing: Optional[str] = None,
+    ) -> dict[str, torch.Tensor]:
         """Forward only: ``fn(micro_batch, output)``'s per-row tensors in the batch's order, on every
         pipeline stage (``fn`` runs on the last one).
 
@@ -205,8 +252,9 @@ class MegatronEngine:
             result = fn(mb, output)
             return torch.zeros((), device=self.device), result
 
-        plan = self.plan_micro_batches(batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                                       budget_key=budget_key)
+        plan = self.plan_micro_batches(
+            batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, budget_key=budget_key
+        )
         micro_batches = plan.split(batch)
         session = self._routing_session(routing, batch, plan, micro_batches, forward_only=True)
         outputs = self._run(micro_batches, loss_func, forward_only=True, session=session)
@@ -220,9 +268,16 @@ class MegatronEngine:
                 result[ROUTED_EXPERTS] = recorded
         return result
 
-    def train_step(self, mini_batch: Batch, loss_fn: LossFn, *, micro_batch_size: Optional[int] = None,
-                   max_token_len: Optional[int] = None, budget_key: str = "max_token_len",
-                   routing: Optional[str] = None) -> dict[str, float]:
+    def train_step(
+        self,
+        mini_batch: Batch,
+        loss_fn: LossFn,
+        *,
+        micro_batch_size: Optional[int] = None,
+        max_token_len: Optional[int] = None,
+        budget_key: str = "max_token_len",
+        routing: Optional[str] = None,
+    ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; the global metrics.
 
         Zeroes the gradients, all-reduces the mini-batch's response-token and sequence counts over
@@ -240,15 +295,21 @@ class MegatronEngine:
         self._check_resident(*CATEGORIES)
         for chunk in self.model:
             chunk.train()
-        plan = self.plan_micro_batches(mini_batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                                       budget_key=budget_key)
+        plan = self.plan_micro_batches(
+            mini_batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, budget_key=budget_key
+        )
         micro_batches = plan.split(mini_batch)
         masks = mini_batch["response_mask"]
-        counts = torch.tensor([float(masks.sum()), float((masks.sum(-1) > 0).sum())], dtype=torch.float64,
-                              device=self.device)
+        counts = torch.tensor(
+            [float(masks.sum()), float((masks.sum(-1) > 0).sum())], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(counts, group=self.mesh.dp_group)
-        step = StepInfo(num_micro_batches=len(micro_batches), dp_size=self.dp_size,
-                        batch_num_tokens=int(counts[0]), global_batch_size=int(counts[1]))
+        step = StepInfo(
+            num_micro_batches=len(micro_batches),
+            dp_size=self.dp_size,
+            batch_num_tokens=int(counts[0]),
+            global_batch_size=int(counts[1]),
+        )
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -268,8 +329,13 @@ class MegatronEngine:
             self.scheduler.step(increment=1)
         metrics = None
         if self.mesh.is_last_pp_stage:
-            metrics = reduce_metrics(outputs, total_tokens=float(counts[0]), dp_group=self.mesh.dp_group,
-                                     dp_size=self.dp_size, device=self.device)
+            metrics = reduce_metrics(
+                outputs,
+                total_tokens=float(counts[0]),
+                dp_group=self.mesh.dp_group,
+                dp_size=self.dp_size,
+                device=self.device,
+            )
         metrics = self._broadcast_from_last_stage(metrics)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -277,18 +343,32 @@ class MegatronEngine:
             metrics.update({f"router_agreement/{k}": v for k, v in self.routing_agreement.items()})
         return metrics
 
-    def _routing_session(self, routing: Optional[str], batch: Batch, plan: MicroBatchPlan, micro_batches: list[dict],
-                         *, forward_only: bool) -> Optional[RoutingSession]:
+    def _routing_session(
+        self,
+        routing: Optional[str],
+        batch: Batch,
+        plan: MicroBatchPlan,
+        micro_batches: list[dict],
+        *,
+        forward_only: bool,
+    ) -> Optional[RoutingSession]:
         """The call's router recording / replay (``routing`` None: the routers pick as they do)."""
         self.routing_agreement = {}
         if routing is None:
             return None
         if self.routing is None:
             raise ValueError(f"routing={routing!r}: the {self.name!r} engine was built without routing_replay")
-        return RoutingSession(self.routing, routing, micro_batches=micro_batches, sample_index=plan.indices,
-                              batch_size=int(batch["input_ids"].shape[0]), seq_len=int(batch["input_ids"].shape[1]),
-                              mesh=self.mesh, sequence_parallel=bool(self.tf_config.sequence_parallel),
-                              forward_only=forward_only)
+        return RoutingSession(
+            self.routing,
+            routing,
+            micro_batches=micro_batches,
+            sample_index=plan.indices,
+            batch_size=int(batch["input_ids"].shape[0]),
+            seq_len=int(batch["input_ids"].shape[1]),
+            mesh=self.mesh,
+            sequence_parallel=bool(self.tf_config.sequence_parallel),
+            forward_only=forward_only,
+        )
 
     def ensure_trainable(self) -> None:
         """ValueError unless this engine was built trainable (it has an optimizer)."""
@@ -306,8 +386,14 @@ class MegatronEngine:
         """Tokens a packed sequence is a multiple of: ``sequence_multiple`` times ``2 * CP`` under CP."""
         return self.sequence_multiple * (2 * self.cp_size if self.cp_size > 1 else 1)
 
-    def plan_micro_batches(self, batch: Batch, *, micro_batch_size: Optional[int] = None,
-                           max_token_len: Optional[int] = None, budget_key: str = "max_token_len") -> MicroBatchPlan:
+    def plan_micro_batches(
+        self,
+        batch: Batch,
+        *,
+        micro_batch_size: Optional[int] = None,
+        max_token_len: Optional[int] = None,
+        budget_key: str = "max_token_len",
+    ) -> MicroBatchPlan:
         """The micro-batches of ``batch`` on this rank: ``micro_batch_size`` rows each, or within the
         token budget ``max_token_len`` (every DP rank the same count; a multiple of the pipeline
         size under the interleaved schedule). ValueError naming ``budget_key`` for a budget that
@@ -319,21 +405,37 @@ class MegatronEngine:
             return fixed_micro_batches(n, micro_batch_size)
         vpp, pp = len(self.model), self.tf_config.pipeline_model_parallel_size
         if vpp > 1 and not self.remove_padding:
-            raise ValueError(f"{budget_key}: token-budget micro-batches under the interleaved pipeline schedule "
-                             "(virtual_pipeline_model_parallel_size > 1) need megatron.use_remove_padding=True: "
-                             "padded micro-batches of different row counts cannot share one activation shape")
+            raise ValueError(
+                f"{budget_key}: token-budget micro-batches under the interleaved pipeline schedule "
+                "(virtual_pipeline_model_parallel_size > 1) need megatron.use_remove_padding=True: "
+                "padded micro-batches of different row counts cannot share one activation shape"
+            )
         align = self.token_alignment if self.remove_padding else 1
         if max_token_len % align:
-            raise ValueError(f"{budget_key}={max_token_len} is not a multiple of {align}, the packed-sequence "
-                             "alignment (tensor_model_parallel_size under sequence parallelism x 2 * "
-                             "context_parallel_size); packed micro-batches would exceed it")
+            raise ValueError(
+                f"{budget_key}={max_token_len} is not a multiple of {align}, the packed-sequence "
+                "alignment (tensor_model_parallel_size under sequence parallelism x 2 * "
+                "context_parallel_size); packed micro-batches would exceed it"
+            )
         lengths = row_lengths(batch["attention_mask"], self.cp_size)
-        return token_budget_micro_batches(lengths, max_token_len, dp_group=self.mesh.dp_group,
-                                          multiple_of=pp if vpp > 1 else 1, budget_key=budget_key, device=self.device)
+        return token_budget_micro_batches(
+            lengths,
+            max_token_len,
+            dp_group=self.mesh.dp_group,
+            multiple_of=pp if vpp > 1 else 1,
+            budget_key=budget_key,
+            device=self.device,
+        )
 
     # -- the schedule -------------------------------------------------------------------------
-    def _run(self, micro_batches: list[dict], loss_func: Callable, *, forward_only: bool,
-             session: Optional[RoutingSession] = None) -> list:
+    def _run(
+        self,
+        micro_batches: list[dict],
+        loss_func: Callable,
+        *,
+        forward_only: bool,
+        session: Optional[RoutingSession] = None,
+    ) -> list:
         """Run the micro-batches through the schedule; ``loss_func``'s second outputs (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -347,8 +449,10 @@ class MegatronEngine:
             )
         if self.remove_padding:
             # One activation shape [t, 1, h] per micro-batch; the interleaved schedule needs one for all.
-            seq_length = max(packed_length(mb["attention_mask"], tp_multiple=self.sequence_multiple,
-                                           cp_size=self.cp_size) for mb in micro_batches)
+            seq_length = max(
+                packed_length(mb["attention_mask"], tp_multiple=self.sequence_multiple, cp_size=self.cp_size)
+                for mb in micro_batches
+            )
             rows = 1
         else:
             seq_length = max(int(mb["attention_mask"].sum(-1).max().item()) for mb in micro_batches)
@@ -365,15 +469,17 @@ class MegatronEngine:
             forward_only=forward_only,
         )
 
-    def _forward_step(self, data_iterator, model, *, loss_func: Callable, pad_to: int = 0,
-                      session: Optional[RoutingSession] = None):
+    def _forward_step(
+        self, data_iterator, model, *, loss_func: Callable, pad_to: int = 0, session: Optional[RoutingSession] = None
+    ):
         """Megatron ``forward_step_func``: run one micro-batch; the last stage gets ``loss_func``."""
         index, mb = next(data_iterator)
         multiple = self.sequence_multiple
         packed = None
         if self.remove_padding:
-            ids, pos, packed, layout = pack_micro_batch(mb, pad_to=pad_to, tp_multiple=multiple,
-                                                        cp_group=self.mesh.cp_group)
+            ids, pos, packed, layout = pack_micro_batch(
+                mb, pad_to=pad_to, tp_multiple=multiple, cp_group=self.mesh.cp_group
+            )
         else:
             ids, pos, layout = prepare_inputs(mb, pad_to=pad_to, multiple=multiple, cp_group=self.mesh.cp_group)
         # The one place a role's inputs reach its device (megatron_rl.engine.device): the micro-batch
@@ -399,12 +505,22 @@ class MegatronEngine:
     def _model_output(self, output: torch.Tensor, layout, handle) -> ModelOutput:
         tp_group = self.mesh.tp_group
         if self.head == "lm":
-            return ModelOutput(layout, hidden_states=output, output_weight=handle.weight_used,
-                               vocab_size=self.model_cfg.vocab_size, tp_group=tp_group,
-                               tp_size=self.tf_config.tensor_model_parallel_size)
+            return ModelOutput(
+                layout,
+                hidden_states=output,
+                output_weight=handle.weight_used,
+                vocab_size=self.model_cfg.vocab_size,
+                tp_group=tp_group,
+                tp_size=self.tf_config.tensor_model_parallel_size,
+            )
         values = output.squeeze(-1).float()  # [b, s] (or this CP rank's share)
-        return ModelOutput(layout, values=values, vocab_size=self.model_cfg.vocab_size, tp_group=tp_group,
-                           tp_size=self.tf_config.tensor_model_parallel_size)
+        return ModelOutput(
+            layout,
+            values=values,
+            vocab_size=self.model_cfg.vocab_size,
+            tp_group=tp_group,
+            tp_size=self.tf_config.tensor_model_parallel_size,
+        )
 
     def _broadcast_from_last_stage(self, obj: Any) -> Any:
         """Hand the last pipeline stage's result to every stage (no-op without PP)."""
@@ -429,8 +545,17 @@ class MegatronEngine:
         Megatron distributed checkpoint, written atomically; see ``parallel.checkpoint``)."""
         from parallel.checkpoint import save_model
 
-        return str(save_model(self.model, path, overwrite=True, metadata=metadata, optimizer=self._ckpt_optimizer(),
-                              scheduler=self.scheduler, save_rng=self.trainable))
+        return str(
+            save_model(
+                self.model,
+                path,
+                overwrite=True,
+                metadata=metadata,
+                optimizer=self._ckpt_optimizer(),
+                scheduler=self.scheduler,
+                save_rng=self.trainable,
+            )
+        )
 
     def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> None:
         """Collective: restore what ``save_checkpoint`` wrote (the optimizer / schedule / RNG only
@@ -444,8 +569,13 @@ class MegatronEngine:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if not opt.optimizer.state:
                     opt._init_optimizer_states_with_dummy_values()
-        load_model(self.model, path, optimizer=self._ckpt_optimizer() if full else None,
-                   scheduler=self.scheduler if full else None, load_rng=full)
+        load_model(
+            self.model,
+            path,
+            optimizer=self._ckpt_optimizer() if full else None,
+            scheduler=self.scheduler if full else None,
+            load_rng=full,
+        )
 
     def _ckpt_optimizer(self) -> Any:
         """The optimizer as checkpoints see it: a distributed optimizer saves its state in Megatron's
@@ -480,8 +610,10 @@ class MegatronEngine:
         """RuntimeError when a part the computation needs is offloaded (a schedule out of order)."""
         away = [p for p in parts if self._offload.offloaded(p)]
         if away:
-            raise RuntimeError(f"the {self.name!r} engine's {away} are offloaded to host memory; call "
-                               "load_to_device() first (the phase schedule onloads a role before it computes)")
+            raise RuntimeError(
+                f"the {self.name!r} engine's {away} are offloaded to host memory; call "
+                "load_to_device() first (the phase schedule onloads a role before it computes)"
+            )
 
 
 def check_context_parallel(model_cfg: ModelConfig, context_parallel_size: int) -> None:
@@ -494,10 +626,12 @@ def check_context_parallel(model_cfg: ModelConfig, context_parallel_size: int) -
     if context_parallel_size <= 1:
         return
     if model_cfg.dtype == torch.float32:
-        raise ValueError(f"megatron.context_parallel_size={context_parallel_size} needs bfloat16 or float16 "
-                         "parameters: TransformerEngine's flash and fused attention do not run float32 and its "
-                         "unfused attention is disabled under context parallelism; set megatron.dtype (an inline "
-                         "model's params_dtype) to bfloat16, or context_parallel_size=1")
+        raise ValueError(
+            f"megatron.context_parallel_size={context_parallel_size} needs bfloat16 or float16 "
+            "parameters: TransformerEngine's flash and fused attention do not run float32 and its "
+            "unfused attention is disabled under context parallelism; set megatron.dtype (an inline "
+            "model's params_dtype) to bfloat16, or context_parallel_size=1"
+        )
     require_te(f"megatron.context_parallel_size={context_parallel_size}")
 
 
@@ -515,24 +649,43 @@ class _ReshardableOptimizerState:
         return getattr(self._optimizer, name)
 
 
-def add_lora(chunks: list[torch.nn.Module], lora: Any, mesh: Any, model_dtype: torch.dtype, *,
-             sequence_parallel: bool) -> list[str]:
+def add_lora(
+    chunks: list[torch.nn.Module], lora: Any, mesh: Any, model_dtype: torch.dtype, *, sequence_parallel: bool
+) -> list[str]:
     """LoRA adapters (``lora``: a ``LoRAConfig``) on every chunk, over the mesh's TP group; the wrapped
     modules' names. Each adapter is drawn (whole, then sharded) from ``mesh.seed`` and its module's
     layout-free name (``megatron_rl.engine.lora.global_module_name``), so TP / PP / VPP / EP layouts
     start from the same adapters."""
-    settings = LoRASettings(rank=lora.rank, alpha=float(lora.alpha), dropout=lora.dropout,
-                            dropout_position=lora.dropout_position, lora_A_init_method=lora.lora_A_init_method,
-                            lora_B_init_method=lora.lora_B_init_method)
+    settings = LoRASettings(
+        rank=lora.rank,
+        alpha=float(lora.alpha),
+        dropout=lora.dropout,
+        dropout_position=lora.dropout_position,
+        lora_A_init_method=lora.lora_A_init_method,
+        lora_B_init_method=lora.lora_B_init_method,
+    )
     dtype = _LORA_DTYPES[lora.dtype] if lora.dtype is not None else model_dtype
     wrapped = []
     for chunk in chunks:
-        wrapped += apply_lora(chunk, settings, target_modules=tuple(lora.target_modules),
-                              exclude_modules=tuple(lora.exclude_modules), tp_group=mesh.tp_group,
-                              sequence_parallel=sequence_parallel, seed=mesh.seed, dtype=dtype,
-                              expert_tp_group=mesh.etp_group)
+        wrapped += apply_lora(
+            chunk,
+            settings,
+            target_modules=tuple(lora.target_modules),
+            exclude_modules=tuple(lora.exclude_modules),
+            tp_group=mesh.tp_group,
+            sequence_parallel=sequence_parallel,
+            seed=mesh.seed,
+            dtype=dtype,
+            expert_tp_group=mesh.etp_group,
+        )
     return wrapped
 
 
-_LORA_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}
+_LORA_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}

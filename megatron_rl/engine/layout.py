@@ -179,8 +179,9 @@ class ModelOutput:
         return self.layout.response_values(self.values)
 
 
-def prepare_inputs(mb: Mapping[str, torch.Tensor], *, pad_to: int, multiple: int, cp_group: Any = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+def prepare_inputs(
+    mb: Mapping[str, torch.Tensor], *, pad_to: int, multiple: int, cp_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, Layout]:
     """Model inputs of one micro-batch: ``(token ids [b, s'], position ids [b, s'], layout)``.
 
     The rows are left-aligned and trimmed to the longest one (``pad_to`` sets a floor: the
@@ -198,8 +199,9 @@ def prepare_inputs(mb: Mapping[str, torch.Tensor], *, pad_to: int, multiple: int
     positions = response_positions(shift, mb["input_ids"].shape[1], mb["responses"].shape[1], seq_len)
     if cp_size > 1:  # this CP rank's zigzag share of the sequence
         local = zigzag_index(seq_len, cp_size, dist.get_rank(cp_group), ids.device)
-        layout = Layout(positions, seq_len, cp_group, cp_size, local_index=local,
-                        local_labels=torch.roll(ids, -1, dims=1)[:, local])
+        layout = Layout(
+            positions, seq_len, cp_group, cp_size, local_index=local, local_labels=torch.roll(ids, -1, dims=1)[:, local]
+        )
         ids = ids[:, local].contiguous()
         pos = local.unsqueeze(0).expand_as(ids)
     else:

@@ -106,9 +106,18 @@ class LoRALinear(nn.Module):
     Same call and return as the base (``(output, bias)``), so it replaces the base in place.
     """
 
-    def __init__(self, base: nn.Module, parallel_mode: str, settings: LoRASettings, *,
-                 tp_group: Optional[dist.ProcessGroup] = None, sequence_parallel: bool = False,
-                 seed: int = 0, dtype: Optional[torch.dtype] = None, gated: bool = False) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        parallel_mode: str,
+        settings: LoRASettings,
+        *,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype: Optional[torch.dtype] = None,
+        gated: bool = False,
+    ) -> None:
         super().__init__()
         if parallel_mode not in ("column", "row"):
             raise ValueError(f"parallel_mode: {parallel_mode!r} is not allowed; column or row")
@@ -119,8 +128,10 @@ class LoRALinear(nn.Module):
         if type(base).__name__.startswith("TE") or not hasattr(base, "input_size"):
             # TE's LayerNormColumnParallelLinear normalises inside the linear: an adapter beside it would
             # see the un-normalised input. Not built yet (GPU, TE spec).
-            raise ValueError(f"LoRA on {type(base).__name__} (TransformerEngine layer spec) is not built; "
-                             "LoRA needs Megatron's local linears (model.attention_backend: sdpa or local)")
+            raise ValueError(
+                f"LoRA on {type(base).__name__} (TransformerEngine layer spec) is not built; "
+                "LoRA needs Megatron's local linears (model.attention_backend: sdpa or local)"
+            )
         if any(True for _ in base.buffers()):
             raise ValueError(f"{type(base).__name__} has buffers; LoRA wraps buffer-free linears only")
         object.__setattr__(self, "_base", base)
@@ -222,15 +233,21 @@ class LoRALinear(nn.Module):
         if self.tp_size == 1:
             axis = {}
         group = self.tp_group if self.tp_group is not None else getattr(self.base, "tp_group", None)
-        adapters = make_sharded_tensors_for_checkpoint({"lora_A": self.lora_A, "lora_B": self.lora_B}, prefix, axis,
-                                                       sharded_offsets, tp_group=group,
-                                                       dp_cp_group=metadata["dp_cp_group"])
+        adapters = make_sharded_tensors_for_checkpoint(
+            {"lora_A": self.lora_A, "lora_B": self.lora_B},
+            prefix,
+            axis,
+            sharded_offsets,
+            tp_group=group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
         if self.gated:  # saved as [gate; up] like the base weight (Megatron's MLP does this for weight/bias only)
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
             key = f"{prefix}lora_B"
-            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets,
-                                                         (metadata or {}).get("singleton_local_shards", False))
+            adapters[key] = apply_swiglu_sharded_factory(
+                adapters[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False)
+            )
         out.update(adapters)
         return out
 
@@ -245,9 +262,18 @@ class LoRALinear(nn.Module):
         return (self.base.weight.float() + self.settings.scale * delta).to(self.base.weight.dtype)
 
 
-def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGET_MODULES,
-               exclude_modules=(), tp_group=None, sequence_parallel: bool = False, seed: int = 0,
-               dtype: Optional[torch.dtype] = None, expert_tp_group=None) -> list[str]:
+def apply_lora(
+    model: nn.Module,
+    settings: LoRASettings,
+    *,
+    target_modules=TARGET_MODULES,
+    exclude_modules=(),
+    tp_group=None,
+    sequence_parallel: bool = False,
+    seed: int = 0,
+    dtype: Optional[torch.dtype] = None,
+    expert_tp_group=None,
+) -> list[str]:
     """Replace every targeted linear of ``model`` with a ``LoRALinear``; freeze all base weights.
 
     Returns the names of the wrapped modules. A target module name the model does not have is an
@@ -263,8 +289,11 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
     for p in model.parameters():
         p.requires_grad_(False)
     found, wrapped = set(), []
-    targets = [(name, m) for name, m in model.named_modules()
-               if name.rsplit(".", 1)[-1] in target_modules and not isinstance(m, LoRALinear)]
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in target_modules and not isinstance(m, LoRALinear)
+    ]
     for name, module in targets:
         leaf = name.rsplit(".", 1)[-1]
         if any(e == leaf or e in name for e in exclude_modules):
@@ -274,21 +303,31 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, target_modules=TARGE
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         expert = bool(getattr(module, "is_expert", False))
         if expert and etp_size > 1:
-            raise ValueError(f"lora.target_modules: {leaf!r} inside MoE experts ({name}) with "
-                             f"expert_tensor_parallel_size={etp_size} is not built; use 1 or exclude_modules=[experts]")
+            raise ValueError(
+                f"lora.target_modules: {leaf!r} inside MoE experts ({name}) with "
+                f"expert_tensor_parallel_size={etp_size} is not built; use 1 or exclude_modules=[experts]"
+            )
         gated = leaf == "linear_fc1" and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False))
-        lora = LoRALinear(module, mode, settings, tp_group=None if expert else tp_group,
-                          sequence_parallel=sequence_parallel and not expert,
-                          seed=seed + zlib.crc32(global_module_name(model, name).encode()), dtype=dtype,
-                          gated=gated)
+        lora = LoRALinear(
+            module,
+            mode,
+            settings,
+            tp_group=None if expert else tp_group,
+            sequence_parallel=sequence_parallel and not expert,
+            seed=seed + zlib.crc32(global_module_name(model, name).encode()),
+            dtype=dtype,
+            gated=gated,
+        )
         if expert:
             lora.lora_A.allreduce = lora.lora_B.allreduce = False
         setattr(parent, leaf, lora)
         wrapped.append(name)
     missing = [t for t in target_modules if t not in found]
     if missing and not exclude_modules:
-        raise ValueError(f"lora.target_modules: {missing} not found in the model; it has "
-                         f"{sorted({n.rsplit('.', 1)[-1] for n, _ in targets})}")
+        raise ValueError(
+            f"lora.target_modules: {missing} not found in the model; it has "
+            f"{sorted({n.rsplit('.', 1)[-1] for n, _ in targets})}"
+        )
     return wrapped
 
 
@@ -306,7 +345,7 @@ def global_module_name(model: nn.Module, name: str) -> str:
             if parts[i - 1] == "layers" and hasattr(child, "layer_number"):
                 part = f"L{child.layer_number}"
             elif parts[i - 1] == "local_experts" and i > 1:
-                owner = model.get_submodule(".".join(parts[:i - 1]))
+                owner = model.get_submodule(".".join(parts[: i - 1]))
                 group = getattr(owner, "ep_group", None)
                 ep_rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
                 part = f"E{ep_rank * getattr(owner, 'num_local_experts', len(container)) + int(part)}"

@@ -26,12 +26,30 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_rl.models.peft import (ADAPTER_CONFIG_NAME, ADAPTER_DIR_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX,
-                                     expand_shared, peft_adapter_config, read_peft_adapter_config, write_peft_adapter)
+from megatron_rl.models.peft import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_DIR_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    PEFT_PREFIX,
+    expand_shared,
+    peft_adapter_config,
+    read_peft_adapter_config,
+    write_peft_adapter,
+)
 
-__all__ = ["PeftExportUnsupported", "ADAPTER_DIR_NAME", "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_weight_map",
-           "peft_adapter_parts", "peft_adapter_tensors", "peft_adapter_config", "expand_shared", "write_peft_adapter",
-           "load_peft_adapter"]
+__all__ = [
+    "PeftExportUnsupported",
+    "ADAPTER_DIR_NAME",
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "adapter_weight_map",
+    "peft_adapter_parts",
+    "peft_adapter_tensors",
+    "peft_adapter_config",
+    "expand_shared",
+    "write_peft_adapter",
+    "load_peft_adapter",
+]
 
 _TARGET_SUFFIXES = tuple(f".{leaf}.weight" for leaf in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
 _NOT_ADAPTER = r"(?!.*\.lora_[AB]\Z)"
@@ -68,16 +86,20 @@ def adapter_weight_map(weight_map: Any) -> tuple[Any, dict[str, Any]]:
         rules.append(WeightRule(f"{stem}.lora_B", tuple(f"{m}.lora_B.weight" for m in modules), rule.transform))
         rules.append(WeightRule(f"{stem}.lora_A", f"{modules[0]}.lora_A.weight"))
         if len(modules) > 1:
-            copies[f"{stem}.lora_A"] = WeightRule(f"{stem}.lora_A", tuple(f"{m}.lora_A.weight" for m in modules),
-                                                  rule.transform)
+            copies[f"{stem}.lora_A"] = WeightRule(
+                f"{stem}.lora_A", tuple(f"{m}.lora_A.weight" for m in modules), rule.transform
+            )
     if not rules:
-        raise ValueError("adapter export: the weight map has no rule for a LoRA target "
-                         f"({[s.lstrip('.') for s in _TARGET_SUFFIXES]})")
+        raise ValueError(
+            "adapter export: the weight map has no rule for a LoRA target "
+            f"({[s.lstrip('.') for s in _TARGET_SUFFIXES]})"
+        )
     return dataclasses.replace(weight_map, rules=tuple(rules), optional_hf=(), unsupported_hf=(), mtp=None), copies
 
 
-def peft_adapter_parts(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
-                       dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
+def peft_adapter_parts(
+    chunks, weight_map: Any, *, mesh=None, bucket_bytes: int, dtype: Optional[torch.dtype] = None
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
     """Collective over the model's ranks: the compact adapter on global rank 0 -- every adapter of
     ``chunks`` once under PEFT's names, whole (gathered over TP / PP / EP by the bridge), and
     ``shared`` (a fused target's ``A`` name -> the other HF modules' ``A`` names, which hold the same
@@ -92,9 +114,11 @@ def peft_adapter_parts(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
     exporter = HFExporter(chunks, adapter_map, mesh=mesh, dtype=dtype, ignore=(_NOT_ADAPTER,))
     experts = [item.global_name for item in exporter.items if item.rule.is_expert]
     if experts:
-        raise PeftExportUnsupported(f"adapter export: adapters inside MoE experts ({experts[0]}, ...) have no PEFT "
-                                    "export yet; leave the experts out (lora.exclude_modules: [experts]) to export "
-                                    "the others")
+        raise PeftExportUnsupported(
+            f"adapter export: adapters inside MoE experts ({experts[0]}, ...) have no PEFT "
+            "export yet; leave the experts out (lora.exclude_modules: [experts]) to export "
+            "the others"
+        )
     if not exporter.items:
         raise ValueError("adapter export: the model has no LoRA adapters (lora.rank: 0)")
     out = {name: t.detach().clone() for name, t in exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)}
@@ -107,8 +131,9 @@ def peft_adapter_parts(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
     return out, shared
 
 
-def peft_adapter_tensors(chunks, weight_map: Any, *, mesh=None, bucket_bytes: int,
-                         dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+def peft_adapter_tensors(
+    chunks, weight_map: Any, *, mesh=None, bucket_bytes: int, dtype: Optional[torch.dtype] = None
+) -> dict[str, torch.Tensor]:
     """``peft_adapter_parts`` made whole (``expand_shared``: each HF module's ``A`` its own copy):
     what PEFT's ``adapter_model.safetensors`` holds, on global rank 0; an empty dict elsewhere."""
     tensors, shared = peft_adapter_parts(chunks, weight_map, mesh=mesh, bucket_bytes=bucket_bytes, dtype=dtype)
@@ -124,8 +149,15 @@ def _template_regex(template: str):
     return re.compile(pattern + r"\Z")
 
 
-def load_peft_adapter(chunks, weight_map: Any, adapter_dir, lora: Any, *, mesh=None,
-                      key: str = "actor_rollout_ref.model.lora.adapter_path"):
+def load_peft_adapter(
+    chunks,
+    weight_map: Any,
+    adapter_dir,
+    lora: Any,
+    *,
+    mesh=None,
+    key: str = "actor_rollout_ref.model.lora.adapter_path",
+):
     """Collective over the model's ranks: load the PEFT adapter directory ``adapter_dir`` into ``chunks``'
     LoRA adapters (``lora``: the ``LoRAConfig`` they were built with; its ``rank`` / ``alpha`` must be the
     adapter's). Returns the bridge's ``LoadReport``.
@@ -144,11 +176,16 @@ def load_peft_adapter(chunks, weight_map: Any, adapter_dir, lora: Any, *, mesh=N
 
     read_peft_adapter_config(adapter_dir, lora, key)
     adapter_map, copies = adapter_weight_map(weight_map)
-    experts = [item.global_name for item in HFExporter(chunks, adapter_map, mesh=mesh, ignore=(_NOT_ADAPTER,)).items
-               if item.rule.is_expert]
+    experts = [
+        item.global_name
+        for item in HFExporter(chunks, adapter_map, mesh=mesh, ignore=(_NOT_ADAPTER,)).items
+        if item.rule.is_expert
+    ]
     if experts:
-        raise PeftExportUnsupported(f"{key}: adapters inside MoE experts ({experts[0]}, ...) have no PEFT form yet; "
-                                    "leave the experts out (lora.exclude_modules: [experts])")
+        raise PeftExportUnsupported(
+            f"{key}: adapters inside MoE experts ({experts[0]}, ...) have no PEFT form yet; "
+            "leave the experts out (lora.exclude_modules: [experts])"
+        )
     tensors = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS_NAME))
     for rule in copies.values():  # a fused target's A: one tensor under each HF module's name, kept once
         first, *others = rule.hf
@@ -157,9 +194,11 @@ def load_peft_adapter(chunks, weight_map: Any, adapter_dir, lora: Any, *, mesh=N
             fields = {k: int(v) for k, v in regex.match(name).groupdict().items()}
             for other in (o.format(**fields) for o in others):
                 if other in tensors and not torch.equal(tensors.pop(other), tensors[name]):
-                    raise ValueError(f"{key}={str(adapter_dir)!r}: {other} differs from {name}; Megatron's fused "
-                                     f"{rule.megatron.rsplit('.', 2)[-2]} holds one A for all its HF modules (an "
-                                     "adapter whose q/k/v or gate/up A differ cannot be loaded into it)")
+                    raise ValueError(
+                        f"{key}={str(adapter_dir)!r}: {other} differs from {name}; Megatron's fused "
+                        f"{rule.megatron.rsplit('.', 2)[-2]} holds one A for all its HF modules (an "
+                        "adapter whose q/k/v or gate/up A differ cannot be loaded into it)"
+                    )
     staging = Path(tempfile.mkdtemp(prefix="peft_adapter_"))
     try:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -167,6 +206,8 @@ def load_peft_adapter(chunks, weight_map: Any, adapter_dir, lora: Any, *, mesh=N
             return load_hf_checkpoint(chunks, adapter_map, staging, mesh=mesh, ignore=(_NOT_ADAPTER,))
         except ValueError as exc:  # name the user's file, not the staging copy
             message = str(exc).replace(str(staging / "model.safetensors"), ADAPTER_WEIGHTS_NAME)
-            raise ValueError(f"{key}={str(adapter_dir)!r}: {message.replace(str(staging), ADAPTER_WEIGHTS_NAME)}") from None
+            raise ValueError(
+                f"{key}={str(adapter_dir)!r}: {message.replace(str(staging), ADAPTER_WEIGHTS_NAME)}"
+            ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

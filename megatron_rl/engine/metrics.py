@@ -40,8 +40,11 @@ class StepInfo:
 
     def global_batch_info(self) -> dict[str, int]:
         """The counts as ``megatron_rl.algos.agg_loss`` keyword arguments."""
-        return {"dp_size": self.dp_size, "batch_num_tokens": self.batch_num_tokens,
-                "global_batch_size": self.global_batch_size}
+        return {
+            "dp_size": self.dp_size,
+            "batch_num_tokens": self.batch_num_tokens,
+            "global_batch_size": self.global_batch_size,
+        }
 
 
 @dataclasses.dataclass
@@ -59,8 +62,9 @@ class LossMetrics:
     """Maximum over all micro-batches and DP ranks."""
 
 
-def reduce_metrics(outputs: Sequence[LossMetrics], *, total_tokens: float, dp_group: Any, dp_size: int,
-                   device: torch.device) -> dict[str, float]:
+def reduce_metrics(
+    outputs: Sequence[LossMetrics], *, total_tokens: float, dp_group: Any, dp_size: int, device: torch.device
+) -> dict[str, float]:
     """Global metrics from this rank's per-micro-batch ``outputs`` (collective over ``dp_group``).
 
     Call on the last pipeline stage only. A rank whose micro-batches had no response token may
@@ -86,8 +90,11 @@ def reduce_metrics(outputs: Sequence[LossMetrics], *, total_tokens: float, dp_gr
             for k in {k for n in names for k in n[i]}:
                 table[k] += 0.0  # materialises the default (0, +inf or -inf)
     keys = sorted(sums) + sorted(weighted)
-    vec = torch.tensor([sums[k] / dp_size for k in sorted(sums)] + [weighted[k] for k in sorted(weighted)],
-                       dtype=torch.float64, device=device)
+    vec = torch.tensor(
+        [sums[k] / dp_size for k in sorted(sums)] + [weighted[k] for k in sorted(weighted)],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(vec, group=dp_group)
     n_sums = len(sums)
     result = {k: float(vec[i]) if i < n_sums else float(vec[i]) / max(total_tokens, 1.0) for i, k in enumerate(keys)}

@@ -111,13 +111,15 @@ def state_storages(model: list[torch.nn.Module], optimizer: Any) -> dict[str, li
     return out
 
 
-def resident_bytes(model: list[torch.nn.Module], optimizer: Any, device: Optional[torch.device] = None
-                   ) -> dict[str, int]:
+def resident_bytes(
+    model: list[torch.nn.Module], optimizer: Any, device: Optional[torch.device] = None
+) -> dict[str, int]:
     """Bytes of storage the engine's state holds, by category (on ``device`` only, when given)."""
     out = {}
     for category, storages in state_storages(model, optimizer).items():
-        out[category] = sum(s.nbytes() for s in storages
-                            if device is None or s.device.type == torch.device(device).type)
+        out[category] = sum(
+            s.nbytes() for s in storages if device is None or s.device.type == torch.device(device).type
+        )
     return out
 
 
@@ -133,7 +135,8 @@ class OffloadStore:
     def __init__(self) -> None:
         # category -> [(device storage, its bytes, host copy or None for gradients)]
         self._held: dict[str, list[tuple[torch.UntypedStorage, int, Optional[torch.Tensor]]]] = {
-            c: [] for c in CATEGORIES}
+            c: [] for c in CATEGORIES
+        }
         self._pinned: dict[str, torch.Tensor] = {}  # category -> its registered host arena (CUDA only)
 
     def __del__(self) -> None:
@@ -157,13 +160,19 @@ class OffloadStore:
         """Move ``categories`` of the engine's state to host memory; the bytes moved."""
         categories = _check(categories)
         storages = state_storages(model, optimizer)
-        fixed = [(c, s.nbytes()) for c in categories if not self._held[c] for s in storages[c]
-                 if s.nbytes() and not s.resizable()]
+        fixed = [
+            (c, s.nbytes())
+            for c in categories
+            if not self._held[c]
+            for s in storages[c]
+            if s.nbytes() and not s.resizable()
+        ]
         if fixed:  # refuse before anything moved (a storage that cannot be released would stay taken)
             raise RuntimeError(
                 f"cannot offload {fixed[0][0]}: {len(fixed)} storage(s) of it ({fixed[0][1]} bytes first) are not "
                 "resizable: a numpy / Ray object-store buffer (torch.from_numpy, ray.get of a tensor) now backs them; "
-                "whatever replaced the engine's own storage must copy into it instead")
+                "whatever replaced the engine's own storage must copy into it instead"
+            )
         pin = torch.cuda.is_available()
         moved = 0
         for category in categories:
@@ -174,8 +183,7 @@ class OffloadStore:
             if category in KEPT and live:
                 hosts = self._host_views(category, [n for _, n in live], pin)
                 for (storage, _), host in zip(live, hosts):
-                    host.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage),
-                               non_blocking=pin)
+                    host.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), non_blocking=pin)
             for (storage, n), host in zip(live, hosts):
                 self._held[category].append((storage, n, host))
                 moved += n

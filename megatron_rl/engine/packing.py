@@ -142,12 +142,14 @@ class PackedLayout:
         width = max(int(self.lengths.max()), 1)
         col = torch.arange(width, device=full.device)
         index = (self.starts[:, None] + col[None]).clamp(max=full.shape[0] - 1)
-        return torch.where(col[None] < self.lengths[:, None], full[index], torch.zeros((), dtype=full.dtype,
-                                                                                       device=full.device))
+        return torch.where(
+            col[None] < self.lengths[:, None], full[index], torch.zeros((), dtype=full.dtype, device=full.device)
+        )
 
 
-def pack_micro_batch(mb: Mapping[str, torch.Tensor], *, pad_to: int = 0, tp_multiple: int = 1, cp_group: Any = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, Any, PackedLayout]:
+def pack_micro_batch(
+    mb: Mapping[str, torch.Tensor], *, pad_to: int = 0, tp_multiple: int = 1, cp_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, Any, PackedLayout]:
     """Model inputs of one packed micro-batch: ``(ids [1, t'], position ids [1, t'], PackedSeqParams,
     layout)``; ``t' = t / cp`` (this rank's zigzag share of every row under CP).
 
@@ -182,19 +184,36 @@ def pack_micro_batch(mb: Mapping[str, torch.Tensor], *, pad_to: int = 0, tp_mult
     # Response token j of row i sits at column s - r + j, i.e. valid token s - r + j - shift_i, and is
     # predicted by the token before it (clamped into the row for an empty prompt, as the padded path does).
     shift = (mask.long().cumsum(-1) == 0).sum(-1)  # leading pads
-    rows, cols = torch.nonzero(mask[:, s - r:], as_tuple=True)
+    rows, cols = torch.nonzero(mask[:, s - r :], as_tuple=True)
     token_index = starts[rows] + (s - r + cols - shift[rows] - 1).clamp(min=0)
 
     bounds = torch.cat([starts[nonempty], starts.new_tensor([seq_len])]).to(torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
-                             cu_seqlens_kv_padded=bounds, max_seqlen_q=int(seg.max()), max_seqlen_kv=int(seg.max()))
-    common = dict(num_rows=b, response_len=r, token_index=token_index, rows=rows, cols=cols, starts=starts,
-                  lengths=lengths, seq_len=seq_len)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        cu_seqlens_q_padded=bounds,
+        cu_seqlens_kv_padded=bounds,
+        max_seqlen_q=int(seg.max()),
+        max_seqlen_kv=int(seg.max()),
+    )
+    common = dict(
+        num_rows=b,
+        response_len=r,
+        token_index=token_index,
+        rows=rows,
+        cols=cols,
+        starts=starts,
+        lengths=lengths,
+        seq_len=seq_len,
+    )
     if cp_size == 1:
         return ids[None], pos[None], params, PackedLayout(**common)
     # Each CP rank holds chunks r and 2cp-1-r of every row (TE's THD zigzag).
-    indices = tuple(torch.cat([starts[i] + zigzag_index(int(seg[i]), cp_size, rank, device) for i in nonempty.tolist()])
-                    for rank in range(cp_size))
+    indices = tuple(
+        torch.cat([starts[i] + zigzag_index(int(seg[i]), cp_size, rank, device) for i in nonempty.tolist()])
+        for rank in range(cp_size)
+    )
     local = indices[dist.get_rank(cp_group)]
     labels = torch.roll(ids, -1)[local][None]
     layout = PackedLayout(**common, cp_group=cp_group, cp_size=cp_size, cp_indices=indices, local_labels=labels)

@@ -33,8 +33,17 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MODES", "ROUTED_EXPERTS", "RoutingReplay", "RoutingSession", "token_sources", "routing_dtype",
-           "check_router_replay", "check_run_router_replay", "save_routing"]
+__all__ = [
+    "MODES",
+    "ROUTED_EXPERTS",
+    "RoutingReplay",
+    "RoutingSession",
+    "token_sources",
+    "routing_dtype",
+    "check_router_replay",
+    "check_run_router_replay",
+    "save_routing",
+]
 
 MODES = ("disabled", "R2", "R3")
 """verl's ``router_replay.mode``: off; R2 replays the old-log-prob pass's routing; R3 the rollout's."""
@@ -52,8 +61,10 @@ def check_router_replay(mode: str, *, key: str, is_moe: bool, model: str = "the 
     if mode not in MODES:
         raise ValueError(f"{key}={mode!r} is not allowed; choose one of {list(MODES)}")
     if mode != "disabled" and not is_moe:
-        raise ValueError(f"{key}={mode!r} needs an MoE model, but {model} is dense (no routed experts: "
-                         f"num_moe_experts is unset); set {key}=disabled")
+        raise ValueError(
+            f"{key}={mode!r} needs an MoE model, but {model} is dense (no routed experts: "
+            f"num_moe_experts is unset); set {key}=disabled"
+        )
 
 
 def _replay_classes():
@@ -75,13 +86,15 @@ def _replay_classes():
             probs, used = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             if replaying and self.count_mask is not None:
                 with torch.no_grad():
-                    _, natural = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
-                                                      group_topk=group_topk)
+                    _, natural = default_compute_topk(
+                        scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
+                    )
                     mask = self.count_mask.to(scores.device)
                     target = target.to(scores.device)[mask]
                     agree = [(ids[mask][:, :, None] == target[:, None, :]).any(-1).sum() for ids in (used, natural)]
-                    self.counts += torch.tensor([float(agree[0]), float(agree[1]), float(target.numel())],
-                                                dtype=torch.float64)
+                    self.counts += torch.tensor(
+                        [float(agree[0]), float(agree[1]), float(target.numel())], dtype=torch.float64
+                    )
             return probs, used
 
     return CountingReplay, RouterReplayAction
@@ -107,8 +120,9 @@ def token_sources(mb: dict, layout: Any, *, tp_size: int = 1, tp_rank: int = 0) 
         full = full[:, None]  # [t, 1]
     else:
         j = torch.arange(layout.seq_len)[:, None]
-        full = torch.where(j < lengths[None], torch.arange(b)[None] * s + shift[None] + j,
-                           torch.full((), -1, dtype=torch.long))
+        full = torch.where(
+            j < lengths[None], torch.arange(b)[None] * s + shift[None] + j, torch.full((), -1, dtype=torch.long)
+        )
         if layout.cp_size > 1:
             full = full[layout.local_index.cpu()]
     if tp_size > 1:
@@ -179,16 +193,28 @@ class RoutingSession:
         forward_only: no backward passes (``replay``: no ids kept for activation recompute).
     """
 
-    def __init__(self, replay: RoutingReplay, action: str, *, micro_batches: Sequence[dict],
-                 sample_index: Sequence[Sequence[int]], batch_size: int, seq_len: int, mesh: Any,
-                 sequence_parallel: bool, forward_only: bool):
+    def __init__(
+        self,
+        replay: RoutingReplay,
+        action: str,
+        *,
+        micro_batches: Sequence[dict],
+        sample_index: Sequence[Sequence[int]],
+        batch_size: int,
+        seq_len: int,
+        mesh: Any,
+        sequence_parallel: bool,
+        forward_only: bool,
+    ):
         if action not in ("record", "replay"):
             raise ValueError(f"action={action!r}; choose 'record' or 'replay'")
         if action == "replay":
             for mb in micro_batches:
                 if ROUTED_EXPERTS not in mb:
-                    raise ValueError(f"router replay needs the batch field {ROUTED_EXPERTS!r} (recorded by the "
-                                     "old-log-prob pass under R2, returned by the rollout under R3)")
+                    raise ValueError(
+                        f"router replay needs the batch field {ROUTED_EXPERTS!r} (recorded by the "
+                        "old-log-prob pass under R2, returned by the rollout under R3)"
+                    )
         self.replay, self.action, self.mesh = replay, action, mesh
         self.sample_index = [torch.as_tensor(list(ix), dtype=torch.long) for ix in sample_index]
         self.seq_len, self.forward_only = seq_len, forward_only
@@ -274,8 +300,10 @@ class RoutingSession:
                 if self.mesh.size(axis) > 1:
                     dist.all_reduce(counts, group=getattr(self.mesh, f"{axis}_group"))
             total = float(counts[2])
-            metrics = {"used": float(counts[0]) / total if total else float("nan"),
-                       "natural": float(counts[1]) / total if total else float("nan")}
+            metrics = {
+                "used": float(counts[0]) / total if total else float("nan"),
+                "natural": float(counts[1]) / total if total else float("nan"),
+            }
         self.recorded = None
         return recorded, metrics
 
@@ -289,8 +317,9 @@ ACTOR_KEY = "actor_rollout_ref.actor.megatron.router_replay"
 REF_KEY = "actor_rollout_ref.ref.megatron.router_replay"
 
 
-def check_run_router_replay(actor_mode: str, ref_mode: Optional[str], *, is_moe: bool,
-                            rollout_lacks: Optional[str]) -> None:
+def check_run_router_replay(
+    actor_mode: str, ref_mode: Optional[str], *, is_moe: bool, rollout_lacks: Optional[str]
+) -> None:
     """ValueError, before any worker starts, for a run whose router replay cannot work: a mode not in
     ``MODES``, replay on a dense policy, R3 with a rollout engine that cannot return the experts it
     routed to (``rollout_lacks`` says why; None: it can), or a reference replaying routing that no
@@ -300,11 +329,15 @@ def check_run_router_replay(actor_mode: str, ref_mode: Optional[str], *, is_moe:
         check_router_replay(ref_mode, key=f"{REF_KEY}.mode", is_moe=is_moe, model="the policy")
     for key, mode in ((ACTOR_KEY, actor_mode), (REF_KEY, ref_mode)):
         if mode == "R3" and rollout_lacks is not None:
-            raise ValueError(f"{key}.mode='R3' replays the experts the rollout engine routed each token to, but "
-                             f"{rollout_lacks}; use mode=R2 (replay the old-log-prob pass's routing) or disabled")
+            raise ValueError(
+                f"{key}.mode='R3' replays the experts the rollout engine routed each token to, but "
+                f"{rollout_lacks}; use mode=R2 (replay the old-log-prob pass's routing) or disabled"
+            )
     if ref_mode == "R2" and actor_mode != "R2":
-        raise ValueError(f"{REF_KEY}.mode='R2' replays the routing the actor's old-log-prob pass records, but "
-                         f"{ACTOR_KEY}.mode={actor_mode!r} records none; set both to R2")
+        raise ValueError(
+            f"{REF_KEY}.mode='R2' replays the routing the actor's old-log-prob pass records, but "
+            f"{ACTOR_KEY}.mode={actor_mode!r} records none; set both to R2"
+        )
 
 
 def _step_path(path: str, step: int) -> str:
@@ -318,8 +351,12 @@ def save_routing(path: str, step: int, batch: Any) -> str:
 
     target = _step_path(os.path.expanduser(path), step)
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-    payload = {"global_step": step, ROUTED_EXPERTS: batch[ROUTED_EXPERTS].cpu(), "input_ids": batch["input_ids"].cpu(),
-               "attention_mask": batch["attention_mask"].cpu()}
+    payload = {
+        "global_step": step,
+        ROUTED_EXPERTS: batch[ROUTED_EXPERTS].cpu(),
+        "input_ids": batch["input_ids"].cpu(),
+        "attention_mask": batch["attention_mask"].cpu(),
+    }
     torch.save(payload, target + ".tmp")
     os.replace(target + ".tmp", target)  # a reader never sees half a file
     return target

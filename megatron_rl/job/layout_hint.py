@@ -20,8 +20,10 @@ from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["with_layout_hint", "nearest_valid_layout"]
 
-_SECTION = re.compile(r"\b(actor_rollout_ref\.actor|actor_rollout_ref\.ref|critic|reward\.reward_model|"
-                      r"distillation\.teacher_model)\.megatron\b")
+_SECTION = re.compile(
+    r"\b(actor_rollout_ref\.actor|actor_rollout_ref\.ref|critic|reward\.reward_model|"
+    r"distillation\.teacher_model)\.megatron\b"
+)
 _LAYOUT_WORDS = ("parallel_size", "divisible", "micro_batch", "world_size")
 _KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
 _MICRO = {"actor_rollout_ref.actor": "ppo_micro_batch_size_per_gpu", "critic": "ppo_micro_batch_size_per_gpu"}
@@ -40,8 +42,13 @@ def _section_of(message: str) -> str:
     return "critic" if message.startswith("critic") else "actor_rollout_ref.actor"
 
 
-_ROLES = {"actor_rollout_ref.actor": "actor", "actor_rollout_ref.ref": "ref", "critic": "critic",
-          "reward.reward_model": "reward", "distillation.teacher_model": "teacher"}
+_ROLES = {
+    "actor_rollout_ref.actor": "actor",
+    "actor_rollout_ref.ref": "ref",
+    "critic": "critic",
+    "reward.reward_model": "reward",
+    "distillation.teacher_model": "teacher",
+}
 """A refused section -> the planner's name of its role (``Plan.role_models``)."""
 
 
@@ -82,14 +89,19 @@ def _model_refuses(config, plan, section: str) -> Optional[Callable[[dict], bool
     for part in f"{section}.megatron".split("."):
         megatron = getattr(megatron, part)
     base, world = megatron.parallel(), plan.nodes * plan.gpus_per_node
-    dims = dict(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                num_query_groups=model.num_query_groups or model.num_attention_heads,
-                num_experts=model.num_moe_experts, **uneven_pipeline_fields(megatron.override_transformer_config))
+    dims = dict(
+        num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups or model.num_attention_heads,
+        num_experts=model.num_moe_experts,
+        **uneven_pipeline_fields(megatron.override_transformer_config),
+    )
 
     def refuses(cand: dict) -> bool:
         try:
-            dataclasses.replace(base, virtual_pipeline_model_parallel_size=None,
-                                **{name: cand[k] for k, name in _KEYS.items()}).validate(world, **dims)
+            dataclasses.replace(
+                base, virtual_pipeline_model_parallel_size=None, **{name: cand[k] for k, name in _KEYS.items()}
+            ).validate(world, **dims)
         except ValueError:
             return True
         return False
@@ -111,9 +123,12 @@ def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") ->
     current = {k: int(megatron.get(name) or 1) for k, name in _KEYS.items()}
     if micro_key:
         current["micro"] = int(_get(raw, f"{section}.{micro_key}") or 1)
-    pow2 = [2 ** i for i in range(0, 8)]
-    options = {"tp": [t for t in pow2 if t <= world], "pp": [p for p in pow2 if p <= world],
-               "ep": [e for e in pow2 if e <= world]}
+    pow2 = [2**i for i in range(0, 8)]
+    options = {
+        "tp": [t for t in pow2 if t <= world],
+        "pp": [p for p in pow2 if p <= world],
+        "ep": [e for e in pow2 if e <= world],
+    }
     if micro_key:
         options["micro"] = sorted({m for m in pow2 + [current["micro"]] if m <= max(current["micro"], 1)})
     names = list(options)
@@ -155,8 +170,10 @@ def nearest_valid_layout(raw: dict, section: str = "actor_rollout_ref.actor") ->
     _, changes, trial = lowest
     plan = _planned(trial, suggest=True)  # the planner's own offload suggestion, where offload fits it
     remedy = plan.suggestion if plan.suggestion else "more nodes"
-    return (f"none of the valid layouts fits {world} GPUs of {plan.memory_budget_bytes / 2**30:.0f} GiB; the one "
-            f"with the lowest peak is {' '.join(changes) or 'the layout asked for'} ({_peak(plan)}); {remedy}")
+    return (
+        f"none of the valid layouts fits {world} GPUs of {plan.memory_budget_bytes / 2**30:.0f} GiB; the one "
+        f"with the lowest peak is {' '.join(changes) or 'the layout asked for'} ({_peak(plan)}); {remedy}"
+    )
 
 
 @contextlib.contextmanager
@@ -166,8 +183,12 @@ def with_layout_hint(raw: dict) -> Iterator[None]:
         yield
     except ValueError as err:
         message = str(err)
-        if not any(word in message for word in _LAYOUT_WORDS) or "Nearest layout" in message or \
-                "No layout" in message or "nearest valid layout" in message:
+        if (
+            not any(word in message for word in _LAYOUT_WORDS)
+            or "Nearest layout" in message
+            or "No layout" in message
+            or "nearest valid layout" in message
+        ):
             raise
         hint = nearest_valid_layout(raw, _section_of(message))
         if hint is None:

@@ -59,8 +59,14 @@ __all__ = ["build_trainer", "run_train", "load_run_config", "checked_plan", "Sto
 _TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
-def build_trainer(config: TrainerRunConfig, run_dir: Optional[str | Path] = None, *, log=print,
-                  resume: Optional[Selection] = None, **trainer_kwargs: Any):
+def build_trainer(
+    config: TrainerRunConfig,
+    run_dir: Optional[str | Path] = None,
+    *,
+    log=print,
+    resume: Optional[Selection] = None,
+    **trainer_kwargs: Any,
+):
     """The ``RayPPOTrainer`` of ``config`` in ``run_dir`` (default ``trainer.default_local_dir``), its
     policy (and teacher) prepared first. With ``resume`` (a checkpoint to resume), the starting model
     that checkpoint's run used is taken as it is (its weights come from the checkpoint anyway)."""
@@ -73,8 +79,11 @@ def build_trainer(config: TrainerRunConfig, run_dir: Optional[str | Path] = None
         model_path = saved
     else:
         model_path = prepare_policy_model(config, run_dir, log=log)
-    teacher_path = (prepare_teacher_model(config, run_dir, model_path, log=log, reuse=saved is not None)
-                    if config.distillation.enabled else None)
+    teacher_path = (
+        prepare_teacher_model(config, run_dir, model_path, log=log, reuse=saved is not None)
+        if config.distillation.enabled
+        else None
+    )
     return RayPPOTrainer(config, model_path=model_path, log_dir=run_dir, teacher_path=teacher_path, **trainer_kwargs)
 
 
@@ -137,8 +146,14 @@ def _start_ray(signals: StopSignals) -> bool:
             # A single-node run advertises loopback as the node address, so the workers' own
             # listeners (gloo/NCCL masters from get_node_ip_address) use 127.0.0.1. Measured with
             # Ray 2.60: its GCS/raylet/worker gRPC servers still listen on 0.0.0.0 / :: (issue 27, open).
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, _node_ip_address="127.0.0.1")
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                _node_ip_address="127.0.0.1",
+            )
     signals.claim()
     return True
 
@@ -151,8 +166,12 @@ def _atomic_text(path: Path, text: str) -> None:
 
 def _disk_full(err: BaseException, out_dir: Path) -> DiskFullError:
     where = getattr(err, "filename", None) or out_dir
-    return DiskFullError(f"disk full: writing {where} failed ({err}); {fmt_bytes(free_bytes(out_dir))} are free "
-                         f"under {out_dir}; {last_good_checkpoint(out_dir)}", path=where, free=free_bytes(out_dir))
+    return DiskFullError(
+        f"disk full: writing {where} failed ({err}); {fmt_bytes(free_bytes(out_dir))} are free "
+        f"under {out_dir}; {last_good_checkpoint(out_dir)}",
+        path=where,
+        free=free_bytes(out_dir),
+    )
 
 
 def _export_hf(trainer: Any, final: Path, log) -> Path:
@@ -162,17 +181,22 @@ def _export_hf(trainer: Any, final: Path, log) -> Path:
 
     dtype = trainer.config.actor_rollout_ref.actor.megatron.dtype
     needed = hf_num_params(trainer.model_path) * (2 if dtype in ("bfloat16", "float16") else 4)
-    check_free_space(final.parent, needed, "writing the HF checkpoint final_hf",
-                     hint=f"; {last_good_checkpoint(final.parent)}")
+    check_free_space(
+        final.parent, needed, "writing the HF checkpoint final_hf", hint=f"; {last_good_checkpoint(final.parent)}"
+    )
     staged = staging_dir(final)
     try:
         return trainer.save_hf_checkpoint(staged)
     except BaseException as err:
         shutil.rmtree(staged, ignore_errors=True)
         if is_disk_full(err):
-            raise DiskFullError(f"disk full: writing the HF checkpoint to {final} needs ~{fmt_bytes(needed)}, "
-                                f"{fmt_bytes(free_bytes(final.parent))} are free; {last_good_checkpoint(final.parent)}",
-                                path=final, needed=needed, free=free_bytes(final.parent)) from err
+            raise DiskFullError(
+                f"disk full: writing the HF checkpoint to {final} needs ~{fmt_bytes(needed)}, "
+                f"{fmt_bytes(free_bytes(final.parent))} are free; {last_good_checkpoint(final.parent)}",
+                path=final,
+                needed=needed,
+                free=free_bytes(final.parent),
+            ) from err
         raise
 
 
@@ -181,8 +205,9 @@ def _metrics_rows(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, progress: bool = True,
-              log=print) -> dict[str, Any]:
+def run_train(
+    recipe: Optional[str] = None, overrides: Sequence[str] = (), *, progress: bool = True, log=print
+) -> dict[str, Any]:
     """Run ``recipe`` (None = the CPU toy ``grpo``) with ``overrides``; return the summary dict.
 
     ``ValueError`` for bad input, found before Ray starts (nothing trained, nothing changed);
@@ -204,10 +229,14 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
         config.trainer.default_local_dir = str(out_dir)  # one absolute run directory for every process
         resume = preflight(config, out_dir, log=log)
         plan = checked_plan(config, raw)  # a layout that cannot run is refused before anything is allocated
-        log(f"plan: fits, peak {plan.peak_bytes / 2**30:.2f} of {plan.memory_budget_bytes / 2**30:.1f} GiB per "
-            f"{'GPU' if plan.device == 'cuda' else 'rank'} ({plan.peak_phase})")
-        log(f"megatron-rl train: {recipe or 'grpo'} -> {out_dir}" + (f" (resuming {resume.path.name})" if resume.path
-                                                                    else ""))
+        log(
+            f"plan: fits, peak {plan.peak_bytes / 2**30:.2f} of {plan.memory_budget_bytes / 2**30:.1f} GiB per "
+            f"{'GPU' if plan.device == 'cuda' else 'rank'} ({plan.peak_phase})"
+        )
+        log(
+            f"megatron-rl train: {recipe or 'grpo'} -> {out_dir}"
+            + (f" (resuming {resume.path.name})" if resume.path else "")
+        )
         if config.trainer.validation_data_dir is None:  # samples go to <run dir>/validation/<step>.jsonl; the
             config.trainer.validation_data_dir = str(out_dir / "validation")  # terminal gets one [val] line each
         config_text = dump_config(config)
@@ -216,8 +245,9 @@ def run_train(recipe: Optional[str] = None, overrides: Sequence[str] = (), *, pr
         out_dir.mkdir(parents=True, exist_ok=True)
         trainer = build_trainer(config, out_dir, log=log, resume=resume)  # models, data, reward: still no Ray
         _atomic_text(out_dir / "config.yaml", config_text)  # the run's config; checkpoints keep a copy
-        return _train(config, trainer, resume, out_dir, signals, progress=progress, log=log, wall=wall,
-                      tqdm=tqdm, recipe=recipe)
+        return _train(
+            config, trainer, resume, out_dir, signals, progress=progress, log=log, wall=wall, tqdm=tqdm, recipe=recipe
+        )
 
 
 @contextlib.contextmanager
@@ -228,12 +258,24 @@ def _signals_as_stopped(signals: StopSignals) -> Iterator[None]:
     except KeyboardInterrupt:
         if signals.signum is None:
             raise
-        raise Stopped(signals.signum, f"stopped by {signals.name} before training started; nothing was "
-                                      "trained") from None
+        raise Stopped(
+            signals.signum, f"stopped by {signals.name} before training started; nothing was trained"
+        ) from None
 
 
-def _train(config: TrainerRunConfig, trainer: Any, resume: Selection, out_dir: Path, signals: StopSignals, *,
-           progress: bool, log, wall: float, tqdm, recipe: Optional[str]) -> dict[str, Any]:
+def _train(
+    config: TrainerRunConfig,
+    trainer: Any,
+    resume: Selection,
+    out_dir: Path,
+    signals: StopSignals,
+    *,
+    progress: bool,
+    log,
+    wall: float,
+    tqdm,
+    recipe: Optional[str],
+) -> dict[str, Any]:
     import ray
 
     from megatron_rl.job.reaper import start_reaper, stop_reaper
@@ -243,8 +285,14 @@ def _train(config: TrainerRunConfig, trainer: Any, resume: Selection, out_dir: P
 
     def on_step(metrics: dict) -> None:
         if REWARD_KEY in metrics:
-            bar.set_postfix({"reward": f"{metrics[REWARD_KEY]:.3f}", "resp_len": f"{metrics['response_length/mean']:.1f}",
-                             "s/step": f"{metrics['timing_s/step']:.1f}"}, refresh=False)
+            bar.set_postfix(
+                {
+                    "reward": f"{metrics[REWARD_KEY]:.3f}",
+                    "resp_len": f"{metrics['response_length/mean']:.1f}",
+                    "s/step": f"{metrics['timing_s/step']:.1f}",
+                },
+                refresh=False,
+            )
         else:
             bar.set_postfix({"skipped": "reward failed"}, refresh=False)
         bar.update(1)
@@ -262,8 +310,14 @@ def _train(config: TrainerRunConfig, trainer: Any, resume: Selection, out_dir: P
             os.replace(metrics_file, out_dir / "metrics.jsonl.prev")  # a fresh start: the old run's rows stay apart
             log(f"the previous run's metrics.jsonl is kept as {out_dir / 'metrics.jsonl.prev'}")
         total = trainer.total_steps
-        bar = tqdm(total=total, initial=min(resume.step, total), desc=algorithm_label(config), unit="step",
-                   disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            initial=min(resume.step, total),
+            desc=algorithm_label(config),
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         start = time.perf_counter()
         history = trainer.fit(total, on_step=on_step)
         rl_seconds = time.perf_counter() - start
@@ -273,14 +327,18 @@ def _train(config: TrainerRunConfig, trainer: Any, resume: Selection, out_dir: P
         if signals.signum is None:
             raise
         kill_workers(trainer.placement)  # an abandoned call never returns: do not wait for it
-        raise Stopped(signals.signum, f"stopped by {signals.name} at step {trainer.global_steps} (abandoned); "
-                                      f"{last_good_checkpoint(out_dir)}") from None
+        raise Stopped(
+            signals.signum,
+            f"stopped by {signals.name} at step {trainer.global_steps} (abandoned); {last_good_checkpoint(out_dir)}",
+        ) from None
     except Stopped:
         raise
     except Exception as err:
         if signals.signum is not None:  # the signal took workers down too (scancel signals every process)
-            raise Stopped(signals.signum, f"stopped by {signals.name} at step {trainer.global_steps} ({err}); "
-                                          f"{last_good_checkpoint(out_dir)}") from err
+            raise Stopped(
+                signals.signum,
+                f"stopped by {signals.name} at step {trainer.global_steps} ({err}); {last_good_checkpoint(out_dir)}",
+            ) from err
         if isinstance(err, OSError) and is_disk_full(err):
             raise _disk_full(err, out_dir) from err
         raise
@@ -298,16 +356,23 @@ def _train(config: TrainerRunConfig, trainer: Any, resume: Selection, out_dir: P
             shutil.rmtree(staged, ignore_errors=True)
 
 
-def _report(config: TrainerRunConfig, out_dir: Path, history: list, staged: Optional[Path], rl_seconds: float,
-            wall: float, log) -> dict[str, Any]:
+def _report(
+    config: TrainerRunConfig, out_dir: Path, history: list, staged: Optional[Path], rl_seconds: float, wall: float, log
+) -> dict[str, Any]:
     """The summary (and reward curve, and HF checkpoint) of a finished run, each put in place only
     once all of them are complete."""
     if config.trainer.val_only:  # nothing was trained: the validation metrics are the result
-        summary = {"val_metrics": history[0] if history else {}, "wall_seconds": time.perf_counter() - wall,
-                   "output_dir": str(out_dir), "metrics": str(out_dir / "metrics.jsonl")}
+        summary = {
+            "val_metrics": history[0] if history else {},
+            "wall_seconds": time.perf_counter() - wall,
+            "output_dir": str(out_dir),
+            "metrics": str(out_dir / "metrics.jsonl"),
+        }
         _atomic_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        log("\ndone: validation only (trainer.val_only); " + ", ".join(
-            f"{k}={v:.4g}" for k, v in summary["val_metrics"].items() if as_number(v) is not None))
+        log(
+            "\ndone: validation only (trainer.val_only); "
+            + ", ".join(f"{k}={v:.4g}" for k, v in summary["val_metrics"].items() if as_number(v) is not None)
+        )
         return summary
     rows = _metrics_rows(out_dir)  # the whole run (a resumed one included)
     history = [row for row in rows if as_number(row.get(REWARD_KEY)) is not None]  # steps not skipped
@@ -318,17 +383,24 @@ def _report(config: TrainerRunConfig, out_dir: Path, history: list, staged: Opti
     png = out_dir / "reward_curve.png"
     png_tmp = staging_dir(png)
     try:
-        plot_reward_curve(history, png_tmp, validation=validation,
-                          title=f"{config.trainer.experiment_name}: {algorithm_label(config)} on {config.data.task}")
+        plot_reward_curve(
+            history,
+            png_tmp,
+            validation=validation,
+            title=f"{config.trainer.experiment_name}: {algorithm_label(config)} on {config.data.task}",
+        )
     except BaseException:
         png_tmp.unlink(missing_ok=True)
         raise
     rewards = [float(h[REWARD_KEY]) for h in history]
-    tail = rewards[-min(3, len(rewards)):]
+    tail = rewards[-min(3, len(rewards)) :]
     final = out_dir / "final_hf"
     summary = {
-        "steps": len(history), "first_step_reward": rewards[0], "last_step_reward": rewards[-1],
-        "last3_mean_reward": sum(tail) / len(tail), "max_reward": max(rewards),
+        "steps": len(history),
+        "first_step_reward": rewards[0],
+        "last_step_reward": rewards[-1],
+        "last3_mean_reward": sum(tail) / len(tail),
+        "max_reward": max(rewards),
         "reward_gain": rewards[-1] - rewards[0],
         # exact-answer rate (rule rewards that report "acc"); None when not logged or not finite
         "first_step_exact": as_number(history[0].get("reward/acc/mean")),
@@ -341,20 +413,36 @@ def _report(config: TrainerRunConfig, out_dir: Path, history: list, staged: Opti
         "last_val_reward": validation[-1][1] if validation else None,
         "last_val_exact": validation_exact(val_rows[-1]) if validation else None,
         "rl_seconds": rl_seconds,
-        "wall_seconds": time.perf_counter() - wall, "output_dir": str(out_dir),
-        "metrics": str(out_dir / "metrics.jsonl"), "reward_curve": str(png), "hf_checkpoint": str(final),
+        "wall_seconds": time.perf_counter() - wall,
+        "output_dir": str(out_dir),
+        "metrics": str(out_dir / "metrics.jsonl"),
+        "reward_curve": str(png),
+        "hf_checkpoint": str(final),
     }
     replace_dir(staged, final)
     os.replace(png_tmp, png)
     _atomic_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    log(f"\ndone: {summary['steps']} steps in {summary['wall_seconds']:.0f}s "
+    log(
+        f"\ndone: {summary['steps']} steps in {summary['wall_seconds']:.0f}s "
         f"(RL {rl_seconds:.0f}s); mean reward {rewards[0]:.3f} (step 1) -> {rewards[-1]:.3f} "
         f"(step {len(rewards)}), gain {summary['reward_gain']:+.3f}"
-        + (f"; exact answers {fmt_ratio(summary['first_step_exact'])} -> {fmt_ratio(summary['last_step_exact'])}"
-           if history[-1].get("reward/acc/mean") is not None else "")
-        + (f"\n  validation:     reward {summary['first_val_reward']:.3f} (step {summary['first_val_step']}) -> "
-           f"{summary['last_val_reward']:.3f} (step {summary['last_val_step']})"
-           + (f", exact {fmt_ratio(summary['first_val_exact'])} -> {fmt_ratio(summary['last_val_exact'])}"
-              if summary["last_val_exact"] is not None else "") if validation else "") + "\n"
-        f"  metrics:        {summary['metrics']}\n  reward curve:   {png}\n  HF checkpoint:  {final}")
+        + (
+            f"; exact answers {fmt_ratio(summary['first_step_exact'])} -> {fmt_ratio(summary['last_step_exact'])}"
+            if history[-1].get("reward/acc/mean") is not None
+            else ""
+        )
+        + (
+            f"\n  validation:     reward {summary['first_val_reward']:.3f} (step {summary['first_val_step']}) -> "
+            f"{summary['last_val_reward']:.3f} (step {summary['last_val_step']})"
+            + (
+                f", exact {fmt_ratio(summary['first_val_exact'])} -> {fmt_ratio(summary['last_val_exact'])}"
+                if summary["last_val_exact"] is not None
+                else ""
+            )
+            if validation
+            else ""
+        )
+        + "\n"
+        f"  metrics:        {summary['metrics']}\n  reward curve:   {png}\n  HF checkpoint:  {final}"
+    )
     return summary

@@ -35,18 +35,48 @@ from typing import Any, Callable, Optional
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.trainer.checkpoint import CONFIG_COPY, Selection, select_checkpoint
 
-__all__ = ["preflight", "check_model_paths", "check_data", "check_reward", "check_loggers", "check_sampling",
-           "check_resume", "check_gpu_stack"]
+__all__ = [
+    "preflight",
+    "check_model_paths",
+    "check_data",
+    "check_reward",
+    "check_loggers",
+    "check_sampling",
+    "check_resume",
+    "check_gpu_stack",
+]
 
-_SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-          "vocab_size", "num_moe_experts", "moe_ffn_hidden_size")
-_HF_SHAPE = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
-             "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
-             "vocab_size": "vocab_size", "num_experts": "num_moe_experts"}
-_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-           "expert_model_parallel_size", "context_parallel_size")
-_START_OVER = ("use another trainer.default_local_dir, or trainer.resume_mode=disable to start over here (the "
-               "checkpoints are kept)")
+_SHAPE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+)
+_HF_SHAPE = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups",
+    "vocab_size": "vocab_size",
+    "num_experts": "num_moe_experts",
+}
+_LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "context_parallel_size",
+)
+_START_OVER = (
+    "use another trainer.default_local_dir, or trainer.resume_mode=disable to start over here (the "
+    "checkpoints are kept)"
+)
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
@@ -80,8 +110,13 @@ def _megatron_roles(config: TrainerRunConfig, needs: Any) -> list[tuple[str, Any
     if needs.reward_model:
         roles.append(("reward.reward_model", config.reward.reward_model.megatron, None))
     if needs.teacher:
-        roles.append(("distillation.teacher_model", config.distillation.teacher_model.megatron,
-                      config.distillation.teacher_model))
+        roles.append(
+            (
+                "distillation.teacher_model",
+                config.distillation.teacher_model.megatron,
+                config.distillation.teacher_model,
+            )
+        )
     return roles
 
 
@@ -95,8 +130,9 @@ def _role_model_setting(source: Any, key: str, default: Any) -> Any:
     return getattr(inline, key) if inline is not None else default
 
 
-def check_gpu_stack(config: TrainerRunConfig, needs: Any, *, cuda_available: Optional[bool] = None,
-                    te_error: Any = "probe") -> None:
+def check_gpu_stack(
+    config: TrainerRunConfig, needs: Any, *, cuda_available: Optional[bool] = None, te_error: Any = "probe"
+) -> None:
     """The installed torch / TransformerEngine can run what the config asks for (module docstring).
 
     ``cuda_available`` / ``te_error`` replace the probes of this process (None: TE imports).
@@ -109,28 +145,35 @@ def check_gpu_stack(config: TrainerRunConfig, needs: Any, *, cuda_available: Opt
         available = torch.cuda.is_available() if cuda_available is None else cuda_available
         if not available:
             built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
-            raise ValueError(f"trainer.device='cuda' but torch {torch.__version__} ({built}) sees no GPU "
-                             "in this process: a torch built for a newer CUDA than the driver supports sees none "
-                             "(`nvidia-smi` shows the driver's CUDA version; README: GPU install), or "
-                             "CUDA_VISIBLE_DEVICES hides them; use trainer.device='cpu' for a CPU run")
+            raise ValueError(
+                f"trainer.device='cuda' but torch {torch.__version__} ({built}) sees no GPU "
+                "in this process: a torch built for a newer CUDA than the driver supports sees none "
+                "(`nvidia-smi` shows the driver's CUDA version; README: GPU install), or "
+                "CUDA_VISIBLE_DEVICES hides them; use trainer.device='cpu' for a CPU run"
+            )
     for where, megatron, source in _megatron_roles(config, needs):
         backend = _role_model_setting(source, "attention_backend", "auto")
         cp = megatron.context_parallel_size
         asks = ([f"{where}.model attention_backend='te'"] if backend == "te" else []) + (
-            [f"{where}.megatron.context_parallel_size={cp}"] if cp > 1 else [])
+            [f"{where}.megatron.context_parallel_size={cp}"] if cp > 1 else []
+        )
         if cp > 1:
             dtype = megatron.dtype or _role_model_setting(source, "params_dtype", "float32")
             if dtype == "float32":
-                raise ValueError(f"{where}.megatron.context_parallel_size={cp} needs bfloat16 or float16 parameters "
-                                 f"(this role trains in {dtype!r}): "
-                                 "TransformerEngine's flash and fused attention do not run float32 and its unfused "
-                                 f"attention is disabled under context parallelism; set {where}.megatron.dtype=bfloat16")
+                raise ValueError(
+                    f"{where}.megatron.context_parallel_size={cp} needs bfloat16 or float16 parameters "
+                    f"(this role trains in {dtype!r}): "
+                    "TransformerEngine's flash and fused attention do not run float32 and its unfused "
+                    f"attention is disabled under context parallelism; set {where}.megatron.dtype=bfloat16"
+                )
         if asks:
             error = te_import_error() if te_error == "probe" else te_error
             if error is not None:
-                raise ValueError(f"{' and '.join(asks)} needs TransformerEngine, which does not import here ({error}); "
-                                 "install it as the README's GPU install says (its torch extension must be built "
-                                 "against the installed torch: --no-build-isolation)")
+                raise ValueError(
+                    f"{' and '.join(asks)} needs TransformerEngine, which does not import here ({error}); "
+                    "install it as the README's GPU install says (its torch extension must be built "
+                    "against the installed torch: --no-build-isolation)"
+                )
 
 
 # ----------------------------------------------------------------------------- models
@@ -140,9 +183,11 @@ def _check_hf_dir(key: str, value: Optional[str]) -> None:
     path = Path(value).expanduser()
     shown = f"{value!r}" + (f" ({path})" if str(path) != str(value) else "")
     if not path.exists():
-        raise ValueError(f"{key}={shown} does not exist: it must be a local HF checkpoint directory (config.json + "
-                         f"*.safetensors); download it first, e.g. `huggingface-cli download <org>/<model> "
-                         f"--local-dir {value}`")
+        raise ValueError(
+            f"{key}={shown} does not exist: it must be a local HF checkpoint directory (config.json + "
+            f"*.safetensors); download it first, e.g. `huggingface-cli download <org>/<model> "
+            f"--local-dir {value}`"
+        )
     if not path.is_dir():
         raise ValueError(f"{key}={shown} is not a directory; it must be an HF checkpoint directory")
     config = path / "config.json"
@@ -193,8 +238,10 @@ def check_data(config: TrainerRunConfig) -> None:
         if 0 < data.train_max_samples < rows:
             rows = data.train_max_samples
         if batch > rows:
-            raise ValueError(f"{batch_key}={batch} is larger than the task's {rows} prompts (data.task_kwargs."
-                             "num_samples / data.train_max_samples); no batch could be drawn")
+            raise ValueError(
+                f"{batch_key}={batch} is larger than the task's {rows} prompts (data.task_kwargs."
+                "num_samples / data.train_max_samples); no batch could be drawn"
+            )
         return
     for key, value in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         files = _files(value)
@@ -210,15 +257,19 @@ def check_data(config: TrainerRunConfig) -> None:
                 known = set(DATA_SOURCE_TO_REWARD) | set(REWARD_FNS)
                 unknown = sorted({str(s) for s in column_values(path, data.reward_fn_key)} - known)
                 if unknown:
-                    raise ValueError(f"{key}: data file {path!r} has {data.reward_fn_key}={unknown[0]!r}, for which there "
-                                     f"is no rule reward (reward.reward_fn=null picks it by data.reward_fn_key); set "
-                                     f"reward.reward_fn or reward.custom_reward_function.path; known data sources: "
-                                     f"{sorted(known)}")
+                    raise ValueError(
+                        f"{key}: data file {path!r} has {data.reward_fn_key}={unknown[0]!r}, for which there "
+                        f"is no rule reward (reward.reward_fn=null picks it by data.reward_fn_key); set "
+                        f"reward.reward_fn or reward.custom_reward_function.path; known data sources: "
+                        f"{sorted(known)}"
+                    )
         limit = data.train_max_samples if key == "data.train_files" else -1
         usable = min(rows, limit) if limit > 0 else rows
         if key == "data.train_files" and batch > usable and not data.filter_overlong_prompts:
-            raise ValueError(f"{batch_key}={batch} is larger than the {usable} prompts of data.train_files "
-                             f"{files}; no batch could be drawn")
+            raise ValueError(
+                f"{batch_key}={batch} is larger than the {usable} prompts of data.train_files "
+                f"{files}; no batch could be drawn"
+            )
 
 
 def check_reward(config: TrainerRunConfig) -> None:
@@ -228,8 +279,10 @@ def check_reward(config: TrainerRunConfig) -> None:
 
     reward = config.reward
     if reward.reward_fn is not None and reward.reward_fn not in REWARD_FNS:
-        raise ValueError(f"reward.reward_fn={reward.reward_fn!r} is not a registered reward; registered: "
-                         f"{sorted(REWARD_FNS)} (or set reward.custom_reward_function.path)")
+        raise ValueError(
+            f"reward.reward_fn={reward.reward_fn!r} is not a registered reward; registered: "
+            f"{sorted(REWARD_FNS)} (or set reward.custom_reward_function.path)"
+        )
     custom = reward.custom_reward_function
     if custom.path:
         load_custom_reward_fn(custom.path, custom.name)
@@ -240,21 +293,28 @@ def check_loggers(config: TrainerRunConfig) -> None:
     for name in config.trainer.logger:
         package = _PACKAGES.get(name)
         if package is not None and importlib.util.find_spec(package) is None:
-            raise ValueError(f"trainer.logger includes {name!r} but the {package} package is not installed "
-                             f"(pip install {package}, or drop it from trainer.logger)")
+            raise ValueError(
+                f"trainer.logger includes {name!r} but the {package} package is not installed "
+                f"(pip install {package}, or drop it from trainer.logger)"
+            )
 
 
 def check_sampling(config: TrainerRunConfig) -> None:
     """No sampling vLLM refuses at the first step: greedy decoding (temperature 0 or do_sample False)
     with more than one sample per prompt."""
     rollout = config.actor_rollout_ref.rollout
-    for where, s in (("actor_rollout_ref.rollout", rollout), ("actor_rollout_ref.rollout.val_kwargs", rollout.val_kwargs)):
+    for where, s in (
+        ("actor_rollout_ref.rollout", rollout),
+        ("actor_rollout_ref.rollout.val_kwargs", rollout.val_kwargs),
+    ):
         greedy = s.temperature == 0 or not s.do_sample
         if greedy and s.n > 1:
             why = f"{where}.temperature=0" if s.temperature == 0 else f"{where}.do_sample=False"
-            raise ValueError(f"{why} (greedy decoding) with {where}.n={s.n}: every sample of a prompt would be the same "
-                             f"(vLLM refuses n > 1 under greedy sampling); set {where}.temperature > 0 with "
-                             f"do_sample=True, or {where}.n=1")
+            raise ValueError(
+                f"{why} (greedy decoding) with {where}.n={s.n}: every sample of a prompt would be the same "
+                f"(vLLM refuses n > 1 under greedy sampling); set {where}.temperature > 0 with "
+                f"do_sample=True, or {where}.n=1"
+            )
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -299,12 +359,15 @@ def _check_model(key: str, new: dict, saved: Optional[dict], state_path: Optiona
             continue  # an inline model's vocabulary is the trained tokenizer's, <= config.vocab_size
         if a is not None and b is not None and a != b:
             where = f"{key}.config.{name}" if new.get("config") else f"{key}.path"
-            raise ValueError(f"{where}: the model has {name}={a} but checkpoint {path} was trained with {name}={b}; a "
-                             f"checkpoint resumes only into the model it was saved from -- {_START_OVER}")
+            raise ValueError(
+                f"{where}: the model has {name}={a} but checkpoint {path} was trained with {name}={b}; a "
+                f"checkpoint resumes only into the model it was saved from -- {_START_OVER}"
+            )
 
 
-def check_resume(config: TrainerRunConfig, run_dir: Path, needs: Any, *, log: Callable[[str], Any] = print
-                 ) -> Selection:
+def check_resume(
+    config: TrainerRunConfig, run_dir: Path, needs: Any, *, log: Callable[[str], Any] = print
+) -> Selection:
     """The checkpoint to resume from, verified, and ``ValueError`` unless this configuration can
     resume it (the same model shape and data order, every part it trains present)."""
     tcfg = config.trainer
@@ -316,31 +379,49 @@ def check_resume(config: TrainerRunConfig, run_dir: Path, needs: Any, *, log: Ca
     path, state = choice.path, choice.state()
     saved = _saved_config(path)
     data = config.data
-    _check_model("actor_rollout_ref.model", config.actor_rollout_ref.model.to_dict(),
-                 None if saved is None else saved["actor_rollout_ref"]["model"], state.get("model_path"), path)
+    _check_model(
+        "actor_rollout_ref.model",
+        config.actor_rollout_ref.model.to_dict(),
+        None if saved is None else saved["actor_rollout_ref"]["model"],
+        state.get("model_path"),
+        path,
+    )
     if needs.critic and not (path / "critic").is_dir():
-        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} trains a critic but checkpoint "
-                         f"{path} has none (it was saved by a run without one) -- {_START_OVER}")
+        raise ValueError(
+            f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} trains a critic but checkpoint "
+            f"{path} has none (it was saved by a run without one) -- {_START_OVER}"
+        )
     loader = state.get("dataloader") or {}
     batch_key = "data.gen_batch_size" if data.gen_batch_size else "data.train_batch_size"
-    current = {batch_key: (data.gen_batch_size or data.train_batch_size, loader.get("batch_size")),
-               "data.shuffle": (data.shuffle, loader.get("shuffle")),
-               "data.seed": (int(data.seed or 0), loader.get("seed"))}
+    current = {
+        batch_key: (data.gen_batch_size or data.train_batch_size, loader.get("batch_size")),
+        "data.shuffle": (data.shuffle, loader.get("shuffle")),
+        "data.seed": (int(data.seed or 0), loader.get("seed")),
+    }
     for key, (new, old) in current.items():
         if old is not None and new != old:
-            raise ValueError(f"{key}={new} but checkpoint {path} was saved with {old}: resuming would replay a "
-                             f"different data order; set {key}={old} to resume -- or {_START_OVER}")
+            raise ValueError(
+                f"{key}={new} but checkpoint {path} was saved with {old}: resuming would replay a "
+                f"different data order; set {key}={old} to resume -- or {_START_OVER}"
+            )
     if saved is not None:
         for key in ("train_files", "task", "task_kwargs", "train_max_samples", "filter_overlong_prompts"):
             old, new = saved.get("data", {}).get(key), getattr(data, key)
             if old != new and not (key == "task_kwargs" and old is None and new == {}):
-                raise ValueError(f"data.{key}={new!r} but checkpoint {path} was trained with {old!r}: resuming would "
-                                 f"replay another dataset -- set it back to resume, or {_START_OVER}")
+                raise ValueError(
+                    f"data.{key}={new!r} but checkpoint {path} was trained with {old!r}: resuming would "
+                    f"replay another dataset -- set it back to resume, or {_START_OVER}"
+                )
         old_layout = saved["actor_rollout_ref"]["actor"].get("megatron", {})
         new_layout = config.actor_rollout_ref.actor.megatron
-        changed = [f"{k} {old_layout.get(k)} -> {getattr(new_layout, k)}" for k in _LAYOUT
-                   if k in old_layout and old_layout[k] != getattr(new_layout, k)]
+        changed = [
+            f"{k} {old_layout.get(k)} -> {getattr(new_layout, k)}"
+            for k in _LAYOUT
+            if k in old_layout and old_layout[k] != getattr(new_layout, k)
+        ]
         if changed:
-            log(f"resume: actor layout changed ({', '.join(changed)}); the model and optimizer state reshard from "
-                f"{path.name}, RNG states are restored only at the saving world size")
+            log(
+                f"resume: actor layout changed ({', '.join(changed)}); the model and optimizer state reshard from "
+                f"{path.name}, RNG states are restored only at the saving world size"
+            )
     return choice

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_rl.config import TrainerRunConfig
+
 # Also registers the agentic toy task (toy_multiply) in the task and reward registries.
 from megatron_rl.rollout.agent.warmup import agent_task_texts, agent_warmup, install_tool_chat_template, is_agent_task
 from megatron_rl.trainer.checkpoint import hf_num_params as _num_params
@@ -86,41 +87,55 @@ def prepare_policy_model(config: TrainerRunConfig, out_dir: str | Path, *, log=p
         if inline is None:
             raise ValueError("actor_rollout_ref.model: set path (an HF checkpoint directory) or config + family")
         if task is None:
-            raise ValueError("an inline actor_rollout_ref.model.config needs data.task (its tokenizer is trained "
-                             "on the built-in task's texts); got data.task=None")
+            raise ValueError(
+                "an inline actor_rollout_ref.model.config needs data.task (its tokenizer is trained "
+                "on the built-in task's texts); got data.task=None"
+            )
         start = time.perf_counter()
         rows = _task_rows(config, 1024, seed)
         with _staged(out_dir / "base_model") as staged:
-            model = materialize_inline_model(staged, inline, source.family,
-                                             task_texts(rows) + (agent_task_texts(config, rows) if agent else []),
-                                             seed=config.actor_rollout_ref.actor.megatron.seed)
+            model = materialize_inline_model(
+                staged,
+                inline,
+                source.family,
+                task_texts(rows) + (agent_task_texts(config, rows) if agent else []),
+                seed=config.actor_rollout_ref.actor.megatron.seed,
+            )
             if agent:
                 install_tool_chat_template(model["path"])
             model["path"] = str(replace_dir(staged, out_dir / "base_model"))
         n_params = _num_params(model["path"])
-        log(f"built {model['path']} (qwen3, {n_params / 1e6:.2f}M parameters, vocab {len(model['tokenizer'])}) "
-            f"in {time.perf_counter() - start:.1f}s")
+        log(
+            f"built {model['path']} (qwen3, {n_params / 1e6:.2f}M parameters, vocab {len(model['tokenizer'])}) "
+            f"in {time.perf_counter() - start:.1f}s"
+        )
         path = model["path"]
     path = str(Path(path).expanduser())
     if steps > 0:
         if task is None:
-            raise ValueError(f"trainer.sft_warmup_steps={steps} needs data.task (the built-in task's answers); "
-                             "got data.task=None")
+            raise ValueError(
+                f"trainer.sft_warmup_steps={steps} needs data.task (the built-in task's answers); got data.task=None"
+            )
         start, losses = time.perf_counter(), []
         # Warm-up prompts are drawn with another seed than the RL prompts.
         rows = _task_rows(config, 2048, seed + 10007)
         with _staged(out_dir / "sft_model") as staged:
-            path = str(agent_warmup(config, path, staged, rows, log=losses) if agent else
-                       sft_warmup(path, staged, rows, steps=steps, lr=config.trainer.sft_warmup_lr, seed=seed,
-                                  log=losses))
+            path = str(
+                agent_warmup(config, path, staged, rows, log=losses)
+                if agent
+                else sft_warmup(path, staged, rows, steps=steps, lr=config.trainer.sft_warmup_lr, seed=seed, log=losses)
+            )
             path = str(replace_dir(staged, out_dir / "sft_model"))
-        log(f"SFT warm-up: {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-            f"in {time.perf_counter() - start:.1f}s -> {path}")
+        log(
+            f"SFT warm-up: {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+            f"in {time.perf_counter() - start:.1f}s -> {path}"
+        )
     return path
 
 
-def prepare_teacher_model(config: TrainerRunConfig, out_dir: str | Path, student_path: str | Path, *, log=print,
-                          reuse: bool = False) -> str:
+def prepare_teacher_model(
+    config: TrainerRunConfig, out_dir: str | Path, student_path: str | Path, *, log=print, reuse: bool = False
+) -> str:
     """The distillation teacher's HF directory: ``distillation.teacher_model.model_path``, or an
     inline ``config`` materialised with the student's tokenizer (same task texts) and warmed up by
     ``teacher_model.sft_warmup_steps`` supervised steps. ValueError if the vocabularies differ.
@@ -143,8 +158,13 @@ def prepare_teacher_model(config: TrainerRunConfig, out_dir: str | Path, student
     seed = int(config.data.seed or 1)
     start = time.perf_counter()
     with _staged(out_dir / "teacher_base") as staged:
-        model = materialize_inline_model(staged, inline, config.actor_rollout_ref.model.family,
-                                         task_texts(_task_rows(config, 1024, seed)), seed=seed + 1)
+        model = materialize_inline_model(
+            staged,
+            inline,
+            config.actor_rollout_ref.model.family,
+            task_texts(_task_rows(config, 1024, seed)),
+            seed=seed + 1,
+        )
         model["path"] = str(replace_dir(staged, out_dir / "teacher_base"))
     student_vocab = json.loads((Path(student_path) / "tokenizer.json").read_text())["model"]["vocab"]
     if student_vocab != json.loads((Path(model["path"]) / "tokenizer.json").read_text())["model"]["vocab"]:
@@ -154,9 +174,18 @@ def prepare_teacher_model(config: TrainerRunConfig, out_dir: str | Path, student
     if steps > 0:
         losses: list = []
         with _staged(out_dir / "teacher_model") as staged:
-            sft_warmup(path, staged, _task_rows(config, 2048, seed + 20011), steps=steps,
-                       lr=config.trainer.sft_warmup_lr, seed=seed, log=losses)
+            sft_warmup(
+                path,
+                staged,
+                _task_rows(config, 2048, seed + 20011),
+                steps=steps,
+                lr=config.trainer.sft_warmup_lr,
+                seed=seed,
+                log=losses,
+            )
             path = str(replace_dir(staged, out_dir / "teacher_model"))
-        log(f"teacher: {_num_params(path) / 1e6:.2f}M parameters, SFT {steps} steps, loss {losses[0]:.3f} -> "
-            f"{losses[-1]:.3f} in {time.perf_counter() - start:.1f}s -> {path}")
+        log(
+            f"teacher: {_num_params(path) / 1e6:.2f}M parameters, SFT {steps} steps, loss {losses[0]:.3f} -> "
+            f"{losses[-1]:.3f} in {time.perf_counter() - start:.1f}s -> {path}"
+        )
     return path

@@ -26,9 +26,14 @@ GRACE_S = 3.0
 
 def start_reaper(pid: int | None = None) -> subprocess.Popen:
     """Watch ``pid`` (default: this process) from a detached process; returns it (``stop_reaper``)."""
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.job.reaper", str(pid or os.getpid())],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.job.reaper", str(pid or os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 def stop_reaper(reaper: subprocess.Popen | None) -> None:

@@ -7,16 +7,31 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["plot_reward_curve", "REWARD_KEY", "algorithm_label", "validation_reward", "validation_exact", "as_number",
-           "fmt_ratio"]
+__all__ = [
+    "plot_reward_curve",
+    "REWARD_KEY",
+    "algorithm_label",
+    "validation_reward",
+    "validation_exact",
+    "as_number",
+    "fmt_ratio",
+]
 
 REWARD_KEY = "critic/score/mean"
 """The per-step mean training reward (rule score of every sampled response)."""
 _VAL_CORE = re.compile(r"^val-core/.+/reward/mean@\d+$")
 _VAL_ACC = re.compile(r"^val-aux/.+/acc/mean@\d+$")
-_ESTIMATOR_LABELS = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "remax": "ReMax",
-                     "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
-                     "gdpo": "GDPO", "opo": "OPO", "grpo_passk": "GRPO-pass@k"}
+_ESTIMATOR_LABELS = {
+    "gae": "PPO",
+    "grpo": "GRPO",
+    "rloo": "RLOO",
+    "remax": "ReMax",
+    "reinforce_plus_plus": "REINFORCE++",
+    "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
+    "gdpo": "GDPO",
+    "opo": "OPO",
+    "grpo_passk": "GRPO-pass@k",
+}
 
 
 def algorithm_label(config: Any) -> str:
@@ -29,8 +44,11 @@ def algorithm_label(config: Any) -> str:
         return "DAPO"
     if actor.policy_loss.loss_mode == "gspo":
         return "GSPO"
-    if algo.adv_estimator == "grpo" and not algo.norm_adv_by_std_in_grpo and \
-            actor.loss_agg_mode == "seq-mean-token-sum-norm":
+    if (
+        algo.adv_estimator == "grpo"
+        and not algo.norm_adv_by_std_in_grpo
+        and actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    ):
         return "Dr.GRPO"
     return _ESTIMATOR_LABELS.get(algo.adv_estimator, algo.adv_estimator.upper())
 
@@ -63,8 +81,13 @@ def validation_exact(row: dict) -> Optional[float]:
     return sum(float(v) for v in values) / len(values) if values else None
 
 
-def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = "", window: int = 10,
-                      validation: Sequence[tuple[int, float]] = ()) -> Path:
+def plot_reward_curve(
+    history: Sequence[dict],
+    path: str | Path,
+    title: str = "",
+    window: int = 10,
+    validation: Sequence[tuple[int, float]] = (),
+) -> Path:
     """Mean training reward per step, its ``window``-step moving average and the validation reward at the
     steps in ``validation`` (``(step, reward)``) on the left axis, and (when logged) the exact-answer rate
     ``reward/acc/mean`` in % on its own right axis, as a PNG at ``path``."""
@@ -75,7 +98,9 @@ def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = ""
 
     steps = [int(h["training/global_step"]) for h in history]
     mean = [as_number(h[REWARD_KEY]) or 0.0 for h in history]
-    smooth = [sum(mean[max(0, i - window + 1):i + 1]) / len(mean[max(0, i - window + 1):i + 1]) for i in range(len(mean))]
+    smooth = [
+        sum(mean[max(0, i - window + 1) : i + 1]) / len(mean[max(0, i - window + 1) : i + 1]) for i in range(len(mean))
+    ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, mean, color="C0", alpha=0.35, linewidth=1, label="mean reward")
     ax.plot(steps, smooth, color="C0", linewidth=2, label=f"mean reward ({window}-step avg)")
@@ -83,14 +108,27 @@ def plot_reward_curve(history: Sequence[dict], path: str | Path, title: str = ""
     handles = []
     if acc and all(v is not None for _, v in acc):  # a rate of its own, often far below the reward: its own axis
         exact_ax = ax.twinx()
-        handles += exact_ax.plot([s for s, _ in acc], [100 * v for _, v in acc], color="C1", alpha=0.7, linewidth=1,
-                                 label="exact answers (%, right axis)")
+        handles += exact_ax.plot(
+            [s for s, _ in acc],
+            [100 * v for _, v in acc],
+            color="C1",
+            alpha=0.7,
+            linewidth=1,
+            label="exact answers (%, right axis)",
+        )
         exact_ax.set_ylabel("exact answers (%)", color="C1")
         exact_ax.set_ylim(0, max(5.0, 100 * max(v for _, v in acc) * 1.1))
         exact_ax.tick_params(axis="y", colors="C1")
     if validation:
-        ax.plot([s for s, _ in validation], [v for _, v in validation], color="C2", marker="o", markersize=4,
-                linewidth=1.5, label="validation reward")
+        ax.plot(
+            [s for s, _ in validation],
+            [v for _, v in validation],
+            color="C2",
+            marker="o",
+            markersize=4,
+            linewidth=1.5,
+            label="validation reward",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

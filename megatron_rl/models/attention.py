@@ -62,14 +62,18 @@ def check_packing_support(attention_backend: str, *, context_parallel_size: int,
     THD attention (zigzag per row).
     """
     if attention_backend == "local":
-        raise ValueError("megatron.use_remove_padding=True packs rows into one THD sequence, which "
-                         "model.attention_backend='local' (Megatron's unfused attention) cannot attend over; "
-                         "use attention_backend 'auto', 'sdpa' or 'te', or megatron.use_remove_padding=False")
+        raise ValueError(
+            "megatron.use_remove_padding=True packs rows into one THD sequence, which "
+            "model.attention_backend='local' (Megatron's unfused attention) cannot attend over; "
+            "use attention_backend 'auto', 'sdpa' or 'te', or megatron.use_remove_padding=False"
+        )
     uses_te = attention_backend == "te" or (attention_backend == "auto" and te_importable)
     if context_parallel_size > 1 and not uses_te:
-        raise ValueError(f"megatron.context_parallel_size={context_parallel_size} with megatron.use_remove_padding=True "
-                         "needs TransformerEngine's THD attention (attention_backend 'te' or 'auto' with TE installed); "
-                         f"model.attention_backend={attention_backend!r} without TE cannot split packed rows over CP")
+        raise ValueError(
+            f"megatron.context_parallel_size={context_parallel_size} with megatron.use_remove_padding=True "
+            "needs TransformerEngine's THD attention (attention_backend 'te' or 'auto' with TE installed); "
+            f"model.attention_backend={attention_backend!r} without TE cannot split packed rows over CP"
+        )
 
 
 def _segment_bounds(packed_seq_params: Any) -> list[int]:
@@ -91,8 +95,9 @@ def _document_ids(bounds: list[int], device: torch.device) -> torch.Tensor:
 _compiled_flex = None
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float, gqa: bool,
-          params: Any) -> torch.Tensor:
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float, gqa: bool, params: Any
+) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     global _compiled_flex
@@ -113,8 +118,16 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], 
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
-def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], *,
-                       scale: float, impl: str = "segments", packed_seq_params: Any = None) -> torch.Tensor:
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    *,
+    scale: float,
+    impl: str = "segments",
+    packed_seq_params: Any = None,
+) -> torch.Tensor:
     """Causal attention inside each packed row, none across rows.
 
     ``query`` ``[t, heads, d]``, ``key`` / ``value`` ``[t, kv_heads, d]`` (grouped queries when
@@ -130,9 +143,13 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # to the math path, which materialises every row's s x s attention weights.
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
     if impl == "segments":
-        parts = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale,
-                                                enable_gqa=gqa)
-                 for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        parts = [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale, enable_gqa=gqa
+            )
+            for a, b in zip(bounds[:-1], bounds[1:])
+            if b > a
+        ]
         out = torch.cat(parts, dim=2)
     elif impl == "masked":
         doc = _document_ids(bounds, q.device)
@@ -159,10 +176,19 @@ class SDPAttention(torch.nn.Module):
     v_dim: Optional[int] = None
     """Value width per head when it differs from ``head_dim`` (MLA); None = ``head_dim``."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, k_channels: Optional[int] = None,
-                 v_channels: Optional[int] = None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+    ):
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -185,8 +211,9 @@ class SDPAttention(torch.nn.Module):
         self.impl: Optional[str] = None
         """A ``PACKED_IMPLS`` entry for packed rows; None = ``packed_attention_impl`` of the device."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support attention bias; use the TE spec")
         if packed_seq_params is not None:
@@ -195,8 +222,15 @@ class SDPAttention(torch.nn.Module):
             if self.training and self.dropout:
                 raise ValueError("SDPAttention does not apply attention dropout to packed sequences")
             impl = self.impl or packed_attention_impl(query.device)
-            out = document_attention(query, key, value, _segment_bounds(packed_seq_params), scale=self.softmax_scale,
-                                     impl=impl, packed_seq_params=packed_seq_params)
+            out = document_attention(
+                query,
+                key,
+                value,
+                _segment_bounds(packed_seq_params),
+                scale=self.softmax_scale,
+                impl=impl,
+                packed_seq_params=packed_seq_params,
+            )
             return out.reshape(out.shape[0], self.num_heads * (self.v_dim or self.head_dim))  # [t, heads*d_v]
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -204,8 +238,13 @@ class SDPAttention(torch.nn.Module):
         if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.any():
             mask = ~attention_mask  # SDPA: True = attend
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
             enable_gqa=self.num_heads != self.num_groups,
         )
         # [b, heads, s, d] -> [s, b, heads*d]

@@ -66,21 +66,31 @@ def yarn_kwargs(family: str, cfg: Any) -> dict[str, Any]:
     factor = params.get("factor")
     original = params.get("original_max_position_embeddings")
     if factor is None or original is None:
-        reject(family, "rope_parameters.factor/original_max_position_embeddings", (factor, original),
-               "both set for YaRN")
+        reject(
+            family, "rope_parameters.factor/original_max_position_embeddings", (factor, original), "both set for YaRN"
+        )
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     # HF uses mscale/mscale_all_dim for the cos/sin scale only when both are non-zero; Megatron
     # whenever both are set. Both rules agree when mscale is 1 or both are given.
     if not (mscale and mscale_all_dim) and mscale not in (None, 1, 1.0):
         reject(family, "rope_parameters.mscale", mscale, "1.0 unless mscale_all_dim is set too")
     if params.get("attention_factor") is not None:
-        reject(family, "rope_parameters.attention_factor", params["attention_factor"],
-               "None (derived from factor, mscale and mscale_all_dim)")
-    return dict(out, rope_type="yarn", rotary_scaling_factor=float(factor),
-                original_max_position_embeddings=int(original),
-                beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-                mscale=float(mscale if mscale is not None else 1.0),
-                mscale_all_dim=float(mscale_all_dim if mscale_all_dim is not None else 0.0))
+        reject(
+            family,
+            "rope_parameters.attention_factor",
+            params["attention_factor"],
+            "None (derived from factor, mscale and mscale_all_dim)",
+        )
+    return dict(
+        out,
+        rope_type="yarn",
+        rotary_scaling_factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(mscale if mscale is not None else 1.0),
+        mscale_all_dim=float(mscale_all_dim if mscale_all_dim is not None else 0.0),
+    )
 
 
 def sigmoid_router_kwargs(family: str, cfg: Any) -> dict[str, Any]:
@@ -101,8 +111,13 @@ def sigmoid_router_kwargs(family: str, cfg: Any) -> dict[str, Any]:
     grouped = groups > 1
     if grouped and topk // group_topk != 2:
         # HF scores a group by its top-2 experts; Megatron by its top (topk // topk_group).
-        reject(family, "topk_group", group_topk, f"num_experts_per_tok // 2 = {topk // 2} when n_group > 1 "
-               "(Megatron scores a group by its top topk/topk_group experts, HF by its top 2)")
+        reject(
+            family,
+            "topk_group",
+            group_topk,
+            f"num_experts_per_tok // 2 = {topk // 2} when n_group > 1 "
+            "(Megatron scores a group by its top topk/topk_group experts, HF by its top 2)",
+        )
     if not grouped and group_topk != 1:
         reject(family, "topk_group", group_topk, "1 when n_group is 1")
     shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
@@ -159,8 +174,9 @@ def _config_kwargs(cfg: Any) -> dict[str, Any]:
 
 MOE_RULES = (
     *DENSE_MLP_RULES,  # the first-k dense layers
-    *moe_mlp_rules("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
-                   "down_proj.weight"),
+    *moe_mlp_rules(
+        "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"
+    ),
     expert_bias_rule(),
     *shared_expert_rules(),
 )

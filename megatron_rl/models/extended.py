@@ -83,17 +83,24 @@ class ExtendedModelConfig(ModelConfig):
         if self.moe_layer_freq is not None:
             self.moe_layer_freq = tuple(int(x) for x in self.moe_layer_freq)
             if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
-                raise ValueError(f"model.moe_layer_freq={list(self.moe_layer_freq)} must hold one 0 (dense) or 1 (MoE) "
-                                 f"per layer (num_layers={self.num_layers})")
+                raise ValueError(
+                    f"model.moe_layer_freq={list(self.moe_layer_freq)} must hold one 0 (dense) or 1 (MoE) "
+                    f"per layer (num_layers={self.num_layers})"
+                )
         if self.multi_latent_attention and self.attention_backend == "local":
-            raise ValueError("model.attention_backend='local' (Megatron's DotProductAttention) cannot run MLA in "
-                             "Megatron-Core 0.16.1; use 'auto', 'sdpa' or 'te'")
+            raise ValueError(
+                "model.attention_backend='local' (Megatron's DotProductAttention) cannot run MLA in "
+                "Megatron-Core 0.16.1; use 'auto', 'sdpa' or 'te'"
+            )
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
-            raise ValueError("model.moe_shared_expert_gate=True needs a shared expert "
-                             "(model.moe_shared_expert_intermediate_size)")
+            raise ValueError(
+                "model.moe_shared_expert_gate=True needs a shared expert (model.moe_shared_expert_intermediate_size)"
+            )
         if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
-            raise ValueError(f"model.moe_router_num_groups={self.moe_router_num_groups} and "
-                             f"model.moe_router_group_topk={self.moe_router_group_topk} must be set together")
+            raise ValueError(
+                f"model.moe_router_num_groups={self.moe_router_num_groups} and "
+                f"model.moe_router_group_topk={self.moe_router_group_topk} must be set together"
+            )
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether global layer ``layer`` (0-based) has routed experts."""
@@ -111,8 +118,10 @@ class ExtendedModelConfig(ModelConfig):
                 attn = h * heads * q_head // tp
             else:
                 attn = (h * self.q_lora_rank + self.q_lora_rank * heads * q_head) // tp + self.q_lora_rank
-            attn += (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
-                     + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)) // tp + self.kv_lora_rank
+            attn += (
+                h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
+                + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)
+            ) // tp + self.kv_lora_rank
             attn += heads * self.v_head_dim * h // tp
         else:
             d, groups = self.head_dim, self.num_query_groups or heads
@@ -141,20 +150,33 @@ class ExtendedModelConfig(ModelConfig):
         """The ``TransformerConfig`` (``MLATransformerConfig`` with MLA) fields these settings add."""
         out: dict[str, Any] = {}
         if self.multi_latent_attention:
-            out.update(multi_latent_attention=True, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                       qk_head_dim=self.qk_head_dim, qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
-                       v_head_dim=self.v_head_dim, rope_type=self.rope_type, rotary_base=self.rotary_base,
-                       rotary_percent=self.rotary_percent, rotary_scaling_factor=self.rotary_scaling_factor,
-                       original_max_position_embeddings=self.original_max_position_embeddings,
-                       beta_fast=self.beta_fast, beta_slow=self.beta_slow, mscale=self.mscale,
-                       mscale_all_dim=self.mscale_all_dim, apply_rope_fusion=False)
+            out.update(
+                multi_latent_attention=True,
+                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_head_dim=self.qk_head_dim,
+                qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+                v_head_dim=self.v_head_dim,
+                rope_type=self.rope_type,
+                rotary_base=self.rotary_base,
+                rotary_percent=self.rotary_percent,
+                rotary_scaling_factor=self.rotary_scaling_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+                beta_fast=self.beta_fast,
+                beta_slow=self.beta_slow,
+                mscale=self.mscale,
+                mscale_all_dim=self.mscale_all_dim,
+                apply_rope_fusion=False,
+            )
         if self.is_moe:
-            out.update(moe_router_score_function=self.moe_router_score_function,
-                       moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
-                       moe_router_bias_update_rate=self.moe_router_bias_update_rate,
-                       moe_router_num_groups=self.moe_router_num_groups,
-                       moe_router_group_topk=self.moe_router_group_topk,
-                       moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor)
+            out.update(
+                moe_router_score_function=self.moe_router_score_function,
+                moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
+                moe_router_bias_update_rate=self.moe_router_bias_update_rate,
+                moe_router_num_groups=self.moe_router_num_groups,
+                moe_router_group_topk=self.moe_router_group_topk,
+                moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor,
+            )
             if self.moe_layer_freq is not None:
                 out["moe_layer_freq"] = list(self.moe_layer_freq)
             if self.moe_shared_expert_gate:

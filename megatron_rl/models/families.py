@@ -47,11 +47,31 @@ __all__ = [
 
 _NOT_FAMILY_MODULES = {"gpt", "families", "extended"}
 
-WEIGHT_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                       "kv_channels", "vocab_size", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "normalization",
-                       "swiglu", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                       "moe_shared_expert_gate", "moe_layer_freq", "multi_latent_attention", "q_lora_rank",
-                       "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+WEIGHT_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "tie_word_embeddings",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "normalization",
+    "swiglu",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_layer_freq",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+)
 """``ModelConfig`` fields that fix the weights' shapes: an HF-key override (``model.override_config``)
 that would change one is refused (the checkpoint could not load)."""
 
@@ -91,12 +111,19 @@ class Family:
         kwargs = self.config_kwargs(hf)
         if hf is not original:  # HF keys may set the context length, dropout, RoPE ... never the weights' shapes
             base = self.config_kwargs(original)
-            changed = [f"{k}: {base.get(k)!r} -> {kwargs.get(k)!r}" for k in WEIGHT_SHAPE_FIELDS
-                       if base.get(k) != kwargs.get(k)]
+            changed = [
+                f"{k}: {base.get(k)!r} -> {kwargs.get(k)!r}"
+                for k in WEIGHT_SHAPE_FIELDS
+                if base.get(k) != kwargs.get(k)
+            ]
             if changed:
-                keys = sorted(set(overrides) - set(rest) - {"model_config"}) + sorted(overrides.get("model_config") or {})
-                raise ValueError(f"{self.name}: overrides {keys} would change the architecture read from the HF config "
-                                 f"({'; '.join(changed)}), which the checkpoint's weights have")
+                keys = sorted(set(overrides) - set(rest) - {"model_config"}) + sorted(
+                    overrides.get("model_config") or {}
+                )
+                raise ValueError(
+                    f"{self.name}: overrides {keys} would change the architecture read from the HF config "
+                    f"({'; '.join(changed)}), which the checkpoint's weights have"
+                )
         overrides = rest
         clash = sorted(set(overrides) & set(kwargs))
         if clash:
@@ -111,11 +138,16 @@ class Family:
         """
         if head not in ("lm", "score"):
             raise ValueError(f"{self.name}: head={head!r} is not allowed; choose 'lm' or 'score'")
-        rules = decoder_rules(self.mlp_rules, tie_word_embeddings=model_cfg.tie_word_embeddings and head == "lm",
-                              attention_rules=self.attention_rules)
+        rules = decoder_rules(
+            self.mlp_rules,
+            tie_word_embeddings=model_cfg.tie_word_embeddings and head == "lm",
+            attention_rules=self.attention_rules,
+        )
         if head == "score":
-            rules = tuple(WeightRule("output_layer.weight", "score.weight") if r.megatron == "output_layer.weight"
-                          else r for r in rules)
+            rules = tuple(
+                WeightRule("output_layer.weight", "score.weight") if r.megatron == "output_layer.weight" else r
+                for r in rules
+            )
         return WeightMap(
             rules=rules,
             vocab_size=model_cfg.vocab_size,
@@ -125,12 +157,20 @@ class Family:
             # Tied checkpoints sometimes carry lm_head anyway; old ones carry RoPE buffers.
             optional_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
             + ((r"lm_head\.weight",) if model_cfg.tie_word_embeddings and head == "lm" else ()),
-            unsupported_hf=((mtp_layer_pattern(model_cfg.num_layers),
-                             f"{self.name}: multi-token-prediction layers (model.layers.{model_cfg.num_layers}+) are "
-                             "not built by the Megatron model; load a checkpoint without them"),)
-            if self.mtp_layers else (),
-            mtp=(MTPLayers(model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
-                 if self.mtp_layers else None),
+            unsupported_hf=(
+                (
+                    mtp_layer_pattern(model_cfg.num_layers),
+                    f"{self.name}: multi-token-prediction layers (model.layers.{model_cfg.num_layers}+) are "
+                    "not built by the Megatron model; load a checkpoint without them",
+                ),
+            )
+            if self.mtp_layers
+            else (),
+            mtp=(
+                MTPLayers(model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
+                if self.mtp_layers
+                else None
+            ),
         )
 
 
@@ -143,8 +183,7 @@ _ATTENTION_RULES = (
     WeightRule(_L + "input_layernorm.weight", _H + "input_layernorm.weight"),
     # TE spec: the input norm is fused into the QKV projection.
     WeightRule(_L + "self_attention.linear_qkv.layer_norm_weight", _H + "input_layernorm.weight"),
-    WeightRule(_L + "self_attention.linear_qkv.weight",
-               tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    WeightRule(_L + "self_attention.linear_qkv.weight", tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
     WeightRule(_L + "self_attention.linear_qkv.bias", tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
     WeightRule(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_norm.weight"),
     WeightRule(_L + "self_attention.k_layernorm.weight", _H + "self_attn.k_norm.weight"),
@@ -184,8 +223,9 @@ def shared_expert_rules(prefix: str = "mlp.shared_experts.") -> tuple[WeightRule
     """Rules of an always-on shared expert (SwiGLU); ``prefix`` is relative to ``model.layers.{layer}.``."""
     s = _L + "mlp.shared_experts."
     return (
-        WeightRule(s + "linear_fc1.weight", (_H + prefix + "gate_proj.weight", _H + prefix + "up_proj.weight"),
-                   "gate_up"),
+        WeightRule(
+            s + "linear_fc1.weight", (_H + prefix + "gate_proj.weight", _H + prefix + "up_proj.weight"), "gate_up"
+        ),
         WeightRule(s + "linear_fc2.weight", _H + prefix + "down_proj.weight"),
     )
 
@@ -206,8 +246,12 @@ def moe_mlp_rules(router: str, expert: str, gate: str, up: str, down: str) -> tu
     )
 
 
-def decoder_rules(mlp_rules: Sequence[WeightRule], *, tie_word_embeddings: bool,
-                  attention_rules: Optional[Sequence[WeightRule]] = None) -> tuple[WeightRule, ...]:
+def decoder_rules(
+    mlp_rules: Sequence[WeightRule],
+    *,
+    tie_word_embeddings: bool,
+    attention_rules: Optional[Sequence[WeightRule]] = None,
+) -> tuple[WeightRule, ...]:
     """All rules of a Llama-style decoder with the given MLP (and attention) rules.
 
     Rules for parameters a model does not have (QKV bias, QK-norm, TE fused norms) match
@@ -258,8 +302,7 @@ def _rope_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) -> dict
         reject(family, "rope_theta", theta, "an integer value (GPTModel takes rotary_base as an int)")
     partial = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
     if partial != 1.0 and not (partial_rotary and 0.0 < partial < 1.0):
-        reject(family, "rope_parameters.partial_rotary_factor", partial,
-               "in (0, 1]" if partial_rotary else "1.0")
+        reject(family, "rope_parameters.partial_rotary_factor", partial, "in (0, 1]" if partial_rotary else "1.0")
     rope_type = params.get("rope_type", params.get("type", "default"))
     out: dict[str, Any] = {"rotary_base": float(theta)}
     if partial != 1.0:
@@ -271,8 +314,12 @@ def _rope_kwargs(family: str, cfg: Any, *, partial_rotary: bool = False) -> dict
     fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     for key, value in fixed.items():
         if key not in params or float(params[key]) != value:
-            reject(family, f"rope_parameters.{key}", params.get(key),
-                   f"{value:g} (Megatron's llama3 RoPE scaling fixes it; only 'factor' is configurable)")
+            reject(
+                family,
+                f"rope_parameters.{key}",
+                params.get(key),
+                f"{value:g} (Megatron's llama3 RoPE scaling fixes it; only 'factor' is configurable)",
+            )
     out.update(rope_scaling=True, rope_scaling_factor=float(params["factor"]))
     return out
 
@@ -344,8 +391,9 @@ def _discover() -> dict[str, Family]:
                 for other in found.values():
                     clash = set(other.architectures) & set(family.architectures)
                     if clash or other.name == family.name:
-                        raise ValueError(f"families {other.name!r} and {family.name!r} both claim "
-                                         f"{sorted(clash) or family.name}")
+                        raise ValueError(
+                            f"families {other.name!r} and {family.name!r} both claim {sorted(clash) or family.name}"
+                        )
                 found[family.name] = family
         _REGISTRY.update(found)
     return _REGISTRY
@@ -356,8 +404,9 @@ def supported_families() -> dict[str, tuple[str, ...]]:
     return {name: f.architectures for name, f in sorted(_discover().items())}
 
 
-def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any], config_class: type = ModelConfig
-                       ) -> tuple[Any, dict[str, Any]]:
+def apply_hf_overrides(
+    hf_config: Any, overrides: Mapping[str, Any], config_class: type = ModelConfig
+) -> tuple[Any, dict[str, Any]]:
     """``(hf_config with verl's HF-key overrides set, the remaining ModelConfig overrides)``.
 
     An HF key is one under ``overrides["model_config"]`` (verl's wrapper) or a top-level key the HF
@@ -378,8 +427,10 @@ def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any], config_clas
     missing = sorted(set(hf_overrides) - hf_keys)
     unknown = sorted(set(rest) - fields)
     if missing or unknown:
-        raise ValueError(f"model.override_config: {missing + unknown} are neither keys of the {hf_config.model_type} "
-                         f"HF config nor {config_class.__name__} fields")
+        raise ValueError(
+            f"model.override_config: {missing + unknown} are neither keys of the {hf_config.model_type} "
+            f"HF config nor {config_class.__name__} fields"
+        )
     if hf_overrides:
         hf_config = copy.deepcopy(hf_config)
         for key, value in hf_overrides.items():
@@ -438,6 +489,8 @@ def hf_head(hf_config: Any) -> str:
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         return "lm"
     if cfg.num_labels != 1:
-        raise ValueError(f"HF config {architectures} has num_labels={cfg.num_labels}; a reward model needs "
-                         "num_labels=1 (one scalar score)")
+        raise ValueError(
+            f"HF config {architectures} has num_labels={cfg.num_labels}; a reward model needs "
+            "num_labels=1 (one scalar score)"
+        )
     return "score"

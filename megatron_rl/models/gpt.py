@@ -35,6 +35,7 @@ __all__ = [
     "require_te",
 ]
 
+
 def te_import_error() -> Optional[str]:
     """Why TransformerEngine's PyTorch extension does not import here (``"ModuleNotFoundError: ..."``),
     or None when it does. A TE whose torch extension was built against another torch fails here with
@@ -55,9 +56,11 @@ def require_te(why: str) -> None:
     """``RuntimeError`` with TE's import error when ``why`` (a key and value that asks for TE) cannot have it."""
     error = te_import_error()
     if error is not None:
-        raise RuntimeError(f"{why} needs TransformerEngine, which does not import in this process ({error}); "
-                           "install the [gpu] extra's TransformerEngine (README: GPU install) or choose a "
-                           "setting that runs without it")
+        raise RuntimeError(
+            f"{why} needs TransformerEngine, which does not import in this process ({error}); "
+            "install the [gpu] extra's TransformerEngine (README: GPU install) or choose a "
+            "setting that runs without it"
+        )
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
@@ -75,8 +78,15 @@ class SequenceParallelTorchNorm:
     (``weight``/``bias``), the same as ``WrappedTorchNorm``'s.
     """
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
         norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
         norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
@@ -117,12 +127,17 @@ def get_layer_spec(model_cfg: ModelConfig, *, moe: bool = True):
         require_te("model.attention_backend='te'")  # never a silent fallback to the local spec
     if backend == "te" or (backend == "auto" and te_available()):
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
-            qk_layernorm=model_cfg.qk_layernorm or mla, multi_latent_attention=mla,
+            num_experts=experts,
+            moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+            qk_layernorm=model_cfg.qk_layernorm or mla,
+            multi_latent_attention=mla,
         )
     spec = specs.get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=model_cfg.moe_grouped_gemm,
-        qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization, multi_latent_attention=mla,
+        num_experts=experts,
+        moe_grouped_gemm=model_cfg.moe_grouped_gemm,
+        qk_layernorm=model_cfg.qk_layernorm,
+        normalization=model_cfg.normalization,
+        multi_latent_attention=mla,
     )
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
@@ -158,13 +173,15 @@ def _decoder_spec(model_cfg: ModelConfig, transformer_config, vp_stage: Optional
     if spec.submodules.input_layernorm is not SequenceParallelTorchNorm:  # TE: Megatron's own pattern parser
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(transformer_config, use_transformer_engine=True,
-                                          normalization=model_cfg.normalization, vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(
+            transformer_config, use_transformer_engine=True, normalization=model_cfg.normalization, vp_stage=vp_stage
+        )
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelTorchNorm)
 
 
-def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: Any, *, sequence_parallel: bool = False,
-                             **overrides: Any):
+def build_transformer_config(
+    model_cfg: ModelConfig, parallel_cfg: Any, *, sequence_parallel: bool = False, **overrides: Any
+):
     """A ``TransformerConfig`` for ``model_cfg`` under ``parallel_cfg`` (a ParallelConfig).
 
     ``sequence_parallel`` (``megatron.sequence_parallel``) shards norm/dropout activations over
@@ -289,8 +306,9 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm")
 
     check_choice("head", head, HEADS)
     value_head = head == "scalar"
-    vocab = padded_vocab_size(model_cfg.vocab_size, transformer_config.tensor_model_parallel_size,
-                              model_cfg.make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(
+        model_cfg.vocab_size, transformer_config.tensor_model_parallel_size, model_cfg.make_vocab_size_divisible_by
+    )
     vpp = transformer_config.virtual_pipeline_model_parallel_size or 1
     if getattr(transformer_config, "multi_latent_attention", False) and not torch.cuda.is_available():
         from parallel.cpu_compat import redirect_yarn_current_device
@@ -327,8 +345,7 @@ def build_model(model_cfg: ModelConfig, transformer_config, *, head: str = "lm")
         if latent_eps is not None:
             _set_latent_norm_eps(model, latent_eps)
         if value_head and post:
-            model.output_layer = ValueHead(model_cfg.hidden_size, model_cfg.dtype,
-                                           transformer_config.sequence_parallel)
+            model.output_layer = ValueHead(model_cfg.hidden_size, model_cfg.dtype, transformer_config.sequence_parallel)
         if model_cfg.freeze_router:
             for name, param in model.named_parameters():
                 if ".router." in name:

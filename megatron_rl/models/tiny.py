@@ -22,15 +22,33 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["INLINE_FAMILIES", "MEGATRON_OPTIONS", "hf_config_kwargs", "megatron_overrides", "materialize_inline_model",
-           "sft_train", "sft_warmup", "task_texts"]
+__all__ = [
+    "INLINE_FAMILIES",
+    "MEGATRON_OPTIONS",
+    "hf_config_kwargs",
+    "megatron_overrides",
+    "materialize_inline_model",
+    "sft_train",
+    "sft_warmup",
+    "task_texts",
+]
 
 INLINE_FAMILIES = ("qwen3", "qwen3_moe")
 """Families an inline model can be materialised as."""
-MEGATRON_OPTIONS = ("make_vocab_size_divisible_by", "moe_router_topk", "moe_router_pre_softmax", "moe_aux_loss_coeff",
-                    "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_dtype",
-                    "moe_token_dispatcher_type", "moe_grouped_gemm", "freeze_router", "params_dtype",
-                    "attention_backend")
+MEGATRON_OPTIONS = (
+    "make_vocab_size_divisible_by",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_load_balancing_type",
+    "moe_router_dtype",
+    "moe_token_dispatcher_type",
+    "moe_grouped_gemm",
+    "freeze_router",
+    "params_dtype",
+    "attention_backend",
+)
 """``ModelConfig`` fields that are Megatron-side options, not architecture an HF config.json holds: an
 inline model's values reach the workers as overrides (``megatron_overrides``)."""
 
@@ -47,30 +65,49 @@ def hf_config_kwargs(model_cfg: Any, family: str) -> dict[str, Any]:
     get = (lambda k, d=None: getattr(model_cfg, k, d)) if not isinstance(model_cfg, dict) else model_cfg.get
     # What a dense Qwen3 config.json cannot carry: these must keep Qwen3's values (the MoE-only
     # fields their dense defaults), or the workers would build another model than the one asked for.
-    fixed = {"normalization": ("RMSNorm",), "qk_layernorm": (True,), "swiglu": (True,), "add_qkv_bias": (False, None),
-             "add_bias_linear": (False, None), "num_moe_experts": (None,), "rotary_percent": (1.0,),
-             "rope_scaling": (False,), "rope_scaling_factor": (8.0,), "moe_ffn_hidden_size": (None,), "moe_shared_expert_intermediate_size": (None,)}
+    fixed = {
+        "normalization": ("RMSNorm",),
+        "qk_layernorm": (True,),
+        "swiglu": (True,),
+        "add_qkv_bias": (False, None),
+        "add_bias_linear": (False, None),
+        "num_moe_experts": (None,),
+        "rotary_percent": (1.0,),
+        "rope_scaling": (False,),
+        "rope_scaling_factor": (8.0,),
+        "moe_ffn_hidden_size": (None,),
+        "moe_shared_expert_intermediate_size": (None,),
+    }
     moe = {}
     if family == "qwen3_moe":
         if get("num_moe_experts") is None:
             raise ValueError("model.config.num_moe_experts is required for family qwen3_moe")
         fixed.pop("num_moe_experts"), fixed.pop("moe_ffn_hidden_size")
         fixed["moe_router_pre_softmax"] = (False,)
-        moe = dict(num_experts=int(get("num_moe_experts")), num_experts_per_tok=int(get("moe_router_topk", 2)),
-                   moe_intermediate_size=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")), norm_topk_prob=True,
-                   router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
+        moe = dict(
+            num_experts=int(get("num_moe_experts")),
+            num_experts_per_tok=int(get("moe_router_topk", 2)),
+            moe_intermediate_size=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")),
+            norm_topk_prob=True,
+            router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)),
+        )
     for key, allowed in fixed.items():
         if get(key, allowed[0]) not in allowed:
             raise ValueError(f"model.config.{key}={get(key)!r} does not fit family {family} (allowed: {list(allowed)})")
     heads = int(get("num_attention_heads"))
     head_dim = int(get("kv_channels") or int(get("hidden_size")) // heads)
     return dict(
-        hidden_size=int(get("hidden_size")), intermediate_size=int(get("ffn_hidden_size")),
-        num_hidden_layers=int(get("num_layers")), num_attention_heads=heads,
-        num_key_value_heads=int(get("num_query_groups") or heads), head_dim=head_dim,
+        hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("ffn_hidden_size")),
+        num_hidden_layers=int(get("num_layers")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("num_query_groups") or heads),
+        head_dim=head_dim,
         max_position_embeddings=int(get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(get("layernorm_epsilon", 1e-6)), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        rope_parameters={"rope_type": "default", "rope_theta": float(get("rotary_base", 10000.0))}, **moe,
+        rms_norm_eps=float(get("layernorm_epsilon", 1e-6)),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(get("rotary_base", 10000.0))},
+        **moe,
     )
 
 
@@ -92,8 +129,9 @@ def task_texts(rows: Sequence[dict]) -> list[str]:
     return texts
 
 
-def materialize_inline_model(path: str | Path, model_cfg: Any, family: str, texts: Sequence[str], *,
-                             seed: int = 0) -> dict[str, Any]:
+def materialize_inline_model(
+    path: str | Path, model_cfg: Any, family: str, texts: Sequence[str], *, seed: int = 0
+) -> dict[str, Any]:
     """Write an HF checkpoint of inline model ``model_cfg`` to ``path``; return its pieces.
 
     The tokenizer is trained on ``texts`` with at most ``model_cfg.vocab_size`` entries; the
@@ -109,16 +147,25 @@ def materialize_inline_model(path: str | Path, model_cfg: Any, family: str, text
     vocab = int(model_cfg["vocab_size"] if isinstance(model_cfg, dict) else model_cfg.vocab_size)
     path = Path(path)
     tokenizer = train_byte_bpe_tokenizer(list(texts), vocab, path)
-    config_cls, arch = (Qwen3MoeConfig, "Qwen3MoeForCausalLM") if family == "qwen3_moe" else (Qwen3Config,
-                                                                                              "Qwen3ForCausalLM")
-    config = config_cls(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32", **kwargs)
+    config_cls, arch = (
+        (Qwen3MoeConfig, "Qwen3MoeForCausalLM") if family == "qwen3_moe" else (Qwen3Config, "Qwen3ForCausalLM")
+    )
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+        **kwargs,
+    )
     config.architectures = [arch]  # vLLM and the bridge pick the model class from it
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(path))
     # No sampling defaults: vLLM would otherwise adopt them as its default sampling params.
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(path))
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        str(path)
+    )
     return {"path": str(path), "tokenizer": tokenizer, "config": config}
 
 
@@ -133,9 +180,20 @@ def _sft_examples(tokenizer, rows: Sequence[dict]) -> list[tuple[list[int], list
     return out
 
 
-def sft_train(model_dir: str | Path, out_dir: str | Path, examples: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-              steps: int, batch_size: int, lr: float, seed: int, warmup_ratio: float = 0.1,
-              log: Optional[list] = None, record: Optional[dict] = None, num_threads: Optional[int] = None) -> Path:
+def sft_train(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    warmup_ratio: float = 0.1,
+    log: Optional[list] = None,
+    record: Optional[dict] = None,
+    num_threads: Optional[int] = None,
+) -> Path:
     """Train the HF model in ``model_dir`` for ``steps`` AdamW steps on ``(ids, loss_mask)`` examples;
     save it (with its tokenizer and generation config) to ``out_dir`` and return that path.
 
@@ -158,7 +216,8 @@ def sft_train(model_dir: str | Path, out_dir: str | Path, examples: Sequence[tup
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warm = max(1, int(warmup_ratio * steps))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+    )
     pad = tokenizer.pad_token_id
     threads = torch.get_num_threads()
     if num_threads is not None:
@@ -172,9 +231,9 @@ def sft_train(model_dir: str | Path, out_dir: str | Path, examples: Sequence[tup
             attention = torch.zeros((batch_size, width), dtype=torch.long)
             for r, (ids, mask) in enumerate(batch):
                 row = torch.tensor(ids)
-                input_ids[r, :len(ids)] = row
-                labels[r, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
-                attention[r, :len(ids)] = 1
+                input_ids[r, : len(ids)] = row
+                labels[r, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
+                attention[r, : len(ids)] = 1
             loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -190,14 +249,24 @@ def sft_train(model_dir: str | Path, out_dir: str | Path, examples: Sequence[tup
     tokenizer.save_pretrained(str(out_dir))
     if (model_dir / "generation_config.json").exists():
         shutil.copy(model_dir / "generation_config.json", out_dir / "generation_config.json")
-    (out_dir / "sft_warmup.json").write_text(json.dumps({"steps": steps, "batch_size": batch_size, "lr": lr,
-                                                         **(record or {}), "losses": log}))
+    (out_dir / "sft_warmup.json").write_text(
+        json.dumps({"steps": steps, "batch_size": batch_size, "lr": lr, **(record or {}), "losses": log})
+    )
     return out_dir
 
 
-def sft_warmup(model_dir: str | Path, out_dir: str | Path, rows: Sequence[dict], *, steps: int,
-               batch_size: int = 32, lr: float = 3e-3, seed: int = 0, warmup_ratio: float = 0.1,
-               log: Optional[list] = None) -> Path:
+def sft_warmup(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    rows: Sequence[dict],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    warmup_ratio: float = 0.1,
+    log: Optional[list] = None,
+) -> Path:
     """Train the HF model in ``model_dir`` for ``steps`` AdamW steps on ``rows``' answers; save
     it (with the tokenizer files) to ``out_dir`` and return that path.
 
@@ -212,5 +281,14 @@ def sft_warmup(model_dir: str | Path, out_dir: str | Path, rows: Sequence[dict],
     if not rows:
         raise ValueError("sft_warmup: rows is empty")
     examples = _sft_examples(AutoTokenizer.from_pretrained(str(model_dir)), rows)
-    return sft_train(model_dir, out_dir, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                     warmup_ratio=warmup_ratio, log=log)
+    return sft_train(
+        model_dir,
+        out_dir,
+        examples,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        warmup_ratio=warmup_ratio,
+        log=log,
+    )

@@ -9,5 +9,16 @@ from megatron_rl.planner.architectures import KNOWN_ARCHITECTURES, resolve_archi
 from megatron_rl.planner.memory import RoleMemory, count_params, estimate_role
 from megatron_rl.planner.plan import Plan, check_plan, format_plan, misfit_message, plan_json, plan_run
 
-__all__ = ["KNOWN_ARCHITECTURES", "resolve_architecture", "RoleMemory", "count_params", "estimate_role",
-           "Plan", "plan_run", "check_plan", "format_plan", "misfit_message", "plan_json"]
+__all__ = [
+    "KNOWN_ARCHITECTURES",
+    "resolve_architecture",
+    "RoleMemory",
+    "count_params",
+    "estimate_role",
+    "Plan",
+    "plan_run",
+    "check_plan",
+    "format_plan",
+    "misfit_message",
+    "plan_json",
+]

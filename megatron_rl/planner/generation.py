@@ -12,8 +12,15 @@ from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_w
 from megatron_rl.planner.step_run import KVCache, PhaseTime, Run, attention_width, link, stage_work
 from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
 
-__all__ = ["generation", "kv_bytes_per_token", "vllm_stage_layers", "engine_weights", "lora_slot", "VLLM_NON_KV_GIB",
-           "VLLM_DECODE_STEP_OVERHEAD_S"]
+__all__ = [
+    "generation",
+    "kv_bytes_per_token",
+    "vllm_stage_layers",
+    "engine_weights",
+    "lora_slot",
+    "VLLM_NON_KV_GIB",
+    "VLLM_DECODE_STEP_OVERHEAD_S",
+]
 
 VLLM_DECODE_STEP_OVERHEAD_S = 3e-3
 """Assumed from published measurements, not fitted: what one vLLM decode step costs beyond its GPU work --
@@ -53,7 +60,7 @@ def engine_weights(run: Run) -> tuple[int, int]:
     """``(all, routed-expert)`` weight bytes one engine GPU holds (``engine_map.engine_weight_bytes_per_gpu``,
     as the memory plan counts them: experts over vLLM's EP when it is on)."""
     total = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization)
-    per_param = DTYPE_BYTES[run.rollout_dtype] if run.quantization is None else 1 + 4 / 128 ** 2
+    per_param = DTYPE_BYTES[run.rollout_dtype] if run.quantization is None else 1 + 4 / 128**2
     experts = int(count_params(run.model)[1] * per_param)
     kw = dict(tp=run.rollout_tp, dp=run.rollout_dp, pp=run.rollout_pp, ep=run.rollout_ep)
     per_gpu = engine_weight_bytes_per_gpu(total, experts, **kw)
@@ -88,7 +95,7 @@ def _engine_stages(run: Run) -> list[_EngineStage]:
     PP=1) and of the KV cache; the first also the embedding, the last the head."""
     m, split = run.model, vllm_stage_layers(run.model.num_layers, run.rollout_pp)
     total = rollout_weight_bytes(m, run.rollout_dtype, run.quantization)
-    per_param = DTYPE_BYTES[run.rollout_dtype] if run.quantization is None else 1 + 4 / 128 ** 2
+    per_param = DTYPE_BYTES[run.rollout_dtype] if run.quantization is None else 1 + 4 / 128**2
     all_dense, all_expert = count_params(m)
     experts = int(all_expert * per_param)
     kw = dict(tp=run.rollout_tp, dp=run.rollout_dp, pp=1, ep=run.rollout_ep)
@@ -100,8 +107,16 @@ def _engine_stages(run: Run) -> list[_EngineStage]:
         stage_total = int((total - experts) * held_dense / all_dense) + stage_experts
         weights = engine_weight_bytes_per_gpu(stage_total, stage_experts, **kw)
         slot = lora_slot(run) * layers // m.num_layers  # read every decode step like the weights
-        out.append(_EngineStage(weights + slot, weights - engine_weight_bytes_per_gpu(stage_total - stage_experts, 0, **kw),
-                                kv_layer * layers, layers, dense, routed))
+        out.append(
+            _EngineStage(
+                weights + slot,
+                weights - engine_weight_bytes_per_gpu(stage_total - stage_experts, 0, **kw),
+                kv_layer * layers,
+                layers,
+                dense,
+                routed,
+            )
+        )
     return out
 
 
@@ -109,8 +124,14 @@ def lora_slot(run: Run) -> int:
     """Bytes of vLLM's LoRA slot on one engine GPU at PP = 1 (``lora.merge: false``; else 0)."""
     from megatron_rl.planner.lora import vllm_lora_slot_bytes
 
-    return vllm_lora_slot_bytes(run.model, run.lora_slot_rank, DTYPE_BYTES[run.rollout_dtype], tp=run.rollout_tp,
-                                ep=run.rollout_ep, embeddings=run.lora_slot_embeddings)
+    return vllm_lora_slot_bytes(
+        run.model,
+        run.lora_slot_rank,
+        DTYPE_BYTES[run.rollout_dtype],
+        tp=run.rollout_tp,
+        ep=run.rollout_ep,
+        embeddings=run.lora_slot_embeddings,
+    )
 
 
 def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
@@ -128,16 +149,20 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     fits = min(run.max_num_seqs, int(capacity // longest))
     warnings = []
     if fits < 1:
-        warnings.append(f"generation: the KV cache holds {capacity} tokens per engine ({max(free, 0) / GIB:.1f} GiB per "
-                        f"GPU), less than one sequence of {longest:.0f} tokens: vLLM would refuse to start; raise "
-                        "actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size")
+        warnings.append(
+            f"generation: the KV cache holds {capacity} tokens per engine ({max(free, 0) / GIB:.1f} GiB per "
+            f"GPU), less than one sequence of {longest:.0f} tokens: vLLM would refuse to start; raise "
+            "actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size"
+        )
     waves = math.ceil(per_engine / max(fits, 1))
     # blocks are taken as sequences grow and freed as they finish: on average a sequence holds prompt + mean
     concurrent = max(1.0, min(per_engine, run.max_num_seqs, capacity / (run.prompt_length + run.response_mean)))
     if waves > 1:
-        warnings.append(f"generation runs in {waves} waves: each engine's KV cache ({capacity:,} tokens, "
-                        f"{per_token:,} B per token per GPU) holds {fits} sequences of {longest:.0f} tokens at once but "
-                        f"gets {per_engine}; raise gpu_memory_utilization or the rollout TP, or use fewer sequences")
+        warnings.append(
+            f"generation runs in {waves} waves: each engine's KV cache ({capacity:,} tokens, "
+            f"{per_token:,} B per token per GPU) holds {fits} sequences of {longest:.0f} tokens at once but "
+            f"gets {per_engine}; raise gpu_memory_utilization or the rollout TP, or use fewer sequences"
+        )
     # continuous batching: per_engine x mean sequence-steps at `concurrent` at once; the last ones wait for
     # the longest (p99) unless partial rollouts carry the unfinished ones over to the next step
     steps = per_engine / concurrent * run.response_mean
@@ -151,18 +176,31 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     for st in stages:  # stages work on different micro-batches at once: the slowest sets the pace
         read = st.weights - st.expert_weights + st.expert_weights * touched + concurrent * context * st.kv_per_token
         flops = concurrent * (2 * (st.dense + st.routed) + 4 * st.layers * width * context) / tp
-        t_comm = st.layers * 2 * (DECODE_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * concurrent * m.hidden_size * 2 / bw) \
-            if tp > 1 else 0.0
-        timings.append((read / (hw.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY),
-                        flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY), t_comm))
+        t_comm = (
+            st.layers * 2 * (DECODE_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * concurrent * m.hidden_size * 2 / bw)
+            if tp > 1
+            else 0.0
+        )
+        timings.append(
+            (
+                read / (hw.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY),
+                flops / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY),
+                t_comm,
+            )
+        )
     slowest = max(range(pp), key=lambda i: max(timings[i][:2]) + timings[i][2])
     t_mem, t_compute, t_comm = timings[slowest]
     gpu = max(t_mem, t_compute) + t_comm
     # async scheduling prepares step n + 1 on the host while the GPU runs step n: the slower of the two paces it
     step = max(gpu, VLLM_DECODE_STEP_OVERHEAD_S) if run.async_scheduling else gpu + VLLM_DECODE_STEP_OVERHEAD_S
-    prompt_tokens = (math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine) * run.prompt_length
-    t_prefill = max(prompt_tokens * (2 * (st.dense + st.routed) + 2 * st.layers * width * run.prompt_length)
-                    for st in stages) / tp / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+    prompt_tokens = (
+        math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine
+    ) * run.prompt_length
+    t_prefill = (
+        max(prompt_tokens * (2 * (st.dense + st.routed) + 2 * st.layers * width * run.prompt_length) for st in stages)
+        / tp
+        / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+    )
     seconds = t_prefill + steps * step
     bound = "compute" if t_compute > t_mem else "memory bandwidth"
     if t_comm > max(t_mem, t_compute):
@@ -170,12 +208,23 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     if VLLM_DECODE_STEP_OVERHEAD_S > (gpu if run.async_scheduling else max(t_mem, t_compute, t_comm)):
         bound = "engine overhead"
     where = f", slowest stage {slowest} of {pp} ({stages[slowest].layers} layers)" if pp > 1 else ""
-    overhead = (f"vLLM's {VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms per-step overhead under them: async scheduling"
-                if run.async_scheduling else f"{VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms of them vLLM's per-step overhead")
-    detail = (f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "
-              f"({overhead}; "
-              f"weights {stages[slowest].weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched{where}), "
-              f"prefill {t_prefill:.1f} s")
-    kv = KVCache(bytes_per_token=per_token, capacity_tokens=int(capacity), free_bytes_per_gpu=max(free, 0),
-                 fits_at_once=max(fits, 0), sequences_per_engine=per_engine, waves=waves)
+    overhead = (
+        f"vLLM's {VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms per-step overhead under them: async scheduling"
+        if run.async_scheduling
+        else f"{VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms of them vLLM's per-step overhead"
+    )
+    detail = (
+        f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "
+        f"({overhead}; "
+        f"weights {stages[slowest].weights / GIB:.1f} GiB/GPU, {touched:.0%} of experts touched{where}), "
+        f"prefill {t_prefill:.1f} s"
+    )
+    kv = KVCache(
+        bytes_per_token=per_token,
+        capacity_tokens=int(capacity),
+        free_bytes_per_gpu=max(free, 0),
+        fits_at_once=max(fits, 0),
+        sequences_per_engine=per_engine,
+        waves=waves,
+    )
     return PhaseTime(seconds, bound, detail), kv, warnings

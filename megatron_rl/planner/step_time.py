@@ -66,36 +66,58 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megatron_rl.planner.generation import (VLLM_DECODE_STEP_OVERHEAD_S, VLLM_NON_KV_GIB, generation,
-                                            kv_bytes_per_token, vllm_stage_layers)
+from megatron_rl.planner.generation import (
+    VLLM_DECODE_STEP_OVERHEAD_S,
+    VLLM_NON_KV_GIB,
+    generation,
+    kv_bytes_per_token,
+    vllm_stage_layers,
+)
 from megatron_rl.planner.hardware import get_hardware
 from megatron_rl.planner.megatron_passes import megatron_pass
 from megatron_rl.planner.memory import GIB
 from megatron_rl.planner.step_run import KVCache, PhaseTime, Run, build_run
 from megatron_rl.planner.weight_sync import VLLM_LOAD_S_PER_TENSOR, offload, weight_sync
 
-__all__ = ["PhaseTime", "KVCache", "StepTime", "estimate_step_time", "format_step_time", "step_time_json",
-           "kv_bytes_per_token", "vllm_stage_layers", "CALIBRATION", "VLLM_NON_KV_GIB", "VLLM_LOAD_S_PER_TENSOR",
-           "VLLM_DECODE_STEP_OVERHEAD_S"]
+__all__ = [
+    "PhaseTime",
+    "KVCache",
+    "StepTime",
+    "estimate_step_time",
+    "format_step_time",
+    "step_time_json",
+    "kv_bytes_per_token",
+    "vllm_stage_layers",
+    "CALIBRATION",
+    "VLLM_NON_KV_GIB",
+    "VLLM_LOAD_S_PER_TENSOR",
+    "VLLM_DECODE_STEP_OVERHEAD_S",
+]
 
 CALIBRATION = {
     "source": "NeMo-RL v0.6 performance summary (docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html), "
-              "recipe examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-4n8g.yaml",
+    "recipe examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-4n8g.yaml",
     "published": {"step_time_s": 192.0, "tokens_per_s_per_gpu": 1102.0},
     "recipe": "gpu/qwen3_30b_a3b_grpo",
     # 4 x 8 H100, colocated, on-policy; 64 prompts x 32 = 2,048 generations, training batches of 512;
     # training TP=1 PP=1 EP=8 without recompute, generation TP=2 at gpu_memory_utilization 0.6;
     # sequences of at most 4,096 tokens (a ~128-token prompt), ~3,200 generated tokens on average.
-    "overrides": ["trainer.nnodes=4", "trainer.n_gpus_per_node=8", "data.train_batch_size=64",
-                  "actor_rollout_ref.rollout.n=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                  "data.max_prompt_length=128", "data.max_response_length=3968",
-                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                  "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
-                  "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
-                  "actor_rollout_ref.actor.megatron.sequence_parallel=false",
-                  "actor_rollout_ref.actor.megatron.override_transformer_config={}",
-                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                  "actor_rollout_ref.rollout.checkpoint_engine.backend=cuda_ipc"],
+    "overrides": [
+        "trainer.nnodes=4",
+        "trainer.n_gpus_per_node=8",
+        "data.train_batch_size=64",
+        "actor_rollout_ref.rollout.n=32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "data.max_prompt_length=128",
+        "data.max_response_length=3968",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=false",
+        "actor_rollout_ref.actor.megatron.override_transformer_config={}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cuda_ipc",
+    ],
     "response_length_mean": 3200,
 }
 """The one published run the constants are calibrated against (a test pins the model within 20 %)."""
@@ -137,13 +159,28 @@ def _evaluate(run: Run) -> StepTime:
     else:
         step = total
     gpus = run.world + (0 if run.colocated else run.rollout_gpus)
-    return StepTime(hardware=run.hw.name, mode=run.mode, phases=phases, step_time_s=step,
-                    tokens_per_step=run.sequences * (run.prompt_length + run.response_mean), gpus=gpus, kv=kv,
-                    response_mean=run.response_mean, response_p99=run.response_p99, warnings=warnings)
+    return StepTime(
+        hardware=run.hw.name,
+        mode=run.mode,
+        phases=phases,
+        step_time_s=step,
+        tokens_per_step=run.sequences * (run.prompt_length + run.response_mean),
+        gpus=gpus,
+        kv=kv,
+        response_mean=run.response_mean,
+        response_p99=run.response_p99,
+        warnings=warnings,
+    )
 
 
-def estimate_step_time(config: Any, plan: Any, *, hardware: str = "H100", response_length_mean: Optional[float] = None,
-                       response_length_p99: Optional[float] = None) -> StepTime:
+def estimate_step_time(
+    config: Any,
+    plan: Any,
+    *,
+    hardware: str = "H100",
+    response_length_mean: Optional[float] = None,
+    response_length_p99: Optional[float] = None,
+) -> StepTime:
     """The step time of ``config`` (a ``TrainerRunConfig``) on ``hardware``, per phase of its ``StepSchedule``,
     from its ``plan`` (``plan_run``: the model, the engine map, each role's bytes). Response lengths default
     to ``data.max_response_length``; ``ValueError`` names the option for a bad one or an unknown GPU."""
@@ -166,27 +203,52 @@ def _levers(run: Run) -> list[tuple[str, Run]]:
         gpus = new * run.rollout_pp * run.rollout_dp
         if new < 1 or new == tp or new > run.gpus_per_node or heads % new or run.rollout_gpus % gpus:
             continue
-        out.append((f"a rollout TP of {new} instead of {tp} ({run.rollout_gpus // gpus} engines instead of "
-                    f"{run.rollout_gpus // (tp * run.rollout_pp * run.rollout_dp)}; "
-                    "actor_rollout_ref.rollout.tensor_model_parallel_size)",
-                    dataclasses.replace(run, rollout_tp=new, rollout_ep=new * run.rollout_dp if run.rollout_ep > 1 else 1)))
+        out.append(
+            (
+                f"a rollout TP of {new} instead of {tp} ({run.rollout_gpus // gpus} engines instead of "
+                f"{run.rollout_gpus // (tp * run.rollout_pp * run.rollout_dp)}; "
+                "actor_rollout_ref.rollout.tensor_model_parallel_size)",
+                dataclasses.replace(run, rollout_tp=new, rollout_ep=new * run.rollout_dp if run.rollout_ep > 1 else 1),
+            )
+        )
     if run.quantization is None and run.hw.fp8_flops is not None:
-        out.append(("fp8 rollout weights (actor_rollout_ref.rollout.quantization=fp8)",
-                    dataclasses.replace(run, quantization="fp8")))
+        out.append(
+            (
+                "fp8 rollout weights (actor_rollout_ref.rollout.quantization=fp8)",
+                dataclasses.replace(run, quantization="fp8"),
+            )
+        )
     if run.kv_dtype_bytes == 2:
-        out.append(("an fp8 KV cache (actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8)",
-                    dataclasses.replace(run, kv_dtype_bytes=1)))
+        out.append(
+            (
+                "an fp8 KV cache (actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8)",
+                dataclasses.replace(run, kv_dtype_bytes=1),
+            )
+        )
     if not run.partial_rollout and run.response_p99 > 1.1 * run.response_mean:
-        out.append((f"cutting the tail (partial rollouts or over-sampling: decode to the mean {run.response_mean:.0f} "
-                    f"instead of the p99 {run.response_p99:.0f} tokens)", dataclasses.replace(run, partial_rollout=True)))
+        out.append(
+            (
+                f"cutting the tail (partial rollouts or over-sampling: decode to the mean {run.response_mean:.0f} "
+                f"instead of the p99 {run.response_p99:.0f} tokens)",
+                dataclasses.replace(run, partial_rollout=True),
+            )
+        )
     if run.backend in ("broadcast", "shm", "bytes"):
         faster = "cuda_ipc" if run.colocated else "nccl"
-        out.append((f"the {faster} weight-sync transport instead of {run.backend} "
-                    f"(actor_rollout_ref.rollout.checkpoint_engine.backend={faster})",
-                    dataclasses.replace(run, backend=faster)))
+        out.append(
+            (
+                f"the {faster} weight-sync transport instead of {run.backend} "
+                f"(actor_rollout_ref.rollout.checkpoint_engine.backend={faster})",
+                dataclasses.replace(run, backend=faster),
+            )
+        )
     if run.offload_bytes:
-        out.append(("keeping the roles resident (the *.megatron.*_offload keys off, if memory allows)",
-                    dataclasses.replace(run, offload_bytes=0)))
+        out.append(
+            (
+                "keeping the roles resident (the *.megatron.*_offload keys off, if memory allows)",
+                dataclasses.replace(run, offload_bytes=0),
+            )
+        )
     return out
 
 
@@ -205,19 +267,23 @@ def _largest_lever(run: Run, base: StepTime) -> str:
     if best is None:
         return f"{head}; none of the single changes tried shortens it"
     what, step = best
-    return (f"{head}: {what} takes the step from {base.step_time_s:.0f} s to {step:.0f} s "
-            f"(-{1 - step / base.step_time_s:.0%})")
+    return (
+        f"{head}: {what} takes the step from {base.step_time_s:.0f} s to {step:.0f} s "
+        f"(-{1 - step / base.step_time_s:.0%})"
+    )
 
 
 # ----------------------------------------------------------------------------- output
 def format_step_time(st: StepTime) -> str:
     """The report's step-time block: KV cache, one line per phase, the step, tokens/s/GPU and the lever."""
     kv = st.kv
-    lines = [f"step time on {st.hardware} ({st.mode}; responses: mean {st.response_mean:.0f}, p99 "
-             f"{st.response_p99:.0f} tokens):",
-             f"  kv cache: {kv.bytes_per_token:,} B/token per GPU, {kv.free_bytes_per_gpu / GIB:.1f} GiB free per GPU -> "
-             f"{kv.capacity_tokens:,} tokens per engine, {kv.fits_at_once} sequences at once, "
-             f"{kv.sequences_per_engine} per engine, {kv.waves} wave{'s' if kv.waves > 1 else ''}"]
+    lines = [
+        f"step time on {st.hardware} ({st.mode}; responses: mean {st.response_mean:.0f}, p99 "
+        f"{st.response_p99:.0f} tokens):",
+        f"  kv cache: {kv.bytes_per_token:,} B/token per GPU, {kv.free_bytes_per_gpu / GIB:.1f} GiB free per GPU -> "
+        f"{kv.capacity_tokens:,} tokens per engine, {kv.fits_at_once} sequences at once, "
+        f"{kv.sequences_per_engine} per engine, {kv.waves} wave{'s' if kv.waves > 1 else ''}",
+    ]
     total = sum(p.seconds for p in st.phases.values())
     for name, p in st.phases.items():
         lines.append(f"  {name:<16} {p.seconds:8.1f} s  {p.seconds / total:4.0%}  {p.bound:<16} {p.detail}")
@@ -230,7 +296,13 @@ def format_step_time(st: StepTime) -> str:
 def step_time_json(st: StepTime) -> dict:
     """``plan --json``'s step-time members: ``step_time_s``, ``tokens_per_s_per_gpu``, ``phases``
     (``{name: {"seconds", "bound"}}``), ``kv_cache``, ``lever``, ``hardware``."""
-    return {"step_time_s": round(st.step_time_s, 3), "tokens_per_s_per_gpu": round(st.tokens_per_s_per_gpu, 1),
-            "phases": {n: {"seconds": round(p.seconds, 3), "bound": p.bound} for n, p in st.phases.items()},
-            "kv_cache": dataclasses.asdict(st.kv), "lever": st.lever, "hardware": st.hardware, "mode": st.mode,
-            "step_time_warnings": list(st.warnings)}
+    return {
+        "step_time_s": round(st.step_time_s, 3),
+        "tokens_per_s_per_gpu": round(st.tokens_per_s_per_gpu, 1),
+        "phases": {n: {"seconds": round(p.seconds, 3), "bound": p.bound} for n, p in st.phases.items()},
+        "kv_cache": dataclasses.asdict(st.kv),
+        "lever": st.lever,
+        "hardware": st.hardware,
+        "mode": st.mode,
+        "step_time_warnings": list(st.warnings),
+    }

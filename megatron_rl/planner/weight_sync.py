@@ -35,9 +35,12 @@ def weight_sync(run: Run) -> PhaseTime:
         move = 2 * run.adapter_sync_bytes / (hw.host_bytes_per_s * HOST_LINK_EFFICIENCY)
         load = 2 * lora_slot(run) / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)
         load += run.adapter_sync_tensors * VLLM_LOAD_S_PER_TENSOR
-        return PhaseTime(move + load, "communication" if move >= load else "engine load",
-                         f"{run.adapter_sync_bytes / GIB:.2f} GiB of LoRA adapters only (lora.merge=false) over host "
-                         f"memory, load {load:.2f} s")
+        return PhaseTime(
+            move + load,
+            "communication" if move >= load else "engine load",
+            f"{run.adapter_sync_bytes / GIB:.2f} GiB of LoRA adapters only (lora.merge=false) over host "
+            f"memory, load {load:.2f} s",
+        )
     total = rollout_weight_bytes(run.model, run.rollout_dtype, run.quantization)
     shard = engine_weights(run)[0]
     load = 2 * shard / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # the engine copies each tensor into place
@@ -59,7 +62,9 @@ def weight_sync(run: Run) -> PhaseTime:
 
 def offload(run: Run) -> PhaseTime:
     """Seconds of the step's moves over the host link: the schedule's onloads / offloads and vLLM's sleep."""
-    engine = 2 * engine_weights(run)[0] if run.sleeps and run.sleep_level == 1 else 0  # level 1: weights to host and back
+    engine = (
+        2 * engine_weights(run)[0] if run.sleeps and run.sleep_level == 1 else 0
+    )  # level 1: weights to host and back
     moved = run.offload_bytes + engine
     seconds = moved / (run.hw.host_bytes_per_s * HOST_LINK_EFFICIENCY)
     return PhaseTime(seconds, "PCIe", f"{moved / GIB:.1f} GiB per GPU moved over the host link per step")

@@ -19,8 +19,13 @@ from megatron_rl.roles.common import check_config
 
 __all__ = ["ROLE_CLASSES", "TRAINABLE_ROLES", "role_class", "build_role", "Actor", "Critic", "RewardModel"]
 
-ROLE_CLASSES: dict[str, type] = {"actor": Actor, "ref": Actor, "teacher": Actor, "critic": Critic,
-                                 "reward": RewardModel}
+ROLE_CLASSES: dict[str, type] = {
+    "actor": Actor,
+    "ref": Actor,
+    "teacher": Actor,
+    "critic": Critic,
+    "reward": RewardModel,
+}
 """Role name -> class. The class's ``head`` is its engine's head."""
 
 TRAINABLE_ROLES = ("actor", "critic")
@@ -34,10 +39,19 @@ def role_class(name: str) -> type:
     return ROLE_CLASSES[name]
 
 
-def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
-               transformer_overrides: Optional[Mapping[str, Any]] = None, sequence_parallel: bool = False,
-               remove_padding: bool = True, distributed_optimizer: bool = False, routing_replay: bool = False,
-               lora: Optional[Any] = None) -> Any:
+def build_role(
+    name: str,
+    model_cfg: Any,
+    mesh: Any,
+    config: Any,
+    *,
+    transformer_overrides: Optional[Mapping[str, Any]] = None,
+    sequence_parallel: bool = False,
+    remove_padding: bool = True,
+    distributed_optimizer: bool = False,
+    routing_replay: bool = False,
+    lora: Optional[Any] = None,
+) -> Any:
     """This rank's role object: its engine, built on ``mesh``, and the role's methods.
 
     ``config`` is the role's typed config: ``ActorConfig`` for ``actor`` / ``ref`` / ``teacher``,
@@ -52,9 +66,18 @@ def build_role(name: str, model_cfg: Any, mesh: Any, config: Any, *,
     cls = role_class(name)
     check_config(name, config, cls.config_type)  # before the (collective, slow) engine build
     trainable = name in TRAINABLE_ROLES
-    engine = MegatronEngine(model_cfg, mesh, head=cls.head, trainable=trainable,
-                            optim=config.optim if trainable else None, transformer_overrides=transformer_overrides,
-                            sequence_parallel=sequence_parallel, remove_padding=remove_padding,
-                            distributed_optimizer=distributed_optimizer and trainable,
-                            routing_replay=routing_replay, name=name, lora=lora)
+    engine = MegatronEngine(
+        model_cfg,
+        mesh,
+        head=cls.head,
+        trainable=trainable,
+        optim=config.optim if trainable else None,
+        transformer_overrides=transformer_overrides,
+        sequence_parallel=sequence_parallel,
+        remove_padding=remove_padding,
+        distributed_optimizer=distributed_optimizer and trainable,
+        routing_replay=routing_replay,
+        name=name,
+        lora=lora,
+    )
     return cls(engine, config)

@@ -31,7 +31,11 @@ from megatron_rl.roles.common import check_config, require_fields, update_in_min
 __all__ = ["Actor"]
 
 Batch = Mapping[str, torch.Tensor]
-_SECTIONS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "teacher": "distillation.teacher_model"}
+_SECTIONS = {
+    "actor": "actor_rollout_ref.actor",
+    "ref": "actor_rollout_ref.ref",
+    "teacher": "distillation.teacher_model",
+}
 """Where each LM role's keys live (named in token-budget errors)."""
 
 
@@ -49,7 +53,9 @@ class Actor:
 
     def __init__(self, engine: MegatronEngine, config: ActorConfig):
         if engine.head != self.head:
-            raise ValueError(f"the {engine.name!r} role needs a language-model head; its engine has head {engine.head!r}")
+            raise ValueError(
+                f"the {engine.name!r} role needs a language-model head; its engine has head {engine.head!r}"
+            )
         check_config(engine.name, config, self.config_type)
         self.engine, self.config = engine, config
 
@@ -59,14 +65,23 @@ class Actor:
         budget = self.config.forward_token_budget()
         if budget is None:
             return {"micro_batch_size": micro_batch_size or self.config.ppo_micro_batch_size_per_gpu}
-        return {"max_token_len": budget, "budget_key": f"{_SECTIONS.get(self.engine.name, self.engine.name)}."
-                                                       "log_prob_max_token_len_per_gpu"}
+        return {
+            "max_token_len": budget,
+            "budget_key": f"{_SECTIONS.get(self.engine.name, self.engine.name)}.log_prob_max_token_len_per_gpu",
+        }
 
     # -- forward --------------------------------------------------------------------------------
     @batch_fields("input_ids", "attention_mask", "responses", optional=(ROUTED_EXPERTS,))
-    def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
-                         micro_batch_size: Optional[int] = None, calculate_sum_pi_squared: bool = False,
-                         routing: Optional[str] = None) -> dict[str, torch.Tensor]:
+    def compute_log_prob(
+        self,
+        batch: Batch,
+        *,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        micro_batch_size: Optional[int] = None,
+        calculate_sum_pi_squared: bool = False,
+        routing: Optional[str] = None,
+    ) -> dict[str, torch.Tensor]:
         """Log-probs ``[b, r]`` (and ``entropys``; ``sum_pi_squared``, sum_v pi_v^2, when asked) of
         ``batch["responses"]``; forward only, one fused vocab-parallel pass. ``routing="record"`` adds
         ``routed_experts [b, s, layers, topk]``; ``"replay"`` routes by ``batch["routed_experts"]`` and
@@ -75,9 +90,14 @@ class Actor:
         chunk_size = self.config.logprob_chunk_size
 
         def head(mb: dict, out: ModelOutput) -> dict[str, torch.Tensor]:
-            lp, ent, *spsq = response_log_probs(out, mb["responses"], temperature=temperature,
-                                                entropy=calculate_entropy, chunk_size=chunk_size,
-                                                sum_pi_squared=calculate_sum_pi_squared)
+            lp, ent, *spsq = response_log_probs(
+                out,
+                mb["responses"],
+                temperature=temperature,
+                entropy=calculate_entropy,
+                chunk_size=chunk_size,
+                sum_pi_squared=calculate_sum_pi_squared,
+            )
             extra = {"sum_pi_squared": spsq[0]} if spsq else {}
             return {"log_probs": lp, **extra} if ent is None else {"log_probs": lp, "entropys": ent, **extra}
 
@@ -98,8 +118,9 @@ class Actor:
             return self.compute_log_prob(batch, **kwargs)
 
     @batch_fields("input_ids", "attention_mask", "responses")
-    def compute_topk_log_probs(self, batch: Batch, *, k: int, temperature: float = 1.0,
-                               micro_batch_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    def compute_topk_log_probs(
+        self, batch: Batch, *, k: int, temperature: float = 1.0, micro_batch_size: Optional[int] = None
+    ) -> dict[str, torch.Tensor]:
         """The ``k`` largest log-probs of every response position and their ids (``topk_log_probs``,
         ``topk_ids``, both ``[b, r, k]``) -- a distillation teacher's side of ``forward_kl_topk``."""
 
@@ -110,11 +131,25 @@ class Actor:
         return self.engine.forward(batch, head, **self._forward_batching(micro_batch_size))
 
     # -- update ---------------------------------------------------------------------------------
-    @batch_fields("input_ids", "attention_mask", "responses", "response_mask",
-                  optional=("old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights", "teacher_log_probs",
-                            "teacher_topk_log_probs", "teacher_topk_ids", ROUTED_EXPERTS))
-    def update_policy(self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None,
-                      routing_source: str = "old") -> dict[str, float]:
+    @batch_fields(
+        "input_ids",
+        "attention_mask",
+        "responses",
+        "response_mask",
+        optional=(
+            "old_log_probs",
+            "advantages",
+            "ref_log_prob",
+            "rollout_is_weights",
+            "teacher_log_probs",
+            "teacher_topk_log_probs",
+            "teacher_topk_ids",
+            ROUTED_EXPERTS,
+        ),
+    )
+    def update_policy(
+        self, batch: Batch, *, temperature: float = 1.0, distillation_loss: Any = None, routing_source: str = "old"
+    ) -> dict[str, float]:
         """PPO-style update of the actor on this rank's share of the batch; returns verl's metrics.
 
         With ``distillation_loss`` (a ``DistillationLossConfig``, verl's ``distillation`` section or
@@ -153,17 +188,29 @@ class Actor:
 
         def loss_fn(mb: dict, out: ModelOutput, step: StepInfo):
             objective = PolicyObjective(with_batch_info(cfg, step), policy_loss_fn, run_task, dcfg)
-            lp, ent = response_log_probs(out, mb["responses"], temperature=temperature, entropy=need_entropy,
-                                         chunk_size=cfg.logprob_chunk_size)
+            lp, ent = response_log_probs(
+                out, mb["responses"], temperature=temperature, entropy=need_entropy, chunk_size=cfg.logprob_chunk_size
+            )
             inputs = PolicyLossInputs.from_micro_batch(mb, lp, ent)
-            terms = (lambda inp: topk_distillation_terms(out, inp.teacher_topk_log_probs, inp.teacher_topk_ids,
-                                                         temperature=temperature,
-                                                         log_prob_min_clamp=dcfg.log_prob_min_clamp)) if topk else None
+            terms = (
+                (
+                    lambda inp: topk_distillation_terms(
+                        out,
+                        inp.teacher_topk_log_probs,
+                        inp.teacher_topk_ids,
+                        temperature=temperature,
+                        log_prob_min_clamp=dcfg.log_prob_min_clamp,
+                    )
+                )
+                if topk
+                else None
+            )
             return objective(inputs, topk=terms)
 
         metrics = update_in_mini_batches(self.engine, batch, loss_fn, cfg, section="actor")
         for key, suffix in (("used", ""), ("natural", "_natural")):
             if f"router_agreement/{key}" in metrics:
                 metrics[f"actor/router_agreement/{routing_source}_vs_update{suffix}"] = metrics.pop(
-                    f"router_agreement/{key}")
+                    f"router_agreement/{key}"
+                )
         return metrics

@@ -51,8 +51,9 @@ class PolicyLossInputs:
     """``[b, r, k]`` their token ids."""
 
     @classmethod
-    def from_micro_batch(cls, mb: Mapping[str, torch.Tensor], log_probs: torch.Tensor,
-                         entropy: Optional[torch.Tensor]) -> "PolicyLossInputs":
+    def from_micro_batch(
+        cls, mb: Mapping[str, torch.Tensor], log_probs: torch.Tensor, entropy: Optional[torch.Tensor]
+    ) -> "PolicyLossInputs":
         """The inputs of micro-batch ``mb`` with the engine's ``log_probs`` / ``entropy``."""
         names = [f.name for f in dataclasses.fields(cls) if f.name not in ("response_mask", "log_probs", "entropy")]
         return cls(mb["response_mask"], log_probs, entropy, **{k: mb.get(k) for k in names})
@@ -81,8 +82,12 @@ class PolicyObjective:
         cfg, mask = self.config, inputs.response_mask
         gbi = cfg.global_batch_info
         pg_loss, pg_metrics = self.policy_loss_fn(
-            old_log_prob=inputs.old_log_probs, log_prob=inputs.log_probs, advantages=inputs.advantages,
-            response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=cfg,
+            old_log_prob=inputs.old_log_probs,
+            log_prob=inputs.log_probs,
+            advantages=inputs.advantages,
+            response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg,
             rollout_is_weights=inputs.rollout_is_weights,
         )
         loss = pg_loss
@@ -100,8 +105,9 @@ class PolicyObjective:
             stats["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
         return loss, stats, dict(pg_metrics)
 
-    def __call__(self, inputs: PolicyLossInputs,
-                 topk: Optional[Callable[[PolicyLossInputs], TopKDistillation]] = None) -> tuple[torch.Tensor, LossMetrics]:
+    def __call__(
+        self, inputs: PolicyLossInputs, topk: Optional[Callable[[PolicyLossInputs], TopKDistillation]] = None
+    ) -> tuple[torch.Tensor, LossMetrics]:
         """``(loss, metrics)`` of one micro-batch; ``topk(inputs)`` gives the ``forward_kl_topk`` terms.
 
         The top-k terms are computed after the task loss (a callable, not a field): the order the
@@ -113,10 +119,20 @@ class PolicyObjective:
         if self.distillation is not None:
             terms = topk(inputs) if topk is not None else None
             loss, distill_metrics, extremes = distillation_ppo_loss(
-                inputs.as_mapping(), inputs.log_probs, loss, self.distillation, self.config.loss_agg_mode,
-                self.config.global_batch_info, topk=terms)
+                inputs.as_mapping(),
+                inputs.log_probs,
+                loss,
+                self.distillation,
+                self.config.loss_agg_mode,
+                self.config.global_batch_info,
+                topk=terms,
+            )
             stats["distillation/loss"] = distill_metrics.pop("distillation/loss")
             pg_metrics.update(distill_metrics)
         tokens = inputs.response_mask.sum()
-        return loss, LossMetrics(sums={k: float(v) for k, v in stats.items()}, weighted=token_weighted(pg_metrics, tokens),
-                                 minima=extremes.get("min", {}), maxima=extremes.get("max", {}))
+        return loss, LossMetrics(
+            sums={k: float(v) for k, v in stats.items()},
+            weighted=token_weighted(pg_metrics, tokens),
+            minima=extremes.get("min", {}),
+            maxima=extremes.get("max", {}),
+        )

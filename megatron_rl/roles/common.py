@@ -50,8 +50,9 @@ def token_weighted(metrics: Mapping[str, Any], tokens: torch.Tensor) -> dict[str
     return {k: float(v) * float(tokens) for k, v in metrics.items()}
 
 
-def update_in_mini_batches(engine: MegatronEngine, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, config: Any,
-                           *, section: str) -> dict[str, float]:
+def update_in_mini_batches(
+    engine: MegatronEngine, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, config: Any, *, section: str
+) -> dict[str, float]:
     """``config.ppo_epochs`` passes over ``batch`` in mini-batches, one optimizer step each.
 
     ``config`` is the role's ``ActorConfig`` / ``CriticConfig`` (batch sizes, epochs, shuffle);
@@ -77,8 +78,13 @@ def update_in_mini_batches(engine: MegatronEngine, batch: Mapping[str, torch.Ten
         for start in range(0, n, local_mini):
             idx = order[start : start + local_mini]
             mini_batch = {k: v[idx] for k, v in batch.items()}
-            metrics = engine.train_step(mini_batch, loss_fn, micro_batch_size=config.ppo_micro_batch_size_per_gpu,
-                                        max_token_len=budget, budget_key=budget_key)
+            metrics = engine.train_step(
+                mini_batch,
+                loss_fn,
+                micro_batch_size=config.ppo_micro_batch_size_per_gpu,
+                max_token_len=budget,
+                budget_key=budget_key,
+            )
             metrics[f"{section}/grad_norm"] = metrics.pop("grad_norm")
             metrics[f"{section}/lr"] = metrics.pop("lr")
             for key, value in metrics.items():

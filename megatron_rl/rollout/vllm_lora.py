@@ -59,13 +59,16 @@ class VLLMLoRA:
         from vllm.lora.request import LoRARequest
 
         if not self.max_lora_rank:
-            raise ValueError("load_lora_adapter: the engine was built without LoRA; build VLLMRollout with "
-                             "max_lora_rank >= the adapter's rank")
+            raise ValueError(
+                "load_lora_adapter: the engine was built without LoRA; build VLLMRollout with "
+                "max_lora_rank >= the adapter's rank"
+            )
         path = Path(adapter_dir)
         rank = int(json.loads((path / "adapter_config.json").read_text())["r"])
         if rank > self.max_lora_rank:
-            raise ValueError(f"load_lora_adapter: the adapter's r={rank} exceeds the engine's max_lora_rank="
-                             f"{self.max_lora_rank}")
+            raise ValueError(
+                f"load_lora_adapter: the adapter's r={rank} exceeds the engine's max_lora_rank={self.max_lora_rank}"
+            )
         start = time.perf_counter()
         previous = self._lora_request
         lora_id = 1 if previous is None else previous.lora_int_id + 1
@@ -77,11 +80,15 @@ class VLLMLoRA:
                 raise RuntimeError(f"load_lora_adapter: vLLM did not load the adapter at {path}")
         self._lora_request = request
         self.reset_prefix_cache()
-        return {"bytes": (path / "adapter_model.safetensors").stat().st_size, "seconds": time.perf_counter() - start,
-                "lora_int_id": lora_id}
+        return {
+            "bytes": (path / "adapter_model.safetensors").stat().st_size,
+            "seconds": time.perf_counter() - start,
+            "lora_int_id": lora_id,
+        }
 
-    def load_lora_tensors(self, tensors: Mapping[str, torch.Tensor], shared: Mapping[str, Sequence[str]],
-                          peft_config: Mapping[str, Any]) -> dict[str, Any]:
+    def load_lora_tensors(
+        self, tensors: Mapping[str, torch.Tensor], shared: Mapping[str, Sequence[str]], peft_config: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Adapter-only weight sync (``lora.merge: false``): the actor's compact PEFT adapter
         (``megatron_rl.engine.lora_peft.peft_adapter_parts``: each tensor once, ``shared`` naming the
         HF modules that reuse a fused linear's ``A``) becomes the adapter every generation uses. It is
@@ -94,8 +101,11 @@ class VLLMLoRA:
         start = time.perf_counter()
         root = Path(self.config.checkpoint_engine.shm_dir)
         root.mkdir(parents=True, exist_ok=True)
-        path = write_peft_adapter(expand_shared(tensors, {k: tuple(v) for k, v in shared.items()}), dict(peft_config),
-                                  root / f"lora-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        path = write_peft_adapter(
+            expand_shared(tensors, {k: tuple(v) for k, v in shared.items()}),
+            dict(peft_config),
+            root / f"lora-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        )
         try:
             self.load_lora_adapter(path)
         except BaseException:
@@ -104,8 +114,12 @@ class VLLMLoRA:
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
         self._lora_dir = path
-        return {"transport": "lora", "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-                "num_tensors": len(tensors), "seconds": time.perf_counter() - start}
+        return {
+            "transport": "lora",
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "num_tensors": len(tensors),
+            "seconds": time.perf_counter() - start,
+        }
 
     @property
     def lora_request(self):

@@ -76,17 +76,49 @@ from megatron_rl.rollout.vllm_lora import VLLMLoRA
 from megatron_rl.rollout.weight_sync import quantize_fp8_stream
 from megatron_rl.rollout.fp8 import FP8_MODEL_TYPES, fp8_engine_kwargs, fp8_unsupported
 from parallel.bridge.fp8 import DEFAULT_BLOCK
-from parallel.transport import (CallChannel, Sender, SideBand, bucket_named_tensors, get_transport, link_group, new_sender,
-                                transfer)
+from parallel.transport import (
+    CallChannel,
+    Sender,
+    SideBand,
+    bucket_named_tensors,
+    get_transport,
+    link_group,
+    new_sender,
+    transfer,
+)
 
-__all__ = ["RolloutConfig", "SamplingConfig", "WeightSyncConfig", "VLLMRollout", "TRANSPORTS", "SAMPLING_KEYS",
-           "sampling_kwargs", "prompt_token_ids", "routed_experts_unsupported", "align_routed_experts",
-           "ROUTED_EXPERTS_KWARG", "FP8_MODEL_TYPES", "fp8_engine_kwargs", "fp8_unsupported"]
+__all__ = [
+    "RolloutConfig",
+    "SamplingConfig",
+    "WeightSyncConfig",
+    "VLLMRollout",
+    "TRANSPORTS",
+    "SAMPLING_KEYS",
+    "sampling_kwargs",
+    "prompt_token_ids",
+    "routed_experts_unsupported",
+    "align_routed_experts",
+    "ROUTED_EXPERTS_KWARG",
+    "FP8_MODEL_TYPES",
+    "fp8_engine_kwargs",
+    "fp8_unsupported",
+]
 
 EXTENSION_CLS = "megatron_rl.rollout.vllm_extension.WeightSyncExtension"
 # Keys a generate() call may override (rollout config names).
-SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "do_sample", "response_length", "stop",
-                 "stop_token_ids", "ignore_eos", "repetition_penalty", "seed")
+SAMPLING_KEYS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "do_sample",
+    "response_length",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "seed",
+)
 
 
 def routed_experts_unsupported() -> str | None:
@@ -114,9 +146,11 @@ def routed_experts_unsupported() -> str | None:
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
-        return (f"{version} returns routed experts (CompletionOutput.routed_experts) only from Model Runner V2, "
-                "which needs Triton, and this install has none: vLLM refuses enable_return_routed_experts "
-                "('Model Runner V2 requires Triton')")
+        return (
+            f"{version} returns routed experts (CompletionOutput.routed_experts) only from Model Runner V2, "
+            "which needs Triton, and this install has none: vLLM refuses enable_return_routed_experts "
+            "('Model Runner V2 requires Triton')"
+        )
     return None  # VLLMRollout requests them (ROUTED_EXPERTS_KWARG) and aligns them (align_routed_experts)
 
 
@@ -124,8 +158,13 @@ ROUTED_EXPERTS_KWARG = "enable_return_routed_experts"
 """The ``engine_kwargs.vllm`` switch that makes ``generate`` return ``routed_experts`` (R3 sets it)."""
 
 
-def align_routed_experts(routed: Sequence[Any], prompt_lens: Sequence[int], response_lens: Sequence[int],
-                         prompt_width: int, response_width: int) -> torch.Tensor:
+def align_routed_experts(
+    routed: Sequence[Any],
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    prompt_width: int,
+    response_width: int,
+) -> torch.Tensor:
     """vLLM's per-sample routing in the batch's layout: ``[b, P + R, layers, topk]``.
 
     ``routed[j]`` is sample ``j``'s ``CompletionOutput.routed_experts`` (``[tokens, layers, topk]``
@@ -139,13 +178,16 @@ def align_routed_experts(routed: Sequence[Any], prompt_lens: Sequence[int], resp
     import numpy as np
 
     if not (len(routed) == len(prompt_lens) == len(response_lens)):
-        raise ValueError(f"align_routed_experts: {len(routed)} routings for {len(prompt_lens)} prompts and "
-                         f"{len(response_lens)} responses")
+        raise ValueError(
+            f"align_routed_experts: {len(routed)} routings for {len(prompt_lens)} prompts and "
+            f"{len(response_lens)} responses"
+        )
     if not routed:
         raise ValueError("align_routed_experts: no samples")
     if any(r is None for r in routed):
-        raise ValueError("vLLM returned no routed_experts for some samples although "
-                         f"engine_kwargs.vllm.{ROUTED_EXPERTS_KWARG}=True")
+        raise ValueError(
+            f"vLLM returned no routed_experts for some samples although engine_kwargs.vllm.{ROUTED_EXPERTS_KWARG}=True"
+        )
     arrays = [np.asarray(r) for r in routed]
     layers, topk = arrays[0].shape[1:]
     dtype = torch.uint8 if all(a.dtype == np.uint8 for a in arrays) else torch.int32
@@ -153,12 +195,14 @@ def align_routed_experts(routed: Sequence[Any], prompt_lens: Sequence[int], resp
     for j, (a, plen, rlen) in enumerate(zip(arrays, prompt_lens, response_lens)):
         want = plen + max(rlen - 1, 0)
         if a.ndim != 3 or a.shape[1:] != (layers, topk) or a.shape[0] < want:
-            raise ValueError(f"sample {j}: routed_experts has shape {tuple(a.shape)}; expected at least "
-                             f"[{want}, {layers}, {topk}] for {plen} prompt and {rlen} response tokens")
+            raise ValueError(
+                f"sample {j}: routed_experts has shape {tuple(a.shape)}; expected at least "
+                f"[{want}, {layers}, {topk}] for {plen} prompt and {rlen} response tokens"
+            )
         ids = torch.from_numpy(a[:want].astype(np.int32 if dtype == torch.int32 else np.uint8))
-        out[j, prompt_width - plen:prompt_width] = ids[:plen]
+        out[j, prompt_width - plen : prompt_width] = ids[:plen]
         if rlen > 0:
-            out[j, prompt_width:prompt_width + rlen - 1] = ids[plen:want]
+            out[j, prompt_width : prompt_width + rlen - 1] = ids[plen:want]
             out[j, prompt_width + rlen - 1] = ids[want - 1]
     return out
 
@@ -188,10 +232,16 @@ def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **override
     if not p["do_sample"]:  # verl's greedy: temperature 0, no filters
         p.update(temperature=0.0, top_p=1.0, top_k=-1)
     return dict(
-        n=p["n"], temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], max_tokens=p["response_length"],
+        n=p["n"],
+        temperature=p["temperature"],
+        top_p=p["top_p"],
+        top_k=p["top_k"],
+        max_tokens=p["response_length"],
         stop=list(p["stop"]) if p["stop"] else None,
         stop_token_ids=list(p["stop_token_ids"]) if p["stop_token_ids"] else None,
-        ignore_eos=p["ignore_eos"], repetition_penalty=p["repetition_penalty"], seed=p["seed"],
+        ignore_eos=p["ignore_eos"],
+        repetition_penalty=p["repetition_penalty"],
+        seed=p["seed"],
         logprobs=0 if config.calculate_log_probs else None,
     )
 
@@ -225,8 +275,9 @@ def prompt_token_ids(prompts: Any) -> list[list[int]]:
             raise ValueError("a padded prompt batch needs 'attention_mask' next to 'input_ids'")
         mask = prompts["attention_mask"].bool()
         if ids.shape != mask.shape or ids.dim() != 2:
-            raise ValueError(f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} "
-                             "must both be [batch, seq]")
+            raise ValueError(
+                f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} must both be [batch, seq]"
+            )
         return [row[m].tolist() for row, m in zip(ids, mask)]
     out = []
     for i, p in enumerate(prompts):
@@ -245,7 +296,7 @@ def _file_store_path(llm) -> str | None:
     executor = getattr(getattr(core, "engine_core", None), "model_executor", None)
     worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
     method = getattr(worker, "distributed_init_method", None) or ""
-    path = method[len("file://"):] if method.startswith("file://") else ""
+    path = method[len("file://") :] if method.startswith("file://") else ""
     return path if os.path.basename(path).startswith("vllm_dist_") else None
 
 
@@ -260,9 +311,16 @@ class VLLMRollout(VLLMLoRA):
             (its eos id when it has none).
     """
 
-    def __init__(self, model_path: str, config: RolloutConfig | Mapping | None = None, *,
-                 tokenizer_path: str | None = None, pad_token_id: int | None = None,
-                 multi_node: Optional[Mapping[str, Any]] = None, max_lora_rank: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        config: RolloutConfig | Mapping | None = None,
+        *,
+        tokenizer_path: str | None = None,
+        pad_token_id: int | None = None,
+        multi_node: Optional[Mapping[str, Any]] = None,
+        max_lora_rank: int = 0,
+    ):
         from vllm import LLM
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
@@ -273,8 +331,9 @@ class VLLMRollout(VLLMLoRA):
         if cfg.quantization == "fp8":  # refused before anything is built
             why = fp8_unsupported(self.on_gpu)
             if why is not None:
-                raise ValueError(f"rollout.quantization='fp8' cannot run here: {why}; use a GPU or "
-                                 "rollout.quantization=None")
+                raise ValueError(
+                    f"rollout.quantization='fp8' cannot run here: {why}; use a GPU or rollout.quantization=None"
+                )
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if cfg.in_process_engine else "1"}
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
@@ -309,7 +368,8 @@ class VLLMRollout(VLLMLoRA):
             seed=cfg.seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tp,
-            distributed_executor_backend="uni" if tp * cfg.pipeline_model_parallel_size * cfg.data_parallel_size == 1
+            distributed_executor_backend="uni"
+            if tp * cfg.pipeline_model_parallel_size * cfg.data_parallel_size == 1
             else "mp",
             enforce_eager=(not self.on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -334,9 +394,16 @@ class VLLMRollout(VLLMLoRA):
         return kwargs
 
     # ------------------------------------------------------------------------- generation
-    def generate(self, prompts: Any, *, uids: Sequence[str] | None = None, validate: bool = False,
-                 pause: Optional[PauseGate] = None, on_step: Optional[Callable[[int], None]] = None,
-                 **overrides: Any) -> dict[str, Any]:
+    def generate(
+        self,
+        prompts: Any,
+        *,
+        uids: Sequence[str] | None = None,
+        validate: bool = False,
+        pause: Optional[PauseGate] = None,
+        on_step: Optional[Callable[[int], None]] = None,
+        **overrides: Any,
+    ) -> dict[str, Any]:
         """Sample ``n`` responses per prompt; return the verl-layout batch (see module doc).
 
         Args:
@@ -369,8 +436,9 @@ class VLLMRollout(VLLMLoRA):
             return self._generate_pausable(ids, uids, kw, n, seed, pause, on_step)
         params = [SamplingParams(**kw, seed=None if seed is None else seed + i * n) for i in range(len(ids))]
         with self._world.engine():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False,
-                                        lora_request=self._lora_request)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False, lora_request=self._lora_request
+            )
 
         rows, logps, reasons, row_prompts, row_uids, routed = [], [], [], [], [], []
         for i, out in enumerate(outputs):
@@ -385,27 +453,42 @@ class VLLMRollout(VLLMLoRA):
                 row_uids.append(uids[i])
         batch = self._pad_batch(row_prompts, rows, logps if kw["logprobs"] is not None else None, kw["max_tokens"])
         if self.returns_routed_experts:  # router replay R3: the experts vLLM routed every token to
-            batch["routed_experts"] = align_routed_experts(routed, [len(p) for p in row_prompts],
-                                                           [len(r) for r in rows], self.config.prompt_length,
-                                                           kw["max_tokens"])
+            batch["routed_experts"] = align_routed_experts(
+                routed,
+                [len(p) for p in row_prompts],
+                [len(r) for r in rows],
+                self.config.prompt_length,
+                kw["max_tokens"],
+            )
         batch["uid"] = row_uids
         batch["finish_reasons"] = reasons
         return batch
 
-    def _generate_pausable(self, ids: list[list[int]], uids: Sequence[str], kw: dict[str, Any], n: int,
-                           seed: Optional[int], pause: PauseGate, on_step: Optional[Callable[[int], None]]
-                           ) -> dict[str, Any]:
+    def _generate_pausable(
+        self,
+        ids: list[list[int]],
+        uids: Sequence[str],
+        kw: dict[str, Any],
+        n: int,
+        seed: Optional[int],
+        pause: PauseGate,
+        on_step: Optional[Callable[[int], None]],
+    ) -> dict[str, Any]:
         """``generate`` as a partial rollout (``megatron_rl.rollout.partial``): one n=1 request per
         sample, seeded as vLLM seeds its n children (``seed + i * n + k``), driven step by step."""
         from vllm import SamplingParams
 
         if self._lora_request is not None:
-            raise ValueError("partial rollouts (trainer.v1.partial_rollout) with a LoRA adapter in vLLM "
-                             "(lora.merge: false) are not built; set lora.merge=true")
+            raise ValueError(
+                "partial rollouts (trainer.v1.partial_rollout) with a LoRA adapter in vLLM "
+                "(lora.merge: false) are not built; set lora.merge=true"
+            )
         if self.returns_routed_experts:
-            raise ValueError(f"partial rollouts (trainer.v1.partial_rollout) with engine_kwargs.vllm."
-                             f"{ROUTED_EXPERTS_KWARG}=True are not supported: a continuation's routing would "
-                             "restart at the pause")
+            raise ValueError(
+                f"partial rollouts (trainer.v1.partial_rollout) with engine_kwargs.vllm."
+                f"{ROUTED_EXPERTS_KWARG}=True are not supported: a continuation's routing would "
+                "restart at the pause"
+            )
         one = {**kw, "n": 1}
         params, row_prompts, row_uids = [], [], []
         for i, p in enumerate(ids):
@@ -413,8 +496,9 @@ class VLLMRollout(VLLMLoRA):
                 params.append(SamplingParams(**one, seed=None if seed is None else seed + i * n + k))
                 row_prompts.append(p)
                 row_uids.append(uids[i])
-        samples = generate_pausable(self.llm.llm_engine, row_prompts, params, pause,
-                                    engine_context=self._world.engine, on_step=on_step)
+        samples = generate_pausable(
+            self.llm.llm_engine, row_prompts, params, pause, engine_context=self._world.engine, on_step=on_step
+        )
         rows = [s.tokens for s in samples]
         logps = [s.log_probs for s in samples] if kw["logprobs"] is not None else None
         batch = self._pad_batch(row_prompts, rows, logps, kw["max_tokens"])
@@ -428,9 +512,15 @@ class VLLMRollout(VLLMLoRA):
         batch["finish_reasons"] = [s.finish_reason for s in samples]
         return batch
 
-    def generate_turns(self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], *,
-                       seeds: Optional[Sequence[Optional[int]]] = None, validate: bool = False,
-                       **overrides: Any) -> list[dict[str, Any]]:
+    def generate_turns(
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        *,
+        seeds: Optional[Sequence[Optional[int]]] = None,
+        validate: bool = False,
+        **overrides: Any,
+    ) -> list[dict[str, Any]]:
         """One engine call continuing each token context once: the next turn of agent sessions
         (``megatron_rl.rollout.agent``), token ids in, token ids out.
 
@@ -442,17 +532,25 @@ class VLLMRollout(VLLMLoRA):
         from vllm.inputs import TokensPrompt
 
         if self._asleep:
-            raise RuntimeError(f"generate_turns() while the engine is asleep ({sorted(self._asleep)}); call wake_up() first")
+            raise RuntimeError(
+                f"generate_turns() while the engine is asleep ({sorted(self._asleep)}); call wake_up() first"
+            )
         if len(max_tokens) != len(contexts) or (seeds is not None and len(seeds) != len(contexts)):
             raise ValueError(f"{len(contexts)} contexts need as many max_tokens ({len(max_tokens)}) and seeds")
         kw = sampling_kwargs(self.config, validate=validate, **overrides)
         for key in ("n", "seed", "max_tokens"):
             kw.pop(key)
-        params = [SamplingParams(**kw, n=1, max_tokens=int(m), seed=None if seeds is None else seeds[i])
-                  for i, m in enumerate(max_tokens)]
+        params = [
+            SamplingParams(**kw, n=1, max_tokens=int(m), seed=None if seeds is None else seeds[i])
+            for i, m in enumerate(max_tokens)
+        ]
         with self._world.engine():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], params,
-                                        use_tqdm=False, lora_request=self._lora_request)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(c)) for c in contexts],
+                params,
+                use_tqdm=False,
+                lora_request=self._lora_request,
+            )
         turns = []
         for out in outputs:
             comp = out.outputs[0]
@@ -479,8 +577,9 @@ class VLLMRollout(VLLMLoRA):
             out.append(p)
         return out
 
-    def _pad_batch(self, prompts: list[list[int]], responses: list[list[int]],
-                   logps: list[list[float]] | None, width: int) -> dict[str, Any]:
+    def _pad_batch(
+        self, prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]] | None, width: int
+    ) -> dict[str, Any]:
         P, pad = self.config.prompt_length, self.pad_token_id
         num = len(responses)
         prompt_t = torch.full((num, P), pad, dtype=torch.long)
@@ -489,7 +588,7 @@ class VLLMRollout(VLLMLoRA):
         prompt_len = torch.tensor([len(p) for p in prompts])
         response_len = torch.tensor([len(r) for r in responses])
         for j, (p, r) in enumerate(zip(prompts, responses)):
-            prompt_t[j, P - len(p):] = torch.tensor(p)
+            prompt_t[j, P - len(p) :] = torch.tensor(p)
             response_t[j, : len(r)] = torch.tensor(r)
             if logps is not None:
                 logp_t[j, : len(r)] = torch.tensor(logps[j], dtype=torch.float32)
@@ -509,8 +608,14 @@ class VLLMRollout(VLLMLoRA):
         return batch
 
     # ------------------------------------------------------------------------- weight sync
-    def update_weights(self, weights: Iterable[Any], *, transport: str | None = None,
-                       bucket_megabytes: float | None = None, allow_partial: bool = False) -> dict[str, Any]:
+    def update_weights(
+        self,
+        weights: Iterable[Any],
+        *,
+        transport: str | None = None,
+        bucket_megabytes: float | None = None,
+        allow_partial: bool = False,
+    ) -> dict[str, Any]:
         """Load HF-named tensors into the running engine, bucket by bucket, then reset the prefix cache.
 
         Args:
@@ -530,13 +635,17 @@ class VLLMRollout(VLLMLoRA):
         bucket_bytes = int((bucket_megabytes or ce.update_weights_bucket_megabytes) * 2**20)
         in_process = self.config.in_process_engine and self.num_workers == 1  # TP x PP: one worker, this process
         if entry.same_process and not in_process:
-            raise ValueError(f"transport={transport!r} needs in_process_engine=True and one engine worker "
-                             f"(tensor x pipeline_model_parallel_size = {self.num_workers}; tensors pass by "
-                             "reference); use 'shm', 'bytes' or 'broadcast'")
+            raise ValueError(
+                f"transport={transport!r} needs in_process_engine=True and one engine worker "
+                f"(tensor x pipeline_model_parallel_size = {self.num_workers}; tensors pass by "
+                "reference); use 'shm', 'bytes' or 'broadcast'"
+            )
         if transport == "nccl" and in_process:  # issue 35: NCCL refuses two ranks of one group in one process
-            raise ValueError("transport='nccl' with an in-process engine would form NCCL ranks 0 and 1 in one process on "
-                             "one GPU, which NCCL refuses; use 'colocated' (in-process) or 'cuda_ipc' / 'nccl' with "
-                             "in_process_engine=False")
+            raise ValueError(
+                "transport='nccl' with an in-process engine would form NCCL ranks 0 and 1 in one process on "
+                "one GPU, which NCCL refuses; use 'colocated' (in-process) or 'cuda_ipc' / 'nccl' with "
+                "in_process_engine=False"
+            )
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
         sender = self._sender(transport)
@@ -559,8 +668,10 @@ class VLLMRollout(VLLMLoRA):
         self.reset_prefix_cache()
         seconds = time.perf_counter() - start
         if loaded["not_loaded"] and not allow_partial:
-            raise ValueError(f"weight sync left {len(loaded['not_loaded'])} engine parameter(s) unchanged: "
-                             f"{loaded['not_loaded'][:8]}; pass allow_partial=True for a partial update")
+            raise ValueError(
+                f"weight sync left {len(loaded['not_loaded'])} engine parameter(s) unchanged: "
+                f"{loaded['not_loaded'][:8]}; pass allow_partial=True for a partial update"
+            )
         return {**stats.as_dict(), "seconds": seconds}
 
     def _sender(self, transport: str) -> Sender:
@@ -570,8 +681,7 @@ class VLLMRollout(VLLMLoRA):
             if get_transport(transport).needs_group and self._side_band is None:
                 self._connect_side_band(nccl=get_transport(transport).group_backend == "nccl")
             group = link_group(transport, self._side_band)  # the gloo data group, or NCCL's for 'nccl'
-            self._senders[transport] = new_sender(transport, group=group,
-                                                  shm_dir=self.config.checkpoint_engine.shm_dir)
+            self._senders[transport] = new_sender(transport, group=group, shm_dir=self.config.checkpoint_engine.shm_dir)
         return self._senders[transport]
 
     def _connect_side_band(self, nccl: bool = False) -> None:
@@ -681,8 +791,10 @@ def _parallel_kwargs(cfg: RolloutConfig, multi_node: Optional[Mapping[str, Any]]
     if cfg.expert_parallel_size > 1:
         out["enable_expert_parallel"] = True
     if multi_node:
-        out.update(distributed_executor_backend="mp", **{k: multi_node[k] for k in
-                                                          ("nnodes", "node_rank", "master_addr", "master_port")})
+        out.update(
+            distributed_executor_backend="mp",
+            **{k: multi_node[k] for k in ("nnodes", "node_rank", "master_addr", "master_port")},
+        )
     return out
 
 
@@ -693,9 +805,17 @@ def headless_engine_config(model_path: str, config: RolloutConfig, multi_node: M
 
     cfg = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
     max_model_len = cfg.max_model_len or cfg.prompt_length + cfg.response_length
-    args = EngineArgs(model=model_path, dtype=cfg.dtype if cfg.dtype != "auto" else "bfloat16", seed=cfg.seed,
-                      max_model_len=max_model_len, tensor_parallel_size=cfg.tensor_model_parallel_size,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.free_cache_engine,
-                      load_format=cfg.load_format, worker_extension_cls=EXTENSION_CLS,
-                      **_parallel_kwargs(cfg, multi_node), **dict(cfg.engine_kwargs.get("vllm") or {}))
+    args = EngineArgs(
+        model=model_path,
+        dtype=cfg.dtype if cfg.dtype != "auto" else "bfloat16",
+        seed=cfg.seed,
+        max_model_len=max_model_len,
+        tensor_parallel_size=cfg.tensor_model_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enable_sleep_mode=cfg.free_cache_engine,
+        load_format=cfg.load_format,
+        worker_extension_cls=EXTENSION_CLS,
+        **_parallel_kwargs(cfg, multi_node),
+        **dict(cfg.engine_kwargs.get("vllm") or {}),
+    )
     return args.create_engine_config(headless=True)

@@ -67,8 +67,15 @@ from parallel.bridge.collective import raise_together
 from parallel.transport import DEFAULT_TIMEOUT_S, STREAMABLE, RemoteWeightSender, get_transport
 from parallel.transport.cuda import require_cuda
 
-__all__ = ["PLACEMENTS", "REMOTE_TRANSPORTS", "choose_transport", "ActorWeightSync", "RemoteWeightSender",
-           "RolloutWeightReceiver", "quantize_fp8_stream"]
+__all__ = [
+    "PLACEMENTS",
+    "REMOTE_TRANSPORTS",
+    "choose_transport",
+    "ActorWeightSync",
+    "RemoteWeightSender",
+    "RolloutWeightReceiver",
+    "quantize_fp8_stream",
+]
 
 PLACEMENTS = {"colocated": "colocated", "same_node": "shm", "other_node": "broadcast"}
 REMOTE_TRANSPORTS = STREAMABLE  # ("broadcast", "cuda_ipc", "nccl", "shm"): they stream to another process
@@ -108,8 +115,12 @@ def quantize_fp8_stream(buckets, block: tuple[int, int] = DEFAULT_BLOCK, *, patt
         for name, tensor in bucket:
             piece = parse_piece(name)
             base = piece[0] if piece else name
-            if (tensor.dim() != 2 or not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-                    or not pattern.fullmatch(base)):
+            if (
+                tensor.dim() != 2
+                or not tensor.is_floating_point()
+                or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                or not pattern.fullmatch(base)
+            ):
                 out.append((name, tensor))
                 continue
             tensor = tensor.detach()  # the export's tensors may alias parameters: no autograd graph for the scales
@@ -121,18 +132,21 @@ def quantize_fp8_stream(buckets, block: tuple[int, int] = DEFAULT_BLOCK, *, patt
             if base in carry:
                 first, held = carry.pop(base)
                 if first + held.shape[0] != start:
-                    raise ValueError(f"weight piece {name!r} does not follow rows {first}:{first + held.shape[0]} "
-                                     f"of {base!r}")
+                    raise ValueError(
+                        f"weight piece {name!r} does not follow rows {first}:{first + held.shape[0]} of {base!r}"
+                    )
                 tensor, start = torch.cat([held, tensor]), first
             elif start % r0:
                 raise ValueError(f"weight piece {name!r} starts inside a {list(block)} block of {base!r}")
             end = stop if stop == rows else start + (stop - start) // r0 * r0
             if end < stop:  # the rows of a partly sent block wait for the next piece
-                carry[base] = (end, tensor[end - start:].clone())
+                carry[base] = (end, tensor[end - start :].clone())
             if end > start:
                 q, scale = quantize_fp8_blocks(tensor[: end - start], block)
-                out += [(piece_name(base, start, end, rows), q),
-                        (piece_name(base + SCALE_SUFFIX, start // r0, -(-end // r0), -(-rows // r0)), scale)]
+                out += [
+                    (piece_name(base, start, end, rows), q),
+                    (piece_name(base + SCALE_SUFFIX, start // r0, -(-end // r0), -(-rows // r0)), scale),
+                ]
         if out:
             yield out
     if carry:
@@ -173,9 +187,18 @@ class ActorWeightSync:
     ``sync`` always sends the current weights.
     """
 
-    def __init__(self, chunks: Iterable[torch.nn.Module], weight_map, *, bucket_megabytes: float, mesh=None,
-                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = (), quantization: Optional[str] = None,
-                 merged: Optional[Callable[[], ContextManager]] = None):
+    def __init__(
+        self,
+        chunks: Iterable[torch.nn.Module],
+        weight_map,
+        *,
+        bucket_megabytes: float,
+        mesh=None,
+        dtype: Optional[torch.dtype] = None,
+        ignore: Sequence[str] = (),
+        quantization: Optional[str] = None,
+        merged: Optional[Callable[[], ContextManager]] = None,
+    ):
         check_range("bucket_megabytes", bucket_megabytes, low=0, low_inclusive=False)
         self.merged = merged
         check_choice("rollout.quantization", quantization, (None, *QUANTIZATIONS))
@@ -183,8 +206,9 @@ class ActorWeightSync:
         self.bucket_bytes = max(1, int(bucket_megabytes * 2**20))
         self.exporter = HFExporter(list(chunks), weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
         # Pieces never exceed the bucket (split export); an expert shard cannot be split: refuse now.
-        self.exporter.check_bucket(self.bucket_bytes,
-                                   what=f"checkpoint_engine.update_weights_bucket_megabytes={bucket_megabytes:g}")
+        self.exporter.check_bucket(
+            self.bucket_bytes, what=f"checkpoint_engine.update_weights_bucket_megabytes={bucket_megabytes:g}"
+        )
         self.rank = _rank()
         self.remote_transport: Optional[str] = None
         self._sender: Optional[RemoteWeightSender] = None
@@ -206,8 +230,9 @@ class ActorWeightSync:
     def iter_weights(self, stats: Optional[ExportStats] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The bucketed export: ``(hf_name, tensor)`` pairs on rank 0, nothing elsewhere.
         Collective: exhaust it on every actor rank. Tensors may alias parameters (read-only)."""
-        return self._within_merged(self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False,
-                                                              stats=stats))
+        return self._within_merged(
+            self.exporter.iter_weights(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats)
+        )
 
     def _within_merged(self, items: Iterator) -> Iterator:
         """``items`` produced inside ``merged()`` (entered at the first item, left once exhausted)."""
@@ -217,6 +242,7 @@ class ActorWeightSync:
         def produce():
             with self.merged():
                 yield from items
+
         return produce()
 
     def iter_buckets(self, stats: Optional[ExportStats] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -225,15 +251,24 @@ class ActorWeightSync:
         single piece exceeds the bound (FP8 buckets are smaller: 1 byte per quantised weight).
         With ``quantization="fp8"`` rank 0's buckets are quantised (``quantize_fp8_stream``).
         Collective, like ``iter_weights``."""
-        buckets = self._within_merged(self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False,
-                                                                 stats=stats, split=True))
+        buckets = self._within_merged(
+            self.exporter.iter_buckets(bucket_bytes=self.bucket_bytes, all_ranks=False, stats=stats, split=True)
+        )
         if self.quantization == "fp8" and self.rank == 0:
             return quantize_fp8_stream(buckets, DEFAULT_BLOCK)
         return buckets
 
     # -- remote placement --------------------------------------------------------------------
-    def listen(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
-               shm_dir: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Optional[tuple[str, int]]:
+    def listen(
+        self,
+        world_size: int,
+        *,
+        transport: str,
+        master_addr: str = "127.0.0.1",
+        port: int = 0,
+        shm_dir: Optional[str] = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> Optional[tuple[str, int]]:
         """Remote placement, step 1 (every actor rank): rank 0 hosts the side band's store
         and returns ``(master_addr, port)`` for the rollout workers; the others return None.
 
@@ -247,8 +282,9 @@ class ActorWeightSync:
         self.remote_transport = transport
         if self.rank != 0:
             return None
-        self._sender = RemoteWeightSender(world_size, transport=transport, master_addr=master_addr, port=port,
-                                          shm_dir=shm_dir, timeout_s=timeout_s)
+        self._sender = RemoteWeightSender(
+            world_size, transport=transport, master_addr=master_addr, port=port, shm_dir=shm_dir, timeout_s=timeout_s
+        )
         return master_addr, self._sender.listen()
 
     def connect(self) -> None:
@@ -291,11 +327,21 @@ class ActorWeightSync:
             errors.append((ValueError, f"rollout must be None on actor rank {self.rank}: only rank 0 sends"))
         if self.rank == 0:
             if self.remote_transport is not None and (rollout is not None or transport is not None):
-                errors.append((ValueError, f"this sync is connected to remote rollout workers (transport="
-                                           f"{self.remote_transport!r}); pass neither rollout nor transport"))
+                errors.append(
+                    (
+                        ValueError,
+                        f"this sync is connected to remote rollout workers (transport="
+                        f"{self.remote_transport!r}); pass neither rollout nor transport",
+                    )
+                )
             if self.remote_transport is None and rollout is None:
-                errors.append((ValueError, "rank 0 has no rollout to sync into: pass its VLLMRollout "
-                                           "(colocated) or listen() and connect() first (remote rollout workers)"))
+                errors.append(
+                    (
+                        ValueError,
+                        "rank 0 has no rollout to sync into: pass its VLLMRollout "
+                        "(colocated) or listen() and connect() first (remote rollout workers)",
+                    )
+                )
             if self._sender is not None and self._sender.group is None:
                 errors.append((RuntimeError, "listen() was called but not connect()"))
         raise_together(errors)  # all ranks raise alike, before any export collective starts
@@ -313,16 +359,27 @@ class ActorWeightSync:
             if self._sender is not None:
                 out = self._sender.send(weights, self.bucket_bytes)
             else:
-                out = rollout.update_weights(weights, transport=transport, bucket_megabytes=self.bucket_bytes / 2**20,
-                                             allow_partial=allow_partial)
+                out = rollout.update_weights(
+                    weights,
+                    transport=transport,
+                    bucket_megabytes=self.bucket_bytes / 2**20,
+                    allow_partial=allow_partial,
+                )
         except BaseException:
             _drain(weights)  # the other actor ranks complete their sends of the export
             raise
-        return {"transport": out["transport"], "bytes": out["bytes"], "num_tensors": whole[0],
-                "num_buckets": out["num_buckets"], "seconds": time.perf_counter() - start,
-                "export_buckets": stats.num_buckets, "export_max_live_bytes": stats.max_live_bytes,
-                "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes,
-                "export_pieces": stats.num_pieces, "export_max_piece_bytes": stats.max_piece_bytes}
+        return {
+            "transport": out["transport"],
+            "bytes": out["bytes"],
+            "num_tensors": whole[0],
+            "num_buckets": out["num_buckets"],
+            "seconds": time.perf_counter() - start,
+            "export_buckets": stats.num_buckets,
+            "export_max_live_bytes": stats.max_live_bytes,
+            "export_bound_bytes": stats.bucket_bytes + stats.max_item_bytes,
+            "export_pieces": stats.num_pieces,
+            "export_max_piece_bytes": stats.max_piece_bytes,
+        }
 
 
 # ----------------------------------------------------------------------------- rollout side
@@ -336,12 +393,22 @@ class RolloutWeightReceiver:
             1 + its worker count for the next ...; ``VLLMRollout.num_workers``: TP x PP).
     """
 
-    def __init__(self, rollout, master_addr: str, port: int, world_size: int, *, rank_offset: int = 1,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        rollout,
+        master_addr: str,
+        port: int,
+        world_size: int,
+        *,
+        rank_offset: int = 1,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
         check_range("rank_offset", rank_offset, low=1)
         workers = rollout.num_workers
         if rank_offset + workers > world_size:
-            raise ValueError(f"rank_offset={rank_offset} + the engine's {workers} worker(s) exceed world_size={world_size}")
+            raise ValueError(
+                f"rank_offset={rank_offset} + the engine's {workers} worker(s) exceed world_size={world_size}"
+            )
         self.rollout, self.master_addr, self.port, self.world_size = rollout, master_addr, port, world_size
         self.rank_offset, self.timeout_s = rank_offset, timeout_s
         self.ranks: list[int] = []
@@ -349,8 +416,9 @@ class RolloutWeightReceiver:
     def connect(self) -> list[int]:
         """Join the group (blocks until actor rank 0 and every other receiver joined); returns
         the group ranks of this engine's workers."""
-        self.ranks = self.rollout.rpc("init_weight_sync_group", self.master_addr, self.port, self.rank_offset,
-                                      self.world_size, self.timeout_s)
+        self.ranks = self.rollout.rpc(
+            "init_weight_sync_group", self.master_addr, self.port, self.rank_offset, self.world_size, self.timeout_s
+        )
         return self.ranks
 
     def receive(self, *, allow_partial: bool = False) -> dict[str, Any]:
@@ -366,10 +434,16 @@ class RolloutWeightReceiver:
         stats = self.rollout.rpc("receive_weight_stream")[0]
         self.rollout.reset_prefix_cache()
         if stats["not_loaded"] and not allow_partial:
-            raise ValueError(f"weight sync left {len(stats['not_loaded'])} engine parameter(s) unchanged: "
-                             f"{stats['not_loaded'][:8]}; pass allow_partial=True for a partial update")
-        return {"bytes": stats["bytes"], "num_tensors": stats["num_tensors"], "num_buckets": stats["num_buckets"],
-                "seconds": time.perf_counter() - start}
+            raise ValueError(
+                f"weight sync left {len(stats['not_loaded'])} engine parameter(s) unchanged: "
+                f"{stats['not_loaded'][:8]}; pass allow_partial=True for a partial update"
+            )
+        return {
+            "bytes": stats["bytes"],
+            "num_tensors": stats["num_tensors"],
+            "num_buckets": stats["num_buckets"],
+            "seconds": time.perf_counter() - start,
+        }
 
     def close(self) -> None:
         """Leave the group."""

@@ -61,8 +61,16 @@ from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
 from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
 from megatron_rl.trainer.watchdog import phase as timer
 
-__all__ = ["AsyncSettings", "async_settings", "async_run_config", "check_async_trainer", "fit_async", "Rollouter",
-           "staleness_metrics", "partial_staleness_metrics"]
+__all__ = [
+    "AsyncSettings",
+    "async_settings",
+    "async_run_config",
+    "check_async_trainer",
+    "fit_async",
+    "Rollouter",
+    "staleness_metrics",
+    "partial_staleness_metrics",
+]
 
 
 def async_run_config(config: Any) -> Any:
@@ -76,8 +84,12 @@ def async_run_config(config: Any) -> Any:
     rc = config.algorithm.rollout_correction
     if rc is not None and rc.bypass_mode:
         return config
-    warnings.warn("trainer.v1.trainer_mode='separate_async' forces algorithm.rollout_correction.bypass_mode=True "
-                  "(the rollout's log-probs are the old ones; verl's V1 does the same)", UserWarning, stacklevel=3)
+    warnings.warn(
+        "trainer.v1.trainer_mode='separate_async' forces algorithm.rollout_correction.bypass_mode=True "
+        "(the rollout's log-probs are the old ones; verl's V1 does the same)",
+        UserWarning,
+        stacklevel=3,
+    )
     rc = RolloutCorrectionConfig(rollout_is=None, bypass_mode=True) if rc is None else rc.replace(bypass_mode=True)
     return config.replace(algorithm=config.algorithm.replace(rollout_correction=rc))
 
@@ -97,8 +109,9 @@ def async_settings(v1: Any) -> AsyncSettings:
     """The loop's settings from the ``trainer.v1`` section."""
     sampler = v1.sampler
     push = v1.separate_async.parameter_sync_step if v1.trainer_mode == "separate_async" else None
-    return AsyncSettings(v1.trainer_mode, v1.lookahead(), sampler.max_off_policy_threshold,
-                         sampler.max_off_policy_strategy, push)
+    return AsyncSettings(
+        v1.trainer_mode, v1.lookahead(), sampler.max_off_policy_threshold, sampler.max_off_policy_strategy, push
+    )
 
 
 def check_async_trainer(config: Any, needs: Any, total_steps: int) -> None:
@@ -113,14 +126,18 @@ def check_async_trainer(config: Any, needs: Any, total_steps: int) -> None:
     # separate_async races the trainer's pushes, and partial rollouts pause the samples mid-way.
     if needs.baseline and (v1.trainer_mode != "colocate_async" or v1.partial_rollout):
         why = "with trainer.v1.partial_rollout=True" if v1.partial_rollout else "outside colocate_async"
-        raise ValueError(f"trainer.v1.trainer_mode={v1.trainer_mode!r} with algorithm.adv_estimator="
-                         f"{config.algorithm.adv_estimator!r} (a greedy baseline per prompt) is not supported {why} "
-                         "(the baseline must come from the weights that generated its samples); use "
-                         "trainer_mode='colocate_async' without partial rollouts, or 'sync'")
+        raise ValueError(
+            f"trainer.v1.trainer_mode={v1.trainer_mode!r} with algorithm.adv_estimator="
+            f"{config.algorithm.adv_estimator!r} (a greedy baseline per prompt) is not supported {why} "
+            "(the baseline must come from the weights that generated its samples); use "
+            "trainer_mode='colocate_async' without partial rollouts, or 'sync'"
+        )
     ahead = v1.lookahead()
     if ahead >= total_steps:
-        raise ValueError(f"trainer.v1.{v1.trainer_mode}.num_warmup_batches={ahead} is not smaller than the run's "
-                         f"{total_steps} steps: the batches generated ahead would never be trained on")
+        raise ValueError(
+            f"trainer.v1.{v1.trainer_mode}.num_warmup_batches={ahead} is not smaller than the run's "
+            f"{total_steps} steps: the batches generated ahead would never be trained on"
+        )
 
 
 def _split_groups(batch: Batch) -> list[tuple[str, list[int]]]:
@@ -145,13 +162,19 @@ class Rollouter:
             ``async_settled_uids``): the re-drawn prompt batches leave them out (``DrawLedger``).
     """
 
-    def __init__(self, phase: Any, buffer: ReplayBuffer, *, threaded: bool, max_failed: int = 3,
-                 settled_before: Any = ()):
+    def __init__(
+        self, phase: Any, buffer: ReplayBuffer, *, threaded: bool, max_failed: int = 3, settled_before: Any = ()
+    ):
         self.phase, self.buffer, self.threaded, self.max_failed = phase, buffer, threaded, max_failed
         self.ledger = DrawLedger(settled_before)
         fg = getattr(phase, "filter_groups", None)  # DAPO dynamic sampling: groups filtered before the buffer
-        self.filter = None if fg is None else GroupFilter(
-            fg, buffer.batch_groups, buffer.lookahead * buffer.batch_groups // phase.dataloader.batch_size)
+        self.filter = (
+            None
+            if fg is None
+            else GroupFilter(
+                fg, buffer.batch_groups, buffer.lookahead * buffer.batch_groups // phase.dataloader.batch_size
+            )
+        )
         dl = phase.dataloader  # prompt batches drawn so far (a resumed run continues the count): the seed index
         self.chunks = dl.epoch * dl.num_batches + dl.batch_in_epoch
         self.pending: list[tuple[Any, dict, list[Group]]] = []  # submitted, not collected: (future, prompts, groups)
@@ -226,8 +249,10 @@ class Rollouter:
             for group in groups:
                 self.buffer.discard(group)
             if self.failed_in_a_row >= self.max_failed:
-                raise RuntimeError(f"{self.failed_in_a_row} rollout chunks in a row failed their reward "
-                                   f"(trainer.max_consecutive_skipped_steps={self.max_failed}): {err}") from err
+                raise RuntimeError(
+                    f"{self.failed_in_a_row} rollout chunks in a row failed their reward "
+                    f"(trainer.max_consecutive_skipped_steps={self.max_failed}): {err}"
+                ) from err
             return
         self.failed_in_a_row = 0
         rows = dict(_split_groups(batch))
@@ -245,8 +270,10 @@ class Rollouter:
         """ReMax: ``reward_baselines`` = the reward of each prompt's greedy response, which the same
         policy version generated (``RuntimeError`` otherwise: the push got between them)."""
         if int(base["policy_version"]) != version:
-            raise RuntimeError(f"ReMax baseline generated by policy version {base['policy_version']}, its samples by "
-                               f"{version}: a weight push got between them")
+            raise RuntimeError(
+                f"ReMax baseline generated by policy version {base['policy_version']}, its samples by "
+                f"{version}: a weight push got between them"
+            )
         try:
             scores = self.phase.reward_fn(self.phase.to_batch(prompts, base["batch"])).scores  # [prompts]
         except RewardError as err:
@@ -361,9 +388,12 @@ def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
     lag = (trainer_version - batch["rollout_policy_version"]).double()
     tokens = batch["response_mask"].sum(-1).double()
     total = float(tokens.sum()) or 1.0
-    out = {"async/staleness_mean": float((lag * tokens).sum()) / total, "async/staleness_max": float(lag.max()),
-           "async/trainer_policy_version": float(trainer_version),
-           "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min())}
+    out = {
+        "async/staleness_mean": float((lag * tokens).sum()) / total,
+        "async/staleness_max": float(lag.max()),
+        "async/trainer_policy_version": float(trainer_version),
+        "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min()),
+    }
     for d in sorted(set(lag.long().tolist())):
         out[f"async/token_fraction/staleness_{d}"] = float(tokens[lag.long() == d].sum()) / total
     return out
@@ -377,10 +407,12 @@ def partial_staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, f
     versions = batch["rollout_policy_versions"].long()
     lag = (trainer_version - versions)[mask]
     total = float(mask.sum()) or 1.0
-    out = {"async/staleness_mean": float(lag.double().sum()) / total,
-           "async/staleness_max": float(lag.max()) if lag.numel() else 0.0,
-           "async/trainer_policy_version": float(trainer_version),
-           "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min())}
+    out = {
+        "async/staleness_mean": float(lag.double().sum()) / total,
+        "async/staleness_max": float(lag.max()) if lag.numel() else 0.0,
+        "async/trainer_policy_version": float(trainer_version),
+        "async/rollout_policy_version_min": float(batch["rollout_policy_version"].min()),
+    }
     for d in sorted(set(lag.tolist())):
         out[f"async/token_fraction/staleness_{d}"] = float((lag == d).sum()) / total
     big = 2**62
@@ -406,8 +438,9 @@ def _assemble(groups: list[Group]) -> Batch:
     return batch
 
 
-def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
-              on_step: Optional[Callable[[dict], None]] = None) -> list[dict[str, float]]:
+def fit_async(
+    trainer: Any, total: int, logger: MetricsLogger, skips: Any, on_step: Optional[Callable[[dict], None]] = None
+) -> list[dict[str, float]]:
     """The asynchronous loop (see the module docstring) from ``trainer.global_steps`` to ``total``;
     the per-step tail (validation, checkpoints, logging) is the synchronous loop's."""
     from megatron_rl.trainer.failures import worker_failure
@@ -417,14 +450,20 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
     if settings.mini_batches_per_push is not None:  # one push per step = parameter_sync_step optimizer steps
         per_step = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         if per_step != settings.mini_batches_per_push:
-            raise ValueError(f"trainer.v1.separate_async.parameter_sync_step={settings.mini_batches_per_push} but a "
-                             f"step has {per_step} mini-batches")
+            raise ValueError(
+                f"trainer.v1.separate_async.parameter_sync_step={settings.mini_batches_per_push} but a "
+                f"step has {per_step} mini-batches"
+            )
     phase = trainer.rollout_phase
     buffer = ReplayBuffer(cfg.data.train_batch_size, settings.lookahead, settings.threshold, settings.strategy)
     resumed = getattr(trainer, "resume_state", None) or {}  # the checkpoint's trainer state, if one was loaded
-    rollouter = Rollouter(phase, buffer, threaded=settings.mode == "separate_async",
-                          max_failed=tcfg.max_consecutive_skipped_steps,
-                          settled_before=resumed.get("async_settled_uids", ()))
+    rollouter = Rollouter(
+        phase,
+        buffer,
+        threaded=settings.mode == "separate_async",
+        max_failed=tcfg.max_consecutive_skipped_steps,
+        settled_before=resumed.get("async_settled_uids", ()),
+    )
     ledger = SampleLedger(Path(trainer.log_dir) / SAMPLES_FILE, trainer.global_steps)
     trainer.async_versions = {trainer.weight_version: trainer.global_steps}  # policy version -> step it came after
     trainer.async_trained_versions = {}  # step -> the policy versions of the rollouts it trained on
@@ -459,13 +498,20 @@ def fit_async(trainer: Any, total: int, logger: MetricsLogger, skips: Any,
                 trainer.train_step(batch, metrics, timing)
                 trainer.async_versions[trainer.weight_version] = step
                 rollouter.step_done()
-            metrics["async/rollout_idle_s"] = max(0.0, (time.time() - wall_start)
-                                                  - rollouter.busy_within(wall_start, time.time()))
+            metrics["async/rollout_idle_s"] = max(
+                0.0, (time.time() - wall_start) - rollouter.busy_within(wall_start, time.time())
+            )
             if rollouter.failed_samples:
                 metrics["reward/num_failed_samples"], rollouter.failed_samples = float(rollouter.failed_samples), 0
             # a checkpoint drains the queue: the prompts rewind to the oldest unsettled batch (DrawLedger)
-            trainer.end_step(batch, metrics, timing, step=step, last=last,
-                             state=lambda: {**trainer.trainer_state(), **rollouter.resume_state()})
+            trainer.end_step(
+                batch,
+                metrics,
+                timing,
+                step=step,
+                last=last,
+                state=lambda: {**trainer.trainer_state(), **rollouter.resume_state()},
+            )
             logger.log(metrics, step=step)
             history.append(metrics)
             if on_step is not None:

@@ -42,8 +42,12 @@ class SampleLedger:
     def write(self, step: int, groups: list[Group], *, evicted: list[str], filtered: list[str], n: int) -> None:
         """Append step ``step``'s line (written before the step's checkpoint can be)."""
         trained = [f"{g.uid}/{j}" for g in groups for j in range(len(g.payload))]
-        row = {"step": step, "trained": trained, "evicted": [f"{u}/{j}" for u in evicted for j in range(n)],
-               "filtered": [f"{u}/{j}" for u in filtered for j in range(n)]}
+        row = {
+            "step": step,
+            "trained": trained,
+            "evicted": [f"{u}/{j}" for u in evicted for j in range(n)],
+            "filtered": [f"{u}/{j}" for u in filtered for j in range(n)],
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -69,8 +73,9 @@ class GroupFilter:
         from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
 
         extra = {k: list(batch[k]) for k in batch.meta_info.get(REWARD_EXTRA_KEYS, ())}
-        values = compute_filter_metric(self.cfg.metric or "seq_reward", batch["token_level_scores"],
-                                       batch["token_level_scores"], extra)
+        values = compute_filter_metric(
+            self.cfg.metric or "seq_reward", batch["token_level_scores"], batch["token_level_scores"], extra
+        )
         self.batches += 1
         return filter_groups(values, [str(u) for u in batch["uid"]])[0]
 
@@ -91,13 +96,16 @@ class GroupFilter:
                 f"informative prompt groups, fewer than data.train_batch_size={self.batch_groups} "
                 f"(algorithm.filter_groups.max_num_gen_batches={limit}, plus {self.ahead} generated ahead); the data "
                 "may be too hard or too easy for the model -- raise max_num_gen_batches (0 = unbounded) or "
-                "data.gen_batch_size")
+                "data.gen_batch_size"
+            )
 
     def take_metrics(self) -> dict[str, float]:
         """verl's ``filter_groups/*`` since the trainer's last take; resets the counts."""
-        out = {"filter_groups/num_gen_batches": float(self.batches),
-               "filter_groups/kept_group_ratio": self.kept / max(1, self.groups),
-               "filter_groups/num_filtered_groups": float(self.groups - self.kept)}
+        out = {
+            "filter_groups/num_gen_batches": float(self.batches),
+            "filter_groups/kept_group_ratio": self.kept / max(1, self.groups),
+            "filter_groups/num_filtered_groups": float(self.groups - self.kept),
+        }
         self.groups = self.kept = self.batches = 0
         return out
 

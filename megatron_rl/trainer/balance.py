@@ -20,17 +20,22 @@ from megatron_rl.engine.batching import attention_workload, balanced_partitions
 __all__ = ["balance_batch", "seqlen_balance_metrics"]
 
 
-def seqlen_balance_metrics(seqlens: list[int], partitions: list[list[int]], prefix: str = "global_seqlen"
-                           ) -> dict[str, float]:
+def seqlen_balance_metrics(
+    seqlens: list[int], partitions: list[list[int]], prefix: str = "global_seqlen"
+) -> dict[str, float]:
     """verl's ``log_seqlen_unbalance``: token sums of the contiguous DP slices vs. of ``partitions``."""
     k = len(partitions)
     size = len(seqlens) // k
-    before = [sum(seqlens[i * size:(i + 1) * size]) for i in range(k)]
+    before = [sum(seqlens[i * size : (i + 1) * size]) for i in range(k)]
     after = [sum(seqlens[i] for i in part) for part in partitions]
-    return {f"{prefix}/min": float(min(before)), f"{prefix}/max": float(max(before)),
-            f"{prefix}/minmax_diff": float(max(before) - min(before)),
-            f"{prefix}/balanced_min": float(min(after)), f"{prefix}/balanced_max": float(max(after)),
-            f"{prefix}/mean": float(sum(before)) / k}
+    return {
+        f"{prefix}/min": float(min(before)),
+        f"{prefix}/max": float(max(before)),
+        f"{prefix}/minmax_diff": float(max(before) - min(before)),
+        f"{prefix}/balanced_min": float(min(after)),
+        f"{prefix}/balanced_max": float(max(after)),
+        f"{prefix}/mean": float(sum(before)) / k,
+    }
 
 
 def balance_batch(batch: Any, dp_size: int, *, prefix: str = "global_seqlen") -> dict[str, float]:
@@ -38,8 +43,10 @@ def balance_batch(batch: Any, dp_size: int, *, prefix: str = "global_seqlen") ->
     slices holds a near-equal token count; return the ``global_seqlen/*`` metrics."""
     n = len(batch)
     if n % dp_size:
-        raise ValueError(f"trainer.balance_batch: a batch of {n} samples cannot be split evenly over the "
-                         f"data-parallel size {dp_size}")
+        raise ValueError(
+            f"trainer.balance_batch: a batch of {n} samples cannot be split evenly over the "
+            f"data-parallel size {dp_size}"
+        )
     seqlens = [int(x) for x in batch["attention_mask"].sum(-1).tolist()]
     workloads = attention_workload(seqlens)
     partitions = balanced_partitions(workloads, dp_size, equal_size=True)

@@ -25,8 +25,9 @@ def build_tokenizer(config: TrainerRunConfig, model_path: str):
     from transformers import AutoTokenizer
 
     model = config.actor_rollout_ref.model
-    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or model_path,
-                                              trust_remote_code=model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model.tokenizer_path or model_path, trust_remote_code=model.trust_remote_code
+    )
     if model.custom_chat_template is not None:
         tokenizer.chat_template = model.custom_chat_template
     return tokenizer
@@ -46,7 +47,9 @@ def build_train_dataloader(config: TrainerRunConfig, tokenizer: Any, run_dir: Pa
     files = data.train_files
     if files is None:
         num, kwargs = _task_kwargs(config)
-        files = str(make_toy_dataset(data.task, num, seed=int(data.seed or 0), path=run_dir / "train.parquet", **kwargs))
+        files = str(
+            make_toy_dataset(data.task, num, seed=int(data.seed or 0), path=run_dir / "train.parquet", **kwargs)
+        )
     return build_prompt_dataloader(files, tokenizer, data, max_samples=data.train_max_samples)
 
 
@@ -62,8 +65,15 @@ def build_val_dataloader(config: TrainerRunConfig, tokenizer: Any, run_dir: Path
         if data.task is None:
             return None
         _, kwargs = _task_kwargs(config)
-        files = str(make_toy_dataset(data.task, limit if limit > 0 else 64, seed=int(data.seed or 0) + _VAL_SEED_OFFSET,
-                                     path=run_dir / "val.parquet", **kwargs))
+        files = str(
+            make_toy_dataset(
+                data.task,
+                limit if limit > 0 else 64,
+                seed=int(data.seed or 0) + _VAL_SEED_OFFSET,
+                path=run_dir / "val.parquet",
+                **kwargs,
+            )
+        )
     dataset = PromptDataset(files, tokenizer, data, max_samples=limit)
     size = min(data.val_batch_size or len(dataset), len(dataset))
     return PromptDataLoader(dataset, size, shuffle=data.validation_shuffle, seed=data.seed, drop_last=False)
@@ -80,5 +90,6 @@ def build_reward_fn(config: TrainerRunConfig, tokenizer: Any, score: Optional[An
         if reward.custom_reward_function.path:
             score = load_custom_reward_fn(reward.custom_reward_function.path, reward.custom_reward_function.name)
     kwargs = reward.reward_kwargs
-    return RewardFunction(tokenizer, score, overlong_buffer_cfg=kwargs.overlong_buffer_cfg,
-                          max_resp_len=kwargs.max_resp_len)
+    return RewardFunction(
+        tokenizer, score, overlong_buffer_cfg=kwargs.overlong_buffer_cfg, max_resp_len=kwargs.max_resp_len
+    )

@@ -27,8 +27,17 @@ from megatron_rl.trainer.checkpoint import (
 )
 from parallel.checkpoint import DiskFullError, free_bytes, fmt_bytes, is_disk_full
 
-__all__ = ["Checkpointer", "Validator", "SkipGuard", "GenerationDump", "validation_line", "TrainerCallback",
-           "Callbacks", "HOOKS", "load_callbacks"]
+__all__ = [
+    "Checkpointer",
+    "Validator",
+    "SkipGuard",
+    "GenerationDump",
+    "validation_line",
+    "TrainerCallback",
+    "Callbacks",
+    "HOOKS",
+    "load_callbacks",
+]
 
 HOOKS = ("on_fit_start", "on_validation_end", "on_checkpoint", "on_step_end", "on_fit_end")
 """The hooks a ``TrainerCallback`` may define, in the order one run calls them: ``on_fit_start`` once
@@ -95,8 +104,10 @@ class Callbacks:
             try:
                 getattr(cb, hook)(trainer, *args)
             except Exception as err:
-                raise RuntimeError(f"trainer.callbacks: {type(cb).__module__}.{type(cb).__qualname__}.{hook} "
-                                   f"raised {type(err).__name__}: {err}") from err
+                raise RuntimeError(
+                    f"trainer.callbacks: {type(cb).__module__}.{type(cb).__qualname__}.{hook} "
+                    f"raised {type(err).__name__}: {err}"
+                ) from err
 
 
 class GenerationDump:
@@ -112,13 +123,20 @@ class GenerationDump:
         """A dump into ``directory``, or None (nothing dumped) when it is None."""
         return None if directory is None else cls(directory)
 
-    def write(self, step: int, inputs: list, outputs: list, gts: list, scores: list,
-              extra: Optional[dict[str, list]] = None) -> Path:
+    def write(
+        self, step: int, inputs: list, outputs: list, gts: list, scores: list, extra: Optional[dict[str, list]] = None
+    ) -> Path:
         """Write one step's samples (fields of another length than ``inputs`` are left out)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         n = len(inputs)
-        columns = {"input": list(inputs), "output": list(outputs), "gts": list(gts), "score": list(scores),
-                   "step": [step] * n, **{k: list(v) for k, v in (extra or {}).items() if len(v) == n}}
+        columns = {
+            "input": list(inputs),
+            "output": list(outputs),
+            "gts": list(gts),
+            "score": list(scores),
+            "step": [step] * n,
+            **{k: list(v) for k, v in (extra or {}).items() if len(v) == n},
+        }
         path = self.dir / f"{step}.jsonl"
         with open(path, "w") as f:
             for i in range(n):
@@ -169,11 +187,15 @@ class Checkpointer:
                 final = ckpt.commit(state)
         except Exception as err:
             if is_disk_full(err):
-                raise DiskFullError(f"disk full: saving checkpoint global_step_{step} under {self.root} failed "
-                                    f"({type(err).__name__}); it needs ~{fmt_bytes(needed)}, "
-                                    f"{fmt_bytes(free_bytes(self.root))} are free now; "
-                                    f"{last_good_checkpoint(self.root)}", path=self.root, needed=needed,
-                                    free=free_bytes(self.root)) from err
+                raise DiskFullError(
+                    f"disk full: saving checkpoint global_step_{step} under {self.root} failed "
+                    f"({type(err).__name__}); it needs ~{fmt_bytes(needed)}, "
+                    f"{fmt_bytes(free_bytes(self.root))} are free now; "
+                    f"{last_good_checkpoint(self.root)}",
+                    path=self.root,
+                    needed=needed,
+                    free=free_bytes(self.root),
+                ) from err
             raise
         keep = [k for k in (self.cfg.max_actor_ckpt_to_keep, self.cfg.max_critic_ckpt_to_keep) if k is not None]
         prune_checkpoints(self.root, min(keep) if keep else None)
@@ -183,8 +205,9 @@ class Checkpointer:
         """Load the checkpoint ``trainer.resume_mode`` selects into every group -- verified against
         its manifest first, past damaged ones with ``trainer.resume_fallback`` (``select_checkpoint``)
         -- and return its directory and driver state (None: a fresh start)."""
-        choice = select_checkpoint(self.root, self.cfg.resume_mode, self.cfg.resume_from_path,
-                                   fallback=self.cfg.resume_fallback)
+        choice = select_checkpoint(
+            self.root, self.cfg.resume_mode, self.cfg.resume_from_path, fallback=self.cfg.resume_fallback
+        )
         if choice.path is None:
             return None
         if choice.skipped:
@@ -210,9 +233,21 @@ class Validator:
         dump: where the samples go (``trainer.validation_data_dir``), or None.
     """
 
-    def __init__(self, trainer: TrainerConfig, dataloader: Any, generate: Callable, reward_fn: Any,
-                 dump: Optional[GenerationDump] = None):
-        self.cfg, self.dataloader, self.generate, self.reward_fn, self.dump = trainer, dataloader, generate, reward_fn, dump
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        dataloader: Any,
+        generate: Callable,
+        reward_fn: Any,
+        dump: Optional[GenerationDump] = None,
+    ):
+        self.cfg, self.dataloader, self.generate, self.reward_fn, self.dump = (
+            trainer,
+            dataloader,
+            generate,
+            reward_fn,
+            dump,
+        )
 
     def should_validate_before_training(self, step: int = 0) -> bool:
         """``trainer.val_before_train`` with a validation set, on a fresh start only: a resumed run's
@@ -283,10 +318,17 @@ def validation_line(step: int, per_source: dict[str, dict[str, list]], dumped: O
     import math
 
     rewards = [float(v) for keys in per_source.values() for v in keys.get("reward", ()) if math.isfinite(float(v))]
-    acc = [float(v) for keys in per_source.values() for v in keys.get("acc", ())
-           if isinstance(v, (int, float)) and math.isfinite(float(v))]
-    text = f"[val] step {step}: mean reward {sum(rewards) / len(rewards):.3f}" if rewards else f"[val] step {step}: " \
-        "no finite reward"
+    acc = [
+        float(v)
+        for keys in per_source.values()
+        for v in keys.get("acc", ())
+        if isinstance(v, (int, float)) and math.isfinite(float(v))
+    ]
+    text = (
+        f"[val] step {step}: mean reward {sum(rewards) / len(rewards):.3f}"
+        if rewards
+        else f"[val] step {step}: no finite reward"
+    )
     if acc:
         text += f", exact {sum(acc) / len(acc):.1%}"
     text += f" ({len(rewards)} samples)"
@@ -317,5 +359,7 @@ class SkipGuard:
         """Count this step; ``RuntimeError`` (naming the last error) once the limit is reached."""
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if self.in_a_row and self.in_a_row >= self.limit:
-            raise RuntimeError(f"{self.in_a_row} steps in a row were skipped because the reward failed "
-                               f"(trainer.max_consecutive_skipped_steps={self.limit}); last error: {last_error}")
+            raise RuntimeError(
+                f"{self.in_a_row} steps in a row were skipped because the reward failed "
+                f"(trainer.max_consecutive_skipped_steps={self.limit}); last error: {last_error}"
+            )

@@ -39,9 +39,24 @@ from typing import Any, Optional
 
 from parallel.checkpoint import check_free_space, verify_dist_checkpoint
 
-__all__ = ["LATEST_FILE", "TRAINER_STATE", "MANIFEST", "CONFIG_COPY", "StepCheckpoint", "Selection",
-           "find_resume_dir", "select_checkpoint", "verify_step", "prune_checkpoints", "step_dir", "step_dirs",
-           "last_good_checkpoint", "hf_num_params", "estimate_checkpoint_bytes", "ensure_space_for_checkpoint"]
+__all__ = [
+    "LATEST_FILE",
+    "TRAINER_STATE",
+    "MANIFEST",
+    "CONFIG_COPY",
+    "StepCheckpoint",
+    "Selection",
+    "find_resume_dir",
+    "select_checkpoint",
+    "verify_step",
+    "prune_checkpoints",
+    "step_dir",
+    "step_dirs",
+    "last_good_checkpoint",
+    "hf_num_params",
+    "estimate_checkpoint_bytes",
+    "ensure_space_for_checkpoint",
+]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.json"
@@ -110,9 +125,14 @@ def _hash_all(root: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
 def write_manifest(root: Path, step: int) -> dict[str, Any]:
     """Write ``root/manifest.json`` describing every other file under ``root``; returns it."""
     files = _hash_all(root, _files(root))
-    manifest = {"format": 1, "step": int(step), "files": files,
-                "total_bytes": sum(f["size"] for f in files.values()),
-                "full_hash_bytes": FULL_HASH_BYTES, "sampled_blocks": SAMPLED_BLOCKS}
+    manifest = {
+        "format": 1,
+        "step": int(step),
+        "files": files,
+        "total_bytes": sum(f["size"] for f in files.values()),
+        "full_hash_bytes": FULL_HASH_BYTES,
+        "sampled_blocks": SAMPLED_BLOCKS,
+    }
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -248,9 +268,13 @@ def estimate_checkpoint_bytes(root: str | Path, groups: dict[str, Any]) -> int:
 def ensure_space_for_checkpoint(root: str | Path, step: int, needed: int) -> None:
     """``DiskFullError`` (the path, the bytes needed and free, the last good checkpoint) unless
     ``needed`` bytes are free under ``root``; called before a save starts."""
-    check_free_space(root, needed, f"saving checkpoint global_step_{step}",
-                     hint=f"; {last_good_checkpoint(root)}. Free space there, or keep fewer checkpoints "
-                          "(trainer.max_actor_ckpt_to_keep)")
+    check_free_space(
+        root,
+        needed,
+        f"saving checkpoint global_step_{step}",
+        hint=f"; {last_good_checkpoint(root)}. Free space there, or keep fewer checkpoints "
+        "(trainer.max_actor_ckpt_to_keep)",
+    )
 
 
 def last_good_checkpoint(root: str | Path) -> str:
@@ -284,8 +308,10 @@ class Selection:
         """One line on what was passed over and why (empty when nothing was)."""
         if not self.skipped:
             return ""
-        bad = "; ".join(f"{p.name} is damaged: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1
-                                                                 else "") for p, problems in self.skipped)
+        bad = "; ".join(
+            f"{p.name} is damaged: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+            for p, problems in self.skipped
+        )
         target = f"resuming from {self.path}, the newest complete checkpoint" if self.path else "no checkpoint is left"
         return f"{bad}; {target} (the damaged checkpoint is kept; trainer.resume_fallback=false refuses instead)"
 
@@ -294,8 +320,9 @@ def _damaged(path: Path, problems: list[str], key: str) -> ValueError:
     return ValueError(f"{key}: checkpoint {path} is damaged: {'; '.join(problems)}")
 
 
-def select_checkpoint(root: str | Path, mode: str = "auto", resume_from_path: Optional[str] = None, *,
-                      fallback: bool = True) -> Selection:
+def select_checkpoint(
+    root: str | Path, mode: str = "auto", resume_from_path: Optional[str] = None, *, fallback: bool = True
+) -> Selection:
     """The checkpoint ``trainer.resume_mode`` selects, verified (``verify_step``) before anything is loaded.
 
     ``disable``: none. ``resume_path``: ``resume_from_path``, which must be complete and intact.
@@ -309,8 +336,9 @@ def select_checkpoint(root: str | Path, mode: str = "auto", resume_from_path: Op
     if mode == "resume_path":
         path = Path(resume_from_path or "").expanduser()
         if not path.is_dir():
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} does not exist; expected a "
-                             "global_step_N directory")
+            raise ValueError(
+                f"trainer.resume_from_path={resume_from_path!r} does not exist; expected a global_step_N directory"
+            )
         problems = verify_step(path)
         if problems:
             raise _damaged(path, problems, f"trainer.resume_from_path={resume_from_path!r}")
@@ -341,17 +369,22 @@ def select_checkpoint(root: str | Path, mode: str = "auto", resume_from_path: Op
             return choice
         skipped.append((path, problems))
         if not fallback:
-            raise ValueError(f"trainer.resume_mode='auto': checkpoint {path} is damaged: {'; '.join(problems)}; "
-                             "trainer.resume_fallback=true resumes from the newest complete checkpoint instead, "
-                             "trainer.resume_mode=disable starts fresh")
+            raise ValueError(
+                f"trainer.resume_mode='auto': checkpoint {path} is damaged: {'; '.join(problems)}; "
+                "trainer.resume_fallback=true resumes from the newest complete checkpoint instead, "
+                "trainer.resume_mode=disable starts fresh"
+            )
     named = "; ".join(f"{p}: {problems[0]}" for p, problems in skipped)
-    raise ValueError(f"trainer.resume_mode='auto': no complete checkpoint under {root} ({named}); nothing was "
-                     "deleted. Set trainer.resume_mode=disable to start fresh, or repair/remove the damaged "
-                     "checkpoints")
+    raise ValueError(
+        f"trainer.resume_mode='auto': no complete checkpoint under {root} ({named}); nothing was "
+        "deleted. Set trainer.resume_mode=disable to start fresh, or repair/remove the damaged "
+        "checkpoints"
+    )
 
 
-def find_resume_dir(root: str | Path, mode: str = "auto", resume_from_path: Optional[str] = None, *,
-                    fallback: bool = True) -> Optional[Path]:
+def find_resume_dir(
+    root: str | Path, mode: str = "auto", resume_from_path: Optional[str] = None, *, fallback: bool = True
+) -> Optional[Path]:
     """The step directory to resume from (``select_checkpoint``'s choice), or None to start fresh."""
     return select_checkpoint(root, mode, resume_from_path, fallback=fallback).path
 

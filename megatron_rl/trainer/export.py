@@ -43,16 +43,23 @@ def save_hf_checkpoint(actor, model_path: str | Path, out_dir: str | Path, *, bu
         adapter = None
     clash = sorted({name for name, _ in weights} & set(mtp))
     if clash:
-        raise ValueError(f"save_hf_checkpoint: the trained model exports {clash[:5]}, which are MTP tensors of "
-                         f"{model_path}")
+        raise ValueError(
+            f"save_hf_checkpoint: the trained model exports {clash[:5]}, which are MTP tensors of {model_path}"
+        )
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        save_file({**{name: t.contiguous() for name, t in weights}, **mtp}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {**{name: t.contiguous() for name, t in weights}, **mtp},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         for f in Path(model_path).iterdir():
-            if f.is_file() and (f.suffix in _COPIED_SUFFIXES and not f.name.endswith(".safetensors.index.json")
-                                and f.name != "sft_warmup.json"):
+            if f.is_file() and (
+                f.suffix in _COPIED_SUFFIXES
+                and not f.name.endswith(".safetensors.index.json")
+                and f.name != "sft_warmup.json"
+            ):
                 shutil.copy(f, tmp / f.name)
         if adapter is not None:
             write_peft_adapter(*adapter, tmp / ADAPTER_DIR_NAME)

@@ -23,8 +23,13 @@ def worker_failure(step: int, log_dir: Path):
     except ray.exceptions.RayError as err:
         last = last_good_checkpoint(log_dir)
         if is_disk_full(err):
-            raise DiskFullError(f"step {step}: a worker ran out of disk space (disk full; {fmt_bytes(free_bytes(log_dir))} "
-                                f"free under {log_dir}), the run stops; {last}. Worker error: {type(err).__name__}: "
-                                f"{err}", path=log_dir, free=free_bytes(log_dir)) from err
-        raise RuntimeError(f"step {step}: a worker failed, the run stops; {last}. Worker error: "
-                           f"{type(err).__name__}: {err}") from err
+            raise DiskFullError(
+                f"step {step}: a worker ran out of disk space (disk full; {fmt_bytes(free_bytes(log_dir))} "
+                f"free under {log_dir}), the run stops; {last}. Worker error: {type(err).__name__}: "
+                f"{err}",
+                path=log_dir,
+                free=free_bytes(log_dir),
+            ) from err
+        raise RuntimeError(
+            f"step {step}: a worker failed, the run stops; {last}. Worker error: {type(err).__name__}: {err}"
+        ) from err

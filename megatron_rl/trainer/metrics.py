@@ -20,11 +20,25 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["timer", "compute_data_metrics", "compute_timing_metrics", "compute_throughput_metrics", "step_metrics",
-           "MetricsLogger", "drop_rows_after", "CONSOLE_KEYS"]
+__all__ = [
+    "timer",
+    "compute_data_metrics",
+    "compute_timing_metrics",
+    "compute_throughput_metrics",
+    "step_metrics",
+    "MetricsLogger",
+    "drop_rows_after",
+    "CONSOLE_KEYS",
+]
 
-CONSOLE_KEYS = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
-                "actor/grad_norm", "timing_s/step")
+CONSOLE_KEYS = (
+    "critic/score/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "timing_s/step",
+)
 """Keys the console line shows (when present)."""
 
 
@@ -42,8 +56,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     if values.numel() == 0:
         return {f"{prefix}/mean": math.nan, f"{prefix}/max": math.nan, f"{prefix}/min": math.nan}
     values = values.float()
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
 
 
 def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +94,8 @@ def compute_data_metrics(batch: Mapping[str, Any], use_critic: bool) -> dict[str
         returns = torch.masked_select(batch["returns"], mask)
         metrics.update(_stats("critic/values", values))
         metrics["critic/vf_explained_var"] = (
-            float(1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)) if values.numel() > 1 else math.nan)
+            float(1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)) if values.numel() > 1 else math.nan
+        )
     return metrics
 
 
@@ -87,8 +105,10 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing: Mapping[str, float]
     prompt_length, response_length = _lengths(batch)
     response_tokens = float(response_length.sum())
     all_tokens = float(prompt_length.sum()) + response_tokens
-    per_phase = {"gen": response_tokens,
-                 **{k: all_tokens for k in ("ref", "values", "adv", "update_critic", "update_actor")}}
+    per_phase = {
+        "gen": response_tokens,
+        **{k: all_tokens for k in ("ref", "values", "adv", "update_critic", "update_actor")},
+    }
     out = {f"timing_s/{k}": float(v) for k, v in timing.items()}
     for k, tokens in per_phase.items():
         if k in timing:
@@ -96,23 +116,39 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing: Mapping[str, float]
     return out
 
 
-def compute_throughput_metrics(batch: Mapping[str, Any], timing: Mapping[str, float], n_devices: int) -> dict[str, float]:
+def compute_throughput_metrics(
+    batch: Mapping[str, Any], timing: Mapping[str, float], n_devices: int
+) -> dict[str, float]:
     """``perf/total_num_tokens``, ``perf/time_per_step`` and ``perf/throughput`` (tokens/s/device)."""
     total = int(batch["attention_mask"].sum())
     step = float(timing["step"])
-    return {"perf/total_num_tokens": total, "perf/time_per_step": step,
-            "perf/throughput": total / (step * max(n_devices, 1)) if step > 0 else math.nan}
+    return {
+        "perf/total_num_tokens": total,
+        "perf/time_per_step": step,
+        "perf/throughput": total / (step * max(n_devices, 1)) if step > 0 else math.nan,
+    }
 
 
-def step_metrics(batch: Optional[Mapping[str, Any]], timing: Mapping[str, float], *, step: int, epoch: int,
-                 use_critic: bool, n_devices: int) -> dict[str, float]:
+def step_metrics(
+    batch: Optional[Mapping[str, Any]],
+    timing: Mapping[str, float],
+    *,
+    step: int,
+    epoch: int,
+    use_critic: bool,
+    n_devices: int,
+) -> dict[str, float]:
     """The step's ``training/*``, data, timing and throughput metrics (only timing for a skipped
     step, whose ``batch`` is None)."""
     out = {"training/global_step": step, "training/epoch": epoch}
     if batch is None:
         return {**out, **{f"timing_s/{k}": v for k, v in timing.items()}}
-    return {**out, **compute_data_metrics(batch, use_critic), **compute_timing_metrics(batch, timing),
-            **compute_throughput_metrics(batch, timing, n_devices)}
+    return {
+        **out,
+        **compute_data_metrics(batch, use_critic),
+        **compute_timing_metrics(batch, timing),
+        **compute_throughput_metrics(batch, timing, n_devices),
+    }
 
 
 def drop_rows_after(path: Path, step: int) -> None:
@@ -145,9 +181,17 @@ class MetricsLogger:
 
     KNOWN = ("console", "tensorboard", "wandb")
 
-    def __init__(self, log_dir: str | Path, loggers: Sequence[str] = ("console",), *,
-                 total_steps: Optional[int] = None, console_keys: Sequence[str] = CONSOLE_KEYS,
-                 project: str = "megatron_rl", experiment: Optional[str] = None, config: Any = None):
+    def __init__(
+        self,
+        log_dir: str | Path,
+        loggers: Sequence[str] = ("console",),
+        *,
+        total_steps: Optional[int] = None,
+        console_keys: Sequence[str] = CONSOLE_KEYS,
+        project: str = "megatron_rl",
+        experiment: Optional[str] = None,
+        config: Any = None,
+    ):
         unknown = [name for name in loggers if name not in self.KNOWN]
         if unknown:
             raise ValueError(f"trainer.logger has unsupported logger(s) {unknown}; allowed: {list(self.KNOWN)}")

@@ -22,14 +22,15 @@ from megatron_rl.trainer.schedule import StepSchedule, Transition
 
 __all__ = ["PhaseRunner"]
 
-GB = 1024 ** 3
+GB = 1024**3
 
 
 class PhaseRunner:
     """Executes (or, ``dry``, records) a ``StepSchedule``'s transitions between phases."""
 
-    def __init__(self, schedule: StepSchedule, groups: Optional[dict[str, Any]] = None, rollout: Any = None, *,
-                 dry: bool = False):
+    def __init__(
+        self, schedule: StepSchedule, groups: Optional[dict[str, Any]] = None, rollout: Any = None, *, dry: bool = False
+    ):
         self.schedule, self.groups, self.rollout, self.dry = schedule, dict(groups or {}), rollout, dry
         self.state = schedule.initial()
         self.history: list[str] = []
@@ -47,8 +48,11 @@ class PhaseRunner:
             self._apply(transition)
             self.actions.append((name, transition))
             have = set(self.state[transition.target])
-            have = have - set(transition.parts) if transition.action in ("offload", "sleep") else have | set(
-                transition.parts)
+            have = (
+                have - set(transition.parts)
+                if transition.action in ("offload", "sleep")
+                else have | set(transition.parts)
+            )
             self.state[transition.target] = tuple(sorted(have))
         self.history.append(name)
         if metrics is not None and not self.dry:
@@ -74,11 +78,17 @@ class PhaseRunner:
             if self.rollout is None:
                 return
             if hasattr(self.rollout, "sleep_refs"):  # a RolloutRouter: every replica
-                calls = (self.rollout.sleep_refs(self.schedule.sleep_level) if t.action == "sleep"
-                         else self.rollout.wake_up_refs(list(t.parts)))
+                calls = (
+                    self.rollout.sleep_refs(self.schedule.sleep_level)
+                    if t.action == "sleep"
+                    else self.rollout.wake_up_refs(list(t.parts))
+                )
             else:
-                calls = [self.rollout.sleep.remote(self.schedule.sleep_level) if t.action == "sleep"
-                         else self.rollout.wake_up.remote(list(t.parts))]
+                calls = [
+                    self.rollout.sleep.remote(self.schedule.sleep_level)
+                    if t.action == "sleep"
+                    else self.rollout.wake_up.remote(list(t.parts))
+                ]
             ray.get(calls)
             return
         group = self.groups.get(t.target)
@@ -90,8 +100,10 @@ class PhaseRunner:
     def _stats(self, roles: Optional[list[str]] = None) -> dict[str, list[dict]]:
         import ray
 
-        stats = {role: ray.get([w.memory_stats.remote() for w in self.groups[role].workers])
-                 for role in (self.groups if roles is None else roles)}
+        stats = {
+            role: ray.get([w.memory_stats.remote() for w in self.groups[role].workers])
+            for role in (self.groups if roles is None else roles)
+        }
         for role, per_rank in stats.items():
             self._resident[role] = max(sum(s["resident"].values()) for s in per_rank)
         return stats
@@ -114,6 +126,8 @@ class PhaseRunner:
         if self.dry or not self.groups:
             return {}
         stats = [s for per_role in self._stats().values() for s in per_role]
-        return {"perf/max_memory_allocated_gb": max(s["max_allocated"] for s in stats) / GB,
-                "perf/max_memory_reserved_gb": max(s["max_reserved"] for s in stats) / GB,
-                "perf/cpu_memory_used_gb": max(s["cpu_used"] for s in stats) / GB}
+        return {
+            "perf/max_memory_allocated_gb": max(s["max_allocated"] for s in stats) / GB,
+            "perf/max_memory_reserved_gb": max(s["max_reserved"] for s in stats) / GB,
+            "perf/cpu_memory_used_gb": max(s["cpu_used"] for s in stats) / GB,
+        }

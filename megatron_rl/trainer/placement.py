@@ -22,9 +22,20 @@ from megatron_rl.utils.engine_map import rollout_layout
 from megatron_rl.workers.dispatch import ShardCache
 from megatron_rl.workers.spec import WorkerSpec
 
-__all__ = ["role_specs", "role_token_budgets", "RoleBudget", "actor_config", "check_token_budget", "Placement",
-           "gpu_rollout_placement_error", "actor_lora", "check_lora_roles", "reference_in_actor",
-           "lora_rollout_config"]
+__all__ = [
+    "role_specs",
+    "role_token_budgets",
+    "RoleBudget",
+    "actor_config",
+    "check_token_budget",
+    "Placement",
+    "gpu_rollout_placement_error",
+    "actor_lora",
+    "check_lora_roles",
+    "reference_in_actor",
+    "lora_rollout_config",
+]
+
 
 def _with_horizon(role_config, total_steps: int):
     """``role_config`` whose LR schedule spans the run: ``optim.total_training_steps`` set to
@@ -48,8 +59,10 @@ def _model_overrides(megatron, source=None, inline=None) -> dict:
     Megatron-side options, then the source's ``model.override_config``, then the role's
     ``megatron.dtype`` as ``params_dtype``."""
     inline = inline if inline is not None else (source.config if source is not None else None)
-    out = {**(megatron_overrides(inline) if inline is not None else {}),
-           **(source.override_config if source is not None else {})}
+    out = {
+        **(megatron_overrides(inline) if inline is not None else {}),
+        **(source.override_config if source is not None else {}),
+    }
     if megatron.dtype is not None:
         out["params_dtype"] = megatron.dtype
     return out
@@ -69,13 +82,17 @@ def check_token_budget(key: str, budget: Optional[int], megatron, data) -> None:
         return
     longest = data.max_prompt_length + data.max_response_length
     if budget < longest:
-        raise ValueError(f"{key}={budget} is smaller than the longest sample: data.max_prompt_length + "
-                         f"data.max_response_length = {data.max_prompt_length}+{data.max_response_length} = {longest}")
+        raise ValueError(
+            f"{key}={budget} is smaller than the longest sample: data.max_prompt_length + "
+            f"data.max_response_length = {data.max_prompt_length}+{data.max_response_length} = {longest}"
+        )
     tp, cp = megatron.tensor_model_parallel_size, megatron.context_parallel_size
     align = (tp if megatron.sequence_parallel and tp > 1 else 1) * (2 * cp if cp > 1 else 1)
     if megatron.use_remove_padding and budget % align:
-        raise ValueError(f"{key}={budget} is not a multiple of {align}, the packed-sequence alignment of its layout "
-                         f"(tensor_model_parallel_size={tp} with sequence_parallel x 2 * context_parallel_size={cp})")
+        raise ValueError(
+            f"{key}={budget} is not a multiple of {align}, the packed-sequence alignment of its layout "
+            f"(tensor_model_parallel_size={tp} with sequence_parallel x 2 * context_parallel_size={cp})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +136,52 @@ def role_token_budgets(config: TrainerRunConfig) -> dict[str, RoleBudget]:
 
     lp = "log_prob_max_token_len_per_gpu"
     return {
-        "actor": RoleBudget(actor.train_token_budget(), actor.forward_token_budget(), "actor_rollout_ref.actor",
-                            "ppo_max_token_len_per_gpu", lp, actor.megatron),
-        "ref": RoleBudget(None, when(_pick(arr.ref.log_prob_use_dynamic_bsz, forward_dynamic),
-                                     _pick(arr.ref.log_prob_max_token_len_per_gpu, forward_budget)),
-                          "actor_rollout_ref.ref", None, lp, arr.ref.megatron),
-        "critic": RoleBudget(when(critic_dynamic, critic.ppo_max_token_len_per_gpu), when(critic_dynamic, critic_forward),
-                             "critic", "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu", critic.megatron),
-        "reward": RoleBudget(None, when(_pick(rm.use_dynamic_bsz, critic_dynamic),
-                                        _pick(rm.forward_max_token_len_per_gpu, critic_forward)),
-                             "reward.reward_model", None, "forward_max_token_len_per_gpu", rm.megatron),
-        "teacher": RoleBudget(None, when(_pick(teacher.log_prob_use_dynamic_bsz, forward_dynamic),
-                                         _pick(teacher.log_prob_max_token_len_per_gpu, forward_budget)),
-                              "distillation.teacher_model", None, lp, teacher.megatron),
+        "actor": RoleBudget(
+            actor.train_token_budget(),
+            actor.forward_token_budget(),
+            "actor_rollout_ref.actor",
+            "ppo_max_token_len_per_gpu",
+            lp,
+            actor.megatron,
+        ),
+        "ref": RoleBudget(
+            None,
+            when(
+                _pick(arr.ref.log_prob_use_dynamic_bsz, forward_dynamic),
+                _pick(arr.ref.log_prob_max_token_len_per_gpu, forward_budget),
+            ),
+            "actor_rollout_ref.ref",
+            None,
+            lp,
+            arr.ref.megatron,
+        ),
+        "critic": RoleBudget(
+            when(critic_dynamic, critic.ppo_max_token_len_per_gpu),
+            when(critic_dynamic, critic_forward),
+            "critic",
+            "ppo_max_token_len_per_gpu",
+            "forward_max_token_len_per_gpu",
+            critic.megatron,
+        ),
+        "reward": RoleBudget(
+            None,
+            when(_pick(rm.use_dynamic_bsz, critic_dynamic), _pick(rm.forward_max_token_len_per_gpu, critic_forward)),
+            "reward.reward_model",
+            None,
+            "forward_max_token_len_per_gpu",
+            rm.megatron,
+        ),
+        "teacher": RoleBudget(
+            None,
+            when(
+                _pick(teacher.log_prob_use_dynamic_bsz, forward_dynamic),
+                _pick(teacher.log_prob_max_token_len_per_gpu, forward_budget),
+            ),
+            "distillation.teacher_model",
+            None,
+            lp,
+            teacher.megatron,
+        ),
     }
 
 
@@ -172,9 +222,11 @@ def _warn_sync_keys_unused(sync) -> None:
     for name in ("backend", "update_weights_bucket_megabytes"):
         value = getattr(sync, name)
         if value != getattr(default, name):
-            warn_once(f"actor_rollout_ref.rollout.checkpoint_engine.{name}={value!r} has no effect with "
-                      "actor_rollout_ref.model.lora.merge=false: the adapters reach vLLM's LoRA through Ray's "
-                      "object store, not through the weight-sync transport")
+            warn_once(
+                f"actor_rollout_ref.rollout.checkpoint_engine.{name}={value!r} has no effect with "
+                "actor_rollout_ref.model.lora.merge=false: the adapters reach vLLM's LoRA through Ray's "
+                "object store, not through the weight-sync transport"
+            )
 
 
 def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str) -> LoRAConfig:
@@ -189,46 +241,62 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
         critic_lora = config.critic.model.lora_config()
         if critic_lora.enabled:
             key = "critic.model.lora_rank" if config.critic.model.lora_rank else "critic.model.lora.rank"
-            raise ValueError(f"{key}={critic_lora.rank} is refused: LoRA on the critic is not built (its value head "
-                             "would stay frozen at its initialisation); a critic without its own model section "
-                             "copies actor_rollout_ref.model's LoRA settings. Allowed: 0 (set critic.model.lora.rank=0: "
-                             "the critic trains every parameter)")
+            raise ValueError(
+                f"{key}={critic_lora.rank} is refused: LoRA on the critic is not built (its value head "
+                "would stay frozen at its initialisation); a critic without its own model section "
+                "copies actor_rollout_ref.model's LoRA settings. Allowed: 0 (set critic.model.lora.rank=0: "
+                "the critic trains every parameter)"
+            )
     if lora.enabled:
         from megatron_rl.models.families import get_family
 
         model_cfg = get_family(model_path).model_config(
-            model_path, **_model_overrides(config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.model))
+            model_path, **_model_overrides(config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.model)
+        )
         check_lora_fits(lora, model_cfg, "actor_rollout_ref.model.lora")
         if lora.adapter_path:  # a PEFT adapter to start from: its config must be these settings
             from megatron_rl.models.peft import read_peft_adapter_config
 
-            key = ("actor_rollout_ref.model.lora_adapter_path" if config.actor_rollout_ref.model.lora_rank
-                   else "actor_rollout_ref.model.lora.adapter_path")
+            key = (
+                "actor_rollout_ref.model.lora_adapter_path"
+                if config.actor_rollout_ref.model.lora_rank
+                else "actor_rollout_ref.model.lora.adapter_path"
+            )
             read_peft_adapter_config(lora.adapter_path, lora, key)
         if not lora.merge:  # adapter-only sync into vLLM's LoRA: what it cannot do yet is refused here
             from megatron_rl.config.lora import vllm_lora_engine_kwargs
 
             vllm_lora_engine_kwargs(lora)  # a rank vLLM cannot hold
             rollout_cfg = config.actor_rollout_ref.rollout
-            refused = {"actor_rollout_ref.rollout.quantization": (rollout_cfg.quantization, None),
-                       "trainer.v1.partial_rollout": (config.trainer.v1.partial_rollout, False)}
+            refused = {
+                "actor_rollout_ref.rollout.quantization": (rollout_cfg.quantization, None),
+                "trainer.v1.partial_rollout": (config.trainer.v1.partial_rollout, False),
+            }
             for key, (value, allowed) in refused.items():
                 if value != allowed:
-                    raise ValueError(f"{key}={value!r} with actor_rollout_ref.model.lora.merge=false is not built "
-                                     f"(adapter-only sync into vLLM's LoRA); allowed: {allowed!r}, or set "
-                                     "actor_rollout_ref.model.lora.merge=true")
+                    raise ValueError(
+                        f"{key}={value!r} with actor_rollout_ref.model.lora.merge=false is not built "
+                        f"(adapter-only sync into vLLM's LoRA); allowed: {allowed!r}, or set "
+                        "actor_rollout_ref.model.lora.merge=true"
+                    )
             _warn_sync_keys_unused(rollout_cfg.checkpoint_engine)
-            experts = model_cfg.is_moe and "experts" not in lora.exclude_modules and any(
-                t in lora.target_modules for t in ("linear_fc1", "linear_fc2"))
+            experts = (
+                model_cfg.is_moe
+                and "experts" not in lora.exclude_modules
+                and any(t in lora.target_modules for t in ("linear_fc1", "linear_fc2"))
+            )
             if experts:
-                raise ValueError(f"actor_rollout_ref.model.lora.target_modules={lora.target_modules!r} adapts MoE "
-                                 "experts, whose adapter-only sync (lora.merge=false) is not built; allowed: "
-                                 "exclude_modules=[experts], or set actor_rollout_ref.model.lora.merge=true")
+                raise ValueError(
+                    f"actor_rollout_ref.model.lora.target_modules={lora.target_modules!r} adapts MoE "
+                    "experts, whose adapter-only sync (lora.merge=false) is not built; allowed: "
+                    "exclude_modules=[experts], or set actor_rollout_ref.model.lora.merge=true"
+                )
     return lora
 
 
-def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int,
-               teacher_path: Optional[str] = None) -> dict[str, WorkerSpec]:
+def role_specs(
+    config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int, teacher_path: Optional[str] = None
+) -> dict[str, WorkerSpec]:
     """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always). ``model_path`` is the
     policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon.
     Each role's config carries its token budgets (``role_token_budgets``, checked here, before any
@@ -239,45 +307,78 @@ def role_specs(config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, to
     if lora.enabled:
         needs = dataclasses.replace(needs, reference=False)
     budgets = role_token_budgets(config)
-    for role, runs in (("actor", True), ("ref", needs.reference), ("critic", needs.critic),
-                       ("reward", needs.reward_model), ("teacher", needs.teacher)):
+    for role, runs in (
+        ("actor", True),
+        ("ref", needs.reference),
+        ("critic", needs.critic),
+        ("reward", needs.reward_model),
+        ("teacher", needs.teacher),
+    ):
         if runs:
             budgets[role].check(config.data)
 
     def lm_forward(role_config, role):
         fwd = budgets[role].forward
-        return role_config.replace(log_prob_use_dynamic_bsz=fwd is not None,
-                                   log_prob_max_token_len_per_gpu=fwd or role_config.ppo_max_token_len_per_gpu)
+        return role_config.replace(
+            log_prob_use_dynamic_bsz=fwd is not None,
+            log_prob_max_token_len_per_gpu=fwd or role_config.ppo_max_token_len_per_gpu,
+        )
 
-    specs = {"actor": WorkerSpec("actor", arr.actor.megatron, actor_config(config, total_steps), hf_dir=model_path,
-                                 model_overrides=_model_overrides(arr.actor.megatron, arr.model),
-                                 lora=lora if lora.enabled else None)}
+    specs = {
+        "actor": WorkerSpec(
+            "actor",
+            arr.actor.megatron,
+            actor_config(config, total_steps),
+            hf_dir=model_path,
+            model_overrides=_model_overrides(arr.actor.megatron, arr.model),
+            lora=lora if lora.enabled else None,
+        )
+    }
     if needs.reference:
-        specs["ref"] = WorkerSpec("ref", arr.ref.megatron, lm_forward(arr.actor, "ref"), hf_dir=model_path,
-                                  model_overrides=_model_overrides(arr.ref.megatron, arr.model))
+        specs["ref"] = WorkerSpec(
+            "ref",
+            arr.ref.megatron,
+            lm_forward(arr.actor, "ref"),
+            hf_dir=model_path,
+            model_overrides=_model_overrides(arr.ref.megatron, arr.model),
+        )
     if needs.critic:
         critic = config.critic
-        if critic.model.path is None and (critic.model.config != arr.model.config
-                                          or critic.model.family != arr.model.family):
-            raise ValueError("critic.model: an inline critic is the policy's architecture (its value head on the "
-                             "materialised policy); set critic.model.path for another critic model")
+        if critic.model.path is None and (
+            critic.model.config != arr.model.config or critic.model.family != arr.model.family
+        ):
+            raise ValueError(
+                "critic.model: an inline critic is the policy's architecture (its value head on the "
+                "materialised policy); set critic.model.path for another critic model"
+            )
         critic_config = _with_horizon(critic, total_steps).replace(use_dynamic_bsz=budgets["critic"].train is not None)
-        specs["critic"] = WorkerSpec("critic", critic.megatron, critic_config,
-                                     hf_dir=critic.model.path or model_path,
-                                     model_overrides=_model_overrides(critic.megatron, critic.model))
+        specs["critic"] = WorkerSpec(
+            "critic",
+            critic.megatron,
+            critic_config,
+            hf_dir=critic.model.path or model_path,
+            model_overrides=_model_overrides(critic.megatron, critic.model),
+        )
     if needs.reward_model:
         rm = config.reward.reward_model
         fwd = budgets["reward"].forward
         rm_config = rm.replace(use_dynamic_bsz=fwd is not None, forward_max_token_len_per_gpu=fwd)
-        specs["reward"] = WorkerSpec("reward", rm.megatron, rm_config, hf_dir=rm.model_path,
-                                     model_overrides=_model_overrides(rm.megatron))
+        specs["reward"] = WorkerSpec(
+            "reward", rm.megatron, rm_config, hf_dir=rm.model_path, model_overrides=_model_overrides(rm.megatron)
+        )
     if needs.teacher:
         teacher = config.distillation.teacher_model
         micro = teacher.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
-        teacher_config = lm_forward(ActorConfig(ppo_micro_batch_size_per_gpu=micro,
-                                                logprob_chunk_size=arr.actor.logprob_chunk_size), "teacher")
-        specs["teacher"] = WorkerSpec("teacher", teacher.megatron, teacher_config, hf_dir=teacher_path,
-                                      model_overrides=_model_overrides(teacher.megatron, inline=teacher.config))
+        teacher_config = lm_forward(
+            ActorConfig(ppo_micro_batch_size_per_gpu=micro, logprob_chunk_size=arr.actor.logprob_chunk_size), "teacher"
+        )
+        specs["teacher"] = WorkerSpec(
+            "teacher",
+            teacher.megatron,
+            teacher_config,
+            hf_dir=teacher_path,
+            model_overrides=_model_overrides(teacher.megatron, inline=teacher.config),
+        )
     return specs
 
 
@@ -312,9 +413,16 @@ class Placement:
     tests start probes that report their node and devices).
     """
 
-    def __init__(self, config: TrainerRunConfig, specs: dict[str, WorkerSpec], *, model_path: str,
-                 role_worker_cls: Optional[type] = None, rollout_worker_cls: Optional[type] = None,
-                 headless_cls: Optional[type] = None):
+    def __init__(
+        self,
+        config: TrainerRunConfig,
+        specs: dict[str, WorkerSpec],
+        *,
+        model_path: str,
+        role_worker_cls: Optional[type] = None,
+        rollout_worker_cls: Optional[type] = None,
+        headless_cls: Optional[type] = None,
+    ):
         import ray
 
         from megatron_rl.workers.group import GpuBundles, MegatronWorkerGroup
@@ -335,31 +443,53 @@ class Placement:
         try:
             if cuda:
                 share = 1.0 / (len(specs) + (0 if separate else 1))
-                self.bundles = GpuBundles(trainer.nnodes, trainer.n_gpus_per_node, num_cpus_per_bundle=len(specs) + 1,
-                                          name="trainer_gpus_pg")
+                self.bundles = GpuBundles(
+                    trainer.nnodes, trainer.n_gpus_per_node, num_cpus_per_bundle=len(specs) + 1, name="trainer_gpus_pg"
+                )
                 engine_bundles = self.bundles
                 if separate:
-                    self.rollout_bundles = GpuBundles(rollout_cfg.nnodes, rollout_cfg.n_gpus_per_node,
-                                                      num_cpus_per_bundle=1, name="rollout_gpus_pg")
+                    self.rollout_bundles = GpuBundles(
+                        rollout_cfg.nnodes, rollout_cfg.n_gpus_per_node, num_cpus_per_bundle=1, name="rollout_gpus_pg"
+                    )
                     engine_bundles = self.rollout_bundles
-                self.replicas = create_rollout_replicas(model_path, rollout_cfg, self.engines, bundles=engine_bundles,
-                                                        partial_rollout=partial, worker_cls=rollout_worker_cls,
-                                                        headless_cls=headless_cls)
+                self.replicas = create_rollout_replicas(
+                    model_path,
+                    rollout_cfg,
+                    self.engines,
+                    bundles=engine_bundles,
+                    partial_rollout=partial,
+                    worker_cls=rollout_worker_cls,
+                    headless_cls=headless_cls,
+                )
                 if not separate and rollout_cfg.free_cache_engine:
                     ray.get([r.actor.sleep.remote(1) for r in self.replicas])  # the roles load into the freed memory
                     self.started_asleep = True
                 for role, spec in specs.items():
-                    self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=1.0,
-                                                            num_gpus_per_worker=share, shards=self.shards,
-                                                            bundles=self.bundles, worker_cls=role_worker_cls)
+                    self.groups[role] = MegatronWorkerGroup(
+                        spec,
+                        world,
+                        num_cpus_per_worker=1.0,
+                        num_gpus_per_worker=share,
+                        shards=self.shards,
+                        bundles=self.bundles,
+                        worker_cls=role_worker_cls,
+                    )
             else:
-                cpus, rollout_cpus = self._cpu_shares(ray.available_resources().get("CPU", 1), len(specs), world,
-                                                      rollout_cfg)
+                cpus, rollout_cpus = self._cpu_shares(
+                    ray.available_resources().get("CPU", 1), len(specs), world, rollout_cfg
+                )
                 for role, spec in specs.items():
-                    self.groups[role] = MegatronWorkerGroup(spec, world, num_cpus_per_worker=cpus, shards=self.shards,
-                                                            worker_cls=role_worker_cls)
-                self.replicas = create_rollout_replicas(model_path, rollout_cfg, self.engines, num_cpus=rollout_cpus,
-                                                        partial_rollout=partial, worker_cls=rollout_worker_cls)
+                    self.groups[role] = MegatronWorkerGroup(
+                        spec, world, num_cpus_per_worker=cpus, shards=self.shards, worker_cls=role_worker_cls
+                    )
+                self.replicas = create_rollout_replicas(
+                    model_path,
+                    rollout_cfg,
+                    self.engines,
+                    num_cpus=rollout_cpus,
+                    partial_rollout=partial,
+                    worker_cls=rollout_worker_cls,
+                )
             self.rollout = self.replicas[0].actor
             self.router = RolloutRouter(self.replicas, response_length=rollout_cfg.response_length)
         except BaseException:
@@ -376,8 +506,10 @@ class Placement:
         own = float(rollout_cfg.nnodes * rollout_cfg.n_gpus_per_node)
         left = available - own
         if left <= 0:
-            raise ValueError(f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_cfg.n_gpus_per_node} CPUs for "
-                             f"the separate rollout leave none of Ray's {available} for the trainer's roles")
+            raise ValueError(
+                f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_cfg.n_gpus_per_node} CPUs for "
+                f"the separate rollout leave none of Ray's {available} for the trainer's roles"
+            )
         return max(0.01, int(100 * left / (num_roles * world)) / 100), own / num_engines
 
     def get(self, role: str):

@@ -65,9 +65,17 @@ class RayPPOTrainer:
     Ray must be up; ``init_workers()`` starts the workers, ``fit()`` trains, ``shutdown()`` stops.
     """
 
-    def __init__(self, config: Any, *, model_path: Optional[str | Path] = None, log_dir: Optional[str | Path] = None,
-                 teacher_path: Optional[str | Path] = None, tokenizer: Any = None, train_dataloader: Any = None,
-                 reward_fn: Any = None):
+    def __init__(
+        self,
+        config: Any,
+        *,
+        model_path: Optional[str | Path] = None,
+        log_dir: Optional[str | Path] = None,
+        teacher_path: Optional[str | Path] = None,
+        tokenizer: Any = None,
+        train_dataloader: Any = None,
+        reward_fn: Any = None,
+    ):
         self.config = config if isinstance(config, TrainerRunConfig) else TrainerRunConfig.from_dict(config)
         self.config = async_run_config(self.config)  # trainer.v1 separate_async forces bypass mode
         self.needs = resolve_run(self.config)
@@ -75,8 +83,10 @@ class RayPPOTrainer:
             raise ValueError("distillation.enabled=True needs the teacher's HF directory (teacher_path)")
         if model_path is None:
             if self.config.actor_rollout_ref.model.path is None:
-                raise ValueError("an inline actor_rollout_ref.model.config is materialised by the main job; build the "
-                                 "trainer with megatron_rl.job.main_job.build_trainer or pass model_path")
+                raise ValueError(
+                    "an inline actor_rollout_ref.model.config is materialised by the main job; build the "
+                    "trainer with megatron_rl.job.main_job.build_trainer or pass model_path"
+                )
             model_path = Path(self.config.actor_rollout_ref.model.path).expanduser()
         self.log_dir = Path(log_dir or self.config.trainer.default_local_dir)
         self.model_path, self.teacher_path = str(model_path), None if teacher_path is None else str(teacher_path)
@@ -130,12 +140,15 @@ class RayPPOTrainer:
         lacks = routed_experts_unsupported() if "R3" in modes else None
         if lacks is None and "R3" in modes and self.multi_turn:
             lacks = "agent sessions (rollout.multi_turn) do not carry the routed experts of their turns"
-        check_run_router_replay(actor.mode, ref.mode if self.needs.reference else None, is_moe=is_moe,
-                                rollout_lacks=lacks)
+        check_run_router_replay(
+            actor.mode, ref.mode if self.needs.reference else None, is_moe=is_moe, rollout_lacks=lacks
+        )
         if "R3" in modes:  # the rollout engine returns the experts it routed every token to
             rollout = arr.rollout
-            rollout.engine_kwargs = {**rollout.engine_kwargs,
-                                     "vllm": {**(rollout.engine_kwargs.get("vllm") or {}), ROUTED_EXPERTS_KWARG: True}}
+            rollout.engine_kwargs = {
+                **rollout.engine_kwargs,
+                "vllm": {**(rollout.engine_kwargs.get("vllm") or {}), ROUTED_EXPERTS_KWARG: True},
+            }
 
     def init_workers(self) -> None:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
@@ -144,11 +157,17 @@ class RayPPOTrainer:
         from megatron_rl.trainer.rollout_phase import RolloutPhase
         from megatron_rl.workers.weight_sync import WeightSync
 
-        specs = role_specs(self.config, self.needs, model_path=self.model_path, total_steps=self.total_steps,
-                           teacher_path=self.teacher_path)
+        specs = role_specs(
+            self.config,
+            self.needs,
+            model_path=self.model_path,
+            total_steps=self.total_steps,
+            teacher_path=self.teacher_path,
+        )
         self.placement = Placement(self.config, specs, model_path=self.model_path)
         self.actor, self.ref, self.critic, self.rm, self.teacher = (
-            self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher"))
+            self.placement.get(role) for role in ("actor", "ref", "critic", "reward", "teacher")
+        )
         self.rollout = self.placement.rollout  # replica 0's actor; generation goes through placement.router
         router = self.placement.router
         self.phases = PhaseRunner(self.schedule, self.placement.groups, router)
@@ -156,20 +175,41 @@ class RayPPOTrainer:
             self.phases.state["rollout"] = ()
         rollout_cfg = self.config.actor_rollout_ref.rollout  # an fp8 engine gets its blocks quantised by the actor
         lora = actor_lora(self.config)  # lora.merge: false -> only the adapters go into vLLM's LoRA
-        self.weight_sync = WeightSync(self.actor, router.actors, rollout_cfg.checkpoint_engine,
-                                      quantization=rollout_cfg.quantization, adapter_only=lora.enabled and not lora.merge)
-        reward_fn = FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn  # agent sessions: final answers
-        self.rollout_phase = RolloutPhase(self.config, self.needs, router, self.train_dataloader, reward_fn,
-                                          self.rm, dump=GenerationDump.create(self.config.trainer.rollout_data_dir))
-        self.validator = Validator(self.config.trainer, self.val_dataloader, self.rollout_phase.generate, reward_fn,
-                                   dump=GenerationDump.create(self.config.trainer.validation_data_dir))
-        self.checkpointer = Checkpointer(self.log_dir, self.config.trainer,
-                                         {"actor": self.actor, **({"critic": self.critic} if self.critic else {})})
+        self.weight_sync = WeightSync(
+            self.actor,
+            router.actors,
+            rollout_cfg.checkpoint_engine,
+            quantization=rollout_cfg.quantization,
+            adapter_only=lora.enabled and not lora.merge,
+        )
+        reward_fn = (
+            FinalAnswerReward(self.reward_fn) if self.multi_turn else self.reward_fn
+        )  # agent sessions: final answers
+        self.rollout_phase = RolloutPhase(
+            self.config,
+            self.needs,
+            router,
+            self.train_dataloader,
+            reward_fn,
+            self.rm,
+            dump=GenerationDump.create(self.config.trainer.rollout_data_dir),
+        )
+        self.validator = Validator(
+            self.config.trainer,
+            self.val_dataloader,
+            self.rollout_phase.generate,
+            reward_fn,
+            dump=GenerationDump.create(self.config.trainer.validation_data_dir),
+        )
+        self.checkpointer = Checkpointer(
+            self.log_dir, self.config.trainer, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+        )
 
     # -- the loop ---------------------------------------------------------------------------
     @guard_fit  # trainer.phase_timeout_s and SIGTERM/SIGINT (trainer.save_on_preemption): trainer.watchdog
-    def fit(self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
-            ) -> list[dict[str, float]]:
+    def fit(
+        self, total_steps: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
+    ) -> list[dict[str, float]]:
         """Train until step ``total_steps`` (default ``trainer.total_training_steps``, else
         ``trainer.total_epochs`` passes over the prompts), resuming from the latest checkpoint when
         ``trainer.resume_mode`` allows; returns this call's metrics. ``on_step(metrics)`` runs after
@@ -179,8 +219,9 @@ class RayPPOTrainer:
         fresh = self.resume() is None and self.global_steps == 0
         if fresh and self.config.actor_rollout_ref.rollout.load_format == "dummy":
             self.sync_weights()  # the engine was built with random weights: the first sync fills it
-        logger = MetricsLogger(self.log_dir, tcfg.logger, total_steps=total, project=tcfg.project_name,
-                               experiment=tcfg.experiment_name)
+        logger = MetricsLogger(
+            self.log_dir, tcfg.logger, total_steps=total, project=tcfg.project_name, experiment=tcfg.experiment_name
+        )
         skips, history = SkipGuard(tcfg), []
         try:
             self.callbacks.call("on_fit_start", self, self.global_steps)
@@ -219,14 +260,30 @@ class RayPPOTrainer:
         return history
 
     # -- one step after the rollout -------------------------------------------------------------
-    def end_step(self, batch: Optional[Batch], metrics: dict, timing: dict, *, step: int, last: bool,
-                 state: Optional[Callable[[], dict]] = None) -> None:
+    def end_step(
+        self,
+        batch: Optional[Batch],
+        metrics: dict,
+        timing: dict,
+        *,
+        step: int,
+        last: bool,
+        state: Optional[Callable[[], dict]] = None,
+    ) -> None:
         """The end of step ``step`` (synchronous or asynchronous loop): its step and memory metrics,
         validation and checkpoint when due, then the user callbacks' ``on_step_end``; ``state`` builds the
         checkpoint's trainer state (default ``trainer_state``)."""
         tcfg = self.config.trainer
-        metrics.update(step_metrics(batch, timing, step=step, epoch=self.train_dataloader.epoch,
-                                    use_critic=self.critic is not None, n_devices=tcfg.world_size))
+        metrics.update(
+            step_metrics(
+                batch,
+                timing,
+                step=step,
+                epoch=self.train_dataloader.epoch,
+                use_critic=self.critic is not None,
+                n_devices=tcfg.world_size,
+            )
+        )
         metrics.update(self.phases.memory_metrics())
         if self.validator.should_validate(step, last):
             self.phases.enter("gen")
@@ -255,13 +312,15 @@ class RayPPOTrainer:
                 phases.enter("ref_log_prob", metrics)
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
                 replay = {"routing": "replay"} if self.ref_router_replay.enabled else {}  # R2: the actor's record
-                batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=self.temperature,
-                                                                  micro_batch_size=micro, **replay)["log_probs"]
+                batch["ref_log_prob"] = self.ref.compute_log_prob(
+                    batch, temperature=self.temperature, micro_batch_size=micro, **replay
+                )["log_probs"]
         elif self.ref_in_actor:  # LoRA: the actor with its adapters off is the reference policy
             with timer("ref", timing):
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-                batch["ref_log_prob"] = self.actor.collect("compute_ref_log_prob", batch, temperature=self.temperature,
-                                                           micro_batch_size=micro)["log_probs"]
+                batch["ref_log_prob"] = self.actor.collect(
+                    "compute_ref_log_prob", batch, temperature=self.temperature, micro_batch_size=micro
+                )["log_probs"]
         if self.teacher is not None:
             with timer("teacher", timing):
                 phases.enter("teacher_log_prob", metrics)
@@ -296,9 +355,13 @@ class RayPPOTrainer:
         # sum_v pi_v^2 from the same fused pass: an estimator that declared the need (the optimal token
         # baseline), or verl's actor.calculate_sum_pi_squared.
         spsq = self.needs.estimator.sum_pi_squared or self.config.actor_rollout_ref.actor.calculate_sum_pi_squared
-        out = self.actor.compute_log_prob(batch, temperature=self.temperature, calculate_entropy=True,
-                                          **({"calculate_sum_pi_squared": True} if spsq else {}),
-                                          **self._old_log_prob_routing(batch))
+        out = self.actor.compute_log_prob(
+            batch,
+            temperature=self.temperature,
+            calculate_entropy=True,
+            **({"calculate_sum_pi_squared": True} if spsq else {}),
+            **self._old_log_prob_routing(batch),
+        )
         metrics = self._routing_metrics(batch, out)
         if spsq:
             batch["sum_pi_squared"] = out["sum_pi_squared"]
@@ -306,18 +369,26 @@ class RayPPOTrainer:
         metrics["actor/entropy"] = float(agg_loss(out["entropys"], batch["response_mask"], mode))
         rc = self.rollout_correction
         if rc is not None and "rollout_log_probs" not in batch:
-            raise ValueError("algorithm.rollout_correction needs the rollout's log-probs; set "
-                             "actor_rollout_ref.rollout.calculate_log_probs=True")
+            raise ValueError(
+                "algorithm.rollout_correction needs the rollout's log-probs; set "
+                "actor_rollout_ref.rollout.calculate_log_probs=True"
+            )
         if rc is not None and rc.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]
-            metrics.update(compute_rollout_corr_metrics_from_logprobs(out["log_probs"], batch["rollout_log_probs"],
-                                                                      batch["response_mask"]))
+            metrics.update(
+                compute_rollout_corr_metrics_from_logprobs(
+                    out["log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+                )
+            )
             return metrics
         batch["old_log_probs"] = out["log_probs"]
         if rc is not None:
             weights, mask, corr = compute_rollout_correction_and_rejection_mask(
-                batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-                **rollout_correction_kwargs(rc))
+                batch["old_log_probs"],
+                batch["rollout_log_probs"],
+                batch["response_mask"],
+                **rollout_correction_kwargs(rc),
+            )
             batch["response_mask"] = mask  # rejected tokens leave every later phase (verl's semantics)
             if weights is not None:  # a DataProto holding rollout_is_weights, as verl returns it
                 batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
@@ -357,26 +428,49 @@ class RayPPOTrainer:
         algo, metrics = self.config.algorithm, {}
         if self.kl_ctrl is not None:
             batch["token_level_rewards"], metrics = apply_kl_penalty(
-                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
-                self.kl_ctrl, algo.kl_penalty)
+                batch["token_level_scores"],
+                batch["old_log_probs"],
+                batch["ref_log_prob"],
+                batch["response_mask"],
+                self.kl_ctrl,
+                algo.kl_penalty,
+            )
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
         extra = {"reward_baselines": batch["reward_baselines"]} if self.needs.baseline else {}
         if self.needs.estimator.reward_fields:  # e.g. GDPO's components, named by algorithm.gdpo_reward_keys
             extra["non_tensor_batch"] = batch.non_tensor_batch
         if self.needs.estimator.sum_pi_squared:  # the optimal token baseline's path variance (verl's kwargs)
-            extra.update(sum_pi_squared=batch["sum_pi_squared"], old_log_probs=batch["old_log_probs"],
-                         rollout_is_weights=batch.get("rollout_is_weights"))
+            extra.update(
+                sum_pi_squared=batch["sum_pi_squared"],
+                old_log_probs=batch["old_log_probs"],
+                rollout_is_weights=batch.get("rollout_is_weights"),
+            )
         if self.multi_turn:  # agent sessions: group statistics over each session's final sample (verl's rule)
             batch["advantages"], batch["returns"] = compute_advantage_for_multi_trajectories(
-                batch["token_level_rewards"], batch["response_mask"], agent_batch_keys(batch), algo.adv_estimator,
-                gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo,
-                values=batch.get("values"), **extra)
+                batch["token_level_rewards"],
+                batch["response_mask"],
+                agent_batch_keys(batch),
+                algo.adv_estimator,
+                gamma=algo.gamma,
+                lam=algo.lam,
+                norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+                config=algo,
+                values=batch.get("values"),
+                **extra,
+            )
             return metrics
         batch["advantages"], batch["returns"] = self.adv_fn(
-            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-            index=np.array(list(batch["uid"]), dtype=object), values=batch.get("values"), gamma=algo.gamma,
-            lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo, **extra)
+            token_level_rewards=batch["token_level_rewards"],
+            response_mask=batch["response_mask"],
+            index=np.array(list(batch["uid"]), dtype=object),
+            values=batch.get("values"),
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+            config=algo,
+            **extra,
+        )
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
@@ -388,9 +482,12 @@ class RayPPOTrainer:
     # -- checkpoint / resume -----------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
         """Driver-side state a resume needs (the workers save their own)."""
-        return {"global_steps": self.global_steps, "dataloader": self.train_dataloader.state_dict(),
-                "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
-                "model_path": self.model_path}
+        return {
+            "global_steps": self.global_steps,
+            "dataloader": self.train_dataloader.state_dict(),
+            "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
+            "model_path": self.model_path,
+        }
 
     def resume(self) -> Optional[Path]:
         """Load the checkpoint ``trainer.resume_mode`` selects (None: fresh start): worker states,

@@ -76,16 +76,20 @@ class ReplayBuffer:
         strategy: ``drop`` or ``wait`` (``trainer.v1.sampler.max_off_policy_strategy``).
     """
 
-    def __init__(self, batch_groups: int, lookahead: int, max_off_policy_threshold: Optional[int] = None,
-                 strategy: str = "drop"):
+    def __init__(
+        self, batch_groups: int, lookahead: int, max_off_policy_threshold: Optional[int] = None, strategy: str = "drop"
+    ):
         if batch_groups < 1 or lookahead < 0:
             raise ValueError(f"ReplayBuffer: batch_groups={batch_groups} must be >= 1 and lookahead={lookahead} >= 0")
         if strategy not in ("drop", "wait"):
             raise ValueError(f"max_off_policy_strategy={strategy!r} is not allowed; choose one of ['drop', 'wait']")
         self.batch_groups, self.threshold, self.strategy = batch_groups, max_off_policy_threshold, strategy
         # wait never evicts, so the rollouter may not run further ahead than the threshold allows
-        self.lookahead = lookahead if strategy == "drop" or max_off_policy_threshold is None else \
-            min(lookahead, max_off_policy_threshold)
+        self.lookahead = (
+            lookahead
+            if strategy == "drop" or max_off_policy_threshold is None
+            else min(lookahead, max_off_policy_threshold)
+        )
         self.completed_steps = 0
         self._next_seq = 0
         self._live = 0  # submitted and neither taken nor evicted: in flight + finished
@@ -158,16 +162,21 @@ class ReplayBuffer:
         groups = [self._ready.pop(seq) for seq in self._head()]
         lags = [trainer_version - g.version for g in groups]
         if self.threshold is not None and max(lags) > self.threshold:  # the invariant the module docstring proves
-            raise RuntimeError(f"ReplayBuffer.take: a group lags the trainer by {max(lags)} versions > "
-                               f"max_off_policy_threshold={self.threshold}")
+            raise RuntimeError(
+                f"ReplayBuffer.take: a group lags the trainer by {max(lags)} versions > "
+                f"max_off_policy_threshold={self.threshold}"
+            )
         for group in groups:
             group.state = "taken"
         self._live -= len(groups)
         self._taken_total += len(groups)
         evicted, self._evicted = self._evicted, []
         self.last_evicted = [uid for _, _, uid in evicted]
-        metrics = {"training/off_policy/evicted_samples": float(sum(n for n, _, _ in evicted)),
-                   "async/queue_depth": float(len(self._ready)), "async/in_flight_groups": float(len(self._in_flight))}
+        metrics = {
+            "training/off_policy/evicted_samples": float(sum(n for n, _, _ in evicted)),
+            "async/queue_depth": float(len(self._ready)),
+            "async/in_flight_groups": float(len(self._in_flight)),
+        }
         if evicted:
             metrics["training/off_policy/evicted_samples_staleness/mean"] = sum(s for _, s, _ in evicted) / len(evicted)
             metrics["training/off_policy/evicted_samples_staleness/max"] = float(max(s for _, s, _ in evicted))

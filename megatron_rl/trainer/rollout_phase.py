@@ -55,8 +55,16 @@ class RolloutPhase:
         dump: where each step's scored samples go (``trainer.rollout_data_dir``), or None.
     """
 
-    def __init__(self, config: TrainerRunConfig, needs: RunNeeds, rollout: Any, dataloader: Any, reward_fn: Any,
-                 reward_model: Any = None, dump: Any = None):
+    def __init__(
+        self,
+        config: TrainerRunConfig,
+        needs: RunNeeds,
+        rollout: Any,
+        dataloader: Any,
+        reward_fn: Any,
+        reward_model: Any = None,
+        dump: Any = None,
+    ):
         self.rollout, self.dataloader, self.reward_fn, self.reward_model = rollout, dataloader, reward_fn, reward_model
         self.dump = dump
         self.n = config.actor_rollout_ref.rollout.n
@@ -70,8 +78,15 @@ class RolloutPhase:
         self.last_error = ""
 
     # -- generation -------------------------------------------------------------------------
-    def generate(self, prompts: dict[str, Any], *, step: int = 0, gen_round: int = 0, validate: bool = False,
-                 greedy: bool = False) -> Batch:
+    def generate(
+        self,
+        prompts: dict[str, Any],
+        *,
+        step: int = 0,
+        gen_round: int = 0,
+        validate: bool = False,
+        greedy: bool = False,
+    ) -> Batch:
         """``n`` samples per prompt (``val_kwargs`` when validating, one greedy one with ``greedy``)
         as a ``Batch``; each prompt's ``PROMPT_FIELDS`` follow its samples."""
         if validate:
@@ -81,11 +96,18 @@ class RolloutPhase:
         else:
             kwargs = {"n": self.n, "seed": self.seed + _SEED_STRIDE * (step * 64 + gen_round)}
         if self.multi_turn:  # megatron_rl.rollout.agent: chat messages in, sessions (observations masked) out
-            return agent_batch(self.rollout.run_agent_sessions(
-                list(prompts["raw_prompt"]), uids=list(prompts["uid"]), chat_template=self.chat_template, **kwargs),
-                prompts, PROMPT_FIELDS)
-        out = self.rollout.generate({"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
-                                    uids=list(prompts["uid"]), **kwargs)
+            return agent_batch(
+                self.rollout.run_agent_sessions(
+                    list(prompts["raw_prompt"]), uids=list(prompts["uid"]), chat_template=self.chat_template, **kwargs
+                ),
+                prompts,
+                PROMPT_FIELDS,
+            )
+        out = self.rollout.generate(
+            {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
+            uids=list(prompts["uid"]),
+            **kwargs,
+        )
         return self.to_batch(prompts, out)
 
     def submit(self, prompts: dict[str, Any], *, step: int, gen_round: int = 0, **kwargs: Any) -> Any:
@@ -95,9 +117,14 @@ class RolloutPhase:
         baseline: ``n=1, do_sample=False``, unseeded)."""
         n = kwargs.pop("n", self.n)
         seed = None if kwargs else self.seed + _SEED_STRIDE * (step * 64 + gen_round)
-        return self.rollout.submit("generate_tagged",
-                                   {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
-                                   n=n, seed=seed, uids=list(prompts["uid"]), **kwargs)
+        return self.rollout.submit(
+            "generate_tagged",
+            {"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]},
+            n=n,
+            seed=seed,
+            uids=list(prompts["uid"]),
+            **kwargs,
+        )
 
     def resolve(self, pending: Any) -> Any:
         """The output of ``submit`` (a list of them: a list of outputs), once every replica answered."""
@@ -132,8 +159,13 @@ class RolloutPhase:
             if not torch.isfinite(rm).all():
                 bad = torch.nonzero(~torch.isfinite(rm)).flatten().tolist()
                 sources = batch.get("data_source")
-                raise RewardError([(i, sources[i] if sources is not None else None, f"reward model score {float(rm[i])}")
-                                   for i in bad], len(rm))
+                raise RewardError(
+                    [
+                        (i, sources[i] if sources is not None else None, f"reward model score {float(rm[i])}")
+                        for i in bad
+                    ],
+                    len(rm),
+                )
             last = (batch["response_mask"].sum(-1).long() - 1).clamp(min=0)
             scores = scores.scatter_add(1, last[:, None], rm[:, None])
             extra["rm_score"] = rm.tolist()
@@ -167,8 +199,9 @@ class RolloutPhase:
         prompts = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(batch)
         texts = self.reward_fn.decode(batch["responses"], batch["response_mask"].sum(-1))
         extra = {k: list(batch[k]) for k in batch.meta_info.get(REWARD_EXTRA_KEYS, ())}
-        self.dump.write(step, list(prompts), texts, ground_truths(batch), batch["token_level_scores"].sum(-1).tolist(),
-                        extra)
+        self.dump.write(
+            step, list(prompts), texts, ground_truths(batch), batch["token_level_scores"].sum(-1).tolist(), extra
+        )
 
     def _run(self, step: int, metrics: dict, timing: dict) -> Optional[Batch]:
         want = self.train_batch_size * self.n
@@ -193,8 +226,12 @@ class RolloutPhase:
                 metrics.update(reward_metrics(batch))
                 return batch
             extra = {k: list(batch[k]) for k in batch.meta_info[REWARD_EXTRA_KEYS]}
-            values = compute_filter_metric(self.filter_groups.metric or "seq_reward", batch["token_level_scores"],
-                                           batch["token_level_scores"], extra)
+            values = compute_filter_metric(
+                self.filter_groups.metric or "seq_reward",
+                batch["token_level_scores"],
+                batch["token_level_scores"],
+                extra,
+            )
             _, idx, _ = filter_groups(values, np.asarray(batch["uid"]).tolist())
             kept.append(batch.select_idxs(idx))
             num_kept += int(idx.numel())
@@ -206,11 +243,16 @@ class RolloutPhase:
                     f"DAPO dynamic sampling: {rounds} generation rounds gave {num_kept // self.n} informative prompt "
                     f"groups, fewer than data.train_batch_size={want // self.n} (algorithm.filter_groups."
                     f"max_num_gen_batches={limit}); the data may be too hard or too easy for the model -- "
-                    "raise max_num_gen_batches (0 = unbounded) or data.gen_batch_size")
+                    "raise max_num_gen_batches (0 = unbounded) or data.gen_batch_size"
+                )
         batch = _concat_rounds(kept).select_idxs(range(want))
         metrics.update(reward_metrics(batch))
-        metrics.update({"filter_groups/num_gen_batches": float(rounds),
-                        "filter_groups/kept_sample_ratio": num_kept / (rounds * len(prompts["uid"]) * self.n)})
+        metrics.update(
+            {
+                "filter_groups/num_gen_batches": float(rounds),
+                "filter_groups/kept_sample_ratio": num_kept / (rounds * len(prompts["uid"]) * self.n),
+            }
+        )
         return batch
 
 

@@ -33,8 +33,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["Phase", "StepSchedule", "step_schedule", "OFFLOAD_KEYS", "OFFLOADABLE_ROLES", "PARTS",
-           "RolloutSleepUnsupported", "Transition"]
+__all__ = [
+    "Phase",
+    "StepSchedule",
+    "step_schedule",
+    "OFFLOAD_KEYS",
+    "OFFLOADABLE_ROLES",
+    "PARTS",
+    "RolloutSleepUnsupported",
+    "Transition",
+]
 
 PARTS = ("params", "grads", "optimizer")
 """What a role holds (``megatron_rl.engine.offload.CATEGORIES``)."""
@@ -44,8 +52,12 @@ OFFLOADABLE_ROLES = ("actor", "ref", "critic", "teacher")
 """Roles whose offload keys act (the reward model scores inside the rollout phase: it stays resident)."""
 ROLLOUT_PARTS = ("weights", "kv_cache")
 """What the vLLM engine releases when it sleeps (``wake_up(tags=...)``)."""
-_WHERE = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic",
-          "teacher": "distillation.teacher_model"}
+_WHERE = {
+    "actor": "actor_rollout_ref.actor",
+    "ref": "actor_rollout_ref.ref",
+    "critic": "critic",
+    "teacher": "distillation.teacher_model",
+}
 
 
 class RolloutSleepUnsupported(UserWarning):
@@ -151,8 +163,12 @@ def step_schedule(config: Any, needs: Any, *, device: Optional[str] = None) -> S
     """
     arr, device = config.actor_rollout_ref, device or config.trainer.device
     rollout = arr.rollout
-    megatron = {"actor": arr.actor.megatron, "ref": arr.ref.megatron, "critic": config.critic.megatron,
-                "teacher": config.distillation.teacher_model.megatron}
+    megatron = {
+        "actor": arr.actor.megatron,
+        "ref": arr.ref.megatron,
+        "critic": config.critic.megatron,
+        "teacher": config.distillation.teacher_model.megatron,
+    }
     runs = {"actor": True, "ref": needs.reference, "critic": needs.critic, "teacher": needs.teacher}
     roles: dict[str, tuple[str, ...]] = {}
     offload: dict[str, tuple[str, ...]] = {}
@@ -168,24 +184,35 @@ def step_schedule(config: Any, needs: Any, *, device: Optional[str] = None) -> S
     if offloading and device == "cuda" and not rollout.free_cache_engine:
         role = offloading[0]
         key = f"{_WHERE[role]}.megatron.{OFFLOAD_KEYS[offload[role][0]]}"
-        raise ValueError(f"{key}=True offloads while vLLM generates, but actor_rollout_ref.rollout.free_cache_engine="
-                         "False builds the engine without sleep mode, so it keeps its memory while training runs; "
-                         "set actor_rollout_ref.rollout.free_cache_engine=True (or turn the offload keys off)")
+        raise ValueError(
+            f"{key}=True offloads while vLLM generates, but actor_rollout_ref.rollout.free_cache_engine="
+            "False builds the engine without sleep mode, so it keeps its memory while training runs; "
+            "set actor_rollout_ref.rollout.free_cache_engine=True (or turn the offload keys off)"
+        )
     if offloading and rollout.free_cache_engine and device != "cuda":
-        warnings.append("RolloutSleepUnsupported: actor_rollout_ref.rollout.free_cache_engine=True, but vLLM on CPU "
-                        "has no sleep mode: the engine stays resident in every phase (the roles still offload)")
-    phases = [Phase("gen", None, (), ROLLOUT_PARTS, "rollout"),
-              Phase("actor_log_prob", "actor", ("params",), (), "actor log-prob")]
+        warnings.append(
+            "RolloutSleepUnsupported: actor_rollout_ref.rollout.free_cache_engine=True, but vLLM on CPU "
+            "has no sleep mode: the engine stays resident in every phase (the roles still offload)"
+        )
+    phases = [
+        Phase("gen", None, (), ROLLOUT_PARTS, "rollout"),
+        Phase("actor_log_prob", "actor", ("params",), (), "actor log-prob"),
+    ]
     if needs.reference:
         phases.append(Phase("ref_log_prob", "ref", ("params",), (), "ref forward"))
     if needs.teacher:
         phases.append(Phase("teacher_log_prob", "teacher", ("params",), (), "teacher forward"))
     if needs.critic:
-        phases += [Phase("critic_values", "critic", ("params",), (), "critic values"),
-                   Phase("critic_update", "critic", PARTS, (), "critic update")]
-    phases += [Phase("actor_update", "actor", PARTS, (), "actor update"),
-               Phase("weight_sync", "actor", ("params",), ("weights",), "weight sync")]
+        phases += [
+            Phase("critic_values", "critic", ("params",), (), "critic values"),
+            Phase("critic_update", "critic", PARTS, (), "critic update"),
+        ]
+    phases += [
+        Phase("actor_update", "actor", PARTS, (), "actor update"),
+        Phase("weight_sync", "actor", ("params",), ("weights",), "weight sync"),
+    ]
     # Level 2 drops the weights while asleep: safe only when every step's sync refills them.
     level = 2 if config.trainer.critic_warmup == 0 else 1
-    return StepSchedule(phases=phases, roles=roles, offload=offload, rollout_sleeps=sleeps, sleep_level=level,
-                        warnings=warnings)
+    return StepSchedule(
+        phases=phases, roles=roles, offload=offload, rollout_sleeps=sleeps, sleep_level=level, warnings=warnings
+    )

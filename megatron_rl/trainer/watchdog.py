@@ -31,8 +31,17 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 from megatron_rl.trainer.checkpoint import last_good_checkpoint
 from megatron_rl.trainer.metrics import timer
 
-__all__ = ["phase", "PhaseWatchdog", "PhaseTimeout", "StopSignals", "Stopped", "guard_fit", "kill_workers",
-           "worker_handles", "STACKS_DIR"]
+__all__ = [
+    "phase",
+    "PhaseWatchdog",
+    "PhaseTimeout",
+    "StopSignals",
+    "Stopped",
+    "guard_fit",
+    "kill_workers",
+    "worker_handles",
+    "STACKS_DIR",
+]
 
 WAKE_SIGNAL = signal.SIGUSR2
 """Sent by the watchdog to the driver's main thread: a real signal ends a blocking call there (a
@@ -90,8 +99,10 @@ class StopSignals:
             self.signum = signum
         if first and self.finish_step:
             self.stop_after_step = True
-            self.log(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
-                     "(trainer.save_on_preemption); send it again to stop at once")
+            self.log(
+                f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
+                "(trainer.save_on_preemption); send it again to stop at once"
+            )
             return
         raise KeyboardInterrupt
 
@@ -168,8 +179,9 @@ class PhaseWatchdog:
         step: returns the current step (for the message and the dump's name).
     """
 
-    def __init__(self, timeout_s: float, log_dir: str | Path, workers: dict[str, Any],
-                 step: Callable[[], int] = lambda: 0):
+    def __init__(
+        self, timeout_s: float, log_dir: str | Path, workers: dict[str, Any], step: Callable[[], int] = lambda: 0
+    ):
         self.timeout_s, self.log_dir, self.step = float(timeout_s), Path(log_dir), step
         self.stacks = self.log_dir / STACKS_DIR
         self.workers = dict(workers)
@@ -231,11 +243,13 @@ class PhaseWatchdog:
         step = self.step()
         self.dump_dir = self.dump_stacks(f"{time.strftime('%Y%m%d-%H%M%S')}-step{step}-{name}")
         missing = sorted(n for n in self.workers if not (self.dump_dir / f"{n}.txt").is_file())
-        self.tripped = (f"step {step}: phase '{name}' made no progress for {idle:.0f}s, longer than "
-                        f"trainer.phase_timeout_s={self.timeout_s:g} (a hang); the Python stacks of the driver and "
-                        f"every worker are in {self.dump_dir}"
-                        + (f" (none came from {', '.join(missing)})" if missing else "")
-                        + f"; the run stops; {last_good_checkpoint(self.log_dir)}")
+        self.tripped = (
+            f"step {step}: phase '{name}' made no progress for {idle:.0f}s, longer than "
+            f"trainer.phase_timeout_s={self.timeout_s:g} (a hang); the Python stacks of the driver and "
+            f"every worker are in {self.dump_dir}"
+            + (f" (none came from {', '.join(missing)})" if missing else "")
+            + f"; the run stops; {last_good_checkpoint(self.log_dir)}"
+        )
         print(f"hang watchdog: {self.tripped}", file=sys.stderr, flush=True)
         if self._previous_handler is not None:  # KeyboardInterrupt in the main thread, even in a blocking call
             signal.pthread_kill(threading.main_thread().ident, WAKE_SIGNAL)
@@ -291,8 +305,12 @@ def guard_fit(fit: Callable) -> Callable:
             stack.callback(setattr, signals, "finish_step", previous)
             watchdog = None
             if tcfg.phase_timeout_s is not None:
-                watchdog = PhaseWatchdog(tcfg.phase_timeout_s, trainer.log_dir, worker_handles(trainer.placement),
-                                         step=lambda: trainer.global_steps).start()
+                watchdog = PhaseWatchdog(
+                    tcfg.phase_timeout_s,
+                    trainer.log_dir,
+                    worker_handles(trainer.placement),
+                    step=lambda: trainer.global_steps,
+                ).start()
                 _ACTIVE = watchdog
                 stack.callback(watchdog.stop)
 
@@ -307,8 +325,11 @@ def guard_fit(fit: Callable) -> Callable:
                         with phase("save_checkpoint", {}):
                             saved = trainer.checkpointer.save(step, trainer.trainer_state())
                         trainer.callbacks.call("on_checkpoint", trainer, step, saved)
-                    raise Stopped(signals.signum, f"stopped by {signals.name} after step {step}; checkpoint "
-                                                  f"{saved} saved (trainer.save_on_preemption)")
+                    raise Stopped(
+                        signals.signum,
+                        f"stopped by {signals.name} after step {step}; checkpoint "
+                        f"{saved} saved (trainer.save_on_preemption)",
+                    )
 
             try:
                 return fit(trainer, total_steps, step_done)

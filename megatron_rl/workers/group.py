@@ -40,22 +40,32 @@ class GpuBundles:
         name: the placement group's name.
     """
 
-    def __init__(self, nodes: int, gpus_per_node: int, *, num_cpus_per_bundle: float = 1.0, name: str = "gpus_pg",
-                 timeout_s: float = 600):
+    def __init__(
+        self,
+        nodes: int,
+        gpus_per_node: int,
+        *,
+        num_cpus_per_bundle: float = 1.0,
+        name: str = "gpus_pg",
+        timeout_s: float = 600,
+    ):
         import ray
         from ray.util.placement_group import placement_group
 
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         total = nodes * gpus_per_node
-        self.placement_group = placement_group([{"GPU": 1, "CPU": num_cpus_per_bundle} for _ in range(total)],
-                                               strategy="PACK", name=name)
+        self.placement_group = placement_group(
+            [{"GPU": 1, "CPU": num_cpus_per_bundle} for _ in range(total)], strategy="PACK", name=name
+        )
         try:
             ray.get(self.placement_group.ready(), timeout=timeout_s)
         except Exception as err:  # noqa: BLE001 - name what could not be placed
             ray.util.remove_placement_group(self.placement_group)
-            raise RuntimeError(f"{name}: Ray could not reserve {total} bundles of one GPU and {num_cpus_per_bundle} "
-                               f"CPU(s) ({nodes} node(s) x {gpus_per_node} GPUs) within {timeout_s:.0f} s; cluster "
-                               f"resources: {ray.cluster_resources()}") from err
+            raise RuntimeError(
+                f"{name}: Ray could not reserve {total} bundles of one GPU and {num_cpus_per_bundle} "
+                f"CPU(s) ({nodes} node(s) x {gpus_per_node} GPUs) within {timeout_s:.0f} s; cluster "
+                f"resources: {ray.cluster_resources()}"
+            ) from err
         # A task, not an actor: it runs on a pooled worker process instead of starting one per bundle, and
         # it lives in a module that imports neither torch nor this one (a worker unpickles it by module).
         probe = ray.remote(num_cpus=0, num_gpus=0.001, max_calls=0)(bundle_where)  # 0: reuse (it holds no GPU memory)
@@ -68,8 +78,10 @@ class GpuBundles:
         per_node = [sum(1 for g in self.gpus if g[0] == n) for n in range(len(node_order))]
         if len(node_order) != nodes or any(c != gpus_per_node for c in per_node):
             self.shutdown()
-            raise RuntimeError(f"{name}: Ray placed the {total} GPU bundles as {per_node} per node, not {nodes} node(s) "
-                               f"x {gpus_per_node}: the cluster's nodes do not match trainer.nnodes / n_gpus_per_node")
+            raise RuntimeError(
+                f"{name}: Ray placed the {total} GPU bundles as {per_node} per node, not {nodes} node(s) "
+                f"x {gpus_per_node}: the cluster's nodes do not match trainer.nnodes / n_gpus_per_node"
+            )
 
     def _strategy(self, bundle: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -111,9 +123,18 @@ class MegatronWorkerGroup:
         worker_cls: the rank actor's class (default ``MegatronWorker``; the placement tests put probes there).
     """
 
-    def __init__(self, spec: WorkerSpec, world_size: int, *, num_cpus_per_worker: float = 1.0,
-                 num_gpus_per_worker: float = 0.0, name: Optional[str] = None, shards: Optional[ShardCache] = None,
-                 bundles: Optional[GpuBundles] = None, worker_cls: Optional[type] = None):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        world_size: int,
+        *,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        name: Optional[str] = None,
+        shards: Optional[ShardCache] = None,
+        bundles: Optional[GpuBundles] = None,
+        worker_cls: Optional[type] = None,
+    ):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -133,27 +154,34 @@ class MegatronWorkerGroup:
             strategies = [bundles.strategy(rank) for rank in range(world_size)]
         else:
             bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
-            self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
-                                                   name=f"{name or spec.role}_pg")
+            self.placement_group = placement_group(
+                [dict(bundle) for _ in range(world_size)], strategy="PACK", name=f"{name or spec.role}_pg"
+            )
             ray.get(self.placement_group.ready(), timeout=600)
-            strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-                          for rank in range(world_size)]
+            strategies = [
+                PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+                for rank in range(world_size)
+            ]
         remote_cls = ray.remote(worker_cls or MegatronWorker)
         self.workers = [
-            remote_cls.options(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
-                               scheduling_strategy=strategies[rank]
-                               ).remote(rank, world_size, max(1, round(num_cpus_per_worker)))
+            remote_cls.options(
+                num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker, scheduling_strategy=strategies[rank]
+            ).remote(rank, world_size, max(1, round(num_cpus_per_worker)))
             for rank in range(world_size)
         ]
         master_addr, master_port = ray.get(self.workers[0].address.remote())
         self.ranks = ray.get([w.init_engine.remote(master_addr, master_port, spec) for w in self.workers])
         self.dp_size = self.ranks[0]["dp_size"]
         # One collecting rank per DP replica, in DP order.
-        collect = {r["dp_rank"]: r["rank"] for r in self.ranks
-                   if r["tp_rank"] == 0 and r["cp_rank"] == 0 and r["is_last_pp_stage"]}
+        collect = {
+            r["dp_rank"]: r["rank"]
+            for r in self.ranks
+            if r["tp_rank"] == 0 and r["cp_rank"] == 0 and r["is_last_pp_stage"]
+        }
         if sorted(collect) != list(range(self.dp_size)):
-            raise RuntimeError(f"{spec.role}: no collecting rank for DP replicas "
-                               f"{sorted(set(range(self.dp_size)) - set(collect))}")
+            raise RuntimeError(
+                f"{spec.role}: no collecting rank for DP replicas {sorted(set(range(self.dp_size)) - set(collect))}"
+            )
         self.collect_ranks = [collect[d] for d in range(self.dp_size)]
 
     # -- dispatch / collect -------------------------------------------------------------------

@@ -68,26 +68,39 @@ class MegatronWorker(WeightSyncRank):
             model_cfg = family.model_config(spec.hf_dir, **spec.model_overrides)
             head = hf_head(spec.hf_dir)  # "score" for a *ForSequenceClassification checkpoint
             if role == "reward" and head != "score":
-                raise ValueError(f"reward: {spec.hf_dir} is not a reward model; it needs an HF "
-                                 "*ForSequenceClassification checkpoint with num_labels=1 (its score.weight "
-                                 "becomes the scalar head)")
+                raise ValueError(
+                    f"reward: {spec.hf_dir} is not a reward model; it needs an HF "
+                    "*ForSequenceClassification checkpoint with num_labels=1 (its score.weight "
+                    "becomes the scalar head)"
+                )
             if role in ("actor", "ref", "teacher") and head != "lm":
-                raise ValueError(f"{role}: {spec.hf_dir} is a *ForSequenceClassification checkpoint (no lm_head); "
-                                 "this role needs a causal LM")
+                raise ValueError(
+                    f"{role}: {spec.hf_dir} is a *ForSequenceClassification checkpoint (no lm_head); "
+                    "this role needs a causal LM"
+                )
             self.weight_map = family.weight_map(model_cfg, head=head)
         else:
             model_cfg = spec.model_config
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+        )
         self.mesh = init_mesh(spec.megatron.parallel(), seed=spec.megatron.seed)
-        self.role = build_role(role, model_cfg, self.mesh, spec.config,
-                               transformer_overrides=spec.megatron.override_transformer_config,
-                               sequence_parallel=spec.megatron.sequence_parallel,
-                               remove_padding=spec.megatron.use_remove_padding,
-                               distributed_optimizer=role in ("actor", "critic")
-                               and spec.megatron.use_distributed_optimizer,
-                               routing_replay=role in ("actor", "ref") and spec.megatron.router_replay.enabled,
-                               lora=spec.lora)
+        self.role = build_role(
+            role,
+            model_cfg,
+            self.mesh,
+            spec.config,
+            transformer_overrides=spec.megatron.override_transformer_config,
+            sequence_parallel=spec.megatron.sequence_parallel,
+            remove_padding=spec.megatron.use_remove_padding,
+            distributed_optimizer=role in ("actor", "critic") and spec.megatron.use_distributed_optimizer,
+            routing_replay=role in ("actor", "ref") and spec.megatron.router_replay.enabled,
+            lora=spec.lora,
+        )
         self.engine = self.role.engine
         if spec.hf_dir is not None:
             # A critic from a causal LM keeps its value head's fresh initialisation; one from a
@@ -100,8 +113,15 @@ class MegatronWorker(WeightSyncRank):
 
                 load_peft_adapter(self.engine.model, self.weight_map, spec.lora.adapter_path, spec.lora, mesh=self.mesh)
         m = self.mesh
-        return {"rank": self.rank, "dp_rank": m.dp_rank, "dp_size": m.size("dp"), "tp_rank": m.tp_rank,
-                "cp_rank": m.cp_rank, "pp_rank": m.pp_rank, "is_last_pp_stage": m.is_last_pp_stage}
+        return {
+            "rank": self.rank,
+            "dp_rank": m.dp_rank,
+            "dp_size": m.size("dp"),
+            "tp_rank": m.tp_rank,
+            "cp_rank": m.cp_rank,
+            "pp_rank": m.pp_rank,
+            "is_last_pp_stage": m.is_last_pp_stage,
+        }
 
     def call(self, method: str, shard: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Any:
         """``role.<method>(batch, **kwargs)`` on this rank's shard (its object references fetched here).
@@ -140,10 +160,12 @@ class MegatronWorker(WeightSyncRank):
 
         cuda = torch.cuda.is_available()
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"resident": self.engine.resident_bytes(device="cuda" if cuda else "cpu"),
-                "max_allocated": torch.cuda.max_memory_allocated() if cuda else peak_rss,
-                "max_reserved": torch.cuda.max_memory_reserved() if cuda else peak_rss,
-                "cpu_used": psutil.virtual_memory().used}
+        return {
+            "resident": self.engine.resident_bytes(device="cuda" if cuda else "cpu"),
+            "max_allocated": torch.cuda.max_memory_allocated() if cuda else peak_rss,
+            "max_reserved": torch.cuda.max_memory_reserved() if cuda else peak_rss,
+            "cpu_used": psutil.virtual_memory().used,
+        }
 
     @contextlib.contextmanager
     def _onloaded(self):

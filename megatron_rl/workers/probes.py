@@ -36,9 +36,17 @@ class RankProbe:
         return "127.0.0.1", 0
 
     def init_engine(self, master_addr, master_port, spec):
-        return {"rank": self.rank, "dp_rank": self.rank, "dp_size": self.world_size, "tp_rank": 0, "cp_rank": 0,
-                "is_last_pp_stage": True, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "gpu_ids": _gpu_ids(), "node": _node()}
+        return {
+            "rank": self.rank,
+            "dp_rank": self.rank,
+            "dp_size": self.world_size,
+            "tp_rank": 0,
+            "cp_rank": 0,
+            "is_last_pp_stage": True,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gpu_ids": _gpu_ids(),
+            "node": _node(),
+        }
 
     def shutdown(self):
         return None
@@ -57,8 +65,12 @@ class EngineProbe:
         self.slept.append(level)
 
     def where(self):
-        return {"node": _node(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "multi_node": self.multi_node, "slept": list(self.slept)}
+        return {
+            "node": _node(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "multi_node": self.multi_node,
+            "slept": list(self.slept),
+        }
 
 
 class HeadlessProbe:
@@ -68,8 +80,7 @@ class HeadlessProbe:
         self.multi_node = multi_node
 
     def where(self):
-        return {"node": _node(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "multi_node": self.multi_node}
+        return {"node": _node(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "multi_node": self.multi_node}
 
 
 def _gpu_ids() -> list:

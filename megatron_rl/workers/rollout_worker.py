@@ -25,19 +25,29 @@ __all__ = ["RolloutWorker", "RolloutReplica", "create_rollout_worker", "create_r
 class RolloutWorker:
     """A ``VLLMRollout`` inside a Ray actor (create with ``ray.remote(RolloutWorker)``)."""
 
-    def __init__(self, model_path: str, config: Optional[RolloutConfig] = None, tokenizer_path: Optional[str] = None,
-                 num_threads: int = 1, partial_rollout: bool = False, multi_node: Optional[dict] = None):
+    def __init__(
+        self,
+        model_path: str,
+        config: Optional[RolloutConfig] = None,
+        tokenizer_path: Optional[str] = None,
+        num_threads: int = 1,
+        partial_rollout: bool = False,
+        multi_node: Optional[dict] = None,
+    ):
         from megatron_rl.rollout.partial import PauseGate
         from megatron_rl.rollout.vllm_rollout import VLLMRollout
 
         self._num_threads = max(1, num_threads)
         torch.set_num_threads(self._num_threads)
         try:  # vLLM's reason, with where the engine was to run (the driver adds the replica)
-            self.rollout = VLLMRollout(model_path, config, tokenizer_path=tokenizer_path,
-                                       **({"multi_node": multi_node} if multi_node else {}))
+            self.rollout = VLLMRollout(
+                model_path, config, tokenizer_path=tokenizer_path, **({"multi_node": multi_node} if multi_node else {})
+            )
         except Exception as err:
-            raise RuntimeError(f"vLLM engine failed to start on node {_node_ip()} with CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}: {type(err).__name__}: {err}") from err
+            raise RuntimeError(
+                f"vLLM engine failed to start on node {_node_ip()} with CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}: {type(err).__name__}: {err}"
+            ) from err
         self._receiver = None  # RolloutWeightReceiver once a side band is joined
         self._tokenizer_path = tokenizer_path or model_path
         self._agents: dict = {}  # chat template -> AgentRunner, built on the first agent rollout
@@ -103,8 +113,9 @@ class RolloutWorker:
                 pass
         return sorted(os.sched_getaffinity(0))
 
-    def run_agent_sessions(self, messages: list, *, chat_template: Optional[str] = None, **kwargs: Any
-                           ) -> dict[str, Any]:
+    def run_agent_sessions(
+        self, messages: list, *, chat_template: Optional[str] = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """Multi-turn agent sessions on this engine (``megatron_rl.rollout.agent.AgentRunner.run``): the
         verl-layout batch with observation tokens masked, plus the per-session fields."""
         if chat_template not in self._agents:
@@ -202,10 +213,12 @@ class HeadlessEngineNode:
 
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-        self._executor = MultiprocExecutor(headless_engine_config(model_path, config, multi_node),
-                                           monitor_workers=False)
-        self._thread = threading.Thread(target=self._executor.start_worker_monitor, kwargs={"inline": True},
-                                        daemon=True)
+        self._executor = MultiprocExecutor(
+            headless_engine_config(model_path, config, multi_node), monitor_workers=False
+        )
+        self._thread = threading.Thread(
+            target=self._executor.start_worker_monitor, kwargs={"inline": True}, daemon=True
+        )
         self._thread.start()
 
     def alive(self) -> bool:
@@ -248,9 +261,17 @@ def partial_worker_class() -> type:
     return PartialRolloutWorker
 
 
-def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = None, *, tokenizer_path: Optional[str] = None,
-                          num_cpus: float = 1.0, num_gpus: float = 0.0, partial_rollout: bool = False,
-                          worker_cls: Optional[type] = None, name: str = "rollout_pg"):
+def create_rollout_worker(
+    model_path: str,
+    config: Optional[RolloutConfig] = None,
+    *,
+    tokenizer_path: Optional[str] = None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    partial_rollout: bool = False,
+    worker_cls: Optional[type] = None,
+    name: str = "rollout_pg",
+):
     """Start a ``RolloutWorker`` actor in its own placement group; returns ``(actor, placement_group)``.
     ``partial_rollout``: weight pushes pause its generations (``partial_worker_class``)."""
     import ray
@@ -262,7 +283,8 @@ def create_rollout_worker(model_path: str, config: Optional[RolloutConfig] = Non
     ray.get(pg.ready(), timeout=600)
     remote = _remote_worker(partial_rollout, worker_cls)
     actor = remote.options(
-        num_cpus=num_cpus, num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
     ).remote(model_path, config, tokenizer_path, max(1, round(num_cpus)), partial_rollout)
     return actor, pg
@@ -305,14 +327,26 @@ def _remote_worker(partial_rollout: bool, worker_cls: Optional[type]):
 
     if worker_cls is not None:
         return ray.remote(worker_cls)
-    return (ray.remote(concurrency_groups={"weights": 1})(partial_worker_class()) if partial_rollout
-            else ray.remote(RolloutWorker))
+    return (
+        ray.remote(concurrency_groups={"weights": 1})(partial_worker_class())
+        if partial_rollout
+        else ray.remote(RolloutWorker)
+    )
 
 
-def create_rollout_replicas(model_path: str, config: RolloutConfig, layout: Any, *, bundles: Any = None,
-                            num_cpus: float = 1.0, partial_rollout: bool = False, tokenizer_path: Optional[str] = None,
-                            worker_cls: Optional[type] = None, headless_cls: Optional[type] = None,
-                            start_timeout_s: float = 1800) -> list[RolloutReplica]:
+def create_rollout_replicas(
+    model_path: str,
+    config: RolloutConfig,
+    layout: Any,
+    *,
+    bundles: Any = None,
+    num_cpus: float = 1.0,
+    partial_rollout: bool = False,
+    tokenizer_path: Optional[str] = None,
+    worker_cls: Optional[type] = None,
+    headless_cls: Optional[type] = None,
+    start_timeout_s: float = 1800,
+) -> list[RolloutReplica]:
     """Start one engine per replica of ``layout`` (``megatron_rl.utils.engine_map.EngineMap``).
 
     With ``bundles`` (``megatron_rl.workers.group.GpuBundles``, GPUs): engine ``r``'s head is a CPU-only
@@ -333,9 +367,15 @@ def create_rollout_replicas(model_path: str, config: RolloutConfig, layout: Any,
     try:
         for r, engine in enumerate(layout.engines):
             if bundles is None:
-                actor, pg = create_rollout_worker(model_path, config, tokenizer_path=tokenizer_path, num_cpus=num_cpus,
-                                                  partial_rollout=partial_rollout, worker_cls=worker_cls,
-                                                  name=f"rollout_pg_{r}")
+                actor, pg = create_rollout_worker(
+                    model_path,
+                    config,
+                    tokenizer_path=tokenizer_path,
+                    num_cpus=num_cpus,
+                    partial_rollout=partial_rollout,
+                    worker_cls=worker_cls,
+                    name=f"rollout_pg_{r}",
+                )
                 replicas.append(RolloutReplica(r, actor, (engine[0][0],), (), placement_group=pg))
                 continue
             gpn = bundles.gpus_per_node
@@ -349,20 +389,30 @@ def create_rollout_replicas(model_path: str, config: RolloutConfig, layout: Any,
             if len(node_slots) > 1:
                 from megatron_rl.workers.megatron_worker import free_port
 
-                multi = {"nnodes": len(node_slots), "node_rank": 0, "master_addr": bundles.node_ip(slots[0]),
-                         "master_port": free_port()}
+                multi = {
+                    "nnodes": len(node_slots),
+                    "node_rank": 0,
+                    "master_addr": bundles.node_ip(slots[0]),
+                    "master_port": free_port(),
+                }
 
             def env(group):
                 return {"env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(str(bundles.gpu_id(s)) for s in group)}}
 
-            actor = remote.options(num_cpus=0.01, num_gpus=0, runtime_env=env(node_slots[0]),
-                                   scheduling_strategy=bundles.strategy(node_slots[0][0])
-                                   ).remote(model_path, config, tokenizer_path, threads, partial_rollout, multi)
+            actor = remote.options(
+                num_cpus=0.01,
+                num_gpus=0,
+                runtime_env=env(node_slots[0]),
+                scheduling_strategy=bundles.strategy(node_slots[0][0]),
+            ).remote(model_path, config, tokenizer_path, threads, partial_rollout, multi)
             headless = tuple(
-                ray.remote(headless_cls or HeadlessEngineNode).options(
+                ray.remote(headless_cls or HeadlessEngineNode)
+                .options(
                     num_cpus=0.01, num_gpus=0, runtime_env=env(group), scheduling_strategy=bundles.strategy(group[0])
-                ).remote(model_path, config, {**multi, "node_rank": k})
-                for k, group in enumerate(node_slots[1:], start=1))
+                )
+                .remote(model_path, config, {**multi, "node_rank": k})
+                for k, group in enumerate(node_slots[1:], start=1)
+            )
             replicas.append(RolloutReplica(r, actor, tuple(per_node), gpus, headless))
         _wait_started(replicas, start_timeout_s)
     except BaseException:

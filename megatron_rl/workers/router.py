@@ -91,7 +91,9 @@ def merge_outputs(parts: Sequence[dict]) -> dict:
 
 def _select(prompts: dict, rows: range) -> dict:
     """Rows ``rows`` of a prompt batch (tensors and per-prompt lists)."""
-    return {k: (v[rows.start:rows.stop] if isinstance(v, (torch.Tensor, list, tuple)) else v) for k, v in prompts.items()}
+    return {
+        k: (v[rows.start : rows.stop] if isinstance(v, (torch.Tensor, list, tuple)) else v) for k, v in prompts.items()
+    }
 
 
 class RolloutRouter:
@@ -130,16 +132,18 @@ class RolloutRouter:
         costs = [n * (int(t) + self.response_length) for t in prompt_tokens]
         return split_contiguous(costs, self.outstanding)
 
-    def submit(self, method: str, prompts: dict, *, n: int, seed: Optional[int], uids: Sequence, pass_n: bool = True,
-               **kwargs) -> dict:
+    def submit(
+        self, method: str, prompts: dict, *, n: int, seed: Optional[int], uids: Sequence, pass_n: bool = True, **kwargs
+    ) -> dict:
         """Start ``method`` (``generate`` / ``generate_tagged``) on every replica's run with ``n`` samples
         per prompt (``pass_n=False``: the worker's own, e.g. ``val_kwargs.n``; ``n`` only sizes the
         cost); returns the pending call for ``collect``."""
         with self._lock:
             return self._submit(method, prompts, n=n, seed=seed, uids=uids, pass_n=pass_n, **kwargs)
 
-    def _submit(self, method: str, prompts: dict, *, n: int, seed: Optional[int], uids: Sequence, pass_n: bool,
-                **kwargs) -> dict:
+    def _submit(
+        self, method: str, prompts: dict, *, n: int, seed: Optional[int], uids: Sequence, pass_n: bool, **kwargs
+    ) -> dict:
         runs = self.plan(prompts, n)
         calls = []
         for replica, rows in runs:
@@ -147,12 +151,24 @@ class RolloutRouter:
             extra = dict(kwargs, n=n) if pass_n else dict(kwargs)
             if seed is not None:
                 extra["seed"] = seed + rows.start * n
-            cost = float(n * (len(rows) * self.response_length + sum(
-                int(x) for x in (part["attention_mask"].sum(-1).tolist() if "attention_mask" in part
-                                 else [len(p) for p in part["input_ids"]]))))
+            cost = float(
+                n
+                * (
+                    len(rows) * self.response_length
+                    + sum(
+                        int(x)
+                        for x in (
+                            part["attention_mask"].sum(-1).tolist()
+                            if "attention_mask" in part
+                            else [len(p) for p in part["input_ids"]]
+                        )
+                    )
+                )
+            )
             self.outstanding[replica] += cost
-            ref = getattr(self.replicas[replica].actor, method).remote(part, uids=list(uids[rows.start:rows.stop]),
-                                                                      **extra)
+            ref = getattr(self.replicas[replica].actor, method).remote(
+                part, uids=list(uids[rows.start : rows.stop]), **extra
+            )
             calls.append((replica, ref, cost))
         return {"calls": calls, "start": time.time(), "method": method}
 
@@ -172,8 +188,10 @@ class RolloutRouter:
                 try:
                     outs.append(ray.get(ref))
                 except Exception as err:  # noqa: BLE001 - re-raised naming the replica
-                    raise ReplicaError(f"{self.replicas[replica].where()} failed while generating: "
-                                       f"{getattr(err, 'cause', None) or err}") from err
+                    raise ReplicaError(
+                        f"{self.replicas[replica].where()} failed while generating: "
+                        f"{getattr(err, 'cause', None) or err}"
+                    ) from err
                 seconds.append(finished[ref])
         finally:
             with self._lock:
@@ -188,23 +206,31 @@ class RolloutRouter:
         merged = merge_outputs(batches)
         if not tagged:
             return merged
-        return {"batch": merged, "policy_version": min(o["policy_version"] for o in outs),
-                "replica_versions": [o["policy_version"] for o in outs],
-                "start": min(o["start"] for o in outs), "end": max(o["end"] for o in outs)}
+        return {
+            "batch": merged,
+            "policy_version": min(o["policy_version"] for o in outs),
+            "replica_versions": [o["policy_version"] for o in outs],
+            "start": min(o["start"] for o in outs),
+            "end": max(o["end"] for o in outs),
+        }
 
     def generate(self, prompts: dict, *, uids: Sequence, n: int = 1, seed: Optional[int] = None, **kwargs) -> dict:
         """``RolloutWorker.generate`` across the replicas (blocking); the merged rollout batch."""
-        return self.collect(self.submit("generate", prompts, n=n, seed=seed, uids=uids,
-                                        pass_n="validate" not in kwargs, **kwargs))
+        return self.collect(
+            self.submit("generate", prompts, n=n, seed=seed, uids=uids, pass_n="validate" not in kwargs, **kwargs)
+        )
 
-    def run_agent_sessions(self, messages: list, *, uids: Sequence, n: int = 1, seed: Optional[int] = None,
-                           **kwargs) -> dict:
+    def run_agent_sessions(
+        self, messages: list, *, uids: Sequence, n: int = 1, seed: Optional[int] = None, **kwargs
+    ) -> dict:
         """``RolloutWorker.run_agent_sessions`` across the replicas: contiguous runs of prompts (each
         prompt's ``n`` sessions on one replica, where all their turns run), the run from prompt ``i``
         seeded ``seed + i * n``; ``AgentRunner`` seeds its session ``k``'s round ``r`` with that seed
         ``+ k + r * ROUND_SEED_STRIDE``, so every turn draws as in a one-replica run."""
-        lengths = [sum(len(str(m.get("content", ""))) // 4 + 1 for m in conv) if isinstance(conv, list) else 1
-                   for conv in messages]
+        lengths = [
+            sum(len(str(m.get("content", ""))) // 4 + 1 for m in conv) if isinstance(conv, list) else 1
+            for conv in messages
+        ]
         costs = [n * (t + self.response_length) for t in lengths]
         runs = split_contiguous(costs, self.outstanding)
         start, refs = time.time(), []
@@ -212,18 +238,26 @@ class RolloutRouter:
             extra = dict(kwargs, n=n) if "validate" not in kwargs else dict(kwargs)
             if seed is not None:
                 extra["seed"] = seed + rows.start * n
-            refs.append((replica, self.replicas[replica].actor.run_agent_sessions.remote(
-                messages[rows.start:rows.stop], uids=list(uids[rows.start:rows.stop]), **extra)))
+            refs.append(
+                (
+                    replica,
+                    self.replicas[replica].actor.run_agent_sessions.remote(
+                        messages[rows.start : rows.stop], uids=list(uids[rows.start : rows.stop]), **extra
+                    ),
+                )
+            )
         outs, seconds = [], []
         for replica, ref in refs:
             try:
                 outs.append(ray.get(ref))
             except Exception as err:  # noqa: BLE001
-                raise ReplicaError(f"{self.replicas[replica].where()} failed in agent sessions: "
-                                   f"{getattr(err, 'cause', None) or err}") from err
+                raise ReplicaError(
+                    f"{self.replicas[replica].where()} failed in agent sessions: {getattr(err, 'cause', None) or err}"
+                ) from err
             seconds.append(time.time() - start)
-        tokens = [float(o["response_mask"].sum()) if isinstance(o.get("response_mask"), torch.Tensor) else 0.0
-                  for o in outs]
+        tokens = [
+            float(o["response_mask"].sum()) if isinstance(o.get("response_mask"), torch.Tensor) else 0.0 for o in outs
+        ]
         self._record([replica for replica, _ in refs], tokens, seconds)
         return merge_outputs(outs)
 
@@ -236,8 +270,9 @@ class RolloutRouter:
             try:
                 out.append(ray.get(ref, timeout=timeout))
             except Exception as err:  # noqa: BLE001
-                raise ReplicaError(f"{replica.where()} failed in {method}: {getattr(err, 'cause', None) or err}"
-                                   ) from err
+                raise ReplicaError(
+                    f"{replica.where()} failed in {method}: {getattr(err, 'cause', None) or err}"
+                ) from err
         return out
 
     def sleep_refs(self, level: int) -> list:
@@ -257,10 +292,12 @@ class RolloutRouter:
             per_replica[replica] += count
         tokens = per_replica
         mean = sum(tokens) / len(tokens) if tokens else 0.0
-        self._last = {"rollout/replicas": float(len(self.replicas)),
-                      "rollout/replica_tokens_max_over_mean": (max(tokens) / mean) if mean > 0 else 1.0,
-                      "rollout/replica_gen_seconds_max": max(seconds) if seconds else 0.0,
-                      "rollout/replica_gen_seconds_min": min(seconds) if seconds else 0.0}
+        self._last = {
+            "rollout/replicas": float(len(self.replicas)),
+            "rollout/replica_tokens_max_over_mean": (max(tokens) / mean) if mean > 0 else 1.0,
+            "rollout/replica_gen_seconds_max": max(seconds) if seconds else 0.0,
+            "rollout/replica_gen_seconds_min": min(seconds) if seconds else 0.0,
+        }
         self.last_tokens = tokens
 
     def metrics(self) -> dict[str, float]:

@@ -46,9 +46,11 @@ def _check_merged_sync(engine) -> None:
     ``lora.merge: false`` the rollout gets the adapters instead (``WeightSync(adapter_only=True)``)."""
     lora = engine.lora
     if lora is not None and not lora.merge:
-        raise ValueError(f"lora.merge={lora.merge!r} with lora.rank={lora.rank}: this engine syncs only its adapters "
-                         "into vLLM's LoRA (WeightSync(adapter_only=True)); a full-weight sync is not its path. "
-                         "Allowed here: lora.merge=true (the merged weights W + alpha/rank * B A)")
+        raise ValueError(
+            f"lora.merge={lora.merge!r} with lora.rank={lora.rank}: this engine syncs only its adapters "
+            "into vLLM's LoRA (WeightSync(adapter_only=True)); a full-weight sync is not its path. "
+            "Allowed here: lora.merge=true (the merged weights W + alpha/rank * B A)"
+        )
 
 
 class WeightSyncRank:
@@ -57,8 +59,9 @@ class WeightSyncRank:
     _exporter = None
     _weight_sync = None
 
-    def export_weights(self, bucket_bytes: int, dtype: Optional[str] = None,
-                       quantization: Optional[str] = None) -> Optional[list]:
+    def export_weights(
+        self, bucket_bytes: int, dtype: Optional[str] = None, quantization: Optional[str] = None
+    ) -> Optional[list]:
         """Collective: global rank 0 returns the full model as HF ``(name, tensor)`` copies (block FP8
         weight + scale pairs with ``quantization="fp8"``); others None. A LoRA engine exports its merged
         weights (``W + scale * B A`` under the base's names; the adapters, ``bridge_ignore``, left out)."""
@@ -67,9 +70,13 @@ class WeightSyncRank:
         if self.weight_map is None:
             raise ValueError("export_weights needs the HF family of the model: build the group with hf_dir")
         if self._exporter is None:
-            self._exporter = HFExporter(self.engine.model, self.weight_map, mesh=self.mesh,
-                                        dtype=getattr(torch, dtype) if dtype else None,
-                                        ignore=self.engine.bridge_ignore)
+            self._exporter = HFExporter(
+                self.engine.model,
+                self.weight_map,
+                mesh=self.mesh,
+                dtype=getattr(torch, dtype) if dtype else None,
+                ignore=self.engine.bridge_ignore,
+            )
         with self.engine.merged_weights():  # copies taken inside: the base is restored bit for bit after
             weights = self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)
             out = [(name, t.detach().clone()) for name, t in weights]
@@ -83,8 +90,9 @@ class WeightSyncRank:
             out = [pair for bucket in quantize_fp8_stream([out], DEFAULT_BLOCK) for pair in bucket]
         return out if self.rank == 0 else None
 
-    def export_lora_adapter(self, bucket_bytes: int, base_model_name_or_path: Optional[str] = None, *,
-                            required: bool = True) -> Optional[tuple[dict, dict] | str]:
+    def export_lora_adapter(
+        self, bucket_bytes: int, base_model_name_or_path: Optional[str] = None, *, required: bool = True
+    ) -> Optional[tuple[dict, dict] | str]:
         """Collective: global rank 0 returns the LoRA adapters as a PEFT adapter, ``(tensors, config)``
         (``megatron_rl.engine.lora_peft``: PEFT's names, gathered over TP / PP); others, and every rank
         of an engine without LoRA, None. Adapters with no PEFT form (inside MoE experts) raise, or with
@@ -96,8 +104,9 @@ class WeightSyncRank:
         if self.weight_map is None:
             raise ValueError("export_lora_adapter needs the HF family of the model: build the group with hf_dir")
         try:
-            tensors = peft_adapter_tensors(self.engine.model, self.weight_map, mesh=self.mesh,
-                                           bucket_bytes=bucket_bytes)
+            tensors = peft_adapter_tensors(
+                self.engine.model, self.weight_map, mesh=self.mesh, bucket_bytes=bucket_bytes
+            )
         except PeftExportUnsupported as exc:  # raised on every rank alike (the check follows a gather)
             if required:
                 raise
@@ -116,14 +125,22 @@ class WeightSyncRank:
             raise ValueError("an adapter-only weight sync needs a LoRA actor (actor_rollout_ref.model.lora.rank > 0)")
         if self.weight_map is None:
             raise ValueError("export_lora_adapter_parts needs the HF family of the model: build the group with hf_dir")
-        tensors, shared = peft_adapter_parts(self.engine.model, self.weight_map, mesh=self.mesh,
-                                             bucket_bytes=bucket_bytes)
+        tensors, shared = peft_adapter_parts(
+            self.engine.model, self.weight_map, mesh=self.mesh, bucket_bytes=bucket_bytes
+        )
         if self.rank != 0:
             return None
         return tensors, shared, peft_adapter_config(self.engine.lora, expand_shared(tensors, shared))
 
-    def weight_sync_listen(self, world_size: int, transport: str, bucket_megabytes: float, shm_dir: str,
-                           dtype: Optional[str] = None, quantization: Optional[str] = None) -> Optional[tuple[str, int]]:
+    def weight_sync_listen(
+        self,
+        world_size: int,
+        transport: str,
+        bucket_megabytes: float,
+        shm_dir: str,
+        dtype: Optional[str] = None,
+        quantization: Optional[str] = None,
+    ) -> Optional[tuple[str, int]]:
         """Collective: build this rank's ``ActorWeightSync``; rank 0 hosts the side band and
         returns ``(addr, port)`` for the rollout worker, the others None."""
         import ray
@@ -135,11 +152,17 @@ class WeightSyncRank:
         _check_merged_sync(self.engine)
         if self._weight_sync is not None:
             self._weight_sync.close()
-        self._weight_sync = ActorWeightSync.from_engine(self.engine, self.weight_map, mesh=self.mesh,
-                                                        dtype=getattr(torch, dtype) if dtype else None,
-                                                        bucket_megabytes=bucket_megabytes, quantization=quantization)
-        return self._weight_sync.listen(world_size, transport=transport, master_addr=ray.util.get_node_ip_address(),
-                                        shm_dir=shm_dir)
+        self._weight_sync = ActorWeightSync.from_engine(
+            self.engine,
+            self.weight_map,
+            mesh=self.mesh,
+            dtype=getattr(torch, dtype) if dtype else None,
+            bucket_megabytes=bucket_megabytes,
+            quantization=quantization,
+        )
+        return self._weight_sync.listen(
+            world_size, transport=transport, master_addr=ray.util.get_node_ip_address(), shm_dir=shm_dir
+        )
 
     def weight_sync_connect(self) -> None:
         """Collective: rank 0 joins the side band (blocks until the rollout worker has joined)."""
@@ -171,16 +194,26 @@ class WeightSync:
             vLLM's LoRA: ``VLLMRollout.load_lora_tensors``); the transport setting is not used.
     """
 
-    def __init__(self, actor_group, rollout_worker, config: WeightSyncConfig, *, dtype: Optional[str] = None,
-                 quantization: Optional[str] = None, adapter_only: bool = False):
+    def __init__(
+        self,
+        actor_group,
+        rollout_worker,
+        config: WeightSyncConfig,
+        *,
+        dtype: Optional[str] = None,
+        quantization: Optional[str] = None,
+        adapter_only: bool = False,
+    ):
         from parallel.transport import get_transport
 
         self.rollouts = list(rollout_worker) if isinstance(rollout_worker, (list, tuple)) else [rollout_worker]
         self.group, self.rollout, self.config, self.dtype = actor_group, self.rollouts[0], config, dtype
         self.quantization = quantization
         if adapter_only and quantization is not None:
-            raise ValueError(f"rollout.quantization={quantization!r} with lora.merge=false is not built (the adapters "
-                             "go to vLLM's LoRA unquantised); allowed: None, or set lora.merge=true")
+            raise ValueError(
+                f"rollout.quantization={quantization!r} with lora.merge=false is not built (the adapters "
+                "go to vLLM's LoRA unquantised); allowed: None, or set lora.merge=true"
+            )
         self.adapter_only = adapter_only
         self.streamed = get_transport(config.backend).streamable and not adapter_only
         self.connected = False
@@ -199,13 +232,24 @@ class WeightSync:
         sizes = [int(s) for s in ray.get([r.num_engine_workers.remote() for r in self.rollouts])]  # TP x PP each
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # replica r's first worker's rank
         world = 1 + sum(sizes)
-        listened = ray.get([w.weight_sync_listen.remote(world, self.config.backend,
-                                                        self.config.update_weights_bucket_megabytes,
-                                                        self.config.shm_dir, self.dtype, self.quantization)
-                            for w in self.group.workers])
+        listened = ray.get(
+            [
+                w.weight_sync_listen.remote(
+                    world,
+                    self.config.backend,
+                    self.config.update_weights_bucket_megabytes,
+                    self.config.shm_dir,
+                    self.dtype,
+                    self.quantization,
+                )
+                for w in self.group.workers
+            ]
+        )
         addr, port = listened[0]
-        ray.get([w.weight_sync_connect.remote() for w in self.group.workers]
-                + [r.weight_sync_connect.remote(addr, port, world, offset) for r, offset in zip(self.rollouts, offsets)])
+        ray.get(
+            [w.weight_sync_connect.remote() for w in self.group.workers]
+            + [r.weight_sync_connect.remote(addr, port, world, offset) for r, offset in zip(self.rollouts, offsets)]
+        )
         self.connected = True
 
     def sync(self) -> dict[str, Any]:
@@ -233,9 +277,12 @@ class WeightSync:
             out = _streamed_sync(self.group, self.rollouts)
         else:
             weights = export_weights(self.group, self.bucket_bytes, self.dtype, self.quantization)
-            refs = [r.update_weights.remote(weights, transport=self.config.backend,
-                                            bucket_megabytes=self.config.update_weights_bucket_megabytes)
-                    for r in self.rollouts]
+            refs = [
+                r.update_weights.remote(
+                    weights, transport=self.config.backend, bucket_megabytes=self.config.update_weights_bucket_megabytes
+                )
+                for r in self.rollouts
+            ]
             out = _acknowledged(refs)[0]
         return {**out, "replicas": len(self.rollouts), "wall_seconds": time.perf_counter() - start}
 
@@ -244,8 +291,10 @@ class WeightSync:
         import ray
 
         if self.connected:
-            ray.get([w.weight_sync_close.remote() for w in self.group.workers]
-                    + [r.weight_sync_close.remote() for r in self.rollouts])
+            ray.get(
+                [w.weight_sync_close.remote() for w in self.group.workers]
+                + [r.weight_sync_close.remote() for r in self.rollouts]
+            )
             self.connected = False
 
 
@@ -257,8 +306,9 @@ def export_weights(group, bucket_bytes: int, dtype: Optional[str] = None, quanti
 
 
 # ----------------------------------------------------------------------------- the two-call form
-def connect_weight_sync(group, rollout, transport: str, bucket_megabytes: float, dtype: Optional[str] = None,
-                        shm_dir: Optional[str] = None) -> WeightSync:
+def connect_weight_sync(
+    group, rollout, transport: str, bucket_megabytes: float, dtype: Optional[str] = None, shm_dir: Optional[str] = None
+) -> WeightSync:
     """Join actor rank 0 of ``group`` and the ``RolloutWorker`` actor ``rollout`` in a side band
     (``transport`` ``broadcast`` or ``shm``); afterwards ``sync_weights(group, rollout)`` streams the
     weights. Prefer ``WeightSync``, which also connects on first use. Returns the connected one."""

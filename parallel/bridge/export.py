@@ -136,8 +136,10 @@ class PieceAssembler:
                 self._partial[base] = (full, set(), 0)
             full, seen, filled = self._partial[base]
             if full.shape[1:] != tensor.shape[1:] or full.dtype != tensor.dtype or full.shape[0] != rows:
-                raise ValueError(f"weight piece {name!r} ({tuple(tensor.shape)}, {tensor.dtype}) does not fit "
-                                 f"{base!r} ({tuple(full.shape)}, {full.dtype})")
+                raise ValueError(
+                    f"weight piece {name!r} ({tuple(tensor.shape)}, {tensor.dtype}) does not fit "
+                    f"{base!r} ({tuple(full.shape)}, {full.dtype})"
+                )
             if any(a < stop and start < b for a, b in seen):
                 raise ValueError(f"weight piece {name!r} overlaps rows already received for {base!r}")
             full[start:stop].copy_(tensor)
@@ -157,8 +159,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _sort_key(name: str) -> tuple:
     """Embedding, layers in numeric order, final norm, output layer."""
-    section = 0 if name.startswith("embedding.") else 1 if name.startswith("decoder.layers.") else \
-        2 if name.startswith("decoder.") else 3
+    section = (
+        0
+        if name.startswith("embedding.")
+        else 1
+        if name.startswith("decoder.layers.")
+        else 2
+        if name.startswith("decoder.")
+        else 3
+    )
     return (section, [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)])
 
 
@@ -171,23 +180,34 @@ class HFExporter:
     referenced, not copied. ``dtype`` casts the exported tensors (e.g. bfloat16 for inference).
     """
 
-    def __init__(self, chunks: Iterable[torch.nn.Module], weight_map: WeightMap, *, mesh=None,
-                 dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = ()):
+    def __init__(
+        self,
+        chunks: Iterable[torch.nn.Module],
+        weight_map: WeightMap,
+        *,
+        mesh=None,
+        dtype: Optional[torch.dtype] = None,
+        ignore: Sequence[str] = (),
+    ):
         self.weight_map = weight_map
         self.dtype = dtype
         params, _ = resolve_params(list(chunks), weight_map, mesh, ignore)
         params = [p for p in params if p.rule.export]
         self._local = {(p.global_name, p.shard): p.tensor for p in params}
-        meta = [(p.global_name, p.shard, p.num_shards, p.partition_dim, tuple(p.tensor.shape), str(p.tensor.dtype))
-                for p in params]
+        meta = [
+            (p.global_name, p.shard, p.num_shards, p.partition_dim, tuple(p.tensor.shape), str(p.tensor.dtype))
+            for p in params
+        ]
         by_name: dict[str, dict] = {}
         for rank, rank_meta in enumerate(all_gather_object(meta)):
             for name, shard, num, dim, shape, dtype_str in rank_meta:
-                entry = by_name.setdefault(name, {"num": num, "dim": dim, "shapes": {}, "holders": {},
-                                                  "dtype": _TORCH_DTYPES[dtype_str]})
+                entry = by_name.setdefault(
+                    name, {"num": num, "dim": dim, "shapes": {}, "holders": {}, "dtype": _TORCH_DTYPES[dtype_str]}
+                )
                 if entry["num"] != num or entry["dim"] != dim:
-                    raise RuntimeError(f"{name}: ranks disagree on its sharding "
-                                       f"({entry['num']}/{entry['dim']} vs {num}/{dim})")
+                    raise RuntimeError(
+                        f"{name}: ranks disagree on its sharding ({entry['num']}/{entry['dim']} vs {num}/{dim})"
+                    )
                 entry["shapes"][shard] = shape
                 entry["holders"].setdefault(shard, []).append(rank)
         self.items: list[_Item] = []
@@ -198,12 +218,26 @@ class HFExporter:
             rule, hf_names = weight_map.resolve(name)
             shapes = [e["shapes"][k] for k in range(e["num"])]
             out_dtype = dtype or e["dtype"]
-            infos = [HFTensorInfo(n, s, out_dtype) for n, s in
-                     zip(hf_names, full_hf_shapes(rule, e["num"], e["dim"], shapes[0], weight_map))]
+            infos = [
+                HFTensorInfo(n, s, out_dtype)
+                for n, s in zip(hf_names, full_hf_shapes(rule, e["num"], e["dim"], shapes[0], weight_map))
+            ]
             elem = max(_itemsize(e["dtype"]), _itemsize(out_dtype))
-            self.items.append(_Item(name, rule, hf_names, e["num"], e["dim"], shapes, e["dtype"],
-                                    [tuple(sorted(e["holders"][k])) for k in range(e["num"])], infos,
-                                    sum(math.prod(s) for s in shapes) * elem, math.prod(shapes[0][1:]) * elem))
+            self.items.append(
+                _Item(
+                    name,
+                    rule,
+                    hf_names,
+                    e["num"],
+                    e["dim"],
+                    shapes,
+                    e["dtype"],
+                    [tuple(sorted(e["holders"][k])) for k in range(e["num"])],
+                    infos,
+                    sum(math.prod(s) for s in shapes) * elem,
+                    math.prod(shapes[0][1:]) * elem,
+                )
+            )
         self.tensors: list[HFTensorInfo] = [info for item in self.items for info in item.outputs]
 
     def check_bucket(self, bucket_bytes: int, what: Optional[str] = None) -> None:
@@ -218,11 +252,14 @@ class HFExporter:
                 raise ValueError(
                     f"{what} ({bucket_bytes} bytes) is smaller than one expert shard: {item.global_name} -> "
                     f"{list(item.hf_names)} takes {item.nbytes} bytes (experts travel whole, one at a time); "
-                    f"allowed: >= {item.nbytes} bytes ({item.nbytes / 2**20:.4g} MiB)")
+                    f"allowed: >= {item.nbytes} bytes ({item.nbytes / 2**20:.4g} MiB)"
+                )
             if item.nbytes > bucket_bytes and self._piece_rows(item, 0, bucket_bytes) < 1:
                 row = self._row_cost(item, 0)
-                raise ValueError(f"{what} ({bucket_bytes} bytes) is smaller than one row of {item.global_name} "
-                                 f"({row} bytes with its staging); allowed: >= {row} bytes")
+                raise ValueError(
+                    f"{what} ({bucket_bytes} bytes) is smaller than one row of {item.global_name} "
+                    f"({row} bytes with its staging); allowed: >= {row} bytes"
+                )
 
     def _row_cost(self, item: _Item, which: int) -> int:
         """Bytes one output row of a piece holds at once: the row, plus its staging when not direct."""
@@ -247,8 +284,9 @@ class HFExporter:
                     current, size = [], 0
                 for which, info in enumerate(item.outputs):
                     step = self._piece_rows(item, which, bucket_bytes)
-                    buckets.extend(_Piece(item, which, a, min(a + step, info.shape[0]))
-                                   for a in range(0, info.shape[0], step))
+                    buckets.extend(
+                        _Piece(item, which, a, min(a + step, info.shape[0])) for a in range(0, info.shape[0], step)
+                    )
                 continue
             if current and size + item.nbytes > bucket_bytes:
                 buckets.append(current)
@@ -259,9 +297,15 @@ class HFExporter:
             buckets.append(current)
         return buckets
 
-    def iter_weights(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_ranks: bool = False,
-                     stats: Optional[ExportStats] = None, split: bool = False,
-                     staging=None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(
+        self,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        all_ranks: bool = False,
+        stats: Optional[ExportStats] = None,
+        split: bool = False,
+        staging=None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` in ``self.tensors`` order, bucket by bucket; collective.
 
         With ``all_ranks=False`` only global rank 0 yields (the others send it their shards);
@@ -291,8 +335,9 @@ class HFExporter:
                 del tensor
                 stats._add(-nbytes)
 
-    def iter_buckets(self, *, bucket_bytes: int, all_ranks: bool = False, stats: Optional[ExportStats] = None,
-                     split: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_buckets(
+        self, *, bucket_bytes: int, all_ranks: bool = False, stats: Optional[ExportStats] = None, split: bool = True
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``iter_weights`` one bucket (a list of pairs) at a time; collective.
 
         The generator keeps no reference to a bucket once it has yielded it: when the consumer
@@ -308,8 +353,12 @@ class HFExporter:
     def _shards_of(self, bucket) -> dict[tuple[str, int], torch.Tensor]:
         """This rank's shards of the items of ``bucket`` (a list of items, or one piece)."""
         items = [bucket.item] if isinstance(bucket, _Piece) else bucket
-        return {key: self._local[key] for item in items for k in range(item.num_shards)
-                if (key := (item.global_name, k)) in self._local}
+        return {
+            key: self._local[key]
+            for item in items
+            for k in range(item.num_shards)
+            if (key := (item.global_name, k)) in self._local
+        }
 
     def _staged(self, buckets: list, staging) -> Iterator[tuple[Any, Callable[[], None]]]:
         """Each bucket with its shards loaded by ``staging`` (when given), and a function that
@@ -325,8 +374,9 @@ class HFExporter:
             done = {_storage(t): t for t in shards[i].values() if last[_storage(t)] == i}
             yield bucket, lambda done=list(done.values()): staging.release(done)
 
-    def _produce(self, bucket_bytes: int, all_ranks: bool, stats: ExportStats,
-                 split: bool, staging=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _produce(
+        self, bucket_bytes: int, all_ranks: bool, stats: ExportStats, split: bool, staging=None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The export: one list of ``(hf_name, tensor)`` per bucket (empty lists on ranks that
         do not yield are skipped); ``staging``: see ``iter_weights``."""
         if bucket_bytes < 1:
@@ -358,8 +408,16 @@ class HFExporter:
                 del ready  # the consumer holds the bucket now; nothing here keeps it alive
             release()
 
-    def _produce_bucket(self, bucket: list[_Item], bucket_bytes: int, rank: int, all_ranks: bool, yields: bool,
-                        moves, stats: ExportStats) -> Optional[list[tuple[str, torch.Tensor]]]:
+    def _produce_bucket(
+        self,
+        bucket: list[_Item],
+        bucket_bytes: int,
+        rank: int,
+        all_ranks: bool,
+        yields: bool,
+        moves,
+        stats: ExportStats,
+    ) -> Optional[list[tuple[str, torch.Tensor]]]:
         """One bucket of whole items: its ``(hf_name, tensor)`` list on yielding ranks, else None.
         (A function of its own so that no local outlives the bucket once returned.)"""
         stats.max_bucket_bytes = max(stats.max_bucket_bytes, sum(i.nbytes for i in bucket))
@@ -419,7 +477,7 @@ class HFExporter:
                 if k in got or outs[0] is local:
                     continue
                 for run in self._runs(item, k):
-                    run.dest(outs, run.src_a, run.src_b).copy_(local[run.src_a: run.src_b])
+                    run.dest(outs, run.src_a, run.src_b).copy_(local[run.src_a : run.src_b])
             ready.extend(zip(item.hf_names, outs))
         return ready
 
@@ -431,8 +489,9 @@ class HFExporter:
             stats.max_piece_bytes = max(stats.max_piece_bytes, _nbytes(tensor))
         return ready
 
-    def _produce_piece(self, piece: _Piece, rank: int, all_ranks: bool, yields: bool, moves,
-                       stats: ExportStats) -> Optional[tuple[str, torch.Tensor]]:
+    def _produce_piece(
+        self, piece: _Piece, rank: int, all_ranks: bool, yields: bool, moves, stats: ExportStats
+    ) -> Optional[tuple[str, torch.Tensor]]:
         """Rows [start, stop) of one HF output of an item, gathered from its shards' runs one
         at a time (each run waited for: pieces and their staging stay within one bucket)."""
         item = piece.item
@@ -454,8 +513,8 @@ class HFExporter:
                 a, b = run.src_a + lo - run.dst_row, run.src_a + hi - run.dst_row
                 dest = None
                 if out is not None:
-                    dest = out[lo - piece.start: hi - piece.start]
-                    dest = dest if run.cols is None else dest[:, run.cols[0]: run.cols[1]]
+                    dest = out[lo - piece.start : hi - piece.start]
+                    dest = dest if run.cols is None else dest[:, run.cols[0] : run.cols[1]]
                 if not moves(holders):
                     if dest is not None:
                         dest.copy_(local.detach()[a:b])
@@ -486,8 +545,13 @@ class HFExporter:
     def _alloc_outputs(self, item: _Item, stats: ExportStats, alias: bool) -> list[torch.Tensor]:
         """Output tensors of ``item``; with ``alias`` an unsplit local parameter is its own output."""
         local = self._local.get((item.global_name, 0))
-        if alias and local is not None and item.num_shards == 1 and item.rule.transform == "copy" \
-                and self._direct(item):
+        if (
+            alias
+            and local is not None
+            and item.num_shards == 1
+            and item.rule.transform == "copy"
+            and self._direct(item)
+        ):
             outs = [local.detach()]
         else:
             outs = [torch.empty(i.shape, dtype=i.dtype, device=self.device) for i in item.outputs]
@@ -508,8 +572,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _transfer(local: Optional[torch.Tensor], a: int, b: int, dest: Optional[torch.Tensor], owner: int, rank: int,
-              all_ranks: bool):
+def _transfer(
+    local: Optional[torch.Tensor], a: int, b: int, dest: Optional[torch.Tensor], owner: int, rank: int, all_ranks: bool
+):
     """Move rows [a, b) of the owner's shard into ``dest``: broadcast, or point-to-point to rank 0."""
     if rank == owner:
         data = local.detach()[a:b]
@@ -521,10 +586,17 @@ def _transfer(local: Optional[torch.Tensor], a: int, b: int, dest: Optional[torc
     return None
 
 
-def export_hf_weights(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, *, mesh=None,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_ranks: bool = False,
-                      dtype: Optional[torch.dtype] = None, ignore: Sequence[str] = (),
-                      stats: Optional[ExportStats] = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    chunks: Iterable[torch.nn.Module],
+    weight_map: WeightMap,
+    *,
+    mesh=None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    all_ranks: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    ignore: Sequence[str] = (),
+    stats: Optional[ExportStats] = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One-shot ``HFExporter(...).iter_weights(...)``; collective, exhaust it on every rank."""
     exporter = HFExporter(chunks, weight_map, mesh=mesh, dtype=dtype, ignore=ignore)
     yield from exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=all_ranks, stats=stats)

@@ -33,9 +33,20 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["FP8DequantReader", "fp8_block_size", "dequantize_fp8_blocks", "quantize_fp8_blocks",
-           "open_dequantizing", "SCALE_SUFFIX", "FP8_MAX", "FP8_WEIGHTS", "DEFAULT_BLOCK", "fp8_quantization_config",
-           "requantize_fp8_blocks", "write_fp8_export"]
+__all__ = [
+    "FP8DequantReader",
+    "fp8_block_size",
+    "dequantize_fp8_blocks",
+    "quantize_fp8_blocks",
+    "open_dequantizing",
+    "SCALE_SUFFIX",
+    "FP8_MAX",
+    "FP8_WEIGHTS",
+    "DEFAULT_BLOCK",
+    "fp8_quantization_config",
+    "requantize_fp8_blocks",
+    "write_fp8_export",
+]
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -47,21 +58,28 @@ def fp8_block_size(hf_config: Any) -> Optional[tuple[int, int]]:
 
     ValueError for a ``quantization_config`` this reader cannot dequantise (named, with what is allowed).
     """
-    qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else \
-        getattr(hf_config, "quantization_config", None)
+    qc = (
+        hf_config.get("quantization_config")
+        if isinstance(hf_config, dict)
+        else getattr(hf_config, "quantization_config", None)
+    )
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"HF config quantization_config.quant_method={method!r} is not supported; allowed: 'fp8' "
-                         "(DeepSeek-V3's block-quantised format) or no quantization_config")
+        raise ValueError(
+            f"HF config quantization_config.quant_method={method!r} is not supported; allowed: 'fp8' "
+            "(DeepSeek-V3's block-quantised format) or no quantization_config"
+        )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"HF config quantization_config.fmt={qc['fmt']!r} is not supported; allowed: 'e4m3'")
     block = qc.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"HF config quantization_config.weight_block_size={block!r} is not supported; allowed: "
-                         "two positive ints (DeepSeek-V3: [128, 128])")
+        raise ValueError(
+            f"HF config quantization_config.weight_block_size={block!r} is not supported; allowed: "
+            "two positive ints (DeepSeek-V3: [128, 128])"
+        )
     return int(block[0]), int(block[1])
 
 
@@ -69,8 +87,15 @@ def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *,
-                          row0: int = 0, col0: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    *,
+    row0: int = 0,
+    col0: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``weight`` (FP8, possibly a slice starting at row ``row0`` / column ``col0`` of the full
     tensor) times the float32 ``scale_inv`` of its blocks, in ``dtype``."""
     rows = (torch.arange(weight.shape[0]) + row0) // block[0]
@@ -115,16 +140,21 @@ class FP8DequantReader:
             elif scale not in names:
                 errors.append(f"{n!r} is FP8 but {scale!r} is missing")
             elif tuple(reader.shape(scale)) != _grid(shape, block):
-                errors.append(f"{scale!r} has shape {list(reader.shape(scale))}; {n!r} {list(shape)} in "
-                              f"{list(block)} blocks needs {list(_grid(shape, block))}")
+                errors.append(
+                    f"{scale!r} has shape {list(reader.shape(scale))}; {n!r} {list(shape)} in "
+                    f"{list(block)} blocks needs {list(_grid(shape, block))}"
+                )
             elif reader.dtype(scale) not in (torch.float32, torch.bfloat16, torch.float16):
                 errors.append(f"{scale!r} has dtype {reader.dtype(scale)}; a float scale is needed")
         orphans = sorted(n for n in names if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] not in fp8)
         errors.extend(f"{n!r} has no FP8 weight {n[: -len(SCALE_SUFFIX)]!r}" for n in orphans)
         if errors:
-            raise ValueError(f"{reader.path}: FP8 block-quantised checkpoint (weight_block_size={list(block)}) is "
-                             f"inconsistent: " + "; ".join(errors[:10])
-                             + (f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""))
+            raise ValueError(
+                f"{reader.path}: FP8 block-quantised checkpoint (weight_block_size={list(block)}) is "
+                f"inconsistent: "
+                + "; ".join(errors[:10])
+                + (f" (and {len(errors) - 10} more)" if len(errors) > 10 else "")
+            )
         self._fp8 = fp8
         self.path = reader.path
 
@@ -143,7 +173,9 @@ class FP8DequantReader:
 
     def keys(self) -> list[str]:
         """Tensor names without the scales."""
-        return [n for n in self._reader.keys() if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._fp8)]
+        return [
+            n for n in self._reader.keys() if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._fp8)
+        ]
 
     def __contains__(self, name: str) -> bool:
         return name in self._reader and name in set(self.keys())
@@ -163,20 +195,30 @@ class FP8DequantReader:
         """Whether ``name`` is stored block-quantised."""
         return name in self._fp8
 
-    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None, *,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        dim: Optional[int] = None,
+        start: int = 0,
+        stop: Optional[int] = None,
+        *,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Tensor ``name`` (dequantised if FP8), or only indices [start, stop) along ``dim``; into
         ``out`` when given (``HFCheckpointReader.read``'s contract, with ``dtype(name)``)."""
         if name not in self._fp8:
             return self._reader.read(name, dim, start, stop, out=out)
         raw = self._reader.read(name, dim, start, stop)
         scale = self._reader.read(name + SCALE_SUFFIX)
-        value = dequantize_fp8_blocks(raw, scale, self.block, row0=start if dim == 0 else 0,
-                                      col0=start if dim == 1 else 0, dtype=self.out_dtype)
+        value = dequantize_fp8_blocks(
+            raw, scale, self.block, row0=start if dim == 0 else 0, col0=start if dim == 1 else 0, dtype=self.out_dtype
+        )
         if out is None:
             return value
         if list(out.shape) != list(value.shape) or out.dtype != value.dtype:
-            raise ValueError(f"reading {name!r} {list(value.shape)} {value.dtype} into a {list(out.shape)} {out.dtype} tensor")
+            raise ValueError(
+                f"reading {name!r} {list(value.shape)} {value.dtype} into a {list(out.shape)} {out.dtype} tensor"
+            )
         return out.copy_(value)
 
 
@@ -198,7 +240,8 @@ DEFAULT_BLOCK = (128, 128)
 """DeepSeek-V3's ``weight_block_size``."""
 FP8_WEIGHTS = re.compile(
     r"model\.layers\.\d+\.(?:self_attn\.(?:q_proj|k_proj|v_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-    r"|mlp\.(?:shared_experts\.|experts\.\d+\.)?(?:gate_proj|up_proj|down_proj))\.weight")
+    r"|mlp\.(?:shared_experts\.|experts\.\d+\.)?(?:gate_proj|up_proj|down_proj))\.weight"
+)
 """The weights DeepSeek-V3's published checkpoint stores as FP8: every attention and MLP projection of
 the decoder (and MTP) layers; embeddings, heads, norms, routers, their bias and ``eh_proj`` stay plain."""
 
@@ -212,8 +255,9 @@ def _expand(grid: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) 
     return grid.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
 
 
-def requantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int],
-                          source_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def requantize_fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int], source_scale: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(float8_e4m3fn weight, float32 scale_inv, blocks kept)``: ``quantize_fp8_blocks``, except that
     every block which ``source_scale`` (the FP8 source's scales of this tensor) reproduces exactly --
     its FP8 values times that scale, rounded to ``weight.dtype`` as the loader rounds them, give
@@ -252,8 +296,12 @@ def _source_scales(source_dir: Optional[str | os.PathLike]):
     return reader, names
 
 
-def write_fp8_export(hf_dir: str | os.PathLike, *, block: Optional[tuple[int, int]] = None,
-                     source_dir: Optional[str | os.PathLike] = None) -> dict[str, int]:
+def write_fp8_export(
+    hf_dir: str | os.PathLike,
+    *,
+    block: Optional[tuple[int, int]] = None,
+    source_dir: Optional[str | os.PathLike] = None,
+) -> dict[str, int]:
     """Rewrite the plain HF checkpoint being written in ``hf_dir`` in DeepSeek-V3's FP8 block format.
 
     Quantised: the FP8 weights of ``source_dir`` (the checkpoint it was converted from) when that is
@@ -287,18 +335,27 @@ def write_fp8_export(hf_dir: str | os.PathLike, *, block: Optional[tuple[int, in
             with safe_open(str(path), "pt") as f:
                 names = list(f.keys())
                 plain = {n: (tuple(f.get_slice(n).get_shape()), dtypes[f.get_slice(n).get_dtype()]) for n in names}
-                quant = [n for n in names if len(plain[n][0]) == 2 and plain[n][1].is_floating_point
-                         and (n in wanted if wanted is not None else FP8_WEIGHTS.fullmatch(n))]
+                quant = [
+                    n
+                    for n in names
+                    if len(plain[n][0]) == 2
+                    and plain[n][1].is_floating_point
+                    and (n in wanted if wanted is not None else FP8_WEIGHTS.fullmatch(n))
+                ]
                 if not quant:
                     continue
                 infos = []
                 for n in names:
                     if n in quant:
-                        infos += [HFTensorInfo(n, plain[n][0], torch.float8_e4m3fn),
-                                  HFTensorInfo(n + SCALE_SUFFIX, _grid(plain[n][0], block), torch.float32)]
+                        infos += [
+                            HFTensorInfo(n, plain[n][0], torch.float8_e4m3fn),
+                            HFTensorInfo(n + SCALE_SUFFIX, _grid(plain[n][0], block), torch.float32),
+                        ]
                         # bytes the index's total_size gains: the scale, less what FP8 saves on the weight
-                        added[n + SCALE_SUFFIX] = (file, infos[-1].nbytes + infos[-2].nbytes
-                                                   - HFTensorInfo(n, *plain[n]).nbytes)
+                        added[n + SCALE_SUFFIX] = (
+                            file,
+                            infos[-1].nbytes + infos[-2].nbytes - HFTensorInfo(n, *plain[n]).nbytes,
+                        )
                     else:
                         infos.append(HFTensorInfo(n, *plain[n]))
                 tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -309,8 +366,7 @@ def write_fp8_export(hf_dir: str | os.PathLike, *, block: Optional[tuple[int, in
                         if n not in quant:
                             writer.write(n, tensor)
                             continue
-                        src = (source[0].read(n + SCALE_SUFFIX) if source and n + SCALE_SUFFIX in source[0]
-                               else None)
+                        src = source[0].read(n + SCALE_SUFFIX) if source and n + SCALE_SUFFIX in source[0] else None
                         q, scale, kept = requantize_fp8_blocks(tensor, block, src)
                         writer.write(n, q)
                         writer.write(n + SCALE_SUFFIX, scale.float().contiguous())

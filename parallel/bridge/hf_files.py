@@ -17,9 +17,18 @@ import torch
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 ST_DTYPES = {  # torch dtype -> safetensors header name
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -36,8 +45,18 @@ class HFTensorInfo:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-_ST_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                  "U16": 2}  # every other safetensors dtype is one byte
+_ST_ITEM_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+}  # every other safetensors dtype is one byte
 
 
 class HFCheckpointReader:
@@ -68,8 +87,9 @@ class HFCheckpointReader:
         files = sorted(set(self._where.values())) if self._where is not None else [SINGLE_FILE]
         missing = [f for f in files if not (self.path / f).is_file()]
         if missing:
-            raise FileNotFoundError(f"{index}: {len(missing)} of {len(files)} shard files are missing from "
-                                    f"{self.path}: {missing}")
+            raise FileNotFoundError(
+                f"{index}: {len(missing)} of {len(files)} shard files are missing from {self.path}: {missing}"
+            )
         self._stack = contextlib.ExitStack()
         self._files: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
@@ -78,8 +98,10 @@ class HFCheckpointReader:
                 try:
                     self._files[f] = self._stack.enter_context(safe_open(str(self.path / f), framework="pt"))
                 except SafetensorError as exc:
-                    raise ValueError(f"{self.path / f}: truncated or corrupt safetensors file "
-                                     f"({os.path.getsize(self.path / f)} bytes): {exc}") from None
+                    raise ValueError(
+                        f"{self.path / f}: truncated or corrupt safetensors file "
+                        f"({os.path.getsize(self.path / f)} bytes): {exc}"
+                    ) from None
             if self._where is None:
                 self._where = {name: SINGLE_FILE for name in self._files[SINGLE_FILE].keys()}
             for f, handle in self._files.items():
@@ -127,8 +149,15 @@ class HFCheckpointReader:
         """The dtype of tensor ``name`` in the file (no data read)."""
         return self._layout[self._where[name]][name][0]
 
-    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None, *,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        dim: Optional[int] = None,
+        start: int = 0,
+        stop: Optional[int] = None,
+        *,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Tensor ``name``, or only indices [start, stop) along ``dim``; into ``out`` when given (a
         contiguous CPU tensor of that shape and the file's dtype), else a new tensor.
 
@@ -143,18 +172,20 @@ class HFCheckpointReader:
         if dim is not None:
             stop = shape[dim] if stop is None else min(stop, shape[dim])
             start = min(max(start, 0), stop)
-        want = shape if dim is None else shape[:dim] + [stop - start] + shape[dim + 1:]
+        want = shape if dim is None else shape[:dim] + [stop - start] + shape[dim + 1 :]
         if out is None:
             out = torch.empty(want, dtype=dtype)
         elif list(out.shape) != want or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError(f"reading {name!r} {want} {dtype} into a {list(out.shape)} {out.dtype} "
-                             f"{'contiguous' if out.is_contiguous() else 'strided'} {out.device} tensor")
+            raise ValueError(
+                f"reading {name!r} {want} {dtype} into a {list(out.shape)} {out.dtype} "
+                f"{'contiguous' if out.is_contiguous() else 'strided'} {out.device} tensor"
+            )
         if dim is None:
             _pread_into(self._fds[f], out, begin)
         elif all(n == 1 for n in shape[:dim]):
-            _pread_into(self._fds[f], out, begin + start * math.prod(shape[dim + 1:]) * out.element_size())
+            _pread_into(self._fds[f], out, begin + start * math.prod(shape[dim + 1 :]) * out.element_size())
         else:
-            outer, size, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+            outer, size, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
             flat = out.view(outer, stop - start, inner)
             item = out.element_size()
             per = max(1, _BLOCK_BYTES // max(1, size * inner * item))
@@ -162,7 +193,7 @@ class HFCheckpointReader:
             for row in range(0, outer, per):
                 n = min(per, outer - row)
                 _pread_into(self._fds[f], block[:n], begin + row * size * inner * item)
-                flat[row: row + n] = block[:n, start:stop]
+                flat[row : row + n] = block[:n, start:stop]
             del block
         self.bytes_read += out.numel() * out.element_size()
         return out
@@ -217,8 +248,11 @@ class SafetensorsStreamWriter:
         for info in infos:
             if info.dtype not in ST_DTYPES:
                 raise ValueError(f"{info.name}: dtype {info.dtype} cannot be stored in safetensors")
-            header[info.name] = {"dtype": ST_DTYPES[info.dtype], "shape": list(info.shape),
-                                 "data_offsets": [offset, offset + info.nbytes]}
+            header[info.name] = {
+                "dtype": ST_DTYPES[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [offset, offset + info.nbytes],
+            }
             offset += info.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -230,8 +264,10 @@ class SafetensorsStreamWriter:
         """Append the next planned tensor (name, shape and dtype must match the plan)."""
         expected = self._pending.pop()
         if (name, tuple(tensor.shape), tensor.dtype) != (expected.name, expected.shape, expected.dtype):
-            raise RuntimeError(f"export yielded {name} {list(tensor.shape)} {tensor.dtype}, planned "
-                               f"{expected.name} {list(expected.shape)} {expected.dtype}")
+            raise RuntimeError(
+                f"export yielded {name} {list(tensor.shape)} {tensor.dtype}, planned "
+                f"{expected.name} {list(expected.shape)} {expected.dtype}"
+            )
         data = tensor.detach().contiguous().cpu()
         if data.numel():
             self._file.write(_memory(data))

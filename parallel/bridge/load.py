@@ -73,15 +73,19 @@ class DeferredReads:
 def _fill(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap) -> None:
     """Read ``p``'s shard into its parameter: in place when the dtypes agree, else through one copy."""
     target = p.tensor.data
-    if target.device.type == "cpu" and target.is_contiguous() and all(reader.dtype(n) == target.dtype
-                                                                      for n in p.hf_names):
+    if (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and all(reader.dtype(n) == target.dtype for n in p.hf_names)
+    ):
         _read_shard(reader, p, wm, out=target)  # straight into the parameter
     else:  # another dtype or device: one shard in flight, then copied
         target.copy_(_read_shard(reader, p, wm))
 
 
-def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _read_shard(
+    reader: HFCheckpointReader, p: ParamShard, wm: WeightMap, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """This rank's shard of ``p`` assembled from slices of the HF tensors, read into ``out`` when
     given (contiguous, ``p``'s shape and the file's dtype: each slice lands in place, no copy)."""
     shape, k = tuple(p.tensor.shape), p.shard
@@ -98,18 +102,18 @@ def _read_shard(reader: HFCheckpointReader, p: ParamShard, wm: WeightMap,
             out = torch.empty(shape, dtype=reader.dtype(names[0]))
         if stop > start:
             reader.read(names[0], 0, start, stop, out=out[: stop - start])
-        out[max(stop - start, 0):] = 0
+        out[max(stop - start, 0) :] = 0
         return out
     if out is None:
         out = torch.empty(shape, dtype=reader.dtype(names[0]))
     if t == "gate_up":
         half = shape[0] // 2
         for i in (0, 1):
-            reader.read(names[i], 0, k * half, (k + 1) * half, out=out[i * half: (i + 1) * half])
+            reader.read(names[i], 0, k * half, (k + 1) * half, out=out[i * half : (i + 1) * half])
         return out
     start = k * shape[0]  # qkv: runs of rows of q, k and v
     for which, hf_row, row, length in qkv_runs(start, start + shape[0], wm):
-        reader.read(names[which], 0, hf_row, hf_row + length, out=out[row - start: row - start + length])
+        reader.read(names[which], 0, hf_row, hf_row + length, out=out[row - start : row - start + length])
     return out
 
 
@@ -127,16 +131,25 @@ def _check_mtp(reader, weight_map: WeightMap, hf_dir, errors: list[str]) -> list
     errors.extend(f"{reader.path}: {e}" for e in bad)
     names = weight_map.mtp.names(reader, count)
     if names and not bad and (not dist.is_initialized() or dist.get_rank() == 0):
-        warnings.warn(f"{reader.path}: the checkpoint's {count} multi-token-prediction layer(s) "
-                      f"(num_nextn_predict_layers={count}, {len(names)} tensors under model.layers."
-                      f"{weight_map.mtp.num_layers}+) are not trained: the model has no MTP block (MTP training is "
-                      "not implemented); megatron-rl convert and the trainer's HF export carry them through unchanged",
-                      stacklevel=3)
+        warnings.warn(
+            f"{reader.path}: the checkpoint's {count} multi-token-prediction layer(s) "
+            f"(num_nextn_predict_layers={count}, {len(names)} tensors under model.layers."
+            f"{weight_map.mtp.num_layers}+) are not trained: the model has no MTP block (MTP training is "
+            "not implemented); megatron-rl convert and the trainer's HF export carry them through unchanged",
+            stacklevel=3,
+        )
     return names
 
 
-def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, hf_dir: str | os.PathLike, *,
-                       mesh=None, ignore: Sequence[str] = (), deferred: bool = False) -> LoadReport:
+def load_hf_checkpoint(
+    chunks: Iterable[torch.nn.Module],
+    weight_map: WeightMap,
+    hf_dir: str | os.PathLike,
+    *,
+    mesh=None,
+    ignore: Sequence[str] = (),
+    deferred: bool = False,
+) -> LoadReport:
     """Load HF safetensors from ``hf_dir`` into this rank's model chunks; call on all ranks.
 
     Each rank reads only the rows/columns of its own shards. A contiguous CPU parameter of the file's
@@ -183,16 +196,21 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                     continue
                 bad = [(n, reader.shape(n), e) for n, e in zip(p.hf_names, expected) if reader.shape(n) != e]
                 if bad:
-                    errors.extend(f"HF tensor {n!r} has shape {list(got)} but the model config expects {list(e)} "
-                                  f"(Megatron parameter {p.global_name!r})" for n, got, e in bad)
+                    errors.extend(
+                        f"HF tensor {n!r} has shape {list(got)} but the model config expects {list(e)} "
+                        f"(Megatron parameter {p.global_name!r})"
+                        for n, got, e in bad
+                    )
                     continue
                 if later is not None and p.tensor.numel():
                     later.add(p)
                 else:
                     _fill(reader, p, weight_map)
         if missing:
-            errors.append(f"{reader.path}: the model needs HF tensors the checkpoint lacks: {sorted(set(missing))[:10]}"
-                          + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else ""))
+            errors.append(
+                f"{reader.path}: the model needs HF tensors the checkpoint lacks: {sorted(set(missing))[:10]}"
+                + (f" (and {len(set(missing)) - 10} more)" if len(set(missing)) > 10 else "")
+            )
         all_known = set().union(*all_gather_object(sorted(set(known))))
         all_known.update(_check_mtp(reader, weight_map, hf_dir, errors))
         unexpected = sorted(n for n in reader.keys() if n not in all_known and not weight_map.is_optional(n))
@@ -202,17 +220,22 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
             if why is not None:
                 refused.setdefault(why, []).append(n)
         for why, names in refused.items():
-            errors.append(f"{reader.path}: {len(names)} HF tensors cannot be loaded into this model ({why}): "
-                          f"{names[:10]}" + (f" (and {len(names) - 10} more)" if len(names) > 10 else ""))
+            errors.append(
+                f"{reader.path}: {len(names)} HF tensors cannot be loaded into this model ({why}): "
+                f"{names[:10]}" + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
+            )
         unexpected = [n for n in unexpected if weight_map.unsupported_reason(n) is None]
         if unexpected:
-            errors.append(f"{reader.path}: HF tensors that no weight rule of this model accounts for "
-                          f"(wrong family or config?): {unexpected[:10]}"
-                          + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+            errors.append(
+                f"{reader.path}: HF tensors that no weight rule of this model accounts for "
+                f"(wrong family or config?): {unexpected[:10]}"
+                + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else "")
+            )
         raise_together([(ValueError, e) for e in errors])
         total = sum(reader.nbytes(n) for n in reader.keys())
-        report = LoadReport(num_params=len(params), bytes_read=reader.bytes_read, checkpoint_bytes=total,
-                            deferred=later)
+        report = LoadReport(
+            num_params=len(params), bytes_read=reader.bytes_read, checkpoint_bytes=total, deferred=later
+        )
     except BaseException:
         reader.close()
         raise

@@ -31,9 +31,20 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["MTPLayers", "MTP_FILE", "MTP_SHARD", "MTP_TRANSFORMER_FIELDS", "add_mtp_shard", "check_mtp_layout",
-           "copy_mtp_tensors", "num_mtp_layers",
-           "read_mtp_tensors", "source_mtp_tensors", "stream_tensors", "write_mtp_file"]
+__all__ = [
+    "MTPLayers",
+    "MTP_FILE",
+    "MTP_SHARD",
+    "MTP_TRANSFORMER_FIELDS",
+    "add_mtp_shard",
+    "check_mtp_layout",
+    "copy_mtp_tensors",
+    "num_mtp_layers",
+    "read_mtp_tensors",
+    "source_mtp_tensors",
+    "stream_tensors",
+    "write_mtp_file",
+]
 
 MTP_FILE = "mtp/mtp.safetensors"
 """Where a Megatron checkpoint written by ``convert_hf_to_mcore`` keeps the MTP tensors."""
@@ -68,9 +79,14 @@ def _layout_mtp_stages(layout) -> list[int]:
     stages = PipelineParallelLayerLayout.parse_str_to_list(layout) if isinstance(layout, str) else layout
     if not isinstance(stages, (list, tuple)):
         return []
-    return [i for i, stage in enumerate(stages)
-            if any(t == LayerType.mtp or str(t) in ("m", "mtp") for t in (stage if isinstance(stage, (list, tuple))
-                                                                            else [stage]))]
+    return [
+        i
+        for i, stage in enumerate(stages)
+        if any(
+            t == LayerType.mtp or str(t) in ("m", "mtp")
+            for t in (stage if isinstance(stage, (list, tuple)) else [stage])
+        )
+    ]
 
 
 def check_mtp_layout(parallel, overrides=None, *, key: str = "megatron.override_transformer_config") -> None:
@@ -84,13 +100,18 @@ def check_mtp_layout(parallel, overrides=None, *, key: str = "megatron.override_
     for name in MTP_TRANSFORMER_FIELDS:
         value = overrides.get(name)
         if value is not None and not (name == "mtp_num_layers" and value == 0):
-            effect = (f"at pipeline_model_parallel_size={pp} Megatron-Core would expect the block and a replica of the "
-                      f"shared word embedding on the last stage and split that stage's hidden states for MTP layers "
-                      f"that have no weights" if name == "mtp_num_layers" else "it acts only on that block")
+            effect = (
+                f"at pipeline_model_parallel_size={pp} Megatron-Core would expect the block and a replica of the "
+                f"shared word embedding on the last stage and split that stage's hidden states for MTP layers "
+                f"that have no weights"
+                if name == "mtp_num_layers"
+                else "it acts only on that block"
+            )
             raise ValueError(
                 f"{key}.{name}={value!r} is not allowed: the Megatron model builds no multi-token-prediction block "
                 f"(MTP training, actor_rollout_ref.model.mtp.*, is not implemented; a checkpoint's MTP layers are "
-                f"loaded, checked and exported as side data at any layout); {effect}. Allowed: leave {name} unset")
+                f"loaded, checked and exported as side data at any layout); {effect}. Allowed: leave {name} unset"
+            )
     layout = overrides.get("pipeline_model_parallel_layout")
     stages = _layout_mtp_stages(layout) if layout is not None else []
     if stages:
@@ -98,7 +119,8 @@ def check_mtp_layout(parallel, overrides=None, *, key: str = "megatron.override_
             f"{key}.pipeline_model_parallel_layout={layout!r} places MTP layers ('m') on pipeline stage(s) {stages} "
             f"of pipeline_model_parallel_size={pp}: the model builds no multi-token-prediction block, so no stage can "
             f"hold MTP layers or the word-embedding replica they share. Allowed: a layout of embedding ('E'), "
-            f"decoder ('t') and loss ('L') stages only, or no pipeline_model_parallel_layout")
+            f"decoder ('t') and loss ('L') stages only, or no pipeline_model_parallel_layout"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +147,14 @@ class MTPLayers:
         if not present:
             return []
         template = f"model.layers.{self.num_layers - 1}."
-        block = {n[len(template):]: tuple(reader.shape(n)) for n in reader.keys() if n.startswith(template)}
+        block = {n[len(template) :]: tuple(reader.shape(n)) for n in reader.keys() if n.startswith(template)}
         h, v = self.hidden_size, self.vocab_size
-        own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-               "shared_head.norm.weight": (h,)}
+        own = {
+            "enorm.weight": (h,),
+            "hnorm.weight": (h,),
+            "eh_proj.weight": (h, 2 * h),
+            "shared_head.norm.weight": (h,),
+        }
         optional = {"embed_tokens.weight": (v, h), "shared_head.head.weight": (v, h)}
         errors: list[str] = []
         for i in range(count):
@@ -138,16 +164,23 @@ class MTPLayers:
                 name = prefix + suffix
                 if name not in present:
                     if suffix in expected:
-                        errors.append(f"MTP tensor {name!r} is missing (MTP layer {i} of num_nextn_predict_layers="
-                                      f"{count} needs it, shape {list(shape)})")
+                        errors.append(
+                            f"MTP tensor {name!r} is missing (MTP layer {i} of num_nextn_predict_layers="
+                            f"{count} needs it, shape {list(shape)})"
+                        )
                     continue
                 got = tuple(reader.shape(name))
                 if got != shape:
                     errors.append(f"MTP tensor {name!r} has shape {list(got)} but {list(shape)} is expected")
-            unknown = sorted(n for n in present if n.startswith(prefix)
-                             and n[len(prefix):] not in expected and n[len(prefix):] not in optional)
-            errors.extend(f"MTP tensor {n!r} is not part of an MTP layer (the last decoder layer has no "
-                          f"{n[len(prefix):]!r})" for n in unknown)
+            unknown = sorted(
+                n
+                for n in present
+                if n.startswith(prefix) and n[len(prefix) :] not in expected and n[len(prefix) :] not in optional
+            )
+            errors.extend(
+                f"MTP tensor {n!r} is not part of an MTP layer (the last decoder layer has no {n[len(prefix) :]!r})"
+                for n in unknown
+            )
         return errors
 
 
@@ -225,8 +258,10 @@ def add_mtp_shard(hf_dir: str | os.PathLike, source: str | os.PathLike | dict[st
     else:
         dtypes = {v: k for k, v in ST_DTYPES.items()}
         with safe_open(str(source), "pt") as f:
-            infos = [HFTensorInfo(n, tuple(f.get_slice(n).get_shape()), dtypes[f.get_slice(n).get_dtype()])
-                     for n in sorted(f.keys())]
+            infos = [
+                HFTensorInfo(n, tuple(f.get_slice(n).get_shape()), dtypes[f.get_slice(n).get_dtype()])
+                for n in sorted(f.keys())
+            ]
             stream_tensors(hf_dir / MTP_SHARD, infos, f.get_tensor)
     index = hf_dir / INDEX_FILE
     if index.is_file():
@@ -235,8 +270,10 @@ def add_mtp_shard(hf_dir: str | os.PathLike, source: str | os.PathLike | dict[st
         with safe_open(str(hf_dir / SINGLE_FILE), "pt") as f:
             names = list(f.keys())
         # total_size: the file's size, an upper bound of its tensors' bytes (the header is included)
-        data = {"metadata": {"total_size": os.path.getsize(hf_dir / SINGLE_FILE)},
-                "weight_map": {n: SINGLE_FILE for n in names}}
+        data = {
+            "metadata": {"total_size": os.path.getsize(hf_dir / SINGLE_FILE)},
+            "weight_map": {n: SINGLE_FILE for n in names},
+        }
     clash = sorted({i.name for i in infos} & set(data["weight_map"]))
     if clash:
         raise ValueError(f"{hf_dir}: MTP tensors {clash[:5]} are already in the exported model")

@@ -42,17 +42,23 @@ class WeightRule:
             object.__setattr__(self, "hf", (self.hf,))
         object.__setattr__(self, "hf", tuple(self.hf))
         if self.transform not in _TRANSFORM_ARITY:
-            raise ValueError(f"WeightRule {self.megatron!r}: transform={self.transform!r} is not allowed; "
-                             f"choose one of {sorted(_TRANSFORM_ARITY)}")
+            raise ValueError(
+                f"WeightRule {self.megatron!r}: transform={self.transform!r} is not allowed; "
+                f"choose one of {sorted(_TRANSFORM_ARITY)}"
+            )
         if len(self.hf) != _TRANSFORM_ARITY[self.transform]:
-            raise ValueError(f"WeightRule {self.megatron!r}: transform {self.transform!r} takes "
-                             f"{_TRANSFORM_ARITY[self.transform]} HF names, got {list(self.hf)}")
+            raise ValueError(
+                f"WeightRule {self.megatron!r}: transform {self.transform!r} takes "
+                f"{_TRANSFORM_ARITY[self.transform]} HF names, got {list(self.hf)}"
+            )
         fields = set(re.findall(r"\{(\w+)\}", self.megatron))
         for name in self.hf:
             extra = set(re.findall(r"\{(\w+)\}", name)) - fields
             if extra or not fields <= set(_FIELDS):
-                raise ValueError(f"WeightRule {self.megatron!r} -> {name!r}: placeholders must be among "
-                                 f"{list(_FIELDS)} and appear in the Megatron name")
+                raise ValueError(
+                    f"WeightRule {self.megatron!r} -> {name!r}: placeholders must be among "
+                    f"{list(_FIELDS)} and appear in the Megatron name"
+                )
         pattern = re.escape(self.megatron)
         for field in _FIELDS:
             pattern = pattern.replace(re.escape("{" + field + "}"), f"(?P<{field}>\\d+)")
@@ -100,8 +106,10 @@ class WeightMap:
         if dupes:
             raise ValueError(f"WeightMap: Megatron names with more than one rule: {dupes}")
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"WeightMap: num_attention_heads={self.num_attention_heads} is not divisible by "
-                             f"num_query_groups={self.num_query_groups}")
+            raise ValueError(
+                f"WeightMap: num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}"
+            )
 
     def resolve(self, global_name: str) -> tuple[WeightRule, tuple[str, ...]]:
         """The rule and HF names for a global Megatron parameter name."""
@@ -109,8 +117,10 @@ class WeightMap:
             names = rule.match(global_name)
             if names is not None:
                 return rule, names
-        raise ValueError(f"Megatron parameter {global_name!r} has no rule in the weight map; "
-                         f"rules cover: {[r.megatron for r in self.rules]}")
+        raise ValueError(
+            f"Megatron parameter {global_name!r} has no rule in the weight map; "
+            f"rules cover: {[r.megatron for r in self.rules]}"
+        )
 
     def is_optional(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.optional_hf)
@@ -203,8 +213,9 @@ def resolve_params(chunks, weight_map: WeightMap, mesh, ignore: Sequence[str]) -
         chunk = _unwrap(chunk)
         # Buffers count only where a rule names them (a router's expert bias): the others are
         # derived state (RoPE tables, token counters).
-        tensors = [(n, p, False) for n, p in chunk.named_parameters()] + \
-            [(n, b, True) for n, b in chunk.named_buffers()]
+        tensors = [(n, p, False) for n, p in chunk.named_parameters()] + [
+            (n, b, True) for n, b in chunk.named_buffers()
+        ]
         for local_name, p, is_buffer in tensors:
             name = global_param_name(chunk, local_name)
             skip = any(re.match(pat, name) for pat in ignore)
@@ -228,8 +239,9 @@ def resolve_params(chunks, weight_map: WeightMap, mesh, ignore: Sequence[str]) -
     return params, ignored_hf
 
 
-def full_hf_shapes(rule: WeightRule, num_shards: int, partition_dim: Optional[int],
-                    local_shape: Sequence[int], wm: WeightMap) -> list[tuple[int, ...]]:
+def full_hf_shapes(
+    rule: WeightRule, num_shards: int, partition_dim: Optional[int], local_shape: Sequence[int], wm: WeightMap
+) -> list[tuple[int, ...]]:
     """Shapes of the HF tensors a parameter with this local shard shape corresponds to."""
     full = list(local_shape)
     if partition_dim is not None:
@@ -244,10 +256,12 @@ def full_hf_shapes(rule: WeightRule, num_shards: int, partition_dim: Optional[in
         q_rows = wm.num_attention_heads * wm.head_dim
         kv_rows = wm.num_query_groups * wm.head_dim
         if full[0] != q_rows + 2 * kv_rows:
-            raise ValueError(f"{rule.megatron}: the model's QKV projection has {full[0]} rows, the weight map's "
-                             f"geometry ({wm.num_attention_heads} heads, {wm.num_query_groups} groups, head_dim "
-                             f"{wm.head_dim}) gives {q_rows + 2 * kv_rows}; build the weight map from this model's "
-                             f"config")
+            raise ValueError(
+                f"{rule.megatron}: the model's QKV projection has {full[0]} rows, the weight map's "
+                f"geometry ({wm.num_attention_heads} heads, {wm.num_query_groups} groups, head_dim "
+                f"{wm.head_dim}) gives {q_rows + 2 * kv_rows}; build the weight map from this model's "
+                f"config"
+            )
         return [(q_rows, *rest), (kv_rows, *rest), (kv_rows, *rest)]
     return [(full[0] // 2, *rest)] * 2  # gate_up
 
@@ -265,9 +279,11 @@ def qkv_runs(start: int, stop: int, wm: WeightMap) -> Iterator[tuple[int, int, i
     group = start // per_group
     while group * per_group < stop:
         base = group * per_group
-        for which, offset, length, hf_base in ((0, 0, q_per_group, group * q_per_group),
-                                               (1, q_per_group, d, group * d),
-                                               (2, q_per_group + d, d, group * d)):
+        for which, offset, length, hf_base in (
+            (0, 0, q_per_group, group * q_per_group),
+            (1, q_per_group, d, group * d),
+            (2, q_per_group + d, d, group * d),
+        ):
             lo, hi = max(start, base + offset), min(stop, base + offset + length)
             if lo < hi:
                 yield which, hf_base + lo - base - offset, lo, hi - lo
@@ -285,12 +301,11 @@ class Run:
     cols: Optional[tuple[int, int]] = None
 
     def dest(self, outs: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
-        view = outs[self.which][self.dst_row + a - self.src_a: self.dst_row + b - self.src_a]
-        return view if self.cols is None else view[:, self.cols[0]: self.cols[1]]
+        view = outs[self.which][self.dst_row + a - self.src_a : self.dst_row + b - self.src_a]
+        return view if self.cols is None else view[:, self.cols[0] : self.cols[1]]
 
 
-def shard_runs(transform: str, partition_dim: Optional[int], shape: Sequence[int], k: int,
-               wm: WeightMap) -> list[Run]:
+def shard_runs(transform: str, partition_dim: Optional[int], shape: Sequence[int], k: int, wm: WeightMap) -> list[Run]:
     """How TP shard ``k`` (local ``shape``) of a parameter maps onto its HF tensors, as row runs."""
     t, rows = transform, shape[0]
     if t == "copy":
@@ -303,12 +318,15 @@ def shard_runs(transform: str, partition_dim: Optional[int], shape: Sequence[int
     if t == "gate_up":
         half = rows // 2
         return [Run(0, half, 0, k * half), Run(half, rows, 1, k * half)]
-    return [Run(row - k * rows, row - k * rows + length, which, hf_row)
-            for which, hf_row, row, length in qkv_runs(k * rows, (k + 1) * rows, wm)]
+    return [
+        Run(row - k * rows, row - k * rows + length, which, hf_row)
+        for which, hf_row, row, length in qkv_runs(k * rows, (k + 1) * rows, wm)
+    ]
 
 
-def check_layout(parallel_config: Any, world_size: int, model_config: Any,
-                 transformer_overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Optional[int]]:
+def check_layout(
+    parallel_config: Any, world_size: int, model_config: Any, transformer_overrides: Optional[Mapping[str, Any]] = None
+) -> dict[str, Optional[int]]:
     """Check that ``parallel_config`` (a ``ParallelConfig`` or mapping) fits ``model_config``
     (``num_layers``, ``num_attention_heads``, ``num_query_groups``, ``num_moe_experts``) on
     ``world_size`` ranks, with an uneven pipeline split from ``transformer_overrides``

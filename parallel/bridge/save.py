@@ -147,11 +147,22 @@ class _ReleaseWhenWritten:
         self._background.raise_error()
 
 
-def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap, out_dir: str | os.PathLike,
-                       hf_config: Any, *, mesh=None, max_shard_bytes: int = 4 * 2**30,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
-                       overwrite: bool = False, extra_files: Iterable[str | os.PathLike] = (),
-                       ignore: Sequence[str] = (), stats: Optional[ExportStats] = None, staging=None) -> Path:
+def save_hf_checkpoint(
+    chunks: Iterable[torch.nn.Module],
+    weight_map: WeightMap,
+    out_dir: str | os.PathLike,
+    hf_config: Any,
+    *,
+    mesh=None,
+    max_shard_bytes: int = 4 * 2**30,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: Optional[torch.dtype] = None,
+    overwrite: bool = False,
+    extra_files: Iterable[str | os.PathLike] = (),
+    ignore: Sequence[str] = (),
+    stats: Optional[ExportStats] = None,
+    staging=None,
+) -> Path:
     """Write the model as an HF checkpoint in ``out_dir``; call on all ranks (rank 0 writes).
 
     Tensors stream from ``HFExporter`` into safetensors shards of at most ``max_shard_bytes``
@@ -175,8 +186,11 @@ def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
     raise_together(errors)
     tmp = Path(broadcast_str(str(final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")))
     plan = plan_shards(exporter.tensors, max_shard_bytes)
-    names = [SINGLE_FILE] if len(plan) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    names = (
+        [SINGLE_FILE]
+        if len(plan) == 1
+        else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    )
     error: Optional[str] = None
     shards = _Shards(tmp, names, plan)
     background = _Background(shards, bucket_bytes) if rank == 0 and staging is not None else None
@@ -206,8 +220,10 @@ def save_hf_checkpoint(chunks: Iterable[torch.nn.Module], weight_map: WeightMap,
                 if not shards.complete:
                     raise RuntimeError(f"export ended after shard {shards.shard + 1} of {len(plan)}")
                 if len(plan) > 1:
-                    index = {"metadata": {"total_size": sum(i.nbytes for i in exporter.tensors)},
-                             "weight_map": {i.name: names[s] for s, infos in enumerate(plan) for i in infos}}
+                    index = {
+                        "metadata": {"total_size": sum(i.nbytes for i in exporter.tensors)},
+                        "weight_map": {i.name: names[s] for s, infos in enumerate(plan) for i in infos},
+                    }
                     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
                 (tmp / "config.json").write_text(_config_json(hf_config))
                 for f in extra_files:

@@ -31,10 +31,16 @@ import torch
 from parallel.cpu_compat._patching import _APPLIED, _UNDO
 from parallel.cpu_compat.on_demand import redirect_uneven_tp_collectives, redirect_yarn_current_device
 from parallel.cpu_compat.optimizer import _distributed_optimizer_on_cpu
-from parallel.cpu_compat.redirects import (_fix_alltoall_dispatcher_stream, _fix_moe_te_general_gemm,
-                                           _noop_tensor_cuda, _redirect_cuda_rng, _redirect_cuda_synchronize,
-                                           _redirect_current_device, _redirect_schedules_zeros,
-                                           _redirect_training_stack)
+from parallel.cpu_compat.redirects import (
+    _fix_alltoall_dispatcher_stream,
+    _fix_moe_te_general_gemm,
+    _noop_tensor_cuda,
+    _redirect_cuda_rng,
+    _redirect_cuda_synchronize,
+    _redirect_current_device,
+    _redirect_schedules_zeros,
+    _redirect_training_stack,
+)
 
 __all__ = [
     "apply_cpu_compat",
@@ -59,8 +65,7 @@ CPU_REDIRECTS: dict[str, tuple[Callable[[], None], str]] = {
     ),
     "_redirect_cuda_rng": (
         _redirect_cuda_rng,
-        "model_parallel_cuda_manual_seed and the RNG tracker (forked even with dropout 0) use the "
-        "CUDA generator",
+        "model_parallel_cuda_manual_seed and the RNG tracker (forked even with dropout 0) use the CUDA generator",
     ),
     "_redirect_schedules_zeros": (
         _redirect_schedules_zeros,

@@ -65,8 +65,10 @@ def redirect_uneven_tp_collectives() -> bool:
     if torch.cuda.is_available():
         return False
     mappings = _module("tensor_parallel.mappings")
-    for name, wrap in (("_gather_along_first_dim", _uneven_gather_along_first_dim),
-                       ("_reduce_scatter_along_first_dim", _uneven_reduce_scatter_along_first_dim)):
+    for name, wrap in (
+        ("_gather_along_first_dim", _uneven_gather_along_first_dim),
+        ("_reduce_scatter_along_first_dim", _uneven_reduce_scatter_along_first_dim),
+    ):
         current = getattr(mappings, name)
         if not getattr(current, "cpu_compat_uneven", False):
             _set_attr(mappings, name, wrap(current))

@@ -6,8 +6,14 @@ from typing import Any
 
 import torch
 
-from parallel.cpu_compat._patching import (_cpu_current_device, _module, _set_attr, _tensor_cuda_is_identity,
-                                           _tensor_type_reports_cuda, _torch_view)
+from parallel.cpu_compat._patching import (
+    _cpu_current_device,
+    _module,
+    _set_attr,
+    _tensor_cuda_is_identity,
+    _tensor_type_reports_cuda,
+    _torch_view,
+)
 
 
 def _distributed_optimizer_on_cpu() -> None:
@@ -55,8 +61,12 @@ def _distributed_optimizer_on_cpu() -> None:
                 state["step"] = state["step"].clone()
         return result
 
-    for wrapper, original in ((__init__, original_init), (get_parameter_state_dp_zero, original_gather),
-                              (_set_main_param_and_optimizer_states, original_set), (load_state_dict, original_load)):
+    for wrapper, original in (
+        (__init__, original_init),
+        (get_parameter_state_dp_zero, original_gather),
+        (_set_main_param_and_optimizer_states, original_set),
+        (load_state_dict, original_load),
+    ):
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         wrapper.__doc__ = original.__doc__
         _set_attr(cls, original.__name__, wrapper)

@@ -8,8 +8,15 @@ from typing import Any, Callable
 
 import torch
 
-from parallel.cpu_compat._patching import (_UNDO, _cpu_current_device, _module, _override_in, _set_attr,
-                                           _tensor_cuda_is_identity, _torch_view)
+from parallel.cpu_compat._patching import (
+    _UNDO,
+    _cpu_current_device,
+    _module,
+    _override_in,
+    _set_attr,
+    _tensor_cuda_is_identity,
+    _torch_view,
+)
 
 # Modules whose code paths reachable on CPU call ``torch.cuda.current_device()``.
 _CURRENT_DEVICE_MODULES = (
@@ -172,7 +179,6 @@ def _noop_tensor_cuda() -> None:
     setup_embeddings_and_output_layer.__wrapped__ = original  # type: ignore[attr-defined]
     setup_embeddings_and_output_layer.__doc__ = original.__doc__
     _set_attr(cls, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
-
 
 
 def _fix_moe_te_general_gemm() -> None:

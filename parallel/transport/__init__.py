@@ -23,18 +23,46 @@ from parallel.transport.base import Receiver, Sender, TransferStats, Transport
 from parallel.transport.buckets import bucket_meta, bucket_named_tensors, unpack_bucket
 from parallel.transport.execution import CallChannel, Channel, transfer
 from parallel.transport.gloo import DEFAULT_TIMEOUT_S, SideBand, new_gloo_group
-from parallel.transport.registry import (GPU_TRANSPORTS, RESERVED, STREAMABLE, TRANSPORTS, get_transport, link_group,
-                                         new_receiver, new_sender)
+from parallel.transport.registry import (
+    GPU_TRANSPORTS,
+    RESERVED,
+    STREAMABLE,
+    TRANSPORTS,
+    get_transport,
+    link_group,
+    new_receiver,
+    new_sender,
+)
 from parallel.transport.safetensors_format import safetensors_views, serialize_safetensors, write_safetensors
 from parallel.transport.stream import RemoteWeightSender, StreamChannel, receive_stream, stream_receivers
 
 __all__ = [
-    "Sender", "Receiver", "Transport", "TransferStats",
-    "bucket_named_tensors", "bucket_meta", "unpack_bucket",
-    "safetensors_views", "serialize_safetensors", "write_safetensors",
-    "DEFAULT_TIMEOUT_S", "SideBand", "new_gloo_group",
-    "TRANSPORTS", "RESERVED", "STREAMABLE", "GPU_TRANSPORTS", "get_transport", "new_sender", "new_receiver",
+    "Sender",
+    "Receiver",
+    "Transport",
+    "TransferStats",
+    "bucket_named_tensors",
+    "bucket_meta",
+    "unpack_bucket",
+    "safetensors_views",
+    "serialize_safetensors",
+    "write_safetensors",
+    "DEFAULT_TIMEOUT_S",
+    "SideBand",
+    "new_gloo_group",
+    "TRANSPORTS",
+    "RESERVED",
+    "STREAMABLE",
+    "GPU_TRANSPORTS",
+    "get_transport",
+    "new_sender",
+    "new_receiver",
     "link_group",
-    "Channel", "CallChannel", "transfer",
-    "StreamChannel", "RemoteWeightSender", "receive_stream", "stream_receivers",
+    "Channel",
+    "CallChannel",
+    "transfer",
+    "StreamChannel",
+    "RemoteWeightSender",
+    "receive_stream",
+    "stream_receivers",
 ]

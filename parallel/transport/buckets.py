@@ -15,8 +15,20 @@ import torch
 
 from parallel.bridge.hf_files import ST_DTYPES
 
-__all__ = ["NamedTensors", "Bucket", "ST_CODES", "ST_TORCH", "check_pair", "check_dtype", "nbytes",
-           "bucket_named_tensors", "bucket_meta", "unpack_bucket", "raw_bytes", "host_bytes"]
+__all__ = [
+    "NamedTensors",
+    "Bucket",
+    "ST_CODES",
+    "ST_TORCH",
+    "check_pair",
+    "check_dtype",
+    "nbytes",
+    "bucket_named_tensors",
+    "bucket_meta",
+    "unpack_bucket",
+    "raw_bytes",
+    "host_bytes",
+]
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 Bucket = list[tuple[str, torch.Tensor]]
@@ -29,8 +41,9 @@ def check_pair(item: Any, index: int) -> tuple[str, torch.Tensor]:
     """``item`` if it is a ``(hf_name: str, tensor)`` pair, else ``TypeError`` naming its position."""
     ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
     if not ok:
-        raise TypeError(f"weights item {index} must be a (hf_name: str, tensor: torch.Tensor) pair, "
-                        f"got {type(item).__name__}")
+        raise TypeError(
+            f"weights item {index} must be a (hf_name: str, tensor: torch.Tensor) pair, got {type(item).__name__}"
+        )
     return item
 
 
@@ -125,8 +138,9 @@ def bucket_meta(bucket: NamedTensors) -> dict[str, Any]:
         check_pair((name, tensor), index)
         check_dtype(name, tensor)
         n = nbytes(tensor)
-        entries.append({"name": name, "dtype": ST_CODES[tensor.dtype], "shape": list(tensor.shape),
-                        "offset": offset, "nbytes": n})
+        entries.append(
+            {"name": name, "dtype": ST_CODES[tensor.dtype], "shape": list(tensor.shape), "offset": offset, "nbytes": n}
+        )
         offset += -(-n // ALIGN) * ALIGN
     return {"tensors": entries, "total_bytes": offset}
 

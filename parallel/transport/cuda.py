@@ -21,9 +21,11 @@ def require_cuda(transport: str, cuda_available: Optional[bool] = None) -> None:
     """``ValueError`` unless this process can use CUDA (``cuda_available`` overrides the probe)."""
     available = torch.cuda.is_available() if cuda_available is None else cuda_available
     if not available:
-        raise ValueError(f"checkpoint_engine.backend={transport!r} needs CUDA, but torch.cuda.is_available() is False "
-                         f"in this process (torch {torch.__version__}); without a GPU choose one of "
-                         f"{list(CPU_TRANSPORTS)}")
+        raise ValueError(
+            f"checkpoint_engine.backend={transport!r} needs CUDA, but torch.cuda.is_available() is False "
+            f"in this process (torch {torch.__version__}); without a GPU choose one of "
+            f"{list(CPU_TRANSPORTS)}"
+        )
 
 
 def device_uuid(index: int) -> str:
@@ -40,5 +42,7 @@ def local_index(uuid: str, visible: Sequence[str], transport: str = "cuda_ipc") 
     """This process's index of the GPU ``uuid``; ``ValueError`` when it cannot see that GPU."""
     if uuid in visible:
         return list(visible).index(uuid)
-    raise ValueError(f"{transport}: the sender's GPU {uuid} is not visible to this process (visible: {list(visible)}); "
-                     f"CUDA IPC needs the receiving engine on the sender's GPU (colocated), across GPUs use 'nccl'")
+    raise ValueError(
+        f"{transport}: the sender's GPU {uuid} is not visible to this process (visible: {list(visible)}); "
+        f"CUDA IPC needs the receiving engine on the sender's GPU (colocated), across GPUs use 'nccl'"
+    )

@@ -31,14 +31,28 @@ __all__ = ["CudaIpcSender", "CudaIpcReceiver", "pack_handle", "unpack_handle", "
 
 # The arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor, in order, and how each is packed.
 HANDLE_FIELDS = (
-    ("tensor_cls", "class"), ("tensor_size", "ints"), ("tensor_stride", "ints"), ("tensor_offset", "int"),
-    ("storage_cls", "class"), ("dtype", "dtype"), ("storage_device", "int"), ("storage_handle", "bytes"),
-    ("storage_size_bytes", "int"), ("storage_offset_bytes", "int"), ("requires_grad", "bool"),
-    ("ref_counter_handle", "bytes"), ("ref_counter_offset", "int"), ("event_handle", "bytes"),
+    ("tensor_cls", "class"),
+    ("tensor_size", "ints"),
+    ("tensor_stride", "ints"),
+    ("tensor_offset", "int"),
+    ("storage_cls", "class"),
+    ("dtype", "dtype"),
+    ("storage_device", "int"),
+    ("storage_handle", "bytes"),
+    ("storage_size_bytes", "int"),
+    ("storage_offset_bytes", "int"),
+    ("requires_grad", "bool"),
+    ("ref_counter_handle", "bytes"),
+    ("ref_counter_offset", "int"),
+    ("event_handle", "bytes"),
     ("event_sync_required", "bool"),
 )
-_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "TypedStorage": torch.storage.TypedStorage,
-            "UntypedStorage": torch.UntypedStorage}
+_CLASSES = {
+    "Tensor": torch.Tensor,
+    "Parameter": torch.nn.Parameter,
+    "TypedStorage": torch.storage.TypedStorage,
+    "UntypedStorage": torch.UntypedStorage,
+}
 
 
 def _pack(kind: str, value: Any) -> Any:
@@ -92,8 +106,9 @@ def _unpack(field: str, kind: str, value: Any) -> Any:
 def pack_handle(rebuild_args: tuple, uuid: str) -> dict[str, Any]:
     """``reduce_tensor(cuda_tensor)[1]`` (the rebuild arguments) as JSON, plus the GPU's UUID."""
     if len(rebuild_args) != len(HANDLE_FIELDS):
-        raise ValueError(f"cuda_ipc: expected the {len(HANDLE_FIELDS)} arguments of rebuild_cuda_tensor, "
-                         f"got {len(rebuild_args)}")
+        raise ValueError(
+            f"cuda_ipc: expected the {len(HANDLE_FIELDS)} arguments of rebuild_cuda_tensor, got {len(rebuild_args)}"
+        )
     packed = {field: _pack(kind, value) for (field, kind), value in zip(HANDLE_FIELDS, rebuild_args)}
     packed["device_uuid"] = uuid
     return packed
@@ -120,8 +135,13 @@ def check_layout(layout: Any, buffer_bytes: int) -> None:
     if not isinstance(total, int) or total > buffer_bytes:
         raise ValueError(f"cuda_ipc layout total_bytes={total!r} exceeds the shared buffer ({buffer_bytes} bytes)")
     for e in layout["tensors"]:
-        if not (isinstance(e, dict) and isinstance(e.get("offset"), int) and isinstance(e.get("nbytes"), int)
-                and e["offset"] >= 0 and e["offset"] + e["nbytes"] <= total):
+        if not (
+            isinstance(e, dict)
+            and isinstance(e.get("offset"), int)
+            and isinstance(e.get("nbytes"), int)
+            and e["offset"] >= 0
+            and e["offset"] + e["nbytes"] <= total
+        ):
             raise ValueError(f"cuda_ipc layout entry {e!r} does not lie inside total_bytes={total}")
 
 
@@ -144,12 +164,13 @@ class CudaIpcSender(Sender):
         layout = bucket_meta(bucket)  # validates names and dtypes first
         devices = {t.device for _, t in bucket}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ValueError(f"cuda_ipc sends CUDA tensors of one GPU per bucket; this bucket's are on "
-                             f"{sorted(map(str, devices))}")
+            raise ValueError(
+                f"cuda_ipc sends CUDA tensors of one GPU per bucket; this bucket's are on {sorted(map(str, devices))}"
+            )
         device = next(iter(devices))
         flat = torch.empty(max(ALIGN, layout["total_bytes"]), dtype=torch.uint8, device=device)
         for (_, tensor), entry in zip(bucket, layout["tensors"]):
-            flat[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(raw_bytes(tensor))
+            flat[entry["offset"] : entry["offset"] + entry["nbytes"]].copy_(raw_bytes(tensor))
         torch.cuda.current_stream(device).synchronize()  # the bytes are in place before anyone maps them
         _, args = reduce_tensor(flat)
         self._buffers.append(flat)

@@ -28,8 +28,16 @@ __all__ = ["DEFAULT_TIMEOUT_S", "SideBand", "new_gloo_group", "broadcast", "send
 DEFAULT_TIMEOUT_S = 600.0  # how long a side-band rank waits for its peers (joining, or any one message)
 
 
-def new_gloo_group(master_addr: str, port: int, rank: int, world_size: int, *,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, prefix: str = "weight_sync", store=None):
+def new_gloo_group(
+    master_addr: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    prefix: str = "weight_sync",
+    store=None,
+):
     """A gloo process group of its own, outside ``torch.distributed``'s default group.
 
     Rank 0 hosts the ``TCPStore`` (or passes the one it already hosts as ``store``, e.g. bound
@@ -39,8 +47,9 @@ def new_gloo_group(master_addr: str, port: int, rank: int, world_size: int, *,
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(master_addr, port, world_size, is_master=(rank == 0), wait_for_workers=False,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            master_addr, port, world_size, is_master=(rank == 0), wait_for_workers=False, timeout=timeout
+        )
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
 
 
@@ -82,8 +91,16 @@ class SideBand:
     rank also brings up an NCCL group of the same ranks in ``connect`` (``group_for("nccl")``).
     """
 
-    def __init__(self, master_addr: str, port: int, rank: int, world_size: int, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, nccl: bool = False):
+    def __init__(
+        self,
+        master_addr: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        nccl: bool = False,
+    ):
         if world_size < 2:
             raise ValueError(f"world_size={world_size} is out of range; allowed: [2, inf)")
         if not 0 <= rank < world_size:
@@ -104,8 +121,14 @@ class SideBand:
         if self.rank != 0:
             raise RuntimeError(f"SideBand.listen on rank {self.rank}: only rank 0 hosts the store")
         if self._store is None:
-            self._store = dist.TCPStore(self.master_addr, self.port, self.world_size, is_master=True,
-                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store = dist.TCPStore(
+                self.master_addr,
+                self.port,
+                self.world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
             self._store.set("weight_sync/nccl", "1" if self.nccl else "0")
             self.port = self._store.port
         return self.port
@@ -114,14 +137,21 @@ class SideBand:
         """Join both groups; blocks until all ``world_size`` ranks have joined. Returns ``self``."""
         if self.rank == 0:
             self.listen()
-        store = self._store or dist.TCPStore(self.master_addr, self.port, self.world_size, is_master=False,
-                                             timeout=datetime.timedelta(seconds=self.timeout_s))
+        store = self._store or dist.TCPStore(
+            self.master_addr,
+            self.port,
+            self.world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
         self._store = store
         make = dict(timeout_s=self.timeout_s, store=store)
-        self.data_group = new_gloo_group(self.master_addr, self.port, self.rank, self.world_size,
-                                         prefix="weight_sync/data", **make)
-        self.control_group = new_gloo_group(self.master_addr, self.port, self.rank, self.world_size,
-                                            prefix="weight_sync/control", **make)
+        self.data_group = new_gloo_group(
+            self.master_addr, self.port, self.rank, self.world_size, prefix="weight_sync/data", **make
+        )
+        self.control_group = new_gloo_group(
+            self.master_addr, self.port, self.rank, self.world_size, prefix="weight_sync/control", **make
+        )
         self.nccl = store.get("weight_sync/nccl") == b"1"
         if self.nccl:  # NCCL's first collective blocks until every rank joins: do it now, while all are here
             import torch
@@ -151,8 +181,9 @@ class SideBand:
             require_cuda("nccl")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = datetime.timedelta(seconds=self.timeout_s)
-            self._nccl_group = dist.ProcessGroupNCCL(dist.PrefixStore("weight_sync/nccl", self._store), self.rank,
-                                                     self.world_size, options)
+            self._nccl_group = dist.ProcessGroupNCCL(
+                dist.PrefixStore("weight_sync/nccl", self._store), self.rank, self.world_size, options
+            )
             self._nccl_device = torch.cuda.current_device()
         return self._nccl_group
 

@@ -27,8 +27,10 @@ __all__ = ["NcclSender", "NcclReceiver"]
 
 def _need_group(group, side: str) -> None:
     if group is None:
-        raise ValueError(f"the nccl transport's {side} needs the side band's NCCL group: connect a SideBand first "
-                         f"(SideBand.group_for('nccl'))")
+        raise ValueError(
+            f"the nccl transport's {side} needs the side band's NCCL group: connect a SideBand first "
+            f"(SideBand.group_for('nccl'))"
+        )
 
 
 class NcclSender(BroadcastSender):
@@ -77,7 +79,7 @@ class NcclReceiver(Receiver):
 
     def receive_bucket(self, message: dict[str, Any]) -> Bucket:
         flat = torch.empty(int(message["total_bytes"]), dtype=torch.uint8, device=torch.cuda.current_device())
-        works = [broadcast(self.group, flat[e["offset"]: e["offset"] + e["nbytes"]]) for e in message["tensors"]]
+        works = [broadcast(self.group, flat[e["offset"] : e["offset"] + e["nbytes"]]) for e in message["tensors"]]
         for work in works:
             work.wait()  # the current stream waits for NCCL's: the views are ready for whatever runs next
         return unpack_bucket(flat, message)

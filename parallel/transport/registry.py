@@ -18,25 +18,80 @@ from parallel.transport.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from parallel.transport.nccl import NcclReceiver, NcclSender
 from parallel.transport.shm import ShmReceiver, ShmSender
 
-__all__ = ["TRANSPORTS", "RESERVED", "STREAMABLE", "GPU_TRANSPORTS", "get_transport", "new_sender", "new_receiver",
-           "link_group"]
+__all__ = [
+    "TRANSPORTS",
+    "RESERVED",
+    "STREAMABLE",
+    "GPU_TRANSPORTS",
+    "get_transport",
+    "new_sender",
+    "new_receiver",
+    "link_group",
+]
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
-    Transport("colocated", ColocatedSender, ColocatedReceiver, streamable=False, same_process=True, needs_group=False,
-              summary="the tensors by reference; receivers in the sender's process"),
-    Transport("bytes", BytesSender, BytesReceiver, streamable=False, same_process=False, needs_group=False,
-              summary="one safetensors blob per bucket, carried by the channel (an RPC)"),
-    Transport("shm", ShmSender, ShmReceiver, streamable=True, same_process=False, needs_group=False,
-              summary="one safetensors file per bucket under a tmpfs directory; receivers map it"),
-    Transport("broadcast", BroadcastSender, BroadcastReceiver, streamable=True, same_process=False, needs_group=True,
-              summary="tensor bytes broadcast over the side band's gloo data group"),
-    Transport("nccl", NcclSender, NcclReceiver, streamable=True, same_process=False, needs_group=True,
-              group_backend="nccl", requires_cuda=True,
-              summary="tensor bytes broadcast GPU to GPU over an NCCL group of the side band's ranks"),
-    Transport("cuda_ipc", CudaIpcSender, CudaIpcReceiver, streamable=True, same_process=False, needs_group=False,
-              requires_cuda=True, max_receivers=1,
-              summary="one GPU buffer per bucket shared by CUDA IPC handle with engines on that GPU"),
-)}
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t
+    for t in (
+        Transport(
+            "colocated",
+            ColocatedSender,
+            ColocatedReceiver,
+            streamable=False,
+            same_process=True,
+            needs_group=False,
+            summary="the tensors by reference; receivers in the sender's process",
+        ),
+        Transport(
+            "bytes",
+            BytesSender,
+            BytesReceiver,
+            streamable=False,
+            same_process=False,
+            needs_group=False,
+            summary="one safetensors blob per bucket, carried by the channel (an RPC)",
+        ),
+        Transport(
+            "shm",
+            ShmSender,
+            ShmReceiver,
+            streamable=True,
+            same_process=False,
+            needs_group=False,
+            summary="one safetensors file per bucket under a tmpfs directory; receivers map it",
+        ),
+        Transport(
+            "broadcast",
+            BroadcastSender,
+            BroadcastReceiver,
+            streamable=True,
+            same_process=False,
+            needs_group=True,
+            summary="tensor bytes broadcast over the side band's gloo data group",
+        ),
+        Transport(
+            "nccl",
+            NcclSender,
+            NcclReceiver,
+            streamable=True,
+            same_process=False,
+            needs_group=True,
+            group_backend="nccl",
+            requires_cuda=True,
+            summary="tensor bytes broadcast GPU to GPU over an NCCL group of the side band's ranks",
+        ),
+        Transport(
+            "cuda_ipc",
+            CudaIpcSender,
+            CudaIpcReceiver,
+            streamable=True,
+            same_process=False,
+            needs_group=False,
+            requires_cuda=True,
+            max_receivers=1,
+            summary="one GPU buffer per bucket shared by CUDA IPC handle with engines on that GPU",
+        ),
+    )
+}
 RESERVED: dict[str, str] = {}  # names kept for transports not built yet (none now)
 STREAMABLE = tuple(sorted(name for name, t in TRANSPORTS.items() if t.streamable))
 # ("broadcast", "cuda_ipc", "nccl", "shm")

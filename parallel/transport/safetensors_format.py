@@ -20,8 +20,14 @@ import torch
 
 from parallel.transport.buckets import ST_CODES, ST_TORCH, Bucket, NamedTensors, check_dtype, check_pair, host_bytes
 
-__all__ = ["safetensors_layout", "write_safetensors", "serialize_safetensors", "safetensors_views", "file_bytes",
-           "bytes_tensor"]
+__all__ = [
+    "safetensors_layout",
+    "write_safetensors",
+    "serialize_safetensors",
+    "safetensors_views",
+    "file_bytes",
+    "bytes_tensor",
+]
 
 
 def safetensors_layout(bucket: NamedTensors) -> tuple[bytes, list[torch.Tensor]]:
@@ -35,8 +41,11 @@ def safetensors_layout(bucket: NamedTensors) -> tuple[bytes, list[torch.Tensor]]
             raise ValueError(f"tensor name {name!r} appears twice in one bucket")
         check_dtype(name, tensor)
         raw = host_bytes(tensor)
-        header[name] = {"dtype": ST_CODES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + raw.numel()]}
+        header[name] = {
+            "dtype": ST_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + raw.numel()],
+        }
         raws.append(raw)
         offset += raw.numel()
     header["__metadata__"] = {"format": "pt"}
@@ -86,8 +95,7 @@ def safetensors_views(buf: torch.Tensor) -> Bucket:
         if name == "__metadata__":
             continue
         if info["dtype"] not in ST_TORCH:
-            raise ValueError(f"tensor {name!r} has safetensors dtype {info['dtype']}; "
-                             f"supported: {sorted(ST_TORCH)}")
+            raise ValueError(f"tensor {name!r} has safetensors dtype {info['dtype']}; supported: {sorted(ST_TORCH)}")
         begin, end = info["data_offsets"]
         dtype = ST_TORCH[info["dtype"]]
         raw = buf[base + begin : base + end]

@@ -95,21 +95,32 @@ class RemoteWeightSender:
         shm_dir: the tmpfs directory of the ``shm`` transport's files (required for it).
     """
 
-    def __init__(self, world_size: int, *, transport: str, master_addr: str = "127.0.0.1", port: int = 0,
-                 shm_dir: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        transport: str,
+        master_addr: str = "127.0.0.1",
+        port: int = 0,
+        shm_dir: Optional[str] = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
         self.entry = get_transport(transport, allowed=STREAMABLE)
         receivers = world_size - 1  # every bucket's header reaches every receiver of the side band
         if self.entry.max_receivers is not None and receivers > self.entry.max_receivers:
-            raise ValueError(f"checkpoint_engine.backend={transport!r} hands each bucket to at most "
-                             f"{self.entry.max_receivers} receiving process(es); this side band has {receivers} "
-                             "(every vLLM worker receives every header): one CUDA IPC handle opened by several "
-                             "processes breaks torch's per-handle reference counting; use 'nccl' for a rollout "
-                             "with more than one worker")
+            raise ValueError(
+                f"checkpoint_engine.backend={transport!r} hands each bucket to at most "
+                f"{self.entry.max_receivers} receiving process(es); this side band has {receivers} "
+                "(every vLLM worker receives every header): one CUDA IPC handle opened by several "
+                "processes breaks torch's per-handle reference counting; use 'nccl' for a rollout "
+                "with more than one worker"
+            )
         if self.entry.requires_cuda:
             require_cuda(transport)  # before any port is bound
         self.transport = transport
-        self.side_band = SideBand(master_addr, port, 0, world_size, timeout_s=timeout_s,
-                                  nccl=self.entry.group_backend == "nccl")
+        self.side_band = SideBand(
+            master_addr, port, 0, world_size, timeout_s=timeout_s, nccl=self.entry.group_backend == "nccl"
+        )
         self.shm_dir = shm_dir
         # A transport without a group is built (and its settings checked) now, one with a group once connected.
         self._sender = None if self.entry.needs_group else self.entry.sender.create(shm_dir=shm_dir)
@@ -127,8 +138,9 @@ class RemoteWeightSender:
         """Join the side band as rank 0; blocks until all ``world_size`` ranks have joined."""
         self.side_band.connect()
         if self._sender is None:
-            self._sender = self.entry.sender.create(group=link_group(self.transport, self.side_band),
-                                                    shm_dir=self.shm_dir)
+            self._sender = self.entry.sender.create(
+                group=link_group(self.transport, self.side_band), shm_dir=self.shm_dir
+            )
 
     def send(self, weights: Iterable[Any], bucket_bytes: int) -> dict[str, Any]:
         """Stream ``(hf_name, tensor)`` pairs (or buckets) as buckets of at most ``bucket_bytes``.

@@ -64,7 +64,7 @@ def joined_nodes(nodes: list[dict]) -> Counter:
             continue
         for key in node.get("Resources", {}):
             if key.startswith(RESOURCE_PREFIX):
-                names[key[len(RESOURCE_PREFIX):]] += 1
+                names[key[len(RESOURCE_PREFIX) :]] += 1
     return names
 
 
@@ -100,8 +100,14 @@ def _print_log_tail(log_dir: str | None, node: str, head: str, lines: int = 5) -
         _log(f"  {node}: {line}")
 
 
-def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launchers: dict[str, list[int]],
-                   log_dir: str | None = None, poll_s: float = 1.0) -> int:
+def wait_for_nodes(
+    address: str,
+    expected: list[str],
+    timeout_s: float,
+    launchers: dict[str, list[int]],
+    log_dir: str | None = None,
+    poll_s: float = 1.0,
+) -> int:
     """Poll the cluster at ``address`` until all ``expected`` SLURM nodes are alive; return the exit status."""
     import ray
 
@@ -122,24 +128,33 @@ def wait_for_nodes(address: str, expected: list[str], timeout_s: float, launcher
         if connected:
             missing = missing_nodes(expected, joined_nodes(ray.nodes()))
             if not missing:
-                _log(f"all {len(expected)} node(s) joined the Ray cluster at {address} in "
-                     f"{time.monotonic() - start:.1f}s: "
-                     f"{' '.join(expected)}")
+                _log(
+                    f"all {len(expected)} node(s) joined the Ray cluster at {address} in "
+                    f"{time.monotonic() - start:.1f}s: "
+                    f"{' '.join(expected)}"
+                )
                 ray.shutdown()
                 return 0
         dead = sorted({n for n in missing if any(not _pid_alive(pid) for pid in launchers.get(n, ()))})
         if dead:
-            _log(f"ERROR: the Ray start step for node(s) {', '.join(dead)} exited before joining the cluster at "
-                 f"{address}; missing {len(missing)} of {len(expected)} node(s): "
-                 + ", ".join(n + _log_hint(log_dir, n, head) for n in missing))
+            _log(
+                f"ERROR: the Ray start step for node(s) {', '.join(dead)} exited before joining the cluster at "
+                f"{address}; missing {len(missing)} of {len(expected)} node(s): "
+                + ", ".join(n + _log_hint(log_dir, n, head) for n in missing)
+            )
             for n in dead:
                 _print_log_tail(log_dir, n, head)
             break
         if now >= deadline:
-            what = (f"the Ray head at {address} did not answer" if not connected else
-                    f"{len(missing)} of {len(expected)} node(s) did not join the Ray cluster at {address}")
-            _log(f"ERROR: {what} within {timeout_s:g}s (RAY_JOIN_TIMEOUT_S); missing "
-                 + ", ".join(n + _log_hint(log_dir, n, head) for n in missing))
+            what = (
+                f"the Ray head at {address} did not answer"
+                if not connected
+                else f"{len(missing)} of {len(expected)} node(s) did not join the Ray cluster at {address}"
+            )
+            _log(
+                f"ERROR: {what} within {timeout_s:g}s (RAY_JOIN_TIMEOUT_S); missing "
+                + ", ".join(n + _log_hint(log_dir, n, head) for n in missing)
+            )
             break
         if now - last_report >= 10.0:
             _log(f"waiting for {len(missing)} of {len(expected)} node(s): {' '.join(missing)}")
@@ -155,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True, help="host:port of the Ray head (GCS)")
     p.add_argument("--nodes", nargs="+", required=True, help="SLURM node names expected (first = head)")
     p.add_argument("--timeout", type=float, required=True, help="seconds to wait for all nodes")
-    p.add_argument("--launcher", action="append", default=[], metavar="NODE=PID",
-                   help="local PID of the process that starts NODE's Ray (fail fast when it exits)")
+    p.add_argument(
+        "--launcher",
+        action="append",
+        default=[],
+        metavar="NODE=PID",
+        help="local PID of the process that starts NODE's Ray (fail fast when it exits)",
+    )
     p.add_argument("--log-dir", default=None, help="directory of the per-node Ray logs (named in errors)")
     args = p.parse_args(argv)
     if args.timeout <= 0:

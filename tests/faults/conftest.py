@@ -26,8 +26,13 @@ def finished_run(tmp_path_factory, ray_session):
     reward.write_text(REWARD)
     run = work / "run"
     start = time.perf_counter()
-    done = subprocess.run(cli("train", "grpo", *fixture_overrides(reward), f"trainer.default_local_dir={run}"),
-                          env=ray_session.env(env()), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        cli("train", "grpo", *fixture_overrides(reward), f"trainer.default_local_dir={run}"),
+        env=ray_session.env(env()),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run, reward, done, time.perf_counter() - start
 

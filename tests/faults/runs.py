@@ -13,22 +13,34 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-REWARD = '''
+REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # varied scores for a random model; the secondary key is NaN for odd-length responses
     return {"score": min(1.0, len(set(solution_str)) / 8), "acc": float("nan") if len(solution_str) % 2 else 1.0}
-'''
-SMALL = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.max_num_seqs=16",
-         "data.val_max_samples=4"]
+"""
+SMALL = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.max_num_seqs=16",
+    "data.val_max_samples=4",
+]
 """The toy recipe at its smallest: 2 prompts x 2 samples per step."""
 
 
 def fixture_overrides(reward: Path, steps: int = 2) -> list[str]:
     """The finished run's overrides (a re-run with these resumes its checkpoint)."""
-    return [f"trainer.total_training_steps={steps}", "trainer.sft_warmup_steps=2", *SMALL, "trainer.save_freq=1",
-            "trainer.test_freq=2", "trainer.log_val_generations=1", "reward.reward_fn=null",
-            f"reward.custom_reward_function.path={reward}"]
+    return [
+        f"trainer.total_training_steps={steps}",
+        "trainer.sft_warmup_steps=2",
+        *SMALL,
+        "trainer.save_freq=1",
+        "trainer.test_freq=2",
+        "trainer.log_val_generations=1",
+        "reward.reward_fn=null",
+        f"reward.custom_reward_function.path={reward}",
+    ]
 
 
 def env() -> dict[str, str]:

@@ -45,8 +45,14 @@ class Run:
     Ray unless ``environ`` names one to join (``RAY_ADDRESS``)."""
 
     def __init__(self, args: list[str], environ: dict[str, str] | None = None):
-        self.proc = subprocess.Popen(cli("train", *args), env=environ or env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cli("train", *args),
+            env=environ or env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -115,8 +121,14 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-QUICK = ["trainer.total_training_steps=50", "trainer.sft_warmup_steps=0", *SMALL, "trainer.val_before_train=false",
-         "trainer.test_freq=-1", "trainer.save_freq=-1"]
+QUICK = [
+    "trainer.total_training_steps=50",
+    "trainer.sft_warmup_steps=0",
+    *SMALL,
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+]
 """A run that would go on for a while, with no checkpoints of its own."""
 
 
@@ -141,8 +153,10 @@ def test_the_finished_run_counts_nan_reward_keys_and_shows_the_operator_a_clean_
     assert "GRPO: 100%|" in done.stderr and "2/2 [" in done.stderr  # the bar's label: the recipe's algorithm
     val_lines = [line for line in re.split(r"[\r\n]", text) if "[val] " in line]
     assert [line.split(":")[0] for line in val_lines] == ["[val] step 0", "[val] step 2"], val_lines
-    assert all(re.search(r"mean reward [0-9.]+(, exact 100\.0%)? \(4 samples\); samples in \S+/validation/\d\.jsonl$",
-                         line) for line in val_lines), val_lines  # one line per validation; the samples in a file
+    assert all(
+        re.search(r"mean reward [0-9.]+(, exact 100\.0%)? \(4 samples\); samples in \S+/validation/\d\.jsonl$", line)
+        for line in val_lines
+    ), val_lines  # one line per validation; the samples in a file
     dumped = [json.loads(line) for line in (run / "validation" / "2.jsonl").read_text().splitlines()]
     assert len(dumped) == 4 and all(prompt_text(d["input"]).startswith("Reverse: ") and d["step"] == 2 for d in dumped)
     assert summary["first_val_step"] == 0 and summary["last_val_step"] == 2
@@ -160,8 +174,9 @@ def _mount_tmpfs(path: Path, size_bytes: int) -> bool:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024 + 1}k", "tmpfs", str(path)],
-                          capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024 + 1}k", "tmpfs", str(path)], capture_output=True
+    )
     return done.returncode == 0
 
 
@@ -178,8 +193,10 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_names_a_full_disk(finis
         shutil.rmtree(copy / "global_step_2" / "actor")  # the latest checkpoint lost its actor
         kept = {name: sha256(copy / name) for name in ("summary.json", "reward_curve.png")}
         kept_hf = snapshot(copy / "final_hf")
-        job = Run(["grpo", *fixture_overrides(reward, steps=3), f"trainer.default_local_dir={copy}"],
-                  environ=ray_session.env(env()))  # the shared Ray: nothing here is about Ray's start
+        job = Run(
+            ["grpo", *fixture_overrides(reward, steps=3), f"trainer.default_local_dir={copy}"],
+            environ=ray_session.env(env()),
+        )  # the shared Ray: nothing here is about Ray's start
         rc, text = job.finish(timeout=600)
         assert f"resume: global_step_2 is damaged: {copy / 'global_step_2' / 'actor' / '.metadata'} is missing" in text
         assert f"resuming from {copy / 'global_step_1'}, the newest complete checkpoint" in text
@@ -192,8 +209,10 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_names_a_full_disk(finis
             assert rows == [0, 1, 2]  # step 2 again after step 1 (no duplicate row); step 3 never finished
             message = text.strip().splitlines()[-1]
             assert message.startswith("megatron-rl train: disk full: saving checkpoint global_step_3 needs ~")
-            assert f"at {copy} but only " in message and " are free on that file system; the last good checkpoint is " \
-                f"{copy / 'global_step_2'}" in message
+            assert (
+                f"at {copy} but only " in message
+                and f" are free on that file system; the last good checkpoint is {copy / 'global_step_2'}" in message
+            )
             assert not (copy / "global_step_3").exists()
             # The previous run's results are untouched: its final_hf/ (by checksum), summary and plot.
             assert {name: sha256(copy / name) for name in kept} == kept and snapshot(copy / "final_hf") == kept_hf
@@ -263,8 +282,12 @@ def test_a_worker_that_sleeps_in_a_phase_trips_the_watchdog(tmp_path, ray_cluste
     from megatron_rl.trainer import watchdog
 
     timeout = 6.0  # step 2's; step 1 runs under 120 s, for a loaded machine's first (slow) phases
-    config = TrainerRunConfig.from_dict(compose("grpo", [*QUICK, "trainer.save_freq=1", "trainer.phase_timeout_s=120",
-                                                        f"trainer.default_local_dir={tmp_path}"]))
+    config = TrainerRunConfig.from_dict(
+        compose(
+            "grpo",
+            [*QUICK, "trainer.save_freq=1", "trainer.phase_timeout_s=120", f"trainer.default_local_dir={tmp_path}"],
+        )
+    )
     trainer = build_trainer(config, tmp_path)
     slept = {}
 
@@ -287,8 +310,10 @@ def test_a_worker_that_sleeps_in_a_phase_trips_the_watchdog(tmp_path, ray_cluste
     dumps = [p for p in (tmp_path / "stacks").iterdir() if p.is_dir()]
     assert len(dumps) == 1 and dumps[0].name.endswith("-step2-old_log_prob")
     assert message.startswith("step 2: phase 'old_log_prob' made no progress for ")
-    assert f"longer than trainer.phase_timeout_s={timeout:g} (a hang); the Python stacks of the driver and every " \
-           f"worker are in {dumps[0]}; the run stops; the last good checkpoint is {tmp_path / 'global_step_1'}" in message
+    assert (
+        f"longer than trainer.phase_timeout_s={timeout:g} (a hang); the Python stacks of the driver and every "
+        f"worker are in {dumps[0]}; the run stops; the last good checkpoint is {tmp_path / 'global_step_1'}" in message
+    )
     assert timeout < stopped_after < timeout + 30
     assert sorted(p.name for p in dumps[0].glob("*.txt")) == ["actor-rank0.txt", "driver.txt", "rollout.txt"]
     actor = (dumps[0] / "actor-rank0.txt").read_text()

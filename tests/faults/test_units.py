@@ -54,9 +54,11 @@ def test_a_step_is_verified_against_its_manifest_and_every_damage_is_named(tmp_p
     shard.unlink()
     (path / "trainer_state.json").write_text("[]")
     state = path / "trainer_state.json"
-    assert verify_step(path) == [f"{state} is not a valid trainer state (AttributeError: 'list' object has no attribute "
-                                 "'get')", f"{shard} is missing (listed in manifest.json)",
-                                 f"{state} has 2 bytes, the manifest records {manifest['files']['trainer_state.json']['size']}"]
+    assert verify_step(path) == [
+        f"{state} is not a valid trainer state (AttributeError: 'list' object has no attribute 'get')",
+        f"{shard} is missing (listed in manifest.json)",
+        f"{state} has 2 bytes, the manifest records {manifest['files']['trainer_state.json']['size']}",
+    ]
 
 
 def test_large_files_are_hashed_by_sampled_blocks(tmp_path, monkeypatch):
@@ -76,10 +78,15 @@ def test_resume_falls_back_past_damaged_checkpoints_or_refuses(tmp_path):
     (tmp_path / "global_step_3" / "actor" / "__0_0.distcp").write_bytes(b"")
     choice = select_checkpoint(tmp_path)
     assert choice.path == (tmp_path / "global_step_2").resolve() and choice.step == 2
-    assert choice.describe().startswith(f"global_step_3 is damaged: {tmp_path}/global_step_3/actor/__0_0.distcp has 0 "
-                                        f"bytes, the manifest records 5000; resuming from {choice.path}")
-    with pytest.raises(ValueError, match=r"checkpoint .*global_step_3 is damaged: .*__0_0.distcp has 0 bytes.*"
-                                         r"trainer.resume_fallback=true resumes"):
+    assert choice.describe().startswith(
+        f"global_step_3 is damaged: {tmp_path}/global_step_3/actor/__0_0.distcp has 0 "
+        f"bytes, the manifest records 5000; resuming from {choice.path}"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint .*global_step_3 is damaged: .*__0_0.distcp has 0 bytes.*"
+        r"trainer.resume_fallback=true resumes",
+    ):
         select_checkpoint(tmp_path, fallback=False)
     (tmp_path / LATEST_FILE).write_text("banana\n")  # a garbage pointer: the newest complete step
     assert select_checkpoint(tmp_path).path == (tmp_path / "global_step_2").resolve()
@@ -145,8 +152,9 @@ def test_a_full_disk_during_a_save_is_named_and_the_last_good_checkpoint_stays(s
     with pytest.raises(DiskFullError) as err:
         keeper.save(2, {"global_steps": 2})
     message = str(err.value)
-    assert message.startswith(f"disk full: saving checkpoint global_step_2 under {small_disk} failed (OSError); it "
-                              "needs ~")
+    assert message.startswith(
+        f"disk full: saving checkpoint global_step_2 under {small_disk} failed (OSError); it needs ~"
+    )
     assert f"the last good checkpoint is {small_disk / 'global_step_1'}" in message and " are free now" in message
     assert is_disk_full(err.value.__cause__) and err.value.__cause__.errno == errno.ENOSPC
     assert (small_disk / LATEST_FILE).read_text() == "1\n" and verify_step(small_disk / "global_step_1") == []
@@ -159,9 +167,12 @@ def test_the_free_space_is_checked_before_a_save_starts(small_disk):
 
     keeper = Checkpointer(small_disk, TrainerConfig(save_freq=1), {"actor": _Group(600_000)})
     keeper.save(1, {"global_steps": 1})  # 600 kB of 1 MiB: the next one (estimated the same) cannot fit
-    with pytest.raises(DiskFullError, match=r"disk full: saving checkpoint global_step_2 needs ~586\.\d KiB at "
-                                            rf"{small_disk} but only .* are free on that file system; the last good "
-                                            rf"checkpoint is {small_disk / 'global_step_1'}"):
+    with pytest.raises(
+        DiskFullError,
+        match=r"disk full: saving checkpoint global_step_2 needs ~586\.\d KiB at "
+        rf"{small_disk} but only .* are free on that file system; the last good "
+        rf"checkpoint is {small_disk / 'global_step_1'}",
+    ):
         keeper.save(2, {"global_steps": 2})
     assert sorted(p.name for p in small_disk.iterdir()) == ["global_step_1", LATEST_FILE]
 
@@ -188,8 +199,11 @@ def test_the_hf_export_checks_its_space_first(small_disk, tmp_path):
         def save_hf_checkpoint(self, out):  # never reached
             raise AssertionError("the export started")
 
-    with pytest.raises(DiskFullError, match=rf"disk full: writing the HF checkpoint final_hf needs ~2\.0 MiB at "
-                                            rf"{small_disk} but only"):
+    with pytest.raises(
+        DiskFullError,
+        match=rf"disk full: writing the HF checkpoint final_hf needs ~2\.0 MiB at "
+        rf"{small_disk} but only",
+    ):
         _export_hf(Trainer(), small_disk / "final_hf", print)
 
 
@@ -228,8 +242,9 @@ def test_the_reaper_kills_what_a_killed_driver_left_and_nothing_else():
     from tests.faults.runs import env
 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    driver = subprocess.Popen([sys.executable, "-c", _FAKE_DRIVER], stdout=subprocess.PIPE, text=True, env=env(),
-                              start_new_session=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _FAKE_DRIVER], stdout=subprocess.PIPE, text=True, env=env(), start_new_session=True
+    )
     try:
         assert driver.stdout.readline().strip() == "up"
         deadline = time.monotonic() + 10
@@ -294,15 +309,28 @@ def test_non_finite_reward_keys_are_counted_not_averaged():
     from megatron_rl.data.rewards import RewardOutput, finite_means
 
     assert finite_means({"acc": [1.0, math.nan, 0.0, math.inf, None, "x", True]}) == {
-        "reward/acc/mean": 0.5, "reward/acc/num_nonfinite": 2.0}
+        "reward/acc/mean": 0.5,
+        "reward/acc/num_nonfinite": 2.0,
+    }
     assert finite_means({"acc": [math.nan]}) == {"reward/acc/num_nonfinite": 1.0}
     out = RewardOutput(torch.zeros(2, 3), torch.tensor([0.5, 1.0]), {"score": [0.5, 1.0], "acc": [math.nan, 1.0]})
     assert out.metrics() == {"reward/score/mean": 0.75, "reward/acc/mean": 1.0, "reward/acc/num_nonfinite": 1.0}
 
 
-@pytest.mark.parametrize("recipe, label", [("grpo", "GRPO"), ("dapo", "DAPO"), ("ppo", "PPO"), ("gspo", "GSPO"),
-                                           ("dr_grpo", "Dr.GRPO"), ("opd", "OPD"), ("rloo", "RLOO"), ("remax", "ReMax"),
-                                           ("reinforce_plus_plus", "REINFORCE++")])
+@pytest.mark.parametrize(
+    "recipe, label",
+    [
+        ("grpo", "GRPO"),
+        ("dapo", "DAPO"),
+        ("ppo", "PPO"),
+        ("gspo", "GSPO"),
+        ("dr_grpo", "Dr.GRPO"),
+        ("opd", "OPD"),
+        ("rloo", "RLOO"),
+        ("remax", "ReMax"),
+        ("reinforce_plus_plus", "REINFORCE++"),
+    ],
+)
 def test_the_bar_is_labelled_with_the_recipes_algorithm(recipe, label):
     from megatron_rl.config import load_config
     from megatron_rl.job.report import algorithm_label
@@ -313,16 +341,21 @@ def test_the_bar_is_labelled_with_the_recipes_algorithm(recipe, label):
 def test_validation_lines_show_the_prompt_text():
     from megatron_rl.trainer.callbacks import prompt_text
 
-    assert prompt_text([{"role": "system", "content": "be brief"}, {"role": "user", "content": "Reverse: 1 2"}]) == \
-        "Reverse: 1 2"
+    assert (
+        prompt_text([{"role": "system", "content": "be brief"}, {"role": "user", "content": "Reverse: 1 2"}])
+        == "Reverse: 1 2"
+    )
     assert prompt_text("plain") == "plain"
 
 
 def test_an_invalid_gpu_layout_gets_the_nearest_valid_one():
     from megatron_rl.job.main_job import load_run_config
 
-    with pytest.raises(ValueError, match=r"world_size=16 is not divisible by .*; nearest valid layout: "
-                                         r"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8 \(peak "):
+    with pytest.raises(
+        ValueError,
+        match=r"world_size=16 is not divisible by .*; nearest valid layout: "
+        r"actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8 \(peak ",
+    ):
         load_run_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=16"])
 
 
@@ -331,7 +364,10 @@ def test_an_invalid_layout_that_no_valid_layout_fits_names_the_lowest_and_the_re
     PP, EP and the micro-batch fits 80 GiB: the refusal names the one with the lowest peak and what fits."""
     from megatron_rl.job.main_job import load_run_config
 
-    with pytest.raises(ValueError, match=r"does not divide .*; nearest valid layout: none of the valid layouts fits "
-                                         r"32 GPUs of 80 GiB; the one with the lowest peak is .*expert_model_parallel"
-                                         r"_size=\d+ \(peak [\d.]+ GiB in '[a-z ]+'\); .*on \d+ nodes"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide .*; nearest valid layout: none of the valid layouts fits "
+        r"32 GPUs of 80 GiB; the one with the lowest peak is .*expert_model_parallel"
+        r"_size=\d+ \(peak [\d.]+ GiB in '[a-z ]+'\); .*on \d+ nodes",
+    ):
         load_run_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=4"])

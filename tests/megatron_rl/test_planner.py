@@ -22,14 +22,30 @@ from megatron_rl.planner import KNOWN_ARCHITECTURES, check_plan, count_params, e
 from parallel.testing import run_distributed
 from tools.measure_memory import DEFAULT_BATCH, DEFAULT_MODEL, measure_train_step
 
-GPU_RECIPES = ["gpu/qwen3_30b_a3b_grpo", "gpu/qwen3_30b_a3b_dapo", "gpu/qwen3_30b_a3b_dr_grpo",
-               "gpu/qwen3_30b_a3b_gspo", "gpu/qwen3_30b_a3b_opd", "gpu/qwen3_30b_a3b_ppo",
-               "gpu/qwen3_30b_a3b_reinforce_plus_plus", "gpu/qwen3_30b_a3b_remax", "gpu/qwen3_30b_a3b_rloo",
-               "gpu/qwen3_235b_a22b_grpo", "gpu/qwen3_235b_a22b_dapo", "gpu/llama3_1_70b_grpo",
-               "gpu/llama3_1_70b_dapo"]
-TP, PP = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+GPU_RECIPES = [
+    "gpu/qwen3_30b_a3b_grpo",
+    "gpu/qwen3_30b_a3b_dapo",
+    "gpu/qwen3_30b_a3b_dr_grpo",
+    "gpu/qwen3_30b_a3b_gspo",
+    "gpu/qwen3_30b_a3b_opd",
+    "gpu/qwen3_30b_a3b_ppo",
+    "gpu/qwen3_30b_a3b_reinforce_plus_plus",
+    "gpu/qwen3_30b_a3b_remax",
+    "gpu/qwen3_30b_a3b_rloo",
+    "gpu/qwen3_235b_a22b_grpo",
+    "gpu/qwen3_235b_a22b_dapo",
+    "gpu/llama3_1_70b_grpo",
+    "gpu/llama3_1_70b_dapo",
+]
+TP, PP = (
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
+)
 # Figures computed with Adam state replicated on every DP rank (the default shards it: use_distributed_optimizer=True)
-UNSHARDED = ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false", "critic.megatron.use_distributed_optimizer=false"]
+UNSHARDED = [
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+    "critic.megatron.use_distributed_optimizer=false",
+]
 
 
 def test_cli_help_names_every_built_in_architecture():
@@ -53,9 +69,17 @@ def test_estimate_matches_measured_peak_within_20_percent():
     seq = DEFAULT_BATCH["prompt_length"] + DEFAULT_BATCH["response_length"]
     cases = [(one[0][0], 1, 1), (two[0][0], 2, 1), (two[0][1], 1, 2), (two[1][1], 1, 2)]
     for measured, tp, pp in cases:
-        est = estimate_role(model, tp=tp, pp=pp, dtype="float32", sequence_parallel=False,
-                            micro_batch_size=DEFAULT_BATCH["micro_batch_size"], seq_length=seq,
-                            response_length=DEFAULT_BATCH["response_length"], num_microbatches=2)
+        est = estimate_role(
+            model,
+            tp=tp,
+            pp=pp,
+            dtype="float32",
+            sequence_parallel=False,
+            micro_batch_size=DEFAULT_BATCH["micro_batch_size"],
+            seq_length=seq,
+            response_length=DEFAULT_BATCH["response_length"],
+            num_microbatches=2,
+        )
         # Persistent state is counted exactly; the peak within 20 %.
         assert est.state_bytes == pytest.approx(measured["static"], rel=0.01), (tp, pp)
         assert est.peak_bytes == pytest.approx(measured["peak"], rel=0.20), (tp, pp, est, measured)
@@ -66,7 +90,7 @@ def test_estimate_matches_measured_peak_within_20_percent():
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_gpu_recipes_fit_80gb(recipe):
     plan = check_plan(load_config(recipe))
-    assert plan.fits and plan.peak_bytes < 80 * 1024 ** 3
+    assert plan.fits and plan.peak_bytes < 80 * 1024**3
     assert plan.sizes["tp"] <= plan.gpus_per_node
 
 
@@ -76,8 +100,10 @@ def test_published_cluster_sizes():
     # 235B on 8 nodes: TP=4 with EP=32 does not fit (unsharded Adam state); TP=8 does.
     ep32 = "actor_rollout_ref.actor.megatron.expert_model_parallel_size=32"
     plan = plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32, *UNSHARDED]))
-    assert not plan.fits and plan.suggestion.startswith("Nearest layout that fits: tensor_model_parallel_size=8 "
-                                                         "pipeline_model_parallel_size=2 expert_model_parallel_size=32")
+    assert not plan.fits and plan.suggestion.startswith(
+        "Nearest layout that fits: tensor_model_parallel_size=8 "
+        "pipeline_model_parallel_size=2 expert_model_parallel_size=32"
+    )
     assert plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32, f"{TP}=8", *UNSHARDED])).fits
     # With the Adam state sharded over DP (the default), TP=4 with EP=32 fits
     assert plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["trainer.nnodes=8", ep32])).fits
@@ -85,8 +111,11 @@ def test_published_cluster_sizes():
 
 def test_llama70b_unsharded_refused_with_suggestion():
     cfg = load_config("gpu/llama3_1_70b_grpo", [f"{TP}=1", f"{PP}=1", *UNSHARDED])
-    with pytest.raises(ValueError, match=r"needs 1194\.\d GiB per GPU.*optimizer state.*Nearest layout that fits: "
-                                         r"tensor_model_parallel_size=8 pipeline_model_parallel_size=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 1194\.\d GiB per GPU.*optimizer state.*Nearest layout that fits: "
+        r"tensor_model_parallel_size=8 pipeline_model_parallel_size=2",
+    ):
         check_plan(cfg)
     one_node = plan_run(load_config("gpu/llama3_1_70b_grpo", ["trainer.nnodes=1", f"{TP}=1", f"{PP}=1", *UNSHARDED]))
     assert not one_node.fits and one_node.suggestion.startswith("No layout fits on 1 node(s); on 2 nodes")
@@ -96,15 +125,22 @@ def test_invalid_layouts_refused():
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=16 exceeds --gpus-per-node=8"):
         plan_run(load_config("gpu/qwen3_30b_a3b_grpo", [f"{TP}=16", "trainer.nnodes=4"]))
     with pytest.raises(ValueError, match=r"num_experts=96 is not divisible by expert_model_parallel_size=64"):
-        plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ["actor_rollout_ref.model.override_config.num_moe_experts=96"]))
+        plan_run(
+            load_config("gpu/qwen3_235b_a22b_grpo", ["actor_rollout_ref.model.override_config.num_moe_experts=96"])
+        )
     with pytest.raises(ValueError, match=r"num_layers=94 is not divisible by pipeline_model_parallel_size=4"):
-        plan_run(load_config("gpu/qwen3_235b_a22b_grpo", [f"{PP}=4", "actor_rollout_ref.actor.megatron."
-                                                          "expert_model_parallel_size=32"]))
+        plan_run(
+            load_config(
+                "gpu/qwen3_235b_a22b_grpo",
+                [f"{PP}=4", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=32"],
+            )
+        )
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "plan", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_cli_fit_and_misfit():
@@ -120,7 +156,7 @@ def test_cli_fit_and_misfit():
 
 def test_cpu_toy_recipe_uses_host_ram():
     plan = check_plan(load_config("grpo"))
-    assert plan.device == "cpu" and plan.memory_budget_bytes < 64 * 1024 ** 3
+    assert plan.device == "cpu" and plan.memory_budget_bytes < 64 * 1024**3
     assert plan.phases["rollout"]["framework reserve"] == 0
 
 
@@ -136,17 +172,26 @@ def test_gpu_rollout_engine_map_in_plan_and_placement():
     assert plan.engines.engines[2] == ((1, 0), (1, 1), (1, 2), (1, 3))
     assert not any("one vLLM engine" in w or "refuses" in w for w in plan.warnings), plan.warnings
     assert gpu_rollout_placement_error(load_config("gpu/qwen3_30b_a3b_grpo")) is None
-    sep = ["actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=8",
-           "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.free_cache_engine=false"]
+    sep = [
+        "actor_rollout_ref.rollout.nnodes=2",
+        "actor_rollout_ref.rollout.n_gpus_per_node=8",
+        "trainer.v1.trainer_mode=separate_async",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
+    ]
     sep_map = rollout_layout(load_config("gpu/qwen3_30b_a3b_grpo", sep))  # its pool's nodes follow the trainer's
-    assert (sep_map.replicas, sep_map.colocated, sep_map.engines[0][0], sep_map.engines[3][-1]) == (4, False, (2, 0),
-                                                                                                  (3, 7))
+    assert (sep_map.replicas, sep_map.colocated, sep_map.engines[0][0], sep_map.engines[3][-1]) == (
+        4,
+        False,
+        (2, 0),
+        (3, 7),
+    )
     assert gpu_rollout_placement_error(load_config("gpu/qwen3_30b_a3b_grpo", sep)) is None
     bad = load_config("gpu/qwen3_30b_a3b_grpo", [*sep[:1], *sep[2:], "actor_rollout_ref.rollout.n_gpus_per_node=6"])
     assert gpu_rollout_placement_error(bad) == (
         "an engine of 4 GPUs (actor_rollout_ref.rollout.tensor_model_parallel_size x data_parallel_size x "
         "pipeline_model_parallel_size = 4x1x1) does not divide actor_rollout_ref.rollout.n_gpus_per_node=6: an engine "
-        "no larger than a node stays inside one node; use an engine size dividing 6")
+        "no larger than a node stays inside one node; use an engine size dividing 6"
+    )
     wrong = load_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.rollout.num_replicas=2"])
     assert "num_replicas=2, but the rollout's GPUs hold 4 engine(s) of 4 GPUs" in gpu_rollout_placement_error(wrong)
     assert gpu_rollout_placement_error(load_config("grpo")) is None  # CPU: one engine unless num_replicas says more
@@ -157,10 +202,23 @@ def test_cli_plan_json_engine_map():
     out = _cli("gpu/qwen3_30b_a3b_grpo", "--json", "actor_rollout_ref.rollout.tensor_model_parallel_size=8")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["rollout"] == {"engine_gpus": 8, "replicas": 2, "nodes_per_engine": 1,
-                               "engines": [[[0, g] for g in range(8)], [[1, g] for g in range(8)]]}
-    span = json.loads(_cli("gpu/qwen3_30b_a3b_grpo", "--json", "--gpus-per-node", "4", "--nodes", "4",
-                           "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
-                           "actor_rollout_ref.rollout.tensor_model_parallel_size=8").stdout)["rollout"]
+    assert data["rollout"] == {
+        "engine_gpus": 8,
+        "replicas": 2,
+        "nodes_per_engine": 1,
+        "engines": [[[0, g] for g in range(8)], [[1, g] for g in range(8)]],
+    }
+    span = json.loads(
+        _cli(
+            "gpu/qwen3_30b_a3b_grpo",
+            "--json",
+            "--gpus-per-node",
+            "4",
+            "--nodes",
+            "4",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=8",
+        ).stdout
+    )["rollout"]
     assert (span["replicas"], span["nodes_per_engine"]) == (2, 2)
     assert span["engines"][1] == [[2, g] for g in range(4)] + [[3, g] for g in range(4)]

@@ -42,14 +42,15 @@ def testqkv_runs_reproduce_megatron_grouped_layout(heads, groups, tp):
     k = torch.randn(groups * d, hidden)
     v = torch.randn(groups * d, hidden)
     per = heads // groups * d
-    reference = torch.cat([torch.cat([q[g * per:(g + 1) * per], k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]])
-                           for g in range(groups)])
+    reference = torch.cat(
+        [torch.cat([q[g * per : (g + 1) * per], k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]) for g in range(groups)]
+    )
     rows = reference.shape[0] // tp
     for shard in range(tp):
         built = torch.full((rows, hidden), float("nan"))
         for which, hf_row, row, length in qkv_runs(shard * rows, (shard + 1) * rows, wm):
-            built[row - shard * rows: row - shard * rows + length] = (q, k, v)[which][hf_row: hf_row + length]
-        assert torch.equal(built, reference[shard * rows:(shard + 1) * rows]), shard
+            built[row - shard * rows : row - shard * rows + length] = (q, k, v)[which][hf_row : hf_row + length]
+        assert torch.equal(built, reference[shard * rows : (shard + 1) * rows]), shard
 
 
 def test_weight_rule_validation():
@@ -59,15 +60,23 @@ def test_weight_rule_validation():
         WeightRule("x.w", "a", "fuse")
     with pytest.raises(ValueError, match=r"placeholders must be among \['layer', 'expert'\]"):
         WeightRule("x.{layer}.w", "a.{expert}.w")
-    rule = WeightRule("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight",
-                      "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight")
+    rule = WeightRule(
+        "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight",
+        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+    )
     assert rule.is_expert
     assert rule.match("decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight") == (
-        "model.layers.3.mlp.experts.7.down_proj.weight",)
+        "model.layers.3.mlp.experts.7.down_proj.weight",
+    )
     assert rule.match("decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight.x") is None
     with pytest.raises(ValueError, match=r"Megatron names with more than one rule: \['a'\]"):
-        WeightMap(rules=(WeightRule("a", "x"), WeightRule("a", "y")), vocab_size=1, num_attention_heads=1,
-                  num_query_groups=1, head_dim=1)
+        WeightMap(
+            rules=(WeightRule("a", "x"), WeightRule("a", "y")),
+            vocab_size=1,
+            num_attention_heads=1,
+            num_query_groups=1,
+            head_dim=1,
+        )
 
 
 def test_layout_that_does_not_fit_the_model():
@@ -75,8 +84,10 @@ def test_layout_that_does_not_fit_the_model():
 
     cfg = CASES["mixtral"][0]
     model_cfg = get_family(cfg).model_config(cfg)
-    assert check_layout(ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2), 4,
-                        model_cfg)["dp"] == 2
+    assert (
+        check_layout(ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2), 4, model_cfg)["dp"]
+        == 2
+    )
     with pytest.raises(ValueError, match=r"^num_layers=4 is not divisible by pipeline_model_parallel_size=3$"):
         check_layout(ParallelConfig(pipeline_model_parallel_size=3), 3, model_cfg)
     with pytest.raises(ValueError, match=r"^num_experts=4 is not divisible by expert_model_parallel_size=3$"):
@@ -198,20 +209,30 @@ def bridge_ranks(rank, world_size, model_cfgs, dirs, work_dir):
     out["unexpected"] = _catch(lambda: load_hf_checkpoint(build(llama_like), llama_wm, dirs["qwen2"], mesh=mesh))
 
     # --- the HF writer: single file, refusal to overwrite, no partial output on failure -------------
-    single = save_hf_checkpoint(chunks, wm, work / "single", {"model_type": "qwen2"}, mesh=mesh,
-                                extra_files=[Path(dirs["qwen2"]) / "generation_config.json"])
+    single = save_hf_checkpoint(
+        chunks,
+        wm,
+        work / "single",
+        {"model_type": "qwen2"},
+        mesh=mesh,
+        extra_files=[Path(dirs["qwen2"]) / "generation_config.json"],
+    )
     out["single_listing"] = sorted(p.name for p in single.iterdir())
     out["exists"] = _catch(lambda: save_hf_checkpoint(chunks, wm, single, {}, mesh=mesh))
-    out["bad_config"] = _catch(lambda: save_hf_checkpoint(chunks, wm, work / "failed", {"bad": object()},
-                                                          mesh=mesh, max_shard_bytes=40_000))
-    out["missing_extra"] = _catch(lambda: save_hf_checkpoint(chunks, wm, work / "failed", {}, mesh=mesh,
-                                                             extra_files=[work / "no_tokenizer.json"]))
-    replaced = save_hf_checkpoint(chunks, wm, single, json.loads((Path(dirs["qwen2"]) / "config.json").read_text()),
-                                  mesh=mesh, overwrite=True)
+    out["bad_config"] = _catch(
+        lambda: save_hf_checkpoint(chunks, wm, work / "failed", {"bad": object()}, mesh=mesh, max_shard_bytes=40_000)
+    )
+    out["missing_extra"] = _catch(
+        lambda: save_hf_checkpoint(chunks, wm, work / "failed", {}, mesh=mesh, extra_files=[work / "no_tokenizer.json"])
+    )
+    replaced = save_hf_checkpoint(
+        chunks, wm, single, json.loads((Path(dirs["qwen2"]) / "config.json").read_text()), mesh=mesh, overwrite=True
+    )
     reloaded = build(qwen2)
     load_hf_checkpoint(reloaded, wm, replaced, mesh=mesh)
-    out["single_file_logits_equal"] = bool(torch.equal(pipeline_logits(reloaded, mesh, make_input_ids(),
-                                                                       qwen2.vocab_size), out["logits"]))
+    out["single_file_logits_equal"] = bool(
+        torch.equal(pipeline_logits(reloaded, mesh, make_input_ids(), qwen2.vocab_size), out["logits"])
+    )
 
     # --- export: oversize buckets, casts, rank 0 only vs all ranks -------------------------------
     def export(**kw):
@@ -222,12 +243,18 @@ def bridge_ranks(rank, world_size, model_cfgs, dirs, work_dir):
     tiny, tiny_stats = export(bucket_bytes=1000, all_ranks=True)
     cast, cast_stats = export(bucket_bytes=3000, all_ranks=True, dtype=torch.bfloat16)
     rank0, _ = export(bucket_bytes=10_000)
-    out["tiny"] = dict(equal=all(torch.equal(tiny[n], source[n]) for n in source) and sorted(tiny) == sorted(source),
-                       buckets=tiny_stats.num_buckets, tensors=tiny_stats.num_tensors,
-                       live=tiny_stats.max_live_bytes, item=tiny_stats.max_item_bytes)
-    out["cast"] = dict(equal=all(cast[n].dtype == torch.bfloat16 and torch.equal(cast[n], source[n].bfloat16())
-                                 for n in source),
-                       live=cast_stats.max_live_bytes, bound=cast_stats.bucket_bytes + cast_stats.max_item_bytes)
+    out["tiny"] = dict(
+        equal=all(torch.equal(tiny[n], source[n]) for n in source) and sorted(tiny) == sorted(source),
+        buckets=tiny_stats.num_buckets,
+        tensors=tiny_stats.num_tensors,
+        live=tiny_stats.max_live_bytes,
+        item=tiny_stats.max_item_bytes,
+    )
+    out["cast"] = dict(
+        equal=all(cast[n].dtype == torch.bfloat16 and torch.equal(cast[n], source[n].bfloat16()) for n in source),
+        live=cast_stats.max_live_bytes,
+        bound=cast_stats.bucket_bytes + cast_stats.max_item_bytes,
+    )
     out["rank0_count"] = len(rank0)
     out["planned"] = [(i.name, i.shape) for i in HFExporter(chunks, wm, mesh=mesh).tensors]
 
@@ -236,9 +263,11 @@ def bridge_ranks(rank, world_size, model_cfgs, dirs, work_dir):
     head_before = critic[0].output_layer.weight.detach().clone()
     load_hf_checkpoint(critic, wm, dirs["qwen2"], mesh=mesh, ignore=(r"output_layer\.",))
     names = [n for n, _ in export_hf_weights(critic, wm, mesh=mesh, all_ranks=True, ignore=(r"output_layer\.",))]
-    out["critic"] = dict(head_untouched=bool(torch.equal(critic[0].output_layer.weight, head_before)),
-                         names_equal=sorted(names) == sorted(source),
-                         unignored=_catch(lambda: load_hf_checkpoint(critic, wm, dirs["qwen2"], mesh=mesh)))
+    out["critic"] = dict(
+        head_untouched=bool(torch.equal(critic[0].output_layer.weight, head_before)),
+        names_equal=sorted(names) == sorted(source),
+        unignored=_catch(lambda: load_hf_checkpoint(critic, wm, dirs["qwen2"], mesh=mesh)),
+    )
     destroy_mesh(mesh)
     dist.barrier()
     return out
@@ -255,8 +284,11 @@ def test_bridge_on_two_ranks(qwen2_dir, tmp_path):
     no_norm = _copy(qwen2_dir, tmp_path / "no_norm")
     index = json.loads((no_norm / "model.safetensors.index.json").read_text())
     shard_name = index["weight_map"].pop("model.layers.1.input_layernorm.weight")
-    save_file({n: source[n] for n, f in index["weight_map"].items() if f == shard_name}, no_norm / shard_name,
-              metadata={"format": "pt"})
+    save_file(
+        {n: source[n] for n, f in index["weight_map"].items() if f == shard_name},
+        no_norm / shard_name,
+        metadata={"format": "pt"},
+    )
     (no_norm / "model.safetensors.index.json").write_text(json.dumps(index))
     truncated = _copy(qwen2_dir, tmp_path / "truncated")
     victim = sorted(truncated.glob("model-*.safetensors"))[-1]
@@ -266,46 +298,55 @@ def test_bridge_on_two_ranks(qwen2_dir, tmp_path):
     gone.unlink()
 
     qwen2 = get_family(qwen2_dir).model_config(qwen2_dir, make_vocab_size_divisible_by=64)
-    dirs = {k: str(v) for k, v in dict(qwen2=qwen2_dir, no_norm=no_norm, truncated=truncated,
-                                        missing_file=missing_file).items()}
+    dirs = {
+        k: str(v)
+        for k, v in dict(qwen2=qwen2_dir, no_norm=no_norm, truncated=truncated, missing_file=missing_file).items()
+    }
     results = run_distributed(bridge_ranks, 2, {"qwen2": qwen2}, dirs, str(tmp_path), timeout_s=240)
     r0, r1 = results
 
-    for key in ("shape", "missing", "truncated", "missing_file", "unexpected", "exists", "bad_config",
-                "missing_extra"):
+    for key in ("shape", "missing", "truncated", "missing_file", "unexpected", "exists", "bad_config", "missing_extra"):
         assert r0[key] is not None and r0[key] == r1[key], key  # the same error on every rank
-    assert r0["shape"] == ("ValueError", "HF tensor 'model.layers.0.mlp.gate_proj.weight' has shape [96, 64] but "
-                           "the model config expects [128, 64] (Megatron parameter "
-                           "'decoder.layers.0.mlp.linear_fc1.weight')\nHF tensor 'model.layers.0.mlp.up_proj.weight' "
-                           "has shape [96, 64] but the model config expects [128, 64] (Megatron parameter "
-                           "'decoder.layers.0.mlp.linear_fc1.weight')\n"
-                           "HF tensor 'model.layers.0.mlp.down_proj.weight' has shape [64, 96] but the model config "
-                           "expects [64, 128] (Megatron parameter 'decoder.layers.0.mlp.linear_fc2.weight')\n"
-                           "HF tensor 'model.layers.1.mlp.gate_proj.weight' has shape [96, 64] but the model config "
-                           "expects [128, 64] (Megatron parameter 'decoder.layers.1.mlp.linear_fc1.weight')\n"
-                           "HF tensor 'model.layers.1.mlp.up_proj.weight' has shape [96, 64] but the model config "
-                           "expects [128, 64] (Megatron parameter 'decoder.layers.1.mlp.linear_fc1.weight')\n"
-                           "HF tensor 'model.layers.1.mlp.down_proj.weight' has shape [64, 96] but the model config "
-                           "expects [64, 128] (Megatron parameter 'decoder.layers.1.mlp.linear_fc2.weight')\n"
-                           "HF tensor 'model.layers.2.mlp.gate_proj.weight' has shape [96, 64] but the model config "
-                           "expects [128, 64] (Megatron parameter 'decoder.layers.2.mlp.linear_fc1.weight')\n"
-                           "HF tensor 'model.layers.2.mlp.up_proj.weight' has shape [96, 64] but the model config "
-                           "expects [128, 64] (Megatron parameter 'decoder.layers.2.mlp.linear_fc1.weight') "
-                           "(and 4 more)")
-    assert r0["missing"] == ("ValueError", f"{no_norm}: the model needs HF tensors the checkpoint lacks: "
-                             "['model.layers.1.input_layernorm.weight']")
+    assert r0["shape"] == (
+        "ValueError",
+        "HF tensor 'model.layers.0.mlp.gate_proj.weight' has shape [96, 64] but "
+        "the model config expects [128, 64] (Megatron parameter "
+        "'decoder.layers.0.mlp.linear_fc1.weight')\nHF tensor 'model.layers.0.mlp.up_proj.weight' "
+        "has shape [96, 64] but the model config expects [128, 64] (Megatron parameter "
+        "'decoder.layers.0.mlp.linear_fc1.weight')\n"
+        "HF tensor 'model.layers.0.mlp.down_proj.weight' has shape [64, 96] but the model config "
+        "expects [64, 128] (Megatron parameter 'decoder.layers.0.mlp.linear_fc2.weight')\n"
+        "HF tensor 'model.layers.1.mlp.gate_proj.weight' has shape [96, 64] but the model config "
+        "expects [128, 64] (Megatron parameter 'decoder.layers.1.mlp.linear_fc1.weight')\n"
+        "HF tensor 'model.layers.1.mlp.up_proj.weight' has shape [96, 64] but the model config "
+        "expects [128, 64] (Megatron parameter 'decoder.layers.1.mlp.linear_fc1.weight')\n"
+        "HF tensor 'model.layers.1.mlp.down_proj.weight' has shape [64, 96] but the model config "
+        "expects [64, 128] (Megatron parameter 'decoder.layers.1.mlp.linear_fc2.weight')\n"
+        "HF tensor 'model.layers.2.mlp.gate_proj.weight' has shape [96, 64] but the model config "
+        "expects [128, 64] (Megatron parameter 'decoder.layers.2.mlp.linear_fc1.weight')\n"
+        "HF tensor 'model.layers.2.mlp.up_proj.weight' has shape [96, 64] but the model config "
+        "expects [128, 64] (Megatron parameter 'decoder.layers.2.mlp.linear_fc1.weight') "
+        "(and 4 more)",
+    )
+    assert r0["missing"] == (
+        "ValueError",
+        f"{no_norm}: the model needs HF tensors the checkpoint lacks: ['model.layers.1.input_layernorm.weight']",
+    )
     assert r0["truncated"][0] == "ValueError"
     assert r0["truncated"][1].startswith(f"{victim}: truncated or corrupt safetensors file")
     assert r0["missing_file"][0] == "FileNotFoundError" and f"['{gone.name}']" in r0["missing_file"][1]
     assert r0["unexpected"][0] == "ValueError" and r0["unexpected"][1].startswith(
         f"{qwen2_dir}: HF tensors that no weight rule of this model accounts for (wrong family or config?): "
-        "['model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias',")
+        "['model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias',"
+    )
 
     single = tmp_path / "single"
     assert r0["single_listing"] == ["config.json", "generation_config.json", "model.safetensors"]
     assert r0["exists"] == ("FileExistsError", f"output directory {single} exists; pass overwrite=True to replace it")
-    assert r0["bad_config"][0] == "OSError" and "TypeError: Object of type object is not JSON serializable" \
-        in r0["bad_config"][1]
+    assert (
+        r0["bad_config"][0] == "OSError"
+        and "TypeError: Object of type object is not JSON serializable" in r0["bad_config"][1]
+    )
     assert r0["missing_extra"] == ("FileNotFoundError", f"extra file {tmp_path / 'no_tokenizer.json'} does not exist")
     # Failed saves leave neither the output directory nor a temporary one behind.
     assert not (tmp_path / "failed").exists()
@@ -331,8 +372,11 @@ def test_bridge_on_two_ranks(qwen2_dir, tmp_path):
         assert tiny["live"] <= 1000 + tiny["item"], tiny
         assert r["cast"]["equal"] and r["cast"]["live"] <= r["cast"]["bound"], r["cast"]
         assert r["critic"]["head_untouched"] and r["critic"]["names_equal"], r["critic"]
-        assert r["critic"]["unignored"][0] == "ValueError" and "HF tensor 'model.embed_tokens.weight' has shape " \
-            "[97, 64] but the model config expects [1, 64] (Megatron parameter 'output_layer.weight')" \
+        assert (
+            r["critic"]["unignored"][0] == "ValueError"
+            and "HF tensor 'model.embed_tokens.weight' has shape "
+            "[97, 64] but the model config expects [1, 64] (Megatron parameter 'output_layer.weight')"
             in r["critic"]["unignored"][1]
+        )
     assert r0["planned"] == r1["planned"] and len(r0["planned"]) == len(source)
     assert r0["rank0_count"] == len(source) and r1["rank0_count"] == 0

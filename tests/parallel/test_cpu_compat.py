@@ -252,9 +252,15 @@ def _router_config(**kwargs):
     from parallel.cpu_compat import cpu_transformer_config_overrides
 
     return TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
-        add_bias_linear=False, moe_token_dispatcher_type="alltoall",
-        **cpu_transformer_config_overrides(), **kwargs,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        moe_token_dispatcher_type="alltoall",
+        **cpu_transformer_config_overrides(),
+        **kwargs,
     )
 
 
@@ -341,8 +347,18 @@ def _gpt_bound(num_layers: int, scale: float, backward: bool = False) -> float:
     return 2 * rounding_bound(_gpt_terms(num_layers, backward), max(1.0, scale))
 
 
-def _build_gpt(mesh, *, num_layers=2, num_experts=None, dispatcher="alltoall", tie=False,
-               vp_stage=None, pre_process=True, post_process=True, **config_kwargs):
+def _build_gpt(
+    mesh,
+    *,
+    num_layers=2,
+    num_experts=None,
+    dispatcher="alltoall",
+    tie=False,
+    vp_stage=None,
+    pre_process=True,
+    post_process=True,
+    **config_kwargs,
+):
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -351,20 +367,51 @@ def _build_gpt(mesh, *, num_layers=2, num_experts=None, dispatcher="alltoall", t
     from parallel.cpu_compat import cpu_transformer_config_overrides
 
     kwargs = dict(cpu_transformer_config_overrides(), **config_kwargs)
-    moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.0,
-               expert_model_parallel_size=mesh.size("ep")) if num_experts else {}
+    moe = (
+        dict(
+            num_moe_experts=num_experts,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=48,
+            moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=mesh.size("ep"),
+        )
+        if num_experts
+        else {}
+    )
     config = TransformerConfig(
-        num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=mesh.size("tp"), pipeline_model_parallel_size=mesh.size("pp"),
+        num_layers=num_layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=mesh.size("tp"),
+        pipeline_model_parallel_size=mesh.size("pp"),
         virtual_pipeline_model_parallel_size=mesh.config.virtual_pipeline_model_parallel_size,
-        moe_token_dispatcher_type=dispatcher, **moe, **kwargs,
+        moe_token_dispatcher_type=dispatcher,
+        **moe,
+        **kwargs,
     )
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=tie, pre_process=pre_process, post_process=post_process,
-                    vp_stage=vp_stage, pg_collection=mesh.pg_collection)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tie,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        pg_collection=mesh.pg_collection,
+    )
 
 
 def _batches(seed=0):
@@ -373,8 +420,9 @@ def _batches(seed=0):
     out = []
     for _ in range(NUM_MICROBATCHES):
         ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
-        out.append(dict(ids=ids, pos=torch.arange(SEQ).expand(MICRO_BATCH, SEQ), mask=mask,
-                        labels=torch.roll(ids, -1, dims=1)))
+        out.append(
+            dict(ids=ids, pos=torch.arange(SEQ).expand(MICRO_BATCH, SEQ), mask=mask, labels=torch.roll(ids, -1, dims=1))
+        )
     return out
 
 
@@ -508,7 +556,10 @@ def _run_pipeline(mesh, full, data, tie, **config_kwargs):
     for v in range(vpp or 1):
         stage = v if vpp else None
         chunk = _build_gpt(
-            mesh, num_layers=4, tie=tie, vp_stage=stage,
+            mesh,
+            num_layers=4,
+            tie=tie,
+            vp_stage=stage,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             **config_kwargs,
@@ -516,13 +567,18 @@ def _run_pipeline(mesh, full, data, tie, **config_kwargs):
         _copy_weights(chunk, full, tie)
         chunks.append(chunk)
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
-        model=chunks, num_microbatches=NUM_MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+        forward_step_func=_forward_step,
+        data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
+        model=chunks,
+        num_microbatches=NUM_MICROBATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
         forward_only=False,
     )
     grad_diff = max(
         (p.grad - q.grad).abs().max().item()
-        for chunk in chunks for layer in chunk.decoder.layers
+        for chunk in chunks
+        for layer in chunk.decoder.layers
         for p, q in zip(layer.parameters(), full.decoder.layers[layer.layer_number - 1].parameters())
     )
     grad_scale = max(q.grad.abs().max().item() for q in full.decoder.parameters())
@@ -550,13 +606,22 @@ def _pipeline(rank, world_size):
     # 1F1B, PP=2, tied embeddings, variable_seq_lengths (p2p shape exchange + its synchronize).
     mesh = init_mesh({"pipeline_model_parallel_size": 2}, num_layers=4)
     out["1f1b"] = _run_pipeline(mesh, fulls[True], data, tie=True, variable_seq_lengths=True)
-    for name, what in [("_noop_cuda_synchronize", "run"), ("_redirect_schedules_zeros", "run"),
-                       ("_noop_tensor_cuda", "build")]:
+    for name, what in [
+        ("_noop_cuda_synchronize", "run"),
+        ("_redirect_schedules_zeros", "run"),
+        ("_noop_tensor_cuda", "build"),
+    ]:
         revert_cpu_compat()
         apply_cpu_compat(skip=[name])
         if what == "build":  # tied embeddings: first and last stage all-reduce weight.data.cuda()
-            out[name] = _error_at(_build_gpt, mesh, num_layers=4, tie=True,
-                               pre_process=mesh.is_first_pp_stage, post_process=mesh.is_last_pp_stage)
+            out[name] = _error_at(
+                _build_gpt,
+                mesh,
+                num_layers=4,
+                tie=True,
+                pre_process=mesh.is_first_pp_stage,
+                post_process=mesh.is_last_pp_stage,
+            )
         else:
             out[name] = _error_at(_run_pipeline, mesh, fulls[True], data, tie=True, variable_seq_lengths=True)
         apply_cpu_compat()

@@ -20,41 +20,91 @@ from parallel.testing import run_distributed
 # Validation: exact messages, nothing initialised.
 # ---------------------------------------------------------------------------------------------
 INVALID_LAYOUTS = [
-    (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 6, {},
-     "world_size=6 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
-     "context_parallel_size = 2*2*1 = 4"),
-    (dict(tensor_model_parallel_size=3, context_parallel_size=2), 8, {},
-     "world_size=8 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
-     "context_parallel_size = 3*1*2 = 6"),
-    (dict(tensor_model_parallel_size=2, expert_model_parallel_size=3), 8, {},
-     "expert_model_parallel_size * expert_tensor_parallel_size = 3*2 = 6 does not divide the 8 ranks of a "
-     "pipeline stage (world_size=8 / pipeline_model_parallel_size=1)"),
-    (dict(pipeline_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1),
-     4, {},
-     "expert_model_parallel_size * expert_tensor_parallel_size = 4*1 = 4 does not divide the 2 ranks of a "
-     "pipeline stage (world_size=4 / pipeline_model_parallel_size=2)"),
-    (dict(tensor_model_parallel_size=4), 4, dict(num_attention_heads=6),
-     "num_attention_heads=6 is not divisible by tensor_model_parallel_size=4"),
-    (dict(tensor_model_parallel_size=4), 4, dict(num_attention_heads=12, num_query_groups=6),
-     "num_query_groups=6 must be a multiple or a divisor of tensor_model_parallel_size=4"),
-    (dict(tensor_model_parallel_size=2), 2, dict(num_attention_heads=8, num_query_groups=6),
-     "num_attention_heads=8 is not divisible by num_query_groups=6"),
-    (dict(pipeline_model_parallel_size=4), 4, dict(num_layers=6),
-     "num_layers=6 is not divisible by pipeline_model_parallel_size=4"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2, dict(num_layers=6),
-     "num_layers=6 is not divisible by pipeline_model_parallel_size * virtual_pipeline_model_parallel_size "
-     "= 2*2 = 4"),
-    (dict(expert_model_parallel_size=4), 4, dict(num_experts=6),
-     "num_experts=6 is not divisible by expert_model_parallel_size=4"),
-    (dict(context_parallel_size=2), 2, dict(seq_length=6),
-     "seq_length=6 is not divisible by 2 * context_parallel_size = 4"),
-    (dict(tensor_model_parallel_size=4), 4, dict(seq_length=6, sequence_parallel=True),
-     "seq_length=6 is not divisible by tensor_model_parallel_size * context_parallel_size = 4 "
-     "(sequence_parallel=True)"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2,
-     dict(num_microbatches=3),
-     "num_microbatches=3 is not divisible by pipeline_model_parallel_size=2 (interleaved schedule, "
-     "virtual_pipeline_model_parallel_size=2)"),
+    (
+        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+        6,
+        {},
+        "world_size=6 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
+        "context_parallel_size = 2*2*1 = 4",
+    ),
+    (
+        dict(tensor_model_parallel_size=3, context_parallel_size=2),
+        8,
+        {},
+        "world_size=8 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size * "
+        "context_parallel_size = 3*1*2 = 6",
+    ),
+    (
+        dict(tensor_model_parallel_size=2, expert_model_parallel_size=3),
+        8,
+        {},
+        "expert_model_parallel_size * expert_tensor_parallel_size = 3*2 = 6 does not divide the 8 ranks of a "
+        "pipeline stage (world_size=8 / pipeline_model_parallel_size=1)",
+    ),
+    (
+        dict(pipeline_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1),
+        4,
+        {},
+        "expert_model_parallel_size * expert_tensor_parallel_size = 4*1 = 4 does not divide the 2 ranks of a "
+        "pipeline stage (world_size=4 / pipeline_model_parallel_size=2)",
+    ),
+    (
+        dict(tensor_model_parallel_size=4),
+        4,
+        dict(num_attention_heads=6),
+        "num_attention_heads=6 is not divisible by tensor_model_parallel_size=4",
+    ),
+    (
+        dict(tensor_model_parallel_size=4),
+        4,
+        dict(num_attention_heads=12, num_query_groups=6),
+        "num_query_groups=6 must be a multiple or a divisor of tensor_model_parallel_size=4",
+    ),
+    (
+        dict(tensor_model_parallel_size=2),
+        2,
+        dict(num_attention_heads=8, num_query_groups=6),
+        "num_attention_heads=8 is not divisible by num_query_groups=6",
+    ),
+    (
+        dict(pipeline_model_parallel_size=4),
+        4,
+        dict(num_layers=6),
+        "num_layers=6 is not divisible by pipeline_model_parallel_size=4",
+    ),
+    (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        2,
+        dict(num_layers=6),
+        "num_layers=6 is not divisible by pipeline_model_parallel_size * virtual_pipeline_model_parallel_size "
+        "= 2*2 = 4",
+    ),
+    (
+        dict(expert_model_parallel_size=4),
+        4,
+        dict(num_experts=6),
+        "num_experts=6 is not divisible by expert_model_parallel_size=4",
+    ),
+    (
+        dict(context_parallel_size=2),
+        2,
+        dict(seq_length=6),
+        "seq_length=6 is not divisible by 2 * context_parallel_size = 4",
+    ),
+    (
+        dict(tensor_model_parallel_size=4),
+        4,
+        dict(seq_length=6, sequence_parallel=True),
+        "seq_length=6 is not divisible by tensor_model_parallel_size * context_parallel_size = 4 "
+        "(sequence_parallel=True)",
+    ),
+    (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        2,
+        dict(num_microbatches=3),
+        "num_microbatches=3 is not divisible by pipeline_model_parallel_size=2 (interleaved schedule, "
+        "virtual_pipeline_model_parallel_size=2)",
+    ),
     (dict(), 0, {}, "world_size=0 is not allowed; it must be an int >= 1"),
     (dict(), 4, dict(num_layers=0), "num_layers=0 is not allowed; it must be an int >= 1"),
 ]
@@ -71,16 +121,18 @@ def test_invalid_layout_raises_naming_the_numbers(layout, world_size, model_dims
 
 INVALID_FIELDS = [
     (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size=0 is not allowed; it must be an int >= 1"),
-    (dict(pipeline_model_parallel_size=1.5),
-     "pipeline_model_parallel_size=1.5 is not allowed; it must be an int >= 1"),
+    (dict(pipeline_model_parallel_size=1.5), "pipeline_model_parallel_size=1.5 is not allowed; it must be an int >= 1"),
     (dict(context_parallel_size=True), "context_parallel_size=True is not allowed; it must be an int >= 1"),
     (dict(expert_tensor_parallel_size=0), "expert_tensor_parallel_size=0 is not allowed; it must be an int >= 1"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1),
-     "virtual_pipeline_model_parallel_size=1 is not allowed; it must be None (no interleaving) "
-     "or an int >= 2"),
-    (dict(virtual_pipeline_model_parallel_size=2),
-     "virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1, "
-     "got pipeline_model_parallel_size=1"),
+    (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1),
+        "virtual_pipeline_model_parallel_size=1 is not allowed; it must be None (no interleaving) or an int >= 2",
+    ),
+    (
+        dict(virtual_pipeline_model_parallel_size=2),
+        "virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1, "
+        "got pipeline_model_parallel_size=1",
+    ),
 ]
 
 
@@ -92,11 +144,16 @@ def test_invalid_field_raises_on_construction(fields, message):
 
 
 def test_sizes_and_valid_layout():
-    config = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                            virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=4,
-                            expert_tensor_parallel_size=1)
-    sizes = config.validate(16, num_layers=8, num_attention_heads=8, num_query_groups=2, num_experts=8,
-                            seq_length=64, num_microbatches=4)
+    config = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=1,
+    )
+    sizes = config.validate(
+        16, num_layers=8, num_attention_heads=8, num_query_groups=2, num_experts=8, seq_length=64, num_microbatches=4
+    )
     assert sizes == {"world": 16, "tp": 2, "pp": 2, "vpp": 2, "cp": 1, "dp": 4, "ep": 4, "etp": 1, "expert_dp": 2}
     # Query groups may divide TP (Megatron replicates KV heads then), as in Megatron's own check.
     tp4 = ParallelConfig(tensor_model_parallel_size=4)
@@ -149,16 +206,21 @@ def _expected_groups(world, tp=1, pp=1, cp=1, ep=1, etp=None):
     expert = {r: (r % etp, r // etp % ep, r // (etp * ep) % edp, r // (etp * ep * edp)) for r in range(world)}
 
     def members(coords, rank, vary):  # ranks equal to `rank` outside the dims in `vary`
-        return [r for r in range(world)
-                if all(coords[r][i] == coords[rank][i] for i in range(4) if i not in vary)]
+        return [r for r in range(world) if all(coords[r][i] == coords[rank][i] for i in range(4) if i not in vary)]
 
     out = {}
     for r in range(world):
         pp_ranks = members(dense, r, {3})
         out[r] = {
-            "tp": members(dense, r, {0}), "cp": members(dense, r, {1}), "dp": members(dense, r, {2}),
-            "pp": pp_ranks, "dp_cp": members(dense, r, {1, 2}), "mp": members(dense, r, {0, 3}),
-            "etp": members(expert, r, {0}), "ep": members(expert, r, {1}), "expert_dp": members(expert, r, {2}),
+            "tp": members(dense, r, {0}),
+            "cp": members(dense, r, {1}),
+            "dp": members(dense, r, {2}),
+            "pp": pp_ranks,
+            "dp_cp": members(dense, r, {1, 2}),
+            "mp": members(dense, r, {0, 3}),
+            "etp": members(expert, r, {0}),
+            "ep": members(expert, r, {1}),
+            "expert_dp": members(expert, r, {2}),
             "embd": sorted({pp_ranks[0], pp_ranks[-1]}) if r in (pp_ranks[0], pp_ranks[-1]) else [],
         }
     return out
@@ -189,16 +251,25 @@ def _mesh_groups(rank, world_size, layouts):
         names = ("tp", "pp", "dp", "cp", "dp_cp", "ep", "etp", "expert_dp", "mp", "embd")
         groups = {n: mesh.ranks(n) for n in names}
         pgc = mesh.pg_collection
-        out.append({
-            "groups": groups,
-            "sizes": mesh.sizes(),
-            "coords": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.ep_rank),
-            "stages": (mesh.is_first_pp_stage, mesh.is_last_pp_stage),
-            "pgc_same": (pgc.tp is mesh.tp_group, pgc.pp is mesh.pp_group, pgc.dp is mesh.dp_group,
-                         pgc.cp is mesh.cp_group, pgc.ep is mesh.ep_group, pgc.dp_cp is mesh.dp_cp_group,
-                         pgc.expt_tp is mesh.etp_group, pgc.expt_dp is mesh.expert_dp_group),
-            "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        })
+        out.append(
+            {
+                "groups": groups,
+                "sizes": mesh.sizes(),
+                "coords": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.ep_rank),
+                "stages": (mesh.is_first_pp_stage, mesh.is_last_pp_stage),
+                "pgc_same": (
+                    pgc.tp is mesh.tp_group,
+                    pgc.pp is mesh.pp_group,
+                    pgc.dp is mesh.dp_group,
+                    pgc.cp is mesh.cp_group,
+                    pgc.ep is mesh.ep_group,
+                    pgc.dp_cp is mesh.dp_cp_group,
+                    pgc.expt_tp is mesh.etp_group,
+                    pgc.expt_dp is mesh.expert_dp_group,
+                ),
+                "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            }
+        )
         destroy_mesh(mesh)
     return out
 
@@ -207,16 +278,26 @@ def test_group_ranks_on_4_ranks():
     results = run_distributed(_mesh_groups, 4, LAYOUTS_4, timeout_s=240)
     for i, layout in enumerate(LAYOUTS_4):
         config = ParallelConfig(**layout)
-        expected = _expected_groups(4, config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
-                                    config.context_parallel_size, config.expert_model_parallel_size,
-                                    config.expert_tensor_parallel_size)
+        expected = _expected_groups(
+            4,
+            config.tensor_model_parallel_size,
+            config.pipeline_model_parallel_size,
+            config.context_parallel_size,
+            config.expert_model_parallel_size,
+            config.expert_tensor_parallel_size,
+        )
         for rank in range(4):
             got = results[rank][i]
             groups = {n: sorted(v) if n in _SORTED else v for n, v in got["groups"].items()}
             assert groups == expected[rank], (layout, rank)
             e = expected[rank]
-            assert got["coords"] == (e["tp"].index(rank), e["pp"].index(rank), e["dp"].index(rank),
-                                     e["cp"].index(rank), e["ep"].index(rank)), (layout, rank)
+            assert got["coords"] == (
+                e["tp"].index(rank),
+                e["pp"].index(rank),
+                e["dp"].index(rank),
+                e["cp"].index(rank),
+                e["ep"].index(rank),
+            ), (layout, rank)
             assert got["stages"] == (e["pp"][0] == rank, e["pp"][-1] == rank)
             assert got["sizes"] == config.sizes(4)
             assert all(got["pgc_same"]), (layout, rank)
@@ -280,8 +361,7 @@ def test_mesh_seeds_rng_rejects_double_init_and_owns_group_it_creates():
         assert torch.equal(got["draws"][1], torch.rand(3))
         assert got["double_init"] == "Megatron parallel state is already initialised; call destroy_mesh() first"
         assert got["backend"] == "backend='nccl' but torch.distributed is already initialised with 'gloo'"
-        assert got["owned"] == (True, "gloo", [0, 1],
-                                f"rank {rank}/2: tp 0/1 pp {rank}/2 cp 0/1 dp 0/1 ep 0/1")
+        assert got["owned"] == (True, "gloo", [0, 1], f"rank {rank}/2: tp 0/1 pp {rank}/2 cp 0/1 dp 0/1 ep 0/1")
         assert got["after_destroy"] is False
     assert not torch.equal(results[0]["draws"][1], results[1]["draws"][1])  # TP ranks draw differently
 

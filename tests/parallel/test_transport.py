@@ -68,7 +68,9 @@ def test_buckets_are_bounded_streamed_and_typed():
     assert [[n for n, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3"], ["w4"], ["w5"]]  # w5 (240 B) alone
     as_buckets = list(bucket_named_tensors([named[:2], named[2:]], bucket_bytes=200))  # buckets in, re-bucketed
     assert [[n for n, _ in b] for b in as_buckets] == [[n for n, _ in b] for b in buckets]
-    with pytest.raises(TypeError, match=r"weights item 1 must be a \(hf_name: str, tensor: torch.Tensor\) pair, got list"):
+    with pytest.raises(
+        TypeError, match=r"weights item 1 must be a \(hf_name: str, tensor: torch.Tensor\) pair, got list"
+    ):
         list(bucket_named_tensors([("a", torch.ones(1)), ["b", torch.ones(1)]], 100))
     with pytest.raises(ValueError, match=r"bucket_bytes=0 must be > 0"):
         next(bucket_named_tensors(named, 0))
@@ -77,8 +79,12 @@ def test_buckets_are_bounded_streamed_and_typed():
 def test_wire_formats_round_trip_exactly(tmp_path):
     from safetensors.torch import load, load_file
 
-    bucket = [("a.weight", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)),
-              ("c", torch.arange(6).view(2, 3).t()), ("d", torch.tensor([True, False]))]  # c is non-contiguous
+    bucket = [
+        ("a.weight", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),
+        ("c", torch.arange(6).view(2, 3).t()),
+        ("d", torch.tensor([True, False])),
+    ]  # c is non-contiguous
     meta = bucket_meta(bucket)
     assert all(e["offset"] % 64 == 0 for e in meta["tensors"])
     flat = torch.zeros(meta["total_bytes"], dtype=torch.uint8)
@@ -86,8 +92,12 @@ def test_wire_formats_round_trip_exactly(tmp_path):
         flat[e["offset"] : e["offset"] + e["nbytes"]] = t.contiguous().reshape(-1).view(torch.uint8)
     blob = serialize_safetensors(bucket)
     write_safetensors(str(tmp_path / "b.safetensors"), bucket)
-    for decoded in (dict(unpack_bucket(flat, meta)), dict(safetensors_views(torch.frombuffer(blob, dtype=torch.uint8))),
-                    load(bytes(blob)), load_file(str(tmp_path / "b.safetensors"))):  # readable by safetensors too
+    for decoded in (
+        dict(unpack_bucket(flat, meta)),
+        dict(safetensors_views(torch.frombuffer(blob, dtype=torch.uint8))),
+        load(bytes(blob)),
+        load_file(str(tmp_path / "b.safetensors")),
+    ):  # readable by safetensors too
         assert all(decoded[n].dtype == t.dtype and torch.equal(decoded[n], t) for n, t in bucket)
     with pytest.raises(ValueError, match=r"tensor name 'a.weight' appears twice in one bucket"):
         serialize_safetensors(bucket[:1] * 2)
@@ -109,15 +119,23 @@ def test_registry_names_every_transport_gpu_ones_included():
     assert STREAMABLE == ("broadcast", "cuda_ipc", "nccl", "shm")
     assert [n for n, t in TRANSPORTS.items() if t.same_process] == ["colocated"]
     assert [n for n, t in TRANSPORTS.items() if t.needs_group] == ["broadcast", "nccl"]
-    assert [(n, t.group_backend) for n, t in TRANSPORTS.items() if t.needs_group] == [("broadcast", "gloo"),
-                                                                                      ("nccl", "nccl")]
+    assert [(n, t.group_backend) for n, t in TRANSPORTS.items() if t.needs_group] == [
+        ("broadcast", "gloo"),
+        ("nccl", "nccl"),
+    ]
     assert [n for n, t in TRANSPORTS.items() if t.requires_cuda] == ["nccl", "cuda_ipc"]
     assert RESERVED == {}  # nccl and cuda_ipc were reserved until built
-    with pytest.raises(ValueError, match=r"^transport='gpu' is not allowed; choose one of "
-                                         r"\['colocated', 'bytes', 'shm', 'broadcast', 'nccl', 'cuda_ipc'\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^transport='gpu' is not allowed; choose one of "
+        r"\['colocated', 'bytes', 'shm', 'broadcast', 'nccl', 'cuda_ipc'\]$",
+    ):
         get_transport("gpu")
-    with pytest.raises(ValueError, match=r"transport='bytes' is not allowed; choose one of "
-                                         r"\['broadcast', 'cuda_ipc', 'nccl', 'shm'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"transport='bytes' is not allowed; choose one of "
+        r"\['broadcast', 'cuda_ipc', 'nccl', 'shm'\]",
+    ):
         get_transport("bytes", allowed=STREAMABLE)
 
 
@@ -160,8 +178,11 @@ def test_round_trip_through_a_call_channel(name, shm_dir):
 def test_colocated_passes_the_tensors_themselves():
     weights = mixed_weights()
     got = []
-    transfer(new_sender("colocated"), bucket_named_tensors(weights, BUCKET_BYTES),
-             CallChannel(lambda m: got.extend(new_receiver("colocated").receive_bucket(m))))
+    transfer(
+        new_sender("colocated"),
+        bucket_named_tensors(weights, BUCKET_BYTES),
+        CallChannel(lambda m: got.extend(new_receiver("colocated").receive_bucket(m))),
+    )
     assert all(a is b for (_, a), (_, b) in zip(got, weights))
 
 
@@ -229,12 +250,38 @@ def test_a_pipelined_channel_prepares_the_next_bucket_before_confirming_the_last
     buckets = [[("x", torch.ones(1))]] * 3
     events: list[str] = []
     transfer(_RecordingSender(events), buckets, _RecordingChannel(events, pipelined=True))
-    assert events == ["send1", "deliver1", "send2", "ack1", "release1", "deliver2", "send3", "ack2", "release2",
-                      "deliver3", "ack3", "release3", "end"]
+    assert events == [
+        "send1",
+        "deliver1",
+        "send2",
+        "ack1",
+        "release1",
+        "deliver2",
+        "send3",
+        "ack2",
+        "release2",
+        "deliver3",
+        "ack3",
+        "release3",
+        "end",
+    ]
     events.clear()
     transfer(_RecordingSender(events), buckets, _RecordingChannel(events, pipelined=False))
-    assert events == ["send1", "deliver1", "ack1", "release1", "send2", "deliver2", "ack2", "release2",
-                      "send3", "deliver3", "ack3", "release3", "end"]
+    assert events == [
+        "send1",
+        "deliver1",
+        "ack1",
+        "release1",
+        "send2",
+        "deliver2",
+        "ack2",
+        "release2",
+        "send3",
+        "deliver3",
+        "ack3",
+        "release3",
+        "end",
+    ]
 
 
 def test_a_failure_meets_the_owed_acks_then_aborts():

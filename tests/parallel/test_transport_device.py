@@ -22,8 +22,12 @@ from parallel.transport.safetensors_format import serialize_safetensors, write_s
 
 def _bucket(device):
     g = torch.Generator().manual_seed(0)
-    host = [("w", torch.randn(5, 7, generator=g)), ("b", torch.randn(3, generator=g).bfloat16()),
-            ("i", torch.arange(4, dtype=torch.int32)), ("empty", torch.zeros(0))]
+    host = [
+        ("w", torch.randn(5, 7, generator=g)),
+        ("b", torch.randn(3, generator=g).bfloat16()),
+        ("i", torch.arange(4, dtype=torch.int32)),
+        ("empty", torch.zeros(0)),
+    ]
     return host, [(name, t.to(device)) for name, t in host]
 
 
@@ -96,8 +100,11 @@ def test_broadcast_sends_device_tensors_over_gloo():
 def test_cuda_ipc_refuses_more_than_one_receiver_per_handle():
     from parallel.transport.stream import RemoteWeightSender
 
-    with pytest.raises(ValueError, match=r"^checkpoint_engine.backend='cuda_ipc' hands each bucket to at most 1 "
-                                         r"receiving process\(es\); this side band has 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint_engine.backend='cuda_ipc' hands each bucket to at most 1 "
+        r"receiving process\(es\); this side band has 2",
+    ):
         RemoteWeightSender(3, transport="cuda_ipc")  # refused before CUDA is even asked for
     with pytest.raises(ValueError, match="needs CUDA"):  # one receiver: on to the CUDA check (none here)
         RemoteWeightSender(2, transport="cuda_ipc")

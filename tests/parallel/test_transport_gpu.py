@@ -12,8 +12,14 @@ import torch
 
 from parallel.transport import STREAMABLE, RemoteWeightSender, new_receiver, new_sender
 from parallel.transport.cuda import local_index, require_cuda
-from parallel.transport.cuda_ipc import HANDLE_FIELDS, CudaIpcReceiver, CudaIpcSender, check_layout, pack_handle, \
-    unpack_handle
+from parallel.transport.cuda_ipc import (
+    HANDLE_FIELDS,
+    CudaIpcReceiver,
+    CudaIpcSender,
+    check_layout,
+    pack_handle,
+    unpack_handle,
+)
 from parallel.transport.nccl import NcclReceiver, NcclSender
 
 UUIDS = ["GPU-aaaa", "GPU-bbbb"]
@@ -21,9 +27,23 @@ UUIDS = ["GPU-aaaa", "GPU-bbbb"]
 
 def rebuild_args(device: int = 1) -> tuple:
     """rebuild_cuda_tensor's arguments with the types reduce_tensor gives them for a CUDA buffer."""
-    return (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, device,
-            b"\x00\x01ipc-mem-handle\xff", 2 * 1024 * 1024, 512, False, b"/torch_ref_counter_1234", 7,
-            b"\x10event-handle", True)
+    return (
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device,
+        b"\x00\x01ipc-mem-handle\xff",
+        2 * 1024 * 1024,
+        512,
+        False,
+        b"/torch_ref_counter_1234",
+        7,
+        b"\x10event-handle",
+        True,
+    )
 
 
 def test_a_handle_packs_to_json_and_unpacks_onto_this_process_gpu_index():
@@ -42,9 +62,12 @@ def test_a_handle_packs_to_json_and_unpacks_onto_this_process_gpu_index():
 
 def test_a_malformed_or_foreign_handle_is_refused_before_anything_is_mapped():
     good = pack_handle(rebuild_args(), uuid="GPU-bbbb")
-    with pytest.raises(ValueError, match=r"cuda_ipc: the sender's GPU GPU-bbbb is not visible to this process "
-                                         r"\(visible: \['GPU-aaaa'\]\); CUDA IPC needs the receiving engine on "
-                                         r"the sender's GPU \(colocated\), across GPUs use 'nccl'"):
+    with pytest.raises(
+        ValueError,
+        match=r"cuda_ipc: the sender's GPU GPU-bbbb is not visible to this process "
+        r"\(visible: \['GPU-aaaa'\]\); CUDA IPC needs the receiving engine on "
+        r"the sender's GPU \(colocated\), across GPUs use 'nccl'",
+    ):
         unpack_handle(good, visible=["GPU-aaaa"])
     cases = [
         ({k: v for k, v in good.items() if k != "storage_handle"}, r"cuda_ipc handle fields .* differ from"),
@@ -82,8 +105,10 @@ def test_a_layout_must_lie_inside_the_shared_buffer():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
 def test_gpu_transports_without_cuda_are_refused_by_key_before_anything_is_built():
-    message = r"checkpoint_engine.backend='{}' needs CUDA, but torch.cuda.is_available\(\) is False in this " \
-              r"process \(torch .*\); without a GPU choose one of \['colocated', 'bytes', 'shm', 'broadcast'\]"
+    message = (
+        r"checkpoint_engine.backend='{}' needs CUDA, but torch.cuda.is_available\(\) is False in this "
+        r"process \(torch .*\); without a GPU choose one of \['colocated', 'bytes', 'shm', 'broadcast'\]"
+    )
     for name in ("nccl", "cuda_ipc"):
         assert name in STREAMABLE
         with pytest.raises(ValueError, match=message.format(name)):
@@ -103,8 +128,11 @@ def test_gpu_halves_check_their_link_and_tensors():
         NcclReceiver(None, cuda_available=True)
     with pytest.raises(ValueError, match=r"the nccl transport sends CUDA tensors; not on a GPU: \['w \(cpu\)'\]"):
         NcclSender(object(), cuda_available=True).send_bucket([("w", torch.ones(2))])
-    with pytest.raises(ValueError, match=r"cuda_ipc sends CUDA tensors of one GPU per bucket; this bucket's are on "
-                                         r"\['cpu'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"cuda_ipc sends CUDA tensors of one GPU per bucket; this bucket's are on "
+        r"\['cpu'\]",
+    ):
         CudaIpcSender(cuda_available=True).send_bucket([("w", torch.ones(2))])
     receiver = CudaIpcReceiver(cuda_available=True)
     receiver._visible = UUIDS

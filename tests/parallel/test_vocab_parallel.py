@@ -22,7 +22,7 @@ from parallel.vocab_parallel import fused_linear_log_probs_and_entropy, vocab_pa
 from tests.numerics import assert_within, max_abs_diff, rounding_bound
 
 VOCAB, HIDDEN, TOKEN_SHAPE = 96, 16, (3, 7)
-LOGITS_TERMS = VOCAB               # reductions from logits: max / log-sum-exp / softmax over the vocabulary
+LOGITS_TERMS = VOCAB  # reductions from logits: max / log-sum-exp / softmax over the vocabulary
 LINEAR_TERMS = HIDDEN + 2 * VOCAB  # from hidden states: + the logits' matmul and the backward's over the vocabulary
 # (temperature, chunk_size, compute_entropy) run at every TP size.
 CASES = [(1.0, None, True), (0.7, 5, True), (1.3, 4, False)]
@@ -35,7 +35,7 @@ def _full_inputs(seed: int) -> dict[str, torch.Tensor]:
         "labels": torch.randint(0, VOCAB, TOKEN_SHAPE, generator=gen),
         "hidden": torch.randn(*TOKEN_SHAPE, HIDDEN, generator=gen),
         "weight": torch.randn(VOCAB, HIDDEN, generator=gen) * 0.5,
-        "g_lp": torch.randn(TOKEN_SHAPE, generator=gen),   # upstream grads of log_probs / entropy
+        "g_lp": torch.randn(TOKEN_SHAPE, generator=gen),  # upstream grads of log_probs / entropy
         "g_h": torch.randn(TOKEN_SHAPE, generator=gen),
     }
 
@@ -64,9 +64,15 @@ def _reference_grads(inp, temperature, compute_entropy):
     weight = inp["weight"].clone().requires_grad_(True)
     llp, lent = _reference(hidden @ weight.t(), inp["labels"], temperature)
     _loss(llp, lent if compute_entropy else None, inp).backward()
-    return {"lp": lp.detach(), "ent": None if ent is None else ent.detach(), "grad_logits": logits.grad,
-            "lin_lp": llp.detach(), "lin_ent": lent.detach() if compute_entropy else None,
-            "grad_hidden": hidden.grad, "grad_weight": weight.grad}
+    return {
+        "lp": lp.detach(),
+        "ent": None if ent is None else ent.detach(),
+        "grad_logits": logits.grad,
+        "lin_lp": llp.detach(),
+        "lin_ent": lent.detach() if compute_entropy else None,
+        "grad_hidden": hidden.grad,
+        "grad_weight": weight.grad,
+    }
 
 
 def _run_cases(tp_group, tp_size: int, tp_rank: int, seed: int) -> list[dict]:
@@ -78,22 +84,41 @@ def _run_cases(tp_group, tp_size: int, tp_rank: int, seed: int) -> list[dict]:
     for temperature, chunk_size, compute_entropy in CASES:
         logits = inp["logits"][..., shard].clone().requires_grad_(True)
         lp, ent = vocab_parallel_log_probs_and_entropy(
-            logits, inp["labels"], tp_group=tp_group, temperature=temperature,
-            compute_entropy=compute_entropy, chunk_size=chunk_size)
+            logits,
+            inp["labels"],
+            tp_group=tp_group,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            chunk_size=chunk_size,
+        )
         _loss(lp, ent, inp).backward()
         hidden = inp["hidden"].clone().requires_grad_(True)
         weight = inp["weight"][shard].clone().requires_grad_(True)
         llp, lent = fused_linear_log_probs_and_entropy(
-            hidden, weight, inp["labels"], tp_group=tp_group, temperature=temperature,
-            compute_entropy=compute_entropy, chunk_size=chunk_size)
+            hidden,
+            weight,
+            inp["labels"],
+            tp_group=tp_group,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            chunk_size=chunk_size,
+        )
         _loss(llp, lent, inp).backward()
-        results.append({"lp": lp.detach(), "ent": None if ent is None else ent.detach(),
-                        "grad_logits": logits.grad, "lin_lp": llp.detach(),
-                        "lin_ent": None if lent is None else lent.detach(),
-                        "grad_hidden": hidden.grad, "grad_weight": weight.grad})
+        results.append(
+            {
+                "lp": lp.detach(),
+                "ent": None if ent is None else ent.detach(),
+                "grad_logits": logits.grad,
+                "lin_lp": llp.detach(),
+                "lin_ent": None if lent is None else lent.detach(),
+                "grad_hidden": hidden.grad,
+                "grad_weight": weight.grad,
+            }
+        )
     try:  # a label id >= vocab/tp x tp is rejected on every rank
-        vocab_parallel_log_probs_and_entropy(inp["logits"][..., shard], torch.full(TOKEN_SHAPE, VOCAB),
-                                             tp_group=tp_group)
+        vocab_parallel_log_probs_and_entropy(
+            inp["logits"][..., shard], torch.full(TOKEN_SHAPE, VOCAB), tp_group=tp_group
+        )
         results.append({"error": None})
     except ValueError as exc:
         results.append({"error": str(exc)})
@@ -144,13 +169,18 @@ def _check_rank(results: list[dict], tp_size: int, tp_rank: int, seed: int) -> N
             assert got["ent"] is None and got["lin_ent"] is None
         # Gradients: (onehot - p) and p * (log p + H) times the upstream grads, scaled like the logits.
         g_scale = (_scale(inp["g_lp"]) + _scale(inp["g_h"]) * x_scale) / temperature
-        lin_g_scale = (_scale(inp["g_lp"]) + _scale(inp["g_h"]) * lin_x_scale) / temperature * _scale(
-            torch.cat([inp["hidden"].flatten(), inp["weight"].flatten()]))
-        _assert_fp32_close(got["grad_logits"], ref["grad_logits"][..., shard], LOGITS_TERMS, g_scale,
-                           f"{tag} grad_logits")
+        lin_g_scale = (
+            (_scale(inp["g_lp"]) + _scale(inp["g_h"]) * lin_x_scale)
+            / temperature
+            * _scale(torch.cat([inp["hidden"].flatten(), inp["weight"].flatten()]))
+        )
+        _assert_fp32_close(
+            got["grad_logits"], ref["grad_logits"][..., shard], LOGITS_TERMS, g_scale, f"{tag} grad_logits"
+        )
         _assert_fp32_close(got["grad_hidden"], ref["grad_hidden"], LINEAR_TERMS, lin_g_scale, f"{tag} grad_hidden")
-        _assert_fp32_close(got["grad_weight"], ref["grad_weight"][shard], LINEAR_TERMS, lin_g_scale,
-                           f"{tag} grad_weight")
+        _assert_fp32_close(
+            got["grad_weight"], ref["grad_weight"][shard], LINEAR_TERMS, lin_g_scale, f"{tag} grad_weight"
+        )
     assert results[-1]["error"] == f"labels must lie in [0, {VOCAB}) (vocab/tp x tp); got min {VOCAB}, max {VOCAB}"
 
 
@@ -218,8 +248,9 @@ def test_temperature_divides_logits_before_softmax():
     _loss(lp_ref, ent_ref, inp).backward()
     # d/d logits = d/d (logits / T) / T
     g_scale = (_scale(inp["g_lp"]) + _scale(inp["g_h"]) * x_scale) / 0.6
-    assert_within(max_abs_diff(logits.grad, pre_divided.grad / 0.6), 2 * rounding_bound(LOGITS_TERMS, g_scale),
-                  "temperature grad")
+    assert_within(
+        max_abs_diff(logits.grad, pre_divided.grad / 0.6), 2 * rounding_bound(LOGITS_TERMS, g_scale), "temperature grad"
+    )
     assert (lp - _reference(inp["logits"], inp["labels"], 1.0)[0]).abs().max() > 0.1  # T ignored: ~1
 
 
@@ -241,14 +272,18 @@ def test_chunked_equals_unchunked(chunk_size):
     # the upstream grads times the logits and the weights).
     lin_x_scale = _scale(inp["hidden"].abs() @ inp["weight"].abs().t())
     lin_g_scale = (_scale(inp["g_lp"]) + _scale(inp["g_h"]) * lin_x_scale) * _scale(
-        torch.cat([inp["hidden"].flatten(), inp["weight"].flatten()]))
+        torch.cat([inp["hidden"].flatten(), inp["weight"].flatten()])
+    )
     for i, (unchunked, chunked) in enumerate(zip(*outs)):
         if i < 3:
             torch.testing.assert_close(chunked, unchunked, atol=0, rtol=0)
         else:
             scale = lin_x_scale if i < 5 else lin_g_scale
-            assert_within(max_abs_diff(chunked, unchunked), 2 * rounding_bound(LINEAR_TERMS, scale),
-                          f"chunk_size={chunk_size} output {i}")
+            assert_within(
+                max_abs_diff(chunked, unchunked),
+                2 * rounding_bound(LINEAR_TERMS, scale),
+                f"chunk_size={chunk_size} output {i}",
+            )
 
 
 def test_chunked_saves_only_logits_and_per_token_stats():
@@ -264,7 +299,7 @@ def test_chunked_saves_only_logits_and_per_token_stats():
         vocab_parallel_log_probs_and_entropy(logits, inp["labels"], chunk_size=4)
     num_tokens = logits.numel() // VOCAB
     big = [t for t in saved if t.numel() > num_tokens]
-    assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr()   # the input itself, no copy
+    assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr()  # the input itself, no copy
     assert all(t.numel() == num_tokens for t in saved if t is not big[0])
 
 
@@ -277,8 +312,7 @@ def test_inputs_not_modified(dtype):
     before = [t.detach().clone() for t in (logits, hidden, weight)]
     for cs in (None, 4):
         lp, ent = vocab_parallel_log_probs_and_entropy(logits, inp["labels"], temperature=0.5, chunk_size=cs)
-        llp, lent = fused_linear_log_probs_and_entropy(hidden, weight, inp["labels"], temperature=0.5,
-                                                       chunk_size=cs)
+        llp, lent = fused_linear_log_probs_and_entropy(hidden, weight, inp["labels"], temperature=0.5, chunk_size=cs)
         (_loss(lp, ent, inp) + _loss(llp, lent, inp)).backward()
     for tensor, copy in zip((logits, hidden, weight), before):
         assert torch.equal(tensor.detach(), copy)
@@ -315,14 +349,15 @@ def test_only_one_output_used():
         ((lp if use == "lp" else ent) * inp["g_lp"]).sum().backward()
         ((rlp if use == "lp" else rent) * inp["g_lp"].double()).sum().backward()
         _assert_fp32_close(logits.grad, ref_logits.grad, LOGITS_TERMS, g_scale, f"only {use} grad")
-    hidden = inp["hidden"].clone().requires_grad_(True)   # frozen output weight: hidden grad only
+    hidden = inp["hidden"].clone().requires_grad_(True)  # frozen output weight: hidden grad only
     llp, _ = fused_linear_log_probs_and_entropy(hidden, inp["weight"], inp["labels"], compute_entropy=False)
     (llp * inp["g_lp"]).sum().backward()
     ref_hidden = inp["hidden"].double().requires_grad_(True)
     rlp, _ = _reference(ref_hidden @ inp["weight"].double().t(), inp["labels"], 1.0)
     (rlp * inp["g_lp"].double()).sum().backward()
-    _assert_fp32_close(hidden.grad, ref_hidden.grad, LINEAR_TERMS, _scale(inp["g_lp"]) * _scale(inp["weight"]),
-                       "only lp hidden grad")
+    _assert_fp32_close(
+        hidden.grad, ref_hidden.grad, LINEAR_TERMS, _scale(inp["g_lp"]) * _scale(inp["weight"]), "only lp hidden grad"
+    )
 
 
 def test_bad_inputs_raise_clear_value_errors():
@@ -401,10 +436,13 @@ def _padded_vocab_case(rank, world_size):
     group = dist.group.WORLD if world_size > 1 else None
     rows = padded // world_size
     w_local = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_(True)
-    lp, h = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab,
-                                               chunk_size=4)
+    lp, h = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab, chunk_size=4)
     (lp.sum() + h.sum()).backward()
-    return float((lp - ref_lp).abs().max()), float((h - ref_h).abs().max()), w_local.grad[max(vocab - rank * rows, 0):].abs().max().item() if vocab - rank * rows < rows else 0.0
+    return (
+        float((lp - ref_lp).abs().max()),
+        float((h - ref_h).abs().max()),
+        w_local.grad[max(vocab - rank * rows, 0) :].abs().max().item() if vocab - rank * rows < rows else 0.0,
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -442,14 +480,36 @@ def _sum_pi_squared_case(rank, world_size):
     w_local = weight[rank * rows : (rank + 1) * rows].clone()
     out = {}
     for entropy in (True, False):
-        lp, ent, sq = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab,
-                                                         chunk_size=5, temperature=temperature, compute_entropy=entropy,
-                                                         return_sum_pi_squared=True)
-        lp0, ent0 = fused_linear_log_probs_and_entropy(hidden, w_local, labels, tp_group=group, vocab_size=vocab,
-                                                       chunk_size=5, temperature=temperature, compute_entropy=entropy)
+        lp, ent, sq = fused_linear_log_probs_and_entropy(
+            hidden,
+            w_local,
+            labels,
+            tp_group=group,
+            vocab_size=vocab,
+            chunk_size=5,
+            temperature=temperature,
+            compute_entropy=entropy,
+            return_sum_pi_squared=True,
+        )
+        lp0, ent0 = fused_linear_log_probs_and_entropy(
+            hidden,
+            w_local,
+            labels,
+            tp_group=group,
+            vocab_size=vocab,
+            chunk_size=5,
+            temperature=temperature,
+            compute_entropy=entropy,
+        )
         same = torch.equal(lp, lp0) and (ent is None or torch.equal(ent, ent0))
-        out[entropy] = (float((sq.double() - probs.square().sum(-1)).abs().max()), sq.dtype == torch.float32, same,
-                        sq.requires_grad, sq, bound)
+        out[entropy] = (
+            float((sq.double() - probs.square().sum(-1)).abs().max()),
+            sq.dtype == torch.float32,
+            same,
+            sq.requires_grad,
+            sq,
+            bound,
+        )
     return out
 
 

@@ -65,25 +65,40 @@ class SlurmCluster:
         for d in ("state", "spool", "log"):
             (w / d).mkdir(parents=True, exist_ok=True)
         mem = int(_mem_available_mb() * 0.9)
-        self.conf.write_text("\n".join([
-            "ClusterName=test",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none", "MpiDefault=none", "ReturnToService=2",
-            "EnforcePartLimits=ALL",  # without it a 2-node job on this 1-node cluster pends forever
-            "MailProg=/bin/true",
-            "SlurmctldPort=6817", "SlurmdPort=6818",
-            f"StateSaveLocation={w / 'state'}", f"SlurmdSpoolDir={w / 'spool'}",
-            f"SlurmctldPidFile={w / 'slurmctld.pid'}", f"SlurmdPidFile={w / 'slurmd.pid'}",
-            f"SlurmctldLogFile={w / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={w / 'log' / 'slurmd.log'}",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=test",
+                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobCompType=jobcomp/none",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "EnforcePartLimits=ALL",  # without it a 2-node job on this 1-node cluster pends forever
+                    "MailProg=/bin/true",
+                    "SlurmctldPort=6817",
+                    "SlurmdPort=6818",
+                    f"StateSaveLocation={w / 'state'}",
+                    f"SlurmdSpoolDir={w / 'spool'}",
+                    f"SlurmctldPidFile={w / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={w / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={w / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={w / 'log' / 'slurmd.log'}",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem} State=UNKNOWN",
+                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
         return self.conf
 
     def _wait(self, what: str, check, timeout_s: float) -> None:
@@ -91,8 +106,9 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}; "
-                                       f"logs in {self.workdir / 'log'}")
+                    raise RuntimeError(
+                        f"{name} exited with {proc.returncode} while waiting for {what}; logs in {self.workdir / 'log'}"
+                    )
             if check():
                 return
             time.sleep(0.25)
@@ -109,14 +125,25 @@ class SlurmCluster:
         log = self.workdir / "log"
         # munged refuses a second instance on the same socket: reuse a running one (not ours to stop).
         if not self._ok("munge -n | unmunge"):
-            self.procs["munged"] = subprocess.Popen(["runuser", "-u", "munge", "--", _daemon("munged"), "-F"],
-                                                    stdout=open(log / "munged.out", "w"), stderr=subprocess.STDOUT)
+            self.procs["munged"] = subprocess.Popen(
+                ["runuser", "-u", "munge", "--", _daemon("munged"), "-F"],
+                stdout=open(log / "munged.out", "w"),
+                stderr=subprocess.STDOUT,
+            )
             self._wait("munged", lambda: self._ok("munge -n | unmunge"), timeout_s)
-        self.procs["slurmctld"] = subprocess.Popen([_daemon("slurmctld"), "-D", "-f", str(self.conf)], env=self.env,
-                                                   stdout=open(log / "slurmctld.out", "w"), stderr=subprocess.STDOUT)
+        self.procs["slurmctld"] = subprocess.Popen(
+            [_daemon("slurmctld"), "-D", "-f", str(self.conf)],
+            env=self.env,
+            stdout=open(log / "slurmctld.out", "w"),
+            stderr=subprocess.STDOUT,
+        )
         self._wait("slurmctld", lambda: self._ok("scontrol ping | grep -q UP"), timeout_s)
-        self.procs["slurmd"] = subprocess.Popen([_daemon("slurmd"), "-D", "-f", str(self.conf)], env=self.env,
-                                                stdout=open(log / "slurmd.out", "w"), stderr=subprocess.STDOUT)
+        self.procs["slurmd"] = subprocess.Popen(
+            [_daemon("slurmd"), "-D", "-f", str(self.conf)],
+            env=self.env,
+            stdout=open(log / "slurmd.out", "w"),
+            stderr=subprocess.STDOUT,
+        )
         self._wait("node idle", lambda: self.sinfo_state() == "idle", timeout_s)
         return self
 
@@ -143,5 +170,4 @@ class SlurmCluster:
 
     def pids_alive(self) -> list[str]:
         """Names of the daemons started here whose PID still runs."""
-        return [name for name, proc in self.procs.items() if Path(f"/proc/{proc.pid}").exists()
-                and proc.poll() is None]
+        return [name for name, proc in self.procs.items() if Path(f"/proc/{proc.pid}").exists() and proc.poll() is None]

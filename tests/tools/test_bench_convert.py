@@ -11,13 +11,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_smoke_prints_the_figures_and_json_last(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_convert.py"), "--smoke", "--work-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_convert.py"), "--smoke", "--work-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     result = json.loads(lines[-1])
-    for key in ("mb_per_s", "floor_mb_per_s", "peak_over_checkpoint", "peak_over_checkpoint_verify", "startup_s",
-                "mcore_to_hf_mb_per_s", "mcore_to_hf_peak_over_checkpoint", "mcore_to_hf_startup_s"):
+    for key in (
+        "mb_per_s",
+        "floor_mb_per_s",
+        "peak_over_checkpoint",
+        "peak_over_checkpoint_verify",
+        "startup_s",
+        "mcore_to_hf_mb_per_s",
+        "mcore_to_hf_peak_over_checkpoint",
+        "mcore_to_hf_startup_s",
+    ):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["checkpoint_bytes"] > 100_000
     # The tiny checkpoint is ~0.5 MiB: process memory dwarfs it (the ratio means something at scale only).

@@ -11,8 +11,15 @@ def test_bench_lora_measures_the_adapter_only_sync_against_the_merged_one():
     from megatron_rl.planner.lora import adapter_sync_tensors
     from tools.bench_lora import main
 
-    model = ModelConfig(num_layers=2, hidden_size=256, ffn_hidden_size=768, num_attention_heads=8, num_query_groups=4,
-                        vocab_size=4096, qk_layernorm=True)
+    model = ModelConfig(
+        num_layers=2,
+        hidden_size=256,
+        ffn_hidden_size=768,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=4096,
+        qk_layernorm=True,
+    )
 
     out = main(["--steps", "1", "--layers", "2", "--rank", "8"])
     full, lora = out["full"], out["lora"]

@@ -53,8 +53,21 @@ def test_round_trip_through_the_tools_is_bit_exact(hf_dir, tmp_path):
     mcore, back = tmp_path / "mcore", tmp_path / "hf_back"
     mcore.mkdir()
     (mcore / "stale.txt").write_text("from an older conversion")  # --overwrite replaces the whole directory
-    proc = _run([*TO_MCORE, "--hf-dir", str(hf_dir), "--out-dir", str(mcore), "--tp", "2", "--verify", "--overwrite",
-                 "--ckpt-layout", "flat"])  # the dist checkpoint files directly in --out-dir
+    proc = _run(
+        [
+            *TO_MCORE,
+            "--hf-dir",
+            str(hf_dir),
+            "--out-dir",
+            str(mcore),
+            "--tp",
+            "2",
+            "--verify",
+            "--overwrite",
+            "--ckpt-layout",
+            "flat",
+        ]
+    )  # the dist checkpoint files directly in --out-dir
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not (mcore / "stale.txt").exists()
     diff = float(DIFF.search(proc.stdout).group(1))
@@ -65,12 +78,22 @@ def test_round_trip_through_the_tools_is_bit_exact(hf_dir, tmp_path):
 
     meta = json.loads((mcore / "megatron_rl_conversion.json").read_text())
     assert (meta["family"], meta["architecture"], meta["dtype"], meta["world_size"]) == (
-        "qwen3", "Qwen3ForCausalLM", "float32", 2)
+        "qwen3",
+        "Qwen3ForCausalLM",
+        "float32",
+        2,
+    )
     assert meta["layout"]["tensor_model_parallel_size"] == 2 and meta["layout"]["pipeline_model_parallel_size"] == 1
     assert meta["hf_config"] == json.loads((hf_dir / "config.json").read_text())
     assert meta["tokenizer_size"] == 300 and meta["hf_tensors"] == 25
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "megatron_rl_complete.json", "metadata.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "megatron_rl_complete.json",
+        "metadata.json",
+    ):
         assert (mcore / name).is_file(), name
 
     # Back through the console entry point; the Megatron directory is all it needs.
@@ -81,8 +104,13 @@ def test_round_trip_through_the_tools_is_bit_exact(hf_dir, tmp_path):
     source, written = _tensors(hf_dir), _tensors(back)
     assert sorted(written) == sorted(source)
     assert [n for n in source if written[n].dtype != source[n].dtype or not torch.equal(written[n], source[n])] == []
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert (back / name).read_bytes() == (hf_dir / name).read_bytes(), name
     assert _hidden(tmp_path) == []
 
@@ -99,7 +127,9 @@ def test_round_trip_through_the_tools_is_bit_exact(hf_dir, tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     proc = _run([*TO_HF_CLI, "--mcore-dir", str(damaged), "--out-dir", str(tmp_path / "from_damaged")])
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert f"error: {damaged} is damaged: {shard} is truncated: 100 bytes, its tensors need " in proc.stderr, proc.stderr
+    assert f"error: {damaged} is damaged: {shard} is truncated: 100 bytes, its tensors need " in proc.stderr, (
+        proc.stderr
+    )
     assert not (tmp_path / "from_damaged").exists() and _hidden(tmp_path) == []
 
 
@@ -110,8 +140,9 @@ def _missing_shard(src: Path):
     victim = sorted(src.glob("model-*.safetensors"))[2]
     victim.unlink()
     total = len(list(src.glob("model-*.safetensors"))) + 1
-    return [], (f"error: {src}/model.safetensors.index.json: 1 of {total} shard files are missing from {src}: "
-                f"['{victim.name}']")
+    return [], (
+        f"error: {src}/model.safetensors.index.json: 1 of {total} shard files are missing from {src}: ['{victim.name}']"
+    )
 
 
 def _truncated(src: Path):
@@ -129,23 +160,34 @@ def _edit_config(src: Path, **changes) -> None:
 
 def _shape(src: Path):
     _edit_config(src, intermediate_size=128)  # the safetensors hold 96-wide MLPs
-    return ["--tp", "2"], ("error: HF tensor 'model.layers.0.mlp.gate_proj.weight' has shape [96, 64] but the model "
-                           "config expects [128, 64] (Megatron parameter 'decoder.layers.0.mlp.linear_fc1.weight')")
+    return ["--tp", "2"], (
+        "error: HF tensor 'model.layers.0.mlp.gate_proj.weight' has shape [96, 64] but the model "
+        "config expects [128, 64] (Megatron parameter 'decoder.layers.0.mlp.linear_fc1.weight')"
+    )
 
 
 def _tokenizer(src: Path):
     _edit_config(src, vocab_size=280)
-    return [], (f"error: the tokenizer in {src} has 300 tokens (ids up to 299) but the model's vocab_size is 280 "
-                f"(config.json): ids >= 280 have no embedding row")
+    return [], (
+        f"error: the tokenizer in {src} has 300 tokens (ids up to 299) but the model's vocab_size is 280 "
+        f"(config.json): ids >= 280 have no embedding row"
+    )
 
 
 def _layout(src: Path):
-    return ["--tp", "3"], ("error: the layout tp=3 pp=1 ep=1 etp=3 on 3 ranks does not fit the model: "
-                           "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3")
+    return ["--tp", "3"], (
+        "error: the layout tp=3 pp=1 ep=1 etp=3 on 3 ranks does not fit the model: "
+        "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"
+    )
 
 
-BAD = {"missing_shard": _missing_shard, "truncated": _truncated, "shape": _shape, "tokenizer": _tokenizer,
-       "layout": _layout}
+BAD = {
+    "missing_shard": _missing_shard,
+    "truncated": _truncated,
+    "shape": _shape,
+    "tokenizer": _tokenizer,
+    "layout": _layout,
+}
 
 
 @pytest.fixture(scope="module")
@@ -157,15 +199,21 @@ def bad_runs(hf_dir, tmp_path_factory):
         extra, message = breaker(src)
         out = work / name / "out"
         cmd = [*TO_MCORE, "--hf-dir", str(src), "--out-dir", str(out), *extra]
-        started[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT),
-                         message, out)
+        started[name] = (
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT),
+            message,
+            out,
+        )
     # An output directory that exists already (holding a file the tool must not touch).
     existing = work / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("keep")
     cmd = [*TO_MCORE, "--hf-dir", str(hf_dir), "--out-dir", str(existing)]
-    started["exists"] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT),
-                         f"error: output directory {existing} exists; pass --overwrite to replace it", None)
+    started["exists"] = (
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT),
+        f"error: output directory {existing} exists; pass --overwrite to replace it",
+        None,
+    )
     results = {}
     for name, (proc, message, out) in started.items():
         stdout, stderr = proc.communicate(timeout=240)
@@ -203,8 +251,11 @@ def test_a_full_disk_is_named_before_any_rank_starts(hf_dir, tmp_path):
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert re.search(rf"error: disk full: the Megatron checkpoint needs ~[0-9.]+ [KM]iB at {disk / 'mcore'} but only "
-                     r"[0-9.]+ KiB are free on that file system", proc.stderr), proc.stderr
+    assert re.search(
+        rf"error: disk full: the Megatron checkpoint needs ~[0-9.]+ [KM]iB at {disk / 'mcore'} but only "
+        r"[0-9.]+ KiB are free on that file system",
+        proc.stderr,
+    ), proc.stderr
     assert left == []
 
 
@@ -213,12 +264,30 @@ def test_round_trip_under_torchrun_on_gpu(hf_dir, tmp_path):
     """The GPU path: ranks launched by torchrun (NCCL), --verify on both sides."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
     mcore, back = tmp_path / "mcore", tmp_path / "back"
-    proc = _run([*torchrun, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-dir", str(hf_dir), "--out-dir",
-                 str(mcore), "--verify"])
+    proc = _run(
+        [
+            *torchrun,
+            str(ROOT / "tools" / "convert_hf_to_mcore.py"),
+            "--hf-dir",
+            str(hf_dir),
+            "--out-dir",
+            str(mcore),
+            "--verify",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "on 1 cuda ranks" in proc.stdout and float(DIFF.search(proc.stdout).group(1)) < 1e-4
-    proc = _run([*torchrun, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-dir", str(mcore), "--out-dir",
-                 str(back), "--verify"])
+    proc = _run(
+        [
+            *torchrun,
+            str(ROOT / "tools" / "convert_mcore_to_hf.py"),
+            "--mcore-dir",
+            str(mcore),
+            "--out-dir",
+            str(back),
+            "--verify",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     source, written = _tensors(hf_dir), _tensors(back)
     assert sorted(written) == sorted(source) and all(torch.equal(written[n], source[n]) for n in source)

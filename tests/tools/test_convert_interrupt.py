@@ -22,10 +22,16 @@ def test_a_killed_conversion_leaves_no_output_and_can_be_rerun(tmp_path):
 
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3")["path"]
     out = tmp_path / "mcore"
-    cmd = [sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-dir", str(hf), "--out-dir", str(out),
-           "--verify"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "convert_hf_to_mcore.py"),
+        "--hf-dir",
+        str(hf),
+        "--out-dir",
+        str(out),
+        "--verify",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 300
     # Kill once the checkpoint is being written (its files exist in the hidden directory); --verify
     # keeps the run going for seconds after that, before the rename.

@@ -51,8 +51,10 @@ def _megatron_lm_rank(rank: int, world: int, load_dir: str, ids: torch.Tensor) -
 
     _cpu_causal_mask()
     args = json.loads((Path(load_dir) / "megatron_args.json").read_text())["args"]
-    pc = ParallelConfig(tensor_model_parallel_size=args["tensor_model_parallel_size"],
-                        pipeline_model_parallel_size=args["pipeline_model_parallel_size"])
+    pc = ParallelConfig(
+        tensor_model_parallel_size=args["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=args["pipeline_model_parallel_size"],
+    )
     mesh = init_mesh(pc)  # mpu.initialize_model_parallel (+ the CPU redirects)
     try:
         # megatron.training.checkpointing: read_metadata + get_checkpoint_name.
@@ -62,27 +64,43 @@ def _megatron_lm_rank(rank: int, world: int, load_dir: str, ids: torch.Tensor) -
         common = dist_checkpointing.load_common_state_dict(name)
         # core_transformer_config_from_args, for the flags megatron_args.json sets.
         config = TransformerConfig(
-            num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+            num_layers=args["num_layers"],
+            hidden_size=args["hidden_size"],
+            ffn_hidden_size=args["ffn_hidden_size"],
             num_attention_heads=args["num_attention_heads"],
             num_query_groups=args["num_query_groups"] if args["group_query_attention"] else None,
-            kv_channels=args["kv_channels"], normalization=args["normalization"],
-            layernorm_epsilon=args["norm_epsilon"], qk_layernorm=args["qk_layernorm"],
-            add_qkv_bias=args["add_qkv_bias"], add_bias_linear=not args["disable_bias_linear"],
-            gated_linear_unit=args["swiglu"], activation_func=F.silu if args["swiglu"] else F.gelu,
-            hidden_dropout=0.0, attention_dropout=0.0,
-            params_dtype=torch.bfloat16 if args["bf16"] else torch.float32, bf16=args["bf16"],
+            kv_channels=args["kv_channels"],
+            normalization=args["normalization"],
+            layernorm_epsilon=args["norm_epsilon"],
+            qk_layernorm=args["qk_layernorm"],
+            add_qkv_bias=args["add_qkv_bias"],
+            add_bias_linear=not args["disable_bias_linear"],
+            gated_linear_unit=args["swiglu"],
+            activation_func=F.silu if args["swiglu"] else F.gelu,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            params_dtype=torch.bfloat16 if args["bf16"] else torch.float32,
+            bf16=args["bf16"],
             pipeline_dtype=torch.bfloat16 if args["bf16"] else torch.float32,
             tensor_model_parallel_size=args["tensor_model_parallel_size"],
             pipeline_model_parallel_size=args["pipeline_model_parallel_size"],
-            **{"bias_activation_fusion": False, **cpu_transformer_config_overrides()})
+            **{"bias_activation_fusion": False, **cpu_transformer_config_overrides()},
+        )
         spec = get_gpt_layer_local_spec(None, False, args["qk_layernorm"], normalization=args["normalization"])
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
-                         max_sequence_length=args["max_position_embeddings"],
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         parallel_output=True,
-                         share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
-                         position_embedding_type=args["position_embedding_type"], rotary_percent=args["rotary_percent"],
-                         rotary_base=args["rotary_base"], rope_scaling=args["use_rope_scaling"])
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args["padded_vocab_size"],
+            max_sequence_length=args["max_position_embeddings"],
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
+            position_embedding_type=args["position_embedding_type"],
+            rotary_percent=args["rotary_percent"],
+            rotary_base=args["rotary_base"],
+            rope_scaling=args["use_rope_scaling"],
+        )
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, name)
         model.load_state_dict(state["model"], strict=True)
         theirs = megatron_logits([model], mesh, ids, args["vocab_size"])
@@ -95,8 +113,11 @@ def _megatron_lm_rank(rank: int, world: int, load_dir: str, ids: torch.Tensor) -
         mine = megatron_logits(ours, mesh, ids, model_cfg.vocab_size)
     finally:
         destroy_mesh(mesh)
-    return {"common": {k: v for k, v in common.items() if k in ("checkpoint_version", "iteration")},
-            "theirs": theirs, "ours": mine}
+    return {
+        "common": {k: v for k, v in common.items() if k in ("checkpoint_version", "iteration")},
+        "theirs": theirs,
+        "ours": mine,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +126,16 @@ def converted(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("mlm")
     hf = build_tiny_hf_checkpoint(work / "hf", "qwen3")["path"]
-    procs = {name: subprocess.Popen([*TO_MCORE, "--hf-dir", str(hf), "--out-dir", str(work / name), *flags],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-             for name, flags in LAYOUTS.items()}
+    procs = {
+        name: subprocess.Popen(
+            [*TO_MCORE, "--hf-dir", str(hf), "--out-dir", str(work / name), *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for name, flags in LAYOUTS.items()
+    }
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
@@ -132,10 +160,20 @@ def test_megatron_lm_loads_the_conversion(converted, layout):
     assert doc["args"]["padded_vocab_size"] == (512 if tp == 2 else 384) and doc["args"]["vocab_size"] == 300
     cmd = doc["command_line"]
     assert cmd.startswith("pretrain_gpt.py --num-layers 2 --hidden-size 64 --ffn-hidden-size 96 ")
-    for flag in ("--group-query-attention --num-query-groups 2", "--kv-channels 32", "--qk-layernorm",
-                 "--normalization RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                 f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}",
-                 "--ckpt-format torch_dist", f"--load {out}", "--tokenizer-type HuggingFaceTokenizer"):
+    for flag in (
+        "--group-query-attention --num-query-groups 2",
+        "--kv-channels 32",
+        "--qk-layernorm",
+        "--normalization RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        f"--tensor-model-parallel-size {tp}",
+        f"--pipeline-model-parallel-size {pp}",
+        "--ckpt-format torch_dist",
+        f"--load {out}",
+        "--tokenizer-type HuggingFaceTokenizer",
+    ):
         assert flag in cmd, flag
 
     gen = torch.Generator().manual_seed(0)

@@ -57,8 +57,14 @@ def _configs() -> list[dict]:
 
 def test_fast_hf_config_equals_load_hf_config():
     configs = _configs()
-    proc = subprocess.run([sys.executable, "-c", _FRESH, str(ROOT)], input=json.dumps(configs), text=True,
-                          capture_output=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH, str(ROOT)],
+        input=json.dumps(configs),
+        text=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fresh = json.loads(proc.stdout.strip().splitlines()[-1])
     assert fresh["generation"] is False  # the docstrings' imports were skipped
@@ -94,8 +100,10 @@ def test_fast_tokenizer_size_equals_transformers(tokenizer_dir, tmp_path):
 
 
 def test_driver_imports_no_torch():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import megatron_rl.convert.hf_to_mcore; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import megatron_rl.convert.hf_to_mcore; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"

@@ -16,8 +16,11 @@ import torch
 
 from parallel.testing import run_distributed
 
-LAYOUTS = (("qwen3", {"tensor_model_parallel_size": 2}), ("qwen3", {"pipeline_model_parallel_size": 2}),
-           ("qwen3_moe", {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}))
+LAYOUTS = (
+    ("qwen3", {"tensor_model_parallel_size": 2}),
+    ("qwen3", {"pipeline_model_parallel_size": 2}),
+    ("qwen3_moe", {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}),
+)
 
 
 def _leaves(chunks) -> dict:
@@ -32,8 +35,13 @@ def _leaves(chunks) -> dict:
         apply_factories(state)
         for leaf in nested_values(state):
             if isinstance(leaf, ShardedTensor):
-                out[(v, leaf.key, leaf.global_offset)] = (leaf.global_shape, leaf.replica_id, leaf.axis_fragmentations,
-                                                          leaf.data.dtype, leaf.data.clone())
+                out[(v, leaf.key, leaf.global_offset)] = (
+                    leaf.global_shape,
+                    leaf.replica_id,
+                    leaf.axis_fragmentations,
+                    leaf.data.dtype,
+                    leaf.data.clone(),
+                )
             elif isinstance(leaf, ShardedObject):
                 out[(v, leaf.key, leaf.global_offset)] = (leaf.global_shape, leaf.replica_id)
     return out
@@ -170,20 +178,25 @@ def _streamed_export(rank, model_cfg, pc, weight_map, hf_dir, hf_config, mesh, c
     try:
         chunks = build_empty_model(model_cfg, pc)
         with pytest.raises(OSError, match="No space left on device"):
-            save_hf_checkpoint(chunks, weight_map, failed, hf_config, mesh=mesh, bucket_bytes=BUCKET,
-                               staging=PartialLoad(chunks, ckpt))
+            save_hf_checkpoint(
+                chunks, weight_map, failed, hf_config, mesh=mesh, bucket_bytes=BUCKET, staging=PartialLoad(chunks, ckpt)
+            )
     finally:
         hf_files.SafetensorsStreamWriter.write = write
     torch.distributed.barrier()  # rank 0 has cleaned up
     assert not Path(failed).exists() and not list(Path(failed).parent.glob(f".{Path(failed).name}*"))
     if rank == 0:
         source, written = {}, {}
-        for files, into in ((sorted(Path(hf_dir).glob("*.safetensors")), source),
-                            (sorted(Path(out).glob("*.safetensors")), written)):
+        for files, into in (
+            (sorted(Path(hf_dir).glob("*.safetensors")), source),
+            (sorted(Path(out).glob("*.safetensors")), written),
+        ):
             for f in files:
                 into.update(load_file(f))
         assert sorted(written) == sorted(source)
-        assert [n for n in source if written[n].dtype != source[n].dtype or not torch.equal(written[n], source[n])] == []
+        assert [
+            n for n in source if written[n].dtype != source[n].dtype or not torch.equal(written[n], source[n])
+        ] == []
 
 
 def _one_rank_export(rank: int, world: int, hf_dir: str) -> None:
@@ -245,8 +258,11 @@ def test_sliced_reads_equal_safetensors(tmp_path, dim, monkeypatch):
     from parallel.bridge.hf_files import HFCheckpointReader
 
     gen = torch.Generator().manual_seed(dim)
-    tensors = {"w": torch.randn(6, 10, 4, generator=gen).to(torch.bfloat16), "b": torch.randn(1, 9, 3, generator=gen),
-               "s": torch.tensor(2.5)}
+    tensors = {
+        "w": torch.randn(6, 10, 4, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(1, 9, 3, generator=gen),
+        "s": torch.tensor(2.5),
+    }
     save_file(tensors, str(tmp_path / "model.safetensors"))
     monkeypatch.setattr(hf_files, "_BLOCK_BYTES", 100)  # several blocks per column slice
     with HFCheckpointReader(tmp_path) as reader:

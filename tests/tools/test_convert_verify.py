@@ -27,17 +27,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 FAULTS = {"qkv_heads": "qwen3", "gate_up": "llama", "expert_off_by_one": "qwen3_moe"}
-LINE = re.compile(r"verify \((\w+) forward\): (max|per-token mean) \|logit diff\| = ([0-9.e+-]+) (?:\(max ([0-9.e+-]+)\) )?"
-                  r"over 3 prompts \(\d+ tokens\), tolerance ([0-9.e+-]+)(.*): (OK|FAILED)$", re.M)
+LINE = re.compile(
+    r"verify \((\w+) forward\): (max|per-token mean) \|logit diff\| = ([0-9.e+-]+) (?:\(max ([0-9.e+-]+)\) )?"
+    r"over 3 prompts \(\d+ tokens\), tolerance ([0-9.e+-]+)(.*): (OK|FAILED)$",
+    re.M,
+)
 GAP = re.compile(r"that gap: per-token mean ([0-9.e+-]+), max ([0-9.e+-]+)")
-GROUPS = re.compile(r"^verify \((\w+) forward\) hidden states: 2 layer groups of 1 layer\(s\), .*: (every group agrees|"
-                    r"first diverging: layer group (\d) of 2 \(decoder layer (\d)\), [0-9.e+-]+ > [0-9.e+-]+)", re.M)
+GROUPS = re.compile(
+    r"^verify \((\w+) forward\) hidden states: 2 layer groups of 1 layer\(s\), .*: (every group agrees|"
+    r"first diverging: layer group (\d) of 2 \(decoder layer (\d)\), [0-9.e+-]+ > [0-9.e+-]+)",
+    re.M,
+)
 
 
 def _groups(stdout: str) -> dict[str, Optional[int]]:
     """{dtype: None when every layer group agrees, else the first diverging group (1-based)}."""
-    return {dtype: (None if verdict == "every group agrees" else int(group))
-            for dtype, verdict, group, _layer in GROUPS.findall(stdout)}
+    return {
+        dtype: (None if verdict == "every group agrees" else int(group))
+        for dtype, verdict, group, _layer in GROUPS.findall(stdout)
+    }
 
 
 def _lines(stdout: str) -> dict[str, dict]:
@@ -60,29 +68,94 @@ def runs(tmp_path_factory):
     for family in FAMILIES:
         build_tiny_hf_checkpoint(work / family, family, dtype=torch.bfloat16)
         names.append(family)
-        cases.append(dict(tool="hf-to-mcore", argv=["--hf-dir", str(work / family), "--out-dir",
-                                                    str(work / f"{family}.mcore"), "--verify", "--verify-dtype",
-                                                    "both"]))
+        cases.append(
+            dict(
+                tool="hf-to-mcore",
+                argv=[
+                    "--hf-dir",
+                    str(work / family),
+                    "--out-dir",
+                    str(work / f"{family}.mcore"),
+                    "--verify",
+                    "--verify-dtype",
+                    "both",
+                ],
+            )
+        )
     for fault, family in FAULTS.items():
         names.append(fault)
-        cases.append(dict(tool="hf-to-mcore", env={"MEGATRON_RL_CONVERT_FAULT": fault},
-                          argv=["--hf-dir", str(work / family), "--out-dir", str(work / f"{fault}.mcore"), "--verify",
-                                "--verify-dtype", "both"]))
+        cases.append(
+            dict(
+                tool="hf-to-mcore",
+                env={"MEGATRON_RL_CONVERT_FAULT": fault},
+                argv=[
+                    "--hf-dir",
+                    str(work / family),
+                    "--out-dir",
+                    str(work / f"{fault}.mcore"),
+                    "--verify",
+                    "--verify-dtype",
+                    "both",
+                ],
+            )
+        )
     # The other direction, bf16 compute only: HF's forward of the written files is the other side.
     names.append("back")
-    cases.append(dict(tool="mcore-to-hf", argv=["--mcore-dir", str(work / "qwen3_moe.mcore"), "--out-dir",
-                                                str(work / "back"), "--verify", "--verify-dtype", "model"]))
+    cases.append(
+        dict(
+            tool="mcore-to-hf",
+            argv=[
+                "--mcore-dir",
+                str(work / "qwen3_moe.mcore"),
+                "--out-dir",
+                str(work / "back"),
+                "--verify",
+                "--verify-dtype",
+                "model",
+            ],
+        )
+    )
     # Both whole models at once (the pre-layer-group verify), and a group size that is refused.
     names.append("whole")
-    cases.append(dict(tool="hf-to-mcore", argv=["--hf-dir", str(work / "qwen3_moe"), "--out-dir", str(work / "whole"),
-                                                "--verify", "--verify-dtype", "both",
-                                                "--verify-layers-per-group", "0"]))
+    cases.append(
+        dict(
+            tool="hf-to-mcore",
+            argv=[
+                "--hf-dir",
+                str(work / "qwen3_moe"),
+                "--out-dir",
+                str(work / "whole"),
+                "--verify",
+                "--verify-dtype",
+                "both",
+                "--verify-layers-per-group",
+                "0",
+            ],
+        )
+    )
     names.append("bad_group")
-    cases.append(dict(tool="hf-to-mcore", argv=["--hf-dir", str(work / "qwen3"), "--out-dir", str(work / "bad"),
-                                                "--verify", "--verify-layers-per-group", "-1"]))
+    cases.append(
+        dict(
+            tool="hf-to-mcore",
+            argv=[
+                "--hf-dir",
+                str(work / "qwen3"),
+                "--out-dir",
+                str(work / "bad"),
+                "--verify",
+                "--verify-layers-per-group",
+                "-1",
+            ],
+        )
+    )
     (work / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tools" / "convert_cases.py"), str(work / "cases.json")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "tools" / "convert_cases.py"), str(work / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(cases), proc.stdout[-4000:]
@@ -138,6 +211,10 @@ def test_whole_model_verify_and_a_bad_group_size(runs):
     assert lines["float32"]["ok"] and lines["float32"]["value"] < 1e-4 and lines["bfloat16"]["ok"]
     assert "hidden states" not in r["stdout"]  # no layer groups
     r = results["bad_group"]
-    assert r["rc"] == 1 and "error: --verify-layers-per-group=-1 is not allowed; give 0 (the whole model at once) " \
-        "or a number of layers >= 1" in r["stderr"], r["stderr"][-2000:]
+    assert (
+        r["rc"] == 1
+        and "error: --verify-layers-per-group=-1 is not allowed; give 0 (the whole model at once) "
+        "or a number of layers >= 1"
+        in r["stderr"]
+    ), r["stderr"][-2000:]
     assert not (work / "bad").exists()

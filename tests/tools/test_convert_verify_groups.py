@@ -41,8 +41,10 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
     work = tmp_path_factory.mktemp("groups")
     # Four layers (two per virtual stage at PP=2 x VPP=2), bf16 on disk as hub checkpoints are.
-    return {f: build_tiny_hf_checkpoint(work / f, f, dtype=torch.bfloat16, num_hidden_layers=4)["path"]
-            for f in ("qwen3", "qwen3_moe")}
+    return {
+        f: build_tiny_hf_checkpoint(work / f, f, dtype=torch.bfloat16, num_hidden_layers=4)["path"]
+        for f in ("qwen3", "qwen3_moe")
+    }
 
 
 def _ids(vocab: int = 300) -> tuple[torch.Tensor, list[int]]:
@@ -72,8 +74,9 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
     monkeypatch.setattr(verify_hf._Streamer, "load", spy)
     monkeypatch.setattr(verify_hf, "HEAD_BLOCK_BYTES", 7 * 64 * 4)  # the output layer in blocks of rows
     for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager",
-                                                     experts_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+        ).eval()
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
         total = sum(p.numel() for p in model.parameters())
@@ -82,8 +85,9 @@ def test_streamed_reference_is_hfs_own_forward_holding_one_part_at_a_time(ckpts,
             held.clear()
             logits, hidden = hf_stream_forward(hf_dir, ids, torch.bfloat16, dtype, per_group)
             # blocks of vocabulary rows: the same dot products, summed in another order (in bf16: one ulp)
-            torch.testing.assert_close(logits, out.logits.float(), rtol=0,
-                                       atol=1e-5 if dtype == torch.float32 else 1.6e-2)
+            torch.testing.assert_close(
+                logits, out.logits.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 1.6e-2
+            )
             ends = [0, 1, 2, 3] if per_group == 1 else [2, 3]
             assert sorted(hidden) == ends
             for end in ends[:-1]:
@@ -114,8 +118,14 @@ def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path
     fp8, plain = tmp_path / "fp8", tmp_path / "plain"
     written = write_fp8_checkpoint(src, fp8, (16, 16))
     plain.mkdir()
-    save_file({n: dequantize_fp8_blocks(t, written[n + "_scale_inv"], (16, 16)) if t.dtype == torch.float8_e4m3fn
-               else t for n, t in written.items() if not n.endswith("_scale_inv")}, str(plain / "model.safetensors"))
+    save_file(
+        {
+            n: dequantize_fp8_blocks(t, written[n + "_scale_inv"], (16, 16)) if t.dtype == torch.float8_e4m3fn else t
+            for n, t in written.items()
+            if not n.endswith("_scale_inv")
+        },
+        str(plain / "model.safetensors"),
+    )
     config = json.loads((fp8 / "config.json").read_text())
     (plain / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
     assert sum(t.dtype == torch.float8_e4m3fn for t in written.values()) > 10
@@ -184,8 +194,9 @@ def _rank(rank: int, world: int, cases: list, per_group: int) -> dict:
             chunks = build_empty_model(model_cfg, pc)
             load_hf_checkpoint(chunks, family.weight_map(model_cfg), hf_dir, mesh=mesh)
             ids, lengths = verify_inputs(None, model_cfg.vocab_size, pc.tensor_model_parallel_size)
-            results = verify_forwards(chunks, model_cfg, pc, mesh, ids, VerifySettings(["float32", "bfloat16"],
-                                                                                      per_group))
+            results = verify_forwards(
+                chunks, model_cfg, pc, mesh, ids, VerifySettings(["float32", "bfloat16"], per_group)
+            )
         finally:
             destroy_mesh(mesh)
         if rank == 0:
@@ -214,10 +225,12 @@ def single(ckpts, tmp_path_factory):
         name = "model.layers.1.self_attn.q_proj.weight"
         if name in tensors:
             q, d = tensors[name].clone(), json.loads((wrong / "config.json").read_text())["head_dim"]
-            q[:d], q[d: 2 * d] = tensors[name][d: 2 * d], tensors[name][:d]
+            q[:d], q[d : 2 * d] = tensors[name][d : 2 * d], tensors[name][:d]
             save_file({**tensors, name: q}, str(f), metadata={"format": "pt"})
-    cases = [("single", str(ckpts["qwen3"]), {}, [str(ckpts["qwen3"]), str(wrong)]),
-             ("single_moe", str(ckpts["qwen3_moe"]), {}, [str(ckpts["qwen3_moe"])])]
+    cases = [
+        ("single", str(ckpts["qwen3"]), {}, [str(ckpts["qwen3"]), str(wrong)]),
+        ("single_moe", str(ckpts["qwen3_moe"]), {}, [str(ckpts["qwen3_moe"])]),
+    ]
     return run_distributed(_rank, 1, cases, 1, timeout_s=300)[0], str(wrong)
 
 
@@ -244,8 +257,7 @@ def test_parallel_layouts_give_the_single_rank_result(single, ckpts, layout, par
     assert printed.count("every group agrees") == 2
     lengths = base["lengths"]
     for i, n in enumerate(lengths):  # float32 forwards: the same values up to reduction order
-        torch.testing.assert_close(got["logits"]["float32"][i, :n], base["logits"]["float32"][i, :n],
-                                   rtol=0, atol=2e-5)
+        torch.testing.assert_close(got["logits"]["float32"][i, :n], base["logits"]["float32"][i, :n], rtol=0, atol=2e-5)
         assert sorted(got["hidden"]["float32"]) == sorted(base["hidden"]["float32"]) == [0, 1, 2, 3]
         for end, h in base["hidden"]["float32"].items():
             torch.testing.assert_close(got["hidden"]["float32"][end][i, :n], h[i, :n], rtol=0, atol=2e-5)
@@ -255,6 +267,8 @@ def test_parallel_layouts_give_the_single_rank_result(single, ckpts, layout, par
 @pytest.fixture(scope="module")
 def parallel_runs(ckpts):
     """TP=2 (sequence-parallel), PP=2 x VPP=2, EP=2: one pair of spawned ranks for all three."""
-    cases = [(name, str(ckpts[LAYOUTS[name][0]]), LAYOUTS[name][1], [str(ckpts[LAYOUTS[name][0]])])
-             for name in ("tp2_sp", "pp2_vpp2", "ep2")]
+    cases = [
+        (name, str(ckpts[LAYOUTS[name][0]]), LAYOUTS[name][1], [str(ckpts[LAYOUTS[name][0]])])
+        for name in ("tp2_sp", "pp2_vpp2", "ep2")
+    ]
     return run_distributed(_rank, 2, cases, 1, timeout_s=400)[0]

@@ -44,14 +44,32 @@ def _run_vendored_tests(tmp_path: Path) -> tuple[dict[str, tuple[str, str]], str
     report = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={VERL_TESTS}",
-         f"--confcutdir={VERL_TESTS}", "-o", "addopts=", f"--junitxml={report}", str(VERL_TESTS)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=VERL_TESTS)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--rootdir={VERL_TESTS}",
+            f"--confcutdir={VERL_TESTS}",
+            "-o",
+            "addopts=",
+            f"--junitxml={report}",
+            str(VERL_TESTS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=VERL_TESTS,
+    )
     outcome = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         bad = [c for c in case if c.tag in ("failure", "error", "skipped")]
         outcome[f"{case.get('classname')}.{case.get('name')}"] = (
-            (bad[0].tag, bad[0].get("message", "")) if bad else ("passed", ""))
+            (bad[0].tag, bad[0].get("message", "")) if bad else ("passed", "")
+        )
     return outcome, proc.stdout[-4000:]
 
 
@@ -73,12 +91,16 @@ def test_verls_algorithm_tests_pass_through_the_shim(tmp_path):
 ADAPTERS = {
     ("verl.workers.config.actor", "ActorConfig"): "megatron_rl.config.ActorConfig",
     ("verl.trainer.ppo.v1.utils", "compute_advantage"): "megatron_rl.algos.get_adv_estimator_fn",
-    ("verl.trainer.ppo.v1.utils", "compute_advantage_for_multi_trajectories"):
-        "megatron_rl.algos.compute_advantage_for_multi_trajectories",
+    (
+        "verl.trainer.ppo.v1.utils",
+        "compute_advantage_for_multi_trajectories",
+    ): "megatron_rl.algos.compute_advantage_for_multi_trajectories",
     ("verl.trainer.ppo.metric_utils", "compute_data_metrics"): "megatron_rl.trainer.metrics.compute_data_metrics",
     ("verl.trainer.ppo.metric_utils", "compute_timing_metrics"): "megatron_rl.trainer.metrics.compute_timing_metrics",
-    ("verl.trainer.ppo.metric_utils", "compute_throughout_metrics"):
-        "megatron_rl.trainer.metrics.compute_throughput_metrics",
+    (
+        "verl.trainer.ppo.metric_utils",
+        "compute_throughout_metrics",
+    ): "megatron_rl.trainer.metrics.compute_throughput_metrics",
 }
 PROJECT_MODULES = ("megatron_rl.algos", "megatron_rl.config", "megatron_rl.data.batch")
 

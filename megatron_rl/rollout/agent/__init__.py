@@ -15,5 +15,17 @@ from megatron_rl.rollout.agent.parser import FunctionCall, HermesToolParser
 from megatron_rl.rollout.agent.runner import AgentRunner, pad_outputs
 from megatron_rl.rollout.agent.session import AgentOutput, AgentSession
 
-__all__ = ["AGENT_LOOPS", "AgentLoop", "AgentOutput", "AgentRunner", "AgentSession", "ChatFormat", "FunctionCall",
-           "HermesToolParser", "TOOL_CHATML_TEMPLATE", "ToolAgentLoop", "pad_outputs", "register_agent_loops"]
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentLoop",
+    "AgentOutput",
+    "AgentRunner",
+    "AgentSession",
+    "ChatFormat",
+    "FunctionCall",
+    "HermesToolParser",
+    "TOOL_CHATML_TEMPLATE",
+    "ToolAgentLoop",
+    "pad_outputs",
+    "register_agent_loops",
+]

@@ -53,8 +53,10 @@ def agent_metrics(batch: Mapping[str, Any]) -> dict[str, float]:
     with_obs = batch["attention_mask"][rows, -width:].sum(-1).float()
     model = batch["response_mask"][rows].sum(-1).float()
     metrics = {
-        "agent/num_turns/mean": sum(turns) / len(rows), "agent/num_turns/min": float(min(turns)),
-        "agent/num_turns/max": float(max(turns)), "agent/num_tool_calls/mean": sum(calls) / len(rows),
+        "agent/num_turns/mean": sum(turns) / len(rows),
+        "agent/num_turns/min": float(min(turns)),
+        "agent/num_turns/max": float(max(turns)),
+        "agent/num_tool_calls/mean": sum(calls) / len(rows),
         "agent/tool_call_rate": sum(c > 0 for c in calls) / len(rows),
         "agent/tool_error_rate": sum(errors) / sum(calls) if sum(calls) else 0.0,
         "agent/response_length_with_obs/mean": float(with_obs.mean()),

@@ -25,7 +25,7 @@ TOOL_CHATML_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\nTools:' }}"
     "{%- for tool in tools %}{{- '\\n- ' + tool.function.name + ': ' + tool.function.description }}{%- endfor %}"
-    "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
+    '{{- \'\\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}"
@@ -65,17 +65,23 @@ class ChatFormat:
         self.tools = list(tools) if tools else None
         self.chat_template = chat_template
         if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("agent sessions need a chat template: the tokenizer has none and "
-                             "actor_rollout_ref.model.custom_chat_template is not set")
+            raise ValueError(
+                "agent sessions need a chat template: the tokenizer has none and "
+                "actor_rollout_ref.model.custom_chat_template is not set"
+            )
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             raise ValueError("agent sessions need the tokenizer's eos token (it ends every model turn)")
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool) -> str:
         """The template's text for ``messages``."""
-        return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  chat_template=self.chat_template)
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -89,18 +95,27 @@ class ChatFormat:
 
     def observation_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         """The ids appended after a model turn that ended with eos and called tools (module docstring)."""
-        stand_in = [{"role": "user", "content": "?"},
-                    {"role": "assistant", "content": "",
-                     "tool_calls": [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}}}
-                                    for m in tool_messages]}]
+        stand_in = [
+            {"role": "user", "content": "?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}}}
+                    for m in tool_messages
+                ],
+            },
+        ]
         prefix = self.encode(self.render(stand_in, add_generation_prompt=False))
         full = self.encode(self.render([*stand_in, *tool_messages], add_generation_prompt=True))
-        if full[:len(prefix)] != prefix:
-            raise ValueError("the chat template does not render tool messages by appending to the conversation "
-                             "(the rendering of the earlier messages changed); agent sessions need an append-only "
-                             "template")
-        tail = prefix[len(prefix) - prefix[::-1].index(self.eos_token_id):] if self.eos_token_id in prefix else []
-        return tail + full[len(prefix):]
+        if full[: len(prefix)] != prefix:
+            raise ValueError(
+                "the chat template does not render tool messages by appending to the conversation "
+                "(the rendering of the earlier messages changed); agent sessions need an append-only "
+                "template"
+            )
+        tail = prefix[len(prefix) - prefix[::-1].index(self.eos_token_id) :] if self.eos_token_id in prefix else []
+        return tail + full[len(prefix) :]
 
     def transcript_ids(self, messages: Sequence[dict]) -> list[int]:
         """The re-tokenised transcript (sanity check only)."""

@@ -28,8 +28,14 @@ from megatron_rl.rollout.tools.base import BaseTool, ToolResponse
 from megatron_rl.rollout.tools.registry import import_class
 from megatron_rl.utils.registry import Registry
 
-__all__ = ["AGENT_LOOPS", "AgentLoop", "SingleTurnAgentLoop", "ToolAgentLoop", "register_agent_loops",
-           "truncate_tool_response"]
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentLoop",
+    "SingleTurnAgentLoop",
+    "ToolAgentLoop",
+    "register_agent_loops",
+    "truncate_tool_response",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +52,7 @@ def truncate_tool_response(text: str, limit: int, side: str) -> str:
     if side == "right":
         return text[:limit] + "...(truncated)"
     half = limit // 2
-    return text[:half] + "...(truncated)..." + text[len(text) - half:]
+    return text[:half] + "...(truncated)..." + text[len(text) - half :]
 
 
 class AgentLoop:
@@ -60,8 +66,14 @@ class AgentLoop:
 
     uses_tools = False
 
-    def __init__(self, chat: ChatFormat, tools: Mapping[str, BaseTool], multi_turn: MultiTurnConfig,
-                 agent: AgentLoopConfig, rollout: RolloutConfig):
+    def __init__(
+        self,
+        chat: ChatFormat,
+        tools: Mapping[str, BaseTool],
+        multi_turn: MultiTurnConfig,
+        agent: AgentLoopConfig,
+        rollout: RolloutConfig,
+    ):
         self.chat, self.tools = chat, dict(tools)
         self.max_assistant_turns = multi_turn.max_assistant_turns
         self.max_user_turns = multi_turn.max_user_turns
@@ -109,8 +121,9 @@ class AgentLoop:
         replies: dict[int, list[dict]] = {}
         for (s, call), result in zip(owners, results):
             if isinstance(result, TimedOut):
-                result = ToolResponse(f"Error executing tool '{call.name}': timed out after {result.seconds:g} s",
-                                      error=True)
+                result = ToolResponse(
+                    f"Error executing tool '{call.name}': timed out after {result.seconds:g} s", error=True
+                )
             s.num_tool_calls += 1
             s.num_tool_errors += int(result.error)
             text = truncate_tool_response(result.text, self.max_tool_response_length, self.truncate_side)
@@ -202,8 +215,9 @@ def register_agent_loops(path: Optional[str]) -> list[str]:
             raise ValueError(f"{where} must be a mapping with a string name and a _target_ class, got {entry!r}")
         cls = import_class(entry["_target_"], f"{where}._target_")
         if not issubclass(cls, AgentLoop):
-            raise ValueError(f"{where}._target_={entry['_target_']!r} is not a megatron_rl.rollout.agent.AgentLoop "
-                             "subclass")
+            raise ValueError(
+                f"{where}._target_={entry['_target_']!r} is not a megatron_rl.rollout.agent.AgentLoop subclass"
+            )
         AGENT_LOOPS.register(entry["name"])(cls)
         names.append(entry["name"])
     return names

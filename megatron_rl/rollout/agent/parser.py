@@ -57,8 +57,12 @@ class HermesToolParser:
         except json.JSONDecodeError as err:
             return FunctionCall(None, None, f"the tool call is not valid JSON ({err.msg} at character {err.pos})", raw)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return FunctionCall(None, None, 'a tool call must be a JSON object {"name": ..., "arguments": {...}} '
-                                            "with a string name", raw)
+            return FunctionCall(
+                None,
+                None,
+                'a tool call must be a JSON object {"name": ..., "arguments": {...}} with a string name',
+                raw,
+            )
         args: Any = obj.get("arguments", {})
         if isinstance(args, str):  # OpenAI's wire format sends the arguments as a JSON string
             try:
@@ -66,8 +70,12 @@ class HermesToolParser:
             except json.JSONDecodeError:
                 pass
         if not isinstance(args, dict):
-            return FunctionCall(obj["name"], None, f"the arguments of {obj['name']!r} must be a JSON object, "
-                                                   f"got {type(args).__name__}", raw)
+            return FunctionCall(
+                obj["name"],
+                None,
+                f"the arguments of {obj['name']!r} must be a JSON object, got {type(args).__name__}",
+                raw,
+            )
         return FunctionCall(obj["name"], args, None, raw)
 
     def format(self, name: str, arguments: dict) -> str:

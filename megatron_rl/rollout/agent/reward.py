@@ -61,8 +61,9 @@ class FinalAnswerReward:
         responses, mask = batch["responses"], batch["response_mask"]
         spans = final_turn_spans(mask)
         texts = self._texts([row[s:e].tolist() for row, (s, e) in zip(responses, spans)])
-        truths = (batch["ground_truth"] if "ground_truth" in batch
-                  else [rm["ground_truth"] for rm in batch["reward_model"]])
+        truths = (
+            batch["ground_truth"] if "ground_truth" in batch else [rm["ground_truth"] for rm in batch["reward_model"]]
+        )
         raw, extra = self.inner.score_texts(texts, batch["data_source"], truths, batch.get("extra_info"))
         scores = torch.tensor(raw, dtype=torch.float32)
         if "output_index" in batch:  # every sample of a session gets its final sample's score
@@ -73,9 +74,10 @@ class FinalAnswerReward:
             source = [final[(u, s)] for u, s in zip(batch["uid"], batch["session_id"])]
             scores = scores[source]
             extra = {k: [v[j] for j in source] for k, v in extra.items()}
-        lengths = batch["attention_mask"][:, -responses.shape[1]:].sum(-1)  # every response token, observations too
-        scores, overlong = apply_overlong_penalty(scores, lengths, self.inner.max_resp_len,
-                                                  self.inner.overlong_buffer_cfg)
+        lengths = batch["attention_mask"][:, -responses.shape[1] :].sum(-1)  # every response token, observations too
+        scores, overlong = apply_overlong_penalty(
+            scores, lengths, self.inner.max_resp_len, self.inner.overlong_buffer_cfg
+        )
         for key, value in overlong.items():
             extra[key] = value.tolist()
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)

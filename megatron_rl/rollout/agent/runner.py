@@ -67,8 +67,9 @@ class AgentRunner:
         self.prompt_length, self.response_length = cfg.prompt_length, cfg.response_length
         self.prompt_too_long = cfg.prompt_too_long
 
-    def run(self, messages: Sequence[Sequence[dict]], *, uids: Sequence[str], validate: bool = False,
-            **overrides: Any) -> dict[str, Any]:
+    def run(
+        self, messages: Sequence[Sequence[dict]], *, uids: Sequence[str], validate: bool = False, **overrides: Any
+    ) -> dict[str, Any]:
         """Run ``n`` sessions per prompt (``messages[i]``: its chat messages); the batch (module docstring).
 
         ``overrides``: sampling keys as for ``VLLMRollout.generate`` (``n``, ``seed``, ``do_sample`` ...);
@@ -85,15 +86,23 @@ class AgentRunner:
         sessions = []
         for i, msgs in enumerate(messages):
             prompt = self._fit_prompt(i, self.chat.prompt_ids(self._check_messages(i, msgs)))
-            sessions += [AgentSession(uid=str(uids[i]), session_id=j, prompt_index=i, messages=msgs, prompt_ids=prompt,
-                                      limit=limit) for j in range(n)]
+            sessions += [
+                AgentSession(
+                    uid=str(uids[i]), session_id=j, prompt_index=i, messages=msgs, prompt_ids=prompt, limit=limit
+                )
+                for j in range(n)
+            ]
         order = {id(s): k for k, s in enumerate(sessions)}
         active, rnd = list(sessions), 0
         while active:
             seeds = None if seed is None else [seed + order[id(s)] + rnd * ROUND_SEED_STRIDE for s in active]
-            turns = self.engine.generate_turns([s.context for s in active],
-                                               [s.limit - len(s.response_ids) for s in active],
-                                               seeds=seeds, validate=validate, **overrides)
+            turns = self.engine.generate_turns(
+                [s.context for s in active],
+                [s.limit - len(s.response_ids) for s in active],
+                seeds=seeds,
+                validate=validate,
+                **overrides,
+            )
             for s, turn in zip(active, turns):
                 s.add_model_turn(turn["token_ids"], turn["log_probs"], turn["finish_reason"])
                 self.loop.after_model_turn(s)
@@ -102,8 +111,10 @@ class AgentRunner:
                 self.loop.run_tools(calling)
             for s in active:
                 if not s.done and not s.pending and s.user_turns < s.assistant_turns:
-                    raise RuntimeError(f"agent loop {type(self.loop).__name__} left session {s.uid}_{s.session_id} "
-                                       "neither finished nor waiting for tools")
+                    raise RuntimeError(
+                        f"agent loop {type(self.loop).__name__} left session {s.uid}_{s.session_id} "
+                        "neither finished nor waiting for tools"
+                    )
             active, rnd = [s for s in active if not s.done], rnd + 1
         self._sanity_check(sessions)
         with_logprobs = self.config.calculate_log_probs
@@ -116,21 +127,31 @@ class AgentRunner:
 
     @staticmethod
     def _check_messages(i: int, msgs: Any) -> list[dict]:
-        if isinstance(msgs, str) or not isinstance(msgs, Sequence) or not msgs or not all(
+        if (
+            isinstance(msgs, str)
+            or not isinstance(msgs, Sequence)
+            or not msgs
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise ValueError(f"agent sessions start from chat messages; prompt {i} is {msgs!r} (a prompt dataset "
-                             "with data.apply_chat_template=True gives message lists)")
+                for m in msgs
+            )
+        ):
+            raise ValueError(
+                f"agent sessions start from chat messages; prompt {i} is {msgs!r} (a prompt dataset "
+                "with data.apply_chat_template=True gives message lists)"
+            )
         return list(msgs)
 
     def _fit_prompt(self, i: int, ids: list[int]) -> list[int]:
         if len(ids) <= self.prompt_length:
             return ids
         if self.prompt_too_long == "error":
-            raise ValueError(f"prompt {i} has {len(ids)} tokens with the tools' system block, more than "
-                             f"rollout.prompt_length={self.prompt_length}; raise it or set "
-                             "rollout.prompt_too_long='truncate_left'")
-        return ids[-self.prompt_length:]
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens with the tools' system block, more than "
+                f"rollout.prompt_length={self.prompt_length}; raise it or set "
+                "rollout.prompt_too_long='truncate_left'"
+            )
+        return ids[-self.prompt_length :]
 
     def _sanity_check(self, sessions: Sequence[AgentSession]) -> None:
         """``multi_turn.tokenization_sanity_check_mode``: compare each session with its re-tokenised
@@ -142,19 +163,22 @@ class AgentRunner:
             ours = s.context
             transcript = self.chat.transcript_ids(s.messages)
             if self.sanity_mode == "strict":
-                s.tokenization_match = transcript[:len(ours)] == ours
+                s.tokenization_match = transcript[: len(ours)] == ours
             else:  # ignore_strippable: equal text up to whitespace
                 mine = "".join(self.chat.decode(ours).split())
                 s.tokenization_match = "".join(self.chat.decode(transcript).split()).startswith(mine)
             bad += not s.tokenization_match
         if bad:
-            logger.warning("%d of %d agent sessions differ from a re-tokenisation of their transcript "
-                           "(multi_turn.tokenization_sanity_check_mode=%s); the trainer uses the generated ids",
-                           bad, len(sessions), self.sanity_mode)
+            logger.warning(
+                "%d of %d agent sessions differ from a re-tokenisation of their transcript "
+                "(multi_turn.tokenization_sanity_check_mode=%s); the trainer uses the generated ids",
+                bad,
+                len(sessions),
+                self.sanity_mode,
+            )
 
 
-def pad_outputs(outputs: Sequence[AgentOutput], prompt_width: int, response_width: int, pad_id: int
-                ) -> dict[str, Any]:
+def pad_outputs(outputs: Sequence[AgentOutput], prompt_width: int, response_width: int, pad_id: int) -> dict[str, Any]:
     """The samples in the rollout's padded layout (module docstring)."""
     num = len(outputs)
     prompts = torch.full((num, prompt_width), pad_id, dtype=torch.long)
@@ -166,26 +190,37 @@ def pad_outputs(outputs: Sequence[AgentOutput], prompt_width: int, response_widt
     for j, o in enumerate(outputs):
         p, r = o.prompt_ids[-prompt_width:], o.response_ids[:response_width]
         if p:
-            prompts[j, prompt_width - len(p):] = torch.tensor(p)
-            prompt_mask[j, prompt_width - len(p):] = 1
+            prompts[j, prompt_width - len(p) :] = torch.tensor(p)
+            prompt_mask[j, prompt_width - len(p) :] = 1
         if r:
-            responses[j, :len(r)] = torch.tensor(r)
-            response_mask[j, :len(r)] = torch.tensor(o.response_mask[:response_width])
-            attn_response[j, :len(r)] = 1
+            responses[j, : len(r)] = torch.tensor(r)
+            response_mask[j, : len(r)] = torch.tensor(o.response_mask[:response_width])
+            attn_response[j, : len(r)] = 1
             if o.response_logprobs is not None:
-                logps[j, :len(r)] = torch.tensor(o.response_logprobs[:response_width], dtype=torch.float32)
+                logps[j, : len(r)] = torch.tensor(o.response_logprobs[:response_width], dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, attn_response], dim=1)
     batch: dict[str, Any] = {
-        "prompts": prompts, "responses": responses, "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
     }
     if num and all(o.response_logprobs is not None for o in outputs):
         batch["rollout_log_probs"] = logps
-    for name, attr in (("uid", "uid"), ("session_id", "session_id"), ("output_index", "index"),
-                       ("prompt_index", "prompt_index"), ("num_turns", "num_turns"),
-                       ("num_tool_calls", "num_tool_calls"), ("num_tool_errors", "num_tool_errors"),
-                       ("termination", "termination"), ("truncated", "truncated"),
-                       ("finish_reasons", "finish_reason"), ("tokenization_match", "tokenization_match")):
+    for name, attr in (
+        ("uid", "uid"),
+        ("session_id", "session_id"),
+        ("output_index", "index"),
+        ("prompt_index", "prompt_index"),
+        ("num_turns", "num_turns"),
+        ("num_tool_calls", "num_tool_calls"),
+        ("num_tool_errors", "num_tool_errors"),
+        ("termination", "termination"),
+        ("truncated", "truncated"),
+        ("finish_reasons", "finish_reason"),
+        ("tokenization_match", "tokenization_match"),
+    ):
         batch[name] = [getattr(o, attr) for o in outputs]
     return batch

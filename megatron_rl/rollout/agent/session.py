@@ -46,8 +46,16 @@ class AgentOutput:
 class AgentSession:
     """The state of one session (see the module docstring)."""
 
-    def __init__(self, *, uid: str, session_id: int, prompt_index: int, messages: Sequence[dict],
-                 prompt_ids: Sequence[int], limit: int):
+    def __init__(
+        self,
+        *,
+        uid: str,
+        session_id: int,
+        prompt_index: int,
+        messages: Sequence[dict],
+        prompt_ids: Sequence[int],
+        limit: int,
+    ):
         self.uid, self.session_id, self.prompt_index = uid, session_id, prompt_index
         self.limit = limit
         """Response tokens the session may hold (``rollout.response_length`` or a smaller override)."""
@@ -95,17 +103,26 @@ class AgentSession:
         assert termination in TERMINATIONS, termination
         self.termination, self.truncated, self.pending = termination, truncated, []
 
-    def output(self, index: int, *, start: int = 0, end: Optional[int] = None, with_logprobs: bool = True
-               ) -> AgentOutput:
+    def output(
+        self, index: int, *, start: int = 0, end: Optional[int] = None, with_logprobs: bool = True
+    ) -> AgentOutput:
         """``response_ids[start:end]`` as one sample, whatever precedes it as its prompt (the whole
         session by default; one model turn for loops that emit a sample per turn)."""
         end = len(self.response_ids) if end is None else end
         return AgentOutput(
-            prompt_ids=self.prompt_ids + self.response_ids[:start], response_ids=self.response_ids[start:end],
+            prompt_ids=self.prompt_ids + self.response_ids[:start],
+            response_ids=self.response_ids[start:end],
             response_mask=self.response_mask[start:end],
             response_logprobs=self.response_logprobs[start:end] if with_logprobs else None,
-            uid=self.uid, session_id=self.session_id, index=index, prompt_index=self.prompt_index,
-            num_turns=self.assistant_turns + self.user_turns + 1, num_tool_calls=self.num_tool_calls,
-            num_tool_errors=self.num_tool_errors, termination=self.termination or "", truncated=self.truncated,
+            uid=self.uid,
+            session_id=self.session_id,
+            index=index,
+            prompt_index=self.prompt_index,
+            num_turns=self.assistant_turns + self.user_turns + 1,
+            num_tool_calls=self.num_tool_calls,
+            num_tool_errors=self.num_tool_errors,
+            termination=self.termination or "",
+            truncated=self.truncated,
             finish_reason="length" if self.truncated else self.finish_reason,
-            tokenization_match=self.tokenization_match)
+            tokenization_match=self.tokenization_match,
+        )

@@ -28,8 +28,17 @@ AGENT_SFT_BATCH_SIZE = 16
 """Demonstrations per warm-up step: copying is learnt from the number of steps more than from
 their size, so smaller steps buy more of them."""
 
-__all__ = ["AGENT_SFT_BATCH_SIZE", "is_agent_task", "demonstrations", "agent_tokenizer_texts", "agent_sft_examples",
-           "agent_sft_warmup", "agent_task_texts", "install_tool_chat_template", "agent_warmup"]
+__all__ = [
+    "AGENT_SFT_BATCH_SIZE",
+    "is_agent_task",
+    "demonstrations",
+    "agent_tokenizer_texts",
+    "agent_sft_examples",
+    "agent_sft_warmup",
+    "agent_task_texts",
+    "install_tool_chat_template",
+    "agent_warmup",
+]
 
 
 def is_agent_task(task: Optional[str]) -> bool:
@@ -41,8 +50,13 @@ def _tool_schemas(tool_config_path: Optional[str]) -> list[dict]:
     return [t.tool_schema.to_openai() for t in load_tools(tool_config_path).values()]
 
 
-def demonstrations(task: str, rows: Sequence[dict], seed: int, tool_fraction: float = DEMO_TOOL_FRACTION,
-                   tool_names: Optional[Sequence[str]] = None) -> list[list[dict]]:
+def demonstrations(
+    task: str,
+    rows: Sequence[dict],
+    seed: int,
+    tool_fraction: float = DEMO_TOOL_FRACTION,
+    tool_names: Optional[Sequence[str]] = None,
+) -> list[list[dict]]:
     """Each row's full conversation (prompt + demonstration); ``tool_fraction`` of them call a tool.
     ValueError when a demonstration calls a tool that ``tool_names`` lacks."""
     rng = np.random.default_rng(seed)
@@ -52,14 +66,21 @@ def demonstrations(task: str, rows: Sequence[dict], seed: int, tool_fraction: fl
         for m in demo:
             for call in m.get("tool_calls", []):
                 if tool_names is not None and call["function"]["name"] not in tool_names:
-                    raise ValueError(f"task {task!r} demonstrates tool {call['function']['name']!r}, which "
-                                     f"multi_turn.tool_config_path does not provide (tools: {list(tool_names)})")
+                    raise ValueError(
+                        f"task {task!r} demonstrates tool {call['function']['name']!r}, which "
+                        f"multi_turn.tool_config_path does not provide (tools: {list(tool_names)})"
+                    )
         out.append(list(row["prompt"]) + demo)
     return out
 
 
-def agent_tokenizer_texts(task: str, rows: Sequence[dict], tool_config_path: Optional[str], seed: int = 0,
-                          chat_template: str = TOOL_CHATML_TEMPLATE) -> list[str]:
+def agent_tokenizer_texts(
+    task: str,
+    rows: Sequence[dict],
+    tool_config_path: Optional[str],
+    seed: int = 0,
+    chat_template: str = TOOL_CHATML_TEMPLATE,
+) -> list[str]:
     """Tokenizer-training texts: the rendered demonstrations of ``rows`` (half with a tool call)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -69,8 +90,9 @@ def agent_tokenizer_texts(task: str, rows: Sequence[dict], tool_config_path: Opt
     return list(rendered)
 
 
-def agent_sft_examples(chat: ChatFormat, conversations: Sequence[list[dict]], num_prompt_messages: Sequence[int],
-                       fmt: str = "hermes") -> list[tuple[list[int], list[int]]]:
+def agent_sft_examples(
+    chat: ChatFormat, conversations: Sequence[list[dict]], num_prompt_messages: Sequence[int], fmt: str = "hermes"
+) -> list[tuple[list[int], list[int]]]:
     """``(ids, loss_mask)`` per conversation, assembled as the agent loop assembles a session."""
     parser = get_parser(fmt)
     examples = []
@@ -81,8 +103,9 @@ def agent_sft_examples(chat: ChatFormat, conversations: Sequence[list[dict]], nu
         while i < len(rest):
             m = rest[i]
             if m["role"] == "assistant":
-                calls = [parser.format(c["function"]["name"], c["function"]["arguments"])
-                         for c in m.get("tool_calls", [])]
+                calls = [
+                    parser.format(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])
+                ]
                 text = "\n".join(([m["content"]] if m["content"] else []) + calls)
                 turn = chat.encode(text) + [chat.eos_token_id]
                 ids, mask, i = ids + turn, mask + [1] * len(turn), i + 1
@@ -91,17 +114,31 @@ def agent_sft_examples(chat: ChatFormat, conversations: Sequence[list[dict]], nu
                 while j < len(rest) and rest[j]["role"] == "tool":
                     j += 1
                 if j == i:
-                    raise ValueError(f"a demonstration continues with a {m['role']!r} message; only assistant and "
-                                     "tool messages follow the prompt")
+                    raise ValueError(
+                        f"a demonstration continues with a {m['role']!r} message; only assistant and "
+                        "tool messages follow the prompt"
+                    )
                 obs = chat.observation_ids(rest[i:j])
                 ids, mask, i = ids + obs, mask + [0] * len(obs), j
         examples.append((ids, mask))
     return examples
 
 
-def agent_sft_warmup(model_dir: str | Path, out_dir: str | Path, task: str, rows: Sequence[dict], *, steps: int,
-                     tool_config_path: Optional[str], chat_template: Optional[str] = None, batch_size: int = 32,
-                     lr: float = 3e-3, seed: int = 0, warmup_ratio: float = 0.1, log: Optional[list] = None) -> Path:
+def agent_sft_warmup(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    task: str,
+    rows: Sequence[dict],
+    *,
+    steps: int,
+    tool_config_path: Optional[str],
+    chat_template: Optional[str] = None,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    warmup_ratio: float = 0.1,
+    log: Optional[list] = None,
+) -> Path:
     """Train the HF model in ``model_dir`` for ``steps`` AdamW steps on ``task``'s demonstrations of
     ``rows``; save it (with its tokenizer) to ``out_dir`` and return that path.
 
@@ -120,15 +157,30 @@ def agent_sft_warmup(model_dir: str | Path, out_dir: str | Path, task: str, rows
     convs = demonstrations(task, rows, seed, tool_names=list(tools))
     examples = agent_sft_examples(chat, convs, [len(r["prompt"]) for r in rows])
     # One thread: a tiny model gains nothing from more; on a busy machine they cost ~5x.
-    return sft_train(model_dir, out_dir, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                     warmup_ratio=warmup_ratio, log=log, record={"task": task}, num_threads=1)
+    return sft_train(
+        model_dir,
+        out_dir,
+        examples,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        warmup_ratio=warmup_ratio,
+        log=log,
+        record={"task": task},
+        num_threads=1,
+    )
 
 
 # -- the main job's entry points (megatron_rl.job.prepare) ----------------------------------------
 def agent_task_texts(config: Any, rows: Sequence[dict]) -> list[str]:
     """Tokenizer texts a run's agentic ``data.task`` adds to the task's own (see ``agent_tokenizer_texts``)."""
-    return agent_tokenizer_texts(config.data.task, rows, config.actor_rollout_ref.rollout.multi_turn.tool_config_path,
-                                 seed=int(config.data.seed or 0))
+    return agent_tokenizer_texts(
+        config.data.task,
+        rows,
+        config.actor_rollout_ref.rollout.multi_turn.tool_config_path,
+        seed=int(config.data.seed or 0),
+    )
 
 
 def install_tool_chat_template(model_dir: str | Path) -> None:
@@ -140,12 +192,21 @@ def install_tool_chat_template(model_dir: str | Path) -> None:
     tokenizer.save_pretrained(str(model_dir))
 
 
-def agent_warmup(config: Any, model_dir: str | Path, out_dir: str | Path, rows: Sequence[dict], *,
-                 log: Optional[list] = None) -> Path:
+def agent_warmup(
+    config: Any, model_dir: str | Path, out_dir: str | Path, rows: Sequence[dict], *, log: Optional[list] = None
+) -> Path:
     """``agent_sft_warmup`` with the run's settings (``trainer.sft_warmup_steps`` / ``sft_warmup_lr``,
     the tools of ``multi_turn.tool_config_path``, ``model.custom_chat_template``, ``data.seed``)."""
-    return agent_sft_warmup(model_dir, out_dir, config.data.task, rows, steps=config.trainer.sft_warmup_steps,
-                            tool_config_path=config.actor_rollout_ref.rollout.multi_turn.tool_config_path,
-                            chat_template=config.actor_rollout_ref.model.custom_chat_template,
-                            lr=config.trainer.sft_warmup_lr, batch_size=AGENT_SFT_BATCH_SIZE,
-                            seed=int(config.data.seed or 1), log=log)
+    return agent_sft_warmup(
+        model_dir,
+        out_dir,
+        config.data.task,
+        rows,
+        steps=config.trainer.sft_warmup_steps,
+        tool_config_path=config.actor_rollout_ref.rollout.multi_turn.tool_config_path,
+        chat_template=config.actor_rollout_ref.model.custom_chat_template,
+        lr=config.trainer.sft_warmup_lr,
+        batch_size=AGENT_SFT_BATCH_SIZE,
+        seed=int(config.data.seed or 1),
+        log=log,
+    )

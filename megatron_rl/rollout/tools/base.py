@@ -41,8 +41,9 @@ class ToolSchema:
             raise ValueError(f"{where}.type={data.get('type')!r} is not allowed; only 'function' tools exist")
         function = data.get("function")
         if not isinstance(function, Mapping):
-            raise ValueError(f"{where}.function must be a mapping with name, description and parameters, "
-                             f"got {function!r}")
+            raise ValueError(
+                f"{where}.function must be a mapping with name, description and parameters, got {function!r}"
+            )
         name = function.get("name")
         if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
             raise ValueError(f"{where}.function.name={name!r} must be a non-empty name without spaces")
@@ -54,17 +55,23 @@ class ToolSchema:
             Draft202012Validator.check_schema(parameters)
         except SchemaError as err:
             path = "".join(f"[{p!r}]" for p in err.path)
-            raise ValueError(f"{where}.function.parameters is not a valid JSON Schema: {err.message}"
-                             f"{f' (at parameters{path})' if path else ''}") from None
+            raise ValueError(
+                f"{where}.function.parameters is not a valid JSON Schema: {err.message}"
+                f"{f' (at parameters{path})' if path else ''}"
+            ) from None
         if parameters.get("type") != "object":
-            raise ValueError(f"{where}.function.parameters.type={parameters.get('type')!r}: the arguments of a "
-                             "function call are an object, so the schema's type must be 'object'")
+            raise ValueError(
+                f"{where}.function.parameters.type={parameters.get('type')!r}: the arguments of a "
+                "function call are an object, so the schema's type must be 'object'"
+            )
         return cls(name=name, description=str(function.get("description", "")), parameters=parameters)
 
     def to_openai(self) -> dict:
         """The schema as the chat template receives it (``tools=[...]``)."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def argument_error(self, arguments: Any) -> Optional[str]:
         """Why ``arguments`` do not fit ``parameters`` (the first violation), or None when they do."""
@@ -121,8 +128,9 @@ class BaseTool:
     @classmethod
     def default_schema(cls) -> ToolSchema:
         """The schema used when the tool config gives none."""
-        raise ValueError(f"{cls.__module__}.{cls.__qualname__} has no default schema; give tool_schema in the "
-                         "tool config")
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__} has no default schema; give tool_schema in the tool config"
+        )
 
     def create(self, **kwargs: Any) -> str:
         """A fresh instance id for one call."""

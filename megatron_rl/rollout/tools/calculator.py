@@ -18,8 +18,14 @@ from megatron_rl.rollout.tools.base import BaseTool, ToolSchema
 __all__ = ["CalculatorTool", "evaluate"]
 
 MAX_CHARS, MAX_EXPONENT, MAX_DIGITS = 200, 64, 200
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-           ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -71,11 +77,25 @@ class CalculatorTool(BaseTool):
 
     @classmethod
     def default_schema(cls) -> ToolSchema:
-        return ToolSchema.from_dict({"type": "function", "function": {
-            "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
-            "parameters": {"type": "object", "properties": {"expression": {
-                "type": "string", "description": "numbers with + - * / // % ** and parentheses"}},
-                "required": ["expression"]}}})
+        return ToolSchema.from_dict(
+            {
+                "type": "function",
+                "function": {
+                    "name": "calculator",
+                    "description": "Evaluate an arithmetic expression exactly.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "expression": {
+                                "type": "string",
+                                "description": "numbers with + - * / // % ** and parentheses",
+                            }
+                        },
+                        "required": ["expression"],
+                    },
+                },
+            }
+        )
 
     def execute(self, instance_id: str, parameters: dict[str, Any]) -> str:
         return evaluate(parameters["expression"])

@@ -30,8 +30,10 @@ class CodeInterpreterTool(BaseTool):
         config = dict(config or {})
         unknown = set(config) - set(_LIMIT_KEYS) - {"type", "timeout", "allow_unisolated"}
         if unknown:
-            raise ValueError(f"code tool config has unknown key(s) {sorted(unknown)}; allowed: "
-                             f"{['type', 'timeout', 'allow_unisolated', *_LIMIT_KEYS]}")
+            raise ValueError(
+                f"code tool config has unknown key(s) {sorted(unknown)}; allowed: "
+                f"{['type', 'timeout', 'allow_unisolated', *_LIMIT_KEYS]}"
+            )
         _check_isolation(bool(config.pop("allow_unisolated", False)))
         self.limits = SandboxLimits(**{k: config[k] for k in _LIMIT_KEYS if k in config})
         config.setdefault("timeout", self.limits.wall_seconds + 5.0)
@@ -39,10 +41,20 @@ class CodeInterpreterTool(BaseTool):
 
     @classmethod
     def default_schema(cls) -> ToolSchema:
-        return ToolSchema.from_dict({"type": "function", "function": {
-            "name": "code_interpreter", "description": "Run Python code and return what it prints.",
-            "parameters": {"type": "object", "properties": {"code": {
-                "type": "string", "description": "a Python program; print the result"}}, "required": ["code"]}}})
+        return ToolSchema.from_dict(
+            {
+                "type": "function",
+                "function": {
+                    "name": "code_interpreter",
+                    "description": "Run Python code and return what it prints.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"code": {"type": "string", "description": "a Python program; print the result"}},
+                        "required": ["code"],
+                    },
+                },
+            }
+        )
 
     def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResponse:
         result = run_python(parameters["code"], self.limits)
@@ -51,13 +63,20 @@ class CodeInterpreterTool(BaseTool):
 
 def _check_isolation(allow_unisolated: bool) -> None:
     iso = isolation()
-    missing = [name for name, ok in (("user namespace", iso.network_namespace), ("seccomp filter", iso.seccomp))
-               if not ok]
+    missing = [
+        name for name, ok in (("user namespace", iso.network_namespace), ("seccomp filter", iso.seccomp)) if not ok
+    ]
     if not missing:
         return
     if not allow_unisolated:
-        raise RuntimeError(f"code tool: this machine gives the sandbox no {' and no '.join(missing)}, so model code "
-                           "would run with only the audit hook between it and the host; set the code tool's "
-                           "allow_unisolated: true to run it anyway")
-    warnings.warn(f"code tool: allow_unisolated is set and the sandbox has no {' and no '.join(missing)}: model "
-                  "code runs weakly isolated", RuntimeWarning, stacklevel=3)
+        raise RuntimeError(
+            f"code tool: this machine gives the sandbox no {' and no '.join(missing)}, so model code "
+            "would run with only the audit hook between it and the host; set the code tool's "
+            "allow_unisolated: true to run it anyway"
+        )
+    warnings.warn(
+        f"code tool: allow_unisolated is set and the sandbox has no {' and no '.join(missing)}: model "
+        "code runs weakly isolated",
+        RuntimeWarning,
+        stacklevel=3,
+    )

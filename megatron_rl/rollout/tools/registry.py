@@ -37,8 +37,10 @@ def resolve_tool_config(path_or_name: str) -> Path:
         return path
     if str(path_or_name) in BUILTIN_TOOL_CONFIGS:
         return BUILTIN_DIR / f"{path_or_name}.yaml"
-    raise ValueError(f"multi_turn.tool_config_path={str(path_or_name)!r} is neither a file nor a built-in tool "
-                     f"config; built-in: {list(BUILTIN_TOOL_CONFIGS)}")
+    raise ValueError(
+        f"multi_turn.tool_config_path={str(path_or_name)!r} is neither a file nor a built-in tool "
+        f"config; built-in: {list(BUILTIN_TOOL_CONFIGS)}"
+    )
 
 
 def import_class(dotted: Any, where: str) -> type:
@@ -52,8 +54,7 @@ def import_class(dotted: Any, where: str) -> type:
         raise ValueError(f"{where}={dotted!r} cannot be imported: {err}") from None
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
-        raise ValueError(f"{where}={dotted!r} cannot be imported: module {module_name!r} has no class "
-                         f"{class_name!r}")
+        raise ValueError(f"{where}={dotted!r} cannot be imported: module {module_name!r} has no class {class_name!r}")
     return cls
 
 
@@ -81,12 +82,15 @@ def load_tools(path_or_name: Optional[str]) -> dict[str, BaseTool]:
             raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; allowed: class_name, config, tool_schema")
         cls = import_class(entry.get("class_name"), f"{where}.class_name")
         if not issubclass(cls, BaseTool):
-            raise ValueError(f"{where}.class_name={entry['class_name']!r} is not a "
-                             "megatron_rl.rollout.tools.BaseTool subclass")
+            raise ValueError(
+                f"{where}.class_name={entry['class_name']!r} is not a megatron_rl.rollout.tools.BaseTool subclass"
+            )
         config = dict(entry.get("config") or {})
         if config.get("type", "native") != "native":
-            raise ValueError(f"{where}.config.type={config['type']!r} is not allowed; only 'native' tools are "
-                             "supported (as in verl 0.9.1)")
+            raise ValueError(
+                f"{where}.config.type={config['type']!r} is not allowed; only 'native' tools are "
+                "supported (as in verl 0.9.1)"
+            )
         schema = entry.get("tool_schema")
         schema = None if schema is None else ToolSchema.from_dict(schema, f"{where}.tool_schema")
         try:

@@ -120,13 +120,22 @@ class SandboxLimits:
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"sandbox limit {field.name}={value!r} must be a number > 0")
-        for name in ("cpu_seconds", "memory_mb", "max_output_bytes", "max_file_bytes", "max_open_files",
-                     "max_disk_bytes", "max_files", "max_processes"):
+        for name in (
+            "cpu_seconds",
+            "memory_mb",
+            "max_output_bytes",
+            "max_file_bytes",
+            "max_open_files",
+            "max_disk_bytes",
+            "max_files",
+            "max_processes",
+        ):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"sandbox limit {name}={getattr(self, name)!r} must be a whole number > 0")
         if self.max_processes < 4:
-            raise ValueError(f"sandbox limit max_processes={self.max_processes!r} must be >= 4 (the runner "
-                             "takes three)")
+            raise ValueError(
+                f"sandbox limit max_processes={self.max_processes!r} must be >= 4 (the runner takes three)"
+            )
 
 
 @dataclasses.dataclass
@@ -158,14 +167,17 @@ class SandboxResult:
         parts = [self.stdout] if self.stdout else []
         if self.stderr:
             parts.append(f"[stderr]\n{self.stderr}")
-        why = {"timeout": f"killed: wall-time limit of {limits.wall_seconds:g} s exceeded",
-               "cpu_limit": f"killed: CPU-time limit of {limits.cpu_seconds} s exceeded",
-               "memory_limit": f"killed: memory limit of {limits.memory_mb} MiB exceeded",
-               "output_limit": f"killed: output limit of {limits.max_file_bytes} bytes exceeded",
-               "disk_limit": f"disk quota of the working directory ({limits.max_disk_bytes} bytes, "
-                             f"{limits.max_files} files) filled",
-               "error": f"exit code {self.exit_code}", "killed": "killed by a signal the sandbox did not send",
-               "sandbox_error": "the sandbox failed to run the code"}
+        why = {
+            "timeout": f"killed: wall-time limit of {limits.wall_seconds:g} s exceeded",
+            "cpu_limit": f"killed: CPU-time limit of {limits.cpu_seconds} s exceeded",
+            "memory_limit": f"killed: memory limit of {limits.memory_mb} MiB exceeded",
+            "output_limit": f"killed: output limit of {limits.max_file_bytes} bytes exceeded",
+            "disk_limit": f"disk quota of the working directory ({limits.max_disk_bytes} bytes, "
+            f"{limits.max_files} files) filled",
+            "error": f"exit code {self.exit_code}",
+            "killed": "killed by a signal the sandbox did not send",
+            "sandbox_error": "the sandbox failed to run the code",
+        }
         if self.status in why:
             parts.append(f"[{why[self.status]}]")
         if self.truncated:
@@ -206,13 +218,18 @@ def isolation() -> Isolation:
     # Root inside a user namespace holds no capability over the host (no /proc/<caller>/mem, no
     # remount of host mounts, no setns); mapped to nobody, it owns no host file either. The runner
     # makes the namespaces (unshare(1) would exec it inside: its init's /proc files the code's).
-    candidate = Isolation(True, True, True, None, find_library("seccomp"), _NOBODY if root else None,
-                          tuple(_cgroup_roots()))
+    candidate = Isolation(
+        True, True, True, None, find_library("seccomp"), _NOBODY if root else None, tuple(_cgroup_roots())
+    )
     probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
     if probe.status == "ok" and probe.stdout == "ok\n":
         return candidate
-    warnings.warn(f"sandbox: the namespaced sandbox failed its probe ({probe.status}: "
-                  f"{probe.stderr.strip()[-600:]!r}); code runs in a plain process group", RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"sandbox: the namespaced sandbox failed its probe ({probe.status}: "
+        f"{probe.stderr.strip()[-600:]!r}); code runs in a plain process group",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return Isolation(False, False, False, _NOBODY if root else None)
 
 
@@ -228,8 +245,9 @@ def root_layout() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     needed = {sys.base_prefix, sys.prefix}
     dynload = Path(sysconfig.get_path("platstdlib")) / "lib-dynload"
     try:
-        out = subprocess.run(["ldd", sys.executable, *map(str, sorted(dynload.glob("*.so")))], capture_output=True,
-                             text=True, timeout=60).stdout
+        out = subprocess.run(
+            ["ldd", sys.executable, *map(str, sorted(dynload.glob("*.so")))], capture_output=True, text=True, timeout=60
+        ).stdout
         libraries = {part for line in out.splitlines() for part in line.split() if part.startswith("/")}
     except (OSError, subprocess.SubprocessError):
         libraries = set()
@@ -284,7 +302,7 @@ def _cgroup_roots() -> dict:
             continue
         if path is None or not path.startswith(mount_root):
             continue
-        directory = os.path.join(point, path[len(mount_root):].lstrip("/"))
+        directory = os.path.join(point, path[len(mount_root) :].lstrip("/"))
         for name in names:
             if name in roots:
                 continue
@@ -308,11 +326,16 @@ class _Cgroup:
         name = f"mrl-sandbox-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         memory = str(limits.memory_mb << 20)
         quota = int(limits.max_cpus * 100_000)
-        settings = {"memory": [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)],
-                    "pids": [("pids.max", str(limits.max_processes))],
-                    "cpu": [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", str(quota))]}
-        settings_v2 = {"memory": [("memory.max", memory), ("memory.swap.max", "0")],
-                       "pids": [("pids.max", str(limits.max_processes))], "cpu": [("cpu.max", f"{quota} 100000")]}
+        settings = {
+            "memory": [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)],
+            "pids": [("pids.max", str(limits.max_processes))],
+            "cpu": [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", str(quota))],
+        }
+        settings_v2 = {
+            "memory": [("memory.max", memory), ("memory.swap.max", "0")],
+            "pids": [("pids.max", str(limits.max_processes))],
+            "cpu": [("cpu.max", f"{quota} 100000")],
+        }
         try:
             for controller in controllers:
                 base, v2 = roots[controller]
@@ -407,7 +430,7 @@ def _drain(fds: list[int], limit: int, hard_limit: int, deadline: float) -> tupl
             if not chunk:
                 open_fds.discard(fd)
             elif len(streams[fd]) <= limit:
-                streams[fd] += chunk[:limit + 1 - len(streams[fd])]
+                streams[fd] += chunk[: limit + 1 - len(streams[fd])]
     return streams, None
 
 
@@ -415,8 +438,9 @@ def _text(data: bytearray, limit: int) -> tuple[str, bool]:
     return bytes(data[:limit]).decode("utf-8", errors="replace"), len(data) > limit
 
 
-def _status(exit_code: Optional[int], report: Optional[dict], oom_kills: int, limits: SandboxLimits,
-            cpu_used: float) -> str:
+def _status(
+    exit_code: Optional[int], report: Optional[dict], oom_kills: int, limits: SandboxLimits, cpu_used: float
+) -> str:
     """How the run ended, from what the kernel told the sandbox: the code's exit status or signal
     (from its init's ``report`` where there is one, else from this process's own wait), the CPU
     seconds it used, the cgroup's OOM kills and the tmpfs's fill (``report``)."""
@@ -437,8 +461,13 @@ def _status(exit_code: Optional[int], report: Optional[dict], oom_kills: int, li
     return "ok" if exit_code == 0 else "error"
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, refuse_sockets: Optional[bool] = None,
-               python_guards: bool = True) -> SandboxResult:
+def run_python(
+    code: str,
+    limits: SandboxLimits = SandboxLimits(),
+    *,
+    refuse_sockets: Optional[bool] = None,
+    python_guards: bool = True,
+) -> SandboxResult:
     """Run ``code`` in the sandbox (module docstring); never raises for what the code does.
 
     ``refuse_sockets``: the audit hook's socket refusal; default on unless a network namespace
@@ -467,23 +496,48 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
         cgroup = _Cgroup(iso.cgroup, limits) if iso.cgroup else None
         wait = iso.map_to is not None or cgroup is not None  # the runner waits for a byte on its stdin
         binds, links = root_layout() if iso.minimal_root else ((), ())
-        spec = {"workdir": workdir, "code_path": str(code_path), "cpu_seconds": limits.cpu_seconds,
-                "memory_bytes": limits.memory_mb << 20, "cpu_ids": _cpu_share(limits.max_cpus),
-                "file_bytes": limits.max_file_bytes,
-                "max_open_files": limits.max_open_files, "drop_uid": iso.drop_uid, "refuse_sockets": refuse,
-                "init": iso.pid_namespace, "python_guards": python_guards, "status_fd": status_write,
-                "unshare": iso.pid_namespace, "map_self": iso.map_to is None, "wait_for_caller": wait,
-                "seccomp": iso.seccomp,
-                "root": {"binds": binds, "links": links} if iso.minimal_root else None,
-                "cgroup_memory": cgroup is not None and "memory" in cgroup.dirs,
-                "disk_bytes": limits.max_disk_bytes, "max_files": limits.max_files,
-                "max_processes": limits.max_processes, "own_user_namespace": iso.pid_namespace}
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
-                                stdin=subprocess.PIPE if wait else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-                                start_new_session=True, pass_fds=() if status_write is None else (status_write,))
+        spec = {
+            "workdir": workdir,
+            "code_path": str(code_path),
+            "cpu_seconds": limits.cpu_seconds,
+            "memory_bytes": limits.memory_mb << 20,
+            "cpu_ids": _cpu_share(limits.max_cpus),
+            "file_bytes": limits.max_file_bytes,
+            "max_open_files": limits.max_open_files,
+            "drop_uid": iso.drop_uid,
+            "refuse_sockets": refuse,
+            "init": iso.pid_namespace,
+            "python_guards": python_guards,
+            "status_fd": status_write,
+            "unshare": iso.pid_namespace,
+            "map_self": iso.map_to is None,
+            "wait_for_caller": wait,
+            "seccomp": iso.seccomp,
+            "root": {"binds": binds, "links": links} if iso.minimal_root else None,
+            "cgroup_memory": cgroup is not None and "memory" in cgroup.dirs,
+            "disk_bytes": limits.max_disk_bytes,
+            "max_files": limits.max_files,
+            "max_processes": limits.max_processes,
+            "own_user_namespace": iso.pid_namespace,
+        }
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": workdir,
+            "TMPDIR": workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-u", RUNNER, json.dumps(spec)],
+            stdin=subprocess.PIPE if wait else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=env,
+            start_new_session=True,
+            pass_fds=() if status_write is None else (status_write,),
+        )
         if status_write is not None:
             os.close(status_write)
             status_write = None
@@ -508,8 +562,14 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
             try:
                 report = json.loads(bytes(streams[status_read]))
             except ValueError:  # the init died before reporting (it cannot be signalled from inside)
-                return SandboxResult("sandbox_error", stdout, f"the sandbox's init ended without a report\n{stderr}",
-                                     None, time.monotonic() - start, cut_out or cut_err)
+                return SandboxResult(
+                    "sandbox_error",
+                    stdout,
+                    f"the sandbox's init ended without a report\n{stderr}",
+                    None,
+                    time.monotonic() - start,
+                    cut_out or cut_err,
+                )
         exit_code = None if stopped else (proc.returncode if report is None else report["exit"])
         status = stopped or _status(exit_code, report, cgroup.oom_kills() if cgroup else 0, limits, cpu_used)
         return SandboxResult(status, stdout, stderr, exit_code, time.monotonic() - start, cut_out or cut_err)

@@ -31,15 +31,47 @@ import sys
 import time
 import traceback
 
-_BLOCKED = frozenset({
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-    "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle",
-    "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.call_function", "os.setuid", "os.setgid", "sys.setprofile"})
+_BLOCKED = frozenset(
+    {
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "subprocess.Popen",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.dlsym/handle",
+        "ctypes.cdata",
+        "ctypes.cdata/buffer",
+        "ctypes.call_function",
+        "os.setuid",
+        "os.setgid",
+        "sys.setprofile",
+    }
+)
 # event -> positions of the path arguments that a write touches
-_PATH_EVENTS = {"os.remove": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.rmdir": (0,), "os.symlink": (1,),
-                "os.link": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-                "shutil.rmtree": (0,), "shutil.copyfile": (1,), "shutil.copytree": (1,), "os.mkfifo": (0,),
-                "os.mknod": (0,)}
+_PATH_EVENTS = {
+    "os.remove": (0,),
+    "os.rename": (0, 1),
+    "os.mkdir": (0,),
+    "os.rmdir": (0,),
+    "os.symlink": (1,),
+    "os.link": (1,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.truncate": (0,),
+    "os.utime": (0,),
+    "shutil.rmtree": (0,),
+    "shutil.copyfile": (1,),
+    "shutil.copytree": (1,),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
+}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _WRITABLE_DEVICES = ("/dev/null",)
 
@@ -47,8 +79,11 @@ _WRITABLE_DEVICES = ("/dev/null",)
 def _unix_socket(event: str, args: tuple) -> bool:
     if event == "socket.__new__":
         return len(args) > 1 and args[1] == getattr(__import__("socket"), "AF_UNIX", 1)
-    return event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg") and len(args) > 1 \
+    return (
+        event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg")
+        and len(args) > 1
         and isinstance(args[1], (str, bytes))
+    )
 
 
 def _install_guard(workdir: str, refuse_sockets: bool) -> None:
@@ -76,7 +111,8 @@ def _install_guard(workdir: str, refuse_sockets: bool) -> None:
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None))[:3]
             writing = (isinstance(flags, int) and flags & _WRITE_FLAGS) or (
-                isinstance(mode, str) and any(c in mode for c in "wax+"))
+                isinstance(mode, str) and any(c in mode for c in "wax+")
+            )
             paths = (path,) if writing else ()
         elif event in _PATH_EVENTS:
             paths = tuple(args[i] for i in _PATH_EVENTS[event] if i < len(args))
@@ -86,8 +122,9 @@ def _install_guard(workdir: str, refuse_sockets: bool) -> None:
         try:
             for path in paths:
                 if path is not None and not inside(path):
-                    raise PermissionError(f"sandbox: writing {os.fsdecode(path)!r} outside the working directory "
-                                          "is not allowed")
+                    raise PermissionError(
+                        f"sandbox: writing {os.fsdecode(path)!r} outside the working directory is not allowed"
+                    )
         finally:
             busy.pop()
 
@@ -111,23 +148,67 @@ def _open_binds(binds) -> dict:
 _HOST_NAME_TEXT, _DOMAIN_NAME_TEXT = "sandbox\n", "(none)\n"
 # /proc files about the host (its load, memory, CPUs, uptime, devices, interrupts), replaced by
 # the sandbox's own: the code can neither fingerprint the host nor time the caller through them.
-_PROC_EMPTY = ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "diskstats", "partitions", "swaps",
-               "interrupts", "softirqs", "schedstat", "sched_debug", "timer_list", "keys", "key-users", "locks",
-               "latency_stats", "pressure/cpu", "pressure/memory", "pressure/io", "sys/kernel/random/boot_id",
-               # the host's boot line, kernel build and hardware; host-wide counts that move as the
-               # caller works (its open files, inodes, cgroups: one per sandbox run)
-               "cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "consoles", "misc", "mtrr",
-               "vmallocinfo", "cgroups", "sys/fs/file-nr", "sys/fs/inode-nr", "sys/fs/inode-state",
-               "sys/fs/dentry-state", "sys/fs/dentry-negative", "sys/fs/aio-nr", "sys/kernel/pty/nr")
+_PROC_EMPTY = (
+    "vmstat",
+    "zoneinfo",
+    "buddyinfo",
+    "pagetypeinfo",
+    "slabinfo",
+    "diskstats",
+    "partitions",
+    "swaps",
+    "interrupts",
+    "softirqs",
+    "schedstat",
+    "sched_debug",
+    "timer_list",
+    "keys",
+    "key-users",
+    "locks",
+    "latency_stats",
+    "pressure/cpu",
+    "pressure/memory",
+    "pressure/io",
+    "sys/kernel/random/boot_id",
+    # the host's boot line, kernel build and hardware; host-wide counts that move as the
+    # caller works (its open files, inodes, cgroups: one per sandbox run)
+    "cmdline",
+    "config.gz",
+    "kallsyms",
+    "iomem",
+    "ioports",
+    "devices",
+    "consoles",
+    "misc",
+    "mtrr",
+    "vmallocinfo",
+    "cgroups",
+    "sys/fs/file-nr",
+    "sys/fs/inode-nr",
+    "sys/fs/inode-state",
+    "sys/fs/dentry-state",
+    "sys/fs/dentry-negative",
+    "sys/fs/aio-nr",
+    "sys/kernel/pty/nr",
+)
 
 
 # /proc/sys (some 800 of the host's settings and counters: its memory through threads-max and
 # file-max, its load through aio-nr, pty/nr, dentry counts) is replaced by a read-only tree of
 # the few settings programs read (glibc: ngroups_max; malloc: overcommit_memory), the names the
 # UTS namespace gives, and the empty files of ``_PROC_EMPTY``.
-_PROC_SYS_KEPT = ("kernel/ngroups_max", "kernel/pid_max", "kernel/cap_last_cap", "kernel/osrelease",
-                  "kernel/ostype", "kernel/version", "vm/overcommit_memory", "vm/max_map_count", "fs/nr_open",
-                  "fs/pipe-max-size")
+_PROC_SYS_KEPT = (
+    "kernel/ngroups_max",
+    "kernel/pid_max",
+    "kernel/cap_last_cap",
+    "kernel/osrelease",
+    "kernel/ostype",
+    "kernel/version",
+    "vm/overcommit_memory",
+    "vm/max_map_count",
+    "fs/nr_open",
+    "fs/pipe-max-size",
+)
 _PROC_SYS_SET = {"kernel/hostname": _HOST_NAME_TEXT, "kernel/domainname": _DOMAIN_NAME_TEXT}
 
 
@@ -138,16 +219,41 @@ def _proc_masks(spec: dict) -> dict:
     descriptions of the host (``_PROC_EMPTY``)."""
     kib, cpus = spec["memory_bytes"] >> 10, len(spec["cpu_ids"])
     zeros = " 0" * 10
-    stat = "".join([f"cpu {zeros}\n", *(f"cpu{i}{zeros}\n" for i in range(cpus)), "intr 0\nctxt 0\nbtime 0\n"
-                    "processes 0\nprocs_running 1\nprocs_blocked 0\nsoftirq 0\n"])
-    meminfo = "".join(f"{name + ':':<16}{value:>8} kB\n" for name, value in (
-        ("MemTotal", kib), ("MemFree", kib), ("MemAvailable", kib), ("Buffers", 0), ("Cached", 0),
-        ("SwapCached", 0), ("SwapTotal", 0), ("SwapFree", 0), ("Shmem", 0)))
-    cpuinfo = "".join(f"processor\t: {i}\nvendor_id\t: sandbox\nmodel name\t: sandbox CPU\nphysical id\t: 0\n"
-                      f"core id\t\t: {i}\ncpu cores\t: {cpus}\n\n" for i in range(cpus))
+    stat = "".join(
+        [
+            f"cpu {zeros}\n",
+            *(f"cpu{i}{zeros}\n" for i in range(cpus)),
+            "intr 0\nctxt 0\nbtime 0\nprocesses 0\nprocs_running 1\nprocs_blocked 0\nsoftirq 0\n",
+        ]
+    )
+    meminfo = "".join(
+        f"{name + ':':<16}{value:>8} kB\n"
+        for name, value in (
+            ("MemTotal", kib),
+            ("MemFree", kib),
+            ("MemAvailable", kib),
+            ("Buffers", 0),
+            ("Cached", 0),
+            ("SwapCached", 0),
+            ("SwapTotal", 0),
+            ("SwapFree", 0),
+            ("Shmem", 0),
+        )
+    )
+    cpuinfo = "".join(
+        f"processor\t: {i}\nvendor_id\t: sandbox\nmodel name\t: sandbox CPU\nphysical id\t: 0\n"
+        f"core id\t\t: {i}\ncpu cores\t: {cpus}\n\n"
+        for i in range(cpus)
+    )
     uname = os.uname()  # the kernel's release and version are the host's for uname(2) too: no more than that
-    masks = {"stat": stat, "meminfo": meminfo, "cpuinfo": cpuinfo, "loadavg": "0.00 0.00 0.00 1/2 2\n",
-             "uptime": "0.00 0.00\n", "version": f"{uname.sysname} version {uname.release} {uname.version}\n"}
+    masks = {
+        "stat": stat,
+        "meminfo": meminfo,
+        "cpuinfo": cpuinfo,
+        "loadavg": "0.00 0.00 0.00 1/2 2\n",
+        "uptime": "0.00 0.00\n",
+        "version": f"{uname.sysname} version {uname.release} {uname.version}\n",
+    }
     masks.update(dict.fromkeys(_PROC_EMPTY, ""))
     return masks
 
@@ -170,8 +276,9 @@ def _minimal_root(spec: dict, handles: dict, devices: dict) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
-    def readonly(target: str, recursive: bool,
-                 attrs: int = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV) -> None:
+    def readonly(
+        target: str, recursive: bool, attrs: int = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
+    ) -> None:
         attr = (ctypes.c_uint64 * 4)(attrs, 0, 0, 0)  # struct mount_attr: attr_set, attr_clr, propagation, userns
         if libc.syscall(_SYS_MOUNT_SETATTR, -100, target.encode(), _AT_RECURSIVE if recursive else 0, attr, 32) == 0:
             return
@@ -207,8 +314,9 @@ def _minimal_root(spec: dict, handles: dict, devices: dict) -> None:
     staging = root + "/.proc-masks"  # a tmpfs of the sandbox's own /proc files, gone once bound
     os.makedirs(staging)
     mount(b"tmpfs", staging, b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=256k,nr_inodes=256,mode=0755")
-    masks = {name: text for name, text in _proc_masks(spec).items()
-             if os.path.exists(f"{root}/proc/{name}")}  # e.g. no /proc/pressure without PSI
+    masks = {
+        name: text for name, text in _proc_masks(spec).items() if os.path.exists(f"{root}/proc/{name}")
+    }  # e.g. no /proc/pressure without PSI
     for name in _PROC_SYS_KEPT:  # the few settings programs read, copied; /proc/sys holds nothing else
         if os.path.exists(f"{root}/proc/sys/{name}"):
             with open(f"{root}/proc/sys/{name}") as f:
@@ -234,8 +342,12 @@ def _minimal_root(spec: dict, handles: dict, devices: dict) -> None:
         source = f"/proc/self/fd/{devices[name]}" if name in devices else f"/dev/{name}"
         mount(source.encode(), f"{root}/dev/{name}", None, _MS_BIND)
         readonly(f"{root}/dev/{name}", False, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{root}/dev/{name}")
     readonly(root + "/dev", False)  # no new node in /dev; null stays writable
     os.makedirs(root + workdir)
@@ -296,8 +408,11 @@ def _device_nodes(workdir: str) -> None:
     import stat
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
-            libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=4k,nr_inodes=8,mode=0755"):
+    if (
+        libc.unshare(_CLONE_NEWNS) != 0
+        or libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0
+        or libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=4k,nr_inodes=8,mode=0755")
+    ):
         raise OSError(ctypes.get_errno(), "a mount namespace and tmpfs for the device nodes")
     for name, (major, minor) in _DEVICES.items():
         os.mknod(f"{workdir}/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
@@ -368,8 +483,10 @@ def _new_time_namespace() -> None:
         if ctypes.get_errno() == _EINVAL:
             return
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME)")
-    offsets = [f"{name} {1 - int(time.clock_gettime(clock))} 0"  # the kernel keeps the clocks >= 0
-               for name, clock in (("monotonic", time.CLOCK_MONOTONIC), ("boottime", time.CLOCK_BOOTTIME))]
+    offsets = [
+        f"{name} {1 - int(time.clock_gettime(clock))} 0"  # the kernel keeps the clocks >= 0
+        for name, clock in (("monotonic", time.CLOCK_MONOTONIC), ("boottime", time.CLOCK_BOOTTIME))
+    ]
     dumpable = libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0)  # 0 after a uid change: /proc/self is then host root's
     libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
     try:
@@ -428,12 +545,49 @@ def _new_session_keyring() -> None:
 
 
 _DENIED_SYSCALLS = (
-    "ptrace", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "process_vm_readv",
-    "process_vm_writev", "mknod", "mknodat", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "personality",
-    "open_by_handle_at", "name_to_handle_at", "io_uring_setup", "userfaultfd", "swapon", "swapoff", "reboot",
-    "acct", "quotactl", "fsopen", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
-    "fork", "vfork", "execve", "execveat", "sched_setaffinity")
+    "ptrace",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "process_vm_readv",
+    "process_vm_writev",
+    "mknod",
+    "mknodat",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "personality",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "io_uring_setup",
+    "userfaultfd",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "acct",
+    "quotactl",
+    "fsopen",
+    "fsmount",
+    "fspick",
+    "move_mount",
+    "open_tree",
+    "mount_setattr",
+    "fork",
+    "vfork",
+    "execve",
+    "execveat",
+    "sched_setaffinity",
+)
 _SCMP_ACT_ALLOW, _SCMP_ACT_ERRNO_EPERM, _SCMP_ACT_ERRNO_ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
 _SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
 _AF_UNIX, _CLONE_THREAD, _FS_IOC_SETFLAGS = 1, 0x10000, 0x40086602
@@ -450,13 +604,22 @@ def _seccomp(lib) -> None:
     import ctypes
 
     class ArgCmp(ctypes.Structure):
-        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
-                    ("datum_b", ctypes.c_uint64)]
+        _fields_ = [
+            ("arg", ctypes.c_uint),
+            ("op", ctypes.c_int),
+            ("datum_a", ctypes.c_uint64),
+            ("datum_b", ctypes.c_uint64),
+        ]
 
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
-                                           ctypes.POINTER(ArgCmp)]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(ArgCmp),
+    ]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
     if not ctx:

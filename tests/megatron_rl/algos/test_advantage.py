@@ -17,8 +17,19 @@ from megatron_rl.config import AlgoConfig
 from tests.numerics import assert_close_within, group_advantage_bound, rounding_bound
 
 VERL_NAMES = {
-    "gae", "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "gdpo", "optimal_token_baseline",
+    "gae",
+    "grpo",
+    "grpo_vectorized",
+    "grpo_passk",
+    "rloo",
+    "rloo_vectorized",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "gpg",
+    "gdpo",
+    "optimal_token_baseline",
     "tir_optimal_token_baseline",
 }
 GROUP_ESTIMATORS = sorted(VERL_NAMES - {"gae", "reinforce_plus_plus", "remax"})
@@ -33,7 +44,9 @@ def outcome(scores, lengths, width=None):
     width = width or max(max(lengths), 1)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).float()
     rewards = torch.zeros(len(scores), width)
-    rewards[torch.arange(len(scores)), (torch.tensor(lengths) - 1).clamp_min(0)] = torch.tensor(scores, dtype=torch.float32)
+    rewards[torch.arange(len(scores)), (torch.tensor(lengths) - 1).clamp_min(0)] = torch.tensor(
+        scores, dtype=torch.float32
+    )
     return rewards, mask
 
 
@@ -78,10 +91,14 @@ def test_grpo_and_dr_grpo_hand_computed():
     r, mask = outcome([1.0, 0.0, 2.0, 0.0, 1.0], [2, 1, 3, 2, 1], width=3)
     index = np.array(["a", "a", "b", "a", "a"], dtype=object)
     adv, ret = est("grpo", token_level_rewards=r, response_mask=mask, index=index)
-    scal = torch.tensor([0.5, -0.5, 2.0, -0.5, 0.5]) / torch.tensor([math.sqrt(1 / 3) + 1e-6] * 2 + [1 + 1e-6] + [math.sqrt(1 / 3) + 1e-6] * 2)
+    scal = torch.tensor([0.5, -0.5, 2.0, -0.5, 0.5]) / torch.tensor(
+        [math.sqrt(1 / 3) + 1e-6] * 2 + [1 + 1e-6] + [math.sqrt(1 / 3) + 1e-6] * 2
+    )
     torch.testing.assert_close(adv, scal[:, None] * mask)
     assert adv is ret
-    dr, _ = est("grpo_vectorized", token_level_rewards=r, response_mask=mask, index=index, norm_adv_by_std_in_grpo=False)
+    dr, _ = est(
+        "grpo_vectorized", token_level_rewards=r, response_mask=mask, index=index, norm_adv_by_std_in_grpo=False
+    )
     torch.testing.assert_close(dr, torch.tensor([0.5, -0.5, 2.0, -0.5, 0.5])[:, None] * mask)
 
 
@@ -90,8 +107,13 @@ def test_grpo_passk_hand_computed(norm, gap):
     # group [1, 3, 2]: only the best (index 1) gets r_max - r_second = 1, over std([1, 3, 2]) = 1
     r, mask = outcome([1.0, 3.0, 2.0, 5.0, 5.0], [1, 2, 1, 1, 1], width=2)
     index = [0, 0, 0, 1, 1]  # group 1 is a tie: gap 0
-    adv, _ = est("grpo_passk", token_level_rewards=r, response_mask=mask, index=index,
-                 config=OmegaConf.create({"norm_adv_by_std_in_grpo": norm}))
+    adv, _ = est(
+        "grpo_passk",
+        token_level_rewards=r,
+        response_mask=mask,
+        index=index,
+        config=OmegaConf.create({"norm_adv_by_std_in_grpo": norm}),
+    )
     torch.testing.assert_close(adv, torch.tensor([0.0, gap, 0.0, 0.0, 0.0])[:, None] * mask)
 
 
@@ -148,18 +170,28 @@ def test_gpg_hand_computed():
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.5, -0.5, -1.5, 1.5]))
 
 
-@pytest.mark.parametrize("config", [
-    OmegaConf.create({"gdpo_reward_keys": ["fmt", "acc"], "gdpo_reward_weights": [1.0, 0.5]}),
-    AlgoConfig(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=[1.0, 0.5]),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        OmegaConf.create({"gdpo_reward_keys": ["fmt", "acc"], "gdpo_reward_weights": [1.0, 0.5]}),
+        AlgoConfig(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=[1.0, 0.5]),
+    ],
+)
 def test_gdpo_hand_computed_two_components(config):
     # groups (0,1), (2,3). fmt [1,0 | 1,1] -> [+s, -s | 0, 0]; acc [0,0 | 1,0] -> [0, 0 | +s, -s]
     # with s = .5 / sqrt(.5) = 1/sqrt(2). Weighted: [s, -s, s/2, -s/2]; whitening: mean 0,
     # unbiased var (2 * .5 + 2 * .125) / 3 = 5/12.
     r, mask = outcome([0.0, 0.0, 0.0, 0.0], [1, 1, 1, 1])
     ntb = {"fmt": np.array([1.0, 0.0, 1.0, 1.0]), "acc": [0.0, 0.0, 1.0, 0.0]}  # arrays or lists
-    adv, ret = est("gdpo", token_level_rewards=r, response_mask=mask, index=[0, 0, 1, 1], config=config,
-                   non_tensor_batch=ntb, batch={})
+    adv, ret = est(
+        "gdpo",
+        token_level_rewards=r,
+        response_mask=mask,
+        index=[0, 0, 1, 1],
+        config=config,
+        non_tensor_batch=ntb,
+        batch={},
+    )
     s = 1 / math.sqrt(2)
     expected = torch.tensor([s, -s, s / 2, -s / 2]) / math.sqrt(5 / 12)
     torch.testing.assert_close(adv[:, 0], expected, atol=1e-5, rtol=0)
@@ -171,8 +203,9 @@ def test_optimal_token_baseline_hand_computed():
     # B_0 = (1*.5 + 3*.5) / 1 = 2, B_1 = (1 + 3) / 2 = 2. Row 2 is alone: advantage = return.
     r = torch.tensor([[0.0, 1.0], [0.0, 3.0], [2.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
-    adv, ret = est("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0, 1],
-                   **otb_kwargs((3, 2)))
+    adv, ret = est(
+        "optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0, 1], **otb_kwargs((3, 2))
+    )
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [3.0, 3.0], [2.0, 0.0]]))
     torch.testing.assert_close(adv, torch.tensor([[-1.0, -1.0], [1.0, 1.0], [2.0, 0.0]]))
 
@@ -183,8 +216,14 @@ def test_optimal_token_baseline_zero_tail(zero_tail, last):
     # The unique longest row gets no baseline from the second-longest length (1) on.
     r = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    adv, _ = est("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
-                 handle_zero_tail=zero_tail, **otb_kwargs((2, 2)))
+    adv, _ = est(
+        "optimal_token_baseline",
+        token_level_rewards=r,
+        response_mask=mask,
+        index=[0, 0],
+        handle_zero_tail=zero_tail,
+        **otb_kwargs((2, 2)),
+    )
     torch.testing.assert_close(adv, torch.tensor([[-1.0, 0.0], [1.0, last]]))
 
 
@@ -232,12 +271,17 @@ def test_identical_rewards_in_a_group_give_exactly_zero(values, size):
 def test_group_baselines_match_their_definitions(rows):
     r, mask, index, scores, groups = _batch(rows)
     members = {g: [i for i, h in enumerate(groups) if h == g] for g in set(groups)}
-    mean = torch.tensor([float(np.mean([scores[j] for j in members[g]])) if len(members[g]) > 1 else 0.0
-                         for g in groups])
+    mean = torch.tensor(
+        [float(np.mean([scores[j] for j in members[g]])) if len(members[g]) > 1 else 0.0 for g in groups]
+    )
     dr, _ = est("grpo", token_level_rewards=r, response_mask=mask, index=index, norm_adv_by_std_in_grpo=False)
     torch.testing.assert_close(dr, (scores - mean)[:, None] * mask, atol=1e-5, rtol=0)  # Dr.GRPO: mean-centred
-    loo = torch.tensor([scores[i] - float(np.mean([scores[j] for j in members[g] if j != i]))
-                        if len(members[g]) > 1 else scores[i] for i, g in enumerate(groups)])
+    loo = torch.tensor(
+        [
+            scores[i] - float(np.mean([scores[j] for j in members[g] if j != i])) if len(members[g]) > 1 else scores[i]
+            for i, g in enumerate(groups)
+        ]
+    )
     adv, _ = est("rloo", token_level_rewards=r, response_mask=mask, index=index)
     torch.testing.assert_close(adv, loo[:, None] * mask, atol=1e-5, rtol=0)  # leave-one-out mean
     single = torch.tensor([len(members[g]) == 1 for g in groups])
@@ -259,7 +303,9 @@ def test_grpo_groups_have_zero_mean_unit_std(rows):
         if a.numel() == 1:
             # verl: mean 0, std 1; float32 s / (1 + 1e-6) against float64: two roundings of values up to |s|,
             # each at least the subnormal spacing 2^-149 (hypothesis finds scores of 1e-43)
-            assert a.item() == pytest.approx(s.item() / (1 + 1e-6), abs=rounding_bound(2, abs(s.item())) + 2 * 2.0**-149)
+            assert a.item() == pytest.approx(
+                s.item() / (1 + 1e-6), abs=rounding_bound(2, abs(s.item())) + 2 * 2.0**-149
+            )
         elif s.std() > 1e-3:  # std of (s - mean) / (std + eps): 1 up to the epsilon
             expected = (s.std() / (s.std() + 1e-6)).item()
             assert abs(a.mean().item()) < 1e-5 and a.std().item() == pytest.approx(expected, abs=1e-4)
@@ -271,8 +317,13 @@ def test_passk_only_the_best_gets_the_gap(rows):
     r, mask, index, scores, groups = _batch(rows)
     if min(groups.count(g) for g in groups) < 2:
         return
-    adv, _ = est("grpo_passk", token_level_rewards=r, response_mask=torch.ones_like(mask), index=index,
-                 norm_adv_by_std_in_grpo=False)
+    adv, _ = est(
+        "grpo_passk",
+        token_level_rewards=r,
+        response_mask=torch.ones_like(mask),
+        index=index,
+        norm_adv_by_std_in_grpo=False,
+    )
     for g in set(groups):
         idx = [i for i, h in enumerate(groups) if h == g]
         top = sorted(scores[idx].tolist(), reverse=True)
@@ -301,8 +352,9 @@ def test_reward_to_go_properties(batch, width, gamma, seed):
     torch.testing.assert_close(ret, expected, atol=1e-5, rtol=1e-5)
     if mask.sum() > 1:
         valid = ret[mask.bool()]
-        torch.testing.assert_close(adv[mask.bool()], (valid - valid.mean()) / (valid.var() + 1e-8).sqrt(),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            adv[mask.bool()], (valid - valid.mean()) / (valid.var() + 1e-8).sqrt(), atol=1e-4, rtol=1e-4
+        )
     # GAE with gamma = lam = 1 and zero values: the raw advantage (= returns) is the reward-to-go
     values = torch.zeros(batch, width)
     _, gae_ret = est("gae", token_level_rewards=r, values=values, response_mask=mask, gamma=1.0, lam=1.0)
@@ -313,8 +365,9 @@ def test_reward_to_go_properties(batch, width, gamma, seed):
     gae_adv, gae_ret = est("gae", token_level_rewards=r, values=values, response_mask=mask, gamma=gamma, lam=0.9)
     if mask.sum() > 1:
         raw = (gae_ret - values)[mask.bool()]
-        torch.testing.assert_close(gae_adv[mask.bool()], (raw - raw.mean()) / (raw.var() + 1e-8).sqrt(),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            gae_adv[mask.bool()], (raw - raw.mean()) / (raw.var() + 1e-8).sqrt(), atol=1e-4, rtol=1e-4
+        )
     assert torch.all(gae_adv[~mask.bool()] == 0)
     # ReMax subtracts the baseline from the undiscounted reward-to-go on valid tokens
     b = torch.randn(batch, generator=g)
@@ -358,8 +411,13 @@ def test_optimal_token_baseline_properties(rows, seed):
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).float()
     r = torch.randn(len(rows), width, generator=g) * mask
     pi = torch.rand(len(rows), width, generator=g)
-    kw = dict(token_level_rewards=r, response_mask=mask, index=list(groups), old_log_probs=pi.log(),
-              sum_pi_squared=pi ** 2 + torch.rand(len(rows), width, generator=g) * (1 - pi) ** 2)
+    kw = dict(
+        token_level_rewards=r,
+        response_mask=mask,
+        index=list(groups),
+        old_log_probs=pi.log(),
+        sum_pi_squared=pi**2 + torch.rand(len(rows), width, generator=g) * (1 - pi) ** 2,
+    )
     adv, ret = est("optimal_token_baseline", handle_zero_tail=False, **kw)
     # B_t is the W-weighted mean of G_t, so sum_i W_it (G_it - B_t) = 0 per group and step
     w_cum = ((1 - 2 * pi + kw["sum_pi_squared"]) * mask).cumsum(-1) * mask
@@ -379,9 +437,19 @@ def test_optimal_token_baseline_properties(rows, seed):
 
 
 def _kwargs_for(name, r, mask, index):
-    kw = dict(token_level_rewards=r, response_mask=mask, index=index, values=torch.zeros_like(r),
-              reward_baselines=torch.zeros(r.shape[0]), config=AlgoConfig(), gamma=1.0, lam=1.0, epsilon=1e-6,
-              norm_adv_by_std_in_grpo=True, **otb_kwargs(tuple(r.shape)))
+    kw = dict(
+        token_level_rewards=r,
+        response_mask=mask,
+        index=index,
+        values=torch.zeros_like(r),
+        reward_baselines=torch.zeros(r.shape[0]),
+        config=AlgoConfig(),
+        gamma=1.0,
+        lam=1.0,
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=True,
+        **otb_kwargs(tuple(r.shape)),
+    )
     return kw
 
 
@@ -409,9 +477,13 @@ def test_shape_mismatch_names_the_tensors(name):
 
 def test_extra_tensor_shape_mismatch_and_non_2d():
     r = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"^shape mismatch: token_level_rewards\[2, 3\], response_mask\[2, 3\], values\[2, 2\]$"):
+    with pytest.raises(
+        ValueError, match=r"^shape mismatch: token_level_rewards\[2, 3\], response_mask\[2, 3\], values\[2, 2\]$"
+    ):
         est("gae", token_level_rewards=r, values=torch.zeros(2, 2), response_mask=torch.ones(2, 3))
-    with pytest.raises(ValueError, match=r"^grpo: token_level_rewards must be a 2-D tensor \[batch, response_length\], got \[3\]$"):
+    with pytest.raises(
+        ValueError, match=r"^grpo: token_level_rewards must be a 2-D tensor \[batch, response_length\], got \[3\]$"
+    ):
         est("grpo", token_level_rewards=torch.zeros(3), response_mask=torch.ones(3), index=[0, 0, 0])
     with pytest.raises(ValueError, match=r"^remax: reward_baselines must have shape \[2\], got \[3\]$"):
         est("remax", token_level_rewards=r, reward_baselines=torch.zeros(3), response_mask=torch.ones(2, 3))
@@ -427,7 +499,9 @@ def test_non_finite_rewards_name_the_samples(name):
 
 def test_reward_sum_overflow_is_reported():
     r = torch.tensor([[3e38, 3e38], [1.0, 0.0]])
-    with pytest.raises(ValueError, match=r"^token_level_rewards rows sum to inf \(float overflow\) in samples \[0\]; rescale them$"):
+    with pytest.raises(
+        ValueError, match=r"^token_level_rewards rows sum to inf \(float overflow\) in samples \[0\]; rescale them$"
+    ):
         est("grpo", token_level_rewards=r, response_mask=torch.ones(2, 2), index=[0, 0])
 
 
@@ -436,19 +510,28 @@ def test_group_estimators_require_index(name):
     r, mask = outcome([1.0, 2.0], [1, 1])
     kw = _kwargs_for(name, r, mask, None)
     name = "grpo" if name == "grpo_vectorized" else name  # one function serves both names
-    with pytest.raises(ValueError, match=rf"^{name}: index is required \(the prompt uid of each sample, e.g. "
-                                         r"non_tensor_batch\['uid'\]\); got None$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name}: index is required \(the prompt uid of each sample, e.g. "
+        r"non_tensor_batch\['uid'\]\); got None$",
+    ):
         est(name, **kw)
     kw["index"] = [0, 0, 0]
-    with pytest.raises(ValueError, match=rf"^{name}: index has 3 labels but token_level_rewards has 2 samples; "
-                                         r"pass one uid per sample$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name}: index has 3 labels but token_level_rewards has 2 samples; "
+        r"pass one uid per sample$",
+    ):
         est(name, **kw)
 
 
 def test_passk_rejects_a_one_sample_group_by_label():
     r, mask = outcome([1.0, 2.0, 3.0], [1, 1, 1])
-    with pytest.raises(ValueError, match=r"^grpo_passk: Pass@k requires at least 2 samples per group. "
-                                         r"Got 1 for group 'lonely'.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^grpo_passk: Pass@k requires at least 2 samples per group. "
+        r"Got 1 for group 'lonely'.$",
+    ):
         est("grpo_passk", token_level_rewards=r, response_mask=mask, index=np.array(["p", "lonely", "p"], dtype=object))
 
 
@@ -456,7 +539,9 @@ def test_missing_required_inputs():
     r, mask = outcome([1.0, 2.0], [1, 1])
     with pytest.raises(ValueError, match=r"^gae: values \(critic values \[batch, response_length\]\) are required$"):
         est("gae", token_level_rewards=r, response_mask=mask)
-    with pytest.raises(ValueError, match=r"^remax: reward_baselines \(the greedy response's reward, shape \[batch\]\) are required$"):
+    with pytest.raises(
+        ValueError, match=r"^remax: reward_baselines \(the greedy response's reward, shape \[batch\]\) are required$"
+    ):
         est("remax", token_level_rewards=r, response_mask=mask)
     for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         with pytest.raises(ValueError, match=rf"^{name}: sum_pi_squared \[batch, response_length\] is required"):
@@ -475,25 +560,54 @@ def test_gdpo_config_errors():
     ntb = {"acc": np.array([1.0, 0.0])}
     with pytest.raises(ValueError, match=r"^gdpo: algorithm.gdpo_reward_keys must list the reward components"):
         est("gdpo", token_level_rewards=r, response_mask=mask, index=[0, 0], config=AlgoConfig(), non_tensor_batch=ntb)
-    with pytest.raises(ValueError, match=r"^gdpo: reward key 'fmt' not found in non_tensor_batch; available keys: \['acc'\]$"):
-        est("gdpo", token_level_rewards=r, response_mask=mask, index=[0, 0], non_tensor_batch=ntb,
-            config=OmegaConf.create({"gdpo_reward_keys": ["fmt"]}))
-    with pytest.raises(ValueError, match=r"^gdpo: algorithm.gdpo_reward_weights has 2 entries but gdpo_reward_keys has 1"):
-        est("gdpo", token_level_rewards=r, response_mask=mask, index=[0, 0], non_tensor_batch=ntb,
-            config=OmegaConf.create({"gdpo_reward_keys": ["acc"], "gdpo_reward_weights": [1.0, 2.0]}))
+    with pytest.raises(
+        ValueError, match=r"^gdpo: reward key 'fmt' not found in non_tensor_batch; available keys: \['acc'\]$"
+    ):
+        est(
+            "gdpo",
+            token_level_rewards=r,
+            response_mask=mask,
+            index=[0, 0],
+            non_tensor_batch=ntb,
+            config=OmegaConf.create({"gdpo_reward_keys": ["fmt"]}),
+        )
+    with pytest.raises(
+        ValueError, match=r"^gdpo: algorithm.gdpo_reward_weights has 2 entries but gdpo_reward_keys has 1"
+    ):
+        est(
+            "gdpo",
+            token_level_rewards=r,
+            response_mask=mask,
+            index=[0, 0],
+            non_tensor_batch=ntb,
+            config=OmegaConf.create({"gdpo_reward_keys": ["acc"], "gdpo_reward_weights": [1.0, 2.0]}),
+        )
     with pytest.raises(ValueError, match=r"^gdpo: non_tensor_batch\['acc'\] must have shape \[2\], got \[3\]$"):
-        est("gdpo", token_level_rewards=r, response_mask=mask, index=[0, 0],
-            non_tensor_batch={"acc": [1.0, 0.0, 1.0]}, config=OmegaConf.create({"gdpo_reward_keys": ["acc"]}))
+        est(
+            "gdpo",
+            token_level_rewards=r,
+            response_mask=mask,
+            index=[0, 0],
+            non_tensor_batch={"acc": [1.0, 0.0, 1.0]},
+            config=OmegaConf.create({"gdpo_reward_keys": ["acc"]}),
+        )
     with pytest.raises(ValueError, match=r"^non_tensor_batch\['acc'\] has non-finite values in samples \[1\]$"):
-        est("gdpo", token_level_rewards=r, response_mask=mask, index=[0, 0],
-            non_tensor_batch={"acc": np.array([1.0, np.nan])}, config=OmegaConf.create({"gdpo_reward_keys": ["acc"]}))
+        est(
+            "gdpo",
+            token_level_rewards=r,
+            response_mask=mask,
+            index=[0, 0],
+            non_tensor_batch={"acc": np.array([1.0, np.nan])},
+            config=OmegaConf.create({"gdpo_reward_keys": ["acc"]}),
+        )
 
 
 # ----------------------------------------------------------------------------- configs and mask dtypes
 
 
-@pytest.mark.parametrize("make", [lambda **kw: OmegaConf.create(kw), lambda **kw: AlgoConfig(**kw)],
-                         ids=["DictConfig", "AlgoConfig"])
+@pytest.mark.parametrize(
+    "make", [lambda **kw: OmegaConf.create(kw), lambda **kw: AlgoConfig(**kw)], ids=["DictConfig", "AlgoConfig"]
+)
 def test_settings_come_from_either_config_form(make):
     r = torch.tensor([[1.0, 0.0, 2.0], [0.0, 1.0, 3.0]])
     mask = torch.ones(2, 3)
@@ -505,11 +619,17 @@ def test_settings_come_from_either_config_form(make):
     _, gae_ret = est("gae", token_level_rewards=r, values=v, response_mask=mask, config=make(gamma=0.5, lam=1.0))
     torch.testing.assert_close(gae_ret[0], torch.tensor([1.5, 1.0, 2.0]))
     scores, m = outcome([1.0, 3.0], [1, 1])
-    dr, _ = est("grpo", token_level_rewards=scores, response_mask=m, index=[0, 0],
-                config=make(norm_adv_by_std_in_grpo=False))
+    dr, _ = est(
+        "grpo", token_level_rewards=scores, response_mask=m, index=[0, 0], config=make(norm_adv_by_std_in_grpo=False)
+    )
     torch.testing.assert_close(dr[:, 0], torch.tensor([-1.0, 1.0]))
-    passk, _ = est("grpo_passk", token_level_rewards=scores, response_mask=m, index=[0, 0],
-                   config=make(norm_adv_by_std_in_grpo=False))
+    passk, _ = est(
+        "grpo_passk",
+        token_level_rewards=scores,
+        response_mask=m,
+        index=[0, 0],
+        config=make(norm_adv_by_std_in_grpo=False),
+    )
     torch.testing.assert_close(passk[:, 0], torch.tensor([0.0, 2.0]))
 
 
@@ -525,9 +645,15 @@ def test_bool_int_and_float_masks_agree(name):
         torch.testing.assert_close(out[1], ref[1])
 
 
-@pytest.mark.parametrize("rewards_dtype, mask_dtype, expected", [
-    (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float64, torch.float64),
-    (torch.float32, torch.bool, torch.float32), (torch.float64, torch.int64, torch.float64)])
+@pytest.mark.parametrize(
+    "rewards_dtype, mask_dtype, expected",
+    [
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.float64, torch.float64),
+        (torch.float32, torch.bool, torch.float32),
+        (torch.float64, torch.int64, torch.float64),
+    ],
+)
 def test_grpo_output_dtype_is_verls_promotion(rewards_dtype, mask_dtype, expected):
     # verl returns scores.unsqueeze(-1) * response_mask: the mask's dtype takes part in the promotion.
     # Scores 1, 3, 2 in one group: mean 2, std 1 -> -1/(1+eps), 1/(1+eps), 0; row 1 has one valid token.
@@ -550,21 +676,25 @@ def _first_appearance_ids(labels):
     return [mapping.setdefault(label, len(mapping)) for label in labels], len(mapping)
 
 
-@pytest.mark.parametrize("index, expected_ids, expected_groups", [
-    # a label recurring in a later run keeps its first id
-    (np.array(["b", "b", "a", "b", "c", "c", "a"], dtype=object), [0, 0, 1, 0, 2, 2, 1], 3),
-    (["b", "b", "a", "b"], [0, 0, 1, 0], 2),
-    (("x", "y", "x"), [0, 1, 0], 2),
-    (np.array(["u", "u", "v"]), [0, 0, 1], 2),  # numpy unicode dtype
-    (np.array([7, 7, 3, 3, 7]), [0, 0, 1, 1, 0], 2),
-    (np.array([1, 1.0, True, 2], dtype=object), [0, 0, 0, 1], 2),  # equal as Python objects, like dict keys
-    (np.array([1.0, np.nan, np.nan, 1.0]), [0, 1, 2, 0], 3),  # every NaN float is its own label, as in a dict
-    (torch.tensor([5, 5, 2, 5]), [1, 1, 0, 1], 2),  # tensors: sorted label order
-    (np.array(["only"], dtype=object), [0], 1),
-    (np.array([], dtype=object), [], 0),
-])
+@pytest.mark.parametrize(
+    "index, expected_ids, expected_groups",
+    [
+        # a label recurring in a later run keeps its first id
+        (np.array(["b", "b", "a", "b", "c", "c", "a"], dtype=object), [0, 0, 1, 0, 2, 2, 1], 3),
+        (["b", "b", "a", "b"], [0, 0, 1, 0], 2),
+        (("x", "y", "x"), [0, 1, 0], 2),
+        (np.array(["u", "u", "v"]), [0, 0, 1], 2),  # numpy unicode dtype
+        (np.array([7, 7, 3, 3, 7]), [0, 0, 1, 1, 0], 2),
+        (np.array([1, 1.0, True, 2], dtype=object), [0, 0, 0, 1], 2),  # equal as Python objects, like dict keys
+        (np.array([1.0, np.nan, np.nan, 1.0]), [0, 1, 2, 0], 3),  # every NaN float is its own label, as in a dict
+        (torch.tensor([5, 5, 2, 5]), [1, 1, 0, 1], 2),  # tensors: sorted label order
+        (np.array(["only"], dtype=object), [0], 1),
+        (np.array([], dtype=object), [], 0),
+    ],
+)
 def test_group_ids_hand_cases(index, expected_ids, expected_groups):
     from megatron_rl.algos.utils import group_ids
+
     ids, num_groups = group_ids(index)
     assert ids.dtype == torch.long and ids.tolist() == expected_ids and num_groups == expected_groups
 
@@ -573,6 +703,7 @@ def test_group_ids_hand_cases(index, expected_ids, expected_groups):
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.booleans(), st.booleans())
 def test_group_ids_equal_a_first_appearance_dict(labels, sort, as_strings):
     from megatron_rl.algos.utils import group_ids
+
     labels = sorted(labels) if sort else labels
     values = [f"uid-{x}" for x in labels] if as_strings else labels
     expected = _first_appearance_ids(values)
@@ -594,8 +725,13 @@ def test_grpo_contiguous_groups_match_any_other_layout(norm, group_size):
     index = np.repeat(np.array([f"p{g}" for g in range(num_groups)], dtype=object), group_size)
     perm = torch.randperm(len(index), generator=gen)
     contiguous, _ = est("grpo", token_level_rewards=r, response_mask=mask, index=index, norm_adv_by_std_in_grpo=norm)
-    shuffled, _ = est("grpo", token_level_rewards=r[perm], response_mask=mask[perm], index=index[perm.numpy()],
-                      norm_adv_by_std_in_grpo=norm)
+    shuffled, _ = est(
+        "grpo",
+        token_level_rewards=r[perm],
+        response_mask=mask[perm],
+        index=index[perm.numpy()],
+        norm_adv_by_std_in_grpo=norm,
+    )
     assert shuffled.dtype == contiguous.dtype
     bound = group_advantage_bound(list(r.double().sum(-1).view(-1, group_size)), width, norm)
     assert_close_within(shuffled, contiguous[perm], bound, "shuffled vs contiguous")

@@ -25,7 +25,12 @@ def test_overlong_penalty_hand_computed():
 
 
 @settings(max_examples=80, deadline=None, database=None)
-@given(st.integers(1, 512), st.integers(1, 512), st.floats(0.0, 5.0), st.lists(st.integers(0, 1024), min_size=1, max_size=20))
+@given(
+    st.integers(1, 512),
+    st.integers(1, 512),
+    st.floats(0.0, 5.0),
+    st.lists(st.integers(0, 1024), min_size=1, max_size=20),
+)
 def test_overlong_penalty_is_zero_then_linear(max_len, buffer, factor, lengths):
     if buffer > max_len:
         max_len, buffer = buffer, max_len
@@ -37,7 +42,9 @@ def test_overlong_penalty_is_zero_then_linear(max_len, buffer, factor, lengths):
         else:
             # float32 rounds the division, the factor and the product (relative); a factor below float32's
             # subnormal range leaves (length - start) / buffer <= 2^10 times 2^-149
-            assert value == pytest.approx(-(length - start) / buffer * factor, rel=rounding_bound(3, 1.0), abs=2.0**-139)
+            assert value == pytest.approx(
+                -(length - start) / buffer * factor, rel=rounding_bound(3, 1.0), abs=2.0**-139
+            )
     at_max = overlong_penalty(torch.tensor([max_len]), max_len, buffer, factor).item()
     # buffer / buffer = 1 exactly: only the factor's float32 rounding (or its underflow below 2^-149)
     assert at_max == pytest.approx(-factor, rel=rounding_bound(1, 1.0), abs=2.0**-149)
@@ -71,7 +78,9 @@ def test_apply_overlong_penalty_disabled_or_unlogged():
     scores = torch.tensor([1.0, 0.0])
     assert apply_overlong_penalty(scores, torch.tensor([100, 200]), 8, None) == (scores, {})
     assert apply_overlong_penalty(scores, torch.tensor([100, 200]), 8, {"enable": False, "len": 4})[0] is scores
-    rewards, extra = apply_overlong_penalty(scores, torch.tensor([8, 2]), 8, {"enable": True, "len": 4, "penalty_factor": 0.5})
+    rewards, extra = apply_overlong_penalty(
+        scores, torch.tensor([8, 2]), 8, {"enable": True, "len": 4, "penalty_factor": 0.5}
+    )
     assert rewards.tolist() == [0.5, 0.0] and extra == {}
 
 
@@ -127,7 +136,10 @@ def test_compute_filter_metric():
     assert final.dtype == torch.float64 and final.tolist() == pytest.approx([1.0, 0.3])
     assert compute_filter_metric("acc", reward_extra_info={"acc": [1, 0]}).tolist() == [1.0, 0.0]
     assert compute_filter_metric("score", reward_extra_info={"score": torch.tensor([0.5, 2.0])}).tolist() == [0.5, 2.0]
-    with pytest.raises(ValueError, match=r"filter_groups.metric='acc' is not available; choose one of \['seq_final_reward', 'seq_reward', 'reward', 'score'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"filter_groups.metric='acc' is not available; choose one of \['seq_final_reward', 'seq_reward', 'reward', 'score'\]",
+    ):
         compute_filter_metric("acc", reward_extra_info={"score": [1.0]})
     with pytest.raises(ValueError, match="filter_groups.metric='seq_final_reward' needs token_level_rewards"):
         compute_filter_metric("seq_final_reward", token_level_scores=scores)

@@ -28,7 +28,9 @@ TEACHER_IDS = torch.tensor([[[3, 2]]])
 
 def test_registry_has_verls_mode_names():
     assert set(DISTILLATION_LOSSES) == {"forward_kl_topk", "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
-    with pytest.raises(UnknownNameError, match=r"unknown distillation loss 'reverse_kl'; valid names: abs, forward_kl_topk"):
+    with pytest.raises(
+        UnknownNameError, match=r"unknown distillation loss 'reverse_kl'; valid names: abs, forward_kl_topk"
+    ):
         DISTILLATION_LOSSES["reverse_kl"]
 
 
@@ -70,8 +72,12 @@ def test_forward_kl_topk_chunked_equals_full_and_no_overlap():
     # log_softmax vs logsumexp-then-gather: each float32 log-prob errs by eps * (40 + 6) * max|logit|, a loss
     # is a sum of teacher probabilities (<= 1) times those; two such paths differ by twice that.
     assert chunked.distillation_losses.dtype == full.distillation_losses.dtype
-    assert_close_within(chunked.distillation_losses, full.distillation_losses,
-                        2 * rounding_bound(40 + 6, float(logits.abs().max())), "chunked vs full top-k KL")
+    assert_close_within(
+        chunked.distillation_losses,
+        full.distillation_losses,
+        2 * rounding_bound(40 + 6, float(logits.abs().max())),
+        "chunked vs full top-k KL",
+    )
     assert torch.equal(chunked.overlap_count, full.overlap_count)
     # Teacher's top-2 = the student's two least likely tokens: no overlap -> advantage 0.
     out = compute_forward_kl_topk(STUDENT_LOGITS, TEACHER_LP, torch.tensor([[[0, 1]]]))
@@ -90,15 +96,22 @@ def test_forward_kl_topk_loss_entry_clamps_and_reports_masses():
         topk=4,
     )
     inputs = DistillationInputs(response_mask=torch.tensor([[1.0, 1.0, 0.0]]), topk=topk)
-    loss, metrics = compute_distillation_loss(inputs, DistillationLossConfig(loss_mode="forward_kl_topk", use_policy_gradient=False))
+    loss, metrics = compute_distillation_loss(
+        inputs, DistillationLossConfig(loss_mode="forward_kl_topk", use_policy_gradient=False)
+    )
     assert loss.item() == pytest.approx(0.2)  # token-mean of [0.4, clamp_min(-0.1, 0) = 0]
-    assert metrics["distillation/loss_min"] == pytest.approx(0.0) and metrics["distillation/loss_max"] == pytest.approx(0.4)
+    assert metrics["distillation/loss_min"] == pytest.approx(0.0) and metrics["distillation/loss_max"] == pytest.approx(
+        0.4
+    )
     assert metrics["distillation/student_mass"] == pytest.approx(0.6)
     assert metrics["distillation/teacher_mass_min"] == pytest.approx(0.8)
     assert metrics["distillation/overlap_ratio"] == pytest.approx(1 / 4)  # mean count 1 over k = 4
     assert metrics["distillation/overlap_token_advantage"] == pytest.approx(-0.2)  # only the first token overlaps
     with pytest.raises(ValueError, match="needs inputs.topk"):
-        compute_distillation_loss(DistillationInputs(response_mask=inputs.response_mask), {"loss_mode": "forward_kl_topk", "use_policy_gradient": False})
+        compute_distillation_loss(
+            DistillationInputs(response_mask=inputs.response_mask),
+            {"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
+        )
 
 
 STUDENT = torch.tensor([[-1.0, -2.0, -0.7]])
@@ -121,13 +134,17 @@ def test_supervised_estimator_loss_hand_computed():
     # d k3 / d s = 1 - exp(t - s): [1 - e^-0.5, 1 - e], token-mean over 2 tokens
     torch.testing.assert_close(student.grad, torch.tensor([[(1 - math.exp(-0.5)) / 2, (1 - math.e) / 2, 0.0]]))
     with pytest.raises(ValueError, match="need inputs.student_log_probs and inputs.teacher_log_probs"):
-        compute_distillation_loss(DistillationInputs(response_mask=MASK, student_log_probs=STUDENT), {"loss_mode": "k3", "use_policy_gradient": False})
+        compute_distillation_loss(
+            DistillationInputs(response_mask=MASK, student_log_probs=STUDENT),
+            {"loss_mode": "k3", "use_policy_gradient": False},
+        )
 
 
 def test_policy_gradient_mode_uses_negative_loss_as_advantage():
     student = STUDENT.clone().requires_grad_(True)
-    inputs = DistillationInputs(response_mask=MASK, student_log_probs=student, teacher_log_probs=TEACHER,
-                                old_log_probs=STUDENT.clone())
+    inputs = DistillationInputs(
+        response_mask=MASK, student_log_probs=student, teacher_log_probs=TEACHER, old_log_probs=STUDENT.clone()
+    )
     loss, metrics = compute_distillation_loss(inputs, DistillationLossConfig(loss_mode="k1"))
     # k1 = s - t = [0.5, -1.0]; advantage = -k1; on-policy ratio 1: loss = mean(-A) = mean(k1)
     assert loss.item() == -0.25  # exact: k1 = [0.5, -1.0] exactly in float32, ratio exp(0) = 1, a 2-term mean
@@ -146,11 +163,19 @@ def test_policy_gradient_mode_equals_the_policy_loss_with_clamped_advantages():
     old = student + torch.randn(4, 6) * 0.2
     mask = (torch.arange(6)[None] < torch.tensor([[6], [2], [4], [5]])).float()
     cfg = OmegaConf.create({"loss_mode": "k1", "loss_max_clamp": 10.0, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28})
-    inputs = DistillationInputs(response_mask=mask, student_log_probs=student, teacher_log_probs=teacher, old_log_probs=old)
+    inputs = DistillationInputs(
+        response_mask=mask, student_log_probs=student, teacher_log_probs=teacher, old_log_probs=old
+    )
     loss, metrics = compute_distillation_loss(inputs, cfg, "seq-mean-token-mean")
     advantages = -(student - teacher).clamp(-10.0, 10.0)
-    expected, _ = POLICY_LOSSES["vanilla"](old, student, advantages, mask, "seq-mean-token-mean",
-                                           {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio": 0.2})
+    expected, _ = POLICY_LOSSES["vanilla"](
+        old,
+        student,
+        advantages,
+        mask,
+        "seq-mean-token-mean",
+        {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio": 0.2},
+    )
     # exact: the same policy loss on the same float32 values (-clamp(s - t) is the loss's own advantage)
     assert loss.item() == expected.item()
     raw = (student - teacher)[mask.bool()]
@@ -162,23 +187,34 @@ def test_policy_gradient_mode_equals_the_policy_loss_with_clamped_advantages():
 def test_combine_with_policy_loss():
     distill = torch.tensor(2.0)
     cfg = DistillationLossConfig(distillation_loss_coef=0.5)
-    total, metrics = combine_with_policy_loss(distill, {"distillation/abs_loss": 1.0}, cfg, torch.tensor(0.3), {"actor/pg_loss": 0.3})
+    total, metrics = combine_with_policy_loss(
+        distill, {"distillation/abs_loss": 1.0}, cfg, torch.tensor(0.3), {"actor/pg_loss": 0.3}
+    )
     assert total.item() == pytest.approx(0.3 + 0.5 * 2.0)
     assert metrics == {"actor/pg_loss": 0.3, "distillation/abs_loss": 1.0, "distillation/loss": 2.0}
-    alone, _ = combine_with_policy_loss(distill, {}, {"use_task_rewards": False, "distillation_loss_coef": 0.5}, torch.tensor(0.3))
+    alone, _ = combine_with_policy_loss(
+        distill, {}, {"use_task_rewards": False, "distillation_loss_coef": 0.5}, torch.tensor(0.3)
+    )
     assert alone.item() == 2.0  # without task rewards the coefficient does not apply
     with pytest.raises(ValueError, match="use_task_rewards=True needs the task policy_loss"):
         combine_with_policy_loss(distill, {}, cfg)
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match=r"distillation_loss.loss_mode='topk' is not allowed; choose one of \['forward_kl_topk', 'kl'"):
+    with pytest.raises(
+        ValueError, match=r"distillation_loss.loss_mode='topk' is not allowed; choose one of \['forward_kl_topk', 'kl'"
+    ):
         DistillationLossConfig(loss_mode="topk")
     with pytest.raises(ValueError, match="loss_mode='k1' with use_policy_gradient=False is wrong"):
         DistillationLossConfig(loss_mode="k1", use_policy_gradient=False)
     with pytest.raises(ValueError, match="loss_mode='k1' with use_policy_gradient=False is wrong"):
-        compute_distillation_loss(DistillationInputs(response_mask=MASK), {"loss_mode": "k1", "use_policy_gradient": False})
+        compute_distillation_loss(
+            DistillationInputs(response_mask=MASK), {"loss_mode": "k1", "use_policy_gradient": False}
+        )
     with pytest.raises(ValueError, match="needs inputs.old_log_probs"):
-        compute_distillation_loss(DistillationInputs(response_mask=MASK, student_log_probs=STUDENT, teacher_log_probs=TEACHER), {"loss_mode": "k3"})
+        compute_distillation_loss(
+            DistillationInputs(response_mask=MASK, student_log_probs=STUDENT, teacher_log_probs=TEACHER),
+            {"loss_mode": "k3"},
+        )
     cfg = DistillationLossConfig.from_dict({"loss_mode": "forward_kl_topk", "topk": 64, "use_policy_gradient": False})
     assert cfg.topk == 64 and cfg.log_prob_min_clamp == -10.0

@@ -96,8 +96,9 @@ def test_microbatch_and_dp_split_equals_whole_batch(mode, scale_factor):
     magnitude = float(agg_loss(loss_mat.abs(), mask, mode, loss_scale_factor=scale_factor))
     assert total.dtype == whole.dtype
     assert_close_within(total, whole, 2 * rounding_bound(loss_mat.numel() + 4, magnitude), f"{mode} loss")
-    assert_close_within(split_input.grad, whole_input.grad, 2 * rounding_bound(4, float(whole_input.grad.abs().max())),
-                        f"{mode} grad")
+    assert_close_within(
+        split_input.grad, whole_input.grad, 2 * rounding_bound(4, float(whole_input.grad.abs().max())), f"{mode} grad"
+    )
 
 
 def _dp_rank_grads(rank, world_size):
@@ -157,7 +158,9 @@ def test_shape_mismatch_names_both_shapes():
         agg_loss(LOSS, MASK[:, :2], "token-mean")
 
 
-@pytest.mark.parametrize("mode,missing", [("token-mean", "batch_num_tokens"), ("seq-mean-token-sum", "global_batch_size")])
+@pytest.mark.parametrize(
+    "mode,missing", [("token-mean", "batch_num_tokens"), ("seq-mean-token-sum", "global_batch_size")]
+)
 def test_dp_without_global_numbers_is_an_error(mode, missing):
     with pytest.raises(ValueError, match=missing):
         agg_loss(LOSS, MASK, mode, dp_size=2)

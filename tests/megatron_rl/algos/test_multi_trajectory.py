@@ -21,12 +21,17 @@ from tests.numerics import assert_close_within, group_advantage_bound, rounding_
 
 KEYS = ["a_0_0", "a_1_0", "a_1_1", "a_1_2", "b_0_0", "b_1_0"]
 SCORES = [1.0, 5.0, 7.0, 3.0, 2.0, 0.0]  # the non-final outputs of a_1 (5 and 7) must not count
-MASK = torch.tensor([[1, 1, 0, 0],
-                     [0, 1, 1, 0],   # a response starting after observation tokens
-                     [1, 0, 1, 1],   # a hole: an observation inside the response
-                     [1, 1, 1, 0],
-                     [1, 1, 1, 1],
-                     [1, 0, 0, 0]], dtype=torch.float32)
+MASK = torch.tensor(
+    [
+        [1, 1, 0, 0],
+        [0, 1, 1, 0],  # a response starting after observation tokens
+        [1, 0, 1, 1],  # a hole: an observation inside the response
+        [1, 1, 1, 0],
+        [1, 1, 1, 1],
+        [1, 0, 0, 0],
+    ],
+    dtype=torch.float32,
+)
 
 
 def _rewards():
@@ -58,8 +63,9 @@ def test_one_output_per_session_equals_plain_grpo_and_dr_grpo():
     mask[:, 0] = 1
     index = np.array(["p", "p", "p", "q", "q"], dtype=object)
     for norm in (True, False):
-        adv, _ = compute_advantage_for_multi_trajectories(rewards * mask, mask, keys, "grpo",
-                                                          norm_adv_by_std_in_grpo=norm)
+        adv, _ = compute_advantage_for_multi_trajectories(
+            rewards * mask, mask, keys, "grpo", norm_adv_by_std_in_grpo=norm
+        )
         ref, _ = compute_grpo_outcome_advantage(rewards * mask, mask, index=index, norm_adv_by_std_in_grpo=norm)
         assert adv.dtype == ref.dtype
         groups = [(rewards * mask).double().sum(-1)[rows] for rows in (slice(0, 3), slice(3, 5))]

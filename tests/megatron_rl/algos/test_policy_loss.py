@@ -17,18 +17,42 @@ from megatron_rl.algos.policy_loss_variants import compute_policy_loss_reinforce
 from megatron_rl.config import ActorConfig
 from tests.numerics import rounding_bound
 
-ALL_LOSSES = ["vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "sapo", "gpg",
-              "dro", "bypass_mode"]
+ALL_LOSSES = [
+    "vanilla",
+    "gspo",
+    "cispo",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "dppo_tv",
+    "dppo_kl",
+    "sapo",
+    "gpg",
+    "dro",
+    "bypass_mode",
+]
 
 
 def actor_dict(policy_loss=None, **overrides):
     """verl's actor keys the losses read (a DictConfig without global_batch_info)."""
-    base = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
-            "tau_pos": 1.0, "tau_neg": 1.05,
-            "policy_loss": {"loss_mode": "vanilla", "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
-                            "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1, "dro_beta": None,
-                            "rollout_correction": {"rollout_is": None, "rollout_is_threshold": 2.0,
-                                                   "loss_type": "ppo_clip"}}}
+    base = {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": 3.0,
+        "tau_pos": 1.0,
+        "tau_neg": 1.05,
+        "policy_loss": {
+            "loss_mode": "vanilla",
+            "clip_cov_ratio": 0.0002,
+            "clip_cov_lb": 1.0,
+            "clip_cov_ub": 5.0,
+            "kl_cov_ratio": 0.0002,
+            "ppo_kl_coef": 0.1,
+            "dro_beta": None,
+            "rollout_correction": {"rollout_is": None, "rollout_is_threshold": 2.0, "loss_type": "ppo_clip"},
+        },
+    }
     base["policy_loss"].update(policy_loss or {})
     base.update(overrides)
     return base
@@ -97,8 +121,9 @@ def test_vanilla_ratio_one_is_minus_mean_advantage(make_cfg):
     # ratio exp(0) = 1: two float32 orders of the masked mean of -A (signs mix, so not relative): each errs by
     # eps * (tokens + 1) * mean |A|
     magnitude = float((adv.abs() * mask).sum() / mask.sum())
-    assert loss.item() == pytest.approx(-(adv * mask).sum().item() / mask.sum().item(),
-                                        abs=2 * rounding_bound(int(mask.sum()) + 1, magnitude))
+    assert loss.item() == pytest.approx(
+        -(adv * mask).sum().item() / mask.sum().item(), abs=2 * rounding_bound(int(mask.sum()) + 1, magnitude)
+    )
     assert m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0 and m["actor/ppo_kl"] == 0.0
     torch.testing.assert_close(grad, -adv * mask / mask.sum())
 
@@ -275,8 +300,10 @@ def test_kl_cov_hand_case(make_cfg):
 
 def test_kl_cov_penalty_is_linear_in_coef_and_zero_coef_is_plain_pg(make_cfg):
     old, new, adv, mask = random_batch(5)
-    losses = [call("kl_cov", old, new, adv, mask, cfg=make_cfg(policy_loss={"kl_cov_ratio": 0.3, "ppo_kl_coef": c}))[0]
-              for c in (0.0, 1.0, 2.0)]
+    losses = [
+        call("kl_cov", old, new, adv, mask, cfg=make_cfg(policy_loss={"kl_cov_ratio": 0.3, "ppo_kl_coef": c}))[0]
+        for c in (0.0, 1.0, 2.0)
+    ]
     plain = (-(adv * torch.exp(new - old)) * mask).sum() / mask.sum()
     torch.testing.assert_close(losses[0], plain)
     assert (losses[1] - losses[0]).item() > 0
@@ -355,8 +382,9 @@ def test_dppo_kl_hand_case(make_cfg):
     assert m["actor/pg_clipfrac"] == pytest.approx(0.5)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.8, 0.0, 1.2]]) / 4)
     # a looser bound (> 0.0204) keeps all four tokens
-    _, m_loose, _ = call("dppo_kl", old, new, adv, cfg=make_cfg(clip_ratio=0.03, clip_ratio_low=0.03,
-                                                                clip_ratio_high=0.03))
+    _, m_loose, _ = call(
+        "dppo_kl", old, new, adv, cfg=make_cfg(clip_ratio=0.03, clip_ratio_low=0.03, clip_ratio_high=0.03)
+    )
     assert m_loose["actor/pg_clipfrac"] == 0.0
 
 
@@ -445,8 +473,11 @@ def test_bypass_reinforce_hand_case_token_tis(make_cfg):
     rollout = logp(0.2, 0.4)
     new = logp(0.6, 0.5)
     adv = torch.tensor([[1.0, 1.0]])
-    cfg = make_cfg(policy_loss={"rollout_correction": {"loss_type": "reinforce", "rollout_is": "token",
-                                                       "rollout_is_threshold": 2.0}})
+    cfg = make_cfg(
+        policy_loss={
+            "rollout_correction": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 2.0}
+        }
+    )
     loss, m, grad = call("bypass_mode", rollout, new, adv, cfg=cfg, weights=torch.full_like(adv, 100.0))
     assert loss.item() == pytest.approx((-2.0 * math.log(0.6) - 1.25 * math.log(0.5)) / 2, rel=1e-6)
     assert m["actor/ppo_kl"] == pytest.approx(-math.log(3.0 * 1.25) / 2, rel=1e-5)
@@ -456,8 +487,11 @@ def test_bypass_reinforce_hand_case_token_tis(make_cfg):
 
 def test_bypass_ppo_clip_is_vanilla_without_is_weights(make_cfg):
     old, new, adv, mask = random_batch(9)
-    cfg = make_cfg(policy_loss={"rollout_correction": {"loss_type": "ppo_clip", "rollout_is": "token",
-                                                       "rollout_is_threshold": 2.0}})
+    cfg = make_cfg(
+        policy_loss={
+            "rollout_correction": {"loss_type": "ppo_clip", "rollout_is": "token", "rollout_is_threshold": 2.0}
+        }
+    )
     loss, m, grad = call("bypass_mode", old, new, adv, mask, cfg=cfg, weights=torch.full_like(adv, 3.0))
     ref_loss, ref_m, ref_grad = call("vanilla", old, new, adv, mask, cfg=cfg)
     assert loss.item() == ref_loss.item()
@@ -471,8 +505,16 @@ def test_bypass_rejection_masks_tokens(make_cfg):
     old = torch.tensor([[-1.0, -2.0, -1.5]])
     new = torch.tensor([[-1.1, -1.0, -1.5]])
     adv = torch.tensor([[1.0, 1.0, -1.0]])
-    cfg = make_cfg(policy_loss={"rollout_correction": {"loss_type": "reinforce", "rollout_is": None,
-                                                       "rollout_rs": "token_k2", "rollout_rs_threshold": 0.1}})
+    cfg = make_cfg(
+        policy_loss={
+            "rollout_correction": {
+                "loss_type": "reinforce",
+                "rollout_is": None,
+                "rollout_rs": "token_k2",
+                "rollout_rs_threshold": 0.1,
+            }
+        }
+    )
     loss, _, grad = call("bypass_mode", old, new, adv, cfg=cfg)
     assert loss.item() == pytest.approx((1.1 - 1.5) / 2, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-0.5, 0.0, 0.5]]))
@@ -505,8 +547,15 @@ def test_empty_rows_contribute_zero_not_nan(name, mode):
     torch.manual_seed(0)
     base_loss, base_m, base_grad = call(name, old, new, adv, mask, mode, cfg)
     torch.manual_seed(0)
-    loss, m, grad = call(name, torch.cat([old, pad]), torch.cat([new, pad + 29.9]), torch.cat([adv, pad]),
-                         torch.cat([mask, torch.zeros_like(pad)]), mode, cfg)
+    loss, m, grad = call(
+        name,
+        torch.cat([old, pad]),
+        torch.cat([new, pad + 29.9]),
+        torch.cat([adv, pad]),
+        torch.cat([mask, torch.zeros_like(pad)]),
+        mode,
+        cfg,
+    )
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert torch.all(grad[-2:] == 0)
     bs = old.shape[0]

@@ -94,10 +94,14 @@ def test_sequence_level_weights_hand_computed():
 
 
 def test_batch_normalize_gives_mean_one():
-    weights, metrics = compute_rollout_correction_weights(LOG_RATIO, MASK, "token", 2.0, rollout_is_batch_normalize=True)
+    weights, metrics = compute_rollout_correction_weights(
+        LOG_RATIO, MASK, "token", 2.0, rollout_is_batch_normalize=True
+    )
     close(metrics["rollout_is_batch_norm_factor"], (e(0.5) + e(-1.0) + 1.0 + 1.0 + 2.0) / 5)
     close(((weights * MASK).sum() / MASK.sum()).item(), 1.0)
-    weights, metrics = compute_rollout_correction_weights(LOG_RATIO, MASK, "sequence", 2.0, rollout_is_batch_normalize=True)
+    weights, metrics = compute_rollout_correction_weights(
+        LOG_RATIO, MASK, "sequence", 2.0, rollout_is_batch_normalize=True
+    )
     close(metrics["rollout_is_batch_norm_factor"], (e(-0.5) + 2.0) / 2)  # mean over sequences
     close(((weights[0, 0] + weights[1, 0]) / 2).item(), 1.0)
     # IcePop zeroing everything: nothing to normalise by, factor 1, ESS 0 (verl divides by zero here).
@@ -269,15 +273,25 @@ def test_entry_point_prefixes_and_disables():
 @pytest.mark.parametrize(
     "config",
     [
-        RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
-        OmegaConf.create({"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1",
-                          "rollout_rs_threshold": "0.5_2.0"}),
+        RolloutCorrectionConfig(
+            rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"
+        ),
+        OmegaConf.create(
+            {
+                "rollout_is": "token",
+                "rollout_is_threshold": 2.0,
+                "rollout_rs": "token_k1",
+                "rollout_rs_threshold": "0.5_2.0",
+            }
+        ),
         {"rollout_is": "token", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"},
     ],
 )
 def test_add_to_batch_with_any_config_form(config):
-    for batch in ({"old_log_probs": OLD, "rollout_log_probs": ROLL, "response_mask": MASK},
-                  TensorDict({"old_log_probs": OLD, "rollout_log_probs": ROLL, "response_mask": MASK}, batch_size=[2])):
+    for batch in (
+        {"old_log_probs": OLD, "rollout_log_probs": ROLL, "response_mask": MASK},
+        TensorDict({"old_log_probs": OLD, "rollout_log_probs": ROLL, "response_mask": MASK}, batch_size=[2]),
+    ):
         batch, metrics = compute_rollout_correction_and_add_to_batch(batch, config)
         assert batch["response_mask"].tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
         torch.testing.assert_close(batch["rollout_is_weights"], torch.tensor([[e(0.5), e(-1.0), 1.0], [1.0, 2.0, 0.0]]))
@@ -341,19 +355,32 @@ def test_threshold_parsing_rules():
         parse_rollout_is_threshold(True)
     parsed = parse_rollout_rs_thresholds(["token_k1", "seq_mean_k3"], "4,0.01")
     assert parsed == {"token_k1": (0.25, 4.0), "seq_mean_k3": (None, 0.01)}
-    assert parse_rollout_rs_thresholds(["token_k2", "seq_sum_k1"], 4) == {"token_k2": (None, 4.0), "seq_sum_k1": (0.25, 4.0)}
+    assert parse_rollout_rs_thresholds(["token_k2", "seq_sum_k1"], 4) == {
+        "token_k2": (None, 4.0),
+        "seq_sum_k1": (0.25, 4.0),
+    }
     with pytest.raises(ValueError, match=r"option 'seq_sum_k1'\): lower bound 2.0 > upper bound 0.5"):
         parse_rollout_rs_thresholds(["token_k2", "seq_sum_k1"], 0.5)  # k1 lower = 1 / 0.5
 
 
 def test_bad_rs_configurations():
-    with pytest.raises(ValueError, match=r"rollout_rs_threshold='0.1_0.2' \(option 'token_k2'\): k2/k3 options take a single upper bound"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout_rs_threshold='0.1_0.2' \(option 'token_k2'\): k2/k3 options take a single upper bound",
+    ):
         compute_rollout_rejection_mask(LOG_RATIO, MASK, "token_k2", "0.1_0.2")
-    with pytest.raises(ValueError, match=r"rollout_rs_threshold='2_1' \(option 'seq_sum_k1'\): lower bound 2.0 > upper bound 1.0"):
+    with pytest.raises(
+        ValueError, match=r"rollout_rs_threshold='2_1' \(option 'seq_sum_k1'\): lower bound 2.0 > upper bound 1.0"
+    ):
         compute_rollout_rejection_mask(LOG_RATIO, MASK, "seq_sum_k1", "2_1")
-    with pytest.raises(ValueError, match=r"rollout_rs_threshold='1,2,3' has 3 entries; give one shared threshold or exactly 2"):
+    with pytest.raises(
+        ValueError, match=r"rollout_rs_threshold='1,2,3' has 3 entries; give one shared threshold or exactly 2"
+    ):
         compute_rollout_rejection_mask(LOG_RATIO, MASK, "token_k2,token_k3", "1,2,3")
-    with pytest.raises(ValueError, match=r"rollout_rs_threshold='zz' \(option 'token_k3'\) is not a valid threshold: 'zz' is not a number"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout_rs_threshold='zz' \(option 'token_k3'\) is not a valid threshold: 'zz' is not a number",
+    ):
         compute_rollout_rejection_mask(LOG_RATIO, MASK, "token_k3", "zz")
     with pytest.raises(ValueError, match=r"rollout_rs option 'seq_max_k1' is not allowed; choose from \['token_k1'"):
         compute_rollout_rejection_mask(LOG_RATIO, MASK, "seq_max_k1", 2.0)
@@ -381,9 +408,14 @@ def _normalise_on_ranks(rank, world_size):
             log_ratio[rows], mask[rows], level, 3.0, rollout_is_batch_normalize=True, group=dist.group.WORLD
         )
         whole, _ = compute_rollout_correction_weights(log_ratio, mask, level, 3.0, rollout_is_batch_normalize=True)
-        alone, _ = compute_rollout_correction_weights(log_ratio[rows], mask[rows], level, 3.0, rollout_is_batch_normalize=True)
-        diffs[level] = ((local - whole[rows]).abs().max().item(), (alone - whole[rows]).abs().max().item(),
-                        _normalise_bound(log_ratio, mask, level, whole))
+        alone, _ = compute_rollout_correction_weights(
+            log_ratio[rows], mask[rows], level, 3.0, rollout_is_batch_normalize=True
+        )
+        diffs[level] = (
+            (local - whole[rows]).abs().max().item(),
+            (alone - whole[rows]).abs().max().item(),
+            _normalise_bound(log_ratio, mask, level, whole),
+        )
     return diffs
 
 

@@ -48,8 +48,10 @@ def test_value_loss_microbatch_split_equals_whole(mode):
     mask[2] = 0
     whole, _ = compute_value_loss(vpreds, returns, values, mask, 0.2, mode)
     info = global_batch_info(mask)
-    parts = sum(compute_value_loss(vpreds[s], returns[s], values[s], mask[s], 0.2, mode, **info)[0]
-                for s in (slice(0, 2), slice(2, 3), slice(3, 6)))
+    parts = sum(
+        compute_value_loss(vpreds[s], returns[s], values[s], mask[s], 0.2, mode, **info)[0]
+        for s in (slice(0, 2), slice(2, 3), slice(3, 6))
+    )
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
     assert torch.isfinite(whole)
 

@@ -83,8 +83,9 @@ def my_est(token_level_rewards, response_mask, **kwargs):
     return token_level_rewards * 2, token_level_rewards
 
 
-def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-            rollout_is_weights=None):
+def my_loss(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """A user's policy loss."""
     return (-(log_prob * advantages) * response_mask).sum(), {}
 
@@ -111,9 +112,17 @@ def test_user_registration_by_decorator_and_by_assignment():
 def test_compute_policy_loss_rewards_and_group_mean_std_equal_verl():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        ours = compute_policy_loss(old_log_prob=INP["old"], log_prob=INP["new"], advantages=INP["adv"],
-                                   response_mask=INP["mask"], cliprange=0.2, cliprange_low=0.1, cliprange_high=0.28,
-                                   clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean")
+        ours = compute_policy_loss(
+            old_log_prob=INP["old"],
+            log_prob=INP["new"],
+            advantages=INP["adv"],
+            response_mask=INP["mask"],
+            cliprange=0.2,
+            cliprange_low=0.1,
+            cliprange_high=0.28,
+            clip_ratio_c=3.0,
+            loss_agg_mode="seq-mean-token-mean",
+        )
     # a token's term is A * ratio, at most clip_ratio_c * |A|; exp(new - old) errs relatively by eps * |new - old|;
     # then the token and sequence means over the batch's tokens
     log_ratio_terms = math.ceil(float((INP["new"] - INP["old"]).abs().max())) + 2
@@ -125,8 +134,9 @@ def test_compute_policy_loss_rewards_and_group_mean_std_equal_verl():
     # a row's sum over seq_len scores, then a group's mean and std over at most its 6 rows (std moves by at
     # most the deviations' error), on values up to the largest row sum of |scores|
     bound = both_paths(_SEQ_LEN + 2 * 6 + 2, float(INP["scores"].abs().sum(-1).max()))
-    for name, a, b in zip(("mean", "std", "count"), group_mean_std(INP["scores"].sum(-1), INP["gidx"], eps=1e-6),
-                          REF["group_mean_std"]):
+    for name, a, b in zip(
+        ("mean", "std", "count"), group_mean_std(INP["scores"].sum(-1), INP["gidx"], eps=1e-6), REF["group_mean_std"]
+    ):
         assert a.dtype == b.dtype, name
         assert_close_within(a, b, bound, name)
 
@@ -136,23 +146,46 @@ def test_rollout_rs_option_sets_and_metric_functions_equal_verl():
     assert sorted(TOKEN_LEVEL_ROLLOUT_RS_OPTIONS) == REF["token_level_rs"]
     mask, log_ratio = INP["mask"], INP["old"] - INP["roll"]
     raw_tok = torch.exp(log_ratio.clamp(-20, 20)) * mask
-    close_metrics(compute_is_metrics(raw_tok.clamp(max=1.5), raw_tok, log_ratio, mask, "token", 1.5, None),
-                  REF["is_metrics_token"])
+    close_metrics(
+        compute_is_metrics(raw_tok.clamp(max=1.5), raw_tok, log_ratio, mask, "token", 1.5, None),
+        REF["is_metrics_token"],
+    )
     seq_lr = (log_ratio * mask).sum(-1, keepdim=True)
     raw_seq = torch.exp(seq_lr.clamp(-20, 20)).expand_as(log_ratio) * mask
     icepop = torch.where((raw_seq >= 0.5) & (raw_seq <= 2.0), raw_seq, torch.zeros_like(raw_seq))
     close_metrics(compute_is_metrics(icepop, raw_seq, seq_lr, mask, "sequence", 2.0, 0.5), REF["is_metrics_sequence"])
     k1 = -log_ratio.clamp(-20, 20)
     seq_valid = mask.sum(-1) > 0
-    close_metrics(compute_rs_metrics("token_k1", k1, mask, seq_valid, level="token", per_sequence_values=None,
-                                     rollout_rs_threshold=0.3, rollout_rs_threshold_lower=-0.3,
-                                     apply_lower_threshold=True), REF["rs_metrics_token_k1"])
+    close_metrics(
+        compute_rs_metrics(
+            "token_k1",
+            k1,
+            mask,
+            seq_valid,
+            level="token",
+            per_sequence_values=None,
+            rollout_rs_threshold=0.3,
+            rollout_rs_threshold_lower=-0.3,
+            apply_lower_threshold=True,
+        ),
+        REF["rs_metrics_token_k1"],
+    )
     k3 = torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio.clamp(-20, 20)
     seq_k3 = (k3 * mask).sum(-1) / mask.sum(-1)
-    close_metrics(compute_rs_metrics("seq_mean_k3", seq_k3.unsqueeze(-1).expand_as(mask), mask, seq_valid,
-                                     level="sequence", per_sequence_values=seq_k3, rollout_rs_threshold=0.2,
-                                     rollout_rs_threshold_lower=0.0, apply_lower_threshold=False),
-                  REF["rs_metrics_seq_mean_k3"])
+    close_metrics(
+        compute_rs_metrics(
+            "seq_mean_k3",
+            seq_k3.unsqueeze(-1).expand_as(mask),
+            mask,
+            seq_valid,
+            level="sequence",
+            per_sequence_values=seq_k3,
+            rollout_rs_threshold=0.2,
+            rollout_rs_threshold_lower=0.0,
+            apply_lower_threshold=False,
+        ),
+        REF["rs_metrics_seq_mean_k3"],
+    )
 
 
 @pytest.mark.parametrize("preset", sorted(REF["rollout_correction"]))
@@ -160,16 +193,26 @@ def test_rollout_correction_returns_a_dataproto_first_as_verl(preset):
     theirs = REF["rollout_correction"][preset]
     cfg = getattr(RolloutCorrectionConfig, preset)()
     w, mask, metrics = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=INP["old"], rollout_log_prob=INP["roll"], response_mask=INP["mask"], rollout_is=cfg.rollout_is,
-        rollout_is_threshold=cfg.rollout_is_threshold, rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
-        rollout_rs=cfg.rollout_rs, rollout_rs_threshold=cfg.rollout_rs_threshold)
+        old_log_prob=INP["old"],
+        rollout_log_prob=INP["roll"],
+        response_mask=INP["mask"],
+        rollout_is=cfg.rollout_is,
+        rollout_is_threshold=cfg.rollout_is_threshold,
+        rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
+        rollout_rs=cfg.rollout_rs,
+        rollout_rs_threshold=cfg.rollout_rs_threshold,
+    )
     assert (type(w).__name__ if w is not None else None) == ("Batch" if theirs["weights_type"] else None)
     assert isinstance(w, DataProto) or w is None
     if w is not None:
         weights = w.batch["rollout_is_weights"]
         assert weights.dtype == theirs["weights"].dtype
-        assert_close_within(weights, theirs["weights"], both_paths(METRIC_TERMS, float(theirs["weights"].abs().max())),
-                            "rollout_is_weights")
+        assert_close_within(
+            weights,
+            theirs["weights"],
+            both_paths(METRIC_TERMS, float(theirs["weights"].abs().max())),
+            "rollout_is_weights",
+        )
     torch.testing.assert_close(mask, theirs["mask"])
     close_metrics(metrics, theirs["metrics"])
     # verl's add_to_batch on a DataProto: union of the weights, the rejection mask in place.
@@ -184,10 +227,12 @@ def test_all_presets_equal_verls():
     verls = {k: _strip(v) for k, v in REF["presets"].items() if "(" not in k}
     assert len(ours) == len(verls) == 19  # 18 named presets and disabled()
     assert ours == verls
-    assert dataclasses.asdict(RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001)) == \
-        _strip(REF["presets"]["decoupled_geo_rs_seq_tis(rs_threshold=1.001)"])
-    assert dataclasses.asdict(RolloutCorrectionConfig.decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)) == \
-        _strip(REF["presets"]["decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)"])
+    assert dataclasses.asdict(RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001)) == _strip(
+        REF["presets"]["decoupled_geo_rs_seq_tis(rs_threshold=1.001)"]
+    )
+    assert dataclasses.asdict(
+        RolloutCorrectionConfig.decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)
+    ) == _strip(REF["presets"]["decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)"])
 
 
 def test_config_dataclasses_from_verls_own_yaml_sections():
@@ -206,7 +251,9 @@ def test_config_dataclasses_from_verls_own_yaml_sections():
         assert getattr(algo2, key) == REF["algo_from_dict"][key]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        actor = omega_conf_to_dataclass(OmegaConf.merge(yaml.actor_rollout_ref.actor, {"ppo_micro_batch_size_per_gpu": 2}))
+        actor = omega_conf_to_dataclass(
+            OmegaConf.merge(yaml.actor_rollout_ref.actor, {"ppo_micro_batch_size_per_gpu": 2})
+        )
     assert type(actor).__name__ == "ActorRunConfig" and actor.ppo_micro_batch_size_per_gpu == 2
     assert actor.use_dynamic_bsz is False and actor.megatron.tensor_model_parallel_size == 1
 
@@ -214,8 +261,9 @@ def test_config_dataclasses_from_verls_own_yaml_sections():
 def test_actor_config_takes_verls_keyword_arguments():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = ActorConfig(strategy="megatron", ppo_micro_batch_size=2, ppo_mini_batch_size=4, use_torch_compile=False,
-                          rollout_n=2)
+        cfg = ActorConfig(
+            strategy="megatron", ppo_micro_batch_size=2, ppo_mini_batch_size=4, use_torch_compile=False, rollout_n=2
+        )
     assert cfg.ppo_micro_batch_size_per_gpu == 2 and cfg.use_torch_compile is False  # verl's global size, one rank
     assert [str(w.message).split("=")[0] for w in caught] == ["actor_rollout_ref.actor.use_torch_compile"]
     with pytest.raises(ValueError, match="strategy='fsdp' is not allowed"):

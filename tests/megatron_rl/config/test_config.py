@@ -19,8 +19,11 @@ def test_defaults_match_verl():
 
 def test_from_dictconfig_nested():
     cfg = OmegaConf.create(
-        {"adv_estimator": "grpo", "kl_ctrl": {"type": "adaptive", "kl_coef": 0.01},
-         "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}}
+        {
+            "adv_estimator": "grpo",
+            "kl_ctrl": {"type": "adaptive", "kl_coef": 0.01},
+            "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"},
+        }
     )
     algo = AlgoConfig.from_dict(cfg)
     assert isinstance(algo.kl_ctrl, KLControlConfig) and algo.kl_ctrl.type == "adaptive"

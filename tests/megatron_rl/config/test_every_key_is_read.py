@@ -33,63 +33,108 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 RUN = [
-    "trainer.total_training_steps=null", "trainer.total_epochs=1", "data.task_kwargs={num_samples: 8}",
-    "trainer.sft_warmup_steps=2", "trainer.logger=[console]",
-    "trainer.test_freq=2", "trainer.val_before_train=true", "trainer.log_val_generations=1",
-    "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1",
-    "trainer.phase_timeout_s=600", "trainer.save_on_preemption=true",  # the hang watchdog on every worker
-    "data.train_batch_size=4", "data.gen_batch_size=4", "data.val_max_samples=4", "data.val_batch_size=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=32",
-    "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1",
+    "trainer.total_training_steps=null",
+    "trainer.total_epochs=1",
+    "data.task_kwargs={num_samples: 8}",
+    "trainer.sft_warmup_steps=2",
+    "trainer.logger=[console]",
+    "trainer.test_freq=2",
+    "trainer.val_before_train=true",
+    "trainer.log_val_generations=1",
+    "trainer.save_freq=1",
+    "trainer.max_actor_ckpt_to_keep=1",
+    "trainer.max_critic_ckpt_to_keep=1",
+    "trainer.phase_timeout_s=600",
+    "trainer.save_on_preemption=true",  # the hang watchdog on every worker
+    "data.train_batch_size=4",
+    "data.gen_batch_size=4",
+    "data.val_max_samples=4",
+    "data.val_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.max_num_seqs=32",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.policy_loss.dro_beta=0.1",
     "critic.ppo_micro_batch_size_per_gpu=8",
     # the colocated phase schedule moves every offloadable part to host memory between its phases
-    "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
-    "actor_rollout_ref.actor.megatron.optimizer_offload=true", "critic.megatron.param_offload=true",
-    "critic.megatron.grad_offload=true", "critic.megatron.optimizer_offload=true",
+    "actor_rollout_ref.actor.megatron.param_offload=true",
+    "actor_rollout_ref.actor.megatron.grad_offload=true",
+    "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+    "critic.megatron.param_offload=true",
+    "critic.megatron.grad_offload=true",
+    "critic.megatron.optimizer_offload=true",
     "distillation.teacher_model.megatron.param_offload=true",
-    "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
-    "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu=256", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=192",
-    "critic.forward_max_token_len_per_gpu=320", "reward.reward_model.forward_max_token_len_per_gpu=224",
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+    "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu=256",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=192",
+    "critic.forward_max_token_len_per_gpu=320",
+    "reward.reward_model.forward_max_token_len_per_gpu=224",
     "distillation.teacher_model.log_prob_max_token_len_per_gpu=288",
-    "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl",
-    "algorithm.kl_ctrl.type=adaptive", "algorithm.gdpo_reward_keys=[score, acc]", "algorithm.gdpo_reward_weights=[1.0, 0.5]",
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_penalty=low_var_kl",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.gdpo_reward_keys=[score, acc]",
+    "algorithm.gdpo_reward_weights=[1.0, 0.5]",
     "algorithm.filter_groups={enable: true, metric: score, max_num_gen_batches: 8}",
     "reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4, penalty_factor: 1.0, log: true}",
     "algorithm.rollout_correction={rollout_is: token, rollout_rs: token_k1, rollout_rs_threshold: 0.5_2.0}",
-    "reward.reward_model.enable=true", "reward.reward_model.micro_batch_size_per_gpu=8",
-    "distillation.enabled=true", "distillation.distillation_loss.loss_mode=k3",
-    "distillation.distillation_loss.use_task_rewards=true", "distillation.teacher_model.sft_warmup_steps=1",
+    "reward.reward_model.enable=true",
+    "reward.reward_model.micro_batch_size_per_gpu=8",
+    "distillation.enabled=true",
+    "distillation.distillation_loss.loss_mode=k3",
+    "distillation.distillation_loss.use_task_rewards=true",
+    "distillation.teacher_model.sft_warmup_steps=1",
     "distillation.teacher_model.config={num_layers: 1, hidden_size: 64, ffn_hidden_size: 128, num_attention_heads: 2,"
     " num_query_groups: 2, kv_channels: 32, vocab_size: 512, max_position_embeddings: 512, qk_layernorm: true}",
 ]
 RESUMED = [  # the same run directory one step further, with the other half of the options
-    "trainer.total_training_steps=3", "trainer.resume_fallback=false", "algorithm.adv_estimator=grpo",
+    "trainer.total_training_steps=3",
+    "trainer.resume_fallback=false",
+    "algorithm.adv_estimator=grpo",
     "algorithm.use_kl_in_reward=false",
     "algorithm.filter_groups.enable=false",
     "algorithm.rollout_correction={bypass_mode: true, rollout_is: token, loss_type: reinforce}",
-    "actor_rollout_ref.actor.megatron.use_remove_padding=false", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
-    "distillation.teacher_model.log_prob_use_dynamic_bsz=false", "reward.reward_model.use_dynamic_bsz=false",
+    "actor_rollout_ref.actor.megatron.use_remove_padding=false",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
+    "distillation.teacher_model.log_prob_use_dynamic_bsz=false",
+    "reward.reward_model.use_dynamic_bsz=false",
     "trainer.balance_batch=false",
     "distillation.distillation_loss={loss_mode: forward_kl_topk, topk: 8, use_policy_gradient: false}",
     # agent sessions with both built-in tools, through an agent loop registered from verl's YAML
     "actor_rollout_ref.rollout.multi_turn={enable: true, tool_config_path: calculator_and_code, max_assistant_turns: 2,"
     " max_user_turns: 1, max_parallel_calls: 2, max_tool_response_length: 64, tool_response_truncate_side: left,"
     " tokenization_sanity_check_mode: ignore_strippable, format: hermes}",
-    "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.agent.default_agent_loop=my_tool_agent",
+    "actor_rollout_ref.rollout.agent.num_workers=2",
+    "actor_rollout_ref.rollout.agent.default_agent_loop=my_tool_agent",
 ]
 MOE_RUN = [  # a third, one-step run: the MoE recipe (EP=2) with router replay R2, its routing saved each step
-    "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-    "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.max_num_seqs=32", "actor_rollout_ref.actor.use_kl_loss=true",
+    "trainer.total_training_steps=1",
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.logger=[console]",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.max_num_seqs=32",
+    "actor_rollout_ref.actor.use_kl_loss=true",
     "actor_rollout_ref.ref.megatron.router_replay.mode=R2",  # the reference replays the actor's record
 ]
 LORA_RUN = [  # a fourth, one-step run: the LoRA recipe (adapters on a frozen base; the KL loss's reference is
     # the actor with its adapters off)
-    "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-    "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "trainer.total_training_steps=1",
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.logger=[console]",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.max_num_seqs=32",
 ]
 AGENT_LOOPS = "- name: my_tool_agent\n  _target_: megatron_rl.rollout.agent.loop.ToolAgentLoop\n"
@@ -107,11 +152,22 @@ def _config(tmp_path, extra=()):
     if not rm.exists():
         build_tiny_reward_model(tmp_path / "reward_model")
         (tmp_path / "reward.py").write_text(REWARD)
-    return TrainerRunConfig.from_dict(compose("grpo", [
-        *RUN, *extra, f"reward.reward_model.model_path={rm}", f"trainer.default_local_dir={tmp_path / 'run'}",
-        "reward.reward_fn=null", f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
-        "reward.custom_reward_function.name=varied_score",
-        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"trainer.validation_data_dir={tmp_path / 'val'}"]))
+    return TrainerRunConfig.from_dict(
+        compose(
+            "grpo",
+            [
+                *RUN,
+                *extra,
+                f"reward.reward_model.model_path={rm}",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+                "reward.reward_fn=null",
+                f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+                "reward.custom_reward_function.name=varied_score",
+                f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+                f"trainer.validation_data_dir={tmp_path / 'val'}",
+            ],
+        )
+    )
 
 
 def _train(config) -> list[dict]:
@@ -143,11 +199,19 @@ def _exercise_algorithms(config) -> None:
     mask[0, 3:] = 0
     index = [f"u{i // 4}" for i in range(bs)]
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
-    kwargs = dict(token_level_rewards=torch.randn(bs, t, generator=g) * mask, response_mask=mask,
-                  index=np.array(index, dtype=object), values=torch.randn(bs, t, generator=g),
-                  reward_baselines=torch.randn(bs, generator=g), gamma=algo.gamma, lam=algo.lam,
-                  norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, config=algo,
-                  old_log_probs=-torch.rand(bs, t, generator=g), sum_pi_squared=torch.rand(bs, t, generator=g) * 0.5)
+    kwargs = dict(
+        token_level_rewards=torch.randn(bs, t, generator=g) * mask,
+        response_mask=mask,
+        index=np.array(index, dtype=object),
+        values=torch.randn(bs, t, generator=g),
+        reward_baselines=torch.randn(bs, generator=g),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        config=algo,
+        old_log_probs=-torch.rand(bs, t, generator=g),
+        sum_pi_squared=torch.rand(bs, t, generator=g) * 0.5,
+    )
     fields = {"score": np.linspace(0, 1, bs), "acc": np.arange(bs) % 2 * 1.0}
     for name, fn in ADV_ESTIMATORS.items():
         needs = ADV_ESTIMATORS.traits_of(name)
@@ -160,8 +224,9 @@ def _exercise_algorithms(config) -> None:
     logits, vocab, k = torch.randn(bs, t, 16, generator=g), 16, 4
     teacher = torch.randn(bs, t, vocab, generator=g).log_softmax(-1).topk(k, dim=-1)
     topk = compute_forward_kl_topk(logits, teacher.values, teacher.indices, dist.log_prob_min_clamp)
-    inputs = DistillationInputs(response_mask=mask, student_log_probs=lp, teacher_log_probs=old, topk=topk,
-                                old_log_probs=old)
+    inputs = DistillationInputs(
+        response_mask=mask, student_log_probs=lp, teacher_log_probs=old, topk=topk, old_log_probs=old
+    )
     for name in DISTILLATION_LOSSES:
         mode = dataclasses.replace(dist, loss_mode=name, use_policy_gradient=name not in ("forward_kl_topk",))
         loss, metrics = compute_distillation_loss(inputs, mode, actor.loss_agg_mode)
@@ -184,18 +249,39 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     read_tracking.start(reads_dir)
     try:
         config = _config(tmp_path)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers inherit the tracking
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False
+        )  # workers inherit the tracking
         try:
             first = _train(config)
             (tmp_path / "agent_loops.yaml").write_text(AGENT_LOOPS)
-            resumed = _train(_config(tmp_path, [
-                *RESUMED, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'agent_loops.yaml'}"]))
+            resumed = _train(
+                _config(
+                    tmp_path,
+                    [
+                        *RESUMED,
+                        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'agent_loops.yaml'}",
+                    ],
+                )
+            )
             record = tmp_path / "routing" / "step_{step}.pt"
-            moe = _train(TrainerRunConfig.from_dict(compose("grpo_moe", [
-                *MOE_RUN, f"actor_rollout_ref.actor.megatron.router_replay.record_file={record}",
-                f"trainer.default_local_dir={tmp_path / 'moe'}"])))
-            lora = _train(TrainerRunConfig.from_dict(compose("grpo_lora", [
-                *LORA_RUN, f"trainer.default_local_dir={tmp_path / 'lora'}"])))
+            moe = _train(
+                TrainerRunConfig.from_dict(
+                    compose(
+                        "grpo_moe",
+                        [
+                            *MOE_RUN,
+                            f"actor_rollout_ref.actor.megatron.router_replay.record_file={record}",
+                            f"trainer.default_local_dir={tmp_path / 'moe'}",
+                        ],
+                    )
+                )
+            )
+            lora = _train(
+                TrainerRunConfig.from_dict(
+                    compose("grpo_lora", [*LORA_RUN, f"trainer.default_local_dir={tmp_path / 'lora'}"])
+                )
+            )
         finally:
             ray.shutdown()
         from megatron_rl.planner import plan_run
@@ -204,9 +290,19 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
         # the runs above are colocated: a separate rollout pool's engine map reads its own GPUs per node
         from megatron_rl.utils.engine_map import rollout_engine_map
 
-        separate = rollout_engine_map(TrainerRunConfig.from_dict(compose("grpo", [
-            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
-            "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"])))
+        separate = rollout_engine_map(
+            TrainerRunConfig.from_dict(
+                compose(
+                    "grpo",
+                    [
+                        "actor_rollout_ref.rollout.nnodes=1",
+                        "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                        "trainer.v1.trainer_mode=separate_async",
+                        "trainer.v1.separate_async.parameter_sync_step=2",
+                    ],
+                )
+            )
+        )
         assert separate.describe() == ["engine 0: node 1 GPU 0 (own pool)", "engine 1: node 1 GPU 1 (own pool)"]
         _exercise_algorithms(config)
     finally:
@@ -218,8 +314,15 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     # the colocated phases ran in the schedule's order, and offloaded roles kept nothing on the device
     step = next(h for h in first if "training/global_step" in h)
     assert [k.split("@")[1] for k in step if k.startswith("memory/actor/resident_gb@")] == [
-        "gen", "actor_log_prob", "ref_log_prob", "teacher_log_prob", "critic_values", "critic_update", "actor_update",
-        "weight_sync"]
+        "gen",
+        "actor_log_prob",
+        "ref_log_prob",
+        "teacher_log_prob",
+        "critic_values",
+        "critic_update",
+        "actor_update",
+        "weight_sync",
+    ]
     assert step["memory/actor/resident_gb@gen"] == step["memory/critic/resident_gb@actor_update"] == 0.0
     assert step["memory/ref/resident_gb@gen"] == step["memory/teacher/resident_gb@gen"] == 0.0
     assert step["memory/actor/resident_gb@actor_update"] > 0 and step["memory/reward/resident_gb@gen"] > 0
@@ -244,12 +347,18 @@ def test_inert_keys_warn_by_name_and_the_list_is_short():
     assert len(INERT_KEYS) <= 32  # one entry per reason; an entry may hold several '|'-separated patterns
     for entry in INERT_KEYS:
         for pattern in entry.split("|"):
-            assert any(inert_reason(p) is not None and fnmatch.fnmatchcase(p, pattern) for p in leaves), \
+            assert any(inert_reason(p) is not None and fnmatch.fnmatchcase(p, pattern) for p in leaves), (
                 f"INERT_KEYS pattern {pattern!r} (of {entry!r}) matches no key"
+            )
     base = compose("grpo")
-    for override in ("reward.reward_model.megatron.param_offload=true", "critic.model.trust_remote_code=true",
-                     "algorithm.use_pf_ppo=true", "reward.reward_model.tokenizer_path=/tok",
-                     "actor_rollout_ref.actor.profiler.enable=true", "trainer.use_v1=false"):
+    for override in (
+        "reward.reward_model.megatron.param_offload=true",
+        "critic.model.trust_remote_code=true",
+        "algorithm.use_pf_ppo=true",
+        "reward.reward_model.tokenizer_path=/tok",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "trainer.use_v1=false",
+    ):
         key = override.split("=")[0]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

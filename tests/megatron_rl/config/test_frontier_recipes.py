@@ -21,17 +21,44 @@ from megatron_rl.config.loader import load_config
 from megatron_rl.planner import check_plan, count_params
 from megatron_rl.planner.architectures import resolve_architecture
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # recipe -> (path, table entry, nodes, (TP, PP, EP, ETP), (DP, expert DP), GPU GiB, peak GiB, peak phase,
 #            actor-update GiB)
 FRONTIER = {
-    "gpu/glm4_5_air_grpo": ("~/models/GLM-4.5-Air", "table:glm4_5_air", 4, (4, 2, 16, 1), (4, 1), 80.0,
-                            65.91, "actor update", 65.91),
-    "gpu/glm4_5_355b_grpo": ("~/models/GLM-4.5", "table:glm4_5", 16, (4, 4, 32, 1), (8, 1), 141.0,
-                             116.80, "rollout", 58.62),
+    "gpu/glm4_5_air_grpo": (
+        "~/models/GLM-4.5-Air",
+        "table:glm4_5_air",
+        4,
+        (4, 2, 16, 1),
+        (4, 1),
+        80.0,
+        65.91,
+        "actor update",
+        65.91,
+    ),
+    "gpu/glm4_5_355b_grpo": (
+        "~/models/GLM-4.5",
+        "table:glm4_5",
+        16,
+        (4, 4, 32, 1),
+        (8, 1),
+        141.0,
+        116.80,
+        "rollout",
+        58.62,
+    ),
     # FP8 rollout weights; the engine takes 0.85 x 141 GiB = 119.85 GiB while it generates
-    "gpu/deepseek_v3_671b_grpo": ("~/models/DeepSeek-V3", "table:deepseek_v3", 32, (8, 1, 256, 1), (32, 1), 141.0,
-                                  123.85, "rollout", 61.05),
+    "gpu/deepseek_v3_671b_grpo": (
+        "~/models/DeepSeek-V3",
+        "table:deepseek_v3",
+        32,
+        (8, 1, 256, 1),
+        (32, 1),
+        141.0,
+        123.85,
+        "rollout",
+        61.05,
+    ),
 }
 
 
@@ -46,8 +73,12 @@ def test_frontier_recipe_loads_and_the_planner_accepts_it(recipe):
     arr = cfg.actor_rollout_ref
     assert arr.model.path == path and arr.model.config is None
     mp = arr.actor.megatron.parallel()
-    assert (mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
-            mp.expert_tensor_parallel_size) == layout
+    assert (
+        mp.tensor_model_parallel_size,
+        mp.pipeline_model_parallel_size,
+        mp.expert_model_parallel_size,
+        mp.expert_tensor_parallel_size,
+    ) == layout
     assert arr.ref.megatron.parallel() == mp
     plan = check_plan(cfg, gpu_memory_gb=gpu_gib)
     assert plan.model_source == source
@@ -63,8 +94,9 @@ def test_frontier_recipe_loads_and_the_planner_accepts_it(recipe):
 def _engine_shard_gib(recipe: str) -> float:
     """One vLLM engine's bf16 weights per GPU: all parameters / rollout TP."""
     cfg = load_config(recipe)
-    model, _ = resolve_architecture("actor_rollout_ref.model.path", path=cfg.actor_rollout_ref.model.path,
-                                    config=cfg.actor_rollout_ref.model.config)
+    model, _ = resolve_architecture(
+        "actor_rollout_ref.model.path", path=cfg.actor_rollout_ref.model.path, config=cfg.actor_rollout_ref.model.config
+    )
     return sum(count_params(model)) * 2 / (cfg.actor_rollout_ref.rollout.tensor_model_parallel_size * GIB)
 
 
@@ -96,10 +128,12 @@ def test_engine_weight_shard_against_the_vllm_budget():
     assert rollout_weight_bytes(model, "bfloat16") / (8 * GIB) == deepseek
 
 
-DEEPSEEK_REFUSAL = ("actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at "
-                    "tensor_model_parallel_size=8, not less than gpu_memory_utilization=0.6 x 80.0 GiB = 48.0 GiB "
-                    "(no room for the KV cache); raise gpu_memory_utilization or tensor_model_parallel_size (an "
-                    "engine stays inside one node: at most trainer.n_gpus_per_node=8 GPUs)")
+DEEPSEEK_REFUSAL = (
+    "actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at "
+    "tensor_model_parallel_size=8, not less than gpu_memory_utilization=0.6 x 80.0 GiB = 48.0 GiB "
+    "(no room for the KV cache); raise gpu_memory_utilization or tensor_model_parallel_size (an "
+    "engine stays inside one node: at most trainer.n_gpus_per_node=8 GPUs)"
+)
 
 
 BF16 = ["actor_rollout_ref.rollout.quantization=null"]
@@ -107,7 +141,8 @@ DEEPSEEK_H200_BF16_REFUSAL = (
     "actor_rollout_ref.rollout: one vLLM engine's bfloat16 weights are 156.2 GiB per GPU at tensor_model_parallel_size=8, "
     "not less than gpu_memory_utilization=0.85 x 141.0 GiB = 119.8 GiB (no room for the KV cache); raise "
     "gpu_memory_utilization or tensor_model_parallel_size (an engine stays inside one node: at most "
-    "trainer.n_gpus_per_node=8 GPUs)")
+    "trainer.n_gpus_per_node=8 GPUs)"
+)
 
 
 def test_deepseek_v3_recipe_is_refused_in_bf16_and_accepted_with_fp8_rollout_weights():
@@ -117,25 +152,37 @@ def test_deepseek_v3_recipe_is_refused_in_bf16_and_accepted_with_fp8_rollout_wei
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.device) == (32, 8, "cuda")
     assert cfg.actor_rollout_ref.rollout.quantization == "fp8"
     mp = cfg.actor_rollout_ref.actor.megatron.parallel()
-    assert (mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
-            mp.expert_tensor_parallel_size) == (8, 1, 256, 1)
+    assert (
+        mp.tensor_model_parallel_size,
+        mp.pipeline_model_parallel_size,
+        mp.expert_model_parallel_size,
+        mp.expert_tensor_parallel_size,
+    ) == (8, 1, 256, 1)
     # bf16 rollout weights: refused by name on the earlier H100 cluster (0.6 x 80 GiB) and on H200 (0.85 x 141)
     # -- the roles are sized (their layouts validated) before the rollout's engine is checked
     with pytest.raises(ValueError) as err:
-        check_plan(load_config("gpu/deepseek_v3_671b_grpo", BF16 + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6"]))
+        check_plan(
+            load_config("gpu/deepseek_v3_671b_grpo", BF16 + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6"])
+        )
     assert str(err.value) == DEEPSEEK_REFUSAL
     with pytest.raises(ValueError) as err:
         check_plan(load_config("gpu/deepseek_v3_671b_grpo", BF16), gpu_memory_gb=141.0)
     assert str(err.value) == DEEPSEEK_H200_BF16_REFUSAL
     # FP8 on H100: 78.4 GiB per GPU is more than 0.85 x 80 GiB
-    with pytest.raises(ValueError, match=r"fp8 block-quantised \(bfloat16 rest\) weights are 78\.4 GiB per GPU .*"
-                                         r"=0\.85 x 80\.0 GiB = 68\.0 GiB"):
+    with pytest.raises(
+        ValueError,
+        match=r"fp8 block-quantised \(bfloat16 rest\) weights are 78\.4 GiB per GPU .*"
+        r"=0\.85 x 80\.0 GiB = 68\.0 GiB",
+    ):
         check_plan(cfg)
     # FP8 on H200: accepted; the weight sync holds the engine's 78.37 GiB FP8 weights + the actor's bf16 parameters
     plan = check_plan(cfg, gpu_memory_gb=141.0)
     assert plan.phases["weight sync"]["vllm weights"] / GIB == pytest.approx(78.37, abs=0.01)
     assert sum(plan.phases["weight sync"].values()) / GIB == pytest.approx(93.28, abs=0.01)
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "gpu/deepseek_v3_671b_grpo",
-                          "--gpu-memory-gb", "141"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "plan", "gpu/deepseek_v3_671b_grpo", "--gpu-memory-gb", "141"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "verdict: FITS -- peak 123.8 of 141.0 GiB (rollout)" in out.stdout, out.stderr
-

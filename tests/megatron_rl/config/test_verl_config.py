@@ -36,16 +36,31 @@ def test_generated_config_builds_and_its_key_table_refuses_nothing():
 
 
 def test_hydra_override_syntax():
-    data = compose(VERL, [*SET, "++trainer.nnodes=2", "+trainer.sft_warmup_steps=3", "~trainer.v1",
-                          "trainer.resume_from_path=null", "actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    data = compose(
+        VERL,
+        [
+            *SET,
+            "++trainer.nnodes=2",
+            "+trainer.sft_warmup_steps=3",
+            "~trainer.v1",
+            "trainer.resume_from_path=null",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+        ],
+    )
     assert data["trainer"]["nnodes"] == 2 and data["trainer"]["sft_warmup_steps"] == 3
     assert "v1" not in data["trainer"] and data["trainer"]["resume_from_path"] is None
     with pytest.raises(ValueError, match=r"cannot add 'trainer.nnodes' .* already has it"):
         compose(VERL, ["+trainer.nnodes=2"])
     with pytest.raises(ValueError, match="both .*ppo_micro_batch_size=8 and .*ppo_micro_batch_size_per_gpu=2"):
         TrainerRunConfig.from_dict(data)
-    data = compose(VERL, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_micro_batch_size=8",
-                          "trainer.n_gpus_per_node=4"])
+    data = compose(
+        VERL,
+        [
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+            "trainer.n_gpus_per_node=4",
+        ],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = TrainerRunConfig.from_dict(data)
@@ -54,37 +69,63 @@ def test_hydra_override_syntax():
 
 def test_command_line_parsing():
     assert parse_args(["--config-path=config", "--config-name", "ppo_megatron_trainer.yaml", "a.b=1", "~c"]) == (
-        "config", "ppo_megatron_trainer.yaml", ["a.b=1", "~c"])
+        "config",
+        "ppo_megatron_trainer.yaml",
+        ["a.b=1", "~c"],
+    )
     assert parse_args(["-cn", "x"])[1] == "x" and parse_args([])[1] == "ppo_trainer"
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([*SET, "actor_rollout_ref.actor.clip_ratoi=0.3"],
-     "refused: actor_rollout_ref.actor.clip_ratoi  (nearest valid key: actor_rollout_ref.actor.clip_ratio)"),
-    ([*SET, "~trainer.no_such_key"], "cannot delete 'trainer.no_such_key'"),
-    ([*SET, "algorithm._target_=verl.workers.config.McoreActorConfig"],
-     "algorithm._target_='verl.workers.config.McoreActorConfig' names a class that does not fit this section"),
-    ([*SET, "model_engine=dp"], "model_engine='dp': only 'megatron' is built here"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [*SET, "actor_rollout_ref.actor.clip_ratoi=0.3"],
+            "refused: actor_rollout_ref.actor.clip_ratoi  (nearest valid key: actor_rollout_ref.actor.clip_ratio)",
+        ),
+        ([*SET, "~trainer.no_such_key"], "cannot delete 'trainer.no_such_key'"),
+        (
+            [*SET, "algorithm._target_=verl.workers.config.McoreActorConfig"],
+            "algorithm._target_='verl.workers.config.McoreActorConfig' names a class that does not fit this section",
+        ),
+        ([*SET, "model_engine=dp"], "model_engine='dp': only 'megatron' is built here"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_key(argv, message, capsys):
     assert main(["--config-name=ppo_megatron_trainer", *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.out + captured.err
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.actor.strategy=fsdp",
-     "actor_rollout_ref.actor.strategy='fsdp' is not built here; training engines built here: ['megatron']"),
-    ("actor_rollout_ref.actor.strategy=fsdp2",
-     "actor_rollout_ref.actor.strategy='fsdp2' is not built here; training engines built here: ['megatron']"),
-    ("actor_rollout_ref.ref.strategy=fsdp",
-     "actor_rollout_ref.ref.strategy='fsdp' is not built here; training engines built here: ['megatron']"),
-    ("critic.strategy=fsdp2", "critic.strategy='fsdp2' is not built here; training engines built here: ['megatron']"),
-    ("actor_rollout_ref.rollout.name=sglang",
-     "actor_rollout_ref.rollout.name='sglang' is not built here; rollout engines built here: ['vllm']"),
-    ("actor_rollout_ref.rollout.name=trtllm",
-     "actor_rollout_ref.rollout.name='trtllm' is not built here; rollout engines built here: ['vllm']"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "actor_rollout_ref.actor.strategy=fsdp",
+            "actor_rollout_ref.actor.strategy='fsdp' is not built here; training engines built here: ['megatron']",
+        ),
+        (
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.actor.strategy='fsdp2' is not built here; training engines built here: ['megatron']",
+        ),
+        (
+            "actor_rollout_ref.ref.strategy=fsdp",
+            "actor_rollout_ref.ref.strategy='fsdp' is not built here; training engines built here: ['megatron']",
+        ),
+        (
+            "critic.strategy=fsdp2",
+            "critic.strategy='fsdp2' is not built here; training engines built here: ['megatron']",
+        ),
+        (
+            "actor_rollout_ref.rollout.name=sglang",
+            "actor_rollout_ref.rollout.name='sglang' is not built here; rollout engines built here: ['vllm']",
+        ),
+        (
+            "actor_rollout_ref.rollout.name=trtllm",
+            "actor_rollout_ref.rollout.name='trtllm' is not built here; rollout engines built here: ['vllm']",
+        ),
+    ],
+)
 def test_engines_not_built_are_refused_by_name_with_the_built_ones(override, message):
     """verl's FSDP training engines and its SGLang / TensorRT-LLM rollouts: refused by key, the built ones listed."""
     with warnings.catch_warnings(), pytest.raises(ValueError) as info:
@@ -98,8 +139,8 @@ def test_unset_rollout_name_is_asked_for(capsys):
     assert main(["--config-name=ppo_megatron_trainer", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "main_ppo: actor_rollout_ref.rollout.name='???' is unset (verl's config leaves it to the script); rollout "
-        "engines built here: ['vllm']")
-
+        "engines built here: ['vllm']"
+    )
 
 
 def _moved(old: str, new: str) -> str:
@@ -108,63 +149,143 @@ def _moved(old: str, new: str) -> str:
 
 _RETIRED_WORKER = "verl's switch between its old and new worker classes; one worker implementation is built here"
 _RETIRED_LOOP = "verl's switch to its reward loop; rewards are always scored in the rollout phase"
-_OVERLONG = ("overlong_buffer_cfg.enable", "overlong_buffer_cfg.len", "overlong_buffer_cfg.penalty_factor", "max_resp_len")
+_OVERLONG = (
+    "overlong_buffer_cfg.enable",
+    "overlong_buffer_cfg.len",
+    "overlong_buffer_cfg.penalty_factor",
+    "max_resp_len",
+)
 # (overrides, successor key, its value, a check of the built config where the key acts, the notes)
 _LEGACY_CASES = {
-    "reward_model.num_workers": (["reward_model.num_workers=4"], "reward.num_workers", 4, None,
-                                 [_moved("reward_model.num_workers", "reward.num_workers")]),
-    "reward_model.reward_manager": (["reward_model.reward_manager=dapo"], "reward.reward_manager.name", "dapo", None,
-                                    [_moved("reward_model.reward_manager", "reward.reward_manager.name")]),
+    "reward_model.num_workers": (
+        ["reward_model.num_workers=4"],
+        "reward.num_workers",
+        4,
+        None,
+        [_moved("reward_model.num_workers", "reward.num_workers")],
+    ),
+    "reward_model.reward_manager": (
+        ["reward_model.reward_manager=dapo"],
+        "reward.reward_manager.name",
+        "dapo",
+        None,
+        [_moved("reward_model.reward_manager", "reward.reward_manager.name")],
+    ),
     "reward_model.reward_loop_source": (
-        ["reward_model.reward_loop_source=importlib"], "reward.reward_manager.source", "importlib", None,
-        [_moved("reward_model.reward_loop_source", "reward.reward_manager.source")]),
+        ["reward_model.reward_loop_source=importlib"],
+        "reward.reward_manager.source",
+        "importlib",
+        None,
+        [_moved("reward_model.reward_loop_source", "reward.reward_manager.source")],
+    ),
     "reward_model.reward_loop_module_path": (
-        ["reward_model.reward_loop_module_path=/tmp/loop.py"], "reward.reward_manager.module.path", "/tmp/loop.py", None,
-        [_moved("reward_model.reward_loop_module_path", "reward.reward_manager.module.path")]),
+        ["reward_model.reward_loop_module_path=/tmp/loop.py"],
+        "reward.reward_manager.module.path",
+        "/tmp/loop.py",
+        None,
+        [_moved("reward_model.reward_loop_module_path", "reward.reward_manager.module.path")],
+    ),
     "reward_model.reward_loop_class_name": (
-        ["reward_model.reward_loop_class_name=MyLoop"], "reward.reward_manager.module.name", "MyLoop", None,
-        [_moved("reward_model.reward_loop_class_name", "reward.reward_manager.module.name")]),
+        ["reward_model.reward_loop_class_name=MyLoop"],
+        "reward.reward_manager.module.name",
+        "MyLoop",
+        None,
+        [_moved("reward_model.reward_loop_class_name", "reward.reward_manager.module.name")],
+    ),
     "reward_model.enable+model.path": (
-        ["reward_model.model.path=/ckpt/rm", "reward_model.enable=true"], "reward.reward_model.model_path", "/ckpt/rm",
+        ["reward_model.model.path=/ckpt/rm", "reward_model.enable=true"],
+        "reward.reward_model.model_path",
+        "/ckpt/rm",
         lambda cfg: (cfg.reward.reward_model.enable, cfg.reward.reward_model.model_path) == (True, "/ckpt/rm"),
-        [_moved("reward_model.enable", "reward.reward_model.enable"),
-         _moved("reward_model.model.path", "reward.reward_model.model_path")]),
+        [
+            _moved("reward_model.enable", "reward.reward_model.enable"),
+            _moved("reward_model.model.path", "reward.reward_model.model_path"),
+        ],
+    ),
     "reward_model.enable_resource_pool": (
-        ["reward_model.enable_resource_pool=true"], "reward.reward_model.enable_resource_pool", True, None,
-        [_moved("reward_model.enable_resource_pool", "reward.reward_model.enable_resource_pool")]),
-    "reward_model.n_gpus_per_node": (["reward_model.n_gpus_per_node=2"], "reward.reward_model.n_gpus_per_node", 2, None,
-                                     [_moved("reward_model.n_gpus_per_node", "reward.reward_model.n_gpus_per_node")]),
-    "reward_model.nnodes": (["reward_model.nnodes=1"], "reward.reward_model.nnodes", 1, None,
-                            [_moved("reward_model.nnodes", "reward.reward_model.nnodes")]),
-    "reward_model.rollout": (["reward_model.rollout.name=vllm"], "reward.reward_model.rollout.name", "vllm", None,
-                             [_moved("reward_model.rollout.name", "reward.reward_model.rollout.name")]),
+        ["reward_model.enable_resource_pool=true"],
+        "reward.reward_model.enable_resource_pool",
+        True,
+        None,
+        [_moved("reward_model.enable_resource_pool", "reward.reward_model.enable_resource_pool")],
+    ),
+    "reward_model.n_gpus_per_node": (
+        ["reward_model.n_gpus_per_node=2"],
+        "reward.reward_model.n_gpus_per_node",
+        2,
+        None,
+        [_moved("reward_model.n_gpus_per_node", "reward.reward_model.n_gpus_per_node")],
+    ),
+    "reward_model.nnodes": (
+        ["reward_model.nnodes=1"],
+        "reward.reward_model.nnodes",
+        1,
+        None,
+        [_moved("reward_model.nnodes", "reward.reward_model.nnodes")],
+    ),
+    "reward_model.rollout": (
+        ["reward_model.rollout.name=vllm"],
+        "reward.reward_model.rollout.name",
+        "vllm",
+        None,
+        [_moved("reward_model.rollout.name", "reward.reward_model.rollout.name")],
+    ),
     "reward_model.reward_kwargs": (
         [f"+reward_model.reward_kwargs.{k}={v}" for k, v in zip(_OVERLONG, ("True", "64", "1.0", "1024"))],
-        "reward.reward_kwargs.overlong_buffer_cfg.len", 64,
-        lambda cfg: (cfg.reward.reward_kwargs.overlong_buffer_cfg.enable, cfg.reward.reward_kwargs.overlong_buffer_cfg.len,
-                     cfg.reward.reward_kwargs.overlong_buffer_cfg.penalty_factor,
-                     cfg.reward.reward_kwargs.max_resp_len) == (True, 64, 1.0, 1024),
-        [_moved(f"reward_model.reward_kwargs.{k}", f"reward.reward_kwargs.{k}") for k in _OVERLONG]),
+        "reward.reward_kwargs.overlong_buffer_cfg.len",
+        64,
+        lambda cfg: (
+            (
+                cfg.reward.reward_kwargs.overlong_buffer_cfg.enable,
+                cfg.reward.reward_kwargs.overlong_buffer_cfg.len,
+                cfg.reward.reward_kwargs.overlong_buffer_cfg.penalty_factor,
+                cfg.reward.reward_kwargs.max_resp_len,
+            )
+            == (True, 64, 1.0, 1024)
+        ),
+        [_moved(f"reward_model.reward_kwargs.{k}", f"reward.reward_kwargs.{k}") for k in _OVERLONG],
+    ),
     "custom_reward_function": (
-        ["custom_reward_function.path=/tmp/score.py"], "reward.custom_reward_function.path", "/tmp/score.py",
+        ["custom_reward_function.path=/tmp/score.py"],
+        "reward.custom_reward_function.path",
+        "/tmp/score.py",
         lambda cfg: cfg.reward.custom_reward_function.path == "/tmp/score.py",
-        [_moved("custom_reward_function.path", "reward.custom_reward_function.path")]),
-    "sandbox_fusion": (["sandbox_fusion.url=http://sandbox:8080"], "reward.sandbox_fusion.url", "http://sandbox:8080",
-                       None, [_moved("sandbox_fusion.url", "reward.sandbox_fusion.url")]),
+        [_moved("custom_reward_function.path", "reward.custom_reward_function.path")],
+    ),
+    "sandbox_fusion": (
+        ["sandbox_fusion.url=http://sandbox:8080"],
+        "reward.sandbox_fusion.url",
+        "http://sandbox:8080",
+        None,
+        [_moved("sandbox_fusion.url", "reward.sandbox_fusion.url")],
+    ),
     "actor.router_replay": (
-        ["actor_rollout_ref.actor.router_replay.mode=R2"], "actor_rollout_ref.actor.megatron.router_replay.mode", "R2",
+        ["actor_rollout_ref.actor.router_replay.mode=R2"],
+        "actor_rollout_ref.actor.megatron.router_replay.mode",
+        "R2",
         lambda cfg: cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R2",
-        [_moved("actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.actor.megatron.router_replay.mode")]),
+        [_moved("actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.actor.megatron.router_replay.mode")],
+    ),
     "trainer.use_legacy_worker_impl": (
-        ["+trainer.use_legacy_worker_impl=auto"], None, None, None,
-        [f"trainer.use_legacy_worker_impl='auto' (an older verl's key) has no effect here: {_RETIRED_WORKER}"]),
+        ["+trainer.use_legacy_worker_impl=auto"],
+        None,
+        None,
+        None,
+        [f"trainer.use_legacy_worker_impl='auto' (an older verl's key) has no effect here: {_RETIRED_WORKER}"],
+    ),
     "reward_model.use_reward_loop": (
-        ["+reward_model.use_reward_loop=true"], None, None, None,
-        [f"reward_model.use_reward_loop=True (an older verl's key) has no effect here: {_RETIRED_LOOP}"]),
+        ["+reward_model.use_reward_loop=true"],
+        None,
+        None,
+        None,
+        [f"reward_model.use_reward_loop=True (an older verl's key) has no effect here: {_RETIRED_LOOP}"],
+    ),
 }
 
 
-@pytest.mark.parametrize("overrides, successor, value, built, notes", list(_LEGACY_CASES.values()), ids=list(_LEGACY_CASES))
+@pytest.mark.parametrize(
+    "overrides, successor, value, built, notes", list(_LEGACY_CASES.values()), ids=list(_LEGACY_CASES)
+)
 def test_older_verl_key_is_read_as_its_successor_with_a_note(overrides, successor, value, built, notes):
     """Each key of an older verl is moved to its current key (or, retired, dropped with the reason), with one
     LegacyKeyWarning line per key; the config then builds, acting on the value where the key is built."""

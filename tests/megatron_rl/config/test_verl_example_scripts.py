@@ -26,52 +26,179 @@ import pytest
 
 DATA = Path(__file__).parent / "data" / "verl_example_scripts.json"
 SCRIPTS: dict[str, list[str]] = json.loads(DATA.read_text())["scripts"]
-GIB = 2 ** 30
+GIB = 2**30
 
-_QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", tie_word_embeddings=False,
-              rope_theta=1e6, vocab_size=152064, torch_dtype="bfloat16")
-_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
-                  tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128, num_experts=128,
-                  num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                  vocab_size=151936, max_position_embeddings=40960, torch_dtype="bfloat16")
-_DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_act="silu",
-                    tie_word_embeddings=False, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
-                    qk_nope_head_dim=128, topk_method="noaux_tc", norm_topk_prob=True, scoring_func="sigmoid",
-                    moe_layer_freq=1, torch_dtype="bfloat16")
+_QWEN2 = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    vocab_size=152064,
+    torch_dtype="bfloat16",
+)
+_QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    torch_dtype="bfloat16",
+)
+_DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    topk_method="noaux_tc",
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    moe_layer_freq=1,
+    torch_dtype="bfloat16",
+)
 HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields as published
-    "Qwen2-7B-Instruct": dict(_QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                              num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                              rms_norm_eps=1e-6),
-    "Qwen2.5-32B": dict(_QWEN2, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5),
-    "Qwen3-30B-A3B": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4),
-    "Qwen3-235B-A22B": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4),
-    "DeepSeek-V3": dict(_DEEPSEEK_V3, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
-                        n_routed_experts=256, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4,
-                        num_experts_per_tok=8, first_k_dense_replace=3, vocab_size=129280,
-                        max_position_embeddings=163840, rope_theta=10000, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
-                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
-                                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
-    "Moonlight-16B-A3B": dict(_DEEPSEEK_V3, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
-                              num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
-                              n_routed_experts=64, routed_scaling_factor=2.446, q_lora_rank=None, n_group=1,
-                              topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1, vocab_size=163840,
-                              max_position_embeddings=8192, rope_theta=50000.0, rope_scaling=None, rms_norm_eps=1e-5),
-    "Qwen1.5-MoE-A2.7B": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_act="silu",
-                              tie_word_embeddings=False, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
-                              num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
-                              max_position_embeddings=8192, rope_theta=1e6, rms_norm_eps=1e-6,
-                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
-                              num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
-                              torch_dtype="bfloat16"),
-    "deepseek-llm-7b-chat": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                                 tie_word_embeddings=False, hidden_size=4096, intermediate_size=11008,
-                                 num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=32,
-                                 vocab_size=102400, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                                 rope_theta=10000.0, torch_dtype="bfloat16"),
+    "Qwen2-7B-Instruct": dict(
+        _QWEN2,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "Qwen2.5-32B": dict(
+        _QWEN2,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    "Qwen3-30B-A3B": dict(
+        _QWEN3_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+    ),
+    "Qwen3-235B-A22B": dict(
+        _QWEN3_MOE,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+    ),
+    "DeepSeek-V3": dict(
+        _DEEPSEEK_V3,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        q_lora_rank=1536,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        vocab_size=129280,
+        max_position_embeddings=163840,
+        rope_theta=10000,
+        rms_norm_eps=1e-6,
+        num_nextn_predict_layers=1,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    "Moonlight-16B-A3B": dict(
+        _DEEPSEEK_V3,
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        routed_scaling_factor=2.446,
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        vocab_size=163840,
+        max_position_embeddings=8192,
+        rope_theta=50000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-5,
+    ),
+    "Qwen1.5-MoE-A2.7B": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_experts=60,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        torch_dtype="bfloat16",
+    ),
+    "deepseek-llm-7b-chat": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=30,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=102400,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
@@ -88,52 +215,75 @@ class Expect:
 
 
 EXPECTED = {
-    "examples/grpo_trainer/run_qwen2-7b_math_megatron.sh":
-        Expect("Qwen2-7B-Instruct", 0, "FITS -- peak 76.8 of 80.0 GiB (rollout)"),
-    "examples/gpg_trainer/run_qwen2-7b_math_megatron.sh":
-        Expect("Qwen2-7B-Instruct", 0, "FITS -- peak 73.3 of 80.0 GiB (rollout)"),
+    "examples/grpo_trainer/run_qwen2-7b_math_megatron.sh": Expect(
+        "Qwen2-7B-Instruct", 0, "FITS -- peak 76.8 of 80.0 GiB (rollout)"
+    ),
+    "examples/gpg_trainer/run_qwen2-7b_math_megatron.sh": Expect(
+        "Qwen2-7B-Instruct", 0, "FITS -- peak 73.3 of 80.0 GiB (rollout)"
+    ),
     # 61 layers over PP=16 as 4 + 14 x 4 + 1 (num_layers_in_first/last_pipeline_stage), everything offloaded.
-    "examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh":
-        Expect("DeepSeek-V3", 0, "FITS -- peak 68.0 of 80.0 GiB (rollout)"),
-    "examples/tuning/32b/qwen2_32B_grpo_8_h20_megatron_vllm.sh":
-        Expect("Qwen2.5-32B", 0, "FITS -- peak 95.3 of 96.0 GiB (actor update)", gpu_memory_gb=96),
-    "examples/grpo_trainer/run_moonlight16b_math_megatron.sh":
-        Expect("Moonlight-16B-A3B", 1, "in phase 'actor update' but 80.0 GiB are available; the largest term is "
-               "activations (71.7 GiB)"),
-    "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh":
-        Expect("Qwen3-30B-A3B", 1, "in phase 'actor update' but 96.0 GiB are available; the largest term is "
-               "activations (95.7 GiB)", gpu_memory_gb=96),
-    "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh":
-        Expect("Qwen1.5-MoE-A2.7B", 1, "in phase 'rollout' but 80.0 GiB are available; the largest term is "
-               "vllm engine (56.0 GiB)"),
+    "examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh": Expect(
+        "DeepSeek-V3", 0, "FITS -- peak 68.0 of 80.0 GiB (rollout)"
+    ),
+    "examples/tuning/32b/qwen2_32B_grpo_8_h20_megatron_vllm.sh": Expect(
+        "Qwen2.5-32B", 0, "FITS -- peak 95.3 of 96.0 GiB (actor update)", gpu_memory_gb=96
+    ),
+    "examples/grpo_trainer/run_moonlight16b_math_megatron.sh": Expect(
+        "Moonlight-16B-A3B",
+        1,
+        "in phase 'actor update' but 80.0 GiB are available; the largest term is activations (71.7 GiB)",
+    ),
+    "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh": Expect(
+        "Qwen3-30B-A3B",
+        1,
+        "in phase 'actor update' but 96.0 GiB are available; the largest term is activations (95.7 GiB)",
+        gpu_memory_gb=96,
+    ),
+    "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh": Expect(
+        "Qwen1.5-MoE-A2.7B",
+        1,
+        "in phase 'rollout' but 80.0 GiB are available; the largest term is vllm engine (56.0 GiB)",
+    ),
     # The critic keeps verl's critic.megatron defaults (TP=1, PP=1): a whole 7B model per GPU.
-    "examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh":
-        Expect("Qwen2-7B-Instruct", 1, "in phase 'critic update' but 80.0 GiB are available; the largest term is "
-               "activations (40.1 GiB)"),
-    "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron.sh":
-        Expect("deepseek-llm-7b-chat", 1, "in phase 'critic update' but 80.0 GiB are available; the largest term is "
-               "activations (34.4 GiB)"),
+    "examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh": Expect(
+        "Qwen2-7B-Instruct",
+        1,
+        "in phase 'critic update' but 80.0 GiB are available; the largest term is activations (40.1 GiB)",
+    ),
+    "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron.sh": Expect(
+        "deepseek-llm-7b-chat",
+        1,
+        "in phase 'critic update' but 80.0 GiB are available; the largest term is activations (34.4 GiB)",
+    ),
     # micro-batch 3 does not divide the mini-batch's 8 x 5 responses, but use_dynamic_bsz=True: token budgets
     # decide the micro-batches, as in verl. The old actor.router_replay.mode is read as megatron.router_replay.mode.
-    "examples/router_replay/run_qwen30_a3b_megatron_vllm.sh":
-        Expect("Qwen3-30B-A3B", 0, "FITS -- peak 72.9 of 80.0 GiB (actor update)"),
+    "examples/router_replay/run_qwen30_a3b_megatron_vllm.sh": Expect(
+        "Qwen3-30B-A3B", 0, "FITS -- peak 72.9 of 80.0 GiB (actor update)"
+    ),
     # Megatron's account_for_embedding/loss_in_pipeline_split: 94 + 2 over PP=8 as 11 + 6 x 12 + 11 layers
     # (test_qwen3_235b_accounted_split_matches_a_hand_count).
-    "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh":
-        Expect("Qwen3-235B-A22B", 1, "in phase 'actor update' but 96.0 GiB are available; the largest term is "
-               "activations (99.0 GiB)", gpu_memory_gb=96),
+    "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh": Expect(
+        "Qwen3-235B-A22B",
+        1,
+        "in phase 'actor update' but 96.0 GiB are available; the largest term is activations (99.0 GiB)",
+        gpu_memory_gb=96,
+    ),
     # The script splits the actor's 27 layers 14 + 13 but leaves the critic's override_transformer_config at
     # verl's default (no uneven split): Megatron refuses 27 layers over PP=2 there, in verl as here.
-    "examples/ppo_trainer/run_moonlight16b_a3b_gsm8k_megatron.sh":
-        Expect("Moonlight-16B-A3B", 2, "critic.megatron: num_layers=27 is not divisible by "
-               "pipeline_model_parallel_size=2; nearest valid layout: none of the valid layouts fits 32 GPUs of 80 GiB; the one with the lowest "
-               "peak is critic.megatron.pipeline_model_parallel_size=1 critic.megatron.expert_model_parallel_size=32 "
-               "(peak 80.1 GiB in 'rollout'); Offload fits this layout"),
+    "examples/ppo_trainer/run_moonlight16b_a3b_gsm8k_megatron.sh": Expect(
+        "Moonlight-16B-A3B",
+        2,
+        "critic.megatron: num_layers=27 is not divisible by "
+        "pipeline_model_parallel_size=2; nearest valid layout: none of the valid layouts fits 32 GPUs of 80 GiB; the one with the lowest "
+        "peak is critic.megatron.pipeline_model_parallel_size=1 critic.megatron.expert_model_parallel_size=32 "
+        "(peak 80.1 GiB in 'rollout'); Offload fits this layout",
+    ),
     # The script keeps verl's default merge: false: the adapters alone are synced into vLLM's LoRA (issue 29).
     # The frozen base keeps no gradients or Adam state and there is no reference model: 58.0 GiB, where its
     # full fine-tuning twin needs 76.8 (tests/megatron_rl/planner/test_lora_plan.py).
-    "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh":
-        Expect("Qwen2-7B-Instruct", 0, "FITS -- peak 58.0 of 80.0 GiB (rollout)"),
+    "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh": Expect(
+        "Qwen2-7B-Instruct", 0, "FITS -- peak 58.0 of 80.0 GiB (rollout)"
+    ),
 }
 _PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path")
 _FILE_KEYS = ("data.train_files", "data.val_files")
@@ -208,15 +358,24 @@ def test_qwen2_7b_ppo_critic_misfit_matches_a_hand_count(model_dirs, tmp_path):
     # Saved per token and layer (megatron_rl.planner.memory): 5 hidden-sized tensors, 3 x (q + kv heads) x head_dim,
     # 5 x ffn for SwiGLU; plus the final norm's input, all bf16.
     activations = 2 * micro * tokens * (layers * (5 * h + 3 * (heads + kv) * d + 5 * f) + h)
-    hand = {"parameters": 2 * critic, "gradients": 4 * critic, "optimizer state": 12 * critic // dp,
-            "activations": activations}
+    hand = {
+        "parameters": 2 * critic,
+        "gradients": 4 * critic,
+        "optimizer state": 12 * critic // dp,
+        "activations": activations,
+    }
     assert round(hand["activations"] / GIB, 2) == 40.07
 
-    rc, out = plan(command_line("examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh",
-                                model_dirs["Qwen2-7B-Instruct"], tmp_path / "train.parquet"))
+    rc, out = plan(
+        command_line(
+            "examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh",
+            model_dirs["Qwen2-7B-Instruct"],
+            tmp_path / "train.parquet",
+        )
+    )
     assert rc == 1, out[-3000:]
     row = next(line for line in out.splitlines() if line.strip().startswith("critic update"))
-    terms = dict(t.rsplit(" ", 1) for t in row[row.index("(") + 1:row.rindex(")")].split(", "))
+    terms = dict(t.rsplit(" ", 1) for t in row[row.index("(") + 1 : row.rindex(")")].split(", "))
     for term, value in hand.items():
         assert float(terms[term]) == pytest.approx(value / GIB, abs=0.005), (term, row)
     assert "the largest term is activations (40.1 GiB)" in out
@@ -242,11 +401,17 @@ def test_qwen3_235b_accounted_split_matches_a_hand_count(model_dirs, tmp_path):
     hand = {"parameters": 2 * middle, "gradients": 4 * middle, "activations": activations}
     assert round(activations / GIB, 2) == 99.02  # 12 layers at stage 0 (an even count) would be 108.0
 
-    rc, out = plan(command_line("examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh",
-                                model_dirs["Qwen3-235B-A22B"], tmp_path / "train.parquet") + ["--gpu-memory-gb", "96"])
+    rc, out = plan(
+        command_line(
+            "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh",
+            model_dirs["Qwen3-235B-A22B"],
+            tmp_path / "train.parquet",
+        )
+        + ["--gpu-memory-gb", "96"]
+    )
     assert rc == 1, out[-3000:]
     row = next(line for line in out.splitlines() if line.strip().startswith("actor update"))
-    terms = dict(t.rsplit(" ", 1) for t in row[row.index("(") + 1:row.rindex(")")].split(", "))
+    terms = dict(t.rsplit(" ", 1) for t in row[row.index("(") + 1 : row.rindex(")")].split(", "))
     for term, value in hand.items():
         assert float(terms[term]) == pytest.approx(value / GIB, abs=0.005), (term, row)
     assert "the largest term is activations (99.0 GiB)" in out
@@ -254,10 +419,18 @@ def test_qwen3_235b_accounted_split_matches_a_hand_count(model_dirs, tmp_path):
 
 def test_plan_subprocess_smoke(model_dirs, tmp_path):
     """The installed ``megatron-rl`` command with a verl script's command line, exit 0."""
-    argv = command_line("examples/gpg_trainer/run_qwen2-7b_math_megatron.sh", model_dirs["Qwen2-7B-Instruct"],
-                        tmp_path / "train.parquet")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", *argv, "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    argv = command_line(
+        "examples/gpg_trainer/run_qwen2-7b_math_megatron.sh",
+        model_dirs["Qwen2-7B-Instruct"],
+        tmp_path / "train.parquet",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "plan", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["fits"] and result["peak_phase"] == "rollout" and result["layout"]["tp"] == 2, result

@@ -12,9 +12,15 @@ from megatron_rl.data.batch import Batch, BatchFields, batch_fields, fields_of
 
 
 def _batch(n: int = 4) -> Batch:
-    return Batch.from_single_dict({"input_ids": torch.arange(n * 3).view(n, 3), "response_mask": torch.ones(n, 2),
-                                   "uid": [f"u{i // 2}" for i in range(n)],
-                                   "extra_info": [{"i": i} for i in range(n)]}, meta_info={"step": 1})
+    return Batch.from_single_dict(
+        {
+            "input_ids": torch.arange(n * 3).view(n, 3),
+            "response_mask": torch.ones(n, 2),
+            "uid": [f"u{i // 2}" for i in range(n)],
+            "extra_info": [{"i": i} for i in range(n)],
+        },
+        meta_info={"step": 1},
+    )
 
 
 def test_fields_rows_and_dataproto_calls():

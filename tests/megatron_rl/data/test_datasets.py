@@ -62,7 +62,9 @@ def test_toy_rows_are_deterministic_and_correct():
         assert row["reward_model"]["ground_truth"] == str(seq.split().count(head.removeprefix("Count ")))
     for row in toy_rows("toy_copy", 5, seed=5):
         assert row["prompt"][0]["content"] == "Copy: " + row["reward_model"]["ground_truth"]
-    with pytest.raises(ValueError, match="unknown toy task 'toy_sort'; valid names: toy_copy, toy_count, toy_multiply, toy_reverse"):
+    with pytest.raises(
+        ValueError, match="unknown toy task 'toy_sort'; valid names: toy_copy, toy_count, toy_multiply, toy_reverse"
+    ):
         toy_rows("toy_sort", 3)
     with pytest.raises(ValueError, match="must end in .parquet, .jsonl or .json"):
         make_toy_dataset("toy_copy", 3, path="x.csv")
@@ -84,10 +86,13 @@ def test_parquet_and_jsonl_load_the_same_tokenized_prompts(tokenizer, files):
 
 
 def test_string_prompts_and_multiple_files(tokenizer, files, tmp_path):
-    path = write_jsonl(tmp_path / "s.jsonl", [
-        {"prompt": "Reverse: 1 2", "data_source": "toy_reverse", "reward_model": {"ground_truth": "2 1"}},
-        {"prompt": "Copy: 3", "data_source": "toy_copy", "reward_model": {"ground_truth": "3"}},
-    ])
+    path = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {"prompt": "Reverse: 1 2", "data_source": "toy_reverse", "reward_model": {"ground_truth": "2 1"}},
+            {"prompt": "Copy: 3", "data_source": "toy_copy", "reward_model": {"ground_truth": "3"}},
+        ],
+    )
     ds = PromptDataset([path, files["jsonl"]], tokenizer, cfg(files))
     assert len(ds) == 12
     assert ds[0]["input_ids"] == tokenizer.encode(chatml("Reverse: 1 2"), add_special_tokens=False)
@@ -101,20 +106,28 @@ def test_string_prompts_and_multiple_files(tokenizer, files, tmp_path):
 
 def test_missing_column_and_ground_truth_errors(tokenizer, files, tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "hi", "reward_model": {"ground_truth": "1"}}])
-    with pytest.raises(ValueError, match=r"m.jsonl' has no column 'data_source'; available columns: "
-                                         r"\['prompt', 'reward_model'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"m.jsonl' has no column 'data_source'; available columns: "
+        r"\['prompt', 'reward_model'\]",
+    ):
         PromptDataset(path, tokenizer, cfg(files))
     with pytest.raises(ValueError, match=r"has no column 'question'; available columns: \['data_source', 'prompt', "):
         PromptDataset(files["parquet"], tokenizer, cfg(files, prompt_key="question"))
-    path = write_jsonl(tmp_path / "g.jsonl", [
-        {"prompt": "a", "data_source": "x", "reward_model": {"ground_truth": "1"}},
-        {"prompt": "b", "data_source": "x", "reward_model": {"style": "rule"}},
-    ])
+    path = write_jsonl(
+        tmp_path / "g.jsonl",
+        [
+            {"prompt": "a", "data_source": "x", "reward_model": {"ground_truth": "1"}},
+            {"prompt": "b", "data_source": "x", "reward_model": {"style": "rule"}},
+        ],
+    )
     with pytest.raises(ValueError, match=r"g.jsonl row 1: reward_model.ground_truth is missing"):
         PromptDataset(path, tokenizer, cfg(files))
     assert PromptDataset(path, tokenizer, cfg(files), require_ground_truth=False)[1]["ground_truth"] is None
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user"}], "data_source": "x",
-                                               "reward_model": {"ground_truth": "1"}}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": [{"role": "user"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}],
+    )
     with pytest.raises(ValueError, match=r"p.jsonl row 0: column 'prompt' must be a string or a non-empty list"):
         PromptDataset(path, tokenizer, cfg(files))
     with pytest.raises(ValueError, match=r"data.truncation='drop'; allowed: \['error', 'left', 'right', 'middle'\]"):
@@ -133,13 +146,19 @@ def test_max_prompt_length_filter_error_and_truncation(tokenizer, files):
     assert [r["input_ids"] for r in kept] == [full[i]["input_ids"] for i in range(10) if lengths[i] <= limit]
 
     first_long = next(i for i, n in enumerate(lengths) if n > limit)
-    with pytest.raises(ValueError, match=rf"reverse.parquet row {first_long}: prompt has {lengths[first_long]} tokens, "
-                                         rf"more than data.max_prompt_length={limit}; set data.filter_overlong"):
+    with pytest.raises(
+        ValueError,
+        match=rf"reverse.parquet row {first_long}: prompt has {lengths[first_long]} tokens, "
+        rf"more than data.max_prompt_length={limit}; set data.filter_overlong",
+    ):
         PromptDataset(files["parquet"], tokenizer, cfg(files, max_prompt_length=limit))
 
     ids = full[first_long]["input_ids"]
-    for mode, expected in [("left", ids[-limit:]), ("right", ids[:limit]),
-                           ("middle", ids[: limit // 2] + ids[len(ids) - (limit - limit // 2):])]:
+    for mode, expected in [
+        ("left", ids[-limit:]),
+        ("right", ids[:limit]),
+        ("middle", ids[: limit // 2] + ids[len(ids) - (limit - limit // 2) :]),
+    ]:
         ds = PromptDataset(files["parquet"], tokenizer, cfg(files, max_prompt_length=limit, truncation=mode))
         assert ds[first_long]["input_ids"] == expected and len(expected) == limit
     with pytest.raises(ValueError, match="all 10 rows are longer than data.max_prompt_length=3"):
@@ -155,10 +174,26 @@ def test_max_samples_like_verl(tokenizer, files):
 
 # ----------------------------------------------------------------------------- batching
 def test_collate_left_pads():
-    items = [{"input_ids": [5, 6, 7], "raw_prompt": "a", "data_source": "s", "ground_truth": "1", "extra_info": {},
-              "index": 0, "row": 0},
-             {"input_ids": [8], "raw_prompt": "b", "data_source": "s", "ground_truth": "2", "extra_info": {},
-              "index": 1, "row": 1}]
+    items = [
+        {
+            "input_ids": [5, 6, 7],
+            "raw_prompt": "a",
+            "data_source": "s",
+            "ground_truth": "1",
+            "extra_info": {},
+            "index": 0,
+            "row": 0,
+        },
+        {
+            "input_ids": [8],
+            "raw_prompt": "b",
+            "data_source": "s",
+            "ground_truth": "2",
+            "extra_info": {},
+            "index": 1,
+            "row": 1,
+        },
+    ]
     batch = collate_prompts(items, pad_token_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
@@ -211,8 +246,15 @@ def test_loader_resume_gives_the_same_next_batches(tokenizer, files):
             batch = resumed.next_batch()
             assert batch["uid"] == stream[k]["uid"]
             assert torch.equal(batch["input_ids"], stream[k]["input_ids"])
-    assert run.state_dict() == {"epoch": 1, "batch_in_epoch": 1, "seed": 11, "shuffle": True, "batch_size": 3,
-                                "num_samples": 10, "drop_last": True}
+    assert run.state_dict() == {
+        "epoch": 1,
+        "batch_in_epoch": 1,
+        "seed": 11,
+        "shuffle": True,
+        "batch_size": 3,
+        "num_samples": 10,
+        "drop_last": True,
+    }
     with pytest.raises(ValueError, match="dataloader state has seed=11 but this loader has seed=12"):
         PromptDataLoader(ds, batch_size=3, seed=12).load_state_dict(state)
     with pytest.raises(ValueError, match=r"epoch=0, batch_in_epoch=3 is out of range \(0 <= batch_in_epoch < 3\)"):

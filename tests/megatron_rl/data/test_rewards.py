@@ -30,21 +30,24 @@ def score(name, text, truth, **kw):
 
 
 # ----------------------------------------------------------------------------- gsm8k
-@pytest.mark.parametrize("text, method, expected", [
-    ("so 8 * 9 = 72\n#### 72", "strict", 1.0),
-    ("#### 5 first, then #### 72", "strict", 1.0),     # the last '#### n' counts
-    ("#### 7,2", "strict", 1.0),                        # commas are removed
-    ("#### 1,000", "strict", 0.1),                      # '1000' != '72' -> format_score
-    ("the answer is 72", "strict", 0.0),                # no '#### ' -> no answer
-    ("####72", "strict", 0.0),                          # the space after #### is required
-    ("#### 71", "strict", 0.1),                         # answered, wrong -> format_score
-    ("#### 72" + "x" * 300, "strict", 0.0),             # only the last 300 characters are searched
-    ("the answer is 72", "flexible", 1.0),
-    ("I think 70, no: 72.", "flexible", 0.1),          # the last number-like run is '72.'
-    ("72 .", "flexible", 1.0),                          # a lone '.' is skipped
-    ("72 ...", "flexible", 0.1),                        # ... but '...' is a (wrong) answer
-    ("no digits at all", "flexible", 0.0),
-])
+@pytest.mark.parametrize(
+    "text, method, expected",
+    [
+        ("so 8 * 9 = 72\n#### 72", "strict", 1.0),
+        ("#### 5 first, then #### 72", "strict", 1.0),  # the last '#### n' counts
+        ("#### 7,2", "strict", 1.0),  # commas are removed
+        ("#### 1,000", "strict", 0.1),  # '1000' != '72' -> format_score
+        ("the answer is 72", "strict", 0.0),  # no '#### ' -> no answer
+        ("####72", "strict", 0.0),  # the space after #### is required
+        ("#### 71", "strict", 0.1),  # answered, wrong -> format_score
+        ("#### 72" + "x" * 300, "strict", 0.0),  # only the last 300 characters are searched
+        ("the answer is 72", "flexible", 1.0),
+        ("I think 70, no: 72.", "flexible", 0.1),  # the last number-like run is '72.'
+        ("72 .", "flexible", 1.0),  # a lone '.' is skipped
+        ("72 ...", "flexible", 0.1),  # ... but '...' is a (wrong) answer
+        ("no digits at all", "flexible", 0.0),
+    ],
+)
 def test_gsm8k_scores(text, method, expected):
     out = score("gsm8k", text, "72", method=method, format_score=0.1)
     assert out["score"] == pytest.approx(expected, abs=0)
@@ -65,18 +68,21 @@ def test_gsm8k_extraction_and_bad_ground_truth():
 GT = {"target": 51, "numbers": [93, 43, 1]}
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("<think>93-43=50</think> <answer>(93-43)+1</answer>", 1.0),
-    ("<answer>1 + 93 - 43</answer>", 1.0),
-    ("<answer>93-43-1</answer>", 0.1),             # right numbers, evaluates to 49
-    ("<answer>93-42+1</answer>", 0.1),             # 42 is not one of the numbers
-    ("<answer>93-43+1+1</answer>", 0.1),           # 1 used twice
-    ("<answer>(93-43)+1</answer>\nDone.", 0.0),    # only the last line is searched
-    ("(93-43)+1", 0.0),                             # no <answer> tag
-    ("<answer>abs(93-43)+1</answer>", 0.1),        # a name is not arithmetic
-    ("<answer>1</answer> <answer>(93-43)+1</answer>", 1.0),  # the last tag counts
-    ("Assistant: <answer>(93-43)+1</answer>", 1.0),  # TinyZero's prompt header is cut
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>93-43=50</think> <answer>(93-43)+1</answer>", 1.0),
+        ("<answer>1 + 93 - 43</answer>", 1.0),
+        ("<answer>93-43-1</answer>", 0.1),  # right numbers, evaluates to 49
+        ("<answer>93-42+1</answer>", 0.1),  # 42 is not one of the numbers
+        ("<answer>93-43+1+1</answer>", 0.1),  # 1 used twice
+        ("<answer>(93-43)+1</answer>\nDone.", 0.0),  # only the last line is searched
+        ("(93-43)+1", 0.0),  # no <answer> tag
+        ("<answer>abs(93-43)+1</answer>", 0.1),  # a name is not arithmetic
+        ("<answer>1</answer> <answer>(93-43)+1</answer>", 1.0),  # the last tag counts
+        ("Assistant: <answer>(93-43)+1</answer>", 1.0),  # TinyZero's prompt header is cut
+    ],
+)
 def test_countdown_scores(text, expected):
     out = score("countdown", text, GT)
     assert out["score"] == expected
@@ -89,7 +95,9 @@ def test_countdown_arithmetic_edge_cases():
     # '**' is rejected (TinyZero would eval it): countdown allows + - * / only.
     assert score("countdown", "<answer>2**3</answer>", {"target": 8, "numbers": [2, 3]})["score"] == 0.1
     assert score("countdown", "<answer>7</answer>", {"target": 7, "numbers": [7]}, format_score=0.0, score=2.0) == {
-        "score": 2.0, "acc": 1.0}
+        "score": 2.0,
+        "acc": 1.0,
+    }
     with pytest.raises(ValueError, match="countdown ground_truth must be a mapping with 'target' and 'numbers'"):
         score("countdown", "<answer>7</answer>", "7")
 
@@ -105,14 +113,17 @@ def test_math_verify_scores():
 
 
 # ----------------------------------------------------------------------------- toy tasks
-@pytest.mark.parametrize("text, expected_score, expected_acc", [
-    ("9 1 7 3", 1.0, 1.0),
-    ("  9 1 7 3 \n", 1.0, 1.0),
-    ("9 7 1 3", 0.5, 0.0),       # positions 0 and 3 right
-    ("9 1 7 3 3", 0.8, 0.0),     # 4 right over the longer length 5
-    ("9 1", 0.5, 0.0),           # 2 right over 4
-    ("", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "text, expected_score, expected_acc",
+    [
+        ("9 1 7 3", 1.0, 1.0),
+        ("  9 1 7 3 \n", 1.0, 1.0),
+        ("9 7 1 3", 0.5, 0.0),  # positions 0 and 3 right
+        ("9 1 7 3 3", 0.8, 0.0),  # 4 right over the longer length 5
+        ("9 1", 0.5, 0.0),  # 2 right over 4
+        ("", 0.0, 0.0),
+    ],
+)
 def test_toy_sequence_scores(text, expected_score, expected_acc):
     for name in ("toy_copy", "toy_reverse"):
         assert score(name, text, "9 1 7 3") == {"score": expected_score, "acc": expected_acc}
@@ -149,8 +160,10 @@ def test_default_compute_score_dispatch_and_kwargs():
 
 def test_load_custom_reward_fn(tmp_path):
     path = tmp_path / "my_reward.py"
-    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    "    return float(len(solution_str) == int(ground_truth))\n")
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) == int(ground_truth))\n"
+    )
     fn = load_custom_reward_fn(path)
     assert fn("x", "abc", "3") == 1.0
     with pytest.raises(ValueError, match="custom_reward_function.name='nope' is not a function in"):
@@ -175,8 +188,12 @@ def test_token_level_scores_on_last_valid_token(tokenizer):
     texts = ["#### 72", "#### 5", "so 72", ""]
     responses, mask = make_batch(tokenizer, texts, width=12)
     mask[3] = 0  # an empty response: verl's index valid_len - 1 = -1 is the last column
-    batch = {"responses": responses, "response_mask": mask, "data_source": ["openai/gsm8k"] * 4,
-             "reward_model": [{"ground_truth": "72"}] * 4}
+    batch = {
+        "responses": responses,
+        "response_mask": mask,
+        "data_source": ["openai/gsm8k"] * 4,
+        "reward_model": [{"ground_truth": "72"}] * 4,
+    }
     out = RewardFunction(tokenizer, reward_kwargs={"format_score": 0.25})(batch)
     lengths = mask.sum(-1)
     expected = torch.zeros(4, 12)
@@ -197,8 +214,14 @@ def test_attention_mask_fallback_and_overlong_penalty(tokenizer):
     assert lengths[0] < 6 and lengths[1] == 10  # the second response fills the width
     cfg = {"enable": True, "len": 4, "penalty_factor": 1.0, "log": True}
     fn = RewardFunction(tokenizer, "toy_copy", overlong_buffer_cfg=cfg, max_resp_len=10)
-    out = fn({"responses": responses, "attention_mask": torch.cat([prompt_mask, mask], 1),
-              "data_source": ["toy_copy"] * 2, "ground_truth": ["1 2", "1 2"]})
+    out = fn(
+        {
+            "responses": responses,
+            "attention_mask": torch.cat([prompt_mask, mask], 1),
+            "data_source": ["toy_copy"] * 2,
+            "ground_truth": ["1 2", "1 2"],
+        }
+    )
     # Sample 1 is cut to 10 tokens; its words: 2 of 10 right -> 0.2; 10 tokens exceed
     # max_resp_len - len = 6 by 4 -> penalty -4/4 * 1.0.
     assert out.response_texts[1] == "1 2 3 4 5 6 7 8 9 10"
@@ -220,8 +243,14 @@ def test_float_results_record_acc_like_verl_dapo(tokenizer):
 
 def test_failing_reward_raises_reward_error_with_indices(tokenizer):
     def flaky(data_source, solution_str, ground_truth, extra_info=None):
-        results = {"raise": lambda: 1 / 0, "nan": lambda: math.nan, "inf": lambda: {"score": math.inf},
-                   "none": lambda: None, "str": lambda: "1.0", "nokey": lambda: {"acc": 1.0}}
+        results = {
+            "raise": lambda: 1 / 0,
+            "nan": lambda: math.nan,
+            "inf": lambda: {"score": math.inf},
+            "none": lambda: None,
+            "str": lambda: "1.0",
+            "nokey": lambda: {"acc": 1.0},
+        }
         return results.get(ground_truth, lambda: 1.0)()
 
     truths = ["ok", "raise", "ok", "nan", "inf", "none", "str", "nokey"]
@@ -239,8 +268,10 @@ def test_failing_reward_raises_reward_error_with_indices(tokenizer):
         "returned '1.0' (str); expected a float or a dict with 'score'",
         "returned a dict without 'score' (keys: ['acc'])",
     ]
-    assert str(err).startswith("reward function failed on 6 of 8 samples (indices [1, 3, 4, 5, 6, 7]): "
-                               "sample 1 (data_source='src'): ZeroDivisionError: division by zero; ")
+    assert str(err).startswith(
+        "reward function failed on 6 of 8 samples (indices [1, 3, 4, 5, 6, 7]): "
+        "sample 1 (data_source='src'): ZeroDivisionError: division by zero; "
+    )
     assert str(err).endswith("... and 1 more")
 
 

@@ -27,8 +27,13 @@ def _inputs_seen_by_model(rank, world_size, remove_padding):
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    role = make_role("ref", DENSE, init_mesh(ParallelConfig(), seed=3), {"ppo_micro_batch_size_per_gpu": 4},
-                     remove_padding=remove_padding)
+    role = make_role(
+        "ref",
+        DENSE,
+        init_mesh(ParallelConfig(), seed=3),
+        {"ppo_micro_batch_size_per_gpu": 4},
+        remove_padding=remove_padding,
+    )
     model = role.engine.model[0]
     model.to("meta")
     role.engine.device = torch.device("meta")  # where a GPU rank's engine says its model is
@@ -61,8 +66,9 @@ def test_to_device_moves_nested_tensors_and_dataclasses(lazy):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = torch.tensor([0, 3, 8], dtype=torch.int32)
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=5,
-                             max_seqlen_kv=5)
+    packed = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=5, max_seqlen_kv=5
+    )
     moved = to_device({"mb": {"ids": torch.arange(4)}, "packed": packed, "pair": (torch.ones(2), 3)}, lazy)
     assert moved["mb"]["ids"].device.type == "lazy"
     assert moved["packed"].cu_seqlens_q.device.type == "lazy" and moved["packed"].cu_seqlens_kv.device.type == "lazy"
@@ -95,4 +101,3 @@ def test_worker_call_hands_the_driver_host_tensors(lazy):
     assert out["log_probs"].device.type == "cpu" and out["nested"][0].device.type == "cpu"
     assert out["log_probs"].tolist() == [0.0, 2.0, 4.0] and out["nested"][0].tolist() == [1.0, 3.0, 5.0]
     assert out["count"] == 2
-

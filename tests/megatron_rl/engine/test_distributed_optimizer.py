@@ -35,8 +35,9 @@ def _actor(mesh, distributed: bool):
     from megatron_rl.config import ActorConfig
     from megatron_rl.roles import build_role
 
-    return build_role("actor", ModelConfig(**DENSE), mesh, ActorConfig.from_dict(CONFIG),
-                      distributed_optimizer=distributed)
+    return build_role(
+        "actor", ModelConfig(**DENSE), mesh, ActorConfig.from_dict(CONFIG), distributed_optimizer=distributed
+    )
 
 
 def _step(role, batch, mesh):
@@ -62,9 +63,14 @@ def _equal_step_case(rank, world_size, ckpt):
     _step(dist_role, make_batch(DENSE["vocab_size"], seed=2), mesh)
     dist_role.engine.save_checkpoint(ckpt)  # after two steps (a fresh load takes one dummy step: 'step' must move)
     nxt = _step(dist_role, make_batch(DENSE["vocab_size"], seed=3), mesh)
-    return {"diff": max(float((w_dist[k] - w_plain[k]).abs().max()) for k in w_dist), "metrics": metrics,
-            "state": state, "next": _weights(dist_role), "next_metrics": nxt,
-            "kind": [type(o).__name__ for o in getattr(dist_role.engine.optimizer, "chained_optimizers", [])]}
+    return {
+        "diff": max(float((w_dist[k] - w_plain[k]).abs().max()) for k in w_dist),
+        "metrics": metrics,
+        "state": state,
+        "next": _weights(dist_role),
+        "next_metrics": nxt,
+        "kind": [type(o).__name__ for o in getattr(dist_role.engine.optimizer, "chained_optimizers", [])],
+    }
 
 
 def _resume_case(rank, world_size, ckpt_in, ckpt_out, distributed):

@@ -25,8 +25,15 @@ import torch
 from parallel.testing import run_distributed
 from tests.numerics import assert_within, gpt_forward_terms, rounding_bound
 
-DENSE = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, max_position_embeddings=64)
+DENSE = dict(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
 MOE = dict(DENSE, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.0)
 BATCH, PROMPT, RESPONSE = 8, 6, 5
 SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
@@ -81,8 +88,10 @@ def _run_layout(rank, world_size, par, model_kw, train_cfgs, ckpts, dp_split):
     from parallel.mesh import init_mesh
 
     par = dict(par)
-    options = {"sequence_parallel": par.pop("sequence_parallel", False),  # megatron.* keys, not ParallelConfig fields
-               "remove_padding": par.pop("remove_padding", True)}
+    options = {
+        "sequence_parallel": par.pop("sequence_parallel", False),  # megatron.* keys, not ParallelConfig fields
+        "remove_padding": par.pop("remove_padding", True),
+    }
     mesh = init_mesh(ParallelConfig(**par), seed=1234)
     results = {}
     for role, train_cfg in train_cfgs.items():
@@ -129,8 +138,13 @@ def _load_roles(rank, world_size, model_kw, paths_by_role):
         out[role] = []
         for path in paths:
             load_model(chunks, path)
-            out[role].append({k: v.detach().cpu().clone() for k, v in chunks[0].state_dict().items()
-                              if torch.is_tensor(v) and "_extra_state" not in k})
+            out[role].append(
+                {
+                    k: v.detach().cpu().clone()
+                    for k, v in chunks[0].state_dict().items()
+                    if torch.is_tensor(v) and "_extra_state" not in k
+                }
+            )
     return out
 
 
@@ -160,8 +174,14 @@ LAYOUTS = {
     "mbs8": (1, dict(), {"ppo_micro_batch_size_per_gpu": 8}),
     "budget32": (1, dict(), _budget(32)),
 }
-ACTOR_CFG = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD,
-             "clip_ratio_low": 0.02, "clip_ratio_high": 0.03, "entropy_coeff": 0.01}
+ACTOR_CFG = {
+    "ppo_mini_batch_size": BATCH,
+    "ppo_micro_batch_size_per_gpu": 2,
+    "optim": SGD,
+    "clip_ratio_low": 0.02,
+    "clip_ratio_high": 0.03,
+    "entropy_coeff": 0.01,
+}
 CRITIC_CFG = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": SGD, "cliprange_value": 0.05}
 
 
@@ -170,8 +190,10 @@ def _compare(train_cfgs, model_kw, ckpt_root, layouts, backend="gloo", reference
     tag = f"{model_kw.get('num_moe_experts', 0)}_{model_kw.get('attention_backend', 'auto')}"
 
     def ckpts(name):
-        return {role: (str(ckpt_root / f"{role}_{tag}_init"), str(ckpt_root / f"{role}_{tag}_{name}"))
-                for role in train_cfgs}
+        return {
+            role: (str(ckpt_root / f"{role}_{tag}_init"), str(ckpt_root / f"{role}_{tag}_{name}"))
+            for role in train_cfgs
+        }
 
     (ref,) = run_distributed(_run_layout, 1, reference, model_kw, train_cfgs, ckpts("ref"), False, backend=backend)
     results = {role: {} for role in train_cfgs}
@@ -207,7 +229,11 @@ def _check(ref, results, weights, keys, layouts=LAYOUTS, scale=1.0):
             assert not packed or diff < PACKED_TOL * scale, (name, key, diff)
         for metric, value in ref["metrics"].items():
             assert math.isclose(res["metrics"][metric], value, rel_tol=1e-4 * scale, abs_tol=1e-5 * scale), (
-                name, metric, res["metrics"][metric], value)
+                name,
+                metric,
+                res["metrics"][metric],
+                value,
+            )
     ref_w = weights[0]
     for (name, _), w in zip(results.items(), weights[1:]):
         assert w.keys() == ref_w.keys()
@@ -262,8 +288,10 @@ def _naive_reference(rank, world_size, model_kw, temperature):
 
     actor = make_role("actor", model_kw, init_mesh(ParallelConfig(), seed=7), {"ppo_mini_batch_size": BATCH})
     batch = make_batch(model_kw["vocab_size"])
-    out = {mbs: actor.compute_log_prob(batch, temperature=temperature, calculate_entropy=True, micro_batch_size=mbs)
-           for mbs in (1, 3, BATCH)}
+    out = {
+        mbs: actor.compute_log_prob(batch, temperature=temperature, calculate_entropy=True, micro_batch_size=mbs)
+        for mbs in (1, 3, BATCH)
+    }
     model = actor.engine.model[0].module
     expected_lp = torch.zeros(BATCH, RESPONSE)
     expected_h = torch.zeros(BATCH, RESPONSE)
@@ -279,8 +307,14 @@ def _naive_reference(rank, world_size, model_kw, temperature):
             expected_h[i, :n_resp] = -(logp.exp() * logp).sum(-1)
     mask = batch["response_mask"].bool()
     scales = (float(expected_lp[mask].abs().max()), float(expected_h[mask].abs().max()))
-    return {mbs: (_max_diff(o["log_probs"][mask], expected_lp[mask]), _max_diff(o["entropys"][mask], expected_h[mask]),
-                  *scales) for mbs, o in out.items()}
+    return {
+        mbs: (
+            _max_diff(o["log_probs"][mask], expected_lp[mask]),
+            _max_diff(o["entropys"][mask], expected_h[mask]),
+            *scales,
+        )
+        for mbs, o in out.items()
+    }
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -331,8 +365,12 @@ def _offload_case(rank, world_size):
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
-    actor = make_role("actor", DENSE, init_mesh(ParallelConfig(), seed=5),
-                      {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2})
+    actor = make_role(
+        "actor",
+        DENSE,
+        init_mesh(ParallelConfig(), seed=5),
+        {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2},
+    )
     engine = actor.engine
     batch = make_batch(DENSE["vocab_size"])  # host tensors, as the driver sends them: the engine moves them
     before = actor.compute_log_prob(batch)["log_probs"]
@@ -363,7 +401,9 @@ def test_context_parallel_actor_equals_single_rank(ckpt_root):
     model_kw = dict(DENSE, attention_backend="te", params_dtype="bfloat16")
     # Padded CP (zigzag of the padded rows) and packed THD CP (zigzag per row, TE's THD attention),
     # both against padded single-rank TE.
-    layouts = {"cp2_padded": (2, dict(context_parallel_size=2, **PADDED), {}),
-               "cp2_thd": (2, dict(context_parallel_size=2), _budget(16))}
+    layouts = {
+        "cp2_padded": (2, dict(context_parallel_size=2, **PADDED), {}),
+        "cp2_thd": (2, dict(context_parallel_size=2), _budget(16)),
+    }
     ref, results, weights = _compare({"actor": train_cfg}, model_kw, ckpt_root, layouts, backend="nccl")["actor"]
     _check(ref, results, weights, ["log_probs", "entropys"], layouts, scale=BF16_SCALE)

@@ -21,8 +21,14 @@ from tests.numerics import gpt_forward_terms, rounding_bound
 
 FORWARD_TERMS = gpt_forward_terms(DENSE, PROMPT + RESPONSE)
 
-ADAM = {"optimizer": "adam", "lr": 1e-2, "weight_decay": 0.01, "clip_grad": 1.0, "lr_warmup_steps": 3,
-        "lr_warmup_init": 0.0}
+ADAM = {
+    "optimizer": "adam",
+    "lr": 1e-2,
+    "weight_decay": 0.01,
+    "clip_grad": 1.0,
+    "lr_warmup_steps": 3,
+    "lr_warmup_init": 0.0,
+}
 TRAIN = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "optim": ADAM}
 
 
@@ -81,8 +87,13 @@ def _gather(rank, world_size, paths):
     out = []
     for path in paths:
         load_model(chunks, path)
-        out.append({k: v.detach().clone() for k, v in chunks[0].state_dict().items()
-                    if torch.is_tensor(v) and "_extra_state" not in k})
+        out.append(
+            {
+                k: v.detach().clone()
+                for k, v in chunks[0].state_dict().items()
+                if torch.is_tensor(v) and "_extra_state" not in k
+            }
+        )
     return out
 
 
@@ -105,8 +116,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def test_resume_gives_the_same_next_step(tmp_path):
     ckpt, a, b = str(tmp_path / "ckpt"), str(tmp_path / "a"), str(tmp_path / "b")
-    (m_a, steps_a), = run_distributed(_save_then_continue, 1, {}, ckpt, a)
-    (m_b, restored), = run_distributed(_load_then_continue, 1, {}, ckpt, b)
+    ((m_a, steps_a),) = run_distributed(_save_then_continue, 1, {}, ckpt, a)
+    ((m_b, restored),) = run_distributed(_load_then_continue, 1, {}, ckpt, b)
     assert restored == steps_a - 1 == 2  # two optimizer steps (one mini-batch each) before the save
     assert m_a.keys() == m_b.keys()
     for key in m_a:
@@ -120,7 +131,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
 def test_optimizer_state_reshards_tp2_to_tp1(tmp_path):
     ckpt, a, b = str(tmp_path / "ckpt"), str(tmp_path / "a"), str(tmp_path / "b")
     results = run_distributed(_save_then_continue, 2, {"tensor_model_parallel_size": 2}, ckpt, a)
-    (m_b, _), = run_distributed(_load_then_continue, 1, {}, ckpt, b)
+    ((m_b, _),) = run_distributed(_load_then_continue, 1, {}, ckpt, b)
     m_a = results[0][0]
     # The step after the load runs at TP=2 and at TP=1 from the same weights: two float32 paths. A
     # log-prob errs by LP = eps * FORWARD_TERMS * max(1, |lp|) on each; ppo_kl = mean(old - new) and the
@@ -130,9 +141,11 @@ def test_optimizer_state_reshards_tp2_to_tp1(tmp_path):
     batch = make_batch(DENSE["vocab_size"], seed=2)
     tokens, adv = int(batch["response_mask"].sum()), float(batch["advantages"].abs().max())
     ratio = float(batch["offset"].abs().max()) + 4 * lp
-    bounds = {"actor/ppo_kl": 4 * lp + 2 * rounding_bound(tokens, ratio),
-              "actor/pg_loss": adv * math.exp(ratio) * 4 * lp + 2 * rounding_bound(tokens, adv * math.exp(ratio)),
-              "actor/grad_norm": 2 * rounding_bound(2 * FORWARD_TERMS + tokens, m_a["actor/grad_norm"])}
+    bounds = {
+        "actor/ppo_kl": 4 * lp + 2 * rounding_bound(tokens, ratio),
+        "actor/pg_loss": adv * math.exp(ratio) * 4 * lp + 2 * rounding_bound(tokens, adv * math.exp(ratio)),
+        "actor/grad_norm": 2 * rounding_bound(2 * FORWARD_TERMS + tokens, m_a["actor/grad_norm"]),
+    }
     for key, bound in bounds.items():
         assert m_b[key] == pytest.approx(m_a[key], abs=bound), (key, bound)
     wa, wb = run_distributed(_gather, 1, [a, b])[0]
@@ -142,4 +155,3 @@ def test_optimizer_state_reshards_tp2_to_tp1(tmp_path):
 def test_restoring_training_state_from_a_model_only_checkpoint_is_refused(tmp_path):
     err = run_distributed(_bad_restore, 1, str(tmp_path / "m"))[0]
     assert "holds no optimizer state" in err
-

@@ -18,8 +18,13 @@ def _case(rank, world_size, overrides):
 
     mesh = init_mesh(ParallelConfig(), seed=3)
     try:
-        actor = make_role("actor", DENSE, mesh, {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4},
-                          transformer_overrides=overrides)
+        actor = make_role(
+            "actor",
+            DENSE,
+            mesh,
+            {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4},
+            transformer_overrides=overrides,
+        )
     except ValueError as err:
         return str(err)
     batch = make_batch(DENSE["vocab_size"])
@@ -29,10 +34,14 @@ def _case(rank, world_size, overrides):
     return metrics, actor.compute_log_prob(batch)["log_probs"], actor.engine.tf_config.recompute_granularity
 
 
-@pytest.mark.parametrize("overrides", [
-    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    {"recompute_granularity": "selective"},
-], ids=["full", "selective"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective"},
+    ],
+    ids=["full", "selective"],
+)
 def test_recompute_equals_no_recompute(overrides):
     base, lp_base, none = run_distributed(_case, 1, {})[0]
     metrics, lp, granularity = run_distributed(_case, 1, overrides)[0]

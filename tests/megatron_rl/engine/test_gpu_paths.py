@@ -43,8 +43,9 @@ def _worker_call_case(rank, world_size, ckpt):
 
 def test_worker_call_runs_a_real_role_on_a_host_shard(tmp_path):
     """The CPU half of the next test, on its own: a real actor through ``MegatronWorker.call``."""
-    devices, params, out, metrics = run_distributed(_worker_call_case, 1, str(tmp_path / "ckpt"),
-                                                    env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    devices, params, out, metrics = run_distributed(
+        _worker_call_case, 1, str(tmp_path / "ckpt"), env={"CUDA_VISIBLE_DEVICES": ""}
+    )[0]
     assert devices == {"cpu"} and params == {"cpu"}
     assert out["log_probs"].shape == out["entropys"].shape == (8, 5)
     assert metrics["actor/pg_loss"] == metrics["actor/pg_loss"] and "actor/grad_norm" in metrics  # finite, not NaN
@@ -54,8 +55,9 @@ def test_worker_call_runs_a_real_role_on_a_host_shard(tmp_path):
 def test_worker_call_on_cuda_takes_and_returns_host_tensors(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     # the reference: the same weights on a CPU rank (CUDA hidden), which saves them for the GPU run
-    _, _, cpu_out, cpu_metrics = run_distributed(_worker_call_case, 1, ckpt, timeout_s=600,
-                                                 env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    _, _, cpu_out, cpu_metrics = run_distributed(
+        _worker_call_case, 1, ckpt, timeout_s=600, env={"CUDA_VISIBLE_DEVICES": ""}
+    )[0]
     devices, params, out, metrics = run_distributed(_worker_call_case, 1, ckpt, backend="nccl")[0]
     assert devices == {"cpu"} and params == {"cuda"}
     mask = make_batch(DENSE["vocab_size"], ragged=True)["response_mask"].bool()
@@ -79,8 +81,12 @@ def test_distributed_optimizer_on_nccl_equals_the_plain_one(tmp_path):
 def _sleep_case(rank, world_size, hf_dir):
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
 
-    rollout = VLLMRollout(hf_dir, RolloutConfig(prompt_length=16, response_length=4, gpu_memory_utilization=0.2,
-                                                enforce_eager=True, free_cache_engine=True))
+    rollout = VLLMRollout(
+        hf_dir,
+        RolloutConfig(
+            prompt_length=16, response_length=4, gpu_memory_utilization=0.2, enforce_eager=True, free_cache_engine=True
+        ),
+    )
     prompts = [[1, 2, 3, 4]]
     before = rollout.generate(prompts, validate=True)["responses"]
     free_awake = torch.cuda.mem_get_info()[0]
@@ -97,8 +103,15 @@ def test_vllm_sleep_releases_gpu_memory_and_wake_up_restores_the_engine(tmp_path
     pytest.importorskip("vllm")
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
 
-    hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3", hidden_size=256, intermediate_size=512,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)["path"]
+    hf_dir = build_tiny_hf_checkpoint(
+        tmp_path / "hf",
+        "qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )["path"]
     released, same = run_distributed(_sleep_case, 1, str(hf_dir), timeout_s=600)[0]
     assert released > 2**30 and same  # 20 % of the GPU's KV-cache share comes back while asleep
 

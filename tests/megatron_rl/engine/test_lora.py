@@ -34,12 +34,20 @@ def _case(rank, world_size, sequence_parallel):
     init_mesh(ParallelConfig(tensor_model_parallel_size=world_size), seed=3)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     sp = sequence_parallel and world_size > 1
-    cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
-                            tensor_model_parallel_size=world_size, sequence_parallel=sp, params_dtype=torch.float32)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=world_size,
+        sequence_parallel=sp,
+        params_dtype=torch.float32,
+    )
     init = torch.nn.init.zeros_
     fc1 = ColumnParallelLinear(HIDDEN, FFN, config=cfg, init_method=init, bias=False, gather_output=False)
-    fc2 = RowParallelLinear(FFN, HIDDEN, config=cfg, init_method=init, bias=False, input_is_parallel=True,
-                            skip_bias_add=True)
+    fc2 = RowParallelLinear(
+        FFN, HIDDEN, config=cfg, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=True
+    )
     with torch.no_grad():
         fc1.weight.copy_(_full(1, FFN, HIDDEN).chunk(world_size, 0)[rank])
         fc2.weight.copy_(_full(2, HIDDEN, FFN).chunk(world_size, 1)[rank])
@@ -72,14 +80,18 @@ def _case(rank, world_size, sequence_parallel):
         torch.distributed.all_gather(parts, t.detach().contiguous(), group=tp_group)
         return torch.cat(parts, dim)
 
-    full = {"fc1.A": fc1.lora_A.detach().clone(), "fc1.B": gathered(fc1.lora_B, 0),
-            "fc2.A": gathered(fc2.lora_A, 1), "fc2.B": fc2.lora_B.detach().clone()}
+    full = {
+        "fc1.A": fc1.lora_A.detach().clone(),
+        "fc1.B": gathered(fc1.lora_B, 0),
+        "fc2.A": gathered(fc2.lora_A, 1),
+        "fc2.B": fc2.lora_B.detach().clone(),
+    }
     return full, bits_equal, base_grads
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_lora_tp2_update_equals_single_rank(sequence_parallel):
-    (single, same1, grads1), = run_distributed(_case, 1, sequence_parallel)
+    ((single, same1, grads1),) = run_distributed(_case, 1, sequence_parallel)
     results = run_distributed(_case, 2, sequence_parallel)
     assert same1 and all(g is None for g in grads1)
     for full, same, grads in results:

@@ -49,11 +49,17 @@ def _case(rank, world_size):
 
     mesh = init_mesh(ParallelConfig(tensor_model_parallel_size=world_size), seed=5)
     sp = world_size > 1
-    actor_cfg = ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4,
-                                       "optim": ADAM})
+    actor_cfg = ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": ADAM})
     # B drawn non-zero: TP=2 must split a drawn B like its base (SwiGLU's linear_fc1 holds [gate; up] per rank).
-    engine = MegatronEngine(ModelConfig(**DENSE), mesh, trainable=True, optim=OptimConfig.from_dict(ADAM),
-                            sequence_parallel=sp, lora=_lora(lora_B_init_method="normal"), name="actor")
+    engine = MegatronEngine(
+        ModelConfig(**DENSE),
+        mesh,
+        trainable=True,
+        optim=OptimConfig.from_dict(ADAM),
+        sequence_parallel=sp,
+        lora=_lora(lora_B_init_method="normal"),
+        name="actor",
+    )
     actor = Actor(engine, actor_cfg)
     # A plain frozen engine with the same base weights: the names are the base model's.
     plain = MegatronEngine(ModelConfig(**DENSE), mesh, sequence_parallel=sp, name="base")
@@ -85,8 +91,9 @@ def _case(rank, world_size):
 
     base_equal = all(torch.equal(params[n], t) for n, t in base.items())
     base_grads = [n for n in base if params[n].grad is not None or getattr(params[n], "main_grad", None) is not None]
-    adapter_change = min(float((p.detach() - adapters_before[n]).abs().max()) for n, p in adapters.items()
-                         if ".lora_B" in n)
+    adapter_change = min(
+        float((p.detach() - adapters_before[n]).abs().max()) for n, p in adapters.items() if ".lora_B" in n
+    )
     adapted = actor.compute_log_prob(batch)["log_probs"]
     ref = actor.compute_ref_log_prob(batch)["log_probs"]
     plain_lp = base_actor.compute_log_prob(batch)["log_probs"]
@@ -94,13 +101,20 @@ def _case(rank, world_size):
         merged = actor.compute_log_prob(batch)["log_probs"]
     after_merge_equal = all(torch.equal(params[n], t) for n, t in base.items())
     again = actor.compute_log_prob(batch)["log_probs"]
-    return {"adapter_numel": adapter_numel, "grad_buffer_numel": grad_buffer_numel, "optim_numel": optim_numel,
-            "base_equal": base_equal, "base_grads": base_grads, "adapter_change": adapter_change,
-            "ref_vs_plain": float(((ref - plain_lp) * mask).abs().max()),
-            "adapted_vs_plain": float(((adapted - plain_lp) * mask).abs().max()),
-            "merged_vs_adapted": float(((merged - adapted) * mask).abs().max()),
-            "after_merge_equal": after_merge_equal, "again_equal": torch.equal(again, adapted),
-            "adapted": adapted * mask}
+    return {
+        "adapter_numel": adapter_numel,
+        "grad_buffer_numel": grad_buffer_numel,
+        "optim_numel": optim_numel,
+        "base_equal": base_equal,
+        "base_grads": base_grads,
+        "adapter_change": adapter_change,
+        "ref_vs_plain": float(((ref - plain_lp) * mask).abs().max()),
+        "adapted_vs_plain": float(((adapted - plain_lp) * mask).abs().max()),
+        "merged_vs_adapted": float(((merged - adapted) * mask).abs().max()),
+        "after_merge_equal": after_merge_equal,
+        "again_equal": torch.equal(again, adapted),
+        "adapted": adapted * mask,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,19 +142,25 @@ def test_lora_engine_refusals():
 
     run_distributed(_frozen_refuses, world_size=1)
     assert resolve_lora({"lora": {"rank": 4}}).merge is False  # verl's default: the adapter-only sync
-    cases = [({"lora": {"rank": 4, "merge": True, "type": "dora"}}, "lora.type='dora' is not allowed"),
-             ({"lora": {"rank": 4, "merge": True, "target_modules": ["q_proj"]}}, "['q_proj'] not allowed"),
-             ({"lora": {"rank": 4, "merge": True, "a2a_experimental": True}}, "lora.a2a_experimental=True is refused"),
-             ({"lora": {"rank": -1}}, "lora.rank: -1 is not allowed"),
-             ({"lora": {"rank": 4, "merge": True, "alpah": 2}}, "unknown key(s) ['alpah']"),
-             ({"lora_rank": 4, "lora": {"rank": 8}}, "are both set")]
+    cases = [
+        ({"lora": {"rank": 4, "merge": True, "type": "dora"}}, "lora.type='dora' is not allowed"),
+        ({"lora": {"rank": 4, "merge": True, "target_modules": ["q_proj"]}}, "['q_proj'] not allowed"),
+        ({"lora": {"rank": 4, "merge": True, "a2a_experimental": True}}, "lora.a2a_experimental=True is refused"),
+        ({"lora": {"rank": -1}}, "lora.rank: -1 is not allowed"),
+        ({"lora": {"rank": 4, "merge": True, "alpah": 2}}, "unknown key(s) ['alpah']"),
+        ({"lora_rank": 4, "lora": {"rank": 8}}, "are both set"),
+    ]
     for keys, message in cases:
         with pytest.raises(ValueError) as info:
             resolve_lora(keys)
         assert message in str(info.value), (keys, str(info.value))
     flat = resolve_lora({"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None})
-    assert (flat.rank, flat.alpha, flat.merge, flat.target_modules) == (8, 16, True, list(
-        ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")))
+    assert (flat.rank, flat.alpha, flat.merge, flat.target_modules) == (
+        8,
+        16,
+        True,
+        list(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")),
+    )
     assert not resolve_lora({"lora": {"rank": 0}}).enabled  # verl's default: no LoRA, nothing refused
     # a PEFT adapter to start from (its directory is checked by the placement, tests/.../test_lora_peft_load.py)
     assert resolve_lora({"lora": {"rank": 4, "adapter_path": "/x"}}).adapter_path == "/x"
@@ -150,8 +170,11 @@ def test_lora_engine_refusals():
     from tests.megatron_rl.engine.test_engine import MOE
 
     check_lora_fits(_lora(rank=48), ModelConfig(**MOE))  # the experts' fc2 is 64 x 48: rank 48 fits
-    with pytest.raises(ValueError, match=r"lora.rank=49 is larger than linear_fc2's dimensions \(64 x 48\); "
-                                         r"allowed: 1..48"):
+    with pytest.raises(
+        ValueError,
+        match=r"lora.rank=49 is larger than linear_fc2's dimensions \(64 x 48\); "
+        r"allowed: 1..48",
+    ):
         check_lora_fits(_lora(rank=49), ModelConfig(**MOE))
 
 
@@ -196,10 +219,18 @@ def _lora_actor(world_size, seed=5):
     from parallel.mesh import init_mesh
 
     mesh = init_mesh(ParallelConfig(tensor_model_parallel_size=world_size), seed=seed)
-    engine = MegatronEngine(ModelConfig(**DENSE), mesh, trainable=True, optim=OptimConfig.from_dict(ADAM),
-                            sequence_parallel=world_size > 1, lora=_lora(), name="actor")
-    actor = Actor(engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4,
-                                                 "optim": ADAM}))
+    engine = MegatronEngine(
+        ModelConfig(**DENSE),
+        mesh,
+        trainable=True,
+        optim=OptimConfig.from_dict(ADAM),
+        sequence_parallel=world_size > 1,
+        lora=_lora(),
+        name="actor",
+    )
+    actor = Actor(
+        engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": ADAM})
+    )
     return engine, actor, make_batch(DENSE["vocab_size"])
 
 
@@ -228,11 +259,18 @@ def _layout_case(rank, world_size, layout, moe, ckpt, distributed_optimizer=Fals
     from tests.megatron_rl.engine.test_engine import MOE
 
     mesh = init_mesh(ParallelConfig(**layout), seed=5)
-    engine = MegatronEngine(ModelConfig(**(MOE if moe else DENSE)), mesh, trainable=True,
-                            optim=OptimConfig.from_dict(ADAM), lora=_lora(lora_B_init_method="normal"), name="actor",
-                            distributed_optimizer=distributed_optimizer)
-    actor = Actor(engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2,
-                                                 "optim": ADAM}))
+    engine = MegatronEngine(
+        ModelConfig(**(MOE if moe else DENSE)),
+        mesh,
+        trainable=True,
+        optim=OptimConfig.from_dict(ADAM),
+        lora=_lora(lora_B_init_method="normal"),
+        name="actor",
+        distributed_optimizer=distributed_optimizer,
+    )
+    actor = Actor(
+        engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2, "optim": ADAM})
+    )
     drawn = {n: p.detach().clone() for n, p in engine.named_parameters() if ".lora_" in n}
     if world_size == 1:
         engine.save_checkpoint(ckpt)
@@ -248,14 +286,22 @@ def _layout_case(rank, world_size, layout, moe, ckpt, distributed_optimizer=Fals
         batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"]
         batch["advantages"] = torch.randn(BATCH, RESPONSE, generator=g) * batch["response_mask"]
         actor.update_policy({k: v.chunk(dp)[dp_rank] for k, v in batch.items()})
-    return (actor.compute_log_prob(batch)["log_probs"] * batch["response_mask"],
-            all(torch.equal(params[n], t) for n, t in base.items()), drawn_equal)
+    return (
+        actor.compute_log_prob(batch)["log_probs"] * batch["response_mask"],
+        all(torch.equal(params[n], t) for n, t in base.items()),
+        drawn_equal,
+    )
 
 
-@pytest.mark.parametrize("layout,moe,distributed_optimizer", [({"pipeline_model_parallel_size": 2}, False, False),
-                                                              ({"expert_model_parallel_size": 2}, True, False),
-                                                              ({}, False, True)],
-                         ids=["pp2", "ep2_experts", "dp2_distributed_optimizer"])
+@pytest.mark.parametrize(
+    "layout,moe,distributed_optimizer",
+    [
+        ({"pipeline_model_parallel_size": 2}, False, False),
+        ({"expert_model_parallel_size": 2}, True, False),
+        ({}, False, True),
+    ],
+    ids=["pp2", "ep2_experts", "dp2_distributed_optimizer"],
+)
 def test_lora_layouts_equal_single_rank(layout, moe, distributed_optimizer, tmp_path):
     """PP=2 and EP=2 (each rank's adapters for its own experts, reduced over the expert-data-parallel
     group) and DP=2 with Megatron's DistributedOptimizer (the adapters' Adam state sharded over DP)

@@ -31,8 +31,13 @@ PEFT_TOL = 1e-5
 MOVED_MIN = 1e-2
 SGD = {"optimizer": "sgd", "lr": 0.1, "weight_decay": 0.0, "clip_grad": 0.0}
 ALL = dict(rank=4, alpha=8.0, lora_B_init_method="normal")
-PARTIAL = dict(rank=2, alpha=3.0, lora_B_init_method="normal", target_modules=["linear_qkv", "linear_fc2"],
-               exclude_modules=["decoder.layers.0.self_attention.linear_qkv"])
+PARTIAL = dict(
+    rank=2,
+    alpha=3.0,
+    lora_B_init_method="normal",
+    target_modules=["linear_qkv", "linear_fc2"],
+    exclude_modules=["decoder.layers.0.self_attention.linear_qkv"],
+)
 
 
 def _case(rank, world_size, hf_dir: str, loras: list[dict], input_ids: torch.Tensor):
@@ -52,8 +57,15 @@ def _case(rank, world_size, hf_dir: str, loras: list[dict], input_ids: torch.Ten
     weight_map = family.weight_map(model_cfg)
     out = []
     for kw in loras:
-        engine = MegatronEngine(model_cfg, mesh, trainable=True, optim=OptimConfig.from_dict(SGD), name="actor",
-                                sequence_parallel=world_size > 1, lora=LoRAConfig(merge=True, **kw))
+        engine = MegatronEngine(
+            model_cfg,
+            mesh,
+            trainable=True,
+            optim=OptimConfig.from_dict(SGD),
+            name="actor",
+            sequence_parallel=world_size > 1,
+            lora=LoRAConfig(merge=True, **kw),
+        )
         load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh, ignore=engine.bridge_ignore)
         logits = megatron_logits(engine.model, mesh, input_ids, weight_map.vocab_size)
         tensors = peft_adapter_tensors(engine.model, weight_map, mesh=mesh, bucket_bytes=8192)
@@ -86,8 +98,12 @@ def tiny(tmp_path_factory):
 
 def test_peft_adapter_gives_the_actor_logits(tiny, tmp_path):
     from megatron_rl.config.lora import LoRAConfig
-    from megatron_rl.engine.lora_peft import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, peft_adapter_config,
-                                              write_peft_adapter)
+    from megatron_rl.engine.lora_peft import (
+        ADAPTER_CONFIG_NAME,
+        ADAPTER_WEIGHTS_NAME,
+        peft_adapter_config,
+        write_peft_adapter,
+    )
 
     hf_dir, input_ids = tiny
     single = run_distributed(_case, 1, str(hf_dir), [ALL, PARTIAL], input_ids, timeout_s=600)[0]
@@ -108,9 +124,13 @@ def test_peft_adapter_gives_the_actor_logits(tiny, tmp_path):
     assert written["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert len(single[0]["tensors"]) == 2 * 7 * 2  # 2 layers x 7 HF modules x (A, B)
     partial = json.loads((tmp_path / "partial" / ADAPTER_CONFIG_NAME).read_text())
-    assert partial["target_modules"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
-                                         "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.q_proj",
-                                         "model.layers.1.self_attn.v_proj"]
+    assert partial["target_modules"] == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
     # q, k, v share A; their B rows are linear_qkv's B regrouped by query group.
     t = single[0]["tensors"]
     pre = "base_model.model.model.layers.0.self_attn."

@@ -39,8 +39,15 @@ def _engine(hf_dir, mesh, **lora):
     model_cfg = family.model_config(hf_dir, make_vocab_size_divisible_by=64)
     weight_map = family.weight_map(model_cfg)
     config = LoRAConfig(merge=True, **lora)
-    engine = MegatronEngine(model_cfg, mesh, trainable=True, optim=OptimConfig.from_dict(SGD), name="actor",
-                            sequence_parallel=mesh.size("tp") > 1, lora=config)
+    engine = MegatronEngine(
+        model_cfg,
+        mesh,
+        trainable=True,
+        optim=OptimConfig.from_dict(SGD),
+        name="actor",
+        sequence_parallel=mesh.size("tp") > 1,
+        lora=config,
+    )
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh, ignore=engine.bridge_ignore)
     return engine, weight_map, config
 
@@ -138,8 +145,9 @@ def test_a_mismatching_adapter_is_refused_by_key(tiny, tmp_path):
         name = next(n for n in data if "layers.0.self_attn.k_proj.lora_A" in n)
         return {**data, name: data[name] + 1.0}
 
-    res = run_distributed(_load, 1, str(hf_dir), str(_with(adapter, tmp_path, "k", tensors=k_differs)), input_ids,
-                          LORA, timeout_s=240)[0]
+    res = run_distributed(
+        _load, 1, str(hf_dir), str(_with(adapter, tmp_path, "k", tensors=k_differs)), input_ids, LORA, timeout_s=240
+    )[0]
     assert "k_proj.lora_A.weight differs from" in res["error"] and "one A for all its HF modules" in res["error"]
     only_attention = dict(LORA, target_modules=["linear_qkv", "linear_proj"])  # the file also adapts the MLP
     res = run_distributed(_load, 1, str(hf_dir), str(adapter), input_ids, only_attention, timeout_s=240)[0]
@@ -158,7 +166,8 @@ def test_the_trainer_refuses_a_mismatching_adapter_before_any_worker_starts(tiny
     cfg = load_config("grpo_lora", [f"{KEY}={adapter}"])
     with pytest.raises(ValueError, match=f"{KEY}='{adapter}': .* r=4 but actor_rollout_ref.model.lora.rank=16"):
         role_specs(cfg, resolve_run(cfg), model_path=str(hf_dir), total_steps=1)
-    cfg = load_config("grpo_lora", [f"{KEY}={adapter}", "actor_rollout_ref.model.lora.rank=4",
-                                    "actor_rollout_ref.model.lora.alpha=8"])
+    cfg = load_config(
+        "grpo_lora", [f"{KEY}={adapter}", "actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.alpha=8"]
+    )
     specs = role_specs(cfg, resolve_run(cfg), model_path=str(hf_dir), total_steps=1)
     assert specs["actor"].lora.adapter_path == str(adapter)

@@ -63,9 +63,16 @@ def _offload_case(rank, world_size, par):
         second = [_step(name, r, batch2) for r in (role, twin)]
         w_off, w_twin = _weights(role), _weights(twin)
         out[name] = {
-            "before": before, "after": after, "back": back, "held": held, "moved": moved, "restored": restored,
-            "refused": refused, "first_equal": first[0] == first[1] if name != "ref" else True,
-            "second": second, "weights_equal": all(torch.equal(w_off[k], w_twin[k]) for k in w_off),
+            "before": before,
+            "after": after,
+            "back": back,
+            "held": held,
+            "moved": moved,
+            "restored": restored,
+            "refused": refused,
+            "first_equal": first[0] == first[1] if name != "ref" else True,
+            "second": second,
+            "weights_equal": all(torch.equal(w_off[k], w_twin[k]) for k in w_off),
         }
     # a partial offload: only the parameters leave, the optimizer state stays
     role = make_role("actor", DENSE, mesh, TRAIN)
@@ -76,8 +83,9 @@ def _offload_case(rank, world_size, par):
     return out
 
 
-@pytest.mark.parametrize("par", [dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2)],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "par", [dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2)], ids=["tp2", "pp2"]
+)
 def test_offload_leaves_nothing_resident_and_the_next_step_is_unchanged(par):
     results = run_distributed(_offload_case, 2, par)
     for res in results:
@@ -93,8 +101,7 @@ def test_offload_leaves_nothing_resident_and_the_next_step_is_unchanged(par):
             assert r["after"] == {"params": 0, "grads": 0, "optimizer": 0}, (name, r["after"])
             assert r["moved"] == sum(r["before"].values()) == r["restored"]
             # parameters and optimizer state were copied to the host; gradients released (zeroed on return)
-            assert r["held"] == {"params": r["before"]["params"], "grads": 0,
-                                 "optimizer": r["before"]["optimizer"]}
+            assert r["held"] == {"params": r["before"]["params"], "grads": 0, "optimizer": r["before"]["optimizer"]}
             assert r["back"] == r["before"]
             assert "offloaded to host memory" in r["refused"]
             if name == "ref":
@@ -143,7 +150,10 @@ def test_a_storage_that_cannot_be_released_is_refused_before_anything_moves():
     model[0][1].weight.data = torch.from_numpy(np.ones((2, 4), dtype=np.float32))
     before = resident_bytes(model, None)
     store = OffloadStore()
-    with pytest.raises(RuntimeError, match=r"cannot offload params: 1 storage\(s\) of it \(32 bytes first\) are not "
-                                           r"resizable"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot offload params: 1 storage\(s\) of it \(32 bytes first\) are not "
+        r"resizable",
+    ):
         store.offload(model, None, ["params"])
     assert resident_bytes(model, None) == before and not store.offloaded("params")

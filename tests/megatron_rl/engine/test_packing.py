@@ -59,28 +59,48 @@ def test_token_budget_micro_batches_fit_the_budget_and_restore_the_order(budget)
 def test_fixed_micro_batches_and_budget_errors_name_both_numbers():
     assert fixed_micro_batches(5, 2).indices == ((0, 1), (2, 3), (4,))
     assert isinstance(fixed_micro_batches(5, 2), MicroBatchPlan)
-    with pytest.raises(ValueError, match=rf"^a sample of 11 tokens is longer than the token budget {KEY}=10; "
-                                         rf"raise {KEY} to at least 11$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^a sample of 11 tokens is longer than the token budget {KEY}=10; "
+        rf"raise {KEY} to at least 11$",
+    ):
         token_budget_micro_batches(LENGTHS, 10, budget_key=KEY)
-    with pytest.raises(ValueError, match=rf"^{KEY}=3 needs 4 micro-batches on every data-parallel rank \(a multiple "
-                                         rf"of 4\), but a rank holds only 2 samples"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{KEY}=3 needs 4 micro-batches on every data-parallel rank \(a multiple "
+        rf"of 4\), but a rank holds only 2 samples",
+    ):
         token_budget_micro_batches([3, 3], 3, multiple_of=4, budget_key=KEY)
 
 
 def test_engine_refuses_budgets_it_cannot_honour():
     tf = types.SimpleNamespace(pipeline_model_parallel_size=2)
     batch = make_batch(DENSE["vocab_size"], ragged=True)
-    sp = types.SimpleNamespace(name="actor", model=[None], tf_config=tf, remove_padding=True, token_alignment=2,
-                               cp_size=1, mesh=types.SimpleNamespace(dp_group=None), device=torch.device("cpu"))
+    sp = types.SimpleNamespace(
+        name="actor",
+        model=[None],
+        tf_config=tf,
+        remove_padding=True,
+        token_alignment=2,
+        cp_size=1,
+        mesh=types.SimpleNamespace(dp_group=None),
+        device=torch.device("cpu"),
+    )
     with pytest.raises(ValueError, match=rf"^{KEY}=15 is not a multiple of 2, the packed-sequence alignment"):
         MegatronEngine.plan_micro_batches(sp, batch, max_token_len=15, budget_key=KEY)
     vpp = types.SimpleNamespace(**{**vars(sp), "model": [None, None], "remove_padding": False})
-    with pytest.raises(ValueError, match=rf"^{KEY}: token-budget micro-batches under the interleaved pipeline schedule"):
+    with pytest.raises(
+        ValueError, match=rf"^{KEY}: token-budget micro-batches under the interleaved pipeline schedule"
+    ):
         MegatronEngine.plan_micro_batches(vpp, batch, max_token_len=16, budget_key=KEY)
     with pytest.raises(ValueError, match=r"^the 'actor' engine needs micro_batch_size or max_token_len$"):
         MegatronEngine.plan_micro_batches(sp, batch)
-    plan = MegatronEngine.plan_micro_batches(vars(sp) and types.SimpleNamespace(**{**vars(sp), "model": [None, None]}),
-                                             batch, max_token_len=16, budget_key=KEY)
+    plan = MegatronEngine.plan_micro_batches(
+        vars(sp) and types.SimpleNamespace(**{**vars(sp), "model": [None, None]}),
+        batch,
+        max_token_len=16,
+        budget_key=KEY,
+    )
     assert len(plan) % 2 == 0  # interleaved schedule: a multiple of the pipeline size
 
 
@@ -96,8 +116,8 @@ def test_packed_rows_restart_positions_and_map_back_to_responses():
     starts = [0, 11, 12, 21, 28, 33, 33, 38]
     for row, (start, n) in enumerate(zip(starts, lengths)):
         valid = batch["input_ids"][row][batch["attention_mask"][row].bool()]
-        assert torch.equal(ids[0, start:start + n], valid)
-        assert pos[0, start:start + n].tolist() == list(range(n))
+        assert torch.equal(ids[0, start : start + n], valid)
+        assert pos[0, start : start + n].tolist() == list(range(n))
     # Each scored position predicts the response token it is mapped to.
     got = ids[0, layout.token_index + 1]
     assert torch.equal(got, batch["responses"][layout.rows, layout.cols])
@@ -132,9 +152,16 @@ def _dp_and_cp_case(rank, world_size):
     values = ids.float().requires_grad_()
     gathered = layout.gather_sequence(values)
     (gathered * (torch.arange(gathered.shape[1]) + 1.0)).sum().backward()
-    out.update(local=ids.shape[1], seq_len=layout.seq_len, cu=params.cu_seqlens_q.tolist(),
-               gathered=gathered.detach().long(), own=layout.cp_indices[rank], grad=values.grad,
-               full=full, labels=layout.local_labels)
+    out.update(
+        local=ids.shape[1],
+        seq_len=layout.seq_len,
+        cu=params.cu_seqlens_q.tolist(),
+        gathered=gathered.detach().long(),
+        own=layout.cp_indices[rank],
+        grad=values.grad,
+        full=full,
+        labels=layout.local_labels,
+    )
     return out
 
 
@@ -154,7 +181,7 @@ def test_dp_ranks_agree_on_one_count_and_cp_shares_reassemble():
     starts, lengths = [0, 12, 16, 28, 36, 44, 48, 56], LENGTHS
     single = [0, 11, 12, 21, 28, 33, 34, 39]
     for s, t, n in zip(starts, single, lengths):
-        assert torch.equal(r0["gathered"][0, s:s + n], r0["full"][0, t:t + n])
+        assert torch.equal(r0["gathered"][0, s : s + n], r0["full"][0, t : t + n])
 
 
 # -- every head, packed vs padded ------------------------------------------------------------
@@ -172,14 +199,26 @@ def _heads_case(rank, world_size, ckpt):
     for packed in (False, True):
         budgets = (None, 11, 16, 64) if packed else (None,)
         for budget in budgets:
-            dynamic = {} if budget is None else {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": budget}
+            dynamic = (
+                {} if budget is None else {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": budget}
+            )
             tag = (packed, budget)
-            actor = make_role("actor", DENSE, mesh, {"ppo_micro_batch_size_per_gpu": 3, **dynamic}, remove_padding=packed)
-            critic = make_role("critic", DENSE, mesh, {"ppo_micro_batch_size_per_gpu": 3, **(
-                {} if budget is None else {"use_dynamic_bsz": True, "forward_max_token_len_per_gpu": budget})},
-                remove_padding=packed)
-            rm_cfg = RewardModelConfig(micro_batch_size_per_gpu=3, use_dynamic_bsz=budget is not None,
-                                       forward_max_token_len_per_gpu=budget)
+            actor = make_role(
+                "actor", DENSE, mesh, {"ppo_micro_batch_size_per_gpu": 3, **dynamic}, remove_padding=packed
+            )
+            critic = make_role(
+                "critic",
+                DENSE,
+                mesh,
+                {
+                    "ppo_micro_batch_size_per_gpu": 3,
+                    **({} if budget is None else {"use_dynamic_bsz": True, "forward_max_token_len_per_gpu": budget}),
+                },
+                remove_padding=packed,
+            )
+            rm_cfg = RewardModelConfig(
+                micro_batch_size_per_gpu=3, use_dynamic_bsz=budget is not None, forward_max_token_len_per_gpu=budget
+            )
             rm = build_role("reward", ModelConfig(**DENSE), mesh, rm_cfg, remove_padding=packed)
             for name, role in (("actor", actor), ("critic", critic), ("reward", rm)):
                 path = f"{ckpt}_{name}"
@@ -228,9 +267,17 @@ def _te_case(rank, world_size, ckpt):
     batch = make_batch(DENSE["vocab_size"], ragged=True)  # host tensors, as the driver sends them
     out = {}
     for packed in (False, True):
-        actor = make_role("actor", dict(DENSE, attention_backend="te"), mesh,
-                          {"ppo_micro_batch_size_per_gpu": 3, "log_prob_use_dynamic_bsz": packed,
-                           "log_prob_max_token_len_per_gpu": 16}, remove_padding=packed)
+        actor = make_role(
+            "actor",
+            dict(DENSE, attention_backend="te"),
+            mesh,
+            {
+                "ppo_micro_batch_size_per_gpu": 3,
+                "log_prob_use_dynamic_bsz": packed,
+                "log_prob_max_token_len_per_gpu": 16,
+            },
+            remove_padding=packed,
+        )
         (load_model if packed else save_model)(actor.engine.model, ckpt)
         out[packed] = actor.compute_log_prob(batch, calculate_entropy=True)
         assert {v.device.type for v in out[packed].values()} == {"cpu"}  # results come back in host memory

@@ -19,9 +19,19 @@ import torch
 
 from parallel.testing import run_distributed
 
-MOE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, vocab_size=96,
-           max_position_embeddings=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
-           moe_aux_loss_coeff=0.0)
+MOE = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_aux_loss_coeff=0.0,
+)
 BATCH, PROMPT, RESPONSE = 8, 6, 5
 PROMPT_LENS, RESPONSE_LENS = [6, 6, 3, 4, 1, 2, 5, 6], [5, 5, 2, 1, 4, 3, 5, 4]
 """The two rows of each micro-batch are equally long (and hold an even number of tokens): neither
@@ -39,9 +49,13 @@ def make_batch(vocab: int) -> dict[str, torch.Tensor]:
     responses = torch.randint(1, vocab, (BATCH, RESPONSE), generator=g)
     prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - torch.tensor(PROMPT_LENS)[:, None]).long()
     response_mask = (torch.arange(RESPONSE)[None] < torch.tensor(RESPONSE_LENS)[:, None]).long()
-    return {"input_ids": torch.cat([prompts, responses], 1) * torch.cat([prompt_mask, response_mask], 1),
-            "attention_mask": torch.cat([prompt_mask, response_mask], 1), "responses": responses * response_mask,
-            "response_mask": response_mask, "advantages": torch.randn(BATCH, RESPONSE, generator=g)}
+    return {
+        "input_ids": torch.cat([prompts, responses], 1) * torch.cat([prompt_mask, response_mask], 1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+        "responses": responses * response_mask,
+        "response_mask": response_mask,
+        "advantages": torch.randn(BATCH, RESPONSE, generator=g),
+    }
 
 
 def _routers(engine):
@@ -55,8 +69,10 @@ class _RoutingMaps:
 
     def __init__(self, engine):
         self.maps: list[torch.Tensor] = []
-        self.handles = [r.register_forward_hook(lambda m, i, out: self.maps.append(out[1].detach().clone()))
-                        for r in _routers(engine)]
+        self.handles = [
+            r.register_forward_hook(lambda m, i, out: self.maps.append(out[1].detach().clone()))
+            for r in _routers(engine)
+        ]
 
     def take(self) -> list[torch.Tensor]:
         maps, self.maps = self.maps, []
@@ -78,8 +94,14 @@ def _case(rank, world_size, par, ckpt, save):
     par = dict(par)
     remove_padding = par.pop("remove_padding", True)  # a megatron.* key, not a ParallelConfig field
     mesh = init_mesh(ParallelConfig(**par), seed=1234)
-    actor = build_role("actor", ModelConfig(**MOE), mesh, ActorConfig.from_dict(ACTOR), routing_replay=True,
-                       remove_padding=remove_padding)
+    actor = build_role(
+        "actor",
+        ModelConfig(**MOE),
+        mesh,
+        ActorConfig.from_dict(ACTOR),
+        routing_replay=True,
+        remove_padding=remove_padding,
+    )
     engine = actor.engine
     if save:
         save_model(engine.model, ckpt)
@@ -109,8 +131,9 @@ def _case(rank, world_size, par, ckpt, save):
     def loss_fn(mb, out, step):
         from megatron_rl.engine.metrics import LossMetrics
 
-        lp, _ = response_log_probs(out, mb["responses"], temperature=1.0, entropy=False,
-                                   chunk_size=actor.config.logprob_chunk_size)
+        lp, _ = response_log_probs(
+            out, mb["responses"], temperature=1.0, entropy=False, chunk_size=actor.config.logprob_chunk_size
+        )
         if "lp" not in first:
             first["lp"] = lp.detach().clone()
         loss = (lp * mb["response_mask"]).sum() / max(step.batch_num_tokens, 1) * step.dp_size
@@ -128,16 +151,21 @@ def _case(rank, world_size, par, ckpt, save):
             router.weight.add_(ROUTER_SCALE * torch.randn(router.weight.shape, generator=g))
     metrics = actor.update_policy(batch)
     result["same_maps_perturbed"] = _maps_equal(recorded_maps, maps.take())
-    result["agree_perturbed"] = (metrics["actor/router_agreement/old_vs_update"],
-                                 metrics["actor/router_agreement/old_vs_update_natural"])
+    result["agree_perturbed"] = (
+        metrics["actor/router_agreement/old_vs_update"],
+        metrics["actor/router_agreement/old_vs_update_natural"],
+    )
     grads = [float(getattr(r.weight, "main_grad", r.weight.grad).abs().sum()) for r in _routers(engine)]
     result["router_grads"] = grads
 
     # (4) replay off: the routing differs.
     engine.train_step({k: v for k, v in mini.items() if k != ROUTED_EXPERTS}, loss_fn, micro_batch_size=2)
     result["same_maps_off"] = _maps_equal(recorded_maps, maps.take())
-    leftovers = [s for s in engine.routing.all_states() if s.target_topk_idx is not None or s.replay_backward_list
-                 or s.recorded_topk_idx is not None]
+    leftovers = [
+        s
+        for s in engine.routing.all_states()
+        if s.target_topk_idx is not None or s.replay_backward_list or s.recorded_topk_idx is not None
+    ]
     result["freed"] = not leftovers
     dist.barrier()
     return result
@@ -190,7 +218,6 @@ def test_r2_replays_recorded_routing(layout, reference):
         assert res["freed"]
 
 
-
 def _token_sources_case(rank, world_size):
     """Every layout's router tokens, mapped back by ``token_sources``, are the tokens the rank feeds the
     model: packed / padded, whole or split over 2 CP ranks (zigzag), whole or cut into TP=2 SP slices."""
@@ -227,6 +254,11 @@ def test_token_sources_follow_every_layout():
     for key in results[0]:
         assert all(res[key][0] for res in results), key  # the ids the routers see are the batch's tokens
         split = key.startswith("cp2")
-        seen = sorted(i for res in (results if split else results[:1]) for k, (_, ids) in res.items()
-                      if k.rsplit("/", 1)[0] == key.rsplit("/", 1)[0] for i in ids)
+        seen = sorted(
+            i
+            for res in (results if split else results[:1])
+            for k, (_, ids) in res.items()
+            if k.rsplit("/", 1)[0] == key.rsplit("/", 1)[0]
+            for i in ids
+        )
         assert seen == every_valid, key  # each valid token routed exactly once across the CP / SP shares

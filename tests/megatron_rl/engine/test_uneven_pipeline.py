@@ -19,15 +19,28 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.engine.test_engine import (ACTOR_CFG, CRITIC_CFG, DENSE, PADDED, _budget, _check,
-                                                  _load_roles, make_batch, make_role)
+from tests.megatron_rl.engine.test_engine import (
+    ACTOR_CFG,
+    CRITIC_CFG,
+    DENSE,
+    PADDED,
+    _budget,
+    _check,
+    _load_roles,
+    make_batch,
+    make_role,
+)
 
 UNEVEN = dict(DENSE, num_layers=5)
 # name -> (world size, parallel layout, override_transformer_config, training-config overrides)
 LAYOUTS = {
     "pp2_3+2": (2, dict(pipeline_model_parallel_size=2), {"num_layers_in_first_pipeline_stage": 3}, _budget(12)),
-    "pp3_2+2+1": (3, dict(pipeline_model_parallel_size=3),
-                  {"num_layers_in_first_pipeline_stage": 2, "num_layers_in_last_pipeline_stage": 1}, {}),
+    "pp3_2+2+1": (
+        3,
+        dict(pipeline_model_parallel_size=3),
+        {"num_layers_in_first_pipeline_stage": 2, "num_layers_in_last_pipeline_stage": 1},
+        {},
+    ),
 }
 STAGES = {"pp2_3+2": [[1, 2, 3], [4, 5]], "pp3_2+2+1": [[1, 2], [3, 4], [5]]}
 """The 1-based ``layer_number``s each pipeline stage must hold."""
@@ -52,16 +65,20 @@ def _run(rank, world_size, par, overrides, model_kw, train_cfgs, ckpts):
     mesh = init_mesh(ParallelConfig(**par), seed=1234)
     results = {}
     for role, train_cfg in train_cfgs.items():
-        worker = make_role(role, model_kw, mesh, train_cfg, transformer_overrides=overrides,
-                           remove_padding=remove_padding)
+        worker = make_role(
+            role, model_kw, mesh, train_cfg, transformer_overrides=overrides, remove_padding=remove_padding
+        )
         ckpt_in, ckpt_out = ckpts[role]
         if os.path.exists(ckpt_in):
             load_model(worker.engine.model, ckpt_in)
         else:
             save_model(worker.engine.model, ckpt_in)
         batch = make_batch(model_kw["vocab_size"], ragged=True)
-        result = {"layers": [int(layer.layer_number) for chunk in worker.engine.model
-                             for layer in _unwrap(chunk).decoder.layers]}
+        result = {
+            "layers": [
+                int(layer.layer_number) for chunk in worker.engine.model for layer in _unwrap(chunk).decoder.layers
+            ]
+        }
         if role == "actor":
             out = worker.compute_log_prob(batch, calculate_entropy=True)
             batch["old_log_probs"] = out["log_probs"] + batch["offset"]
@@ -87,8 +104,16 @@ def uneven_runs(tmp_path_factory):
     (ref,) = run_distributed(_run, 1, PADDED, {}, UNEVEN, roles, ckpts("ref"))
     results, ranks, paths = {r: {} for r in roles}, {}, {r: [ckpts("ref")[r][1]] for r in roles}
     for name, (world, par, overrides, train) in LAYOUTS.items():
-        res = run_distributed(_run, world, par, overrides, UNEVEN, {r: {**c, **train} for r, c in roles.items()},
-                              ckpts(name), timeout_s=600)
+        res = run_distributed(
+            _run,
+            world,
+            par,
+            overrides,
+            UNEVEN,
+            {r: {**c, **train} for r, c in roles.items()},
+            ckpts(name),
+            timeout_s=600,
+        )
         ranks[name] = res
         for role in roles:
             results[role][name] = res[-1][role]  # every stage returns the same per-row results
@@ -105,8 +130,10 @@ def test_stages_hold_the_uneven_split(uneven_runs):
             assert [r[role]["layers"] for r in res] == STAGES[name], (name, role)
             # The per-row results are handed to every stage.
             for r in res:
-                assert torch.equal(r[role]["log_probs" if role == "actor" else "values"],
-                                   res[-1][role]["log_probs" if role == "actor" else "values"])
+                assert torch.equal(
+                    r[role]["log_probs" if role == "actor" else "values"],
+                    res[-1][role]["log_probs" if role == "actor" else "values"],
+                )
 
 
 def test_actor_uneven_pipeline_equals_single_rank(uneven_runs):
@@ -166,8 +193,9 @@ def test_router_replay_follows_the_uneven_split(tmp_path):
     ckpt = str(tmp_path / "moe_init")
     mask = make_batch(MOE["vocab_size"], ragged=True)["attention_mask"].bool()
     ref_routed, ref_lp, ref_metrics = run_distributed(_replay_case, 1, {}, {}, ckpt)[0]
-    res = run_distributed(_replay_case, 2, dict(pipeline_model_parallel_size=2),
-                          {"num_layers_in_first_pipeline_stage": 3}, ckpt)
+    res = run_distributed(
+        _replay_case, 2, dict(pipeline_model_parallel_size=2), {"num_layers_in_first_pipeline_stage": 3}, ckpt
+    )
     for routed, lp, metrics in res:
         assert routed.shape == ref_routed.shape == (*mask.shape, 5, 2)
         assert torch.equal(routed[mask], ref_routed[mask])  # every layer's experts, both stages
@@ -181,14 +209,27 @@ def test_router_replay_follows_the_uneven_split(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Refusals (no ranks needed).
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pp,fields,message", [
-    (2, {"num_layers_in_first_pipeline_stage": 3, "num_layers_in_last_pipeline_stage": 3},
-     "place 6 of num_layers=5 layers on the pipeline_model_parallel_size=2 stages; the counts must add up to 5"),
-    (3, {"num_layers_in_first_pipeline_stage": 2},
-     "leave 3 of num_layers=5 layers for the 2 middle stage(s) of pipeline_model_parallel_size=3"),
-    (2, {"num_layers_in_first_pipeline_stage": 0}, "num_layers_in_first_pipeline_stage=0 is not allowed; it must be"),
-    (1, {"num_layers_in_last_pipeline_stage": 5}, "needs pipeline_model_parallel_size > 1, got 1"),
-])
+@pytest.mark.parametrize(
+    "pp,fields,message",
+    [
+        (
+            2,
+            {"num_layers_in_first_pipeline_stage": 3, "num_layers_in_last_pipeline_stage": 3},
+            "place 6 of num_layers=5 layers on the pipeline_model_parallel_size=2 stages; the counts must add up to 5",
+        ),
+        (
+            3,
+            {"num_layers_in_first_pipeline_stage": 2},
+            "leave 3 of num_layers=5 layers for the 2 middle stage(s) of pipeline_model_parallel_size=3",
+        ),
+        (
+            2,
+            {"num_layers_in_first_pipeline_stage": 0},
+            "num_layers_in_first_pipeline_stage=0 is not allowed; it must be",
+        ),
+        (1, {"num_layers_in_last_pipeline_stage": 5}, "needs pipeline_model_parallel_size > 1, got 1"),
+    ],
+)
 def test_bad_uneven_split_is_refused_by_name(pp, fields, message):
     from parallel.config import ParallelConfig, pipeline_stage_layers
 
@@ -205,13 +246,17 @@ def test_stage_layer_counts_of_verl_scripts():
     PP=8 with last 10 (run_qwen3-235b_megatron_96gb.sh); and VPP: each stage's count splits into its chunks."""
     from parallel.config import pipeline_stage_layers
 
-    assert pipeline_stage_layers(61, 16, num_layers_in_first_pipeline_stage=4,
-                                 num_layers_in_last_pipeline_stage=1) == (4,) * 15 + (1,)
+    assert pipeline_stage_layers(61, 16, num_layers_in_first_pipeline_stage=4, num_layers_in_last_pipeline_stage=1) == (
+        4,
+    ) * 15 + (1,)
     assert pipeline_stage_layers(61, 12, num_layers_in_last_pipeline_stage=6) == (5,) * 11 + (6,)
     assert pipeline_stage_layers(94, 8, num_layers_in_last_pipeline_stage=10) == (12,) * 7 + (10,)
     assert pipeline_stage_layers(5, 2, num_layers_in_last_pipeline_stage=2) == (3, 2)
     assert pipeline_stage_layers(8, 4) == (2, 2, 2, 2)
     assert pipeline_stage_layers(6, 2, 2, num_layers_in_first_pipeline_stage=4) == (4, 2)
-    with pytest.raises(ValueError, match=r"give pipeline stages of \[3, 2\] layers; with "
-                                         r"virtual_pipeline_model_parallel_size=2 each must be divisible by 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"give pipeline stages of \[3, 2\] layers; with "
+        r"virtual_pipeline_model_parallel_size=2 each must be divisible by 2",
+    ):
         pipeline_stage_layers(5, 2, 2, num_layers_in_first_pipeline_stage=3)

@@ -31,9 +31,21 @@ def test_inline_model_and_sft_warmup(tmp_path):
     out = materialize_inline_model(tmp_path / "base", inline, "qwen3", task_texts(rows), seed=0)
     model = AutoModelForCausalLM.from_pretrained(out["path"])
     hf = model.config
-    assert (hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads,
-            hf.num_key_value_heads, hf.head_dim) == (inline.hidden_size, inline.ffn_hidden_size, inline.num_layers,
-                                                     inline.num_attention_heads, inline.num_query_groups, 32)
+    assert (
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.num_hidden_layers,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.head_dim,
+    ) == (
+        inline.hidden_size,
+        inline.ffn_hidden_size,
+        inline.num_layers,
+        inline.num_attention_heads,
+        inline.num_query_groups,
+        32,
+    )
     tok = AutoTokenizer.from_pretrained(out["path"])
     assert hf.vocab_size == len(tok) <= inline.vocab_size
     assert tok.decode(tok.encode("Reverse: 1 2 3")) == "Reverse: 1 2 3"
@@ -52,7 +64,9 @@ def test_inline_model_bad_input(tmp_path):
     from megatron_rl.job.prepare import prepare_policy_model
 
     inline = load_config("grpo").actor_rollout_ref.model.config
-    with pytest.raises(ValueError, match=r"model.family='llama': inline models can be materialised as \['qwen3', 'qwen3_moe'\]"):
+    with pytest.raises(
+        ValueError, match=r"model.family='llama': inline models can be materialised as \['qwen3', 'qwen3_moe'\]"
+    ):
         hf_config_kwargs(inline, "llama")
     with pytest.raises(ValueError, match=r"model.config.qk_layernorm=False does not fit family qwen3"):
         hf_config_kwargs({**inline.to_dict(), "qk_layernorm": False}, "qwen3")
@@ -82,11 +96,19 @@ def test_main_job_reduced(tmp_path, ray_session):
 
     out = tmp_path / "run"
     with joined_by_run_train(ray_session.address):  # the session's Ray: nothing here is about Ray's start
-        summary = run_train(None, ["trainer.total_training_steps=3", "trainer.sft_warmup_steps=40",
-                                   "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                   "actor_rollout_ref.rollout.n=4",
-                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-                                   f"trainer.default_local_dir={out}"], progress=False)
+        summary = run_train(
+            None,
+            [
+                "trainer.total_training_steps=3",
+                "trainer.sft_warmup_steps=40",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.rollout.n=4",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                f"trainer.default_local_dir={out}",
+            ],
+            progress=False,
+        )
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # Step 0 is the validation before training (greedy, held-out prompts); the last step validates too.
@@ -107,12 +129,19 @@ def test_main_job_reduced(tmp_path, ray_session):
     final = out / "final_hf"
     tok = AutoTokenizer.from_pretrained(str(final))
     model = AutoModelForCausalLM.from_pretrained(str(final)).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "Reverse: 1 2 3"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Reverse: 1 2 3"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
     # The checkpoint holds the RL-trained actor, not the warmed start: 3 GRPO steps moved it.
-    start, trained = load_file(str(out / "sft_model" / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    start, trained = (
+        load_file(str(out / "sft_model" / "model.safetensors")),
+        load_file(str(final / "model.safetensors")),
+    )
     assert set(start) == set(trained)
     assert max(float((start[k] - trained[k]).abs().max()) for k in start) > 1e-4

@@ -29,9 +29,12 @@ def test_cuda_requested_but_torch_sees_no_gpu_is_refused_by_key():
 
 
 def test_te_asked_for_but_not_importable_shows_its_import_error():
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.actor.model attention_backend='te' needs "
-                                         r"TransformerEngine, which does not import here \(ModuleNotFoundError: "
-                                         r"No module named 'transformer_engine'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^actor_rollout_ref.actor.model attention_backend='te' needs "
+        r"TransformerEngine, which does not import here \(ModuleNotFoundError: "
+        r"No module named 'transformer_engine'\)",
+    ):
         _check(["actor_rollout_ref.model.config.attention_backend=te"])  # the real probe
     broken = "ImportError: transformer_engine_torch.so: undefined symbol: _ZN3c10"  # TE built against another torch
     with pytest.raises(ValueError, match="undefined symbol"):
@@ -41,7 +44,10 @@ def test_te_asked_for_but_not_importable_shows_its_import_error():
 
 
 def test_context_parallel_at_float32_is_refused_by_key():
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.actor.megatron.context_parallel_size=2 needs bfloat16 "
-                                         r"or float16 parameters \(this role trains in 'float32'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^actor_rollout_ref.actor.megatron.context_parallel_size=2 needs bfloat16 "
+        r"or float16 parameters \(this role trains in 'float32'\)",
+    ):
         _check(GPUS + CP2, cuda_available=True, te_error=None)
     _check(GPUS + CP2 + ["actor_rollout_ref.actor.megatron.dtype=float16"], cuda_available=True, te_error=None)

@@ -50,7 +50,7 @@ def _rows_alone(q, k, v, bounds, scale):
 @pytest.mark.parametrize("impl", ["segments", "masked"])
 def test_document_attention_equals_every_row_alone_with_gradients(impl):
     q, k, v, bounds = _inputs()
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = document_attention(*leaves, bounds, scale=scale, impl=impl)
@@ -77,7 +77,9 @@ def test_flex_attention_document_mask_equals_segments_forward():
 def test_impl_choice_and_bad_bounds():
     assert packed_attention_impl(torch.device("cpu")) == "segments"
     q, k, v, bounds = _inputs()
-    with pytest.raises(ValueError, match=r"^impl='dense' is not allowed; choose one of \['segments', 'flex', 'masked'\]$"):
+    with pytest.raises(
+        ValueError, match=r"^impl='dense' is not allowed; choose one of \['segments', 'flex', 'masked'\]$"
+    ):
         document_attention(q, k, v, bounds, scale=1.0, impl="dense")
     with pytest.raises(ValueError, match=r"^packed rows cover \[0, 31\) but the sequence has 32 tokens$"):
         document_attention(q, k, v, bounds[:-1] + [31], scale=1.0)
@@ -104,11 +106,17 @@ def test_sdpa_attention_module_takes_thd_packed_params():
 def test_backends_that_cannot_pack_are_refused_by_name():
     check_packing_support("sdpa", context_parallel_size=1, te_importable=False)
     check_packing_support("te", context_parallel_size=2, te_importable=True)
-    with pytest.raises(ValueError, match=r"^megatron.use_remove_padding=True packs rows into one THD sequence, "
-                                         r"which model.attention_backend='local'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^megatron.use_remove_padding=True packs rows into one THD sequence, "
+        r"which model.attention_backend='local'",
+    ):
         check_packing_support("local", context_parallel_size=1, te_importable=True)
-    with pytest.raises(ValueError, match=r"^megatron.context_parallel_size=2 with megatron.use_remove_padding=True "
-                                         r"needs TransformerEngine's THD attention"):
+    with pytest.raises(
+        ValueError,
+        match=r"^megatron.context_parallel_size=2 with megatron.use_remove_padding=True "
+        r"needs TransformerEngine's THD attention",
+    ):
         check_packing_support("auto", context_parallel_size=2, te_importable=False)
 
 

@@ -36,8 +36,12 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> dict[s
             out[name] = tensor
     save_file(out, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
     (dst / "config.json").write_text(json.dumps(config))
     return out
 
@@ -69,7 +73,7 @@ def test_dequantisation_equals_transformers(tiny_deepseek, tmp_path):
             theirs = hf._dequantize_one(written[name], written[name + "_scale_inv"], torch.float32)
             assert ours.dtype == torch.float32 and torch.equal(ours, theirs), name
             rows, cols = ours.shape
-            assert torch.equal(reader.read(name, 0, 5, rows - 3), ours[5: rows - 3]), name
+            assert torch.equal(reader.read(name, 0, 5, rows - 3), ours[5 : rows - 3]), name
             assert torch.equal(reader.read(name, 1, 7, cols), ours[:, 7:]), name
         assert torch.equal(reader.read("model.norm.weight"), written["model.norm.weight"])  # unquantised as is
     # Quantisation error is FP8's (3 mantissa bits): relative error per element <= 2^-4.
@@ -119,12 +123,21 @@ def test_megatron_loads_fp8_checkpoint_at_tp2(tiny_deepseek, tmp_path):
         assert torch.equal(got[name], tensor.float()), name
 
 
-@pytest.mark.parametrize("fault,message", [
-    ("missing", "'model.layers.1.self_attn.kv_b_proj.weight' is FP8 but "
-                "'model.layers.1.self_attn.kv_b_proj.weight_scale_inv' is missing"),
-    ("shape", "'model.layers.1.self_attn.kv_b_proj.weight_scale_inv' has shape [1, 1]; "
-              "'model.layers.1.self_attn.kv_b_proj.weight' [128, 512] in [16, 16] blocks needs [8, 32]"),
-])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        (
+            "missing",
+            "'model.layers.1.self_attn.kv_b_proj.weight' is FP8 but "
+            "'model.layers.1.self_attn.kv_b_proj.weight_scale_inv' is missing",
+        ),
+        (
+            "shape",
+            "'model.layers.1.self_attn.kv_b_proj.weight_scale_inv' has shape [1, 1]; "
+            "'model.layers.1.self_attn.kv_b_proj.weight' [128, 512] in [16, 16] blocks needs [8, 32]",
+        ),
+    ],
+)
 def test_bad_fp8_scales_are_refused_by_name(tiny_deepseek, tmp_path, fault, message):
     from safetensors.torch import load_file, save_file
 
@@ -141,14 +154,20 @@ def test_bad_fp8_scales_are_refused_by_name(tiny_deepseek, tmp_path, fault, mess
     save_file(tensors, str(path))
     model_cfg = get_family(tmp_path / "fp8").model_config(tmp_path / "fp8")
     msg = run_distributed(_load_export, 1, str(tmp_path / "fp8"), model_cfg, timeout_s=300)[0]
-    assert isinstance(msg, str) and "FP8 block-quantised checkpoint (weight_block_size=[16, 16]) is inconsistent" \
-        in msg and message in msg, msg
+    assert (
+        isinstance(msg, str)
+        and "FP8 block-quantised checkpoint (weight_block_size=[16, 16]) is inconsistent" in msg
+        and message in msg
+    ), msg
 
 
 def test_unsupported_quantization_config_is_named():
     from parallel.bridge.fp8 import fp8_block_size
 
-    assert fp8_block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == (128, 128)
+    assert fp8_block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == (
+        128,
+        128,
+    )
     assert fp8_block_size({}) is None
     with pytest.raises(ValueError, match="quant_method='awq' is not supported; allowed: 'fp8'"):
         fp8_block_size({"quantization_config": {"quant_method": "awq"}})
@@ -161,8 +180,9 @@ def test_export_config_drops_the_quantization_config(tmp_path):
     ``quantization_config`` (a loader would read the plain weights as block-quantised)."""
     from megatron_rl.convert.mcore_to_hf import _config_text
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "dtype": "bfloat16",
-                                                      "quantization_config": {"quant_method": "fp8"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v3", "dtype": "bfloat16", "quantization_config": {"quant_method": "fp8"}})
+    )
     config = json.loads(_config_text({"dtype": "bfloat16", "hf_config": {}}, tmp_path))
     assert config == {"model_type": "deepseek_v3", "dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "dtype": "float32"}) + "\n")

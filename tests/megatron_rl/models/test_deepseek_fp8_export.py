@@ -62,8 +62,13 @@ def test_fp8_checkpoint_round_trips_bit_exactly_through_convert(tiny_deepseek, t
     assert run.returncode == 0, run.stderr[-4000:]
     written = read_hf_tensors(back)
     assert sorted(written) == sorted(source)
-    diff = [n for n in source if written[n].dtype != source[n].dtype or written[n].shape != source[n].shape
-            or not torch.equal(_bits(written[n]), _bits(source[n]))]
+    diff = [
+        n
+        for n in source
+        if written[n].dtype != source[n].dtype
+        or written[n].shape != source[n].shape
+        or not torch.equal(_bits(written[n]), _bits(source[n]))
+    ]
     assert diff == []
     index = json.loads((back / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(source)
@@ -87,13 +92,18 @@ def test_fresh_fp8_export_dequantises_within_fp8_rounding(tiny_deepseek, tmp_pat
     quantised = sorted(n for n in plain if FP8_WEIGHTS.fullmatch(n))
     assert any("kv_a_proj_with_mqa" in n for n in quantised) and any("shared_experts.up_proj" in n for n in quantised)
     assert any(n.startswith("model.layers.2.self_attn") for n in quantised)
-    assert not any(n.endswith(("gate.weight", "eh_proj.weight", "embed_tokens.weight", "head.weight"))
-                   for n in quantised)
+    assert not any(
+        n.endswith(("gate.weight", "eh_proj.weight", "embed_tokens.weight", "head.weight")) for n in quantised
+    )
     assert stats["quantized"] == len(quantised) and stats["blocks_kept"] == 0
     assert sorted(written) == sorted(list(plain) + [n + "_scale_inv" for n in quantised])
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                             "weight_block_size": [128, 128]}
+    assert config["quantization_config"] == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(written)
     hf = Fp8Dequantize(None)

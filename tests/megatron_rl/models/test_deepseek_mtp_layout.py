@@ -18,22 +18,43 @@ PP2 = ParallelConfig(pipeline_model_parallel_size=2)
 KEY = "megatron.override_transformer_config"
 
 
-@pytest.mark.parametrize("parallel,overrides,message", [
-    (ParallelConfig(), {"mtp_num_layers": 1},
-     f"{KEY}.mtp_num_layers=1 is not allowed: the Megatron model builds no multi-token-prediction block"),
-    (PP2, {"mtp_num_layers": 2},
-     "at pipeline_model_parallel_size=2 Megatron-Core would expect the block and a replica of the shared word "
-     "embedding on the last stage"),
-    (PP2, {"mtp_loss_scaling_factor": 0.3},
-     f"{KEY}.mtp_loss_scaling_factor=0.3 is not allowed: the Megatron model builds no multi-token-prediction block"),
-    (PP2, {"pipeline_model_parallel_layout": "Et|tmL"},
-     f"{KEY}.pipeline_model_parallel_layout='Et|tmL' places MTP layers ('m') on pipeline stage(s) [1] of "
-     "pipeline_model_parallel_size=2"),
-    (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-     {"pipeline_model_parallel_layout": "E|t|t|mL"}, "on pipeline stage(s) [3] of pipeline_model_parallel_size=2"),
-    (PP2, {"pipeline_model_parallel_layout": [["embedding", "decoder"], ["decoder", "mtp", "loss"]]},
-     "places MTP layers ('m') on pipeline stage(s) [1]"),
-])
+@pytest.mark.parametrize(
+    "parallel,overrides,message",
+    [
+        (
+            ParallelConfig(),
+            {"mtp_num_layers": 1},
+            f"{KEY}.mtp_num_layers=1 is not allowed: the Megatron model builds no multi-token-prediction block",
+        ),
+        (
+            PP2,
+            {"mtp_num_layers": 2},
+            "at pipeline_model_parallel_size=2 Megatron-Core would expect the block and a replica of the shared word "
+            "embedding on the last stage",
+        ),
+        (
+            PP2,
+            {"mtp_loss_scaling_factor": 0.3},
+            f"{KEY}.mtp_loss_scaling_factor=0.3 is not allowed: the Megatron model builds no multi-token-prediction block",
+        ),
+        (
+            PP2,
+            {"pipeline_model_parallel_layout": "Et|tmL"},
+            f"{KEY}.pipeline_model_parallel_layout='Et|tmL' places MTP layers ('m') on pipeline stage(s) [1] of "
+            "pipeline_model_parallel_size=2",
+        ),
+        (
+            ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+            {"pipeline_model_parallel_layout": "E|t|t|mL"},
+            "on pipeline stage(s) [3] of pipeline_model_parallel_size=2",
+        ),
+        (
+            PP2,
+            {"pipeline_model_parallel_layout": [["embedding", "decoder"], ["decoder", "mtp", "loss"]]},
+            "places MTP layers ('m') on pipeline stage(s) [1]",
+        ),
+    ],
+)
 def test_layouts_that_would_place_mtp_are_refused_by_name(parallel, overrides, message):
     from parallel.bridge.mtp import check_mtp_layout
 
@@ -42,13 +63,16 @@ def test_layouts_that_would_place_mtp_are_refused_by_name(parallel, overrides, m
     assert message in str(err.value) and "Allowed: " in str(err.value)
 
 
-@pytest.mark.parametrize("parallel,overrides", [
-    (ParallelConfig(), None),
-    (PP2, {"mtp_num_layers": None, "recompute_granularity": "full"}),
-    (PP2, {"mtp_num_layers": 0}),
-    (ParallelConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2), {}),
-    (PP2, {"pipeline_model_parallel_layout": "Et|tL"}),
-])
+@pytest.mark.parametrize(
+    "parallel,overrides",
+    [
+        (ParallelConfig(), None),
+        (PP2, {"mtp_num_layers": None, "recompute_granularity": "full"}),
+        (PP2, {"mtp_num_layers": 0}),
+        (ParallelConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2), {}),
+        (PP2, {"pipeline_model_parallel_layout": "Et|tL"}),
+    ],
+)
 def test_layouts_without_an_mtp_block_are_allowed(parallel, overrides):
     from parallel.bridge.mtp import check_mtp_layout
 
@@ -66,8 +90,11 @@ def _engine_error(rank, world_size, overrides):
     engine_module.build_transformer_config = lambda *a, **k: built.append(1) or original(*a, **k)
     mesh = init_mesh(ParallelConfig(pipeline_model_parallel_size=world_size), seed=1)
     try:
-        MegatronEngine(ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                                   vocab_size=64), mesh, transformer_overrides=overrides)
+        MegatronEngine(
+            ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64),
+            mesh,
+            transformer_overrides=overrides,
+        )
     except ValueError as exc:
         return str(exc), len(built)
     return None, len(built)

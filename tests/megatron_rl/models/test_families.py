@@ -20,37 +20,106 @@ from parallel.testing import run_distributed
 LOGIT_TOL = 1e-4
 BATCH, SEQ = 2, 24
 VOCAB = 97  # odd, so the embedding and output layer carry padding rows
-_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # family -> (HF config.json, layouts beyond TP=2 / TP=1 / PP=2, from LAYOUTS)
 CASES = {
     # head_dim 32 != hidden/heads, Llama-3.1 RoPE scaling, plus an interleaved (VPP) layout.
-    "llama": (dict(_BASE, model_type="llama", architectures=["LlamaForCausalLM"], head_dim=32,
-                   max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE), ["vpp2", "pp2_3+1"]),
+    "llama": (
+        dict(
+            _BASE,
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            head_dim=32,
+            max_position_embeddings=131072,
+            rope_parameters=LLAMA3_ROPE,
+        ),
+        ["vpp2", "pp2_3+1"],
+    ),
     # QKV bias, tied embeddings (the last PP stage holds a copy of the embedding).
-    "qwen2": (dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
-                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), []),
+    "qwen2": (
+        dict(
+            _BASE,
+            model_type="qwen2",
+            architectures=["Qwen2ForCausalLM"],
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        [],
+    ),
     # QK-norm; a single KV head, so at TP=2 each rank holds half of one query group.
-    "qwen3": (dict(_BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_key_value_heads=1,
-                   head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), []),
+    "qwen3": (
+        dict(
+            _BASE,
+            model_type="qwen3",
+            architectures=["Qwen3ForCausalLM"],
+            num_key_value_heads=1,
+            head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        [],
+    ),
     # Routed experts, softmax -> top-k without renormalisation (norm_topk_prob=False).
-    "qwen3_moe": (dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16,
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False),
-                  ["ep2", "pp2_3+1"]),
+    "qwen3_moe": (
+        dict(
+            _BASE,
+            model_type="qwen3_moe",
+            architectures=["Qwen3MoeForCausalLM"],
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
+        ["ep2", "pp2_3+1"],
+    ),
     # Routed experts with renormalised top-k; hub names block_sparse_moe / w1 w3 w2.
-    "mixtral": (dict(_BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=48,
-                     num_local_experts=4, num_experts_per_tok=2),
-                ["ep2"]),
+    "mixtral": (
+        dict(
+            _BASE,
+            model_type="mixtral",
+            architectures=["MixtralForCausalLM"],
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        ["ep2"],
+    ),
     # Qwen1.5-MoE: QKV bias, softmax top-k (no renormalisation), a shared expert scaled by
     # sigmoid(shared_expert_gate), layer 1 dense (mlp_only_layers); an uneven PP split (3 + 1).
-    "qwen2_moe": (dict(_BASE, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                       norm_topk_prob=False, mlp_only_layers=[1], rope_parameters={"rope_type": "default",
-                                                                                 "rope_theta": 1000000.0}),
-                  ["ep2", "pp2_3+1"]),
+    "qwen2_moe": (
+        dict(
+            _BASE,
+            model_type="qwen2_moe",
+            architectures=["Qwen2MoeForCausalLM"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        ["ep2", "pp2_3+1"],
+    ),
 }
 
 
@@ -151,8 +220,9 @@ def _export_check(chunks, weight_map, mesh, source: dict, *, bucket_bytes: int, 
 
     stats = ExportStats()
     got = {}
-    for name, tensor in export_hf_weights(chunks, weight_map, mesh=mesh, bucket_bytes=bucket_bytes,
-                                          all_ranks=all_ranks, stats=stats):
+    for name, tensor in export_hf_weights(
+        chunks, weight_map, mesh=mesh, bucket_bytes=bucket_bytes, all_ranks=all_ranks, stats=stats
+    ):
         got[name] = tensor.clone()
     if not (all_ranks or dist.get_rank() == 0):
         return {"yielded": len(got)}
@@ -178,17 +248,28 @@ def _tp2_checks(rank, chunks, mesh, case, source, work_dir) -> dict:
     report = load_hf_checkpoint(chunks, weight_map, hf_dir, mesh=mesh)
     logits = pipeline_logits(chunks, mesh, case["input_ids"], model_cfg.vocab_size)
     stats = ExportStats()
-    out_dir = save_hf_checkpoint(chunks, weight_map, Path(work_dir) / name / "hf_out", hf_config, mesh=mesh,
-                                 max_shard_bytes=50_000, bucket_bytes=30_000, stats=stats)
+    out_dir = save_hf_checkpoint(
+        chunks,
+        weight_map,
+        Path(work_dir) / name / "hf_out",
+        hf_config,
+        mesh=mesh,
+        max_shard_bytes=50_000,
+        bucket_bytes=30_000,
+        stats=stats,
+    )
     res = {"diff": _max_diff(logits, case["hf_logits"]), "read_fraction": report.bytes_read / report.checkpoint_bytes}
     if rank == 0:
         written = read_hf_tensors(out_dir)
-        res.update(names_equal=sorted(written) == sorted(source),
-                   not_bit_equal=sorted(n for n in source if n in written and not torch.equal(written[n], source[n])),
-                   num_files=len(list(out_dir.glob("*.safetensors"))),
-                   index=(out_dir / "model.safetensors.index.json").is_file(),
-                   config_equal=json.loads((out_dir / "config.json").read_text()) == hf_config,
-                   max_live_bytes=stats.max_live_bytes, bound=stats.bucket_bytes + stats.max_item_bytes)
+        res.update(
+            names_equal=sorted(written) == sorted(source),
+            not_bit_equal=sorted(n for n in source if n in written and not torch.equal(written[n], source[n])),
+            num_files=len(list(out_dir.glob("*.safetensors"))),
+            index=(out_dir / "model.safetensors.index.json").is_file(),
+            config_equal=json.loads((out_dir / "config.json").read_text()) == hf_config,
+            max_live_bytes=stats.max_live_bytes,
+            bound=stats.bucket_bytes + stats.max_item_bytes,
+        )
     save_model(chunks, Path(work_dir) / name / "mcore_tp2")
     return res
 
@@ -275,12 +356,21 @@ def matrix(tmp_path_factory):
     for name, (cfg, extra) in CASES.items():
         hf_dir, hf_logits = save_hf_model(name, work / name / "hf")
         hf[name] = (hf_dir, hf_logits)
-        cases.append(dict(name=name, architecture=cfg["architectures"][0], hf_dir=str(hf_dir), hf_logits=hf_logits,
-                          # qwen2: 97 rows at TP=1, 98 at TP=2 (dist checkpoint across paddings);
-                          # the others: 128 rows at both.
-                          model_cfg=get_family(hf_dir).model_config(
-                              hf_dir, make_vocab_size_divisible_by=1 if name == "qwen2" else 64),
-                          input_ids=make_input_ids(), layouts=["tp2", "tp1", "pp2", *extra]))
+        cases.append(
+            dict(
+                name=name,
+                architecture=cfg["architectures"][0],
+                hf_dir=str(hf_dir),
+                hf_logits=hf_logits,
+                # qwen2: 97 rows at TP=1, 98 at TP=2 (dist checkpoint across paddings);
+                # the others: 128 rows at both.
+                model_cfg=get_family(hf_dir).model_config(
+                    hf_dir, make_vocab_size_divisible_by=1 if name == "qwen2" else 64
+                ),
+                input_ids=make_input_ids(),
+                layouts=["tp2", "tp1", "pp2", *extra],
+            )
+        )
     results = run_distributed(matrix_ranks, 2, cases, str(work), timeout_s=400)
     return hf, results
 
@@ -383,24 +473,33 @@ def test_llama3_rope_scaling_equals_hf():
     hf_cfg = load_hf_config(CASES["llama"][0])
     m = get_family(hf_cfg).model_config(hf_cfg)
     hf_inv, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, torch.device("cpu"))
-    rope = RotaryEmbedding(kv_channels=m.head_dim, rotary_percent=1.0, rotary_base=int(m.rotary_base),
-                           rope_scaling=m.rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
-                           use_cpu_initialization=True)
-    plain = RotaryEmbedding(kv_channels=m.head_dim, rotary_percent=1.0, rotary_base=int(m.rotary_base),
-                            use_cpu_initialization=True)
+    rope = RotaryEmbedding(
+        kv_channels=m.head_dim,
+        rotary_percent=1.0,
+        rotary_base=int(m.rotary_base),
+        rope_scaling=m.rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
+        use_cpu_initialization=True,
+    )
+    plain = RotaryEmbedding(
+        kv_channels=m.head_dim, rotary_percent=1.0, rotary_base=int(m.rotary_base), use_cpu_initialization=True
+    )
     assert scale == 1.0
     # exact: Megatron's _apply_scaling is adapted from HF's llama3 code, the same float32 ops in the same order
     assert torch.equal(rope.inv_freq, hf_inv)
     assert float((plain.inv_freq - hf_inv).abs().max()) > 1e-4  # scaling really changes something
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("low_freq_factor", 2.0, "rope_parameters.low_freq_factor=2.0 is not supported"),
-    ("high_freq_factor", 8.0, "rope_parameters.high_freq_factor=8.0 is not supported"),
-    ("original_max_position_embeddings", 4096, "rope_parameters.original_max_position_embeddings=4096"),
-    ("rope_type", "yarn", "rope_parameters.rope_type='yarn' is not supported; allowed: 'default' or 'llama3'"),
-    ("rope_theta", 10000.5, "rope_theta=10000.5 is not supported; allowed: an integer value"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("low_freq_factor", 2.0, "rope_parameters.low_freq_factor=2.0 is not supported"),
+        ("high_freq_factor", 8.0, "rope_parameters.high_freq_factor=8.0 is not supported"),
+        ("original_max_position_embeddings", 4096, "rope_parameters.original_max_position_embeddings=4096"),
+        ("rope_type", "yarn", "rope_parameters.rope_type='yarn' is not supported; allowed: 'default' or 'llama3'"),
+        ("rope_theta", 10000.5, "rope_theta=10000.5 is not supported; allowed: an integer value"),
+    ],
+)
 def test_unrepresentable_rope_is_rejected(field, value, message):
     from megatron_rl.models.families import get_family
 
@@ -412,15 +511,18 @@ def test_unrepresentable_rope_is_rejected(field, value, message):
     assert message in str(info.value) and str(info.value).startswith("llama: ")
 
 
-@pytest.mark.parametrize("name,changes,message", [
-    ("llama", dict(attention_bias=True), "llama: HF config attention_bias=True is not supported; allowed: False"),
-    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; allowed: 'silu' (SwiGLU)"),
-    ("qwen2", dict(use_sliding_window=True), "qwen2: HF config use_sliding_window=True is not supported"),
-    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported; allowed: 1"),
-    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
-    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
-    ("mixtral", dict(sliding_window=4096), "mixtral: HF config sliding_window=4096 is not supported"),
-])
+@pytest.mark.parametrize(
+    "name,changes,message",
+    [
+        ("llama", dict(attention_bias=True), "llama: HF config attention_bias=True is not supported; allowed: False"),
+        ("llama", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; allowed: 'silu' (SwiGLU)"),
+        ("qwen2", dict(use_sliding_window=True), "qwen2: HF config use_sliding_window=True is not supported"),
+        ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported; allowed: 1"),
+        ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
+        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
+        ("mixtral", dict(sliding_window=4096), "mixtral: HF config sliding_window=4096 is not supported"),
+    ],
+)
 def test_unrepresentable_configs_are_rejected(name, changes, message):
     from megatron_rl.models.families import get_family
 
@@ -450,11 +552,19 @@ def test_unknown_architecture_lists_supported_families():
         get_family({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     msg = str(info.value)
     assert msg.startswith("HF architectures ['GPT2LMHeadModel'] are not supported; supported families: ")
-    for fam, arch in [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
-                      ("qwen3_moe", "Qwen3MoeForCausalLM"), ("mixtral", "MixtralForCausalLM")]:
+    for fam, arch in [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        ("mixtral", "MixtralForCausalLM"),
+    ]:
         assert f"{fam}: {arch}" in msg
-    for fam, arch in [("qwen2_moe", "Qwen2MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
-                      ("glm4_moe", "Glm4MoeForCausalLM")]:
+    for fam, arch in [
+        ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        ("deepseek_v3", "DeepseekV3ForCausalLM"),
+        ("glm4_moe", "Glm4MoeForCausalLM"),
+    ]:
         assert f"{fam}: {arch}" in msg
     assert math.isclose(len(CASES), 6)
 
@@ -467,26 +577,50 @@ def test_hf_key_overrides_as_verl_applies_them():
 
     cfg = CASES["qwen2"][0]
     family = get_family(cfg)
-    m = family.model_config(cfg, max_position_embeddings=32768, model_config={"attention_dropout": 0.0},
-                            params_dtype="bfloat16")
+    m = family.model_config(
+        cfg, max_position_embeddings=32768, model_config={"attention_dropout": 0.0}, params_dtype="bfloat16"
+    )
     assert (m.max_position_embeddings, m.params_dtype) == (32768, "bfloat16")
     assert family.model_config(cfg).max_position_embeddings == 256  # the dict itself is not changed
-    with pytest.raises(ValueError, match=r"model.override_config: \['no_such_key'\] are neither keys of the qwen2 "
-                                         r"HF config nor ModelConfig fields"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.override_config: \['no_such_key'\] are neither keys of the qwen2 "
+        r"HF config nor ModelConfig fields",
+    ):
         family.model_config(cfg, no_such_key=1)
-    with pytest.raises(ValueError, match=r"qwen2: overrides \['num_hidden_layers'\] would change the architecture "
-                                         r"read from the HF config \(num_layers: 4 -> 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"qwen2: overrides \['num_hidden_layers'\] would change the architecture "
+        r"read from the HF config \(num_layers: 4 -> 2\)",
+    ):
         family.model_config(cfg, model_config={"num_hidden_layers": 2})
     with pytest.raises(ValueError, match=r"model_config=3 must be a mapping of HF config keys"):
         family.model_config(cfg, model_config=3)
 
 
 QWEN15_MOE_A27B = dict(  # Qwen/Qwen1.5-MoE-A2.7B config.json (verl's Qwen1.5-MoE PPO example)
-    architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
-    max_position_embeddings=8192, max_window_layers=21, moe_intermediate_size=1408, norm_topk_prob=False,
-    num_attention_heads=16, num_experts=60, num_experts_per_tok=4, num_hidden_layers=24, num_key_value_heads=16,
-    decoder_sparse_step=1, rms_norm_eps=1e-6, rope_theta=1000000.0, shared_expert_intermediate_size=5632,
-    sliding_window=32768, tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936)
+    architectures=["Qwen2MoeForCausalLM"],
+    model_type="qwen2_moe",
+    hidden_size=2048,
+    intermediate_size=5632,
+    max_position_embeddings=8192,
+    max_window_layers=21,
+    moe_intermediate_size=1408,
+    norm_topk_prob=False,
+    num_attention_heads=16,
+    num_experts=60,
+    num_experts_per_tok=4,
+    num_hidden_layers=24,
+    num_key_value_heads=16,
+    decoder_sparse_step=1,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    shared_expert_intermediate_size=5632,
+    sliding_window=32768,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    vocab_size=151936,
+)
 
 
 def test_qwen15_moe_a27b_parameters_equal_hf():
@@ -503,4 +637,9 @@ def test_qwen15_moe_a27b_parameters_equal_hf():
     hf_count = sum(p.numel() for p in hf.parameters())
     assert hf_count == 14_315_784_192
     assert m.num_params() == sum(count_params(m)) == hf_count
-    assert (m.num_moe_experts, m.moe_router_topk, m.moe_router_pre_softmax, m.moe_shared_expert_gate) == (60, 4, True, True)
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_router_pre_softmax, m.moe_shared_expert_gate) == (
+        60,
+        4,
+        True,
+        True,
+    )

@@ -18,25 +18,73 @@ from parallel.testing import run_distributed
 from tests.megatron_rl.models.test_families import VOCAB, make_input_ids, matrix_ranks, read_hf_tensors
 
 LOGIT_TOL = 1e-5
-_MOE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-            num_attention_heads=4, n_shared_experts=1, n_routed_experts=8, first_k_dense_replace=1,
-            max_position_embeddings=256, norm_topk_prob=True, tie_word_embeddings=False)
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
-            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+_MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    first_k_dense_replace=1,
+    max_position_embeddings=256,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
 
 CASES = {
     # MLA (q LoRA 32, KV latent 24, nope 16 + rope 8, v 16), YaRN, 8 experts in 4 groups (2 chosen),
     # top-4, scaling 2.5, one shared expert, layer 0 dense.
-    "deepseek_v3": (dict(_MOE, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
-                         num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=32,
-                         kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-6,
-                         rope_parameters=YARN), ["ep2"]),
+    "deepseek_v3": (
+        dict(
+            _MOE,
+            model_type="deepseek_v3",
+            architectures=["DeepseekV3ForCausalLM"],
+            num_key_value_heads=4,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rms_norm_eps=1e-6,
+            rope_parameters=YARN,
+        ),
+        ["ep2"],
+    ),
     # GQA (2 KV heads) with QKV bias and QK-norm, half of each head rotated, top-2 of 8, scaling 1.5.
-    "glm4_moe": (dict(_MOE, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], num_key_value_heads=2,
-                      head_dim=16, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.5,
-                      rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=True,
-                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
-                 ["ep2"]),
+    "glm4_moe": (
+        dict(
+            _MOE,
+            model_type="glm4_moe",
+            architectures=["Glm4MoeForCausalLM"],
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            rms_norm_eps=1e-5,
+            attention_bias=True,
+            use_qk_norm=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+        ["ep2"],
+    ),
 }
 
 
@@ -74,9 +122,17 @@ def matrix(tmp_path_factory):
         with torch.no_grad():
             hf_logits = model(make_input_ids()).logits.float()
         hf[name] = (hf_dir, hf_logits)
-        cases.append(dict(name=name, architecture=cfg["architectures"][0], hf_dir=str(hf_dir), hf_logits=hf_logits,
-                          model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64),
-                          input_ids=make_input_ids(), layouts=["tp2", "tp1", "pp2", *extra]))
+        cases.append(
+            dict(
+                name=name,
+                architecture=cfg["architectures"][0],
+                hf_dir=str(hf_dir),
+                hf_logits=hf_logits,
+                model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64),
+                input_ids=make_input_ids(),
+                layouts=["tp2", "tp1", "pp2", *extra],
+            )
+        )
     return hf, run_distributed(matrix_ranks, 2, cases, str(work), timeout_s=400)
 
 
@@ -136,8 +192,9 @@ def _tp_ep_ranks(rank, world_size, cases):
                 weight_map = get_family(c["architecture"]).weight_map(c["model_cfg"])
                 load_hf_checkpoint(chunks, weight_map, c["hf_dir"], mesh=mesh)
                 logits = pipeline_logits(chunks, mesh, c["input_ids"], c["model_cfg"].vocab_size)
-                res = _export_check(chunks, weight_map, mesh, read_hf_tensors(c["hf_dir"]), bucket_bytes=20_000,
-                                    all_ranks=True)
+                res = _export_check(
+                    chunks, weight_map, mesh, read_hf_tensors(c["hf_dir"]), bucket_bytes=20_000, all_ranks=True
+                )
                 res["diff"] = float((logits - c["hf_logits"]).abs().max())
             except Exception:  # noqa: BLE001 - reported per family and layout
                 res = {"error": traceback.format_exc()}
@@ -156,9 +213,16 @@ def test_frontier_families_match_hf_at_tp2_x_ep2(tmp_path):
         model.save_pretrained(hf_dir, max_shard_size="60KB")
         with torch.no_grad():
             logits = model(make_input_ids()).logits.float()
-        cases.append(dict(name=name, architecture=CASES[name][0]["architectures"][0], hf_dir=str(hf_dir),
-                          hf_logits=logits, model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64),
-                          input_ids=make_input_ids()))
+        cases.append(
+            dict(
+                name=name,
+                architecture=CASES[name][0]["architectures"][0],
+                hf_dir=str(hf_dir),
+                hf_logits=logits,
+                model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64),
+                input_ids=make_input_ids(),
+            )
+        )
     results = run_distributed(_tp_ep_ranks, 4, cases, timeout_s=400)
     for per_rank in results:
         assert sorted(per_rank) == sorted((n, label) for n in CASES for label in TP_EP_LAYOUTS)
@@ -190,7 +254,11 @@ def test_deepseek_v3_config_translation():
     tc = build_transformer_config(m, ParallelConfig())
     assert type(tc).__name__ == "MLATransformerConfig" and tc.moe_layer_freq == [0, 1, 1, 1]
     assert (tc.q_lora_rank, tc.rope_type, tc.moe_router_score_function, tc.moe_router_group_topk) == (
-        32, "yarn", "sigmoid", 2)
+        32,
+        "yarn",
+        "sigmoid",
+        2,
+    )
 
 
 def test_glm4_moe_config_translation():
@@ -201,7 +269,10 @@ def test_glm4_moe_config_translation():
     assert (m.rotary_percent, m.head_dim, m.num_query_groups) == (0.5, 16, 2)
     assert m.moe_layer_freq == (0, 1, 1, 1) and m.moe_router_num_groups is None
     assert (m.moe_router_score_function, m.moe_router_enable_expert_bias, m.moe_router_topk_scaling_factor) == (
-        "sigmoid", True, 1.5)
+        "sigmoid",
+        True,
+        1.5,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -213,8 +284,14 @@ def test_weight_rules_cover_every_hf_tensor(name, tmp_path):
     wm = family.weight_map(family.model_config(cfg))
     build_hf_model(name).save_pretrained(tmp_path)
     hf_names = set(read_hf_tensors(tmp_path))
-    covered = {n.format(layer=layer, expert=e) for r in wm.rules if r.export for n in r.hf
-               for layer in range(4) for e in range(8)}
+    covered = {
+        n.format(layer=layer, expert=e)
+        for r in wm.rules
+        if r.export
+        for n in r.hf
+        for layer in range(4)
+        for e in range(8)
+    }
     assert hf_names <= covered, sorted(hf_names - covered)
 
 
@@ -243,10 +320,17 @@ def test_yarn_rope_equals_hf():
     hf_cfg = load_hf_config(CASES["deepseek_v3"][0])
     m = get_family(hf_cfg).model_config(hf_cfg)
     hf_inv, hf_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, torch.device("cpu"))
-    rope = YarnRotaryEmbedding(m.qk_pos_emb_head_dim, rotary_base=m.rotary_base, scaling_factor=m.rotary_scaling_factor,
-                               original_max_position_embeddings=m.original_max_position_embeddings,
-                               beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale,
-                               mscale_all_dim=m.mscale_all_dim, use_cpu_initialization=True)
+    rope = YarnRotaryEmbedding(
+        m.qk_pos_emb_head_dim,
+        rotary_base=m.rotary_base,
+        scaling_factor=m.rotary_scaling_factor,
+        original_max_position_embeddings=m.original_max_position_embeddings,
+        beta_fast=m.beta_fast,
+        beta_slow=m.beta_slow,
+        mscale=m.mscale,
+        mscale_all_dim=m.mscale_all_dim,
+        use_cpu_initialization=True,
+    )
     emb, scale = rope(32)
     inv = emb[1, 0, 0, : m.qk_pos_emb_head_dim // 2].float()  # position 1: the frequencies themselves
     # exact: both compute 1 / base^(2i/d), 1 / (factor * base^(2i/d)) and the ramp blend with the same float32
@@ -255,27 +339,37 @@ def test_yarn_rope_equals_hf():
     assert math.isclose(scale, hf_scale, rel_tol=1e-7)
     q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
     mega_softmax = _yarn_get_mscale(m.rotary_scaling_factor, m.mscale_all_dim) ** 2 / math.sqrt(q_head)
-    assert math.isclose(mega_softmax, yarn_apply_mscale(hf_cfg.rope_parameters, q_head ** -0.5), rel_tol=1e-7)
+    assert math.isclose(mega_softmax, yarn_apply_mscale(hf_cfg.rope_parameters, q_head**-0.5), rel_tol=1e-7)
     assert mega_softmax * math.sqrt(q_head) > 1.2  # mscale_all_dim really scales the softmax
 
 
 # ---------------------------------------------------------------------------------------------
 # Bad input.
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,changes,message", [
-    ("deepseek_v3", dict(attention_bias=True), "deepseek_v3: HF config attention_bias=True is not supported"),
-    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported; allowed: True"),
-    ("deepseek_v3", dict(topk_group=1), "topk_group=1 is not supported; allowed: num_experts_per_tok // 2 = 2"),
-    ("deepseek_v3", dict(n_group=3), "n_group=3 is not supported; allowed: a divisor of n_routed_experts=8"),
-    ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False is not supported"),
-    ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
-    ("deepseek_v3", dict(rope_parameters=dict(YARN, truncate=False)), "rope_parameters.truncate=False"),
-    ("deepseek_v3", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
-     "rope_parameters.rope_type='linear' is not supported; allowed: 'default' or 'yarn'"),
-    ("deepseek_v3", dict(topk_method="greedy"), "topk_method='greedy' is not supported; allowed: 'noaux_tc'"),
-    ("glm4_moe", dict(hidden_act="gelu"), "glm4_moe: HF config hidden_act='gelu' is not supported"),
-    ("glm4_moe", dict(n_group=2, topk_group=2), "topk_group=2 is not supported; allowed: num_experts_per_tok // 2 = 1"),
-])
+@pytest.mark.parametrize(
+    "name,changes,message",
+    [
+        ("deepseek_v3", dict(attention_bias=True), "deepseek_v3: HF config attention_bias=True is not supported"),
+        ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported; allowed: True"),
+        ("deepseek_v3", dict(topk_group=1), "topk_group=1 is not supported; allowed: num_experts_per_tok // 2 = 2"),
+        ("deepseek_v3", dict(n_group=3), "n_group=3 is not supported; allowed: a divisor of n_routed_experts=8"),
+        ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False is not supported"),
+        ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
+        ("deepseek_v3", dict(rope_parameters=dict(YARN, truncate=False)), "rope_parameters.truncate=False"),
+        (
+            "deepseek_v3",
+            dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
+            "rope_parameters.rope_type='linear' is not supported; allowed: 'default' or 'yarn'",
+        ),
+        ("deepseek_v3", dict(topk_method="greedy"), "topk_method='greedy' is not supported; allowed: 'noaux_tc'"),
+        ("glm4_moe", dict(hidden_act="gelu"), "glm4_moe: HF config hidden_act='gelu' is not supported"),
+        (
+            "glm4_moe",
+            dict(n_group=2, topk_group=2),
+            "topk_group=2 is not supported; allowed: num_experts_per_tok // 2 = 1",
+        ),
+    ],
+)
 def test_unrepresentable_configs_are_rejected(name, changes, message):
     from megatron_rl.models.families import get_family
 
@@ -320,8 +414,11 @@ def test_mtp_layers_are_refused_by_name_not_dropped(tmp_path):
 
     model = build_hf_model("deepseek_v3", num_hidden_layers=2, num_nextn_predict_layers=0)
     model.save_pretrained(tmp_path, max_shard_size="60KB")
-    mtp = {"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.enorm.weight": torch.ones(64),
-           "model.layers.2.self_attn.q_a_proj.weight": torch.zeros(32, 64)}
+    mtp = {
+        "model.layers.2.eh_proj.weight": torch.zeros(64, 128),
+        "model.layers.2.enorm.weight": torch.ones(64),
+        "model.layers.2.self_attn.q_a_proj.weight": torch.zeros(32, 64),
+    }
     save_file(mtp, str(tmp_path / "model-mtp.safetensors"))
     index = tmp_path / "model.safetensors.index.json"
     data = json.loads(index.read_text())
@@ -329,8 +426,12 @@ def test_mtp_layers_are_refused_by_name_not_dropped(tmp_path):
     index.write_text(json.dumps(data))
     model_cfg = get_family(tmp_path).model_config(tmp_path)
     msg = run_distributed(_load_one_rank, 1, str(tmp_path), model_cfg, timeout_s=200)[0]
-    assert msg is not None and "3 HF tensors cannot be loaded into this model (deepseek_v3: multi-token-prediction " \
-        "layers (model.layers.2+) are not built" in msg, msg
+    assert (
+        msg is not None
+        and "3 HF tensors cannot be loaded into this model (deepseek_v3: multi-token-prediction "
+        "layers (model.layers.2+) are not built"
+        in msg
+    ), msg
     assert "model.layers.2.eh_proj.weight" in msg and "no weight rule" not in msg
 
 
@@ -348,13 +449,23 @@ def test_megatron_rl_convert_round_trip_of_deepseek_v3_is_bit_exact(tmp_path):
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3", mtp_layers=1)["path"]  # + one MTP layer
     root = Path(__file__).resolve().parents[3]
     cli = [sys.executable, "-m", "megatron_rl.cli", "convert"]
-    to_mcore = subprocess.run([*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out-dir", str(tmp_path / "mcore"), "--tp",
-                               "2", "--verify"], capture_output=True, text=True, timeout=300, cwd=root)
+    to_mcore = subprocess.run(
+        [*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out-dir", str(tmp_path / "mcore"), "--tp", "2", "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert to_mcore.returncode == 0, to_mcore.stderr[-4000:]
     diff = float(re.search(r"max \|logit diff\| = ([0-9.e+-]+) over 3 prompts", to_mcore.stdout).group(1))
     assert diff < LOGIT_TOL and "done: deepseek_v3 " in to_mcore.stdout
-    back = subprocess.run([*cli, "mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out-dir",
-                           str(tmp_path / "back")], capture_output=True, text=True, timeout=300, cwd=root)
+    back = subprocess.run(
+        [*cli, "mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out-dir", str(tmp_path / "back")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert back.returncode == 0, back.stderr[-4000:]
     source, written = read_hf_tensors(hf), read_hf_tensors(tmp_path / "back")
     assert sorted(written) == sorted(source) and any("e_score_correction_bias" in n for n in source)
@@ -366,29 +477,93 @@ def test_megatron_rl_convert_round_trip_of_deepseek_v3_is_bit_exact(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The planner's table rows are what the families make of the published config.json files.
 # ---------------------------------------------------------------------------------------------
-PUBLISHED_DEEPSEEK_V3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
-    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-    num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
-    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
-    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
-    rms_norm_eps=1e-6, rope_theta=10000, rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0,
-    mscale_all_dim=1.0, original_max_position_embeddings=4096, type="yarn"), tie_word_embeddings=False,
-    num_nextn_predict_layers=1)
-PUBLISHED_GLM45 = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552, hidden_size=5120,
-    intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92, num_attention_heads=96,
-    num_key_value_heads=8, head_dim=128, n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8,
-    first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True,
-    partial_rotary_factor=0.5, rope_theta=1000000, max_position_embeddings=131072, rms_norm_eps=1e-5,
-    attention_bias=True, use_qk_norm=True, tie_word_embeddings=False, num_nextn_predict_layers=1)
-PUBLISHED_GLM45_AIR = dict(PUBLISHED_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
-    n_routed_experts=128, first_k_dense_replace=1, routed_scaling_factor=1.0, use_qk_norm=False)
+PUBLISHED_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    rope_scaling=dict(
+        beta_fast=32,
+        beta_slow=1,
+        factor=40,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        original_max_position_embeddings=4096,
+        type="yarn",
+    ),
+    tie_word_embeddings=False,
+    num_nextn_predict_layers=1,
+)
+PUBLISHED_GLM45 = dict(
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    vocab_size=151552,
+    hidden_size=5120,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_hidden_layers=92,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    n_routed_experts=160,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    partial_rotary_factor=0.5,
+    rope_theta=1000000,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    use_qk_norm=True,
+    tie_word_embeddings=False,
+    num_nextn_predict_layers=1,
+)
+PUBLISHED_GLM45_AIR = dict(
+    PUBLISHED_GLM45,
+    hidden_size=4096,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=46,
+    n_routed_experts=128,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.0,
+    use_qk_norm=False,
+)
 
 
-@pytest.mark.parametrize("name,published,billions,basename", [
-    ("deepseek_v3", PUBLISHED_DEEPSEEK_V3, 671.03, "DeepSeek-V3-0324"),
-    ("glm4_5", PUBLISHED_GLM45, 352.80, "GLM-4.5-FP8"),
-    ("glm4_5_air", PUBLISHED_GLM45_AIR, 106.85, "GLM-4.5-Air"),
-])
+@pytest.mark.parametrize(
+    "name,published,billions,basename",
+    [
+        ("deepseek_v3", PUBLISHED_DEEPSEEK_V3, 671.03, "DeepSeek-V3-0324"),
+        ("glm4_5", PUBLISHED_GLM45, 352.80, "GLM-4.5-FP8"),
+        ("glm4_5_air", PUBLISHED_GLM45_AIR, 106.85, "GLM-4.5-Air"),
+    ],
+)
 def test_planner_rows_are_the_published_architectures(name, published, billions, basename):
     from megatron_rl.models.families import get_family, load_hf_config
     from megatron_rl.planner.architectures import KNOWN_ARCHITECTURES, architecture_from_path
@@ -427,8 +602,11 @@ def _moonlight_rank(rank, world_size, hf_dir, model_cfg, input_ids):
     chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
     load_hf_checkpoint(chunks, get_family(hf_dir).weight_map(model_cfg), hf_dir, mesh=mesh)
     attn = chunks[0].decoder.layers[0].self_attention
-    eps = {"input": chunks[0].decoder.layers[0].input_layernorm.eps, "kv_latent": attn.kv_layernorm.eps,
-           "final": chunks[0].decoder.final_layernorm.eps}
+    eps = {
+        "input": chunks[0].decoder.layers[0].input_layernorm.eps,
+        "kv_latent": attn.kv_layernorm.eps,
+        "final": chunks[0].decoder.final_layernorm.eps,
+    }
     return pipeline_logits(chunks, mesh, input_ids, model_cfg.vocab_size), eps
 
 

@@ -23,9 +23,13 @@ from tests.megatron_rl.engine.test_engine import BATCH, RESPONSE, make_batch
 from tests.megatron_rl.models.test_families import read_hf_tensors
 from tests.numerics import rounding_bound
 
-ACTOR_CFG = {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 2,
-             "optim": {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0},
-             "clip_ratio_low": 0.02, "clip_ratio_high": 0.03}
+ACTOR_CFG = {
+    "ppo_mini_batch_size": BATCH,
+    "ppo_micro_batch_size_per_gpu": 2,
+    "optim": {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0},
+    "clip_ratio_low": 0.02,
+    "clip_ratio_high": 0.03,
+}
 ROLLOUT = dict(prompt_length=16, response_length=4, kv_cache_space_gib=1)
 
 
@@ -60,7 +64,8 @@ def _actor_step(rank, world_size, par, hf_dir, model_cfg, with_vllm):
         # recomputes after loading: the sync must count the update complete without them (the
         # log-prob check below shows they were recomputed).
         ActorWeightSync.from_engine(actor.engine, weight_map, mesh=mesh, bucket_megabytes=0.05).sync(
-            rollout, transport="colocated")
+            rollout, transport="colocated"
+        )
         out["vllm_synced"] = vllm_log_probs(rollout, full)
         out["actor_after"] = actor.compute_log_prob(full)["log_probs"]
         rollout.shutdown()
@@ -75,7 +80,7 @@ def _hf_log_probs(model, batch) -> torch.Tensor:
             ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
             n = int(batch["response_mask"][i].sum())
             if n:
-                logp = model(ids).logits[0].float().log_softmax(-1)[-n - 1: -1]
+                logp = model(ids).logits[0].float().log_softmax(-1)[-n - 1 : -1]
                 out[i, :n] = logp.gather(-1, ids[0, -n:, None]).squeeze(-1)
     return out
 
@@ -101,12 +106,17 @@ def assert_ep2_step_equals_single_rank(hf_dir, model_cfg, mask, one, *, moved_na
     """One ``update_policy`` step at EP=2 (DP=2) equals the single-rank step ``one``: log-probs,
     metrics, every updated weight, and the router's expert bias, which moved by +-rate per expert
     from the step's token counts (aux-loss-free balancing) the same at both layouts."""
-    ep = run_distributed(_actor_step, 2, {"expert_model_parallel_size": 2}, str(hf_dir), model_cfg, False,
-                         timeout_s=300)
+    ep = run_distributed(
+        _actor_step, 2, {"expert_model_parallel_size": 2}, str(hf_dir), model_cfg, False, timeout_s=300
+    )
     ep_lp = torch.cat([r["log_probs"] for r in ep])
     assert float((ep_lp[mask] - one["log_probs"][mask]).abs().max()) < 1e-5
     for key, value in one["metrics"].items():
-        assert math.isclose(ep[0]["metrics"][key], value, rel_tol=1e-4, abs_tol=1e-5), (key, ep[0]["metrics"][key], value)
+        assert math.isclose(ep[0]["metrics"][key], value, rel_tol=1e-4, abs_tol=1e-5), (
+            key,
+            ep[0]["metrics"][key],
+            value,
+        )
 
     before = read_hf_tensors(hf_dir)  # the checkpoint's names (HF keeps experts fused in memory)
     after_one, after_ep = one["weights"], ep[0]["weights"]
@@ -122,15 +132,17 @@ def assert_ep2_step_equals_single_rank(hf_dir, model_cfg, mask, one, *, moved_na
         assert torch.equal(after_ep[n], after_one[n]) and float(step.abs().max()) > 0, n
         # b + 1e-3 * sign(...) rounds once at |b| + 1e-3 in float32, and 1e-3 itself once: no rtol
         atol = rounding_bound(1, float(after_one[n].abs().max()) + 1e-3) + rounding_bound(1, 1e-3)
-        assert torch.allclose(step.abs()[step != 0], torch.full_like(step[step != 0], 1e-3), rtol=0, atol=atol), (n, step)
+        assert torch.allclose(step.abs()[step != 0], torch.full_like(step[step != 0], 1e-3), rtol=0, atol=atol), (
+            n,
+            step,
+        )
 
 
 def test_deepseek_v3_actor_matches_hf_ep2_update_equals_single_rank_and_vllm_syncs(tmp_path):
     pytest.importorskip("vllm")
     hf_dir, model_cfg, mask, hf_lp, one = single_rank_step(tmp_path, "deepseek_v3")
     assert float((one["log_probs"][mask] - hf_lp[mask]).abs().max()) < 1e-5
-    assert_ep2_step_equals_single_rank(hf_dir, model_cfg, mask, one,
-                                       moved_names=("experts.0.", "self_attn.kv_b_proj"))
+    assert_ep2_step_equals_single_rank(hf_dir, model_cfg, mask, one, moved_names=("experts.0.", "self_attn.kv_b_proj"))
 
     # vLLM after the sync scores like the updated actor (so the derived MLA weights were recomputed);
     # before it, it did not.

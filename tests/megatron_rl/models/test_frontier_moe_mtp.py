@@ -41,8 +41,17 @@ def test_tiny_builder_writes_the_hub_mtp_layout(mtp_ckpts):
     config = json.loads((mtp_ckpts["deepseek_v3"] / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (2, 1)
     names = set(read_hf_tensors(mtp_ckpts["deepseek_v3"]))
-    own = {f"model.layers.2.{s}" for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                                           "shared_head.head.weight", "embed_tokens.weight")}
+    own = {
+        f"model.layers.2.{s}"
+        for s in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "shared_head.head.weight",
+            "embed_tokens.weight",
+        )
+    }
     assert own <= names and "model.layers.2.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.2.self_attn.kv_a_proj_with_mqa.weight" in names and not any(".layers.3." in n for n in names)
 
@@ -99,18 +108,23 @@ def test_bad_mtp_layers_are_named_before_anything_is_written(mtp_ckpts, tmp_path
     model_cfg = get_family(src).model_config(src)
     mtp = get_family(src).weight_map(model_cfg).mtp
     with HFCheckpointReader(missing) as r:
-        assert mtp.check(r, 1) == ["MTP tensor 'model.layers.2.mlp.experts.3.up_proj.weight' is missing (MTP layer 0 "
-                                   "of num_nextn_predict_layers=1 needs it, shape [32, 64])"]
+        assert mtp.check(r, 1) == [
+            "MTP tensor 'model.layers.2.mlp.experts.3.up_proj.weight' is missing (MTP layer 0 "
+            "of num_nextn_predict_layers=1 needs it, shape [32, 64])"
+        ]
     with HFCheckpointReader(shaped) as r:
-        assert mtp.check(r, 1) == ["MTP tensor 'model.layers.2.eh_proj.weight' has shape [63, 128] but [64, 128] "
-                                   "is expected"]
+        assert mtp.check(r, 1) == [
+            "MTP tensor 'model.layers.2.eh_proj.weight' has shape [63, 128] but [64, 128] is expected"
+        ]
     with HFCheckpointReader(src) as r:
         assert mtp.check(r, 1) == [] and mtp.check(r, 0) == [] and len(mtp.names(r, 1)) > 20
     out = tmp_path / "out"
     proc = _run("hf-to-mcore", "--hf-dir", str(shaped), "--out-dir", str(out), "--tp", "1")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "bad multi-token-prediction layers (num_nextn_predict_layers=1): MTP tensor " \
-        "'model.layers.2.eh_proj.weight' has shape [63, 128]" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "bad multi-token-prediction layers (num_nextn_predict_layers=1): MTP tensor "
+        "'model.layers.2.eh_proj.weight' has shape [63, 128]" in proc.stderr
+    ), proc.stderr[-3000:]
     assert not out.exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -153,8 +167,12 @@ def test_mtp_training_switch_stays_inert_with_its_reason():
     from megatron_rl.config.verl_keys import VERL_CONFIG_DIR
 
     verl = str(VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml")
-    overrides = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                 "actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true"]
+    overrides = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.model.mtp.enable=true",
+        "actor_rollout_ref.model.mtp.enable_train=true",
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         TrainerRunConfig.from_dict(compose(verl, overrides))

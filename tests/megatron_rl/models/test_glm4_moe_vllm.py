@@ -31,8 +31,9 @@ def test_glm4_moe_actor_matches_hf_ep2_update_equals_single_rank_and_vllm_syncs(
     moved = [n for n in after if not torch.equal(after[n], before[n])]
     assert any("experts.0." in n for n in moved) and any("self_attn.q_proj.bias" in n for n in moved)
     assert any(n.endswith("e_score_correction_bias") for n in moved)
-    assert_ep2_step_equals_single_rank(hf_dir, model_cfg, mask, one,
-                                       moved_names=("experts.0.", "self_attn.q_proj.bias"))
+    assert_ep2_step_equals_single_rank(
+        hf_dir, model_cfg, mask, one, moved_names=("experts.0.", "self_attn.q_proj.bias")
+    )
 
     # After the sync vLLM scores like the updated actor; before it, it did not.
     assert float((one["vllm_synced"][mask] - one["actor_after"][mask]).abs().max()) < 1e-4

@@ -18,8 +18,11 @@ def test_te_import_error_is_kept_not_swallowed():
 
 
 def test_te_attention_without_te_fails_with_the_import_error():
-    with pytest.raises(RuntimeError, match=r"^model.attention_backend='te' needs TransformerEngine, which does not "
-                                           rf"import in this process \({NO_TE}\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^model.attention_backend='te' needs TransformerEngine, which does not "
+        rf"import in this process \({NO_TE}\)",
+    ):
         get_layer_spec(ModelConfig(**TINY, attention_backend="te"))
     get_layer_spec(ModelConfig(**TINY, attention_backend="auto"))  # auto without TE: the local spec, no error
 

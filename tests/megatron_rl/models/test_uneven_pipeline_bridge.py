@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.models.test_families import (CASES, LOGIT_TOL, _export_check, make_input_ids, pipeline_logits,
-                                                    read_hf_tensors, save_hf_model)
+from tests.megatron_rl.models.test_families import (
+    CASES,
+    LOGIT_TOL,
+    _export_check,
+    make_input_ids,
+    pipeline_logits,
+    read_hf_tensors,
+    save_hf_model,
+)
 
 SPLIT = {"num_layers_in_first_pipeline_stage": 2, "num_layers_in_last_pipeline_stage": 1}
 FAMILIES = ["llama", "qwen2_moe"]
@@ -33,8 +40,7 @@ def _uneven_ranks(rank, world_size, cases, split):
         chunks = build_model(c["model_cfg"], build_transformer_config(c["model_cfg"], pc, **split))
         load_hf_checkpoint(chunks, weight_map, c["hf_dir"], mesh=mesh)
         logits = pipeline_logits(chunks, mesh, c["input_ids"], c["model_cfg"].vocab_size)
-        res = _export_check(chunks, weight_map, mesh, read_hf_tensors(c["hf_dir"]), bucket_bytes=20_000,
-                            all_ranks=True)
+        res = _export_check(chunks, weight_map, mesh, read_hf_tensors(c["hf_dir"]), bucket_bytes=20_000, all_ranks=True)
         res["layers"] = [int(layer.layer_number) for layer in chunks[0].decoder.layers]
         if logits is not None:
             res["diff"] = float((logits - c["hf_logits"]).abs().max())
@@ -68,9 +74,17 @@ def runs(tmp_path_factory):
     cases = []
     for name in FAMILIES:
         hf_dir, hf_logits = save_hf_model(name, work / name / "hf")
-        cases.append(dict(name=name, architecture=CASES[name][0]["architectures"][0], hf_dir=str(hf_dir),
-                          hf_logits=hf_logits, input_ids=make_input_ids(), ckpt=str(work / name / "mcore_pp3"),
-                          model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64)))
+        cases.append(
+            dict(
+                name=name,
+                architecture=CASES[name][0]["architectures"][0],
+                hf_dir=str(hf_dir),
+                hf_logits=hf_logits,
+                input_ids=make_input_ids(),
+                ckpt=str(work / name / "mcore_pp3"),
+                model_cfg=get_family(hf_dir).model_config(hf_dir, make_vocab_size_divisible_by=64),
+            )
+        )
     stages = run_distributed(_uneven_ranks, 3, cases, SPLIT, timeout_s=400)
     single = run_distributed(_one_rank, 1, cases, timeout_s=200)[0]
     return cases, stages, single

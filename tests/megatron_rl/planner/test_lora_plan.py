@@ -20,9 +20,17 @@ from megatron_rl.config.model import ModelConfig
 from megatron_rl.planner.lora import adapter_params, adapter_sync_tensors, vllm_lora_slot_bytes
 from megatron_rl.planner.memory import count_params, estimate_role
 
-GIB = 2 ** 30
-SMALL = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=8, num_query_groups=4,
-                    vocab_size=4096, qk_layernorm=True, max_position_embeddings=64)
+GIB = 2**30
+SMALL = ModelConfig(
+    num_layers=4,
+    hidden_size=256,
+    ffn_hidden_size=768,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=4096,
+    qk_layernorm=True,
+    max_position_embeddings=64,
+)
 HEAD_DIM = 256 // 8
 
 
@@ -43,10 +51,12 @@ def test_lora_role_memory_equals_the_formula(tp):
     assert sum(adapter_params(SMALL, lora, tp=tp)[0]) == adapters
     base = sum(count_params(SMALL, tp=tp))
     dp = 4 // tp
-    mem = estimate_role(SMALL, tp=tp, dp=dp, dtype="bfloat16", distributed_optimizer=True, lora=lora,
-                        seq_length=64, response_length=32)
-    full = estimate_role(SMALL, tp=tp, dp=dp, dtype="bfloat16", distributed_optimizer=True, seq_length=64,
-                         response_length=32)
+    mem = estimate_role(
+        SMALL, tp=tp, dp=dp, dtype="bfloat16", distributed_optimizer=True, lora=lora, seq_length=64, response_length=32
+    )
+    full = estimate_role(
+        SMALL, tp=tp, dp=dp, dtype="bfloat16", distributed_optimizer=True, seq_length=64, response_length=32
+    )
     assert mem.params_adapter == adapters
     assert (mem.params_dense + mem.params_expert) == base
     assert mem.param_bytes == 2 * base + 2 * adapters  # base resident in bf16, adapters in the base's dtype
@@ -71,13 +81,24 @@ def test_excluded_and_partial_targets_are_left_out():
 
 
 def test_moe_experts_adapters_split_over_ep():
-    moe = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=1024, num_moe_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
-                      max_position_embeddings=64)
+    moe = ModelConfig(
+        num_layers=2,
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=1024,
+        num_moe_experts=4,
+        moe_ffn_hidden_size=64,
+        moe_router_topk=2,
+        max_position_embeddings=64,
+    )
     lora = LoRAConfig(rank=2, target_modules=["linear_fc1", "linear_fc2"])
     per_expert = (2 * 128 + 2 * 64 * 2) + (2 * 64 + 128 * 2)
     assert adapter_params(moe, lora, ep=2) == [(0, 2 * 2 * per_expert)]
-    assert adapter_params(moe, LoRAConfig(rank=2, target_modules=["linear_fc1"], exclude_modules=["experts"])) == [(0, 0)]
+    assert adapter_params(moe, LoRAConfig(rank=2, target_modules=["linear_fc1"], exclude_modules=["experts"])) == [
+        (0, 0)
+    ]
 
 
 def test_vllm_lora_slot_equals_vllms_buffers():
@@ -97,8 +118,11 @@ def _vllm_slot_bytes(self) -> int:
 
     total = 0
     for module in self.model_runner.model.modules():
-        names = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked") \
-            if hasattr(module, "w13_lora_a_stacked") else ("lora_a_stacked", "lora_b_stacked")
+        names = (
+            ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
+            if hasattr(module, "w13_lora_a_stacked")
+            else ("lora_a_stacked", "lora_b_stacked")
+        )
         for name in names:
             value = getattr(module, name, None)
             tensors = [value] if isinstance(value, torch.Tensor) else list(value or ())
@@ -120,8 +144,9 @@ def test_vllm_lora_slot_equals_a_vllm_cpu_engines_buffers(tmp_path):
     model = get_family(str(hf_dir)).model_config(str(hf_dir))
     assert vllm_embedding_lora(json.loads((hf_dir / "config.json").read_text())["architectures"])
     expected = vllm_lora_slot_bytes(model, 8, 4, embeddings=True)
-    rollout = VLLMRollout(str(hf_dir), RolloutConfig(prompt_length=32, response_length=16, kv_cache_space_gib=1),
-                          max_lora_rank=8)
+    rollout = VLLMRollout(
+        str(hf_dir), RolloutConfig(prompt_length=32, response_length=16, kv_cache_space_gib=1), max_lora_rank=8
+    )
     try:
         with rollout.engine_call():
             measured = rollout.llm.collective_rpc(_vllm_slot_bytes)[0]
@@ -134,8 +159,20 @@ def test_vllm_lora_slot_equals_a_vllm_cpu_engines_buffers(tmp_path):
 def _resident(rank, world_size, lora_rank):
     from tools.bench_lora import _run
 
-    args = argparse.Namespace(tp=world_size, layers=4, hidden=256, ffn=768, heads=8, kv_heads=4, vocab=4096, rank=lora_rank,
-                              batch=2, seq=64, steps=1, vllm=False)
+    args = argparse.Namespace(
+        tp=world_size,
+        layers=4,
+        hidden=256,
+        ffn=768,
+        heads=8,
+        kv_heads=4,
+        vocab=4096,
+        rank=lora_rank,
+        batch=2,
+        seq=64,
+        steps=1,
+        vllm=False,
+    )
     return _run(rank, world_size, args, lora_rank)
 
 
@@ -190,16 +227,23 @@ def test_verl_qwen2_7b_lora_actor_update_terms_match_a_hand_count(qwen2_7b):
     from tests.megatron_rl.config.test_verl_example_scripts import plan
 
     h, f, heads, kv, d, layers, r, tp = 3584, 18944, 28, 4, 128, 28, 256, 4
-    per_layer = (r * h + (heads + 2 * kv) * d // tp * r) + (r * heads * d // tp + h * r) \
-        + (r * h + 2 * f // tp * r) + (r * f // tp + h * r)
+    per_layer = (
+        (r * h + (heads + 2 * kv) * d // tp * r)
+        + (r * heads * d // tp + h * r)
+        + (r * h + 2 * f // tp * r)
+        + (r * f // tp + h * r)
+    )
     adapters = layers * per_layer
     assert adapters == 219_283_456
     rc, out = plan(qwen2_7b[0])
     assert rc == 0, out[-3000:]
     assert "actor 1.904 B + 219.3 M LoRA adapters (trained)" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("actor update"))
-    terms = dict(t.rsplit(" ", 1) for t in row[row.index("(") + 1:row.rindex(")")].split(", "))
-    vocab_rows, layer = 152064 // tp, (heads + 2 * kv) // tp * d * (h + 1) + heads // tp * d * h + 2 * h + 3 * f // tp * h
+    terms = dict(t.rsplit(" ", 1) for t in row[row.index("(") + 1 : row.rindex(")")].split(", "))
+    vocab_rows, layer = (
+        152064 // tp,
+        (heads + 2 * kv) // tp * d * (h + 1) + heads // tp * d * h + 2 * h + 3 * f // tp * h,
+    )
     base = 2 * vocab_rows * h + layers * layer + h  # embedding, head, 28 layers (q/k/v biases), final norm
     assert base == 1_904_057_344
     hand = {"parameters": 2 * (base + adapters), "gradients": 4 * adapters, "optimizer state": 12 * adapters / 2}

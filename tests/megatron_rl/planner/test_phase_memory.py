@@ -22,13 +22,27 @@ A = "actor_rollout_ref.actor"
 
 def _config() -> TrainerRunConfig:
     model = ", ".join(f"{k}: {v}" for k, v in DEFAULT_MODEL.items())
-    return TrainerRunConfig.from_dict(compose("grpo", [
-        f"actor_rollout_ref.model.config={{{model}}}", f"data.max_prompt_length={DEFAULT_BATCH['prompt_length']}",
-        f"data.max_response_length={DEFAULT_BATCH['response_length']}", "data.train_batch_size=4",
-        f"{A}.ppo_mini_batch_size={DEFAULT_BATCH['batch_size']}", "actor_rollout_ref.rollout.n=1",
-        f"{A}.ppo_micro_batch_size_per_gpu={DEFAULT_BATCH['micro_batch_size']}", f"{A}.use_kl_loss=false",
-        "algorithm.use_kl_in_reward=false", f"{A}.megatron.param_offload=true", f"{A}.megatron.grad_offload=true",
-        f"{A}.megatron.optimizer_offload=true", "trainer.n_gpus_per_node=1", "trainer.nnodes=1"]))
+    return TrainerRunConfig.from_dict(
+        compose(
+            "grpo",
+            [
+                f"actor_rollout_ref.model.config={{{model}}}",
+                f"data.max_prompt_length={DEFAULT_BATCH['prompt_length']}",
+                f"data.max_response_length={DEFAULT_BATCH['response_length']}",
+                "data.train_batch_size=4",
+                f"{A}.ppo_mini_batch_size={DEFAULT_BATCH['batch_size']}",
+                "actor_rollout_ref.rollout.n=1",
+                f"{A}.ppo_micro_batch_size_per_gpu={DEFAULT_BATCH['micro_batch_size']}",
+                f"{A}.use_kl_loss=false",
+                "algorithm.use_kl_in_reward=false",
+                f"{A}.megatron.param_offload=true",
+                f"{A}.megatron.grad_offload=true",
+                f"{A}.megatron.optimizer_offload=true",
+                "trainer.n_gpus_per_node=1",
+                "trainer.nnodes=1",
+            ],
+        )
+    )
 
 
 def test_plan_is_within_10_percent_of_each_measured_phase():

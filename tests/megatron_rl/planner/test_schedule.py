@@ -25,8 +25,12 @@ RECIPES = sorted(f"gpu/{p.stem}" for p in (Path(__file__).parents[3] / "recipes"
 # GLM-4.5 355B and DeepSeek-V3 (FP8 rollout weights) run on H200 141 GB; every other recipe on H100 80 GB
 GPU_MEMORY_GB = {"gpu/glm4_5_355b_grpo": 141.0, "gpu/deepseek_v3_671b_grpo": 141.0}
 A = "actor_rollout_ref.actor.megatron"
-OFF = [f"{A}.param_offload=false", f"{A}.grad_offload=false", f"{A}.optimizer_offload=false",
-       "actor_rollout_ref.ref.megatron.param_offload=false"]
+OFF = [
+    f"{A}.param_offload=false",
+    f"{A}.grad_offload=false",
+    f"{A}.optimizer_offload=false",
+    "actor_rollout_ref.ref.megatron.param_offload=false",
+]
 VERL_CLIENT = ["trainer.nnodes=1", f"{A}.expert_model_parallel_size=4"]  # TP=4 PP=2 EP=4, vLLM TP=4 at 0.6
 PART = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
 
@@ -55,8 +59,9 @@ def test_trainer_schedule_equals_the_plan(recipe):
                 assert terms["other roles resident"] == others
                 active = runner.state[phase.active]
                 assert (terms["gradients"] > 0) == ("grads" in active and plan.roles[phase.active].grad_bytes > 0)
-                assert (terms["optimizer state"] > 0) == ("optimizer" in active
-                                                          and plan.roles[phase.active].optimizer_bytes > 0)
+                assert (terms["optimizer state"] > 0) == (
+                    "optimizer" in active and plan.roles[phase.active].optimizer_bytes > 0
+                )
     assert runner.history == schedule.names * 2
     assert list(plan.phases) == [p.label for p in schedule.phases]
     assert schedule.names[0] == "gen" and schedule.names[-2:] == ["actor_update", "weight_sync"]
@@ -70,10 +75,14 @@ def test_colocated_transitions_of_the_30b_recipe():
     runner.enter("gen")
     acts = [(phase, t.target, t.action, t.parts) for phase, t in runner.actions]
     # first generation: everything offloaded; then the rollout sleeps before the actor comes back
-    assert acts[:2] == [("gen", "actor", "offload", ("params", "grads", "optimizer")),
-                        ("gen", "ref", "offload", ("params",))]
-    assert acts[2:4] == [("actor_log_prob", "rollout", "sleep", ("weights", "kv_cache")),
-                         ("actor_log_prob", "actor", "onload", ("params",))]
+    assert acts[:2] == [
+        ("gen", "actor", "offload", ("params", "grads", "optimizer")),
+        ("gen", "ref", "offload", ("params",)),
+    ]
+    assert acts[2:4] == [
+        ("actor_log_prob", "rollout", "sleep", ("weights", "kv_cache")),
+        ("actor_log_prob", "actor", "onload", ("params",)),
+    ]
     assert ("ref_log_prob", "actor", "offload", ("params",)) in acts  # one role on the device at a time
     assert ("actor_update", "actor", "onload", ("params", "grads", "optimizer")) in acts
     assert ("weight_sync", "actor", "offload", ("grads", "optimizer")) in acts
@@ -92,8 +101,11 @@ def test_out_of_order_phase_is_refused():
 
 def test_offload_with_a_rollout_that_cannot_sleep_is_refused():
     cfg = load_config("gpu/qwen3_30b_a3b_grpo", ["actor_rollout_ref.rollout.free_cache_engine=false"])
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.megatron\.param_offload=True .*free_cache_engine="
-                                         r"False.*set actor_rollout_ref\.rollout\.free_cache_engine=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref\.actor\.megatron\.param_offload=True .*free_cache_engine="
+        r"False.*set actor_rollout_ref\.rollout\.free_cache_engine=True",
+    ):
         step_schedule(cfg, resolve_run(cfg))
     with pytest.raises(ValueError, match="free_cache_engine=True"):
         plan_run(cfg)
@@ -120,8 +132,10 @@ def test_verl_client_layout_without_offload_does_not_fit_and_names_the_term():
     assert not plan.fits and plan.peak_phase == "rollout"
     assert plan.dominant_term == "actor resident (parameters, gradients, optimizer state)"
     assert plan.phases["rollout"][plan.dominant_term] > 60 * GIB  # bf16 weights + fp32 grads + Adam state
-    assert plan.suggestion.startswith(f"Offload fits this layout: set {A}.param_offload=True {A}.grad_offload=True "
-                                      f"{A}.optimizer_offload=True actor_rollout_ref.ref.megatron.param_offload=True")
+    assert plan.suggestion.startswith(
+        f"Offload fits this layout: set {A}.param_offload=True {A}.grad_offload=True "
+        f"{A}.optimizer_offload=True actor_rollout_ref.ref.megatron.param_offload=True"
+    )
 
 
 def test_optimizer_state_is_divided_by_dp_only_with_the_distributed_optimizer():
@@ -139,21 +153,29 @@ def test_optimizer_state_is_divided_by_dp_only_with_the_distributed_optimizer():
 
 def test_distributed_optimizer_is_the_default_and_refuses_a_non_adam_optimizer_by_key():
     cfg = load_config("ppo")
-    assert cfg.actor_rollout_ref.actor.megatron.use_distributed_optimizer and cfg.critic.megatron.use_distributed_optimizer
+    assert (
+        cfg.actor_rollout_ref.actor.megatron.use_distributed_optimizer and cfg.critic.megatron.use_distributed_optimizer
+    )
     for where in ("actor_rollout_ref.actor", "critic"):
-        with pytest.raises(ValueError, match=rf"^{where}\.megatron\.use_distributed_optimizer=True is not allowed with "
-                                             rf"{where}\.optim\.optimizer='sgd': .* set {where}\.megatron\."
-                                             rf"use_distributed_optimizer=False or {where}\.optim\.optimizer=adam$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{where}\.megatron\.use_distributed_optimizer=True is not allowed with "
+            rf"{where}\.optim\.optimizer='sgd': .* set {where}\.megatron\."
+            rf"use_distributed_optimizer=False or {where}\.optim\.optimizer=adam$",
+        ):
             load_config("ppo", [f"{where}.optim.optimizer=sgd"])
-        plain = load_config("ppo", [f"{where}.optim.optimizer=sgd", f"{where}.megatron.use_distributed_optimizer=false"])
+        plain = load_config(
+            "ppo", [f"{where}.optim.optimizer=sgd", f"{where}.megatron.use_distributed_optimizer=false"]
+        )
         section = plain.critic if where == "critic" else plain.actor_rollout_ref.actor
         assert section.optim.optimizer == "sgd" and not section.megatron.use_distributed_optimizer
 
 
 def test_sharded_optimizer_figures_of_the_published_layouts():
     # the 30B recipe: DP=2 over the dense parameters, the experts' DP is 1 (EP=8 spans the DP ranks)
-    sharded, plain = (plan_run(load_config("gpu/qwen3_30b_a3b_grpo", ov))
-                      for ov in ([], [f"{A}.use_distributed_optimizer=false"]))
+    sharded, plain = (
+        plan_run(load_config("gpu/qwen3_30b_a3b_grpo", ov)) for ov in ([], [f"{A}.use_distributed_optimizer=false"])
+    )
     assert sharded.roles["actor"].optimizer_bytes < plain.roles["actor"].optimizer_bytes
     assert sharded.peak_bytes == plain.peak_bytes  # the rollout phase (vLLM + idle roles offloaded) is the peak
     # verl's client layout is DP=1: sharding changes nothing, offload off still does not fit

@@ -17,16 +17,20 @@ from megatron_rl.planner import KNOWN_ARCHITECTURES, plan_run
 from megatron_rl.planner.hardware import HARDWARE, get_hardware
 from megatron_rl.planner.step_time import CALIBRATION, estimate_step_time, kv_bytes_per_token, vllm_stage_layers
 
-GIB = 2 ** 30
+GIB = 2**30
 QWEN3_30B_PARAMS = 30.53e9  # tests/megatron_rl/test_planner.py pins the count
 # The no-offload, awake-engine variant the separate pool needs (step_schedule refuses offload without sleep).
-SEPARATE_ASYNC = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
-                  "actor_rollout_ref.rollout.n_gpus_per_node=8", "trainer.total_training_steps=10",
-                  "actor_rollout_ref.rollout.free_cache_engine=false",
-                  "actor_rollout_ref.actor.megatron.param_offload=false",
-                  "actor_rollout_ref.actor.megatron.grad_offload=false",
-                  "actor_rollout_ref.actor.megatron.optimizer_offload=false",
-                  "actor_rollout_ref.ref.megatron.param_offload=false"]
+SEPARATE_ASYNC = [
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=8",
+    "trainer.total_training_steps=10",
+    "actor_rollout_ref.rollout.free_cache_engine=false",
+    "actor_rollout_ref.actor.megatron.param_offload=false",
+    "actor_rollout_ref.actor.megatron.grad_offload=false",
+    "actor_rollout_ref.actor.megatron.optimizer_offload=false",
+    "actor_rollout_ref.ref.megatron.param_offload=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +118,10 @@ def test_synchronous_scheduling_adds_the_engine_overhead_to_every_decode_step(ca
     """``engine_kwargs.vllm.async_scheduling: false``: the host's 3 ms follow the GPU's 37.5 ms instead of
     overlapping them (vLLM PRs #19970 / #23569), so each of the 4,321 decode steps takes 40.5 ms."""
     cfg, plan, st = calibration
-    sync_cfg = load_config(CALIBRATION["recipe"], CALIBRATION["overrides"]
-                           + ["actor_rollout_ref.rollout.engine_kwargs={vllm: {async_scheduling: false}}"])
+    sync_cfg = load_config(
+        CALIBRATION["recipe"],
+        CALIBRATION["overrides"] + ["actor_rollout_ref.rollout.engine_kwargs={vllm: {async_scheduling: false}}"],
+    )
     sync = estimate_step_time(sync_cfg, plan_run(sync_cfg, suggest=False), response_length_mean=3200)
     capacity = (0.6 * 80 * GIB - QWEN3_30B_PARAMS - 2 * GIB) / 49_152
     running = capacity / 3328
@@ -137,8 +143,7 @@ def test_calibration_log_prob_and_update_by_hand(calibration):
     dense = 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048) + 151936 * 2048 + 2048
     expert = 48 * 8 * 3 * 2048 * 768
     attention = 2 * 48 * 32 * 128 * 3328
-    forward = tokens_per_gpu * (2 * dense / (989e12 * 0.8) + 2 * expert / (989e12 * 0.4)
-                                + attention / (989e12 * 0.4))
+    forward = tokens_per_gpu * (2 * dense / (989e12 * 0.8) + 2 * expert / (989e12 * 0.4) + attention / (989e12 * 0.4))
     # EP all-to-all per MoE layer and direction: dispatch + combine of 8 copies x 2,048 x 2 B, 7/8 leave the GPU
     a2a = 48 * 2 * tokens_per_gpu * 8 * 2048 * 2 * 7 / 8 / 360e9
     assert st.phases["actor_log_prob"].seconds == pytest.approx(forward + a2a, rel=0.01)  # ~4.95 s
@@ -197,7 +202,9 @@ def test_response_lengths_default_to_the_maximum_and_the_tail_costs_steps(calibr
     assert st.phases["gen"].seconds - short_tail.phases["gen"].seconds == pytest.approx(768 * 0.0375, rel=0.03)
     with pytest.raises(ValueError, match=r"--response-length-mean=3500 is larger than the p99 \(3200"):
         estimate_step_time(cfg, plan, response_length_mean=3500, response_length_p99=3200)
-    with pytest.raises(ValueError, match=r"--response-length-p99=5000.0 must be .* at most data.max_response_length=3968"):
+    with pytest.raises(
+        ValueError, match=r"--response-length-p99=5000.0 must be .* at most data.max_response_length=3968"
+    ):
         estimate_step_time(cfg, plan, response_length_p99=5000.0)
 
 
@@ -210,7 +217,9 @@ def test_separate_async_overlaps_generation_with_training():
     assert st.phases["actor_log_prob"].bound == "skipped"  # bypass mode: old log-probs are the rollout's
     assert st.step_time_s == pytest.approx(max(phases["gen"], training) + phases["weight_sync"], rel=1e-9)
     assert st.gpus == 16 + 8  # the trainer's 2 nodes and the rollout's own node
-    on_policy = load_config("gpu/qwen3_30b_a3b_grpo", SEPARATE_ASYNC + ["trainer.v1.sampler.max_off_policy_threshold=0"])
+    on_policy = load_config(
+        "gpu/qwen3_30b_a3b_grpo", SEPARATE_ASYNC + ["trainer.v1.sampler.max_off_policy_threshold=0"]
+    )
     strict = estimate_step_time(on_policy, plan_run(on_policy, suggest=False))
     assert strict.step_time_s == pytest.approx(sum(phases.values()), rel=1e-9)  # staleness 0: no overlap
 
@@ -227,10 +236,16 @@ def test_deepseek_v3_uneven_stages_by_hand():
     the router 256 x 7168 and the shared expert 3 x 7168 x 2048 (dense) and 8 routed experts of 3 x 7168 x 2048.
     Stage 0 (3 dense + 1 MoE layer, the embedding a lookup) 3.39 s, a middle stage (4 MoE layers) 5.11 s, the
     last (1 MoE layer + the 129,280 x 7168 head) 2.20 s: the middle stages decide the log-prob pass."""
-    cfg = load_config("gpu/deepseek_v3_671b_grpo", [
-        f"{MEG}.tensor_model_parallel_size=1", f"{MEG}.pipeline_model_parallel_size=16",
-        f"{MEG}.expert_model_parallel_size=8", f"{SPLIT}.num_layers_in_first_pipeline_stage=4",
-        f"{SPLIT}.num_layers_in_last_pipeline_stage=1"])
+    cfg = load_config(
+        "gpu/deepseek_v3_671b_grpo",
+        [
+            f"{MEG}.tensor_model_parallel_size=1",
+            f"{MEG}.pipeline_model_parallel_size=16",
+            f"{MEG}.expert_model_parallel_size=8",
+            f"{SPLIT}.num_layers_in_first_pipeline_stage=4",
+            f"{SPLIT}.num_layers_in_last_pipeline_stage=1",
+        ],
+    )
     st = estimate_step_time(cfg, plan_run(cfg, gpu_memory_gb=141, suggest=False), hardware="H200")
     attention, dense_mlp = 187_107_328 + 2 * 7168, 3 * 7168 * 18432
     moe_dense, routed = attention + 256 * 7168 + 3 * 7168 * 2048, 8 * 3 * 7168 * 2048
@@ -243,8 +258,11 @@ def test_deepseek_v3_uneven_stages_by_hand():
         a2a = moe_layers * 2 * per_rank * 8 * 7168 * 2 * 7 / 8 / 360e9  # dispatch + combine over NVLink
         return compute, a2a
 
-    hand = [stage(3 * (attention + dense_mlp) + moe_dense, routed, 4, 1)] + [stage(4 * moe_dense, 4 * routed, 4, 4)] * 14 \
+    hand = (
+        [stage(3 * (attention + dense_mlp) + moe_dense, routed, 4, 1)]
+        + [stage(4 * moe_dense, 4 * routed, 4, 4)] * 14
         + [stage(moe_dense + head, routed, 1, 1)]
+    )
     log_prob = st.phases["actor_log_prob"]
     assert log_prob.stages == pytest.approx([c + a for c, a in hand], rel=1e-6)  # 3.39, 5.11 x 14, 2.20 s
     # the middle stage, with the bubble of 15 stages over 393,216 / 3,072 = 128 micro-batches of one sequence
@@ -259,10 +277,16 @@ def test_qwen3_235b_accounted_split_by_hand():
     norms, two norms and the router 128 x 4096 = 71,835,904 dense and 8 experts of 3 x 4096 x 1536; per layer two
     TP all-reduce pairs and the EP all-to-all. The last stage's 11 layers + the 151,936 x 4096 head (7.62 s) come
     close to a middle stage's 12 layers (7.64 s), which decides; the first stage's 11 layers take 7.00 s."""
-    cfg = load_config("gpu/qwen3_235b_a22b_grpo", [
-        f"{MEG}.tensor_model_parallel_size=4", f"{MEG}.pipeline_model_parallel_size=8",
-        f"{MEG}.expert_model_parallel_size=4", f"{SPLIT}.account_for_embedding_in_pipeline_split=True",
-        f"{SPLIT}.account_for_loss_in_pipeline_split=True"])
+    cfg = load_config(
+        "gpu/qwen3_235b_a22b_grpo",
+        [
+            f"{MEG}.tensor_model_parallel_size=4",
+            f"{MEG}.pipeline_model_parallel_size=8",
+            f"{MEG}.expert_model_parallel_size=4",
+            f"{SPLIT}.account_for_embedding_in_pipeline_split=True",
+            f"{SPLIT}.account_for_loss_in_pipeline_split=True",
+        ],
+    )
     st = estimate_step_time(cfg, plan_run(cfg, suggest=False))
     layer, routed, head = 71_835_904, 8 * 3 * 4096 * 1536, 151936 * 4096 + 4096
     tokens = 2048 * 3072
@@ -272,11 +296,17 @@ def test_qwen3_235b_accounted_split_by_hand():
     comm = 2 * 2 * 3 / 4 * local * 4096 * 2 / 360e9 + 2 * per_rank * 8 * 4096 * 2 * 3 / 4 / 360e9
 
     def compute(dense, layers):
-        return per_rank * (2 * dense / (989e12 * 0.8) + 2 * layers * routed / (989e12 * 0.4)
-                           + layers * 2 * 8192 * 3072 / (989e12 * 0.4))
+        return per_rank * (
+            2 * dense / (989e12 * 0.8)
+            + 2 * layers * routed / (989e12 * 0.4)
+            + layers * 2 * 8192 * 3072 / (989e12 * 0.4)
+        )
 
-    hand = [compute(11 * layer, 11) + 11 * comm] + [compute(12 * layer, 12) + 12 * comm] * 6 \
+    hand = (
+        [compute(11 * layer, 11) + 11 * comm]
+        + [compute(12 * layer, 12) + 12 * comm] * 6
         + [compute(11 * layer + head, 11) + 11 * comm]
+    )
     log_prob = st.phases["actor_log_prob"]
     assert log_prob.stages == pytest.approx(hand, rel=1e-6)  # 7.00, 7.64 x 6, 7.62 s
     # 1,572,864 tokens per DP rank / 3,072 = 512 micro-batches: the bubble is 7 / 512 of the middle stage's compute
@@ -302,8 +332,13 @@ def test_rollout_pipeline_decodes_at_its_slowest_stage():
     - 55.6 - 2 GiB over 24 layers x 2 of 4 KV heads x 128 x (K, V) x 2 B. A decode step takes the middle stage's
     read (its 24 layers, the experts the batch touches, its KV cache) and its 24 x 2 all-reduces, the engine's
     3 ms per step overlapped (async scheduling, on at PP > 1 with vLLM 0.32's V2 model runner)."""
-    cfg = load_config("gpu/qwen3_235b_a22b_grpo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                                                   "actor_rollout_ref.rollout.pipeline_model_parallel_size=4"])
+    cfg = load_config(
+        "gpu/qwen3_235b_a22b_grpo",
+        [
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.pipeline_model_parallel_size=4",
+        ],
+    )
     gen = estimate_step_time(cfg, plan_run(cfg, suggest=False)).phases["gen"]
     dense, experts, head = 71_835_904, 128 * 3 * 4096 * 1536, 151936 * 4096
     middle = 24 * (dense + experts) * 2 / 2

@@ -11,9 +11,12 @@ from megatron_rl.config.loader import load_config
 from megatron_rl.planner import KNOWN_ARCHITECTURES, count_params, estimate_role, plan_run
 
 MEG = "actor_rollout_ref.actor.megatron"
-SPLIT = [f"{MEG}.pipeline_model_parallel_size=4", f"{MEG}.expert_model_parallel_size=32",
-         f"{MEG}.override_transformer_config.num_layers_in_first_pipeline_stage=23",
-         f"{MEG}.override_transformer_config.num_layers_in_last_pipeline_stage=23"]
+SPLIT = [
+    f"{MEG}.pipeline_model_parallel_size=4",
+    f"{MEG}.expert_model_parallel_size=32",
+    f"{MEG}.override_transformer_config.num_layers_in_first_pipeline_stage=23",
+    f"{MEG}.override_transformer_config.num_layers_in_last_pipeline_stage=23",
+]
 # One Qwen3-235B layer on a TP=4, EP=32, ETP=1 rank: QKV (16 + 2 x 1 heads of 128) x 4096, the output
 # projection 16 x 128 x 4096, two norms of 4096, q/k norms of 128, the router 128 x 4096 (replicated);
 # routed experts: 128 / 32 = 4 experts of gate + up + down, 3 x 1536 x 4096.
@@ -27,12 +30,19 @@ def test_stage_counts_by_hand():
     m = KNOWN_ARCHITECTURES["qwen3_235b_a22b"]
     split = (23, 24, 24, 23)
     stages = [count_params(m, tp=4, pp=4, ep=32, etp=1, stage=s, stage_layers=split) for s in range(4)]
-    assert stages == [(23 * DENSE_LAYER + EMBED, 23 * EXPERT_LAYER), (24 * DENSE_LAYER, 24 * EXPERT_LAYER),
-                      (24 * DENSE_LAYER, 24 * EXPERT_LAYER), (23 * DENSE_LAYER + HEAD, 23 * EXPERT_LAYER)]
+    assert stages == [
+        (23 * DENSE_LAYER + EMBED, 23 * EXPERT_LAYER),
+        (24 * DENSE_LAYER, 24 * EXPERT_LAYER),
+        (24 * DENSE_LAYER, 24 * EXPERT_LAYER),
+        (23 * DENSE_LAYER + HEAD, 23 * EXPERT_LAYER),
+    ]
     # The most loaded stage is the last (23 layers + head: 2.314 G) -- a middle stage has 2.253 G.
     assert count_params(m, tp=4, pp=4, ep=32, etp=1, stage_layers=split) == stages[3]
-    with pytest.raises(ValueError, match=r"stage_layers=\[23, 24, 24\] must give each of the "
-                                         r"pipeline_model_parallel_size=4 stages its layers, num_layers=94 in all"):
+    with pytest.raises(
+        ValueError,
+        match=r"stage_layers=\[23, 24, 24\] must give each of the "
+        r"pipeline_model_parallel_size=4 stages its layers, num_layers=94 in all",
+    ):
         count_params(m, pp=4, stage_layers=(23, 24, 24))
 
 
@@ -76,8 +86,10 @@ def test_deepseek_v3_split_keeps_global_layer_indices():
     assert count_params(m, stage=15, **kw) == (moe_layer[0] + embed + m.hidden_size, moe_layer[1])
 
 
-ACCOUNTED = SPLIT[:2] + [f"{MEG}.override_transformer_config.account_for_embedding_in_pipeline_split=True",
-                         f"{MEG}.override_transformer_config.account_for_loss_in_pipeline_split=True"]
+ACCOUNTED = SPLIT[:2] + [
+    f"{MEG}.override_transformer_config.account_for_embedding_in_pipeline_split=True",
+    f"{MEG}.override_transformer_config.account_for_loss_in_pipeline_split=True",
+]
 
 
 def test_plan_with_embedding_and_loss_counted_as_layers():
@@ -90,7 +102,10 @@ def test_plan_with_embedding_and_loss_counted_as_layers():
     assert (actor.params_dense, actor.params_expert) == (23 * DENSE_LAYER + HEAD, 23 * EXPERT_LAYER)
     by_count = plan_run(load_config("gpu/qwen3_235b_a22b_grpo", SPLIT)).roles["actor"]
     assert actor.activation_bytes == by_count.activation_bytes
-    with pytest.raises(ValueError, match=r"override_transformer_config.account_for_embedding_in_pipeline_split=True "
-                                         r"counts the embedding as a layer: num_layers \+ 1 = 95 is not divisible by "
-                                         r"pipeline_model_parallel_size=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"override_transformer_config.account_for_embedding_in_pipeline_split=True "
+        r"counts the embedding as a layer: num_layers \+ 1 = 95 is not divisible by "
+        r"pipeline_model_parallel_size=4",
+    ):
         plan_run(load_config("gpu/qwen3_235b_a22b_grpo", ACCOUNTED[:3]))

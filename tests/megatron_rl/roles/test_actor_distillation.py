@@ -20,8 +20,15 @@ from tests.numerics import assert_within, rounding_bound
 
 VOCAB, PAD = 96, 0
 BATCH, PROMPT, RESPONSE = 8, 6, 5
-DENSE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-             vocab_size=VOCAB, max_position_embeddings=64)
+DENSE = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+)
 SGD = {"optimizer": "sgd", "lr": 1.0, "weight_decay": 0.0, "clip_grad": 0.0}
 # The reductions along one log-prob of DENSE (the n of eps * n * scale): per layer RMSNorm, QKV,
 # q.k over the head (16), softmax and p.v over the sequence, the projection, RMSNorm, fc1, fc2;
@@ -77,8 +84,12 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
     from parallel.mesh import init_mesh
 
     mesh = init_mesh(ParallelConfig(), seed=9)
-    actor = build_role("actor", ModelConfig(**DENSE), mesh, ActorConfig.from_dict(
-        {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": mbs, "optim": SGD}))
+    actor = build_role(
+        "actor",
+        ModelConfig(**DENSE),
+        mesh,
+        ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": mbs, "optim": SGD}),
+    )
     dcfg = DistillationLossConfig.from_dict(distillation)
     batch = make_batch(0)
     for row in empty_rows:
@@ -109,25 +120,47 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
             rows.append(torch.zeros(RESPONSE))
             topk_rows.append(None)
             continue
-        logits = torch.func.functional_call(module, params, (ids, torch.arange(ids.shape[1])[None]),
-                                            {"attention_mask": None})[0].float() / temperature
-        lp = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].gather(-1, ids[0, -n:, None]).squeeze(-1)
+        logits = (
+            torch.func.functional_call(
+                module, params, (ids, torch.arange(ids.shape[1])[None]), {"attention_mask": None}
+            )[0].float()
+            / temperature
+        )
+        lp = logits.log_softmax(-1)[ids.shape[1] - n - 1 : ids.shape[1] - 1].gather(-1, ids[0, -n:, None]).squeeze(-1)
         rows.append(torch.cat([lp, torch.zeros(RESPONSE - n)]))
         if topk:
             with torch.no_grad():
-                full = logits.log_softmax(-1)[ids.shape[1] - n - 1:ids.shape[1] - 1].topk(dcfg.topk, dim=-1)
+                full = logits.log_softmax(-1)[ids.shape[1] - n - 1 : ids.shape[1] - 1].topk(dcfg.topk, dim=-1)
             hand_topk.append((i, full.values, full.indices))
-            topk_rows.append(compute_forward_kl_topk(logits[None, ids.shape[1] - n - 1:ids.shape[1] - 1],
-                                                     batch["teacher_topk_log_probs"][i:i + 1, :n],
-                                                     batch["teacher_topk_ids"][i:i + 1, :n], dcfg.log_prob_min_clamp))
+            topk_rows.append(
+                compute_forward_kl_topk(
+                    logits[None, ids.shape[1] - n - 1 : ids.shape[1] - 1],
+                    batch["teacher_topk_log_probs"][i : i + 1, :n],
+                    batch["teacher_topk_ids"][i : i + 1, :n],
+                    dcfg.log_prob_min_clamp,
+                )
+            )
     lp = torch.stack(rows)
     if topk:  # per-row results padded to [BATCH, RESPONSE]
+
         def padded(field):
-            return torch.stack([torch.zeros(RESPONSE) if t is None else
-                                F.pad(getattr(t, field)[0].float(), (0, RESPONSE - getattr(t, field).shape[1]))
-                                for t in topk_rows])
-        teacher_topk = TopKDistillation(padded("distillation_losses"), padded("student_mass"), padded("teacher_mass"),
-                                        padded("overlap_count"), padded("overlap_token_advantage"), dcfg.topk)
+            return torch.stack(
+                [
+                    torch.zeros(RESPONSE)
+                    if t is None
+                    else F.pad(getattr(t, field)[0].float(), (0, RESPONSE - getattr(t, field).shape[1]))
+                    for t in topk_rows
+                ]
+            )
+
+        teacher_topk = TopKDistillation(
+            padded("distillation_losses"),
+            padded("student_mass"),
+            padded("teacher_mass"),
+            padded("overlap_count"),
+            padded("overlap_token_advantage"),
+            dcfg.topk,
+        )
         # The teacher side of the role (its own top-k, here of the same model) against the hand top-k.
         own = actor.compute_topk_log_probs(batch, k=dcfg.topk, temperature=temperature)
         for i, values, ids in hand_topk:
@@ -135,14 +168,24 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
             topk_diff = max(topk_diff, float((own["topk_log_probs"][i, :n] - values).abs().max()))
             ids_equal = ids_equal and torch.equal(own["topk_ids"][i, :n], ids)
     gbi = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": int((mask.sum(-1) > 0).sum())}
-    inputs = DistillationInputs(response_mask=mask, student_log_probs=lp, teacher_log_probs=batch["teacher_log_probs"],
-                                old_log_probs=batch.get("old_log_probs"), topk=teacher_topk)
+    inputs = DistillationInputs(
+        response_mask=mask,
+        student_log_probs=lp,
+        teacher_log_probs=batch["teacher_log_probs"],
+        old_log_probs=batch.get("old_log_probs"),
+        topk=teacher_topk,
+    )
     loss, _ = compute_distillation_loss(inputs, dcfg, "token-mean", gbi)
     hand_distill = float(loss)
     if dcfg.use_task_rewards:
         pg_loss, _ = POLICY_LOSSES["vanilla"](
-            old_log_prob=batch["old_log_probs"], log_prob=lp, advantages=batch["advantages"], response_mask=mask,
-            loss_agg_mode="token-mean", config=dataclasses.replace(actor.config, global_batch_info=gbi))
+            old_log_prob=batch["old_log_probs"],
+            log_prob=lp,
+            advantages=batch["advantages"],
+            response_mask=mask,
+            loss_agg_mode="token-mean",
+            config=dataclasses.replace(actor.config, global_batch_info=gbi),
+        )
         loss = pg_loss + dcfg.distillation_loss_coef * loss
     loss.backward()
     grads = {n: p.grad for n, p in params.items()}
@@ -150,16 +193,29 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
 
     before = {n: p.detach().clone() for n, p in actor.engine.named_parameters()}
     n = BATCH // world_size
-    shard = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
-    metrics = actor.update_policy(shard, temperature=temperature, distillation_loss={"distillation_loss": distillation,
-                                                                                     "enabled": True})
-    weight_diff = max(float((before[n] - p.detach() - SGD["lr"] * grads[n]).abs().max())
-                      for n, p in actor.engine.named_parameters())
-    scales = {"lp": float(lp.abs().max()), "grad": max(float(gr.abs().max()) for gr in grads.values()),
-              "weight": max(float(p.abs().max()) for p in before.values()),
-              "adv": float(batch["advantages"].abs().max()) if "advantages" in batch else 0.0}
-    return (metrics, hand_distill, float(loss), grad_norm, weight_diff, _bad_inputs(actor, shard), (topk_diff, ids_equal),
-            scales)
+    shard = {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+    metrics = actor.update_policy(
+        shard, temperature=temperature, distillation_loss={"distillation_loss": distillation, "enabled": True}
+    )
+    weight_diff = max(
+        float((before[n] - p.detach() - SGD["lr"] * grads[n]).abs().max()) for n, p in actor.engine.named_parameters()
+    )
+    scales = {
+        "lp": float(lp.abs().max()),
+        "grad": max(float(gr.abs().max()) for gr in grads.values()),
+        "weight": max(float(p.abs().max()) for p in before.values()),
+        "adv": float(batch["advantages"].abs().max()) if "advantages" in batch else 0.0,
+    }
+    return (
+        metrics,
+        hand_distill,
+        float(loss),
+        grad_norm,
+        weight_diff,
+        _bad_inputs(actor, shard),
+        (topk_diff, ids_equal),
+        scales,
+    )
 
 
 def _bad_inputs(actor, batch) -> list[str]:
@@ -169,11 +225,16 @@ def _bad_inputs(actor, batch) -> list[str]:
     from megatron_rl.roles import RewardModel
 
     batch = {k: v for k, v in batch.items() if not k.startswith("teacher_")}
-    batch.update(old_log_probs=torch.zeros_like(batch["response_mask"], dtype=torch.float32),
-                 advantages=torch.zeros_like(batch["response_mask"], dtype=torch.float32))
+    batch.update(
+        old_log_probs=torch.zeros_like(batch["response_mask"], dtype=torch.float32),
+        advantages=torch.zeros_like(batch["response_mask"], dtype=torch.float32),
+    )
     errors = []
-    for distillation in ({"loss_mode": "k9"}, {"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
-                         {"loss_mode": "k3"}):
+    for distillation in (
+        {"loss_mode": "k9"},
+        {"loss_mode": "forward_kl_topk", "use_policy_gradient": False},
+        {"loss_mode": "k3"},
+    ):
         try:
             actor.update_policy(batch, distillation_loss=distillation)
             errors.append("")
@@ -187,20 +248,47 @@ def _bad_inputs(actor, batch) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("distillation,world_size,mbs,empty_rows", [
-    # Supervised reverse-KL (k3) alone: no advantages/old log-probs in the batch; mbs=1 has an empty micro-batch.
-    ({"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": False}, 1, 1, ()),
-    # k1 as policy-gradient reward, added (x0.5) to the task's vanilla PPO loss; two data-parallel ranks.
-    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2, ()),
-    # ... where rank 1's shard has no response token (its metrics lack keys rank 0 has).
-    ({"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5}, 2, 2,
-     (4, 6, 7)),
-    # Top-k forward KL (k=8 of 96) against the student's vocab-parallel logits, back-propagated; one empty row.
-    ({"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": False, "use_task_rewards": False}, 1, 2, (5,)),
-    # ... and as a policy-gradient reward next to the task loss.
-    ({"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": True, "use_task_rewards": True,
-      "distillation_loss_coef": 0.5}, 1, 4, ()),
-])
+@pytest.mark.parametrize(
+    "distillation,world_size,mbs,empty_rows",
+    [
+        # Supervised reverse-KL (k3) alone: no advantages/old log-probs in the batch; mbs=1 has an empty micro-batch.
+        ({"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": False}, 1, 1, ()),
+        # k1 as policy-gradient reward, added (x0.5) to the task's vanilla PPO loss; two data-parallel ranks.
+        (
+            {"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5},
+            2,
+            2,
+            (),
+        ),
+        # ... where rank 1's shard has no response token (its metrics lack keys rank 0 has).
+        (
+            {"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": True, "distillation_loss_coef": 0.5},
+            2,
+            2,
+            (4, 6, 7),
+        ),
+        # Top-k forward KL (k=8 of 96) against the student's vocab-parallel logits, back-propagated; one empty row.
+        (
+            {"loss_mode": "forward_kl_topk", "topk": 8, "use_policy_gradient": False, "use_task_rewards": False},
+            1,
+            2,
+            (5,),
+        ),
+        # ... and as a policy-gradient reward next to the task loss.
+        (
+            {
+                "loss_mode": "forward_kl_topk",
+                "topk": 8,
+                "use_policy_gradient": True,
+                "use_task_rewards": True,
+                "distillation_loss_coef": 0.5,
+            },
+            1,
+            4,
+            (),
+        ),
+    ],
+)
 def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation, world_size, mbs, empty_rows):
     results = run_distributed(_distill_case, world_size, distillation, mbs, 0.8, empty_rows)
     metrics, hand_distill, hand_total, grad_norm, weight_diff, errors, (topk_diff, ids_equal), scales = results[0]
@@ -211,11 +299,17 @@ def test_distillation_update_equals_hand_computed_loss_and_gradient(distillation
     assert all(r[0] == metrics for r in results)  # every rank reports the global metrics
     # The loss: a token mean (<= BATCH * RESPONSE terms) of per-token losses whose derivative in the
     # log-prob is <= e^0.3 (teacher - student in [-0.3, 0]), so scaled like the log-probs.
-    assert_within(abs(metrics["distillation/loss"] - hand_distill),
-                  _two_paths(FORWARD_TERMS + BATCH * RESPONSE, 1.35 * scales["lp"]), f"{tag} loss")
+    assert_within(
+        abs(metrics["distillation/loss"] - hand_distill),
+        _two_paths(FORWARD_TERMS + BATCH * RESPONSE, 1.35 * scales["lp"]),
+        f"{tag} loss",
+    )
     # The gradient norm, relative: each gradient within the backward's bound of its scale.
-    assert_within(abs(metrics["actor/grad_norm"] - grad_norm) / max(1.0, grad_norm), _two_paths(BACKWARD_TERMS, 1.0),
-                  f"{tag} grad_norm (relative)")
+    assert_within(
+        abs(metrics["actor/grad_norm"] - grad_norm) / max(1.0, grad_norm),
+        _two_paths(BACKWARD_TERMS, 1.0),
+        f"{tag} grad_norm (relative)",
+    )
     # SGD, lr=1: w - g rounds once at the weights' scale; g itself is the backward's.
     step_bound = rounding_bound(1, scales["weight"]) + 2 * rounding_bound(BACKWARD_TERMS, SGD["lr"] * scales["grad"])
     assert_within(max(r[4] for r in results), step_bound, f"{tag} weight step")

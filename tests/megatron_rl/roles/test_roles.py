@@ -13,9 +13,16 @@ FORWARD = ("input_ids", "attention_mask", "responses")
 
 def test_role_names_map_to_classes_and_heads():
     assert {n: role_class(n) for n in ("actor", "ref", "teacher", "critic", "reward")} == {
-        "actor": Actor, "ref": Actor, "teacher": Actor, "critic": Critic, "reward": RewardModel}
+        "actor": Actor,
+        "ref": Actor,
+        "teacher": Actor,
+        "critic": Critic,
+        "reward": RewardModel,
+    }
     assert (Actor.head, Critic.head, RewardModel.head) == ("lm", "scalar", "scalar")
-    with pytest.raises(ValueError, match=r"^role='policy'; allowed: \['actor', 'critic', 'ref', 'reward', 'teacher'\]$"):
+    with pytest.raises(
+        ValueError, match=r"^role='policy'; allowed: \['actor', 'critic', 'ref', 'reward', 'teacher'\]$"
+    ):
         role_class("policy")
 
 
@@ -28,17 +35,27 @@ def test_every_batch_method_declares_its_fields():
     assert fields_of(Critic.update_critic).all == FORWARD + ("response_mask", "values", "returns")
     update = fields_of(Actor.update_policy)
     assert update.required == FORWARD + ("response_mask",)
-    assert set(update.optional) == {"old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
-                                    "teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids",
-                                    "routed_experts"}
+    assert set(update.optional) == {
+        "old_log_probs",
+        "advantages",
+        "ref_log_prob",
+        "rollout_is_weights",
+        "teacher_log_probs",
+        "teacher_topk_log_probs",
+        "teacher_topk_ids",
+        "routed_experts",
+    }
 
 
-@pytest.mark.parametrize("name,config,expected", [
-    ("actor", CriticConfig(), "ActorConfig"),
-    ("teacher", RewardModelConfig(), "ActorConfig"),
-    ("critic", ActorConfig(), "CriticConfig"),
-    ("reward", CriticConfig(), "RewardModelConfig"),
-])
+@pytest.mark.parametrize(
+    "name,config,expected",
+    [
+        ("actor", CriticConfig(), "ActorConfig"),
+        ("teacher", RewardModelConfig(), "ActorConfig"),
+        ("critic", ActorConfig(), "CriticConfig"),
+        ("reward", CriticConfig(), "RewardModelConfig"),
+    ],
+)
 def test_a_wrong_config_type_is_refused_before_the_engine_is_built(name, config, expected):
     # mesh=None: the check runs before anything touches a process group.
     with pytest.raises(TypeError, match=rf"^{name}: expected a {expected}, got {type(config).__name__}$"):

@@ -25,8 +25,9 @@ from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout  # noqa:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model = build_tiny_qwen3(tmp_path_factory.mktemp("threads"), seed=0)
-    rollout = VLLMRollout(model["path"], RolloutConfig(prompt_length=32, response_length=6, n=2, temperature=0.7,
-                                                         kv_cache_space_gib=1))
+    rollout = VLLMRollout(
+        model["path"], RolloutConfig(prompt_length=32, response_length=6, n=2, temperature=0.7, kv_cache_space_gib=1)
+    )
     yield rollout, chat_prompts(model["tokenizer"], ["What is 12 plus 30?", "hi"])
     rollout.shutdown()
 
@@ -56,7 +57,7 @@ def test_a_fresh_thread_generates_after_torch_set_num_threads(engine, pausable):
     want = rollout.generate(prompts, **kwargs)  # this thread's count: settled long ago
     before = torch.get_num_threads()
     torch._C.set_num_threads(1)  # torch's count 1, a fresh thread's OpenMP default the cores (vLLM makes
-    try:                         # torch.set_num_threads a no-op once its CPU worker has started)
+    try:  # torch.set_num_threads a no-op once its CPU worker has started)
         got = _in_fresh_thread(lambda: rollout.generate(prompts, **kwargs))
     finally:
         torch._C.set_num_threads(before)

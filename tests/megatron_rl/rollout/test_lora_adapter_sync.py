@@ -47,11 +47,15 @@ def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
     lora = LoRAConfig(rank=4, alpha=8.0, merge=True)  # the sync below is the merge: false path
     engine = MegatronEngine(model_cfg, mesh, trainable=True, optim=OptimConfig.from_dict(SGD), name="actor", lora=lora)
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh, ignore=engine.bridge_ignore)
-    actor = Actor(engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4,
-                                                 "optim": SGD}))
+    actor = Actor(
+        engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": SGD})
+    )
     params = dict(engine.named_parameters())
-    res = {"adapter_bytes": sum(p.nbytes for n, p in params.items() if ".lora_" in n),
-           "model_bytes": sum(p.nbytes for p in params.values()), "steps": []}
+    res = {
+        "adapter_bytes": sum(p.nbytes for n, p in params.items() if ".lora_" in n),
+        "model_bytes": sum(p.nbytes for p in params.values()),
+        "steps": [],
+    }
     rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT), max_lora_rank=lora.rank)
     try:
         res["vllm_before"] = vllm_log_probs(rollout, batch, None)
@@ -62,17 +66,24 @@ def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
             config = peft_adapter_config(lora, expand_shared(tensors, shared), base_model_name_or_path=hf_dir)
             stats = rollout.load_lora_tensors(tensors, shared, config)
             prompt_len = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-            prompts = [row[:prompt_len][m[:prompt_len].bool()].tolist()
-                       for row, m in zip(batch["input_ids"], batch["attention_mask"])]
+            prompts = [
+                row[:prompt_len][m[:prompt_len].bool()].tolist()
+                for row, m in zip(batch["input_ids"], batch["attention_mask"])
+            ]
             greedy = rollout.generate(prompts, validate=True)  # rollout_log_probs: what generation sampled from
-            res["steps"].append({
-                "stats": stats, "lora_int_id": rollout.lora_request.lora_int_id,
-                "actor": actor.compute_log_prob(batch)["log_probs"],
-                "ref": actor.compute_ref_log_prob(batch)["log_probs"],
-                "vllm_adapter": vllm_log_probs(rollout, batch, rollout.lora_request),
-                "vllm_base": vllm_log_probs(rollout, batch, None),
-                "greedy": greedy, "greedy_adapter": vllm_log_probs(rollout, greedy, rollout.lora_request),
-                "greedy_base": vllm_log_probs(rollout, greedy, None)})
+            res["steps"].append(
+                {
+                    "stats": stats,
+                    "lora_int_id": rollout.lora_request.lora_int_id,
+                    "actor": actor.compute_log_prob(batch)["log_probs"],
+                    "ref": actor.compute_ref_log_prob(batch)["log_probs"],
+                    "vllm_adapter": vllm_log_probs(rollout, batch, rollout.lora_request),
+                    "vllm_base": vllm_log_probs(rollout, batch, None),
+                    "greedy": greedy,
+                    "greedy_adapter": vllm_log_probs(rollout, greedy, rollout.lora_request),
+                    "greedy_base": vllm_log_probs(rollout, greedy, None),
+                }
+            )
     finally:
         rollout.shutdown()
     return res

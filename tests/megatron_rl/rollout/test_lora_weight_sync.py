@@ -44,11 +44,18 @@ def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
     family = get_family(hf_dir)
     model_cfg = family.model_config(hf_dir, make_vocab_size_divisible_by=64)
     weight_map = family.weight_map(model_cfg)
-    engine = MegatronEngine(model_cfg, mesh, trainable=True, optim=OptimConfig.from_dict(SGD), name="actor",
-                            lora=LoRAConfig(rank=4, alpha=8.0, merge=True))
+    engine = MegatronEngine(
+        model_cfg,
+        mesh,
+        trainable=True,
+        optim=OptimConfig.from_dict(SGD),
+        name="actor",
+        lora=LoRAConfig(rank=4, alpha=8.0, merge=True),
+    )
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh, ignore=engine.bridge_ignore)
-    actor = Actor(engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4,
-                                                 "optim": SGD}))
+    actor = Actor(
+        engine, ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": SGD})
+    )
     base = {n: p.detach().clone() for n, p in engine.named_parameters() if ".lora_" not in n}
     batch = dict(batch, old_log_probs=actor.compute_log_prob(batch)["log_probs"])
     actor.update_policy(batch)

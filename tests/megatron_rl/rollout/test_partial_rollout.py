@@ -35,8 +35,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(models):
-    cfg = RolloutConfig(prompt_length=32, response_length=RESPONSE_LEN, n=2, temperature=TEMPERATURE,
-                        kv_cache_space_gib=1)
+    cfg = RolloutConfig(
+        prompt_length=32, response_length=RESPONSE_LEN, n=2, temperature=TEMPERATURE, kv_cache_space_gib=1
+    )
     engine = VLLMRollout(models[0]["path"], cfg)
     yield engine
     engine.shutdown()
@@ -45,10 +46,11 @@ def rollout(models):
 def hf_token_log_probs(model, batch: dict, temperature: float) -> torch.Tensor:
     """``log_softmax(logits / T)`` at each response token, from the batch's own padded layout."""
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
     width = batch["responses"].shape[1]
-    logits = logits[:, -width - 1:-1].float() / temperature
+    logits = logits[:, -width - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
@@ -131,6 +133,7 @@ def test_the_gate_counts_only_pushes_that_succeed_and_pushes_wait_for_a_held_eng
     order = []
     with gate.hold() as version:
         assert version == 0
+
         def push():
             with gate.push():
                 order.append("push")

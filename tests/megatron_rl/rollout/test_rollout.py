@@ -35,8 +35,14 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(models):
-    cfg = RolloutConfig(prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, n=3, temperature=TEMPERATURE,
-                        kv_cache_space_gib=1, checkpoint_engine={"update_weights_bucket_megabytes": SMALL_BUCKET_MB})
+    cfg = RolloutConfig(
+        prompt_length=PROMPT_LEN,
+        response_length=RESPONSE_LEN,
+        n=3,
+        temperature=TEMPERATURE,
+        kv_cache_space_gib=1,
+        checkpoint_engine={"update_weights_bucket_megabytes": SMALL_BUCKET_MB},
+    )
     engine = VLLMRollout(models[0]["path"], cfg)
     yield engine
     engine.shutdown()
@@ -44,16 +50,22 @@ def rollout(models):
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_token_log_probs(model, batch: dict, temperature: float) -> torch.Tensor:
     """``log_softmax(logits / T)`` at each response token, from the batch's own padded layout."""
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits  # [b, P+R, V]
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits  # [b, P+R, V]
     width = batch["responses"].shape[1]
     logits = logits[:, -width - 1 : -1].float() / temperature  # position t predicts token t+1
     return torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
@@ -63,14 +75,25 @@ def hf_token_log_probs(model, batch: dict, temperature: float) -> torch.Tensor:
 def test_config_is_verl_keyed_and_validated():
     from omegaconf import OmegaConf
 
-    cfg = RolloutConfig.from_dict(OmegaConf.create({"n": 4, "temperature": 0.9, "top_k": -1, "response_length": 64,
-                                                    "val_kwargs": {"n": 2, "do_sample": True, "temperature": 0.5},
-                                                    "checkpoint_engine": {"backend": "shm"}}))
+    cfg = RolloutConfig.from_dict(
+        OmegaConf.create(
+            {
+                "n": 4,
+                "temperature": 0.9,
+                "top_k": -1,
+                "response_length": 64,
+                "val_kwargs": {"n": 2, "do_sample": True, "temperature": 0.5},
+                "checkpoint_engine": {"backend": "shm"},
+            }
+        )
+    )
     assert (cfg.n, cfg.val_kwargs.n, cfg.val_kwargs.temperature, cfg.checkpoint_engine.backend) == (4, 2, 0.5, "shm")
     assert isinstance(cfg, BaseConfig) and cfg.get("logprobs_mode") == "processed_logprobs"
     with pytest.raises(ValueError, match=r"unknown config key 'nn'"):
         RolloutConfig.from_dict({"nn": 2})
-    with pytest.raises(ValueError, match=r"rollout.prompt_too_long='drop' is not allowed; choose one of \['error', 'truncate_left'\]"):
+    with pytest.raises(
+        ValueError, match=r"rollout.prompt_too_long='drop' is not allowed; choose one of \['error', 'truncate_left'\]"
+    ):
         RolloutConfig(prompt_too_long="drop")
     with pytest.raises(ValueError, match=r"rollout.top_p=0.0 is out of range"):
         RolloutConfig(top_p=0.0)
@@ -78,18 +101,28 @@ def test_config_is_verl_keyed_and_validated():
         RolloutConfig(top_k=-2)
     with pytest.raises(ValueError, match=r"checkpoint_engine.backend='hccl' is not allowed"):  # nccl is built now
         RolloutConfig(checkpoint_engine={"backend": "hccl"})
-    with pytest.raises(ValueError, match=r"rollout.max_model_len=100 is smaller than prompt_length \+ response_length = 1024"):
+    with pytest.raises(
+        ValueError, match=r"rollout.max_model_len=100 is smaller than prompt_length \+ response_length = 1024"
+    ):
         RolloutConfig(max_model_len=100)
 
 
 def test_sampling_kwargs_training_validation_and_overrides():
     cfg = RolloutConfig(n=4, temperature=0.9, top_p=0.8, top_k=20, response_length=64, stop_token_ids=[7])
     train = sampling_kwargs(cfg)
-    assert (train["n"], train["temperature"], train["top_p"], train["top_k"], train["max_tokens"]) == (4, 0.9, 0.8, 20, 64)
+    assert (train["n"], train["temperature"], train["top_p"], train["top_k"], train["max_tokens"]) == (
+        4,
+        0.9,
+        0.8,
+        20,
+        64,
+    )
     assert train["logprobs"] == 0 and train["stop_token_ids"] == [7] and train["seed"] is None
     val = sampling_kwargs(cfg, validate=True)  # val_kwargs default: greedy, n=1
     assert (val["n"], val["temperature"], val["top_p"], val["top_k"]) == (1, 0.0, 1.0, -1)
-    sampled_val = sampling_kwargs(dataclasses.replace(cfg, val_kwargs=SamplingConfig(do_sample=True, temperature=0.6, n=2)), validate=True)
+    sampled_val = sampling_kwargs(
+        dataclasses.replace(cfg, val_kwargs=SamplingConfig(do_sample=True, temperature=0.6, n=2)), validate=True
+    )
     assert (sampled_val["n"], sampled_val["temperature"]) == (2, 0.6)
     assert sampling_kwargs(cfg, do_sample=False)["temperature"] == 0.0  # do_sample=False means greedy
     assert sampling_kwargs(cfg, response_length=8, seed=3)["max_tokens"] == 8
@@ -115,13 +148,17 @@ def test_batch_layout_n_samples_masks_and_padding(rollout, models):
     assert len(batch["finish_reasons"]) == b * n and set(batch["finish_reasons"]) <= {"stop", "length"}
     for row in range(b * n):
         p = prompts[row // n]
-        assert batch["prompts"][row, P - len(p):].tolist() == p  # left-padded prompt
+        assert batch["prompts"][row, P - len(p) :].tolist() == p  # left-padded prompt
         assert (batch["prompts"][row, : P - len(p)] == pad).all()
         length = int(batch["response_mask"][row].sum())
         assert batch["response_mask"][row].tolist() == [1] * length + [0] * (R - length)
         assert (batch["responses"][row, length:] == pad).all()
-        assert (batch["rollout_log_probs"][row, length:] == 0).all() and (batch["rollout_log_probs"][row, :length] < 0).all()
-        assert batch["attention_mask"][row].tolist() == [0] * (P - len(p)) + [1] * len(p) + [1] * length + [0] * (R - length)
+        assert (batch["rollout_log_probs"][row, length:] == 0).all() and (
+            batch["rollout_log_probs"][row, :length] < 0
+        ).all()
+        assert batch["attention_mask"][row].tolist() == [0] * (P - len(p)) + [1] * len(p) + [1] * length + [0] * (
+            R - length
+        )
         assert batch["position_ids"][row, P - len(p) : P + length].tolist() == list(range(len(p) + length))
     assert torch.equal(batch["input_ids"], torch.cat([batch["prompts"], batch["responses"]], 1))
     # n samples of one prompt differ (temperature 0.7 over a 384-token vocabulary)
@@ -139,8 +176,12 @@ def test_rollout_log_probs_are_temperature_scaled_and_equal_hf(rollout, models):
     # with top-k, vLLM's processed log-probs renormalise over the k kept tokens
     topk = rollout.generate(models[0]["prompts"], top_k=5, n=1)
     with torch.no_grad():
-        logits = models[0]["hf"](input_ids=topk["input_ids"], attention_mask=topk["attention_mask"],
-                                 position_ids=topk["position_ids"]).logits[:, PROMPT_LEN - 1 : -1] / TEMPERATURE
+        logits = (
+            models[0]["hf"](
+                input_ids=topk["input_ids"], attention_mask=topk["attention_mask"], position_ids=topk["position_ids"]
+            ).logits[:, PROMPT_LEN - 1 : -1]
+            / TEMPERATURE
+        )
     kept = logits.topk(5, -1)
     ref_k = torch.where(kept.indices == topk["responses"].unsqueeze(-1), torch.log_softmax(kept.values, -1), 0).sum(-1)
     m = topk["response_mask"].bool()
@@ -151,14 +192,18 @@ def test_rollout_log_probs_are_temperature_scaled_and_equal_hf(rollout, models):
 def test_greedy_validation_equals_hf_generate_token_for_token(rollout, models):
     prompts = models[0]["prompts"]
     batch = rollout.generate(prompts, validate=True)  # val_kwargs: greedy, n=1
-    assert batch["responses"].shape == (len(prompts), RESPONSE_LEN) and batch["finish_reasons"] == ["length"] * len(prompts)
+    assert batch["responses"].shape == (len(prompts), RESPONSE_LEN) and batch["finish_reasons"] == ["length"] * len(
+        prompts
+    )
     for row, p in enumerate(prompts):
         assert batch["responses"][row].tolist() == hf_greedy(models[0]["hf"], p, RESPONSE_LEN)
     # greedy log-probs are the unscaled log_softmax(logits)
     err = (hf_token_log_probs(models[0]["hf"], batch, 1.0) - batch["rollout_log_probs"]).abs().max().item()
     assert err < LOGP_TOL, err
     # a padded batch (our own left-padded prompts) gives the same generations
-    again = rollout.generate({"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :PROMPT_LEN]}, validate=True)
+    again = rollout.generate(
+        {"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :PROMPT_LEN]}, validate=True
+    )
     assert torch.equal(again["responses"], batch["responses"])
 
 
@@ -184,8 +229,10 @@ def test_stop_token_ends_the_response_and_stays_in_it(rollout, models):
 def test_prompt_too_long_is_an_error_or_a_left_truncation(rollout, models):
     long_prompt = models[0]["tokenizer"].encode("What is 12 plus 30? " * 8)
     assert len(long_prompt) > PROMPT_LEN
-    msg = (f"prompt 1 has {len(long_prompt)} tokens, more than rollout.prompt_length={PROMPT_LEN}; "
-           "shorten it, raise prompt_length, or set rollout.prompt_too_long='truncate_left'")
+    msg = (
+        f"prompt 1 has {len(long_prompt)} tokens, more than rollout.prompt_length={PROMPT_LEN}; "
+        "shorten it, raise prompt_length, or set rollout.prompt_too_long='truncate_left'"
+    )
     with pytest.raises(ValueError, match="^" + msg.replace("(", r"\(").replace(")", r"\)") + "$"):
         rollout.generate([models[0]["prompts"][0], long_prompt], validate=True)
     with pytest.raises(ValueError, match=r"prompt 0 is empty"):
@@ -228,11 +275,15 @@ def test_weight_sync_makes_the_engine_equal_hf_with_the_new_weights(rollout, mod
         err = (hf_token_log_probs(m1["hf"], greedy, 1.0) - greedy["rollout_log_probs"]).abs().max().item()
         assert err < LOGP_TOL, err
         sampled = rollout.generate(prompts)
-        err = (hf_token_log_probs(m1["hf"], sampled, TEMPERATURE) - sampled["rollout_log_probs"])[sampled["response_mask"].bool()]
+        err = (hf_token_log_probs(m1["hf"], sampled, TEMPERATURE) - sampled["rollout_log_probs"])[
+            sampled["response_mask"].bool()
+        ]
         assert err.abs().max().item() < LOGP_TOL
     finally:  # the module's engine goes back to the first weights
         rollout.update_weights(m0["state_dict"].items(), transport="colocated")
-    assert rollout.generate(prompts[:1], validate=True)["responses"][0].tolist() == hf_greedy(m0["hf"], prompts[0], RESPONSE_LEN)
+    assert rollout.generate(prompts[:1], validate=True)["responses"][0].tolist() == hf_greedy(
+        m0["hf"], prompts[0], RESPONSE_LEN
+    )
 
 
 def test_partial_weight_sync_is_refused_unless_allowed(rollout, models):
@@ -243,12 +294,17 @@ def test_partial_weight_sync_is_refused_unless_allowed(rollout, models):
     stats = rollout.update_weights(subset, allow_partial=True)
     assert stats["num_tensors"] == len(subset)
     prompt = m0["prompts"][0]
-    assert rollout.generate([prompt], validate=True)["responses"][0].tolist() == hf_greedy(m0["hf"], prompt, RESPONSE_LEN)
+    assert rollout.generate([prompt], validate=True)["responses"][0].tolist() == hf_greedy(
+        m0["hf"], prompt, RESPONSE_LEN
+    )
     with pytest.raises(ValueError, match=r"transport='hccl' is not allowed"):
         rollout.update_weights(subset, transport="hccl")
     # The module's engine is in-process: NCCL ranks 0 and 1 would share one process (refused by name, GPU or not).
-    with pytest.raises(ValueError, match=r"^transport='nccl' with an in-process engine would form NCCL ranks 0 and 1 "
-                                         r"in one process"):
+    with pytest.raises(
+        ValueError,
+        match=r"^transport='nccl' with an in-process engine would form NCCL ranks 0 and 1 "
+        r"in one process",
+    ):
         rollout.update_weights(subset, transport="nccl")
 
 
@@ -267,7 +323,7 @@ def test_a_sync_whose_sender_fails_midway_is_aborted_not_finished(rollout, model
     assert q < v
 
     def broken():
-        yield from buckets[:q + 1]
+        yield from buckets[: q + 1]
         raise OSError("the trainer's export failed")
 
     try:
@@ -288,8 +344,9 @@ def test_a_sync_whose_sender_fails_midway_is_aborted_not_finished(rollout, model
 def test_shutdown_removes_the_engines_rendezvous_file(models):
     """vLLM's in-process worker rendezvous through a ``$TMPDIR/vllm_dist_<hex>`` file it never
     removes; ``shutdown`` does (one file per engine start would pile up in /tmp)."""
-    engine = VLLMRollout(models[0]["path"], RolloutConfig(prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
-                                                          kv_cache_space_gib=1))
+    engine = VLLMRollout(
+        models[0]["path"], RolloutConfig(prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, kv_cache_space_gib=1)
+    )
     store = engine._store_file
     assert store is not None and os.path.basename(store).startswith("vllm_dist_") and os.path.exists(store)
     engine.shutdown()

@@ -20,7 +20,7 @@ P, R, LAYERS, TOPK = 6, 5, 3, 2
 def _vllm_like(plen: int, rlen: int, seed: int, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
     """(what vLLM returns, the routing of every token of prompt + response incl. the last one)."""
     full = np.random.default_rng(seed).integers(0, 200, size=(plen + rlen, LAYERS, TOPK)).astype(dtype)
-    return full[:plen + rlen - 1], full
+    return full[: plen + rlen - 1], full
 
 
 def test_tokens_land_where_the_batch_holds_them():
@@ -30,10 +30,10 @@ def test_tokens_land_where_the_batch_holds_them():
     assert out.shape == (3, P + R, LAYERS, TOPK) and out.dtype == torch.uint8
     for j, ((plen, rlen), (_, full)) in enumerate(zip(lens, made)):
         full = torch.from_numpy(full)
-        assert torch.equal(out[j, P - plen:P], full[:plen])  # the left-padded prompt
-        assert torch.equal(out[j, P:P + rlen - 1], full[plen:plen + rlen - 1])  # forwarded response tokens
+        assert torch.equal(out[j, P - plen : P], full[:plen])  # the left-padded prompt
+        assert torch.equal(out[j, P : P + rlen - 1], full[plen : plen + rlen - 1])  # forwarded response tokens
         assert torch.equal(out[j, P + rlen - 1], full[plen + rlen - 2])  # the last one repeats its predecessor
-        assert not out[j, :P - plen].any() and not out[j, P + rlen:].any()  # padding stays 0
+        assert not out[j, : P - plen].any() and not out[j, P + rlen :].any()  # padding stays 0
 
 
 def test_more_than_256_experts_widen_to_int32():
@@ -47,7 +47,9 @@ def test_missing_or_short_routing_is_named():
     routed, _ = _vllm_like(4, 3, 0)
     with pytest.raises(ValueError, match="returned no routed_experts.*enable_return_routed_experts=True"):
         align_routed_experts([None], [4], [3], P, R)
-    with pytest.raises(ValueError, match=r"sample 0: routed_experts has shape \(5, 3, 2\); expected at least \[6, 3, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"sample 0: routed_experts has shape \(5, 3, 2\); expected at least \[6, 3, 2\]"
+    ):
         align_routed_experts([routed[:5]], [4], [3], P, R)
     with pytest.raises(ValueError, match="2 routings for 1 prompts"):
         align_routed_experts([routed, routed], [4], [3, 3], P, R)

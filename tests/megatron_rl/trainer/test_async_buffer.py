@@ -72,14 +72,23 @@ durations = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False),
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=st.integers(1, 4), chunk_div=st.booleans(), lookahead=st.integers(0, 3),
-       threshold=st.one_of(st.none(), st.integers(0, 3)), strategy=st.sampled_from(["drop", "wait"]),
-       gen_times=durations, train_times=durations, steps=st.integers(1, 12))
-def test_staleness_bound_and_no_sample_lost_or_reused(batch, chunk_div, lookahead, threshold, strategy, gen_times,
-                                                      train_times, steps):
+@given(
+    batch=st.integers(1, 4),
+    chunk_div=st.booleans(),
+    lookahead=st.integers(0, 3),
+    threshold=st.one_of(st.none(), st.integers(0, 3)),
+    strategy=st.sampled_from(["drop", "wait"]),
+    gen_times=durations,
+    train_times=durations,
+    steps=st.integers(1, 12),
+)
+def test_staleness_bound_and_no_sample_lost_or_reused(
+    batch, chunk_div, lookahead, threshold, strategy, gen_times, train_times, steps
+):
     chunk = 1 if chunk_div else batch
-    taken, submitted, buf, evicted = simulate(batch, chunk, lookahead, threshold, strategy, gen_times, train_times,
-                                              steps)
+    taken, submitted, buf, evicted = simulate(
+        batch, chunk, lookahead, threshold, strategy, gen_times, train_times, steps
+    )
     uids = [u for u, _ in taken]
     assert len(uids) == len(set(uids)) == steps * batch  # every step trained a full batch, no group twice
     lags = [lag for _, lag in taken]

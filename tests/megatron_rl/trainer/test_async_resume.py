@@ -35,8 +35,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
-def simulate(batch, chunk, lookahead, threshold, strategy, gen_times, train_times, steps, filtered,
-             start=0, settled_before=()):
+def simulate(
+    batch, chunk, lookahead, threshold, strategy, gen_times, train_times, steps, filtered, start=0, settled_before=()
+):
     """``steps`` trainer steps drawing prompt ``p<i>`` from position ``start``, checkpointing after each.
 
     Returns ``(trained per step, submitted uids, checkpoints)``; ``checkpoints[k]`` = (resume point,
@@ -58,7 +59,7 @@ def simulate(batch, chunk, lookahead, threshold, strategy, gen_times, train_time
                     ledger.record(before, carry, skipped)
                     if carry:
                         break
-            groups, carry = carry[:buf.budget()], carry[buf.budget():]
+            groups, carry = carry[: buf.budget()], carry[buf.budget() :]
             buf.reserve(groups)
             submitted += [g.uid for g in groups]
             gen_end, gen_groups, gen_version = clock + gen_times[g_i % len(gen_times)], groups, rollout_version
@@ -90,8 +91,12 @@ def simulate(batch, chunk, lookahead, threshold, strategy, gen_times, train_time
         if pushed:
             buf.step_done()
             done += 1
-            checkpoints[done] = (ledger.resume_point({"pos": pos}), [u for s in trained for u in s], list(dropped),
-                                 list(drawn))
+            checkpoints[done] = (
+                ledger.resume_point({"pos": pos}),
+                [u for s in trained for u in s],
+                list(dropped),
+                list(drawn),
+            )
     return trained, submitted, checkpoints
 
 
@@ -99,19 +104,36 @@ durations = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False),
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=st.integers(1, 3), chunk_div=st.booleans(), lookahead=st.integers(0, 3),
-       threshold=st.one_of(st.none(), st.integers(0, 3)), strategy=st.sampled_from(["drop", "wait"]),
-       gen_times=durations, train_times=durations, steps=st.integers(2, 8), kill=st.integers(1, 7),
-       filtered=st.sets(st.integers(0, 40), max_size=12), refiltered=st.sets(st.integers(0, 40), max_size=12))
-def test_resume_point_loses_no_group_and_trains_none_twice(batch, chunk_div, lookahead, threshold, strategy,
-                                                            gen_times, train_times, steps, kill, filtered, refiltered):
+@given(
+    batch=st.integers(1, 3),
+    chunk_div=st.booleans(),
+    lookahead=st.integers(0, 3),
+    threshold=st.one_of(st.none(), st.integers(0, 3)),
+    strategy=st.sampled_from(["drop", "wait"]),
+    gen_times=durations,
+    train_times=durations,
+    steps=st.integers(2, 8),
+    kill=st.integers(1, 7),
+    filtered=st.sets(st.integers(0, 40), max_size=12),
+    refiltered=st.sets(st.integers(0, 40), max_size=12),
+)
+def test_resume_point_loses_no_group_and_trains_none_twice(
+    batch, chunk_div, lookahead, threshold, strategy, gen_times, train_times, steps, kill, filtered, refiltered
+):
     chunk, kill = (1 if chunk_div else batch), min(kill, steps - 1)
     args = (batch, chunk, lookahead, threshold, strategy, gen_times, train_times)
     full, _, checkpoints = simulate(*args, steps, filtered)
     point, trained_before, dropped_before, drawn_before = checkpoints[kill]
     # the resumed run: another clock (the rollouts are generated again) and other groups filtered
-    resumed, resubmitted, _ = simulate(*args[:5], train_times, gen_times, steps - kill, refiltered,
-                                       start=point["dataloader"]["pos"], settled_before=point["settled_uids"])
+    resumed, resubmitted, _ = simulate(
+        *args[:5],
+        train_times,
+        gen_times,
+        steps - kill,
+        refiltered,
+        start=point["dataloader"]["pos"],
+        settled_before=point["settled_uids"],
+    )
     after = [u for s in resumed for u in s]
     everything = trained_before + after
     assert len(everything) == len(set(everything)) == steps * batch  # every step full, no group twice
@@ -145,7 +167,7 @@ def test_ledger_resume_point_by_hand():
 
 
 # ------------------------------------------------------------------------------------ end to end
-REWARD = '''
+REWARD = """
 import random
 
 
@@ -154,19 +176,35 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # the others: a random score, so their groups always carry a signal (and are never filtered)
     flat = int(str(ground_truth).split()[0]) % 2 == 0
     return {"score": 0.5 if flat else random.random(), "flat": float(flat)}
-'''
+"""
 
 
 def _command(out_dir: Path, reward: Path) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.cli", "train", "grpo_async", "--no-progress",
-            "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-            "trainer.test_freq=2", "data.val_max_samples=4", "trainer.save_freq=1",
-            f"trainer.default_local_dir={out_dir}", "data.train_batch_size=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=1",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=16", "reward.reward_fn=null",
-            f"reward.custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
-            "algorithm.filter_groups.metric=seq_reward"]
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        "grpo_async",
+        "--no-progress",
+        "trainer.total_training_steps=2",
+        "trainer.sft_warmup_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=2",
+        "data.val_max_samples=4",
+        "trainer.save_freq=1",
+        f"trainer.default_local_dir={out_dir}",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.max_num_seqs=16",
+        "reward.reward_fn=null",
+        f"reward.custom_reward_function.path={reward}",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward",
+    ]
 
 
 def _ledger(out_dir: Path) -> dict[int, dict]:
@@ -185,10 +223,22 @@ def test_killed_separate_async_run_resumes_with_the_same_sample_ids(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     a, b = tmp_path / "a", tmp_path / "b"
-    run_a = subprocess.Popen(_command(a, reward), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
-    proc = subprocess.Popen(_command(b, reward), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    run_a = subprocess.Popen(
+        _command(a, reward),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    proc = subprocess.Popen(
+        _command(b, reward),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     try:
         while not (b / "global_step_1" / "trainer_state.json").is_file():
@@ -242,9 +292,18 @@ def test_group_filter_bounds_generation_batches_beyond_the_window():
         filt.count(f"0-{2 * i + 1}", kept=False)
     filt.check_rounds()
     filt.batches += 1
-    with pytest.raises(RuntimeError, match="4 generation batches since the last step gave 1 informative prompt groups, "
-                                           "fewer than data.train_batch_size=2 .*max_num_gen_batches=2, plus 1"):
+    with pytest.raises(
+        RuntimeError,
+        match="4 generation batches since the last step gave 1 informative prompt groups, "
+        "fewer than data.train_batch_size=2 .*max_num_gen_batches=2, plus 1",
+    ):
         filt.check_rounds()
-    assert filt.take_metrics() == {"filter_groups/num_gen_batches": 4.0, "filter_groups/kept_group_ratio": 1 / 6,
-                                   "filter_groups/num_filtered_groups": 5.0}
-    assert filt.filtered_uids == ["0-1", "0-2", "0-3", "0-4", "0-5"] and filt.take_metrics()["filter_groups/num_gen_batches"] == 0
+    assert filt.take_metrics() == {
+        "filter_groups/num_gen_batches": 4.0,
+        "filter_groups/kept_group_ratio": 1 / 6,
+        "filter_groups/num_filtered_groups": 5.0,
+    }
+    assert (
+        filt.filtered_uids == ["0-1", "0-2", "0-3", "0-4", "0-5"]
+        and filt.take_metrics()["filter_groups/num_gen_batches"] == 0
+    )

@@ -20,14 +20,27 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 STEPS = 3
-VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "async/", "weight_sync/seconds", "memory/",
-            "rollout/replica_gen_seconds",
-            "training/off_policy/")
+VOLATILE = (
+    "timing_s/",
+    "timing_per_token_ms/",
+    "perf/",
+    "async/",
+    "weight_sync/seconds",
+    "memory/",
+    "rollout/replica_gen_seconds",
+    "training/off_policy/",
+)
 SMALL = [  # the toy recipes shrunk: 2 prompts x 4 samples per step, no warm-up, no validation
-    f"trainer.total_training_steps={STEPS}", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-    "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=2",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=16",
+    f"trainer.total_training_steps={STEPS}",
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.logger=[console]",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.max_num_seqs=16",
 ]
 BYPASS = ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=null"]
 
@@ -64,7 +77,9 @@ def _run(toy_model, name, recipe, overrides, score=varied_score):
     from megatron_rl.workers.weight_sync import export_weights
 
     root, model_path = toy_model
-    config = TrainerRunConfig.from_dict(compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={root / name}"]))
+    config = TrainerRunConfig.from_dict(
+        compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={root / name}"])
+    )
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=root / name)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, score)
     trainer.init_workers()
@@ -80,9 +95,16 @@ def test_threshold_zero_separate_async_reproduces_the_synchronous_run(toy_model,
     """recipes/grpo_async.yaml (separate rollout, bypass mode) with no lookahead and threshold 0 vs the
     synchronous GRPO recipe in bypass mode: the same three steps."""
     sync_hist, sync_w, _ = _run(toy_model, "sync", "grpo", BYPASS)
-    async_hist, async_w, trainer = _run(toy_model, "separate", "grpo_async", [
-        "trainer.v1.separate_async.num_warmup_batches=0", "trainer.v1.separate_async.parameter_sync_step=1",
-        "trainer.v1.sampler.max_off_policy_threshold=0"])
+    async_hist, async_w, trainer = _run(
+        toy_model,
+        "separate",
+        "grpo_async",
+        [
+            "trainer.v1.separate_async.num_warmup_batches=0",
+            "trainer.v1.separate_async.parameter_sync_step=1",
+            "trainer.v1.sampler.max_off_policy_threshold=0",
+        ],
+    )
     assert trainer.config.trainer.v1.trainer_mode == "separate_async"
     assert trainer.config.actor_rollout_ref.rollout.nnodes == 1 and trainer.rollout_phase is not None
     assert len(sync_hist) == len(async_hist) == STEPS
@@ -97,15 +119,25 @@ def test_threshold_zero_separate_async_reproduces_the_synchronous_run(toy_model,
     for name in sync_w:
         assert torch.equal(sync_w[name], async_w[name]), name
     # every step trained on the rollouts of the weights pushed after the previous step
-    assert {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()} == \
-        {1: [0], 2: [1], 3: [2]}
+    assert {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()} == {
+        1: [0],
+        2: [1],
+        3: [2],
+    }
 
 
 def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model, ray_cluster):
-    one_step_off = ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
-                    "trainer.v1.sampler.max_off_policy_threshold=1"]
-    history, _, trainer = _run(toy_model, "one_step_off", "grpo", [*one_step_off, "trainer.save_freq=2",
-                                                                    "trainer.test_freq=3", "data.val_max_samples=4"])
+    one_step_off = [
+        "trainer.v1.trainer_mode=colocate_async",
+        "trainer.v1.colocate_async.num_warmup_batches=1",
+        "trainer.v1.sampler.max_off_policy_threshold=1",
+    ]
+    history, _, trainer = _run(
+        toy_model,
+        "one_step_off",
+        "grpo",
+        [*one_step_off, "trainer.save_freq=2", "trainer.test_freq=3", "data.val_max_samples=4"],
+    )
     assert "val-core/toy_reverse/reward/mean@1" in history[-1]  # validation runs in the async loop
     after_step = {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()}
     assert after_step == {k: [max(0, k - 2)] for k in range(1, STEPS + 1)}  # step 1 synchronous, then k-2
@@ -123,8 +155,12 @@ def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model
     root, _ = toy_model
     checkpoint = root / "one_step_off" / "global_step_2"
     assert checkpoint.is_dir(), sorted(p.name for p in (root / "one_step_off").iterdir())
-    resumed_hist, _, resumed = _run(toy_model, "resumed", "grpo", [
-        *one_step_off, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"])
+    resumed_hist, _, resumed = _run(
+        toy_model,
+        "resumed",
+        "grpo",
+        [*one_step_off, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"],
+    )
     assert [int(h["training/global_step"]) for h in resumed_hist] == [3]
     assert resumed.async_trained_uids == {3: trainer.async_trained_uids[3]}
     trained = [u for step in (1, 2) for u in trainer.async_trained_uids[step]] + resumed.async_trained_uids[3]
@@ -138,11 +174,20 @@ def test_remax_and_dapo_dynamic_sampling_in_colocate_async(toy_model, ray_cluste
     A filtered group leaves the window room for only part of the next prompt batch (its rest waits)."""
     import json
 
-    history, _, trainer = _run(toy_model, "remax_dapo_async", "remax", [
-        "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
-        "trainer.v1.sampler.max_off_policy_threshold=1", "algorithm.filter_groups.enable=true",
-        "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.max_num_gen_batches=0"],
-        score=half_flat_score)
+    history, _, trainer = _run(
+        toy_model,
+        "remax_dapo_async",
+        "remax",
+        [
+            "trainer.v1.trainer_mode=colocate_async",
+            "trainer.v1.colocate_async.num_warmup_batches=1",
+            "trainer.v1.sampler.max_off_policy_threshold=1",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_reward",
+            "algorithm.filter_groups.max_num_gen_batches=0",
+        ],
+        score=half_flat_score,
+    )
     assert trainer.needs.baseline and trainer.config.algorithm.filter_groups.enable
     for h in history:
         assert h["reward/flat/mean"] == 0.0  # only informative groups reach the trainer

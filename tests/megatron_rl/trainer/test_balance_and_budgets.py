@@ -15,17 +15,24 @@ from megatron_rl.trainer.balance import balance_batch
 def _batch(lengths):
     width = max(lengths)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
-    return Batch.from_dict({"attention_mask": mask, "row": torch.arange(len(lengths))},
-                           {"uid": np.array([f"u{i}" for i in range(len(lengths))], dtype=object)})
+    return Batch.from_dict(
+        {"attention_mask": mask, "row": torch.arange(len(lengths))},
+        {"uid": np.array([f"u{i}" for i in range(len(lengths))], dtype=object)},
+    )
 
 
 def test_balance_batch_evens_the_dp_slices_and_reports_verl_metrics():
     lengths = [100, 90, 80, 70, 10, 9, 8, 7]  # contiguous halves: 340 vs 34 tokens
     batch = _batch(lengths)
     metrics = balance_batch(batch, 2)
-    assert metrics == {"global_seqlen/min": 34.0, "global_seqlen/max": 340.0, "global_seqlen/minmax_diff": 306.0,
-                       "global_seqlen/balanced_min": 187.0, "global_seqlen/balanced_max": 187.0,
-                       "global_seqlen/mean": 187.0}
+    assert metrics == {
+        "global_seqlen/min": 34.0,
+        "global_seqlen/max": 340.0,
+        "global_seqlen/minmax_diff": 306.0,
+        "global_seqlen/balanced_min": 187.0,
+        "global_seqlen/balanced_max": 187.0,
+        "global_seqlen/mean": 187.0,
+    }
     order = batch["row"].tolist()
     halves = [sum(lengths[i] for i in order[:4]), sum(lengths[i] for i in order[4:])]
     assert halves == [187, 187] and sorted(order) == list(range(8))
@@ -36,8 +43,11 @@ def test_balance_batch_evens_the_dp_slices_and_reports_verl_metrics():
 
 
 def test_balance_batch_needs_an_even_split():
-    with pytest.raises(ValueError, match=r"^trainer.balance_batch: a batch of 3 samples cannot be split evenly over "
-                                         r"the data-parallel size 2$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^trainer.balance_batch: a batch of 3 samples cannot be split evenly over "
+        r"the data-parallel size 2$",
+    ):
         balance_batch(_batch([1, 2, 3]), 2)
 
 
@@ -51,21 +61,40 @@ def _specs(overrides):
 
 
 def test_role_budgets_default_to_the_actors_and_are_checked_before_any_worker():
-    specs = _specs(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
-                    "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=128"])
+    specs = _specs(
+        [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
+            "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu=160",
+            "critic.ppo_max_token_len_per_gpu=128",
+        ]
+    )
     assert specs["actor"].config.train_token_budget() == 96 and specs["actor"].config.forward_token_budget() == 160
     assert specs["critic"].config.use_dynamic_bsz is True  # None: the actor's
     assert specs["critic"].config.forward_token_budget() == 128  # forward_max_token_len_per_gpu None: ppo_max_...
     assert _specs([])["critic"].config.forward_token_budget() is None
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64 is smaller than the "
-                                         r"longest sample: data.max_prompt_length \+ data.max_response_length = "
-                                         r"64\+16 = 80$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64 is smaller than the "
+        r"longest sample: data.max_prompt_length \+ data.max_response_length = "
+        r"64\+16 = 80$",
+    ):
         _specs(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"])
-    with pytest.raises(ValueError, match=r"^critic.forward_max_token_len_per_gpu=81 is not a multiple of 2, the "
-                                         r"packed-sequence alignment of its layout \(tensor_model_parallel_size=2"):
-        _specs(["critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=81", "trainer.n_gpus_per_node=2",
+    with pytest.raises(
+        ValueError,
+        match=r"^critic.forward_max_token_len_per_gpu=81 is not a multiple of 2, the "
+        r"packed-sequence alignment of its layout \(tensor_model_parallel_size=2",
+    ):
+        _specs(
+            [
+                "critic.use_dynamic_bsz=true",
+                "critic.forward_max_token_len_per_gpu=81",
+                "trainer.n_gpus_per_node=2",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-                "critic.megatron.tensor_model_parallel_size=2", "critic.megatron.sequence_parallel=true"])
+                "critic.megatron.tensor_model_parallel_size=2",
+                "critic.megatron.sequence_parallel=true",
+            ]
+        )
 
 
 def test_planner_sizes_activations_from_the_token_budget_of_a_verl_30b_a3b_script():
@@ -73,12 +102,16 @@ def test_planner_sizes_activations_from_the_token_budget_of_a_verl_30b_a3b_scrip
     from megatron_rl.planner import plan_run
     from megatron_rl.planner.memory import estimate_role
 
-    verl_keys = ["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240",
-                 "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
-                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=20480"]
+    verl_keys = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=20480",
+    ]
     fixed = plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo")), architecture="qwen3_30b_a3b")
-    dynamic = plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo", verl_keys)),
-                       architecture="qwen3_30b_a3b")
+    dynamic = plan_run(
+        TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo", verl_keys)), architecture="qwen3_30b_a3b"
+    )
     assert dynamic.fits
     # A 10,240-token micro-batch holds ~3.3x the tokens of one 3,072-token sequence (ppo_micro_batch_size_per_gpu=1).
     ratio = dynamic.roles["actor"].activation_bytes / fixed.roles["actor"].activation_bytes
@@ -88,8 +121,17 @@ def test_planner_sizes_activations_from_the_token_budget_of_a_verl_30b_a3b_scrip
     kw = dict(tp=4, pp=2, ep=8, etp=1, dp=2, expert_dp=2, dtype="bfloat16", trainable=True, num_microbatches=8)
     a, b = (estimate_role(fixed.model, max_token_len=t, **kw) for t in (8192, 16384))
     assert b.activation_bytes / a.activation_bytes == pytest.approx(2.0, rel=0.01)
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048 is smaller than the "
-                                         r"longest sample: data.max_prompt_length \+ data.max_response_length = "
-                                         r"1024\+2048 = 3072$"):
-        plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo", verl_keys[:1] + [
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048"])), architecture="qwen3_30b_a3b")
+    with pytest.raises(
+        ValueError,
+        match=r"^actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048 is smaller than the "
+        r"longest sample: data.max_prompt_length \+ data.max_response_length = "
+        r"1024\+2048 = 3072$",
+    ):
+        plan_run(
+            TrainerRunConfig.from_dict(
+                compose(
+                    "gpu/qwen3_30b_a3b_grpo", verl_keys[:1] + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048"]
+                )
+            ),
+            architecture="qwen3_30b_a3b",
+        )

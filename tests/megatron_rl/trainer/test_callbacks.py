@@ -14,14 +14,26 @@ class Exploding(TrainerCallback):
         raise KeyError("no such metric")
 
 
-@pytest.mark.parametrize("path,message", [
-    ("tests.megatron_rl.trainer.no_such_module.X", "trainer.callbacks[0]='tests.megatron_rl.trainer.no_such_module.X': "
-                                                   "cannot import module 'tests.megatron_rl.trainer.no_such_module'"),
-    ("megatron_rl.trainer.callbacks.Nope", "trainer.callbacks[0]='megatron_rl.trainer.callbacks.Nope': module "
-                                           "'megatron_rl.trainer.callbacks' has no attribute 'Nope'"),
-    ("megatron_rl.trainer.callbacks.Validator", "trainer.callbacks[0]='megatron_rl.trainer.callbacks.Validator': "
-                                                "Validator is not a subclass of megatron_rl.trainer.callbacks.TrainerCallback"),
-])
+@pytest.mark.parametrize(
+    "path,message",
+    [
+        (
+            "tests.megatron_rl.trainer.no_such_module.X",
+            "trainer.callbacks[0]='tests.megatron_rl.trainer.no_such_module.X': "
+            "cannot import module 'tests.megatron_rl.trainer.no_such_module'",
+        ),
+        (
+            "megatron_rl.trainer.callbacks.Nope",
+            "trainer.callbacks[0]='megatron_rl.trainer.callbacks.Nope': module "
+            "'megatron_rl.trainer.callbacks' has no attribute 'Nope'",
+        ),
+        (
+            "megatron_rl.trainer.callbacks.Validator",
+            "trainer.callbacks[0]='megatron_rl.trainer.callbacks.Validator': "
+            "Validator is not a subclass of megatron_rl.trainer.callbacks.TrainerCallback",
+        ),
+    ],
+)
 def test_a_bad_callback_path_is_refused_by_entry(path, message):
     with pytest.raises(ValueError) as err:
         load_callbacks([path])
@@ -40,8 +52,11 @@ def test_hooks_run_in_list_order_and_an_error_names_the_callback_and_hook():
     callbacks = load_callbacks([f"{__name__}.Exploding"])
     assert len(callbacks) == 1 and HOOKS[0] == "on_fit_start" and HOOKS[-1] == "on_fit_end"
     callbacks.call("on_fit_start", None, 0)  # the base class's hooks do nothing
-    with pytest.raises(RuntimeError, match=rf"trainer\.callbacks: {__name__}\.Exploding\.on_step_end raised "
-                                           r"KeyError: 'no such metric'"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"trainer\.callbacks: {__name__}\.Exploding\.on_step_end raised "
+        r"KeyError: 'no such metric'",
+    ):
         callbacks.call("on_step_end", None, 1, {})
 
     class First(TrainerCallback):

@@ -37,19 +37,34 @@ def test_deepseek_v3_grpo_runs_two_steps(tmp_path, ray_cluster):
 
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3", tokenizer_vocab_size=320)
     source = read_hf_tensors(hf["path"])
-    raw = compose("grpo", [*SMALL, "~actor_rollout_ref.model.config", "~actor_rollout_ref.model.family",
-                           f"actor_rollout_ref.model.path={hf['path']}", "actor_rollout_ref.rollout.n=4",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                           f"trainer.default_local_dir={tmp_path}"])
+    raw = compose(
+        "grpo",
+        [
+            *SMALL,
+            "~actor_rollout_ref.model.config",
+            "~actor_rollout_ref.model.family",
+            f"actor_rollout_ref.model.path={hf['path']}",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
     config = TrainerRunConfig.from_dict(raw)
     trainer = build_trainer(config, tmp_path)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, spread_score)
     try:
         trainer.init_workers()
         history = trainer.fit()
-        weights = ray.get(trainer.actor.workers[0].__ray_call__.remote(
-            lambda worker: {n: t.clone() for n, t in export_hf_weights(
-                worker.engine.model, worker.weight_map, mesh=worker.mesh, all_ranks=True)}))
+        weights = ray.get(
+            trainer.actor.workers[0].__ray_call__.remote(
+                lambda worker: {
+                    n: t.clone()
+                    for n, t in export_hf_weights(
+                        worker.engine.model, worker.weight_map, mesh=worker.mesh, all_ranks=True
+                    )
+                }
+            )
+        )
     finally:
         trainer.shutdown()
     assert [int(h["training/global_step"]) for h in history] == [1, 2]

@@ -22,9 +22,14 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 SMALL = [
-    "trainer.sft_warmup_steps=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
-    "trainer.logger=[console]", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.logger=[console]",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.max_num_seqs=16",
 ]
 
@@ -95,8 +100,9 @@ def test_worker_death_stops_the_run_with_the_last_good_checkpoint_intact(tmp_pat
     finally:
         trainer.shutdown()
     message = str(err.value)
-    assert message.startswith(f"step 2: a worker failed, the run stops; the last good checkpoint is "
-                              f"{tmp_path}/global_step_1")
+    assert message.startswith(
+        f"step 2: a worker failed, the run stops; the last good checkpoint is {tmp_path}/global_step_1"
+    )
     assert "RayActorError" in message or "ActorDiedError" in message
     assert find_resume_dir(tmp_path) == (tmp_path / "global_step_1").resolve()
     assert (tmp_path / "global_step_1" / "actor" / "megatron_rl_complete.json").is_file()
@@ -105,8 +111,9 @@ def test_worker_death_stops_the_run_with_the_last_good_checkpoint_intact(tmp_pat
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "grpo", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "grpo", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_layout_or_memory_that_cannot_fit_is_refused_before_allocation(tmp_path):
@@ -116,10 +123,15 @@ def test_layout_or_memory_that_cannot_fit_is_refused_before_allocation(tmp_path)
     assert "world_size=1 is not divisible by tensor_model_parallel_size" in done.stderr, done.stderr[-2000:]
     assert not out.exists()
     # 64 layers x 8192 hidden (~52 B parameters) cannot fit in this machine's RAM.
-    done = _cli("actor_rollout_ref.model.config.num_layers=64", "actor_rollout_ref.model.config.hidden_size=8192",
-                "actor_rollout_ref.model.config.ffn_hidden_size=28672", "actor_rollout_ref.model.config.num_attention_heads=64",
-                "actor_rollout_ref.model.config.num_query_groups=8", "actor_rollout_ref.model.config.kv_channels=128",
-                f"trainer.default_local_dir={out}")
+    done = _cli(
+        "actor_rollout_ref.model.config.num_layers=64",
+        "actor_rollout_ref.model.config.hidden_size=8192",
+        "actor_rollout_ref.model.config.ffn_hidden_size=28672",
+        "actor_rollout_ref.model.config.num_attention_heads=64",
+        "actor_rollout_ref.model.config.num_query_groups=8",
+        "actor_rollout_ref.model.config.kv_channels=128",
+        f"trainer.default_local_dir={out}",
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "GiB are available" in done.stderr and "optimizer state" in done.stderr, done.stderr[-2000:]
     assert not (out / "base_model").exists()

@@ -24,14 +24,25 @@ from megatron_rl.workers.probes import EngineProbe, HeadlessProbe, RankProbe  # 
 def _config(nodes, gpus_per_node, tp, trainer=None, algorithm=None, **rollout):
     from megatron_rl.config.trainer import TrainerRunConfig
 
-    return TrainerRunConfig.from_dict({
-        "data": {"task": "toy_copy", "max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 8},
-        "actor_rollout_ref": {"model": {"path": "/nonexistent/model"},
-                              "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 1},
-                              "rollout": {"tensor_model_parallel_size": tp, "n": 2, **rollout}},
-        "algorithm": {"adv_estimator": "grpo", **(algorithm or {})},
-        "trainer": {"device": "cuda", "nnodes": nodes, "n_gpus_per_node": gpus_per_node, "logger": ["console"],
-                    "default_local_dir": "/tmp/megatron_rl_placement_probe", **(trainer or {})}})
+    return TrainerRunConfig.from_dict(
+        {
+            "data": {"task": "toy_copy", "max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 8},
+            "actor_rollout_ref": {
+                "model": {"path": "/nonexistent/model"},
+                "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 1},
+                "rollout": {"tensor_model_parallel_size": tp, "n": 2, **rollout},
+            },
+            "algorithm": {"adv_estimator": "grpo", **(algorithm or {})},
+            "trainer": {
+                "device": "cuda",
+                "nnodes": nodes,
+                "n_gpus_per_node": gpus_per_node,
+                "logger": ["console"],
+                "default_local_dir": "/tmp/megatron_rl_placement_probe",
+                **(trainer or {}),
+            },
+        }
+    )
 
 
 def _specs(config, roles):
@@ -44,8 +55,14 @@ def _specs(config, roles):
 def _place(config, roles):
     from megatron_rl.trainer.placement import Placement
 
-    return Placement(config, _specs(config, roles), model_path="/nonexistent/model", role_worker_cls=RankProbe,
-                     rollout_worker_cls=EngineProbe, headless_cls=HeadlessProbe)
+    return Placement(
+        config,
+        _specs(config, roles),
+        model_path="/nonexistent/model",
+        role_worker_cls=RankProbe,
+        rollout_worker_cls=EngineProbe,
+        headless_cls=HeadlessProbe,
+    )
 
 
 def _node_names(placement):
@@ -76,10 +93,11 @@ def test_colocated_roles_rank_i_on_gpu_i(fake_gpus, num_roles):
         assert len({tuple(v) for v in gpus.values()}) == 1, gpus  # rank g of every role on the same GPU g
         engines = ray.get([r.actor.where.remote() for r in placement.replicas])
         assert [e["visible"] for e in engines] == [
-            ",".join(str(placement.bundles.gpu_id(g)) for g in (2 * r, 2 * r + 1)) for r in range(4)]
+            ",".join(str(placement.bundles.gpu_id(g)) for g in (2 * r, 2 * r + 1)) for r in range(4)
+        ]
         first_role = next(iter(gpus.values()))
         for r, e in enumerate(engines):  # engine r shares its GPUs with training ranks 2r, 2r+1
-            assert e["visible"] == ",".join(first_role[2 * r:2 * r + 2])
+            assert e["visible"] == ",".join(first_role[2 * r : 2 * r + 2])
             assert e["slept"] == [1]  # started before the roles, then put to sleep (free_cache_engine)
         assert placement.started_asleep and placement.router is not None and len(placement.router) == 4
     finally:
@@ -90,10 +108,16 @@ def test_separate_pool_and_refusal(fake_gpus):
     """A separate rollout (2 GPUs of its own) gets its own bundles: its engines' GPUs are none of the
     trainer's and they are not put to sleep; a layout that does not divide is refused by key before any
     worker starts."""
-    config = _config(1, 4, 1, trainer={"v1": {"trainer_mode": "separate_async",
-                                              "separate_async": {"parameter_sync_step": 1}}},
-                     algorithm={"rollout_correction": {"bypass_mode": True}},
-                     nnodes=1, n_gpus_per_node=2, free_cache_engine=False)
+    config = _config(
+        1,
+        4,
+        1,
+        trainer={"v1": {"trainer_mode": "separate_async", "separate_async": {"parameter_sync_step": 1}}},
+        algorithm={"rollout_correction": {"bypass_mode": True}},
+        nnodes=1,
+        n_gpus_per_node=2,
+        free_cache_engine=False,
+    )
     placement = _place(config, ("actor",))
     try:
         trainer_gpus = {r["visible"] for r in placement.groups["actor"].ranks}
@@ -104,10 +128,16 @@ def test_separate_pool_and_refusal(fake_gpus):
         assert [r.nodes for r in placement.replicas] == [(0,), (0,)]  # the pool's one node
     finally:
         placement.shutdown()
-    bad = _config(1, 4, 2, trainer={"v1": {"trainer_mode": "separate_async",
-                                           "separate_async": {"parameter_sync_step": 1}}},
-                  algorithm={"rollout_correction": {"bypass_mode": True}},
-                  nnodes=1, n_gpus_per_node=3, free_cache_engine=False)
+    bad = _config(
+        1,
+        4,
+        2,
+        trainer={"v1": {"trainer_mode": "separate_async", "separate_async": {"parameter_sync_step": 1}}},
+        algorithm={"rollout_correction": {"bypass_mode": True}},
+        nnodes=1,
+        n_gpus_per_node=3,
+        free_cache_engine=False,
+    )
     with pytest.raises(ValueError, match="does not divide actor_rollout_ref.rollout.n_gpus_per_node=3"):
         _place(bad, ("actor",))
 

@@ -19,8 +19,9 @@ import torch
 from tests.megatron_rl.trainer import gpu_node
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-CUDA_IPC_ONE_RECEIVER = ("checkpoint_engine.backend='cuda_ipc' hands each bucket to at most 1 receiving process(es); "
-                         "this side band has {n}")
+CUDA_IPC_ONE_RECEIVER = (
+    "checkpoint_engine.backend='cuda_ipc' hands each bucket to at most 1 receiving process(es); this side band has {n}"
+)
 
 
 @pytest.mark.parametrize("num_gpus", [2, 4, 6, 8])
@@ -41,9 +42,11 @@ def test_colocated_case_places_tp2_engines_on_every_gpu_pair(num_gpus):
 
 def test_a_node_too_small_or_odd_is_named():
     assert gpu_node.too_few_gpus(1, "colocated") == (
-        "too few GPUs: TP=2 engines on every GPU of the node need >= 2, this machine has 1")
+        "too few GPUs: TP=2 engines on every GPU of the node need >= 2, this machine has 1"
+    )
     assert gpu_node.too_few_gpus(2, "separate") == (
-        "too few GPUs: the actor's GPU and 2 separate engines need >= 3, this machine has 2")
+        "too few GPUs: the actor's GPU and 2 separate engines need >= 3, this machine has 2"
+    )
     assert gpu_node.too_few_gpus(2, "colocated") is gpu_node.too_few_gpus(3, "separate") is None
     assert gpu_node.plan(1)["colocated"] == {"skipped": gpu_node.too_few_gpus(1, "colocated")}
     assert gpu_node.plan(7)["colocated"]["replicas"] == 3  # an odd node leaves its last GPU out
@@ -109,13 +112,23 @@ def _check_parity(out, *, transport, replicas):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(NUM_GPUS < 2, reason=gpu_node.too_few_gpus(NUM_GPUS, "colocated") or "")
-@pytest.mark.parametrize("transport", [
-    "shm",
-    pytest.param("cuda_ipc", marks=pytest.mark.xfail(strict=True, reason=(
-        "cuda_ipc takes one receiver per handle (parallel.transport registry, max_receivers=1) and the receiver "
-        "must see rank 0's GPU: a per-GPU pairing (actor rank g -> engine worker on GPU g) is not built; "
-        "test_the_cases_transports_on_their_side_bands shows the refusal"))),
-])
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "shm",
+        pytest.param(
+            "cuda_ipc",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "cuda_ipc takes one receiver per handle (parallel.transport registry, max_receivers=1) and the receiver "
+                    "must see rank 0's GPU: a per-GPU pairing (actor rank g -> engine worker on GPU g) is not built; "
+                    "test_the_cases_transports_on_their_side_bands shows the refusal"
+                ),
+            ),
+        ),
+    ],
+)
 def test_tp2_engines_on_every_gpu_sync_and_match_the_actor(gpu_ray, tmp_path, transport):
     """The trainer on all the node's GPUs: engine r's vLLM runs TP=2 on GPUs 2r, 2r+1 (the engine map), a
     GRPO step, a sync into every engine, then every engine's greedy log-probs equal the actor's."""

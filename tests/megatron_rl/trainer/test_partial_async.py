@@ -65,26 +65,44 @@ def test_a_push_to_the_ray_worker_pauses_its_generation_and_it_continues_with_th
 
 
 def test_grpo_async_recipe_with_partial_rollouts_trains_two_steps(toy_model, ray_cluster):  # noqa: F811 (fixture)
-    history, _, trainer = _run(toy_model, "partial", "grpo_async", [
-        "trainer.v1.partial_rollout=true", "trainer.total_training_steps=2",
-        "trainer.v1.separate_async.parameter_sync_step=1"])
+    history, _, trainer = _run(
+        toy_model,
+        "partial",
+        "grpo_async",
+        [
+            "trainer.v1.partial_rollout=true",
+            "trainer.total_training_steps=2",
+            "trainer.v1.separate_async.parameter_sync_step=1",
+        ],
+    )
     assert trainer.config.trainer.v1.partial_rollout and len(history) == 2
     for h in history:
         assert math.isfinite(h["actor/pg_loss"]) and math.isfinite(h["critic/score/mean"])
-        assert {"async/partial/partial_ratio", "async/partial/total_partial_num", "async/partial/max_partial_span"} <= set(h)
+        assert {
+            "async/partial/partial_ratio",
+            "async/partial/total_partial_num",
+            "async/partial/max_partial_span",
+        } <= set(h)
         fractions = [v for k, v in h.items() if k.startswith("async/token_fraction/staleness_")]
         assert fractions and abs(sum(fractions) - 1.0) < 1e-9  # integer token counts / total, in float64: ~1e-16 off
         assert 0.0 <= h["async/staleness_mean"] <= h["async/staleness_max"] <= 1.0
     assert history[0]["async/staleness_max"] == 0.0  # step 1 trains on the starting weights' rollouts
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.v1.trainer_mode=sync", "actor_rollout_ref.rollout.nnodes=0"],
-     "trainer.v1.partial_rollout=True is not supported: the rollout engine pauses generations only for weight "
-     "pushes that arrive while it generates, and trainer.v1.trainer_mode='sync'"),
-    (["actor_rollout_ref.rollout.in_process_engine=false"],
-     "trainer.v1.partial_rollout=True needs actor_rollout_ref.rollout.in_process_engine=True"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.v1.trainer_mode=sync", "actor_rollout_ref.rollout.nnodes=0"],
+            "trainer.v1.partial_rollout=True is not supported: the rollout engine pauses generations only for weight "
+            "pushes that arrive while it generates, and trainer.v1.trainer_mode='sync'",
+        ),
+        (
+            ["actor_rollout_ref.rollout.in_process_engine=false"],
+            "trainer.v1.partial_rollout=True needs actor_rollout_ref.rollout.in_process_engine=True",
+        ),
+    ],
+)
 def test_partial_rollouts_with_an_engine_that_cannot_pause_are_refused_by_name(overrides, message):
     """Refused when the run config is built, before any worker starts."""
     from megatron_rl.config import TrainerRunConfig
@@ -93,9 +111,16 @@ def test_partial_rollouts_with_an_engine_that_cannot_pause_are_refused_by_name(o
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainerRunConfig.from_dict(compose("grpo_async", ["trainer.v1.partial_rollout=true", *overrides]))
     for mode, nnodes in (("separate_async", 1), ("colocate_async", 0)):  # the async modes accept it
-        cfg = TrainerRunConfig.from_dict(compose("grpo_async", [
-            "trainer.v1.partial_rollout=true", f"trainer.v1.trainer_mode={mode}",
-            f"actor_rollout_ref.rollout.nnodes={nnodes}"]))
+        cfg = TrainerRunConfig.from_dict(
+            compose(
+                "grpo_async",
+                [
+                    "trainer.v1.partial_rollout=true",
+                    f"trainer.v1.trainer_mode={mode}",
+                    f"actor_rollout_ref.rollout.nnodes={nnodes}",
+                ],
+            )
+        )
         assert cfg.trainer.v1.partial_rollout
 
 
@@ -105,14 +130,22 @@ def test_staleness_is_counted_over_tokens_by_their_own_version():
     from megatron_rl.data.batch import Batch
     from megatron_rl.trainer.async_loop import staleness_metrics
 
-    batch = Batch.from_single_dict({
-        "rollout_policy_versions": torch.tensor([[1, 1, 3, 3], [2, 2, 2, 0]]),
-        "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
-        "rollout_policy_version": torch.tensor([1, 2])})
+    batch = Batch.from_single_dict(
+        {
+            "rollout_policy_versions": torch.tensor([[1, 1, 3, 3], [2, 2, 2, 0]]),
+            "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+            "rollout_policy_version": torch.tensor([1, 2]),
+        }
+    )
     out = staleness_metrics(batch, 3)
     assert out["async/staleness_mean"] == (2 * 2 + 2 * 0 + 3 * 1) / 7 and out["async/staleness_max"] == 2.0
     assert {k: v for k, v in out.items() if "token_fraction" in k} == {
-        "async/token_fraction/staleness_0": 2 / 7, "async/token_fraction/staleness_1": 3 / 7,
-        "async/token_fraction/staleness_2": 2 / 7}
-    assert (out["async/partial/total_partial_num"], out["async/partial/partial_ratio"],
-            out["async/partial/max_partial_span"]) == (1.0, 0.5, 2.0)
+        "async/token_fraction/staleness_0": 2 / 7,
+        "async/token_fraction/staleness_1": 3 / 7,
+        "async/token_fraction/staleness_2": 2 / 7,
+    }
+    assert (
+        out["async/partial/total_partial_num"],
+        out["async/partial/partial_ratio"],
+        out["async/partial/max_partial_span"],
+    ) == (1.0, 0.5, 2.0)

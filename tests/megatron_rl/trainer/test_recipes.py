@@ -32,18 +32,27 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 SMALL = [
-    "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-    "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.max_num_seqs=32",
+    "trainer.total_training_steps=2",
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "trainer.logger=[console]",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.max_num_seqs=32",
 ]
 RECIPES = {
     "grpo": (["trainer.test_freq=2", "data.val_max_samples=8"], ["val-core/toy_reverse/reward/mean@1"]),
     "dr_grpo": ([], ["actor/pg_loss"]),
-    "dapo": (["data.gen_batch_size=4", "algorithm.filter_groups.max_num_gen_batches=8"],
-             ["filter_groups/num_gen_batches"]),
+    "dapo": (
+        ["data.gen_batch_size=4", "algorithm.filter_groups.max_num_gen_batches=8"],
+        ["filter_groups/num_gen_batches"],
+    ),
     "gspo": ([], ["actor/pg_clipfrac"]),
-    "ppo": (["critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
-            ["critic/vf_loss", "critic/values/mean"]),
+    "ppo": (
+        ["critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+        ["critic/vf_loss", "critic/values/mean"],
+    ),
     "rloo": ([], ["actor/reward_kl_penalty"]),
     "reinforce_plus_plus": ([], ["actor/kl_loss"]),
     "remax": ([], ["actor/reward_kl_penalty"]),
@@ -51,18 +60,39 @@ RECIPES = {
     "grpo_moe": ([], ["actor/router_agreement/old_vs_update", "actor/router_agreement/old_vs_update_natural"]),
     # multi-turn sessions with calculator calls, as tests/megatron_rl/rollout/agent shrinks it (the
     # recipe's own inline model, not warmed up: the loop, not the tool-call rate, is tested here)
-    "tool_agent": (["data.task_kwargs={num_samples: 32, min_len: 2, max_len: 2}", "data.max_prompt_length=64",
-                    "actor_rollout_ref.rollout.n=4"], ["agent/num_turns/mean"]),
+    "tool_agent": (
+        [
+            "data.task_kwargs={num_samples: 32, min_len: 2, max_len: 2}",
+            "data.max_prompt_length=64",
+            "actor_rollout_ref.rollout.n=4",
+        ],
+        ["agent/num_turns/mean"],
+    ),
 }
-RECIPES["ppo"] = (RECIPES["ppo"][0] + ["actor_rollout_ref.actor.use_kl_loss=true"],  # + the reference
-                  RECIPES["ppo"][1] + ["actor/kl_loss"])
+RECIPES["ppo"] = (
+    RECIPES["ppo"][0] + ["actor_rollout_ref.actor.use_kl_loss=true"],  # + the reference
+    RECIPES["ppo"][1] + ["actor/kl_loss"],
+)
 A, C, T = "actor_rollout_ref.actor.megatron", "critic.megatron", "distillation.teacher_model.megatron"
-OFFLOAD = [f"{A}.param_offload=true", f"{A}.grad_offload=true", f"{A}.optimizer_offload=true",
-           f"{C}.param_offload=true", f"{C}.grad_offload=true", f"{C}.optimizer_offload=true",
-           "actor_rollout_ref.ref.megatron.param_offload=true", f"{T}.param_offload=true"]
+OFFLOAD = [
+    f"{A}.param_offload=true",
+    f"{A}.grad_offload=true",
+    f"{A}.optimizer_offload=true",
+    f"{C}.param_offload=true",
+    f"{C}.grad_offload=true",
+    f"{C}.optimizer_offload=true",
+    "actor_rollout_ref.ref.megatron.param_offload=true",
+    f"{T}.param_offload=true",
+]
 TWINS = ("ppo", "opd")  # also run offload-off; every logged number must be equal
-NOT_NUMBERS = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "weight_sync/seconds",
-               "rollout/replica_gen_seconds")  # wall-clock times
+NOT_NUMBERS = (
+    "timing_s/",
+    "timing_per_token_ms/",
+    "perf/",
+    "memory/",
+    "weight_sync/seconds",
+    "rollout/replica_gen_seconds",
+)  # wall-clock times
 # Loop features on top of the GRPO recipe: decoupled rollout correction (token IS weights + token
 # rejection; with selective activation recompute) in one run with a Megatron reward model, bypass
 # mode (vLLM's log-probs as the old ones), top-k forward-KL distillation (the teacher's vocab-parallel
@@ -70,16 +100,29 @@ NOT_NUMBERS = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "weight_
 # has them): each asserts its own metrics, and one trainer start-up serves both.
 VARIANTS = {
     "grpo+rollout_is+reward_model": (
-        ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
-         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
-         "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
-         "reward.reward_model.enable=true", "reward.reward_model.micro_batch_size_per_gpu=8"],
-        ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction", "reward/rm_score/mean"]),
-    "grpo+bypass": (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
-                    ["rollout_corr/kl"]),
-    "opd+topk": (["distillation.teacher_model.config.num_layers=2", "distillation.distillation_loss.loss_mode=forward_kl_topk",
-                  "distillation.distillation_loss.topk=16", "distillation.distillation_loss.use_policy_gradient=false"],
-                 ["distillation/loss", "distillation/student_mass", "distillation/overlap_ratio"]),
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
+            "reward.reward_model.enable=true",
+            "reward.reward_model.micro_batch_size_per_gpu=8",
+        ],
+        ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction", "reward/rm_score/mean"],
+    ),
+    "grpo+bypass": (
+        ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
+        ["rollout_corr/kl"],
+    ),
+    "opd+topk": (
+        [
+            "distillation.teacher_model.config.num_layers=2",
+            "distillation.distillation_loss.loss_mode=forward_kl_topk",
+            "distillation.distillation_loss.topk=16",
+            "distillation.distillation_loss.use_policy_gradient=false",
+        ],
+        ["distillation/loss", "distillation/student_mass", "distillation/overlap_ratio"],
+    ),
 }
 
 
@@ -108,16 +151,19 @@ def _run(recipe: str, overrides: list[str], tmp_path) -> tuple[list[dict], objec
     try:
         trainer.init_workers()
         history = trainer.fit()
-        granularity = ray.get(trainer.actor.workers[0].__ray_call__.remote(
-            lambda worker: worker.engine.tf_config.recompute_granularity))
+        granularity = ray.get(
+            trainer.actor.workers[0].__ray_call__.remote(lambda worker: worker.engine.tf_config.recompute_granularity)
+        )
     finally:
         trainer.shutdown()
     return history, trainer, granularity
 
 
 def _numbers(history: list[dict]) -> list[dict]:
-    return [{k: float(v) for k, v in h.items() if not k.startswith(NOT_NUMBERS) and isinstance(v, (int, float))}
-            for h in history]
+    return [
+        {k: float(v) for k, v in h.items() if not k.startswith(NOT_NUMBERS) and isinstance(v, (int, float))}
+        for h in history
+    ]
 
 
 @pytest.mark.parametrize("recipe", [*sorted(RECIPES), *VARIANTS])
@@ -160,8 +206,11 @@ def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
         on_numbers, off_numbers = _numbers(history), _numbers(off)
         assert [sorted(s) for s in on_numbers] == [sorted(s) for s in off_numbers]
         for step, (got, want) in enumerate(zip(on_numbers, off_numbers), start=1):
-            differ = {k: (got[k], want[k]) for k in want
-                      if not (got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k])))}
+            differ = {
+                k: (got[k], want[k])
+                for k in want
+                if not (got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k])))
+            }
             assert not differ, (recipe, step, differ)
         for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
             assert key in off_numbers[1]

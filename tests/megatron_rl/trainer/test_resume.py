@@ -25,23 +25,46 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-REWARD = '''
+REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # the share of distinct characters: varied within every group, and no policy reaches 1 in a few steps
     return len(set(solution_str)) / (len(solution_str) + 1)
-'''
-COMPARED = ("critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
-            "actor/entropy", "response_length/mean", "actor/lr")
+"""
+COMPARED = (
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "response_length/mean",
+    "actor/lr",
+)
 
 
 def _command(out_dir: Path, reward: Path, save_freq: int) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.cli", "train", "grpo", "--no-progress",
-            "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-            "trainer.test_freq=-1", f"trainer.save_freq={save_freq}", f"trainer.default_local_dir={out_dir}",
-            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.rollout.max_num_seqs=32", "actor_rollout_ref.actor.optim.lr=3e-3",
-            "reward.reward_fn=null", f"reward.custom_reward_function.path={reward}"]
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        "grpo",
+        "--no-progress",
+        "trainer.total_training_steps=2",
+        "trainer.sft_warmup_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.save_freq={save_freq}",
+        f"trainer.default_local_dir={out_dir}",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.max_num_seqs=32",
+        "actor_rollout_ref.actor.optim.lr=3e-3",
+        "reward.reward_fn=null",
+        f"reward.custom_reward_function.path={reward}",
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -69,10 +92,17 @@ def test_killed_run_resumes_to_the_same_next_step(tmp_path):
     # A and B start together (as test_async_resume's runs do): their start-ups overlap. Each process
     # has its own Ray and the same thread count, so A's numbers do not depend on B running beside it.
     log_a = (tmp_path / "a.log").open("w")  # a file, not a pipe: nothing reads A while B runs
-    run_a = subprocess.Popen(_command(a, reward, -1), env=_env(), stdout=log_a, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    proc = subprocess.Popen(_command(b, reward, 1), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    run_a = subprocess.Popen(
+        _command(a, reward, -1), env=_env(), stdout=log_a, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    proc = subprocess.Popen(
+        _command(b, reward, 1),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     try:
         while not (b / "global_step_1" / "trainer_state.json").is_file():

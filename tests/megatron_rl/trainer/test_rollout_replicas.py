@@ -42,7 +42,7 @@ def _padded(token_lists: list[list[int]], pad: int = 0) -> dict:
     ids = torch.full((len(token_lists), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, t in enumerate(token_lists):
-        ids[i, width - len(t):], mask[i, width - len(t):] = torch.tensor(t), 1
+        ids[i, width - len(t) :], mask[i, width - len(t) :] = torch.tensor(t), 1
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -61,9 +61,19 @@ def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_clus
     from megatron_rl.trainer import RayPPOTrainer
 
     root, model_path = toy_model
-    config = TrainerRunConfig.from_dict(compose("grpo", [
-        *SMALL, *REPLICAS, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.ignore_eos=true",
-        "actor_rollout_ref.rollout.checkpoint_engine.backend=shm", f"trainer.default_local_dir={root / 'sync2'}"]))
+    config = TrainerRunConfig.from_dict(
+        compose(
+            "grpo",
+            [
+                *SMALL,
+                *REPLICAS,
+                "trainer.total_training_steps=2",
+                "actor_rollout_ref.rollout.ignore_eos=true",
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=shm",
+                f"trainer.default_local_dir={root / 'sync2'}",
+            ],
+        )
+    )
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=root / "sync2")
     trainer.reward_fn = RewardFunction(trainer.tokenizer, spread_score)
     trainer.init_workers()
@@ -71,8 +81,12 @@ def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_clus
         router = trainer.placement.router
         assert len(router) == 2 and len(trainer.weight_sync.rollouts) == 2
         history = trainer.fit()
-        prompts = _padded(chat_prompts(trainer.tokenizer, ["Reverse: 1 2 3", "Reverse: 4 5 6 7", "Reverse: 8 9",
-                                                           "Reverse: 3 1 4 1 5"]), trainer.tokenizer.pad_token_id or 0)
+        prompts = _padded(
+            chat_prompts(
+                trainer.tokenizer, ["Reverse: 1 2 3", "Reverse: 4 5 6 7", "Reverse: 8 9", "Reverse: 3 1 4 1 5"]
+            ),
+            trainer.tokenizer.pad_token_id or 0,
+        )
         uids = [f"p{i}" for i in range(4)]
         greedy = _replica_outputs(trainer, prompts, validate=True)
         actor_lp = [trainer.actor.compute_log_prob(out, temperature=1.0)["log_probs"] for out in greedy]
@@ -108,9 +122,13 @@ def test_grpo_async_trains_two_steps_over_two_replicas(toy_model, ray_cluster): 
     """recipes/grpo_async.yaml (separate_async): both engines in the rollout's own pool, two steps."""
     from megatron_rl.utils.engine_map import rollout_layout
 
-    history, _, trainer = _run(toy_model, "async2", "grpo_async", [
-        *REPLICAS, "trainer.total_training_steps=2", "trainer.v1.separate_async.parameter_sync_step=1"],
-        score=spread_score)
+    history, _, trainer = _run(
+        toy_model,
+        "async2",
+        "grpo_async",
+        [*REPLICAS, "trainer.total_training_steps=2", "trainer.v1.separate_async.parameter_sync_step=1"],
+        score=spread_score,
+    )
     assert [int(h["training/global_step"]) for h in history] == [1, 2]
     engines = rollout_layout(trainer.config)  # what the placement started
     assert engines.replicas == 2 and not engines.colocated
@@ -134,14 +152,29 @@ def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
 
-    config = TrainerRunConfig.from_dict(compose("tool_agent", [
-        "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4",
-        "data.task_kwargs={num_samples: 32, min_len: 2, max_len: 2}", "data.max_prompt_length=64",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.max_num_seqs=16",
-        *REPLICAS, f"actor_rollout_ref.model.path={tool_model}", "actor_rollout_ref.model.config=null",
-        f"trainer.default_local_dir={tmp_path}"]))
+    config = TrainerRunConfig.from_dict(
+        compose(
+            "tool_agent",
+            [
+                "trainer.total_training_steps=2",
+                "trainer.sft_warmup_steps=0",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=-1",
+                "trainer.logger=[console]",
+                "data.train_batch_size=4",
+                "data.task_kwargs={num_samples: 32, min_len: 2, max_len: 2}",
+                "data.max_prompt_length=64",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                "actor_rollout_ref.rollout.max_num_seqs=16",
+                *REPLICAS,
+                f"actor_rollout_ref.model.path={tool_model}",
+                "actor_rollout_ref.model.config=null",
+                f"trainer.default_local_dir={tmp_path}",
+            ],
+        )
+    )
     trainer = build_trainer(config, tmp_path)
     try:
         trainer.init_workers()
@@ -152,8 +185,9 @@ def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster
         template = trainer.rollout_phase.chat_template
         split = router.run_agent_sessions(messages, uids=uids, n=2, seed=77, chat_template=template)
         split_tokens = list(router.last_tokens)
-        whole = ray.get(router.actors[0].run_agent_sessions.remote(messages, uids=uids, n=2, seed=77,
-                                                                    chat_template=template))
+        whole = ray.get(
+            router.actors[0].run_agent_sessions.remote(messages, uids=uids, n=2, seed=77, chat_template=template)
+        )
     finally:
         trainer.shutdown()
     assert [int(h["training/global_step"]) for h in history] == [1, 2]
@@ -178,9 +212,19 @@ def test_partial_rollouts_pause_and_resume_on_each_of_two_replicas(toy_model, ra
     from megatron_rl.trainer import RayPPOTrainer
 
     root, model_path = toy_model
-    config = TrainerRunConfig.from_dict(compose("grpo_async", [
-        *SMALL, *REPLICAS, "trainer.v1.partial_rollout=true", "trainer.total_training_steps=2",
-        "trainer.v1.separate_async.parameter_sync_step=1", f"trainer.default_local_dir={root / 'partial2'}"]))
+    config = TrainerRunConfig.from_dict(
+        compose(
+            "grpo_async",
+            [
+                *SMALL,
+                *REPLICAS,
+                "trainer.v1.partial_rollout=true",
+                "trainer.total_training_steps=2",
+                "trainer.v1.separate_async.parameter_sync_step=1",
+                f"trainer.default_local_dir={root / 'partial2'}",
+            ],
+        )
+    )
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=root / "partial2")
     trainer.reward_fn = RewardFunction(trainer.tokenizer, spread_score)
     trainer.init_workers()

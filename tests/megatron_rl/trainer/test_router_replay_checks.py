@@ -11,8 +11,13 @@ from megatron_rl.config import TrainerRunConfig
 from megatron_rl.config.loader import compose
 
 KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
-SMALL = ["trainer.sft_warmup_steps=0", "trainer.val_before_train=false", "data.train_batch_size=4",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
+SMALL = [
+    "trainer.sft_warmup_steps=0",
+    "trainer.val_before_train=false",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+]
 
 
 def _build(recipe, tmp_path, *overrides):
@@ -23,7 +28,9 @@ def _build(recipe, tmp_path, *overrides):
 
 
 def test_unknown_mode_names_key_and_value():
-    with pytest.raises(ValueError, match=r"router_replay\.mode='R4' is not allowed; choose one of \['disabled', 'R2', 'R3'\]"):
+    with pytest.raises(
+        ValueError, match=r"router_replay\.mode='R4' is not allowed; choose one of \['disabled', 'R2', 'R3'\]"
+    ):
         TrainerRunConfig.from_dict(compose("grpo_moe", [f"{KEY}=R4"]))
 
 
@@ -45,8 +52,13 @@ def test_r3_names_what_the_rollout_engine_lacks(tmp_path):
 
 def test_reference_r2_needs_the_actor_to_record(tmp_path):
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.megatron\.router_replay\.mode='R2' replays"):
-        _build("grpo_moe", tmp_path, f"{KEY}=disabled", "actor_rollout_ref.actor.use_kl_loss=true",
-               "actor_rollout_ref.ref.megatron.router_replay.mode=R2")
+        _build(
+            "grpo_moe",
+            tmp_path,
+            f"{KEY}=disabled",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.ref.megatron.router_replay.mode=R2",
+        )
 
 
 def test_save_routing_round_trip(tmp_path):
@@ -54,8 +66,11 @@ def test_save_routing_round_trip(tmp_path):
 
     from megatron_rl.engine.router_replay import ROUTED_EXPERTS, routing_dtype, save_routing
 
-    batch = {ROUTED_EXPERTS: torch.randint(0, 4, (2, 5, 3, 2), dtype=torch.uint8),
-             "input_ids": torch.arange(10).view(2, 5), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    batch = {
+        ROUTED_EXPERTS: torch.randint(0, 4, (2, 5, 3, 2), dtype=torch.uint8),
+        "input_ids": torch.arange(10).view(2, 5),
+        "attention_mask": torch.ones(2, 5, dtype=torch.long),
+    }
     path = save_routing(str(tmp_path / "routing" / "step_{step}.pt"), 7, batch)
     assert path.endswith("step_7.pt")
     saved = torch.load(path)

@@ -44,8 +44,17 @@ def _hf_model(path, family: str, head: str, seed: int):
 
     base = TINY_HF_CONFIGS[family]["architectures"][0]
     arch = base.replace("ForCausalLM", "ForSequenceClassification") if head == "score" else base
-    config = load_hf_config(dict(TINY_HF_CONFIGS[family], architectures=[arch], vocab_size=VOCAB,
-                                 pad_token_id=PAD, bos_token_id=None, eos_token_id=1, num_labels=1))
+    config = load_hf_config(
+        dict(
+            TINY_HF_CONFIGS[family],
+            architectures=[arch],
+            vocab_size=VOCAB,
+            pad_token_id=PAD,
+            bos_token_id=None,
+            eos_token_id=1,
+            num_labels=1,
+        )
+    )
     auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32).eval()
     _redraw(model, seed)
@@ -58,8 +67,9 @@ def _group(role, hf_dir, tp, role_config):
     from megatron_rl.workers.group import MegatronWorkerGroup
     from megatron_rl.workers.spec import WorkerSpec
 
-    spec = WorkerSpec(role, MegatronConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1), role_config,
-                      hf_dir=str(hf_dir))
+    spec = WorkerSpec(
+        role, MegatronConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1), role_config, hf_dir=str(hf_dir)
+    )
     return MegatronWorkerGroup(spec, tp, num_cpus_per_worker=1.0 / tp, name=f"{role}_tp{tp}")
 
 
@@ -92,8 +102,11 @@ def test_reward_role_rejects_a_causal_lm_checkpoint(tmp_path):
     _hf_model(tmp_path / "lm", "qwen3", "lm", seed=0)
     _hf_model(tmp_path / "rm", "qwen3", "score", seed=0)
     worker = MegatronWorker(0, 1)
-    with pytest.raises(ValueError, match=r"reward: .* is not a reward model; it needs an HF "
-                                         r"\*ForSequenceClassification checkpoint with num_labels=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward: .* is not a reward model; it needs an HF "
+        r"\*ForSequenceClassification checkpoint with num_labels=1",
+    ):
         worker.init_engine("127.0.0.1", 0, WorkerSpec("reward", MegatronConfig(), hf_dir=str(tmp_path / "lm")))
     with pytest.raises(ValueError, match=r"teacher: .* is a \*ForSequenceClassification checkpoint \(no lm_head\)"):
         worker.init_engine("127.0.0.1", 0, WorkerSpec("teacher", MegatronConfig(), hf_dir=str(tmp_path / "rm")))
@@ -115,7 +128,7 @@ def test_teacher_group_log_probs_equal_hf(ray_cluster, tmp_path):
             ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
             n = int(batch["response_mask"][i].sum())
             if n:
-                logp = (hf(input_ids=ids).logits[0].float() / temperature).log_softmax(-1)[-n - 1:-1]
+                logp = (hf(input_ids=ids).logits[0].float() / temperature).log_softmax(-1)[-n - 1 : -1]
                 expected[i, :n] = logp.gather(-1, ids[0, -n:, None]).squeeze(-1)
     mask = batch["response_mask"].bool()
     assert out.shape == (BATCH, RESPONSE)

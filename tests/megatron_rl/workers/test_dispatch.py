@@ -21,9 +21,12 @@ def test_split_for_dp_names_the_sizes():
         split_for_dp({"a": torch.arange(6), "b": torch.arange(2)}, 2)
 
 
-def test_each_shard_is_put_once_per_step_and_fetched_intact(ray_cluster):  # the session's shared Ray (tests/conftest.py)
-    batch = Batch.from_single_dict({"input_ids": torch.arange(12).view(4, 3), "response_mask": torch.ones(4, 3),
-                                    "uid": list("aabb")})
+def test_each_shard_is_put_once_per_step_and_fetched_intact(
+    ray_cluster,
+):  # the session's shared Ray (tests/conftest.py)
+    batch = Batch.from_single_dict(
+        {"input_ids": torch.arange(12).view(4, 3), "response_mask": torch.ones(4, 3), "uid": list("aabb")}
+    )
     cache = ShardCache()
     first = cache.refs(batch, ("input_ids", "response_mask", "old_log_probs"), dp=2)  # old_log_probs: not yet there
     assert cache.num_puts == 4 and sorted(first[0]) == ["input_ids", "response_mask"]
@@ -39,7 +42,8 @@ def test_each_shard_is_put_once_per_step_and_fetched_intact(ray_cluster):  # the
     assert cache.num_puts == 12
     shard = resolve_shard(update[1])
     assert torch.equal(shard["input_ids"], batch["input_ids"][2:]) and torch.equal(
-        shard["old_log_probs"], batch["old_log_probs"][2:])
+        shard["old_log_probs"], batch["old_log_probs"][2:]
+    )
     cache.clear()
     cache.refs(batch, ("input_ids",), dp=2)
     assert cache.num_puts == 14

@@ -33,8 +33,12 @@ def test_a_tp2_engine_counts_two_workers_and_a_streamed_sync_reaches_both(tmp_pa
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     hf = AutoModelForCausalLM.from_pretrained(model["path"], dtype=torch.float32).eval()
     batch = make_batch(len(model["tokenizer"]))
-    rollout = VLLMRollout(model["path"], RolloutConfig(kv_cache_space_gib=1, max_num_seqs=8, prompt_length=32,
-                                                       response_length=8, tensor_model_parallel_size=2))
+    rollout = VLLMRollout(
+        model["path"],
+        RolloutConfig(
+            kv_cache_space_gib=1, max_num_seqs=8, prompt_length=32, response_length=8, tensor_model_parallel_size=2
+        ),
+    )
     try:
         assert rollout.num_workers == 2
         stale = vllm_log_probs(rollout, batch)
@@ -63,7 +67,7 @@ def test_a_tp2_engine_counts_two_workers_and_a_streamed_sync_reaches_both(tmp_pa
     with torch.no_grad():
         logp = torch.log_softmax(hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, -1)
     start = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-    expected = logp[:, start - 1:-1].gather(-1, batch["responses"][..., None])[..., 0]
+    expected = logp[:, start - 1 : -1].gather(-1, batch["responses"][..., None])[..., 0]
     mask = batch["response_mask"].bool()
     assert float((synced - expected)[mask].abs().max()) < LOGP_TOL
     assert float((stale - expected)[mask].abs().max()) > 1e-2  # the check has teeth: the old weights miss

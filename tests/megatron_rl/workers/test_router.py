@@ -28,5 +28,9 @@ def test_a_replica_given_nothing_counts_zero_tokens_in_the_balance():
     router._record([1], [40.0], [0.5])
     assert router.last_tokens == [0.0, 40.0] and router.metrics()["rollout/replica_tokens_max_over_mean"] == 2.0
     router._record([0, 1], [30.0, 34.0], [0.4, 0.6])
-    assert router.metrics() == {"rollout/replicas": 2.0, "rollout/replica_tokens_max_over_mean": 34.0 / 32.0,
-                                "rollout/replica_gen_seconds_max": 0.6, "rollout/replica_gen_seconds_min": 0.4}
+    assert router.metrics() == {
+        "rollout/replicas": 2.0,
+        "rollout/replica_tokens_max_over_mean": 34.0 / 32.0,
+        "rollout/replica_gen_seconds_max": 0.6,
+        "rollout/replica_gen_seconds_min": 0.4,
+    }

@@ -76,12 +76,18 @@ def fake(monkeypatch):
 
 def test_a_streamed_backend_connects_once_then_streams(fake):
     group, rollout, calls = fake
-    sync = ws.WeightSync(group, rollout, WeightSyncConfig(backend="shm", update_weights_bucket_megabytes=3,
-                                                          shm_dir="/tmp"))
+    sync = ws.WeightSync(
+        group, rollout, WeightSyncConfig(backend="shm", update_weights_bucket_megabytes=3, shm_dir="/tmp")
+    )
     assert sync.streamed and not sync.connected
     out = sync.sync()
-    assert calls[:5] == [(0, "listen", (3, "shm", 3, "/tmp", None, None)), (1, "listen", (3, "shm", 3, "/tmp", None, None)),
-                         (0, "connect"), (1, "connect"), ("rollout", "connect", "10.0.0.1", 4242, 3, 1)]
+    assert calls[:5] == [
+        (0, "listen", (3, "shm", 3, "/tmp", None, None)),
+        (1, "listen", (3, "shm", 3, "/tmp", None, None)),
+        (0, "connect"),
+        (1, "connect"),
+        ("rollout", "connect", "10.0.0.1", 4242, 3, 1),
+    ]
     assert calls[5:] == [(0, "sync"), (1, "sync"), ("rollout", "receive")]
     assert (out["bytes"], out["seconds"], out["receiver_seconds"]) == (10, 0.5, 0.25) and out["wall_seconds"] >= 0
     calls.clear()
@@ -94,8 +100,11 @@ def test_a_gathered_backend_goes_through_the_object_store(fake, backend):
     group, rollout, calls = fake
     sync = ws.WeightSync(group, rollout, WeightSyncConfig(backend=backend, update_weights_bucket_megabytes=0.5))
     out = sync.sync()
-    assert calls == [(0, "export", 2**19, None, None), (1, "export", 2**19, None, None),
-                     ("rollout", "update", [("w", None)], {"transport": backend, "bucket_megabytes": 0.5})]
+    assert calls == [
+        (0, "export", 2**19, None, None),
+        (1, "export", 2**19, None, None),
+        ("rollout", "update", [("w", None)], {"transport": backend, "bucket_megabytes": 0.5}),
+    ]
     assert (out["transport"], out["bytes"]) == (backend, 10)
     with pytest.raises(ValueError, match=rf"checkpoint_engine.backend='{backend}' does not stream"):
         sync.connect()
@@ -115,13 +124,21 @@ def test_rollout_quantization_reaches_every_rank_of_both_paths(fake):
     """``quantization="fp8"`` (``rollout.quantization``): every actor rank exports (gathered path) or
     listens (streamed path) with it, so rank 0 quantises the stream it sends."""
     group, rollout, calls = fake
-    ws.WeightSync(group, rollout, WeightSyncConfig(backend="bytes", update_weights_bucket_megabytes=0.5),
-                  quantization="fp8").sync()
+    ws.WeightSync(
+        group, rollout, WeightSyncConfig(backend="bytes", update_weights_bucket_megabytes=0.5), quantization="fp8"
+    ).sync()
     assert calls[:2] == [(0, "export", 2**19, None, "fp8"), (1, "export", 2**19, None, "fp8")]
     calls.clear()
-    ws.WeightSync(group, rollout, WeightSyncConfig(backend="shm", update_weights_bucket_megabytes=3, shm_dir="/tmp"),
-                  quantization="fp8").sync()
-    assert calls[:2] == [(0, "listen", (3, "shm", 3, "/tmp", None, "fp8")), (1, "listen", (3, "shm", 3, "/tmp", None, "fp8"))]
+    ws.WeightSync(
+        group,
+        rollout,
+        WeightSyncConfig(backend="shm", update_weights_bucket_megabytes=3, shm_dir="/tmp"),
+        quantization="fp8",
+    ).sync()
+    assert calls[:2] == [
+        (0, "listen", (3, "shm", 3, "/tmp", None, "fp8")),
+        (1, "listen", (3, "shm", 3, "/tmp", None, "fp8")),
+    ]
 
 
 def test_every_replica_joins_the_side_band_at_its_own_ranks(fake):
@@ -132,7 +149,9 @@ def test_every_replica_joins_the_side_band_at_its_own_ranks(fake):
     sync = ws.WeightSync(group, rollouts, WeightSyncConfig(backend="shm", shm_dir="/tmp"))
     out = sync.sync()
     assert [c for c in calls if c[1] == "connect" and isinstance(c[0], str)] == [
-        ("r0", "connect", "10.0.0.1", 4242, 6, 1), ("r1", "connect", "10.0.0.1", 4242, 6, 3)]
+        ("r0", "connect", "10.0.0.1", 4242, 6, 1),
+        ("r1", "connect", "10.0.0.1", 4242, 6, 3),
+    ]
     assert calls[0][2][0] == 6  # every actor rank listens for a world of 6
     assert [c for c in calls if c[1] == "receive"] == [("r0", "receive"), ("r1", "receive")]
     assert out["replicas"] == 2

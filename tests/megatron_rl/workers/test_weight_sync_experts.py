@@ -90,10 +90,15 @@ def _split_equals_unsplit(exporter, bucket_bytes: int, all_ranks: bool, rank: in
         got.update((n, t.clone()) for n, t in assembler.feed(bucket))
     if not (all_ranks or rank == 0):
         return {}
-    return {"equal": sorted(got) == sorted(plain) and all(
-                got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in plain.items()),
-            "pieces": stats.num_pieces, "largest_bucket": largest, "pending": assembler.pending,
-            "max_piece": stats.max_piece_bytes, "live": stats.max_live_bytes}
+    return {
+        "equal": sorted(got) == sorted(plain)
+        and all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in plain.items()),
+        "pieces": stats.num_pieces,
+        "largest_bucket": largest,
+        "pending": assembler.pending,
+        "max_piece": stats.max_piece_bytes,
+        "live": stats.max_live_bytes,
+    }
 
 
 def _aborted_sync(rollout, hf_dir: str, batch: dict) -> dict:
@@ -104,8 +109,9 @@ def _aborted_sync(rollout, hf_dir: str, batch: dict) -> dict:
     from tests.megatron_rl.rollout.test_weight_sync import vllm_log_probs
 
     hf = load_file(str(Path(hf_dir) / "model.safetensors"))
-    half = [(n, hf[n] + 0.5) for n in ("model.layers.0.self_attn.q_proj.weight",
-                                         "model.layers.0.self_attn.k_proj.weight")]
+    half = [
+        (n, hf[n] + 0.5) for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight")
+    ]
     bad = [("model.layers.1.self_attn.o_proj.weight", torch.zeros(3, 3))]
     out = {}
     try:
@@ -132,8 +138,9 @@ def _moe_case(rank: int, hf_dir: str) -> dict:
     family = get_family(hf_dir)
     model_cfg = family.model_config(hf_dir)
     weight_map = family.weight_map(model_cfg)
-    actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict({"ppo_mini_batch_size": 8,
-                                                                         "ppo_micro_batch_size_per_gpu": 4}))
+    actor = build_role(
+        "actor", model_cfg, mesh, ActorConfig.from_dict({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4})
+    )
     engine = actor.engine
     load_hf_checkpoint(engine.model, weight_map, hf_dir, mesh=mesh)
     rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT)) if rank == 0 else None
@@ -164,16 +171,27 @@ def _moe_case(rank: int, hf_dir: str) -> dict:
             for t in list(chunk.parameters()) + list(torch.nn.Module.buffers(chunk)):
                 tracker.register(t)
         baseline = tracker.current
-        res["sync"] = rollout.update_weights(_tracked(sync.iter_buckets(stats), tracker), transport="bytes",
-                                             bucket_megabytes=BUCKET_MB)
+        res["sync"] = rollout.update_weights(
+            _tracked(sync.iter_buckets(stats), tracker), transport="bytes", bucket_megabytes=BUCKET_MB
+        )
         res["peak_extra"] = tracker.peak - baseline
         res["vllm_synced"] = vllm_log_probs(rollout, batch)
         rollout.shutdown()
     else:
         for _ in sync.iter_buckets(stats):
             pass
-    res["stats"] = {k: getattr(stats, k) for k in ("bucket_bytes", "num_buckets", "num_pieces", "max_live_bytes",
-                                                    "max_item_bytes", "max_piece_bytes", "num_tensors")}
+    res["stats"] = {
+        k: getattr(stats, k)
+        for k in (
+            "bucket_bytes",
+            "num_buckets",
+            "num_pieces",
+            "max_live_bytes",
+            "max_item_bytes",
+            "max_piece_bytes",
+            "num_tensors",
+        )
+    }
     bf16 = HFExporter(engine.model, weight_map, mesh=mesh, dtype=torch.bfloat16)
     res["split_bf16"] = _split_equals_unsplit(bf16, sync.bucket_bytes, all_ranks=False, rank=rank)
     destroy_mesh(mesh)
@@ -194,9 +212,12 @@ def _tp2_case(rank: int, hf_dir: str) -> dict:
     weight_map = family.weight_map(model_cfg)
     chunks = build_model(model_cfg, build_transformer_config(model_cfg, pc))
     load_hf_checkpoint(chunks, weight_map, hf_dir, mesh=mesh)
-    res = {"fp32_rank0": _split_equals_unsplit(HFExporter(chunks, weight_map, mesh=mesh), 6000, False, rank),
-           "bf16_all": _split_equals_unsplit(HFExporter(chunks, weight_map, mesh=mesh, dtype=torch.bfloat16), 6000,
-                                             True, rank)}
+    res = {
+        "fp32_rank0": _split_equals_unsplit(HFExporter(chunks, weight_map, mesh=mesh), 6000, False, rank),
+        "bf16_all": _split_equals_unsplit(
+            HFExporter(chunks, weight_map, mesh=mesh, dtype=torch.bfloat16), 6000, True, rank
+        ),
+    }
     destroy_mesh(mesh)
     return res
 
@@ -235,9 +256,11 @@ def test_a_bucket_smaller_than_one_layers_experts_syncs_exactly_within_bucket_pl
     assert sync["num_buckets"] == stats["num_buckets"] > NUM_EXPERTS  # the export's buckets, passed through
     # The measured peak extra memory: at most one bucket plus one expert shard, and not trivially small.
     bound = bucket + r0["expert_shard"]
-    print(f"peak extra {r0['peak_extra']} B (bound {bound} = bucket {bucket} + expert shard {r0['expert_shard']}); "
-          f"export max_live {stats['max_live_bytes']}; one layer's experts {r0['layer_experts']}; "
-          f"{stats['num_buckets']} buckets, {stats['num_pieces']} pieces; |vLLM - actor| {synced:.2e}")
+    print(
+        f"peak extra {r0['peak_extra']} B (bound {bound} = bucket {bucket} + expert shard {r0['expert_shard']}); "
+        f"export max_live {stats['max_live_bytes']}; one layer's experts {r0['layer_experts']}; "
+        f"{stats['num_buckets']} buckets, {stats['num_pieces']} pieces; |vLLM - actor| {synced:.2e}"
+    )
     assert r0["expert_shard"] <= r0["peak_extra"] <= bound, (r0["peak_extra"], bound)
     assert stats["max_live_bytes"] <= bound
     assert r1["stats"]["num_buckets"] == stats["num_buckets"]  # rank 1 walked the same plan
@@ -254,11 +277,16 @@ def test_a_sync_failing_in_the_engine_aborts_without_a_half_loaded_layer(run):
 
 def test_a_bucket_smaller_than_one_expert_shard_is_refused_on_every_rank(run):
     r0, r1 = run[0]["moe"], run[1]["moe"]
-    assert r0["small_bucket"] == r1["small_bucket"] == (
-        "checkpoint_engine.update_weights_bucket_megabytes=0.01 (10485 bytes) is smaller than one expert shard: "
-        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight -> "
-        "['model.layers.0.mlp.experts.0.gate_proj.weight', 'model.layers.0.mlp.experts.0.up_proj.weight'] takes "
-        "32768 bytes (experts travel whole, one at a time); allowed: >= 32768 bytes (0.03125 MiB)")
+    assert (
+        r0["small_bucket"]
+        == r1["small_bucket"]
+        == (
+            "checkpoint_engine.update_weights_bucket_megabytes=0.01 (10485 bytes) is smaller than one expert shard: "
+            "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight -> "
+            "['model.layers.0.mlp.experts.0.gate_proj.weight', 'model.layers.0.mlp.experts.0.up_proj.weight'] takes "
+            "32768 bytes (experts travel whole, one at a time); allowed: >= 32768 bytes (0.03125 MiB)"
+        )
+    )
 
 
 def test_the_split_export_reassembles_bit_for_bit(run):
@@ -287,7 +315,10 @@ def test_gpu_backends_are_picked_from_the_config_and_refused_without_cuda():
         sync = WeightSync(None, None, WeightSyncConfig(backend=backend))
         assert sync.streamed and not sync.connected  # streamed to the rollout workers over a side band
         actor = ActorWeightSync([], get_family("Qwen3ForCausalLM").weight_map(ModelConfig()), bucket_megabytes=1)
-        with pytest.raises(ValueError, match=rf"^checkpoint_engine.backend='{backend}' needs CUDA, but "
-                                             r"torch.cuda.is_available\(\) is False"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^checkpoint_engine.backend='{backend}' needs CUDA, but "
+            r"torch.cuda.is_available\(\) is False",
+        ):
             actor.listen(2, transport=backend)
         assert actor.remote_transport is None  # refused before anything was set up

@@ -28,8 +28,16 @@ mask[0, 4:] = 0
 mask[3, 2:] = 0
 old, new, roll = (-torch.rand(bs, t) * 2 for _ in range(3))
 adv = torch.randn(bs, t)
-inputs = {"mask": mask, "old": old, "new": new, "roll": roll, "adv": adv, "scores": torch.randn(bs, t),
-          "ref": -torch.rand(bs, t) * 2, "gidx": torch.tensor([0, 0, 1, 1, 1, 2])}
+inputs = {
+    "mask": mask,
+    "old": old,
+    "new": new,
+    "roll": roll,
+    "adv": adv,
+    "scores": torch.randn(bs, t),
+    "ref": -torch.rand(bs, t) * 2,
+    "gidx": torch.tensor([0, 0, 1, 1, 1, 2]),
+}
 out: dict = {"inputs": inputs}
 
 out["adv_estimator_names"] = sorted(ca.ADV_ESTIMATOR_REGISTRY)
@@ -37,9 +45,20 @@ out["policy_loss_names"] = sorted(ca.POLICY_LOSS_REGISTRY)
 out["advantage_estimator_enum"] = {m.name: m.value for m in ca.AdvantageEstimator}
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    out["compute_policy_loss"] = [x.detach().clone() for x in ca.compute_policy_loss(
-        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, cliprange=0.2, cliprange_low=0.1,
-        cliprange_high=0.28, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean")]
+    out["compute_policy_loss"] = [
+        x.detach().clone()
+        for x in ca.compute_policy_loss(
+            old_log_prob=old,
+            log_prob=new,
+            advantages=adv,
+            response_mask=mask,
+            cliprange=0.2,
+            cliprange_low=0.1,
+            cliprange_high=0.28,
+            clip_ratio_c=3.0,
+            loss_agg_mode="seq-mean-token-mean",
+        )
+    ]
 out["compute_rewards"] = ca.compute_rewards(inputs["scores"], old, inputs["ref"], 0.05)
 out["group_mean_std"] = group_mean_std(inputs["scores"].sum(-1), inputs["gidx"], eps=1e-6, device="cpu")
 out["supported_rs"] = sorted(rc.SUPPORTED_ROLLOUT_RS_OPTIONS)
@@ -55,23 +74,49 @@ out["is_metrics_sequence"] = rc.compute_is_metrics(icepop, raw_seq, seq_lr, mask
 k1 = -log_ratio.clamp(-20, 20)
 seq_valid = mask.sum(-1) > 0
 out["rs_metrics_token_k1"] = rc.compute_rs_metrics(
-    "token_k1", k1, mask, seq_valid, level="token", per_sequence_values=None, rollout_rs_threshold=0.3,
-    rollout_rs_threshold_lower=-0.3, apply_lower_threshold=True)
+    "token_k1",
+    k1,
+    mask,
+    seq_valid,
+    level="token",
+    per_sequence_values=None,
+    rollout_rs_threshold=0.3,
+    rollout_rs_threshold_lower=-0.3,
+    apply_lower_threshold=True,
+)
 k3 = torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio.clamp(-20, 20)
 seq_k3 = (k3 * mask).sum(-1) / mask.sum(-1)
 out["rs_metrics_seq_mean_k3"] = rc.compute_rs_metrics(
-    "seq_mean_k3", seq_k3.unsqueeze(-1).expand_as(mask), mask, seq_valid, level="sequence",
-    per_sequence_values=seq_k3, rollout_rs_threshold=0.2, rollout_rs_threshold_lower=0.0, apply_lower_threshold=False)
+    "seq_mean_k3",
+    seq_k3.unsqueeze(-1).expand_as(mask),
+    mask,
+    seq_valid,
+    level="sequence",
+    per_sequence_values=seq_k3,
+    rollout_rs_threshold=0.2,
+    rollout_rs_threshold_lower=0.0,
+    apply_lower_threshold=False,
+)
 
 calls = {}
 for name in ("decoupled_token_is", "decoupled_seq_is_rs", "decoupled_geo_rs_seq_tis", "bypass_pg_token_icepop"):
     preset = getattr(RolloutCorrectionConfig, name)()
     w, m, met = rc.compute_rollout_correction_and_rejection_mask(
-        old, roll, mask, rollout_is=preset.rollout_is, rollout_is_threshold=preset.rollout_is_threshold,
-        rollout_is_batch_normalize=preset.rollout_is_batch_normalize, rollout_rs=preset.rollout_rs,
-        rollout_rs_threshold=preset.rollout_rs_threshold)
-    calls[name] = {"weights_type": type(w).__name__ if w is not None else None,
-                   "weights": None if w is None else w.batch["rollout_is_weights"].clone(), "mask": m, "metrics": met}
+        old,
+        roll,
+        mask,
+        rollout_is=preset.rollout_is,
+        rollout_is_threshold=preset.rollout_is_threshold,
+        rollout_is_batch_normalize=preset.rollout_is_batch_normalize,
+        rollout_rs=preset.rollout_rs,
+        rollout_rs_threshold=preset.rollout_rs_threshold,
+    )
+    calls[name] = {
+        "weights_type": type(w).__name__ if w is not None else None,
+        "weights": None if w is None else w.batch["rollout_is_weights"].clone(),
+        "mask": m,
+        "metrics": met,
+    }
 out["rollout_correction"] = calls
 
 presets = {}
@@ -79,9 +124,11 @@ for name, value in vars(RolloutCorrectionConfig).items():
     if isinstance(value, classmethod):
         presets[name] = dataclasses.asdict(getattr(RolloutCorrectionConfig, name)())
 presets["decoupled_geo_rs_seq_tis(rs_threshold=1.001)"] = dataclasses.asdict(
-    RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001))
+    RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001)
+)
 presets["decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)"] = dataclasses.asdict(
-    RolloutCorrectionConfig.decoupled_token_icepop(threshold=3.0, threshold_lower=0.25))
+    RolloutCorrectionConfig.decoupled_token_icepop(threshold=3.0, threshold_lower=0.25)
+)
 out["presets"] = presets
 
 yaml = OmegaConf.load(Path(__import__("verl").__file__).parent / "trainer/config/_generated_ppo_megatron_trainer.yaml")

@@ -44,16 +44,36 @@ def build_tool_model(path: Path, *, steps: int = 60, lr: float = 5e-3, seed: int
 
     path = Path(path)
     schemas = [t.tool_schema.to_openai() for t in load_tools(TOOLS).values()]
-    session = [{"role": "user", "content": "1*2"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1*2"}}}]},
-        {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]
+    session = [
+        {"role": "user", "content": "1*2"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1*2"}}}
+            ],
+        },
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "2"},
+    ]
     template = render_jinja_template([session], tools=schemas, chat_template=TOOL_CHATML_TEMPLATE)[0][0]
     texts = [f"{a}*{b}={a * b} {a}{b} {b}{a}" for a in range(10, 100, 3) for b in range(10, 100, 7)] + [template] * 50
     tokenizer = train_byte_bpe_tokenizer(texts, 400, path, chat_template=TOOL_CHATML_TEMPLATE)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
     config.architectures = ["Qwen3ForCausalLM"]
     chat = ChatFormat(tokenizer, schemas)
     parser, eos = HermesToolParser(), tokenizer.eos_token_id
@@ -74,8 +94,11 @@ def build_tool_model(path: Path, *, steps: int = 60, lr: float = 5e-3, seed: int
     labels = torch.full((len(examples), width), -100)
     attention = torch.zeros((len(examples), width), dtype=torch.long)
     for r, (ids, lab) in enumerate(examples):
-        input_ids[r, :len(ids)], labels[r, :len(ids)], attention[r, :len(ids)] = (
-            torch.tensor(ids), torch.tensor(lab), 1)
+        input_ids[r, : len(ids)], labels[r, : len(ids)], attention[r, : len(ids)] = (
+            torch.tensor(ids),
+            torch.tensor(lab),
+            1,
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -132,14 +155,30 @@ def _engine_rank(rank: int, world_size: int, model_dir: str) -> dict:
     mesh = init_mesh(ParallelConfig(), seed=1234)
     family = get_family(model_dir)
     model_cfg = family.model_config(model_dir)
-    actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict({
-        "ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 16, "loss_agg_mode": "token-mean",
-        "optim": {"optimizer": "sgd", "lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}}))
+    actor = build_role(
+        "actor",
+        model_cfg,
+        mesh,
+        ActorConfig.from_dict(
+            {
+                "ppo_mini_batch_size": 16,
+                "ppo_micro_batch_size_per_gpu": 16,
+                "loss_agg_mode": "token-mean",
+                "optim": {"optimizer": "sgd", "lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0},
+            }
+        ),
+    )
     load_hf_checkpoint(actor.engine.model, family.weight_map(model_cfg), model_dir, mesh=mesh)
-    cfg = RolloutConfig(prompt_length=P, response_length=R, n=4, temperature=TEMPERATURE, kv_cache_space_gib=1,
-                        enable_chunked_prefill=False,
-                        multi_turn={"enable": True, "tool_config_path": TOOLS, "max_assistant_turns": 3},
-                        agent={"default_agent_loop": "tool_agent", "num_workers": 4})
+    cfg = RolloutConfig(
+        prompt_length=P,
+        response_length=R,
+        n=4,
+        temperature=TEMPERATURE,
+        kv_cache_space_gib=1,
+        enable_chunked_prefill=False,
+        multi_turn={"enable": True, "tool_config_path": TOOLS, "max_assistant_turns": 3},
+        agent={"default_agent_loop": "tool_agent", "num_workers": 4},
+    )
     rollout = RecordingRollout(model_dir, cfg)
     rollout.calls = []
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -168,8 +207,12 @@ def _engine_rank(rank: int, world_size: int, model_dir: str) -> dict:
     obs = (batch["attention_mask"][:, -R:] == 1) & (batch["response_mask"] == 0)
     base = torch.linspace(-1, 1, batch["response_mask"].numel()).reshape(batch["response_mask"].shape)
     metrics = []
-    for advantages in (base, torch.where(obs, base + 100.0, base), torch.where(obs, -base, base),
-                       torch.where(batch["response_mask"].bool(), base + 1.0, base)):
+    for advantages in (
+        base,
+        torch.where(obs, base + 100.0, base),
+        torch.where(obs, -base, base),
+        torch.where(batch["response_mask"].bool(), base + 1.0, base),
+    ):
         batch["advantages"] = advantages
         metrics.append(actor.update_policy(batch, temperature=TEMPERATURE))  # lr 0: the weights stay
     res["update_metrics"] = [(m["actor/pg_loss"], m["actor/grad_norm"]) for m in metrics]

@@ -142,8 +142,10 @@ def test_custom_agent_loops_register_from_verls_yaml(tmp_path):
     path.write_text("- name: bad\n  _target_: megatron_rl.rollout.tools.calculator.CalculatorTool\n")
     with pytest.raises(ValueError) as err:
         register_agent_loops(str(path))
-    assert str(err.value) == (f"agent loop config {path}: [0]._target_='megatron_rl.rollout.tools.calculator."
-                              "CalculatorTool' is not a megatron_rl.rollout.agent.AgentLoop subclass")
+    assert str(err.value) == (
+        f"agent loop config {path}: [0]._target_='megatron_rl.rollout.tools.calculator."
+        "CalculatorTool' is not a megatron_rl.rollout.agent.AgentLoop subclass"
+    )
     with pytest.raises(ValueError, match="unknown agent loop 'nope'; valid names: "):
         AGENT_LOOPS["nope"]
     AGENT_LOOPS.unregister("echo_agent")

@@ -70,13 +70,16 @@ def test_output_is_truncated_and_bounded():
 @pytest.mark.parametrize("guards", GUARDS)
 def test_writes_outside_the_working_dir_fail(guards, tmp_path):
     target = tmp_path / "escape.txt"
-    code = (f"open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())\n"
-            f"open({str(target)!r}, 'w').write('escaped')")
+    code = (
+        f"open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())\n"
+        f"open({str(target)!r}, 'w').write('escaped')"
+    )
     res = run_python(code, python_guards=guards)
     assert res.status == "error" and res.stdout == "ok\n"
     # Without the hook: the host's directory is not in the sandbox's root at all.
-    assert any(m in res.stderr for m in (("PermissionError: sandbox: writing",) if guards else
-                                         ("No such file or directory",)))
+    assert any(
+        m in res.stderr for m in (("PermissionError: sandbox: writing",) if guards else ("No such file or directory",))
+    )
     assert not target.exists()
     for path in ("/tmp/mrl_escape.txt", "/dev/shm/mrl_escape.txt"):
         assert run_python(f"open({path!r}, 'w').write('x')", python_guards=guards).status == "error"
@@ -90,12 +93,16 @@ def test_socket_connect_fails(guards):
     server.listen(1)
     port = server.getsockname()[1]
     try:
-        code = f"import socket\ns = socket.socket()\ns.settimeout(3)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+        code = (
+            f"import socket\ns = socket.socket()\ns.settimeout(3)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+        )
         res = run_python(code, python_guards=guards)
         assert res.status == "error" and "connected" not in res.stdout
         if isolation().network_namespace:  # seccomp refuses AF_INET; else no interface is up in the namespace
-            assert any(m in res.stderr for m in ("Operation not permitted", "Network is unreachable",
-                                                 "network access is not allowed"))
+            assert any(
+                m in res.stderr
+                for m in ("Operation not permitted", "Network is unreachable", "network access is not allowed")
+            )
     finally:
         server.close()
     res = run_python("import socket\nsocket.socket(socket.AF_UNIX).connect('/tmp/ray/session_latest/sockets/raylet')")
@@ -117,8 +124,7 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def test_a_hundred_concurrent_calls_leave_no_process_or_directory():
-    codes = ["import time\ntime.sleep(60)", "while True: pass", "print(sum(range(10**5)))",
-             "x = bytearray(1 << 31)"]
+    codes = ["import time\ntime.sleep(60)", "while True: pass", "print(sum(range(10**5)))", "x = bytearray(1 << 31)"]
     limits = SandboxLimits(wall_seconds=20, cpu_seconds=2, memory_mb=128)  # 100 interpreters start on 2 cores
     before = set(glob.glob("/tmp/mrl-sandbox-*"))
     earlier = {c.pid for c in psutil.Process().children(recursive=True)}  # e.g. an engine other tests keep
@@ -131,10 +137,14 @@ def test_a_hundred_concurrent_calls_leave_no_process_or_directory():
     # The kernel tears a PID namespace down asynchronously once its init is killed: allow it 5 s.
     deadline = time.monotonic() + 5
     while True:
-        left = [(p.pid, p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
-                if any("sandbox_runner" in c for c in p.info["cmdline"] or [])]
-        left += [(c.pid, c.name()) for c in psutil.Process().children(recursive=True)
-                 if c.pid not in earlier and _alive(c)]
+        left = [
+            (p.pid, p.info["cmdline"])
+            for p in psutil.process_iter(["cmdline"])
+            if any("sandbox_runner" in c for c in p.info["cmdline"] or [])
+        ]
+        left += [
+            (c.pid, c.name()) for c in psutil.Process().children(recursive=True) if c.pid not in earlier and _alive(c)
+        ]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -157,18 +167,22 @@ def test_code_tool_observation():
 @pytest.mark.parametrize("guards", GUARDS)
 def test_stdout_replaced_by_a_symlink_to_environ_leaks_nothing(guards, monkeypatch):
     monkeypatch.setenv("MRL_TEST_SECRET", "s3cr3t-token-27")
-    code = ("import os\nfor n in ('.stdout', '.stderr'):\n"
-            "    try: os.remove(n)\n    except OSError: pass\n"
-            "    os.symlink('/proc/self/environ', n)\nprint('done')")
+    code = (
+        "import os\nfor n in ('.stdout', '.stderr'):\n"
+        "    try: os.remove(n)\n    except OSError: pass\n"
+        "    os.symlink('/proc/self/environ', n)\nprint('done')"
+    )
     res = run_python(code, python_guards=guards)
     assert "s3cr3t-token-27" not in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("guards", GUARDS)
 def test_stdout_replaced_by_a_fifo_does_not_hang_the_caller(guards):
-    code = ("import os\nfor n in ('.stdout', '.stderr'):\n"
-            "    try: os.remove(n)\n    except OSError: pass\n"
-            "    os.mkfifo(n)\nprint('done')")
+    code = (
+        "import os\nfor n in ('.stdout', '.stderr'):\n"
+        "    try: os.remove(n)\n    except OSError: pass\n"
+        "    os.mkfifo(n)\nprint('done')"
+    )
     start = time.monotonic()
     res = run_python(code, SandboxLimits(wall_seconds=5), python_guards=guards)
     assert time.monotonic() - start < 5 + 2
@@ -193,11 +207,13 @@ def test_a_child_holding_the_pipes_cannot_outlive_the_wall_limit():
 def test_after_umount_proc_the_callers_environ_and_memory_stay_closed(monkeypatch):
     # Issue 27: the code unmounts its own /proc to see the host's, then goes for the caller.
     monkeypatch.setenv("MRL_TEST_SECRET", "s3cr3t-token-27")
-    code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint('umount', libc.umount2(b'/proc', 2))\n"
-            f"for name in ('environ', 'mem'):\n"
-            f"    try:\n        print(name, open('/proc/{os.getpid()}/' + name, 'rb').read(4096))\n"
-            f"    except OSError as err:\n        print(name, 'refused', err.errno)\n"
-            f"print('remount', libc.mount(None, b'/', None, 32, None))")  # MS_REMOUNT, read-write
+    code = (
+        f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint('umount', libc.umount2(b'/proc', 2))\n"
+        f"for name in ('environ', 'mem'):\n"
+        f"    try:\n        print(name, open('/proc/{os.getpid()}/' + name, 'rb').read(4096))\n"
+        f"    except OSError as err:\n        print(name, 'refused', err.errno)\n"
+        f"print('remount', libc.mount(None, b'/', None, 32, None))"
+    )  # MS_REMOUNT, read-write
     res = run_python(code, python_guards=False)
     assert "s3cr3t-token-27" not in res.stdout + res.stderr
     # No capability is left to umount (-1); /proc is the sandbox's own, where the caller's pid is
@@ -208,8 +224,10 @@ def test_after_umount_proc_the_callers_environ_and_memory_stay_closed(monkeypatc
 
 @pytest.mark.skipif(not isolation().network_namespace, reason="needs namespaces from unshare")
 def test_a_block_device_node_cannot_be_made():
-    code = ("import os, stat\ntry:\n    os.mknod('loop', stat.S_IFBLK | 0o600, os.makedev(7, 0))\n    print('made')\n"
-            "except OSError as err:\n    print('refused', err.errno)")
+    code = (
+        "import os, stat\ntry:\n    os.mknod('loop', stat.S_IFBLK | 0o600, os.makedev(7, 0))\n    print('made')\n"
+        "except OSError as err:\n    print('refused', err.errno)"
+    )
     res = run_python(code, python_guards=False)
     assert res.stdout == "refused 1\n"  # EPERM: no CAP_MKNOD over the host in a user namespace
 
@@ -219,11 +237,14 @@ NAMESPACED = pytest.mark.skipif(not isolation().network_namespace, reason="needs
 
 @NAMESPACED
 def test_no_capability_and_no_new_privileges_inside():
-    res = run_python("print(''.join(l for l in open('/proc/self/status') if l.startswith(('Cap', 'NoNewPrivs'))))",
-                     python_guards=False)
+    res = run_python(
+        "print(''.join(l for l in open('/proc/self/status') if l.startswith(('Cap', 'NoNewPrivs'))))",
+        python_guards=False,
+    )
     fields = dict(line.split(":\t") for line in res.stdout.split("\n") if ":\t" in line)
     assert {k: fields[k] for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")} == dict.fromkeys(
-        ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), "0000000000000000")
+        ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), "0000000000000000"
+    )
     assert fields["NoNewPrivs"] == "1"
 
 
@@ -235,9 +256,11 @@ def test_a_host_file_is_out_of_reach_and_root_inside_is_host_nobody(tmp_path):
     victim.write_text("root's")
     victim.chmod(0o644)
     tmp_path.chmod(0o777)
-    code = (f"import os\nprint(os.getuid(), open('/proc/self/uid_map').read().split())\n"
-            f"try:\n    open({str(victim)!r}, 'a').write('pwned')\nexcept OSError as err:\n    print('refused', err.errno)\n"
-            f"try:\n    os.setresuid(1, 1, 1)\nexcept OSError as err:\n    print('setuid refused', err.errno)")
+    code = (
+        f"import os\nprint(os.getuid(), open('/proc/self/uid_map').read().split())\n"
+        f"try:\n    open({str(victim)!r}, 'a').write('pwned')\nexcept OSError as err:\n    print('refused', err.errno)\n"
+        f"try:\n    os.setresuid(1, 1, 1)\nexcept OSError as err:\n    print('setuid refused', err.errno)"
+    )
     res = run_python(code, python_guards=False)
     assert res.stdout.splitlines()[0] == "0 ['0', '65534', '1']"  # root inside is host nobody
     assert "refused 2" in res.stdout  # ENOENT: the host's /tmp is not the sandbox's
@@ -249,6 +272,7 @@ def test_a_host_file_is_out_of_reach_and_root_inside_is_host_nobody(tmp_path):
 def test_root_home_is_hidden_but_the_interpreter_works():
     res = run_python("import os, json\nprint(sorted(os.listdir('/root')))", python_guards=False)
     import sys
+
     expected = [sys.base_prefix.split("/")[2]] if sys.base_prefix.startswith("/root/") else []
     assert (res.status, res.stdout) == ("ok", f"{expected}\n"), res
 
@@ -256,30 +280,38 @@ def test_root_home_is_hidden_but_the_interpreter_works():
 @pytest.mark.skipif(not isolation().seccomp, reason="needs libseccomp")
 def test_seccomp_refuses_processes_sockets_and_kernel_interfaces_but_not_threads():
     # Each attempt straight at the kernel (no audit hook): EPERM (1) from the filter.
-    code = ("import ctypes, os, socket, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "t = threading.Thread(target=print, args=('thread ok',)); t.start(); t.join()\n"
-            "def sys_(name, *args):\n    n = {'ptrace': 101, 'unshare': 272, 'io_uring_setup': 425, 'userfaultfd': 323,"
-            " 'setns': 308, 'bpf': 321, 'keyctl': 250}[name]\n"
-            "    return libc.syscall(n, *args), ctypes.get_errno()\n"
-            "for name in ('ptrace', 'unshare', 'io_uring_setup', 'userfaultfd', 'setns', 'bpf', 'keyctl'):\n"
-            "    print(name, *sys_(name, 0, 0))\n"
-            "for name, call in (('fork', os.fork), ('inet', socket.socket), ('exec', lambda: os.execv('/bin/true', ['true']))):\n"
-            "    try:\n        call(); print(name, 'allowed')\n    except OSError as err:\n        print(name, 'refused', err.errno)\n"
-            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])")
+    code = (
+        "import ctypes, os, socket, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "t = threading.Thread(target=print, args=('thread ok',)); t.start(); t.join()\n"
+        "def sys_(name, *args):\n    n = {'ptrace': 101, 'unshare': 272, 'io_uring_setup': 425, 'userfaultfd': 323,"
+        " 'setns': 308, 'bpf': 321, 'keyctl': 250}[name]\n"
+        "    return libc.syscall(n, *args), ctypes.get_errno()\n"
+        "for name in ('ptrace', 'unshare', 'io_uring_setup', 'userfaultfd', 'setns', 'bpf', 'keyctl'):\n"
+        "    print(name, *sys_(name, 0, 0))\n"
+        "for name, call in (('fork', os.fork), ('inet', socket.socket), ('exec', lambda: os.execv('/bin/true', ['true']))):\n"
+        "    try:\n        call(); print(name, 'allowed')\n    except OSError as err:\n        print(name, 'refused', err.errno)\n"
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])"
+    )
     res = run_python(code, python_guards=False)
     lines = res.stdout.splitlines()
     assert lines[0] == "thread ok", res
-    assert lines[1:8] == [f"{n} -1 1" for n in ("ptrace", "unshare", "io_uring_setup", "userfaultfd", "setns", "bpf",
-                                                 "keyctl")]
+    assert lines[1:8] == [
+        f"{n} -1 1" for n in ("ptrace", "unshare", "io_uring_setup", "userfaultfd", "setns", "bpf", "keyctl")
+    ]
     assert lines[8:] == ["fork refused 1", "inet refused 1", "exec refused 1", "2"]
 
 
 def test_a_sigkill_is_cpu_limit_only_when_the_cpu_seconds_were_used():
     # Issue 27: any SIGKILL was reported as cpu_limit. Now decided from the tree's CPU seconds.
     res = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", python_guards=False)
-    assert res.status == "killed" and "[killed by a signal the sandbox did not send]" in res.observation(SandboxLimits())
-    res = run_python("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass",
-                     SandboxLimits(wall_seconds=20, cpu_seconds=1), python_guards=False)
+    assert res.status == "killed" and "[killed by a signal the sandbox did not send]" in res.observation(
+        SandboxLimits()
+    )
+    res = run_python(
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass",
+        SandboxLimits(wall_seconds=20, cpu_seconds=1),
+        python_guards=False,
+    )
     assert res.status == "cpu_limit"  # SIGXCPU ignored: the hard limit's SIGKILL at 2 s of CPU
 
 
@@ -299,17 +331,20 @@ def test_code_tool_refuses_an_unisolated_sandbox_unless_allowed(monkeypatch):
 def test_the_working_dir_is_a_tmpfs_with_a_byte_and_a_file_quota():
     # Issue 27: 2 GB in files just under the per-file limit, or 150,000 files, had no total bound.
     limits = SandboxLimits(max_disk_bytes=4 << 20, max_files=64, max_file_bytes=1 << 20)
-    code = ("import os\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * 500_000); n += 1\n"
-            "except OSError as err:\n    print('bytes stopped', n, err.errno)\nfor f in os.listdir('.'): os.remove(f)\n"
-            "m = 0\ntry:\n    while True:\n        open(f'e{m}', 'w').close(); m += 1\nexcept OSError as err:\n"
-            "    print('files stopped', m, err.errno)")
+    code = (
+        "import os\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * 500_000); n += 1\n"
+        "except OSError as err:\n    print('bytes stopped', n, err.errno)\nfor f in os.listdir('.'): os.remove(f)\n"
+        "m = 0\ntry:\n    while True:\n        open(f'e{m}', 'w').close(); m += 1\nexcept OSError as err:\n"
+        "    print('files stopped', m, err.errno)"
+    )
     res = run_python(code, limits, python_guards=False)
     lines = res.stdout.splitlines()
     assert lines[0].startswith("bytes stopped") and int(lines[0].split()[2]) <= 8 and lines[0].endswith(" 28"), res
     assert lines[1].startswith("files stopped") and int(lines[1].split()[2]) < 64 and lines[1].endswith(" 28")
     # The init (not the code) found the tmpfs full when the code ended: disk_limit, whatever the exit code.
     assert res.status == "disk_limit" and res.observation(limits).endswith(
-        f"[disk quota of the working directory ({4 << 20} bytes, 64 files) filled]")
+        f"[disk quota of the working directory ({4 << 20} bytes, 64 files) filled]"
+    )
     assert run_python("open('a', 'wb').write(b'x' * 1000); print('fine')", limits, python_guards=False).ok
 
 
@@ -322,8 +357,13 @@ def test_the_probe_finds_the_isolation_this_machine_offers():
     from ctypes.util import find_library
 
     unshare = shutil.which("unshare")
-    if unshare is None or find_library("seccomp") is None or subprocess.run(
-            [unshare, "--user", "--map-root-user", "--net", "--pid", "--mount", "--fork", "true"]).returncode:
+    if (
+        unshare is None
+        or find_library("seccomp") is None
+        or subprocess.run(
+            [unshare, "--user", "--map-root-user", "--net", "--pid", "--mount", "--fork", "true"]
+        ).returncode
+    ):
         pytest.skip("this machine offers no user namespaces or no libseccomp")
     iso = isolation()
     assert iso.minimal_root and iso.pid_namespace and iso.network_namespace and iso.seccomp, iso

@@ -67,9 +67,12 @@ def _remove(paths: list[str]) -> None:
                 time.sleep(0.05)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or set(isolation().cgroup) != {"memory", "pids", "cpu"}
-                    or any(v2 for _, v2 in sandbox._cgroup_roots().values()),
-                    reason="needs root to delegate cgroup v1 hierarchies of memory, pids and cpu")
+@pytest.mark.skipif(
+    os.geteuid() != 0
+    or set(isolation().cgroup) != {"memory", "pids", "cpu"}
+    or any(v2 for _, v2 in sandbox._cgroup_roots().values()),
+    reason="needs root to delegate cgroup v1 hierarchies of memory, pids and cpu",
+)
 def test_a_delegated_cgroup_bounds_an_unprivileged_callers_runs_as_a_whole():
     import megatron_rl
 
@@ -84,8 +87,13 @@ def test_a_delegated_cgroup_bounds_an_unprivileged_callers_runs_as_a_whole():
 
     try:
         os.chown(home, _NOBODY, _NOBODY)
-        out = subprocess.run([sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-c", _CHILD, *delegated],
-                             capture_output=True, text=True, timeout=300, preexec_fn=join)
+        out = subprocess.run(
+            [sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-c", _CHILD, *delegated],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=join,
+        )
     finally:
         subprocess.run(["rm", "-rf", home], check=True)
         _remove(delegated)

@@ -24,8 +24,9 @@ import pytest
 from megatron_rl.rollout.tools import sandbox
 from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
 
-pytestmark = pytest.mark.skipif(not (isolation().minimal_root and isolation().seccomp),
-                                reason="needs user namespaces and libseccomp")
+pytestmark = pytest.mark.skipif(
+    not (isolation().minimal_root and isolation().seccomp), reason="needs user namespaces and libseccomp"
+)
 ROOT = os.geteuid() == 0  # only host root can make the sandbox its own device nodes
 
 
@@ -42,7 +43,9 @@ def _host_mount_of(path: str) -> tuple[str, str, str]:
         for row in f:
             fields = row.split()
             point, sep = fields[4], fields.index("-")
-            if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[0])):
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and (
+                best is None or len(point) > len(best[0])
+            ):
                 best = (point, fields[2], fields[sep + 1], fields[sep + 2])
     return best[1:]
 
@@ -50,9 +53,11 @@ def _host_mount_of(path: str) -> tuple[str, str, str]:
 def test_statvfs_reads_the_sandboxs_own_file_systems_not_the_hosts_disk():
     binds, _ = sandbox.root_layout()
     paths = ["/", *binds, sys.executable, os.__file__, "/dev/null", "/dev"]
-    code = ("import json, os\nout = {}\nfor p in %r + [os.getcwd()]:\n    s = os.statvfs(p)\n"
-            "    out[p] = [s.f_bsize * s.f_blocks, s.f_files, s.f_bsize * s.f_bfree]\n"
-            "out['cwd'] = os.getcwd()\nprint(json.dumps(out))" % (paths,))
+    code = (
+        "import json, os\nout = {}\nfor p in %r + [os.getcwd()]:\n    s = os.statvfs(p)\n"
+        "    out[p] = [s.f_bsize * s.f_blocks, s.f_files, s.f_bsize * s.f_bfree]\n"
+        "out['cwd'] = os.getcwd()\nprint(json.dumps(out))" % (paths,)
+    )
     limits = SandboxLimits(wall_seconds=10, max_disk_bytes=8 << 20, max_files=300)
     got = probe(code, limits)
     host = os.statvfs(sys.prefix)
@@ -70,8 +75,10 @@ def test_statvfs_reads_the_sandboxs_own_file_systems_not_the_hosts_disk():
 
 def test_mountinfo_names_no_host_device_file_system_or_size():
     device, fstype, source = _host_mount_of(sys.prefix)
-    code = ("import json\nprint(json.dumps({n: open('/proc/' + n).read() for n in "
-            "('self/mountinfo', 'self/mounts', '1/mountinfo', 'mounts')}))")
+    code = (
+        "import json\nprint(json.dumps({n: open('/proc/' + n).read() for n in "
+        "('self/mountinfo', 'self/mounts', '1/mountinfo', 'mounts')}))"
+    )
     got = probe(code, SandboxLimits(wall_seconds=10, max_output_bytes=1 << 16))
     assert fstype not in ("tmpfs", "overlay") and source.startswith("/")  # e.g. ext4 on /dev/vda
     rows = [line.split() for line in got["self/mountinfo"].splitlines()]
@@ -81,7 +88,7 @@ def test_mountinfo_names_no_host_device_file_system_or_size():
         assert f" {device} " not in text and f" {fstype} " not in text and source not in text, text
     mounted = {row[4]: row for row in rows}
     for path in sandbox.root_layout()[0]:  # the host's directories: overlays named "sandbox"
-        assert mounted[path][mounted[path].index("-") + 1:][:2] == ["overlay", "sandbox"], mounted[path]
+        assert mounted[path][mounted[path].index("-") + 1 :][:2] == ["overlay", "sandbox"], mounted[path]
     sizes = {option for row in rows for option in row[-1].split(",") if option.startswith("size=")}
     if ROOT:  # every size the sandbox's own: 1 MiB root, 64 KiB /dev, 256 KiB masks, 4 KiB nodes, 64 MiB workdir
         assert sizes == {"size=1024k", "size=64k", "size=256k", "size=4k", "size=65536k"}, sizes
@@ -89,12 +96,14 @@ def test_mountinfo_names_no_host_device_file_system_or_size():
 
 def test_the_cpus_are_the_runs_share_and_cannot_be_widened():
     host = sorted(os.sched_getaffinity(0))
-    code = ("import json, os\nbefore = sorted(os.sched_getaffinity(0))\ntry:\n"
-            "    os.sched_setaffinity(0, range(os.cpu_count() or 1, 1024))\n    widened = 'widened'\n"
-            "except OSError as err:\n    widened = err.errno\n"
-            "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
-            "print(json.dumps({'before': before, 'after': sorted(os.sched_getaffinity(0)), 'widened': widened,"
-            " 'count': os.cpu_count(), 'list': status['Cpus_allowed_list'].strip()}))")
+    code = (
+        "import json, os\nbefore = sorted(os.sched_getaffinity(0))\ntry:\n"
+        "    os.sched_setaffinity(0, range(os.cpu_count() or 1, 1024))\n    widened = 'widened'\n"
+        "except OSError as err:\n    widened = err.errno\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+        "print(json.dumps({'before': before, 'after': sorted(os.sched_getaffinity(0)), 'widened': widened,"
+        " 'count': os.cpu_count(), 'list': status['Cpus_allowed_list'].strip()}))"
+    )
     for max_cpus in (1.0, 2.5):
         got = probe(code, SandboxLimits(wall_seconds=10, max_cpus=max_cpus))
         share = min(len(host), -int(-max_cpus // 1))
@@ -110,11 +119,25 @@ def test_the_kernel_release_is_the_hosts_but_its_build_and_boot_line_are_not():
     same); only the node name is the UTS namespace's. ``/proc/version`` is cut down to what uname
     says (not the compiler and builder); the boot line, kernel config and symbols, the hardware
     lists and the host-wide counters (open files, inodes, dentries, cgroups) read empty."""
-    empty = ("cmdline", "config.gz", "kallsyms", "iomem", "ioports", "devices", "cgroups", "sys/fs/file-nr",
-             "sys/fs/inode-nr", "sys/fs/dentry-state", "sys/fs/aio-nr", "sys/kernel/pty/nr")
-    code = ("import json, os\nout = {'uname': list(os.uname())}\nfor n in %r:\n"
-            "    out[n] = open('/proc/' + n, 'rb').read().decode('latin-1')\nprint(json.dumps(out))"
-            % (("version", "sys/kernel/osrelease") + empty,))
+    empty = (
+        "cmdline",
+        "config.gz",
+        "kallsyms",
+        "iomem",
+        "ioports",
+        "devices",
+        "cgroups",
+        "sys/fs/file-nr",
+        "sys/fs/inode-nr",
+        "sys/fs/dentry-state",
+        "sys/fs/aio-nr",
+        "sys/kernel/pty/nr",
+    )
+    code = (
+        "import json, os\nout = {'uname': list(os.uname())}\nfor n in %r:\n"
+        "    out[n] = open('/proc/' + n, 'rb').read().decode('latin-1')\nprint(json.dumps(out))"
+        % (("version", "sys/kernel/osrelease") + empty,)
+    )
     got = probe(code)
     host = os.uname()
     assert got["uname"] == [host.sysname, "sandbox", host.release, host.version, host.machine]
@@ -127,15 +150,19 @@ def test_the_kernel_release_is_the_hosts_but_its_build_and_boot_line_are_not():
 
 
 def test_proc_sys_holds_a_few_settings_not_the_hosts_hundreds():
-    code = ("import json, os\nout = {}\nfor top, _, files in os.walk('/proc/sys'):\n    for name in files:\n"
-            "        path = os.path.join(top, name)\n        out[path[len('/proc/sys/'):]] = open(path).read()\n"
-            "try:\n    open('/proc/sys/kernel/core_pattern', 'w')\nexcept OSError as err:\n    out['write'] = err.errno\n"
-            "print(json.dumps(out))")
+    code = (
+        "import json, os\nout = {}\nfor top, _, files in os.walk('/proc/sys'):\n    for name in files:\n"
+        "        path = os.path.join(top, name)\n        out[path[len('/proc/sys/'):]] = open(path).read()\n"
+        "try:\n    open('/proc/sys/kernel/core_pattern', 'w')\nexcept OSError as err:\n    out['write'] = err.errno\n"
+        "print(json.dumps(out))"
+    )
     got = probe(code)
     host = sum(len(files) for _, _, files in os.walk("/proc/sys"))
     assert got.pop("write") == errno.EROFS and host > 100, host
-    assert {k: got[k] for k in ("kernel/hostname", "kernel/domainname")} == {"kernel/hostname": "sandbox\n",
-                                                                           "kernel/domainname": "(none)\n"}
+    assert {k: got[k] for k in ("kernel/hostname", "kernel/domainname")} == {
+        "kernel/hostname": "sandbox\n",
+        "kernel/domainname": "(none)\n",
+    }
     for name in ("kernel/ngroups_max", "kernel/cap_last_cap", "vm/overcommit_memory"):  # copied, as programs read them
         assert got[name] == open("/proc/sys/" + name).read(), name
     for name in ("kernel/threads-max", "fs/file-max", "vm/min_free_kbytes", "kernel/random/entropy_avail", "net"):
@@ -149,12 +176,14 @@ def test_sysinfo_tells_the_hosts_memory_and_task_count():
     ``sysconf(_SC_PHYS_PAGES)`` reads it without checking for a failure, so refusing it would
     hand libraries garbage; faking it would take a seccomp user-notification supervisor (the
     init is placed for one). With a cgroup the code cannot use more than ``memory_mb`` anyway."""
-    code = ("import ctypes, json, os\nclass Info(ctypes.Structure):\n    _fields_ = [('uptime', ctypes.c_long), "
-            "('loads', ctypes.c_ulong * 3), ('totalram', ctypes.c_ulong), ('freeram', ctypes.c_ulong), "
-            "('pad', ctypes.c_ulong * 4), ('procs', ctypes.c_ushort), ('pad2', ctypes.c_char * 22), "
-            "('mem_unit', ctypes.c_uint)]\ninfo = Info()\nassert ctypes.CDLL(None).sysinfo(ctypes.byref(info)) == 0\n"
-            "print(json.dumps({'uptime': info.uptime, 'total': info.totalram * info.mem_unit, 'procs': info.procs,"
-            " 'phys': os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')}))")
+    code = (
+        "import ctypes, json, os\nclass Info(ctypes.Structure):\n    _fields_ = [('uptime', ctypes.c_long), "
+        "('loads', ctypes.c_ulong * 3), ('totalram', ctypes.c_ulong), ('freeram', ctypes.c_ulong), "
+        "('pad', ctypes.c_ulong * 4), ('procs', ctypes.c_ushort), ('pad2', ctypes.c_char * 22), "
+        "('mem_unit', ctypes.c_uint)]\ninfo = Info()\nassert ctypes.CDLL(None).sysinfo(ctypes.byref(info)) == 0\n"
+        "print(json.dumps({'uptime': info.uptime, 'total': info.totalram * info.mem_unit, 'procs': info.procs,"
+        " 'phys': os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')}))"
+    )
     got = probe(code)
     host_total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert got["total"] == got["phys"] == host_total and got["total"] > SandboxLimits().memory_mb << 20, got
@@ -169,10 +198,12 @@ def test_the_cpuid_instruction_names_the_hosts_cpu_vendor():
     process run it (CPUID faulting, where the hardware has it, would break the libraries that
     pick their code paths by it). The sandbox's ``/proc/cpuinfo`` names a "sandbox CPU"; the
     instruction still names the host's vendor."""
-    code = ("import ctypes, json, mmap\nm = mmap.mmap(-1, 4096, prot=7)\n"
-            "m.write(bytes.fromhex('5331c00fa289d85bc3'))\n"  # push rbx; cpuid(0); mov eax, ebx; pop rbx; ret
-            "run = ctypes.CFUNCTYPE(ctypes.c_uint32)(ctypes.addressof(ctypes.c_char.from_buffer(m)))\n"
-            "print(json.dumps({'cpuid': run().to_bytes(4, 'little').decode(), 'cpuinfo': open('/proc/cpuinfo').read()}))")
+    code = (
+        "import ctypes, json, mmap\nm = mmap.mmap(-1, 4096, prot=7)\n"
+        "m.write(bytes.fromhex('5331c00fa289d85bc3'))\n"  # push rbx; cpuid(0); mov eax, ebx; pop rbx; ret
+        "run = ctypes.CFUNCTYPE(ctypes.c_uint32)(ctypes.addressof(ctypes.c_char.from_buffer(m)))\n"
+        "print(json.dumps({'cpuid': run().to_bytes(4, 'little').decode(), 'cpuinfo': open('/proc/cpuinfo').read()}))"
+    )
     got = probe(code)
     host_vendor = next(line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
     assert got["cpuid"] == host_vendor[:4] and host_vendor not in got["cpuinfo"], got
@@ -196,10 +227,27 @@ def test_every_fingerprint_and_attack_test_holds_for_an_unprivileged_caller():
     try:
         os.chown(home, 65534, 65534)
         os.chmod(home, 0o755)
-        out = subprocess.run([sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-m", "pytest", "-q", "-rs",
-                              "-p", "no:cacheprovider", f"--basetemp={home}/base", os.path.relpath(__file__, project),
-                              os.path.relpath(test_sandbox_attacks.__file__, project)],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _ROOTLESS_CALLER,
+                project,
+                home,
+                "-m",
+                "pytest",
+                "-q",
+                "-rs",
+                "-p",
+                "no:cacheprovider",
+                f"--basetemp={home}/base",
+                os.path.relpath(__file__, project),
+                os.path.relpath(test_sandbox_attacks.__file__, project),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         subprocess.run(["rm", "-rf", home], check=True)
     summary = out.stdout.strip().splitlines()[-1]

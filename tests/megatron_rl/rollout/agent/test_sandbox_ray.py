@@ -23,8 +23,9 @@ import pytest
 from megatron_rl.rollout.tools import sandbox
 from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation
 
-pytestmark = pytest.mark.skipif(not (isolation().minimal_root and isolation().seccomp),
-                                reason="needs user namespaces and libseccomp")
+pytestmark = pytest.mark.skipif(
+    not (isolation().minimal_root and isolation().seccomp), reason="needs user namespaces and libseccomp"
+)
 
 _CODE = """
 import json, socket
@@ -60,14 +61,23 @@ print(json.dumps(out))
 
 
 def _listening_ports(pids: set) -> dict:
-    return {c.laddr.port: c.laddr.ip for c in psutil.net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.pid in pids}
+    return {
+        c.laddr.port: c.laddr.ip
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    }
 
 
 def test_no_ray_port_nor_host_listener_is_reachable_from_the_sandbox():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _node_ip_address="127.0.0.1",
+    )
     own = []
     try:
         me = psutil.Process()
@@ -82,8 +92,9 @@ def test_no_ray_port_nor_host_listener_is_reachable_from_the_sandbox():
         for server in own:
             server.setblocking(False)
             ports[server.getsockname()[1]] = server.getsockname()[0]
-        hosts = {"127.0.0.1", "::1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                                         if a.family == socket.AF_INET}
+        hosts = {"127.0.0.1", "::1"} | {
+            a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET
+        }
         targets = sorted((host, port) for port in ports for host in hosts)
         unix = [info["raylet_socket_name"], info["object_store_address"]]
         code = _CODE % {"targets": targets, "unix": unix}

@@ -29,11 +29,18 @@ SCHEMA = """
 """
 
 
-def _config(tmp_path, class_name: str, parameters: str = "{type: object, properties: {x: {type: integer}}, required: [x]}",
-            name: str = "t", extra: str = "") -> str:
+def _config(
+    tmp_path,
+    class_name: str,
+    parameters: str = "{type: object, properties: {x: {type: integer}}, required: [x]}",
+    name: str = "t",
+    extra: str = "",
+) -> str:
     path = tmp_path / "tools.yaml"
-    path.write_text(f"tools:\n  - class_name: {class_name}\n    config: {{type: native{extra}}}\n"
-                    + textwrap.indent(textwrap.dedent(SCHEMA.format(name=name, parameters=parameters)), "    "))
+    path.write_text(
+        f"tools:\n  - class_name: {class_name}\n    config: {{type: native{extra}}}\n"
+        + textwrap.indent(textwrap.dedent(SCHEMA.format(name=name, parameters=parameters)), "    ")
+    )
     return str(path)
 
 
@@ -72,13 +79,17 @@ def test_unknown_class_is_named(tmp_path):
     path = _config(tmp_path, "no_such_module.Tool")
     with pytest.raises(ValueError) as err:
         load_tools(path)
-    assert str(err.value) == (f"tool config {path}: tools[0].class_name='no_such_module.Tool' cannot be imported: "
-                              "No module named 'no_such_module'")
+    assert str(err.value) == (
+        f"tool config {path}: tools[0].class_name='no_such_module.Tool' cannot be imported: "
+        "No module named 'no_such_module'"
+    )
     path = _config(tmp_path, f"{__name__}.Missing")
     with pytest.raises(ValueError) as err:
         load_tools(path)
-    assert str(err.value) == (f"tool config {path}: tools[0].class_name='{__name__}.Missing' cannot be imported: "
-                              f"module '{__name__}' has no class 'Missing'")
+    assert str(err.value) == (
+        f"tool config {path}: tools[0].class_name='{__name__}.Missing' cannot be imported: "
+        f"module '{__name__}' has no class 'Missing'"
+    )
     path = _config(tmp_path, "megatron_rl.rollout.tools.sandbox.SandboxLimits")
     with pytest.raises(ValueError, match=r"is not a megatron_rl.rollout.tools.BaseTool subclass"):
         load_tools(path)
@@ -88,13 +99,17 @@ def test_invalid_json_schema_is_named(tmp_path):
     path = _config(tmp_path, f"{__name__}.Echo", parameters="{type: object, properties: {x: {type: integr}}}")
     with pytest.raises(ValueError) as err:
         load_tools(path)
-    assert str(err.value).startswith(f"tool config {path}: tools[0].tool_schema.function.parameters is not a valid "
-                                     "JSON Schema: 'integr' is not valid under any of the given schemas")
+    assert str(err.value).startswith(
+        f"tool config {path}: tools[0].tool_schema.function.parameters is not a valid "
+        "JSON Schema: 'integr' is not valid under any of the given schemas"
+    )
     path = _config(tmp_path, f"{__name__}.Echo", parameters="{type: array}")
     with pytest.raises(ValueError) as err:
         load_tools(path)
-    assert str(err.value) == (f"tool config {path}: tools[0].tool_schema.function.parameters.type='array': the "
-                              "arguments of a function call are an object, so the schema's type must be 'object'")
+    assert str(err.value) == (
+        f"tool config {path}: tools[0].tool_schema.function.parameters.type='array': the "
+        "arguments of a function call are an object, so the schema's type must be 'object'"
+    )
     with pytest.raises(ValueError, match=r"tool_schema.function.name='two words' must be a non-empty name"):
         ToolSchema.from_dict({"type": "function", "function": {"name": "two words"}})
     with pytest.raises(ValueError, match=r"neither a file nor a built-in tool config; built-in: "):
@@ -103,9 +118,18 @@ def test_invalid_json_schema_is_named(tmp_path):
 
 def test_calculator_is_exact_and_bounded():
     assert evaluate("48213*9174") == str(48213 * 9174)
-    assert (evaluate("7/2"), evaluate("8/2"), evaluate("-(3+4)*2"), evaluate("2**64")) == ("3.5", "4", "-14", str(2**64))
-    for expression, message in [("2**65", "exponent 65 is larger than 64"), ("1/0", "division by zero"),
-                                ("__import__('os')", "unsupported element Call"), ("9" * 201, "more than 200")]:
+    assert (evaluate("7/2"), evaluate("8/2"), evaluate("-(3+4)*2"), evaluate("2**64")) == (
+        "3.5",
+        "4",
+        "-14",
+        str(2**64),
+    )
+    for expression, message in [
+        ("2**65", "exponent 65 is larger than 64"),
+        ("1/0", "division by zero"),
+        ("__import__('os')", "unsupported element Call"),
+        ("9" * 201, "more than 200"),
+    ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
             evaluate(expression)
 
@@ -114,9 +138,11 @@ def test_hermes_parser_reads_calls_and_marks_malformed_ones():
     parser = HermesToolParser()
     text = parser.format("calculator", {"expression": "1+1"})
     assert text == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
-    content, calls = parser.parse("thinking " + text + ' <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}'
-                                  "</tool_call><tool_call>{oops</tool_call><tool_call>[1]</tool_call>"
-                                  '<tool_call>{"name": "g", "arguments": [1]}</tool_call><tool_call>{"name"')
+    content, calls = parser.parse(
+        "thinking " + text + ' <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}'
+        "</tool_call><tool_call>{oops</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"name": "g", "arguments": [1]}</tool_call><tool_call>{"name"'
+    )
     assert content == "thinking"
     assert calls[0] == FunctionCall("calculator", {"expression": "1+1"}, None, calls[0].raw)
     assert calls[1].arguments == {"x": 1} and calls[1].error is None  # OpenAI's JSON-string arguments
@@ -124,7 +150,8 @@ def test_hermes_parser_reads_calls_and_marks_malformed_ones():
         "the tool call is not valid JSON (Expecting property name enclosed in double quotes at character 1)",
         'a tool call must be a JSON object {"name": ..., "arguments": {...}} with a string name',
         "the arguments of 'g' must be a JSON object, got list",
-        "unclosed <tool_call> (no </tool_call> follows it)"]
+        "unclosed <tool_call> (no </tool_call> follows it)",
+    ]
     assert parser.parse("42") == ("42", [])
 
 
@@ -154,7 +181,10 @@ def test_failing_calls_become_error_observations_with_exact_messages(tmp_path):
     assert call("t", {"x": 3}).text == "Error executing tool 't': boom 3"
     assert call("t", {"x": 3}).error
     assert call("nope", {}).text == "Unknown function 'nope'. Available tools: ['echo', 'hang', 't']"
-    assert call("echo", {"x": "a"}).text == "Invalid arguments for 'echo': 'a' is not of type 'integer' (at arguments['x'])"
+    assert (
+        call("echo", {"x": "a"}).text
+        == "Invalid arguments for 'echo': 'a' is not of type 'integer' (at arguments['x'])"
+    )
     assert call("echo", {}).text == "Invalid arguments for 'echo': 'x' is a required property"
     Echo.released.clear()
     assert (call("echo", {"x": 2}).text, call("echo", {"x": 2}).error, len(Echo.released)) == ("x=2", False, 2)

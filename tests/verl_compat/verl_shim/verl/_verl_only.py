@@ -6,18 +6,18 @@ use one are skipped by name, with the reason, in ``tests/verl_compat/verl_tests/
 
 VERL_ONLY: dict[str, str] = {
     "Metric": "verl's metric container (verl.utils.metric); the project reduces typed LossMetrics "
-              "(megatron_rl.engine.metrics) over micro-batches and DP ranks instead",
+    "(megatron_rl.engine.metrics) over micro-batches and DP ranks instead",
     "AggregationType": "verl's metric container (verl.utils.metric)",
     "reduce_metrics": "verl's list-of-values metric reduction (verl.utils.metric); the project's "
-                      "megatron_rl.engine.metrics.reduce_metrics reduces LossMetrics collectively",
+    "megatron_rl.engine.metrics.reduce_metrics reduces LossMetrics collectively",
     "append_to_dict": "verl's dict-of-lists helper (verl.utils.py_functional)",
     "bootstrap_metric": "verl's bootstrapped best@n / worst@n validation statistics; the project's Validator "
-                        "reports mean@n only",
+    "reports mean@n only",
     "calc_maj_val": "verl's majority-vote validation metric (maj@n); not built here",
     "process_validation_metrics": "verl's best@n / maj@n / std@n validation table; the project's Validator "
-                                  "reports val-core/<source>/reward/mean@n only",
+    "reports val-core/<source>/reward/mean@n only",
     "distributed_masked_mean": "verl's NCCL masked mean across ranks; the project's losses take the global "
-                               "token counts (megatron_rl.algos.global_batch_info) instead",
+    "token counts (megatron_rl.algos.global_batch_info) instead",
     "distributed_mean_max_min_std": "verl's NCCL mean / max / min / std across ranks; not built here",
     "get_device_name": "verl's device abstraction (verl.utils.device)",
     "get_nccl_backend": "verl's device abstraction (verl.utils.device)",

@@ -24,7 +24,7 @@ def _tensors(data) -> dict:
     """``data.batch`` with verl's back-compatible ``response_mask`` (the response part of the attention mask)."""
     batch = dict(data.batch.items())
     if "response_mask" not in batch:
-        batch["response_mask"] = batch["attention_mask"][:, -batch["responses"].shape[-1]:]
+        batch["response_mask"] = batch["attention_mask"][:, -batch["responses"].shape[-1] :]
     return batch
 
 
