@@ -762,45 +762,33 @@ _ROOT_ONLY = (
 )
 
 
+def run_pytest_as_nobody(*args: str) -> subprocess.CompletedProcess:
+    """``python -m pytest -q -rs *args`` with the caller as host ``nobody`` (its own home, removed after):
+    test files in ``args`` are given as paths; the completed process is returned."""
+    import tempfile
+
+    import megatron_rl
+
+    project = os.path.dirname(os.path.dirname(megatron_rl.__file__))
+    paths = [os.path.relpath(a, project) if os.path.isabs(a) else a for a in args]
+    home = tempfile.mkdtemp(prefix="mrl-nobody-")
+    try:
+        os.chown(home, 65534, 65534)
+        os.chmod(home, 0o755)
+        cmd = [sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-m", "pytest", "-q", "-rs"]
+        cmd += ["-p", "no:cacheprovider", f"--basetemp={home}/base", *paths]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["rm", "-rf", home], check=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="run as an unprivileged user, every test here is the rootless path")
 def test_every_escape_test_passes_for_an_unprivileged_caller():
     """This file again, with the caller as host ``nobody`` (no capability, no cgroup): the
     rootless path (the runner maps the caller's own user; RLIMIT_NPROC and RLIMIT_AS as the bounds)
     must stop every attack as the root path does. The hundred concurrent calls are left out
     (the same code paths, 20 s more)."""
-    import tempfile
-
-    import megatron_rl
-
-    project = os.path.dirname(os.path.dirname(megatron_rl.__file__))
-    home = tempfile.mkdtemp(prefix="mrl-nobody-")
-    try:
-        os.chown(home, 65534, 65534)
-        os.chmod(home, 0o755)
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _ROOTLESS_CALLER,
-                project,
-                home,
-                "-m",
-                "pytest",
-                "-q",
-                "-rs",
-                "-p",
-                "no:cacheprovider",
-                f"--basetemp={home}/base",
-                "-k",
-                "not a_hundred_concurrent",
-                os.path.relpath(__file__, project),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        subprocess.run(["rm", "-rf", home], check=True)
+    out = run_pytest_as_nobody("-k", "not a_hundred_concurrent", __file__)
     summary = out.stdout.strip().splitlines()[-1]
     tests = [name for name in globals() if name.startswith("test_")]
     expected = len(tests) - len(_ROOT_ONLY) - 1  # less the hundred concurrent calls

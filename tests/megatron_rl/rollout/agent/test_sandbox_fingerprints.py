@@ -214,42 +214,10 @@ def test_every_fingerprint_and_attack_test_holds_for_an_unprivileged_caller():
     """This file and ``test_sandbox_attacks`` again, with the caller as host ``nobody`` (the
     runner maps the caller's own user; the overlays as well, the host's devtmpfs nodes for
     ``/dev``, the address-space limit for memory)."""
-    import subprocess
-    import tempfile
-
-    import megatron_rl
-
     from . import test_sandbox_attacks
-    from .test_sandbox_escapes import _ROOTLESS_CALLER
+    from .test_sandbox_escapes import run_pytest_as_nobody
 
-    project = os.path.dirname(os.path.dirname(megatron_rl.__file__))
-    home = tempfile.mkdtemp(prefix="mrl-nobody-")
-    try:
-        os.chown(home, 65534, 65534)
-        os.chmod(home, 0o755)
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _ROOTLESS_CALLER,
-                project,
-                home,
-                "-m",
-                "pytest",
-                "-q",
-                "-rs",
-                "-p",
-                "no:cacheprovider",
-                f"--basetemp={home}/base",
-                os.path.relpath(__file__, project),
-                os.path.relpath(test_sandbox_attacks.__file__, project),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        subprocess.run(["rm", "-rf", home], check=True)
+    out = run_pytest_as_nobody(__file__, test_sandbox_attacks.__file__)
     summary = out.stdout.strip().splitlines()[-1]
     expected = len([name for name in [*globals(), *vars(test_sandbox_attacks)] if name.startswith("test_")]) - 1
     assert out.returncode == 0 and f"{expected} passed, 1 skipped" in summary, out.stdout[-4000:] + out.stderr[-2000:]
