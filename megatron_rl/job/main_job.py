@@ -143,9 +143,10 @@ def _start_ray(signals: StopSignals) -> bool:
             # num_cpus/num_gpus when connecting, and shutdown() then only disconnects this driver.
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
         else:
-            # A single-node run advertises loopback as the node address, so the workers' own
-            # listeners (gloo/NCCL masters from get_node_ip_address) use 127.0.0.1. Measured with
-            # Ray 2.60: its GCS/raylet/worker gRPC servers still listen on 0.0.0.0 / :: (issue 27, open).
+            # Loopback asked for as the node address. Measured with Ray 2.60, it is not honoured:
+            # ray.nodes() and get_node_ip_address() still give the machine's interface address, so
+            # the workers' gloo/NCCL masters use that, and Ray's GCS/raylet/worker gRPC servers
+            # listen on 0.0.0.0 / :: (issue 27, open).
             ray.init(
                 address="local",
                 num_cpus=os.cpu_count() or 1,
