@@ -80,6 +80,16 @@ HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
     ),
+    "Qwen2.5-7B-Instruct": dict(
+        _QWEN2,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
     "Qwen2.5-32B": dict(
         _QWEN2,
         hidden_size=5120,
@@ -98,6 +108,17 @@ HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields
         num_hidden_layers=48,
         num_attention_heads=32,
         num_key_value_heads=4,
+    ),
+    "Qwen3-30B-A3B-Instruct-2507": dict(
+        _QWEN3_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=262144,
+        rope_theta=1e7,
     ),
     "Qwen3-235B-A22B": dict(
         _QWEN3_MOE,
@@ -283,6 +304,19 @@ EXPECTED = {
     # full fine-tuning twin needs 76.8 (tests/megatron_rl/planner/test_lora_plan.py).
     "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh": Expect(
         "Qwen2-7B-Instruct", 0, "FITS -- peak 58.0 of 80.0 GiB (rollout)"
+    ),
+    "examples/grpo_trainer/run_deepseek7b_llm_math_megatron.sh": Expect(
+        "deepseek-llm-7b-chat", 0, "FITS -- peak 69.7 of 80.0 GiB (rollout)"
+    ),
+    "examples/grpo_trainer/run_qwen2-7b_seq_balance_math_megatron.sh": Expect(
+        "Qwen2-7B-Instruct", 0, "FITS -- peak 64.9 of 80.0 GiB (actor update)"
+    ),
+    "examples/grpo_trainer/run_qwen2_5-7b_math_megatron_diff_tp.sh": Expect(
+        "Qwen2.5-7B-Instruct", 0, "FITS -- peak 76.8 of 80.0 GiB (rollout)"
+    ),
+    # verl's Megatron LoRA script for the MoE model (merge: false: adapter-only sync).
+    "examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh": Expect(
+        "Qwen3-30B-A3B-Instruct-2507", 0, "FITS -- peak 24.0 of 80.0 GiB (rollout)"
     ),
 }
 _PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path")
