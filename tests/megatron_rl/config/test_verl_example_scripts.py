@@ -69,27 +69,20 @@ _DEEPSEEK_V3 = dict(
     moe_layer_freq=1,
     torch_dtype="bfloat16",
 )
+_QWEN2_7B = dict(
+    _QWEN2,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+)
+"""Qwen2-7B and Qwen2.5-7B: the same published shapes."""
 HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields as published
-    "Qwen2-7B-Instruct": dict(
-        _QWEN2,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-    ),
-    "Qwen2.5-7B-Instruct": dict(
-        _QWEN2,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-    ),
+    "Qwen2-7B-Instruct": _QWEN2_7B,
+    "Qwen2.5-7B-Instruct": _QWEN2_7B,
     "Qwen2.5-32B": dict(
         _QWEN2,
         hidden_size=5120,
