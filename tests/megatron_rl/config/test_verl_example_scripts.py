@@ -80,6 +80,15 @@ _QWEN2_7B = dict(
     rms_norm_eps=1e-6,
 )
 """Qwen2-7B and Qwen2.5-7B: the same published shapes."""
+_QWEN3_30B_A3B = dict(
+    _QWEN3_MOE,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+)
 HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields as published
     "Qwen2-7B-Instruct": _QWEN2_7B,
     "Qwen2.5-7B-Instruct": _QWEN2_7B,
@@ -93,23 +102,9 @@ HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields
         max_position_embeddings=131072,
         rms_norm_eps=1e-5,
     ),
-    "Qwen3-30B-A3B": dict(
-        _QWEN3_MOE,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-    ),
+    "Qwen3-30B-A3B": _QWEN3_30B_A3B,
     "Qwen3-30B-A3B-Instruct-2507": dict(
-        _QWEN3_MOE,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
+        _QWEN3_30B_A3B,
         max_position_embeddings=262144,
         rope_theta=1e7,
     ),
