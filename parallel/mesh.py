@@ -12,6 +12,7 @@ so another layout can be initialised in the same processes.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.config import ParallelConfig
+from parallel.netbind import pin_interfaces, store_from_env
 
 __all__ = ["Mesh", "init_mesh", "destroy_mesh", "DEFAULT_SEED"]
 
@@ -151,7 +153,8 @@ def init_mesh(
     ``num_experts`` ...), which runs before any process group is created. If
     ``torch.distributed`` is not initialised yet, the default group is created from the
     environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``) with ``backend``
-    (default gloo without CUDA, NCCL with it). Without CUDA, ``apply_cpu_compat()`` is applied
+    (default gloo without CUDA, NCCL with it); rank 0's store listens on ``MASTER_ADDR`` only
+    (``parallel.netbind.tcp_store``), and a loopback master keeps gloo/NCCL on its interface. Without CUDA, ``apply_cpu_compat()`` is applied
     first. ``seed`` seeds Megatron's RNG tracker (``model_parallel_cuda_manual_seed``), so a model
     built right after is deterministic for a given layout.
     """
@@ -182,7 +185,14 @@ def init_mesh(
 
     owns_default_group = False
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend or ("nccl" if has_cuda else "gloo"))
+        backend = backend or ("nccl" if has_cuda else "gloo")
+        rendezvous = store_from_env(datetime.timedelta(minutes=timeout_minutes))
+        if rendezvous is None:
+            dist.init_process_group(backend=backend)
+        else:  # rank 0's store listens on MASTER_ADDR only (torch's own binds every interface)
+            store, rank, world_size = rendezvous
+            pin_interfaces(os.environ["MASTER_ADDR"])  # a loopback master: gloo/NCCL pairs on lo too
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
         owns_default_group = True
 
     parallel_state.initialize_model_parallel(

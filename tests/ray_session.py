@@ -42,14 +42,17 @@ def _serve(num_cpus: int) -> None:
     stdin closes."""
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        _node_ip_address="127.0.0.1",
-    )
+    from parallel.netbind import ray_on_loopback
+
+    with ray_on_loopback():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+        )
     print(_MARK + ray.get_runtime_context().gcs_address, flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe from here on
     sys.stdin.read()  # EOF: the test session ended (or died)
@@ -155,7 +158,9 @@ def joined(address: str) -> Iterator[None]:
     cluster has all its CPUs free when the block starts."""
     import ray
 
-    with _auth_mode_token():
+    from parallel.netbind import joining_ray
+
+    with _auth_mode_token(), joining_ray(address):
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         try:
             _wait_idle()

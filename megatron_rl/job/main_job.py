@@ -46,12 +46,14 @@ from megatron_rl.job.report import (
     algorithm_label,
     as_number,
     fmt_ratio,
+    network_report,
     plot_reward_curve,
     validation_exact,
     validation_reward,
 )
 from megatron_rl.trainer.checkpoint import Selection, last_good_checkpoint
 from megatron_rl.trainer.watchdog import StopSignals, Stopped, kill_workers
+from parallel.netbind import joining_ray, ray_on_loopback
 from parallel.checkpoint import DiskFullError, check_free_space, fmt_bytes, free_bytes, is_disk_full
 
 __all__ = ["build_trainer", "run_train", "load_run_config", "checked_plan", "Stopped"]
@@ -141,20 +143,21 @@ def _start_ray(signals: StopSignals) -> bool:
         if os.environ.get("RAY_ADDRESS"):
             # Join the running cluster (recipes/slurm/train.sbatch, `ray job submit`); Ray refuses
             # num_cpus/num_gpus when connecting, and shutdown() then only disconnects this driver.
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
+            with joining_ray(os.environ["RAY_ADDRESS"]):
+                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
         else:
-            # Loopback asked for as the node address. Measured with Ray 2.60, it is not honoured:
-            # ray.nodes() and get_node_ip_address() still give the machine's interface address, so
-            # the workers' gloo/NCCL masters use that, and Ray's GCS/raylet/worker gRPC servers
-            # listen on 0.0.0.0 / :: (issue 27, open).
-            ray.init(
-                address="local",
-                num_cpus=os.cpu_count() or 1,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                _node_ip_address="127.0.0.1",
-            )
+            # A local cluster on loopback: Ray's GCS/raylet/worker gRPC servers, the workers'
+            # gloo/NCCL masters and stores all listen on 127.0.0.1 (ray_on_loopback says why it
+            # takes more than _node_ip_address; network.json lists every listener).
+            with ray_on_loopback():
+                ray.init(
+                    address="local",
+                    num_cpus=os.cpu_count() or 1,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    _node_ip_address="127.0.0.1",
+                )
     signals.claim()
     return True
 
@@ -306,6 +309,7 @@ def _train(
         trainer.init_workers()
         ray.get(trainer.rollout.pad_token_id.remote())  # vLLM is up: the bar's ETA does not count start-up
         log(f"workers started in {time.perf_counter() - start:.1f}s")
+        network_report(out_dir, log, joined=not started_ray)
         metrics_file = out_dir / "metrics.jsonl"
         if resume.path is None and metrics_file.exists() and not config.trainer.val_only:
             os.replace(metrics_file, out_dir / "metrics.jsonl.prev")  # a fresh start: the old run's rows stay apart

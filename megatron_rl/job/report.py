@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 __all__ = [
+    "network_report",
     "plot_reward_curve",
     "REWARD_KEY",
     "algorithm_label",
@@ -140,3 +144,49 @@ def plot_reward_curve(
     fig.savefig(str(path), format="png")
     plt.close(fig)
     return Path(path)
+
+
+NETWORK_FILE = "network.json"
+
+
+def network_report(out_dir: Path, log, *, joined: bool) -> list[dict]:
+    """Who listens where once the workers are up: every TCP listener of this process and its
+    descendants (a local Ray cluster: its GCS, raylet and every worker) to ``out_dir/network.json``,
+    one console line per process, and a warning naming each listener on every interface (``*``).
+
+    ``joined``: the run did not start its Ray (``RAY_ADDRESS``, or one already running); that
+    cluster's processes are not this process's children, and Ray's servers there listen where the
+    cluster was started to (on ``*`` unless its node address is loopback: Ray's own rule, which this
+    project cannot change), so the report covers the driver only and says so."""
+    import psutil
+
+    from parallel.netbind import listeners
+
+    me = psutil.Process()
+    pids = [me.pid] + [p.pid for p in me.children(recursive=True)]
+    rows = listeners(pids)
+    staged = out_dir / (NETWORK_FILE + ".tmp")
+    staged.write_text(json.dumps({"joined_cluster": joined, "listeners": rows}, indent=1))
+    os.replace(staged, out_dir / NETWORK_FILE)
+    by_proc: dict[tuple[int, str], dict[str, int]] = {}
+    for r in rows:
+        where = by_proc.setdefault((r["pid"], r["name"]), {})
+        where[r["address"]] = where.get(r["address"], 0) + 1
+    for (pid, name), where in by_proc.items():
+        log(f"listening: {name} (pid {pid}) on " + ", ".join(f"{a} x{n}" for a, n in where.items()))
+    wild = [r for r in rows if r["wildcard"]]
+    for r in wild:
+        logging.getLogger(__name__).warning(
+            "%s (pid %d) listens on every interface (%s:%d): reachable from other hosts",
+            r["name"],
+            r["pid"],
+            r["address"],
+            r["port"],
+        )
+    scope = "this driver only (a Ray cluster it joined)" if joined else "this run's process tree"
+    log(
+        f"network: {len(rows)} listeners in {len(by_proc)} processes of {scope}, "
+        f"{sum(r['loopback'] for r in rows)} on loopback, {len(wild)} on every interface "
+        f"-> {out_dir / NETWORK_FILE}"
+    )
+    return rows

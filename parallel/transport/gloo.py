@@ -23,6 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from parallel.netbind import tcp_store
+
 __all__ = ["DEFAULT_TIMEOUT_S", "SideBand", "new_gloo_group", "broadcast", "send_header", "recv_header", "ack"]
 
 DEFAULT_TIMEOUT_S = 600.0  # how long a side-band rank waits for its peers (joining, or any one message)
@@ -47,9 +49,7 @@ def new_gloo_group(
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(
-            master_addr, port, world_size, is_master=(rank == 0), wait_for_workers=False, timeout=timeout
-        )
+        store = tcp_store(master_addr, port, world_size, is_master=(rank == 0), timeout=timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
 
 
@@ -121,12 +121,11 @@ class SideBand:
         if self.rank != 0:
             raise RuntimeError(f"SideBand.listen on rank {self.rank}: only rank 0 hosts the store")
         if self._store is None:
-            self._store = dist.TCPStore(
+            self._store = tcp_store(
                 self.master_addr,
                 self.port,
                 self.world_size,
                 is_master=True,
-                wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.timeout_s),
             )
             self._store.set("weight_sync/nccl", "1" if self.nccl else "0")
@@ -137,7 +136,7 @@ class SideBand:
         """Join both groups; blocks until all ``world_size`` ranks have joined. Returns ``self``."""
         if self.rank == 0:
             self.listen()
-        store = self._store or dist.TCPStore(
+        store = self._store or tcp_store(
             self.master_addr,
             self.port,
             self.world_size,

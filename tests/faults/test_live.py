@@ -230,11 +230,29 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_names_a_full_disk(finis
 
 
 # ----------------------------------------------------------------------------- signals
+def _check_loopback_only(job: "Run", out: Path) -> None:
+    """Seen from outside: every socket that the run's processes (driver, GCS, raylet, the workers)
+    listen on is bound to 127.0.0.1, and the run's own network.json reported them (issue 27)."""
+    from parallel.netbind import listeners
+
+    seen = listeners([job.proc.pid] + [p.pid for p in job.descendants()])
+    names = {r["name"] for r in seen}
+    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
+    assert len(seen) > 10, seen
+    assert [r for r in seen if r["address"] not in ("127.0.0.1", "::ffff:127.0.0.1")] == []
+    reported = json.loads((out / "network.json").read_text())
+    assert reported["joined_cluster"] is False and reported["listeners"]
+    assert [r for r in reported["listeners"] if not r["loopback"] or r["wildcard"]] == []
+    now = {(r["pid"], r["port"]) for r in seen}
+    assert {(r["pid"], r["port"]) for r in reported["listeners"]} <= now, (reported, seen)
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
     out = tmp_path / "run"
     job = Run(["grpo", "--no-progress", *QUICK, "trainer.save_on_preemption=true", f"trainer.default_local_dir={out}"])
     job.wait_for(r"^step 1/50 ")
     processes = job.descendants()
+    _check_loopback_only(job, out)
     sent = time.monotonic()
     os.kill(job.proc.pid, signal.SIGTERM)
     rc, text = job.finish()

@@ -1,9 +1,9 @@
 """The sandbox reaches none of Ray's listeners (issue 27), judged from the host side.
 
-A real local Ray is started as ``megatron_rl.job.main_job`` starts it; its processes' listening
-TCP ports are read from the kernel (``psutil``). Measured with Ray 2.60: the GCS, the raylet, the
-driver and the agents listen on ``0.0.0.0`` / ``::`` (all interfaces) despite
-``_node_ip_address="127.0.0.1"``, so a sandbox sharing the host's network could reach them. The
+A real local Ray is started as ``megatron_rl.job.main_job`` starts it (on loopback:
+``parallel.netbind.ray_on_loopback``); its processes' listening TCP ports are read from the kernel
+(``psutil``). Without that switch Ray 2.60 listens on ``0.0.0.0`` / ``::`` (all interfaces) despite
+``_node_ip_address="127.0.0.1"``; either way a sandbox shares none of the host's network. The
 sandbox's code tries every one of those ports on loopback and on every host address, and Ray's
 Unix sockets, with the seccomp filter (which refuses non-Unix sockets) and without it (the
 network namespace alone: only a downed ``lo``); a host listener of the test's own on 127.0.0.1
@@ -70,14 +70,17 @@ def _listening_ports(pids: set) -> dict:
 
 def test_no_ray_port_nor_host_listener_is_reachable_from_the_sandbox():
     ray = pytest.importorskip("ray")
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        _node_ip_address="127.0.0.1",
-    )
+    from parallel.netbind import ray_on_loopback
+
+    with ray_on_loopback():
+        ray.init(
+            address="local",
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+        )
     own = []
     try:
         me = psutil.Process()
@@ -86,7 +89,8 @@ def test_no_ray_port_nor_host_listener_is_reachable_from_the_sandbox():
         gcs_port = int(info["gcs_address"].rsplit(":", 1)[1])
         assert gcs_port in ports, (info, ports)
         for port, ip in ports.items():  # each is a live listener the host can reach
-            with socket.create_connection(("127.0.0.1" if ip in ("0.0.0.0", "::") else ip, port), timeout=5):
+            assert ip in ("127.0.0.1", "::ffff:127.0.0.1"), (port, ip)  # loopback only, as the trainer's
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
                 pass
         own += [socket.create_server(("127.0.0.1", 0)), socket.create_server(("0.0.0.0", 0))]
         for server in own:
