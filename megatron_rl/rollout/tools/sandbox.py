@@ -85,7 +85,7 @@ import uuid
 import warnings
 from ctypes.util import find_library
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = ["SandboxLimits", "SandboxResult", "Isolation", "isolation", "run_python"]
 
@@ -206,6 +206,32 @@ class Isolation:
     """Controllers (of ``memory``, ``pids``, ``cpu``) bounding each run as a whole, through a cgroup
     per run (the runner waits for this process to move it there, so it joins before the code
     runs). Root's own cgroups, or those delegated to an unprivileged user (directories it owns)."""
+    bound_dirs: tuple[str, ...] = ()
+    """Interpreter directories the kernel would not overlay (no overlayfs, or one before 5.11 in a user
+    namespace), so the runner bound them read-only: their ``statvfs`` and ``mountinfo`` show the
+    host's disk and device (a fingerprint, not a way out). Empty where every one is an overlay."""
+
+
+_PROBE = """print('ok')
+wanted = %r
+for line in open('/proc/self/mountinfo'):
+    if len(line.split(' - ')[0].split()) > 4 and line.split()[4] in wanted:
+        print(line, end='')
+"""
+"""The isolation probe: that code runs at all, and the mounts of the interpreter's directories as the
+code sees them (those lines only: a whole mount table may pass the output cap)."""
+
+
+def not_overlaid(mountinfo: str, dirs: Sequence[str]) -> tuple[str, ...]:
+    """Of ``dirs``, those whose mount in ``mountinfo`` (``/proc/<pid>/mountinfo`` text) is not an
+    overlay (or that are not mounted at all)."""
+    types = {}
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if sep and len(fields) > 4 and right.split():
+            types[fields[4]] = right.split()[0]
+    return tuple(d for d in dirs if types.get(d) != "overlay")
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,9 +247,17 @@ def isolation() -> Isolation:
     candidate = Isolation(
         True, True, True, None, find_library("seccomp"), _NOBODY if root else None, tuple(_cgroup_roots())
     )
-    probe = _execute("print('ok')", SandboxLimits(wall_seconds=30), candidate, True, True)
-    if probe.status == "ok" and probe.stdout == "ok\n":
-        return candidate
+    probe = _execute(_PROBE % (list(root_layout()[0]),), SandboxLimits(wall_seconds=30), candidate, True, True)
+    if probe.status == "ok" and probe.stdout.startswith("ok\n"):
+        bound = not_overlaid(probe.stdout.split("\n", 1)[1], root_layout()[0])
+        if bound:
+            warnings.warn(
+                f"sandbox: the kernel refused an overlay for {', '.join(bound)}; they are read-only binds, "
+                "so the code's statvfs and mountinfo there show the host's disk and device",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return dataclasses.replace(candidate, bound_dirs=bound)
     warnings.warn(
         f"sandbox: the namespaced sandbox failed its probe ({probe.status}: "
         f"{probe.stderr.strip()[-600:]!r}); code runs in a plain process group",

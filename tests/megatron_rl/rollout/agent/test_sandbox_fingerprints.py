@@ -221,3 +221,17 @@ def test_every_fingerprint_and_attack_test_holds_for_an_unprivileged_caller():
     summary = out.stdout.strip().splitlines()[-1]
     expected = len([name for name in [*globals(), *vars(test_sandbox_attacks)] if name.startswith("test_")]) - 1
     assert out.returncode == 0 and f"{expected} passed, 1 skipped" in summary, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_the_probe_names_interpreter_directories_that_are_binds_not_overlays():
+    dirs = sandbox.root_layout()[0]
+    res = run_python(sandbox._PROBE % (list(dirs),), SandboxLimits(wall_seconds=10))
+    assert res.ok and res.stdout.startswith("ok\n"), res
+    seen = res.stdout.split("\n", 1)[1]
+    assert sandbox.not_overlaid(seen, dirs) == isolation().bound_dirs  # what the warning would name
+    assert len(seen.splitlines()) == len(dirs)  # every directory is mounted, one line each
+    # a kernel without overlays in user namespaces: the runner's read-only bind of the host's disk
+    bind = f"48 45 8:1 {dirs[0]} {dirs[0]} ro,nosuid,nodev,relatime - ext4 /dev/sda1 rw"
+    on_top = tuple(d for d in dirs if d == dirs[0] or d in isolation().bound_dirs)
+    assert sandbox.not_overlaid(seen + bind, dirs) == on_top  # the mount on top counts
+    assert sandbox.not_overlaid("", dirs) == dirs  # not mounted at all
