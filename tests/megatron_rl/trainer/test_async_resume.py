@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
+from tests.megatron_rl.trainer.test_resume import logged_step
 from tests.megatron_rl.trainer.test_resume import _env  # noqa: E402  (the CLI runs' environment)
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -241,7 +242,7 @@ def test_killed_separate_async_run_resumes_with_the_same_sample_ids(tmp_path):
     )
     deadline = time.monotonic() + 600
     try:
-        while not (b / "global_step_1" / "trainer_state.json").is_file():
+        while not ((b / "global_step_1" / "trainer_state.json").is_file() and logged_step(b, 1)):
             assert proc.poll() is None, f"run B ended before step 1 was saved:\n{proc.stdout.read()[-3000:]}"
             assert time.monotonic() < deadline, "run B did not save step 1 in time"
             time.sleep(0.05)

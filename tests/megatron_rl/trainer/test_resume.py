@@ -79,6 +79,15 @@ def _rows(out_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
+def logged_step(out_dir: Path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` has step ``step``'s row. The row follows the step's checkpoint by a few
+    milliseconds (it carries ``timing_s/save_checkpoint``), so a test that kills a run after a checkpoint
+    waits for both: a kill in between loses the row for good."""
+    path = out_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return any(json.loads(line).get("step") == step for line in lines if line.endswith("}"))
+
+
 def _weights(out_dir: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -105,7 +114,7 @@ def test_killed_run_resumes_to_the_same_next_step(tmp_path):
     )
     deadline = time.monotonic() + 600
     try:
-        while not (b / "global_step_1" / "trainer_state.json").is_file():
+        while not ((b / "global_step_1" / "trainer_state.json").is_file() and logged_step(b, 1)):
             assert proc.poll() is None, f"run B ended before step 1 was saved:\n{proc.stdout.read()[-3000:]}"
             assert time.monotonic() < deadline, "run B did not save step 1 in time"
             time.sleep(0.05)
