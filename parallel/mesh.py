@@ -154,8 +154,8 @@ def init_mesh(
     ``torch.distributed`` is not initialised yet, the default group is created from the
     environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``) with ``backend``
     (default gloo without CUDA, NCCL with it); rank 0's store listens on ``MASTER_ADDR`` only
-    (``parallel.netbind.tcp_store``), and a loopback master keeps gloo/NCCL on its interface. Without CUDA, ``apply_cpu_compat()`` is applied
-    first. ``seed`` seeds Megatron's RNG tracker (``model_parallel_cuda_manual_seed``), so a model
+    (``parallel.netbind.tcp_store``), and a loopback master keeps gloo/NCCL on its interface.
+    Without CUDA, ``apply_cpu_compat()`` is applied first. ``seed`` seeds Megatron's RNG tracker (``model_parallel_cuda_manual_seed``), so a model
     built right after is deterministic for a given layout.
     """
     config = ParallelConfig.from_dict(config)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.config import TrainerRunConfig
-from megatron_rl.job.prepare import prepare_policy_model, prepare_teacher_model, replace_dir, staging_dir
+from megatron_rl.job.prepare import atomic_text, prepare_policy_model, prepare_teacher_model, replace_dir, staging_dir
 from megatron_rl.job.report import (
     REWARD_KEY,
     algorithm_label,
@@ -162,12 +162,6 @@ def _start_ray(signals: StopSignals) -> bool:
     return True
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = staging_dir(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _disk_full(err: BaseException, out_dir: Path) -> DiskFullError:
     where = getattr(err, "filename", None) or out_dir
     return DiskFullError(
@@ -248,7 +242,7 @@ def run_train(
             config.trainer.logger = [name for name in config.trainer.logger if name != "console"]
         out_dir.mkdir(parents=True, exist_ok=True)
         trainer = build_trainer(config, out_dir, log=log, resume=resume)  # models, data, reward: still no Ray
-        _atomic_text(out_dir / "config.yaml", config_text)  # the run's config; checkpoints keep a copy
+        atomic_text(out_dir / "config.yaml", config_text)  # the run's config; checkpoints keep a copy
         return _train(
             config, trainer, resume, out_dir, signals, progress=progress, log=log, wall=wall, tqdm=tqdm, recipe=recipe
         )
@@ -373,7 +367,7 @@ def _report(
             "output_dir": str(out_dir),
             "metrics": str(out_dir / "metrics.jsonl"),
         }
-        _atomic_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         log(
             "\ndone: validation only (trainer.val_only); "
             + ", ".join(f"{k}={v:.4g}" for k, v in summary["val_metrics"].items() if as_number(v) is not None)
@@ -426,7 +420,7 @@ def _report(
     }
     replace_dir(staged, final)
     os.replace(png_tmp, png)
-    _atomic_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    atomic_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     log(
         f"\ndone: {summary['steps']} steps in {summary['wall_seconds']:.0f}s "
         f"(RL {rl_seconds:.0f}s); mean reward {rewards[0]:.3f} (step 1) -> {rewards[-1]:.3f} "

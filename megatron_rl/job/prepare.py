@@ -27,13 +27,20 @@ from megatron_rl.config import TrainerRunConfig
 from megatron_rl.rollout.agent.warmup import agent_task_texts, agent_warmup, install_tool_chat_template, is_agent_task
 from megatron_rl.trainer.checkpoint import hf_num_params as _num_params
 
-__all__ = ["prepare_policy_model", "prepare_teacher_model", "replace_dir", "staging_dir"]
+__all__ = ["prepare_policy_model", "prepare_teacher_model", "replace_dir", "staging_dir", "atomic_text"]
 
 
 def staging_dir(final: str | Path, kind: str = "new") -> Path:
     """A hidden sibling of ``final`` to build its replacement in (``.<name>.<kind>-<id>``)."""
     final = Path(final)
     return final.parent / f".{final.name}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
+def atomic_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a hidden sibling, then renamed over it."""
+    tmp = staging_dir(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def replace_dir(new: str | Path, final: str | Path) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -160,14 +159,13 @@ def network_report(out_dir: Path, log, *, joined: bool) -> list[dict]:
     project cannot change), so the report covers the driver only and says so."""
     import psutil
 
+    from megatron_rl.job.prepare import atomic_text
     from parallel.netbind import listeners
 
     me = psutil.Process()
     pids = [me.pid] + [p.pid for p in me.children(recursive=True)]
     rows = listeners(pids)
-    staged = out_dir / (NETWORK_FILE + ".tmp")
-    staged.write_text(json.dumps({"joined_cluster": joined, "listeners": rows}, indent=1))
-    os.replace(staged, out_dir / NETWORK_FILE)
+    atomic_text(out_dir / NETWORK_FILE, json.dumps({"joined_cluster": joined, "listeners": rows}, indent=1))
     by_proc: dict[tuple[int, str], dict[str, int]] = {}
     for r in rows:
         where = by_proc.setdefault((r["pid"], r["name"]), {})

@@ -247,9 +247,10 @@ def isolation() -> Isolation:
     candidate = Isolation(
         True, True, True, None, find_library("seccomp"), _NOBODY if root else None, tuple(_cgroup_roots())
     )
-    probe = _execute(_PROBE % (list(root_layout()[0]),), SandboxLimits(wall_seconds=30), candidate, True, True)
+    dirs = root_layout()[0]
+    probe = _execute(_PROBE % (list(dirs),), SandboxLimits(wall_seconds=30), candidate, True, True)
     if probe.status == "ok" and probe.stdout.startswith("ok\n"):
-        bound = not_overlaid(probe.stdout.split("\n", 1)[1], root_layout()[0])
+        bound = not_overlaid(probe.stdout.split("\n", 1)[1], dirs)
         if bound:
             warnings.warn(
                 f"sandbox: the kernel refused an overlay for {', '.join(bound)}; they are read-only binds, "
