@@ -7,6 +7,9 @@
   ``timing_s/*``, ``timing_per_token_ms/*`` and ``perf/*`` from a rollout batch.
 * ``MetricsLogger``: one ``metrics.jsonl`` line per step, a one-line console summary, and
   TensorBoard scalars when ``"tensorboard"`` is among the loggers.
+* ``metrics_row`` / ``restore_row`` / ``drop_rows_after``: a step's row as written, and the resume's
+  edits of ``metrics.jsonl`` (a checkpoint carries its step's row, so a run killed between the
+  checkpoint and the row's write gets the row back when it resumes).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -28,8 +33,13 @@ __all__ = [
     "step_metrics",
     "MetricsLogger",
     "drop_rows_after",
+    "metrics_row",
+    "restore_row",
+    "METRICS_ROW",
     "CONSOLE_KEYS",
 ]
+
+METRICS_ROW = "metrics_row"  # the trainer_state.json key of the checkpointed step's metrics row
 
 CONSOLE_KEYS = (
     "critic/score/mean",
@@ -153,11 +163,35 @@ def step_metrics(
 
 def drop_rows_after(path: Path, step: int) -> None:
     """Remove the lines of ``metrics.jsonl`` at ``path`` logged for steps after ``step`` (a resumed
-    run logs them again)."""
+    run logs them again). The file is replaced atomically: a kill mid-edit loses no row."""
     if not path.is_file():
         return
     rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(row + "\n" for row in rows))
+    _replace_text(path, "".join(row + "\n" for row in rows))
+
+
+def metrics_row(metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
+    """Step ``step``'s ``metrics.jsonl`` row: ``{"step": step, **metrics}``, keys sorted, JSON values."""
+    return {"step": int(step), **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+
+
+def restore_row(path: Path, row: Optional[Mapping[str, Any]]) -> bool:
+    """Append ``row`` (a step's row saved in its checkpoint) to ``metrics.jsonl`` at ``path`` unless that
+    step already has one; True when it was appended. The checkpoint is committed before the row is
+    written, so a run killed in between has the step's weights but not its row: its resume puts it back."""
+    if not row:
+        return False
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if any(json.loads(line).get("step") == row["step"] for line in lines if line.strip()):
+        return False
+    _replace_text(path, "".join(line + "\n" for line in lines if line.strip()) + json.dumps(dict(row)) + "\n")
+    return True
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:
@@ -216,7 +250,7 @@ class MetricsLogger:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Append ``{"step": step, **metrics}`` to metrics.jsonl (flushed), print, add scalars."""
-        row = {"step": int(step), **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+        row = metrics_row(metrics, step)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.console:

@@ -43,7 +43,14 @@ from megatron_rl.trainer.async_loop import async_run_config, check_async_trainer
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
 from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator, load_callbacks
 from megatron_rl.trainer.failures import worker_failure
-from megatron_rl.trainer.metrics import MetricsLogger, drop_rows_after, step_metrics
+from megatron_rl.trainer.metrics import (
+    METRICS_ROW,
+    MetricsLogger,
+    drop_rows_after,
+    metrics_row,
+    restore_row,
+    step_metrics,
+)
 from megatron_rl.trainer.placement import reference_in_actor
 from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
 from megatron_rl.trainer.watchdog import guard_fit, phase as timer  # timed phases the hang watchdog sees
@@ -291,8 +298,11 @@ class RayPPOTrainer:
             metrics.update(validation)
             self.callbacks.call("on_validation_end", self, step, validation)
         if self.checkpointer.should_save(step, last):
+            # the step's row so far goes into the checkpoint: a kill before the row reaches metrics.jsonl
+            # (after the commit, in the callbacks) would otherwise lose it; resume() puts it back
+            row = metrics_row(metrics, step)
             with timer("save_checkpoint", timing):
-                saved = self.checkpointer.save(step, (state or self.trainer_state)())
+                saved = self.checkpointer.save(step, {**(state or self.trainer_state)(), METRICS_ROW: row})
             metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
             self.callbacks.call("on_checkpoint", self, step, saved)
         self.callbacks.call("on_step_end", self, step, metrics)
@@ -504,6 +514,8 @@ class RayPPOTrainer:
         self.global_steps = int(state["global_steps"])
         self.sync_weights()
         drop_rows_after(self.log_dir / "metrics.jsonl", self.global_steps)
+        if restore_row(self.log_dir / "metrics.jsonl", state.get(METRICS_ROW)):
+            print(f"step {self.global_steps}'s metrics row restored from {path} (killed before it was logged)")
         print(f"resumed from {path} at step {self.global_steps}", flush=True)
         return path
 

