@@ -1,6 +1,7 @@
 """The asynchronous training loops of ``trainer.v1.trainer_mode`` (``colocate_async``, ``separate_async``).
 
-``RayPPOTrainer.fit`` hands over to ``fit_async`` when the mode is not ``sync``. A rollouter
+``RayPPOTrainer.fit`` takes its batches from ``AsyncBatches`` when the mode is not ``sync`` (the
+loop and the step's tail are the synchronous run's: ``megatron_rl.trainer.batch_source``). A rollouter
 (``Rollouter``) draws prompt batches, has the Ray rollout worker generate them with whatever
 weights it holds (``RolloutWorker.generate_tagged`` tags each call with the engine's policy
 version: the weight pushes it had received), scores them on the driver and streams the finished
@@ -49,13 +50,12 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from megatron_rl.data.batch import Batch
 from megatron_rl.data.rewards import RewardError
-from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.async_records import SAMPLES_FILE, GroupFilter, SampleLedger, select_prompts
 from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
 from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
@@ -66,7 +66,7 @@ __all__ = [
     "async_settings",
     "async_run_config",
     "check_async_trainer",
-    "fit_async",
+    "AsyncBatches",
     "Rollouter",
     "staleness_metrics",
     "partial_staleness_metrics",
@@ -374,6 +374,15 @@ class Rollouter:
             point = self.ledger.resume_point(self.phase.dataloader.state_dict())
         return {"dataloader": point["dataloader"], "async_settled_uids": point["settled_uids"]}
 
+    def take_filtered(self) -> list[str]:
+        """The uids DAPO's filter dropped since the last call (for the sample ledger)."""
+        with self.cond:  # the rollouter thread appends to them
+            if self.filter is None:
+                return []
+            filtered = self.filter.filtered_uids[:]
+            self.filter.filtered_uids.clear()
+        return filtered
+
     def busy_within(self, start: float, end: float) -> float:
         """Seconds the engine generated within the wall-clock window ``[start, end]``."""
         return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.busy)
@@ -438,87 +447,83 @@ def _assemble(groups: list[Group]) -> Batch:
     return batch
 
 
-def fit_async(
-    trainer: Any, total: int, logger: MetricsLogger, skips: Any, on_step: Optional[Callable[[dict], None]] = None
-) -> list[dict[str, float]]:
-    """The asynchronous loop (see the module docstring) from ``trainer.global_steps`` to ``total``;
-    the per-step tail (validation, checkpoints, logging) is the synchronous loop's."""
-    from megatron_rl.trainer.failures import worker_failure
+class AsyncBatches:
+    """The batch source (``megatron_rl.trainer.batch_source``) of the asynchronous modes: a step's
+    batch is ``data.train_batch_size`` prompt groups taken from the replay buffer the ``Rollouter``
+    fills ahead of the trainer (see the module docstring).
 
-    cfg, tcfg = trainer.config, trainer.config.trainer
-    settings = async_settings(tcfg.v1)
-    if settings.mini_batches_per_push is not None:  # one push per step = parameter_sync_step optimizer steps
-        per_step = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-        if per_step != settings.mini_batches_per_push:
-            raise ValueError(
-                f"trainer.v1.separate_async.parameter_sync_step={settings.mini_batches_per_push} but a "
-                f"step has {per_step} mini-batches"
+    ``versions`` maps each policy version (weight push) to the step it came after,
+    ``trained_versions`` each step to the policy versions of the rollouts it trained on and
+    ``trained_uids`` each step to the prompt groups it trained on.
+    """
+
+    last_error = ""  # a failed reward frees its groups' slots; a step is never skipped
+
+    def __init__(self, trainer: Any):
+        cfg, tcfg = trainer.config, trainer.config.trainer
+        settings = async_settings(tcfg.v1)
+        if settings.mini_batches_per_push is not None:  # one push per step = parameter_sync_step optimizer steps
+            per_step = cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+            if per_step != settings.mini_batches_per_push:
+                raise ValueError(
+                    f"trainer.v1.separate_async.parameter_sync_step={settings.mini_batches_per_push} but a "
+                    f"step has {per_step} mini-batches"
+                )
+        self.trainer, self.phase = trainer, trainer.rollout_phase
+        self.buffer = ReplayBuffer(cfg.data.train_batch_size, settings.lookahead, settings.threshold, settings.strategy)
+        resumed = trainer.resume_state or {}  # the checkpoint's trainer state, if one was loaded
+        self.rollouter = Rollouter(
+            self.phase,
+            self.buffer,
+            threaded=settings.mode == "separate_async",
+            max_failed=tcfg.max_consecutive_skipped_steps,
+            settled_before=resumed.get("async_settled_uids", ()),
+        )
+        self.ledger = SampleLedger(Path(trainer.log_dir) / SAMPLES_FILE, trainer.global_steps)
+        self.versions = {trainer.weight_version: trainer.global_steps}
+        self.trained_versions: dict[int, list[int]] = {}
+        self.trained_uids: dict[int, list[str]] = {}
+
+    def __enter__(self) -> "AsyncBatches":
+        self.rollouter.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rollouter.stop()
+
+    def next_batch(self, step: int, metrics: dict, timing: dict) -> Batch:
+        """Wait for the step's groups, assemble them, record them; the step's buffer and staleness metrics."""
+        rollouter = self.rollouter
+        with timer("gen", timing):
+            version = self.trainer.weight_version
+            groups, buffer_metrics, waited = rollouter.wait_batch(version)
+        batch = _assemble(groups)
+        metrics.update(buffer_metrics)
+        metrics.update(reward_metrics(batch))
+        metrics.update(staleness_metrics(batch, version))
+        metrics.update(rollouter.phase.replica_metrics())  # the last generation's replicas
+        metrics["async/trainer_idle_s"] = waited
+        self.trained_versions[step] = sorted(set(batch["rollout_policy_version"].tolist()))
+        self.trained_uids[step] = sorted(set(str(u) for u in batch["uid"]))
+        filtered = rollouter.take_filtered()
+        self.ledger.write(step, groups, evicted=self.buffer.last_evicted, filtered=filtered, n=self.phase.n)
+        self.phase.dump_samples(step, batch)
+        return batch
+
+    def trained(self, step: int) -> None:
+        """The step's update and weight push are done: the buffer's window moves on."""
+        self.versions[self.trainer.weight_version] = step
+        self.rollouter.step_done()
+
+    def end_metrics(self, metrics: dict, wall_start: float) -> None:
+        now = time.time()
+        metrics["async/rollout_idle_s"] = max(0.0, (now - wall_start) - self.rollouter.busy_within(wall_start, now))
+        if self.rollouter.failed_samples:
+            metrics["reward/num_failed_samples"], self.rollouter.failed_samples = (
+                float(self.rollouter.failed_samples),
+                0,
             )
-    phase = trainer.rollout_phase
-    buffer = ReplayBuffer(cfg.data.train_batch_size, settings.lookahead, settings.threshold, settings.strategy)
-    resumed = getattr(trainer, "resume_state", None) or {}  # the checkpoint's trainer state, if one was loaded
-    rollouter = Rollouter(
-        phase,
-        buffer,
-        threaded=settings.mode == "separate_async",
-        max_failed=tcfg.max_consecutive_skipped_steps,
-        settled_before=resumed.get("async_settled_uids", ()),
-    )
-    ledger = SampleLedger(Path(trainer.log_dir) / SAMPLES_FILE, trainer.global_steps)
-    trainer.async_versions = {trainer.weight_version: trainer.global_steps}  # policy version -> step it came after
-    trainer.async_trained_versions = {}  # step -> the policy versions of the rollouts it trained on
-    trainer.async_trained_uids = {}  # step -> the prompt groups it trained on
-    history: list[dict[str, float]] = []
-    rollouter.start()
-    try:
-        while trainer.global_steps < total:
-            trainer.global_steps += 1
-            step, last, metrics, timing = trainer.global_steps, trainer.global_steps >= total, {}, {}
-            wall_start = time.time()
-            with timer("step", timing), worker_failure(step, trainer.log_dir):
-                trainer.phases.enter("gen", metrics)
-                with timer("gen", timing):
-                    version = trainer.weight_version
-                    groups, buffer_metrics, waited = rollouter.wait_batch(version)
-                batch = _assemble(groups)
-                metrics.update(buffer_metrics)
-                metrics.update(reward_metrics(batch))
-                metrics.update(staleness_metrics(batch, version))
-                metrics.update(rollouter.phase.replica_metrics())  # the last generation's replicas
-                metrics["async/trainer_idle_s"] = waited
-                trainer.async_trained_versions[step] = sorted(set(batch["rollout_policy_version"].tolist()))
-                trainer.async_trained_uids[step] = sorted(set(str(u) for u in batch["uid"]))
-                with rollouter.cond:  # the rollouter thread appends to it
-                    filtered = [] if rollouter.filter is None else rollouter.filter.filtered_uids[:]
-                    if filtered:
-                        rollouter.filter.filtered_uids.clear()
-                ledger.write(step, groups, evicted=buffer.last_evicted, filtered=filtered, n=phase.n)
-                if phase.dump is not None:
-                    phase._dump(step, batch)
-                trainer.train_step(batch, metrics, timing)
-                trainer.async_versions[trainer.weight_version] = step
-                rollouter.step_done()
-            metrics["async/rollout_idle_s"] = max(
-                0.0, (time.time() - wall_start) - rollouter.busy_within(wall_start, time.time())
-            )
-            if rollouter.failed_samples:
-                metrics["reward/num_failed_samples"], rollouter.failed_samples = float(rollouter.failed_samples), 0
-            # a checkpoint drains the queue: the prompts rewind to the oldest unsettled batch (DrawLedger)
-            trainer.end_step(
-                batch,
-                metrics,
-                timing,
-                step=step,
-                last=last,
-                state=lambda: {**trainer.trainer_state(), **rollouter.resume_state()},
-            )
-            logger.log(metrics, step=step)
-            history.append(metrics)
-            if on_step is not None:
-                on_step(metrics)
-            skips.record(False, "")
-            trainer.placement.shards.clear()
-    finally:
-        rollouter.stop()
-    trainer.phases.restore()
-    return history
+
+    def state(self) -> dict[str, Any]:
+        """A checkpoint drains the queue: the prompts rewind to the oldest unsettled batch (``DrawLedger``)."""
+        return self.rollouter.resume_state()

@@ -191,11 +191,14 @@ class RolloutPhase:
         """This step's scored batch (see the module docstring); None when the reward failed.
         With a dump, the step's samples are written (``trainer.rollout_data_dir``)."""
         batch = self._run(step, metrics, timing)
-        if batch is not None and self.dump is not None:
-            self._dump(step, batch)
+        if batch is not None:
+            self.dump_samples(step, batch)
         return batch
 
-    def _dump(self, step: int, batch: Batch) -> None:
+    def dump_samples(self, step: int, batch: Batch) -> None:
+        """Write the step's samples to the generation dump (``trainer.rollout_data_dir``), if there is one."""
+        if self.dump is None:
+            return
         prompts = batch["raw_prompt"] if "raw_prompt" in batch else [""] * len(batch)
         texts = self.reward_fn.decode(batch["responses"], batch["response_mask"].sum(-1))
         extra = {k: list(batch[k]) for k in batch.meta_info.get(REWARD_EXTRA_KEYS, ())}

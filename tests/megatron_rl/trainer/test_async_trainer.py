@@ -119,7 +119,7 @@ def test_threshold_zero_separate_async_reproduces_the_synchronous_run(toy_model,
     for name in sync_w:
         assert torch.equal(sync_w[name], async_w[name]), name
     # every step trained on the rollouts of the weights pushed after the previous step
-    assert {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()} == {
+    assert {k: [trainer.batches.versions[v] for v in vs] for k, vs in trainer.batches.trained_versions.items()} == {
         1: [0],
         2: [1],
         3: [2],
@@ -139,7 +139,7 @@ def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model
         [*one_step_off, "trainer.save_freq=2", "trainer.test_freq=3", "data.val_max_samples=4"],
     )
     assert "val-core/toy_reverse/reward/mean@1" in history[-1]  # validation runs in the async loop
-    after_step = {k: [trainer.async_versions[v] for v in vs] for k, vs in trainer.async_trained_versions.items()}
+    after_step = {k: [trainer.batches.versions[v] for v in vs] for k, vs in trainer.batches.trained_versions.items()}
     assert after_step == {k: [max(0, k - 2)] for k in range(1, STEPS + 1)}  # step 1 synchronous, then k-2
     assert history[0]["async/staleness_max"] == 0.0 and max(h["async/staleness_max"] for h in history) <= 1.0
     assert [h["async/staleness_mean"] for h in history] == [0.0, 1.0, 1.0]
@@ -162,8 +162,8 @@ def test_one_step_off_policy_trains_on_the_weights_of_two_steps_before(toy_model
         [*one_step_off, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"],
     )
     assert [int(h["training/global_step"]) for h in resumed_hist] == [3]
-    assert resumed.async_trained_uids == {3: trainer.async_trained_uids[3]}
-    trained = [u for step in (1, 2) for u in trainer.async_trained_uids[step]] + resumed.async_trained_uids[3]
+    assert resumed.batches.trained_uids == {3: trainer.batches.trained_uids[3]}
+    trained = [u for step in (1, 2) for u in trainer.batches.trained_uids[step]] + resumed.batches.trained_uids[3]
     assert len(trained) == len(set(trained)) == 3 * 2  # 2 prompt groups per step, none twice
 
 
