@@ -103,6 +103,7 @@ HF_CONFIGS = {  # the hub's config.json of each script's model, its shape fields
         rms_norm_eps=1e-5,
     ),
     "Qwen3-30B-A3B": _QWEN3_30B_A3B,
+    "Qwen3-30B-A3B-Base": _QWEN3_30B_A3B,  # the pre-trained checkpoint: the same shapes, 40960 positions, rope 1e6
     "Qwen3-30B-A3B-Instruct-2507": dict(
         _QWEN3_30B_A3B,
         max_position_embeddings=262144,
@@ -306,8 +307,31 @@ EXPECTED = {
     "examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh": Expect(
         "Qwen3-30B-A3B-Instruct-2507", 0, "FITS -- peak 24.0 of 80.0 GiB (rollout)"
     ),
+    # Planned on ARNOLD_WORKER_NUM=1 node of ARNOLD_WORKER_GPU=8 (the script reads its cluster's environment).
+    "examples/gspo_trainer/run_qwen30b_gspo.sh": Expect(
+        "Qwen3-30B-A3B-Base", 0, "FITS -- peak 78.1 of 80.0 GiB (actor update)"
+    ),
+    # 2 x 8 GPUs: TP=4 EP=4 training, 4 vLLM engines of TP=1 x DP=4 (expert-parallel 4) each.
+    "examples/gspo_trainer/test_gspo_qwen30b_a3b_ep.sh": Expect(
+        "Qwen3-30B-A3B-Base", 0, "FITS -- peak 69.5 of 80.0 GiB (actor update)"
+    ),
+    # Its Megatron variant (backend=megatron; the script ships backend=fsdp) on the one 8-GPU node it asks Slurm
+    # for: EP=8 over 8 GPUs leaves expert-DP=1, so the distributed optimizer cannot shard the experts' Adam state.
+    "examples/sapo_trainer/run_qwen30b_sapo.sh": Expect(
+        "Qwen3-30B-A3B-Base",
+        1,
+        "in phase 'actor update' but 80.0 GiB are available; the largest term is optimizer state (42.7 GiB)",
+    ),
+    # PPO with a critic and a 7B reward model (reward_model.*: verl's older keys, read as reward.*), all three
+    # resident beside vLLM in the rollout: the planner names the offload keys that fit it.
+    "examples/ppo_trainer/run_deepseek_full_hh_rlhf.sh": Expect(
+        "deepseek-llm-7b-chat",
+        1,
+        "in phase 'rollout' but 80.0 GiB are available; the largest term is actor resident "
+        "(parameters, gradients, optimizer state) (48.3 GiB)",
+    ),
 }
-_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path")
+_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
 _FILE_KEYS = ("data.train_files", "data.val_files")
 
 
