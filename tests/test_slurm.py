@@ -344,7 +344,7 @@ def test_preemption_signal_to_the_batch_script_saves_a_checkpoint(slurm, tmp_pat
     """SIGTERM to the batch script only (what ``#SBATCH --signal=B:TERM@120`` sends before the time limit;
     here ``scancel --signal=TERM --batch``): the training finishes its step, saves a checkpoint
     (trainer.save_on_preemption) and stops; Ray is torn down; the job's exit status is 143."""
-    from megatron_rl.trainer.checkpoint import verify_step
+    from megatron_rl.trainer.step_checkpoints import verify_step
 
     run_dir = tmp_path / "run"
     env = _job_env(slurm, ray_tmp)

@@ -73,7 +73,7 @@ def _run(rank, world_size, args, lora_rank):
     from megatron_rl.engine import MegatronEngine
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import Actor
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
 

@@ -88,7 +88,7 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace, hf_dir: st
     from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import build_role
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh

@@ -32,7 +32,7 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
 QUANTIZATIONS = ("fp8",)
 """``rollout.quantization`` values besides None: ``fp8`` is DeepSeek-V3's block FP8 (verl's
-``quantization: fp8``; ``megatron_rl.rollout.fp8.fp8_engine_kwargs``)."""
+``quantization: fp8``; ``megatron_rl.rollout.fp8_engine.fp8_engine_kwargs``)."""
 
 
 @dataclass
@@ -214,7 +214,7 @@ class RolloutConfig(BaseConfig):
     """Rollout weights in the engine: None = ``dtype``; ``fp8`` = DeepSeek-V3's block FP8 (verl's key):
     every attention / MLP / expert projection float8_e4m3fn with a float32 scale per 128x128 block,
     router gates, embeddings, norms and the head in ``dtype``; the weight sync quantises on the actor
-    side (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``). GPU only (vLLM's CPU FP8 kernels need AMX)."""
+    side (``megatron_rl.rollout.weight_stream.quantize_fp8_stream``). GPU only (vLLM's CPU FP8 kernels need AMX)."""
     nnodes: int = 0
     """Nodes of the rollout's own resources; 0 = colocated with the trainer (verl's default). With
     ``trainer.v1.trainer_mode=separate_async``: >= 1 (on CPU: 1, the rollout's own process)."""

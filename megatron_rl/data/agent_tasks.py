@@ -4,7 +4,7 @@
 expression, e.g. ``482*917`` (two numbers of the same ``min_len..max_len`` digits), the answer the
 exact product. Without spaces every digit is a token of its own wherever it
 appears (question, tool call, tool result, answer), which keeps copying learnable for a tiny model. The reward scores the
-session's final answer (the text of its last model turn, ``megatron_rl.rollout.agent.reward``):
+session's final answer (the text of its last model turn, ``megatron_rl.rollout.agent.final_answer``):
 the last integer in it against the product, digit by digit from the left over the longer of the
 two (only the exact product scores 1.0; ``acc`` is 1.0 for it).
 

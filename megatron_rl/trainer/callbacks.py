@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from megatron_rl.config import TrainerConfig
 from megatron_rl.data.rewards import RewardError, finite_means
-from megatron_rl.trainer.checkpoint import (
+from megatron_rl.trainer.step_checkpoints import (
     StepCheckpoint,
     ensure_space_for_checkpoint,
     estimate_checkpoint_bytes,
@@ -154,7 +154,7 @@ def ground_truths(batch: Any) -> list:
 
 
 class Checkpointer:
-    """Trainer checkpoints under ``root`` (``megatron_rl.trainer.checkpoint`` for the layout).
+    """Trainer checkpoints under ``root`` (``megatron_rl.trainer.step_checkpoints`` for the layout).
 
     Args:
         root: ``trainer.default_local_dir``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from megatron_rl.trainer.checkpoint import last_good_checkpoint
+from megatron_rl.trainer.step_checkpoints import last_good_checkpoint
 from parallel.checkpoint import DiskFullError, fmt_bytes, free_bytes, is_disk_full
 
 __all__ = ["worker_failure"]

@@ -37,8 +37,8 @@ from megatron_rl.config import TrainerRunConfig
 from megatron_rl.config.distillation import TOPK_LOSS_MODES
 from megatron_rl.data.batch import Batch
 from megatron_rl.engine.router_replay import ROUTED_EXPERTS, check_run_router_replay, save_routing
-from megatron_rl.rollout.agent.batch import agent_batch_keys
-from megatron_rl.rollout.agent.reward import FinalAnswerReward
+from megatron_rl.rollout.agent.session_batch import agent_batch_keys
+from megatron_rl.rollout.agent.final_answer import FinalAnswerReward
 from megatron_rl.rollout.agent.runner import check_agent_config
 from megatron_rl.trainer.async_loop import AsyncBatches, async_run_config, check_async_trainer
 from megatron_rl.trainer.batch_source import BatchSource, SyncBatches
@@ -533,8 +533,8 @@ class RayPPOTrainer:
         return path
 
     def save_hf_checkpoint(self, out_dir: str | Path) -> Path:
-        """The actor as an HF checkpoint at ``out_dir`` (``megatron_rl.trainer.export``)."""
-        from megatron_rl.trainer.export import save_hf_checkpoint
+        """The actor as an HF checkpoint at ``out_dir`` (``megatron_rl.trainer.hf_export``)."""
+        from megatron_rl.trainer.hf_export import save_hf_checkpoint
 
         mb = self.config.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes
         return save_hf_checkpoint(self.actor, self.model_path, out_dir, bucket_bytes=int(mb * 2**20))

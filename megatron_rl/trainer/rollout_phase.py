@@ -22,7 +22,7 @@ from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.config import TrainerRunConfig
 from megatron_rl.data.batch import Batch
-from megatron_rl.rollout.agent.batch import agent_batch, agent_metrics
+from megatron_rl.rollout.agent.session_batch import agent_batch, agent_metrics
 from megatron_rl.data.rewards import RewardError, finite_means
 from megatron_rl.trainer.callbacks import ground_truths
 from megatron_rl.trainer.watchdog import phase as timer  # phases the hang watchdog sees

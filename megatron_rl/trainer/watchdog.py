@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Optional
 
-from megatron_rl.trainer.checkpoint import last_good_checkpoint
+from megatron_rl.trainer.step_checkpoints import last_good_checkpoint
 from megatron_rl.trainer.metrics import timer
 
 __all__ = [

@@ -161,7 +161,7 @@ class RolloutWorker:
     def weight_sync_connect(self, addr: str, port: int, world_size: int, rank_offset: int = 1) -> list[int]:
         """Join actor rank 0's side band (``megatron_rl.workers.weight_sync.WeightSync.connect``) with this
         engine's workers at ranks ``rank_offset ...`` (the replicas before it hold the ranks below)."""
-        from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
+        from megatron_rl.rollout.weight_stream import RolloutWeightReceiver
 
         self._receiver = RolloutWeightReceiver(self.rollout, addr, port, world_size, rank_offset=rank_offset)
         return self._receiver.connect()

@@ -8,7 +8,7 @@ rollout engine (replica) of the run, every vLLM worker inside each:
   every replica share one side band (replica ``r``'s workers at ranks ``1 + sum of the earlier
   replicas' workers``), connected on the first ``sync()`` and kept for the run (with ``nccl`` one
   NCCL broadcast group spanning every engine worker, built once, not per sync); every sync then
-  streams the bridge's export bucket by bucket from rank 0 (``megatron_rl.rollout.weight_sync``)
+  streams the bridge's export bucket by bucket from rank 0 (``megatron_rl.rollout.weight_stream``)
   to all of them at once, so the model is never whole anywhere;
 * ``colocated`` / ``bytes``: rank 0 gathers the HF tensors once and every replica loads the same
   object-store copy with that transport into its engine (small models).
@@ -18,7 +18,7 @@ one that fails raises ``ReplicaError`` naming the replica, and the trainer stops
 engine's receiver aborts a failed session without a half-loaded layer).
 
 With ``quantization="fp8"`` (``actor_rollout_ref.rollout.quantization``; the trainer passes it) rank 0
-quantises the export into DeepSeek-V3's block FP8 before it travels (``megatron_rl.rollout.weight_sync.quantize_fp8_stream``),
+quantises the export into DeepSeek-V3's block FP8 before it travels (``megatron_rl.rollout.weight_stream.quantize_fp8_stream``),
 whichever path is taken; an FP8 engine given unquantised weights quantises them itself.
 
 ``export_weights(group, bucket_bytes)`` is the gathered HF export on its own (HF checkpoints);
@@ -83,7 +83,7 @@ class WeightSyncRank:
         if quantization is not None and self.rank == 0:
             from megatron_rl.config.base import check_choice
             from megatron_rl.config.rollout import QUANTIZATIONS
-            from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+            from megatron_rl.rollout.weight_stream import quantize_fp8_stream
             from parallel.bridge.fp8 import DEFAULT_BLOCK
 
             check_choice("rollout.quantization", quantization, QUANTIZATIONS)
@@ -145,7 +145,7 @@ class WeightSyncRank:
         returns ``(addr, port)`` for the rollout worker, the others None."""
         import ray
 
-        from megatron_rl.rollout.weight_sync import ActorWeightSync
+        from megatron_rl.rollout.weight_stream import ActorWeightSync
 
         if self.weight_map is None:
             raise ValueError("weight sync needs the HF family of the model: build the group with hf_dir")

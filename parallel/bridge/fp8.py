@@ -10,7 +10,7 @@ block (blocks at the right/bottom edge may be partial). ``FP8DequantReader`` wra
 scale is checked (present, float, the right block-grid shape) when the reader opens, before
 anything is loaded. ``quantize_fp8_blocks`` is the inverse used by an FP8 export.
 
-``megatron_rl.rollout.weight_sync.quantize_fp8_stream`` applies ``quantize_fp8_blocks`` to a
+``megatron_rl.rollout.weight_stream.quantize_fp8_stream`` applies ``quantize_fp8_blocks`` to a
 weight-sync stream, so an FP8 rollout engine receives what ``write_fp8_export`` writes.
 
 ``write_fp8_export`` turns a plain HF export back into that format (``megatron-rl convert

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.trainer.callbacks import prompt_text
-from megatron_rl.trainer.checkpoint import verify_step
+from megatron_rl.trainer.step_checkpoints import verify_step
 from tests.faults.runs import SMALL, cli, copy_run, env, fixture_overrides, sha256, snapshot
 
 pytest.importorskip("ray")

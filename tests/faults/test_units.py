@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.trainer import checkpoint as ckpt
-from megatron_rl.trainer.checkpoint import (
+from megatron_rl.trainer import step_checkpoints as ckpt
+from megatron_rl.trainer.step_checkpoints import (
     LATEST_FILE,
     StepCheckpoint,
     find_resume_dir,

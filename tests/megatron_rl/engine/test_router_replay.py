@@ -129,7 +129,7 @@ def _case(rank, world_size, par, ckpt, save):
     first = {}
 
     def loss_fn(mb, out, step):
-        from megatron_rl.engine.metrics import LossMetrics
+        from megatron_rl.engine.step_info import LossMetrics
 
         lp, _ = response_log_probs(
             out, mb["responses"], temperature=1.0, entropy=False, chunk_size=actor.config.logprob_chunk_size

@@ -55,7 +55,7 @@ def _actor_step(rank, world_size, par, hf_dir, model_cfg, with_vllm):
     out = {"log_probs": log_probs, "metrics": metrics, "weights": weights if rank == 0 else None}
     if with_vllm:
         from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
-        from megatron_rl.rollout.weight_sync import ActorWeightSync
+        from megatron_rl.rollout.weight_stream import ActorWeightSync
         from tests.megatron_rl.rollout.test_weight_sync import vllm_log_probs
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT))

@@ -154,7 +154,7 @@ def test_trainer_load_warns_mtp_layers_are_not_trained_and_export_reads_them(mtp
     assert len(texts) == 1 and "multi-token-prediction layer(s) (num_nextn_predict_layers=1, " in texts[0]
     assert "are not trained" in texts[0]
     source = read_hf_tensors(hf)
-    carried = source_mtp_tensors(hf)  # what trainer/export.py adds to final_hf
+    carried = source_mtp_tensors(hf)  # what trainer/hf_export.py adds to final_hf
     assert sorted(carried) == sorted(n for n in source if n.startswith("model.layers.2."))
     assert all(torch.equal(carried[n], source[n]) for n in carried)
     (tmp_path / "config.json").write_text((hf / "config.json").read_text())  # declared, but no weights here

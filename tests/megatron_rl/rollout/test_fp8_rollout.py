@@ -43,7 +43,7 @@ def _stream(rank, world_size, hf_dir, model_cfg, bucket_megabytes):
     from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import build_role
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from parallel.bridge import export_hf_weights, load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
@@ -154,7 +154,7 @@ def test_fp8_stream_recuts_pieces_on_block_rows_and_names_a_broken_stream():
     """Pieces of 100 rows of a 300-row weight leave on block rows: nothing after the first, 0:128 after
     the second, 128:300 after the last; the scale as rows 0:1 and 1:3 of 3; an incomplete or
     out-of-order stream is named."""
-    from megatron_rl.rollout.weight_sync import quantize_fp8_stream
+    from megatron_rl.rollout.weight_stream import quantize_fp8_stream
     from parallel.bridge.export import piece_name
     from parallel.bridge.fp8 import quantize_fp8_blocks
 
@@ -242,7 +242,7 @@ def test_planner_fp8_bytes_equal_the_streamed_engine_weights(deepseek):
 def test_fp8_engine_kwargs_are_verls_and_bad_input_is_named(deepseek, tmp_path):
     from megatron_rl.config.rollout import RolloutConfig
     from megatron_rl.rollout.vllm_rollout import VLLMRollout, fp8_engine_kwargs
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
 
     layers = json.loads((deepseek.hf_dir / "config.json").read_text())["num_hidden_layers"]
     verl = {
@@ -315,7 +315,7 @@ def _gpu_sync(rank, world_size, hf_dir, model_cfg):
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import build_role
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh

@@ -35,7 +35,7 @@ def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import Actor
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh

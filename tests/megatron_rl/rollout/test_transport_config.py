@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from megatron_rl.config.rollout import TRANSPORTS, WeightSyncConfig
-from megatron_rl.rollout.weight_sync import REMOTE_TRANSPORTS, ActorWeightSync
+from megatron_rl.rollout.weight_stream import REMOTE_TRANSPORTS, ActorWeightSync
 from parallel import transport
 
 

@@ -85,7 +85,7 @@ def test_failing_rewards_skip_the_step_and_repeated_failures_stop_the_run(tmp_pa
 
 
 def test_worker_death_stops_the_run_with_the_last_good_checkpoint_intact(tmp_path, ray_cluster):
-    from megatron_rl.trainer.checkpoint import find_resume_dir
+    from megatron_rl.trainer.step_checkpoints import find_resume_dir
 
     trainer, _ = _trainer(tmp_path, ["trainer.save_freq=1"])
 

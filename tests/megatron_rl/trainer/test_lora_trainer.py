@@ -150,7 +150,7 @@ def test_grpo_lora_starts_from_a_saved_peft_adapter(tmp_path, ray_cluster):
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.job.prepare import prepare_policy_model
-    from megatron_rl.trainer.export import save_lora_adapter
+    from megatron_rl.trainer.hf_export import save_lora_adapter
     from parallel.testing import run_distributed
     from tests.megatron_rl.engine.test_lora_peft_load import _export
 

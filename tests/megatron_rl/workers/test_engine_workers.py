@@ -27,7 +27,7 @@ def test_a_tp2_engine_counts_two_workers_and_a_streamed_sync_reaches_both(tmp_pa
 
     from megatron_rl.rollout.testing import build_tiny_qwen3
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
-    from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
+    from megatron_rl.rollout.weight_stream import RolloutWeightReceiver
     from parallel.transport import RemoteWeightSender
 
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)

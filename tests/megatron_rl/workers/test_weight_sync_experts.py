@@ -127,7 +127,7 @@ def _moe_case(rank: int, hf_dir: str) -> dict:
     from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import build_role
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
     from parallel.bridge import ExportStats, HFExporter, load_hf_checkpoint
     from parallel.config import ParallelConfig
@@ -308,7 +308,7 @@ def test_gpu_backends_are_picked_from_the_config_and_refused_without_cuda():
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.config.rollout import WeightSyncConfig
     from megatron_rl.models.families import get_family
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from megatron_rl.workers.weight_sync import WeightSync
 
     for backend in ("nccl", "cuda_ipc"):

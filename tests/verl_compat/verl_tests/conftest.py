@@ -28,7 +28,7 @@ SKIPS: dict[str, str] = {
         "the project's losses take the global token counts instead (megatron_rl.algos.global_batch_info)",
     "test_metric_utils_on_cpu.py::TestReduceMetrics::":
         "verl's reduce_metrics over lists of values (verl.utils.metric); the project reduces typed "
-        "LossMetrics collectively (megatron_rl.engine.metrics.reduce_metrics)",
+        "LossMetrics collectively (megatron_rl.engine.step_info.reduce_metrics)",
     "test_metric_utils_on_cpu.py::TestMetric::":
         "verl's Metric / AggregationType container (verl.utils.metric); the project has LossMetrics "
         "(sums / weighted / minima / maxima) instead",

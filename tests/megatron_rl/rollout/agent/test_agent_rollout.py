@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from megatron_rl.data.batch import Batch  # noqa: E402
 from megatron_rl.rollout.agent import AGENT_LOOPS, AgentLoop, ChatFormat, HermesToolParser  # noqa: E402
-from megatron_rl.rollout.agent.batch import agent_metrics  # noqa: E402
+from megatron_rl.rollout.agent.session_batch import agent_metrics  # noqa: E402
 from megatron_rl.rollout.tools import load_tools  # noqa: E402
 from megatron_rl.rollout.tools.calculator import evaluate  # noqa: E402
 

@@ -6,10 +6,10 @@ use one are skipped by name, with the reason, in ``tests/verl_compat/verl_tests/
 
 VERL_ONLY: dict[str, str] = {
     "Metric": "verl's metric container (verl.utils.metric); the project reduces typed LossMetrics "
-    "(megatron_rl.engine.metrics) over micro-batches and DP ranks instead",
+    "(megatron_rl.engine.step_info) over micro-batches and DP ranks instead",
     "AggregationType": "verl's metric container (verl.utils.metric)",
     "reduce_metrics": "verl's list-of-values metric reduction (verl.utils.metric); the project's "
-    "megatron_rl.engine.metrics.reduce_metrics reduces LossMetrics collectively",
+    "megatron_rl.engine.step_info.reduce_metrics reduces LossMetrics collectively",
     "append_to_dict": "verl's dict-of-lists helper (verl.utils.py_functional)",
     "bootstrap_metric": "verl's bootstrapped best@n / worst@n validation statistics; the project's Validator "
     "reports mean@n only",

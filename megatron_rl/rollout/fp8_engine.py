@@ -2,7 +2,7 @@
 the weight sync can quantise, whether this machine runs vLLM's FP8 kernels, and the ``vllm.LLM``
 arguments verl 0.9.1 builds such an engine with (DeepSeek-V3's 128 x 128 block format, routers
 unquantised). ``megatron_rl.rollout.vllm_rollout.VLLMRollout`` uses them; the stream's quantiser is
-``megatron_rl.rollout.weight_sync.quantize_fp8_stream``."""
+``megatron_rl.rollout.weight_stream.quantize_fp8_stream``."""
 
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
     from megatron_rl.config import ActorConfig
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import build_role
-    from megatron_rl.rollout.weight_sync import ActorWeightSync
+    from megatron_rl.rollout.weight_stream import ActorWeightSync
     from parallel.bridge import load_hf_checkpoint, save_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
@@ -283,7 +283,7 @@ def run(tmp_path_factory):
     """Run the three cases: actor ranks in a background thread, the remote engines here."""
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
     from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts
-    from megatron_rl.rollout.weight_sync import RolloutWeightReceiver
+    from megatron_rl.rollout.weight_stream import RolloutWeightReceiver
 
     work = tmp_path_factory.mktemp("weight_sync")
     dense = build_tiny_qwen3(work / "qwen3", seed=0)
@@ -400,7 +400,7 @@ def test_placements_and_bad_input_are_named(tmp_path):
 
     from megatron_rl.models.families import get_family
     from megatron_rl.config.model import ModelConfig
-    from megatron_rl.rollout.weight_sync import ActorWeightSync, RolloutWeightReceiver, choose_transport
+    from megatron_rl.rollout.weight_stream import ActorWeightSync, RolloutWeightReceiver, choose_transport
     from parallel.transport import RemoteWeightSender
 
     assert [choose_transport(p) for p in ("colocated", "same_node", "other_node")] == ["colocated", "shm", "broadcast"]
