@@ -110,7 +110,9 @@ def _dtype_bytes(overrides: Mapping[str, Any], name: str) -> int:
     value = overrides.get(name, "fp32")
     text = str(value).removeprefix("torch.")  # a torch.dtype set in code prints as torch.bfloat16
     if text not in _OPTIMIZER_DTYPE_BYTES:
-        raise ValueError(f"{_OVERRIDES}.{name}={value!r} is not allowed; choose one of {sorted(_OPTIMIZER_DTYPE_BYTES)}")
+        raise ValueError(
+            f"{_OVERRIDES}.{name}={value!r} is not allowed; choose one of {sorted(_OPTIMIZER_DTYPE_BYTES)}"
+        )
     return _OPTIMIZER_DTYPE_BYTES[text]
 
 

@@ -488,7 +488,9 @@ class _Context:
             )
         trained = [("actor", arr.actor.optim, actor_meg, sizes)]
         if "critic" in roles:
-            trained.append(("critic", cfg.critic.optim, cfg.critic.megatron, cfg.critic.megatron.parallel().sizes(world)))
+            trained.append(
+                ("critic", cfg.critic.optim, cfg.critic.megatron, cfg.critic.megatron.parallel().sizes(world))
+            )
         for name, optim, meg, role_sizes in trained:
             warnings.extend(_cpu_optimizer_note(name, roles[name], optim, meg, role_sizes, gpus))
         engines = rollout_layout(cfg)  # the trainer's placement builds exactly this map (ValueError by key)
@@ -734,6 +736,8 @@ def _embedding_lora(cfg) -> bool:
 
 _OFFLOADABLE = ("actor", "ref", "critic", "teacher")
 _PART_TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
+
+
 def _cpu_optimizer_note(role: str, mem: RoleMemory, optim: Any, megatron: Any, sizes: dict, gpus: int) -> list[str]:
     """Megatron's CPU optimizer (``optimizer_cpu_offload``): what it keeps in host memory -- per offloaded
     parameter its fp32 copy, Adam's m and v and the pinned fp32 gradient, 16 B -- and what the step time

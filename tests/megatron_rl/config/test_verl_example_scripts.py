@@ -307,6 +307,12 @@ EXPECTED = {
     "examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh": Expect(
         "Qwen3-30B-A3B-Instruct-2507", 0, "FITS -- peak 24.0 of 80.0 GiB (rollout)"
     ),
+    # 61 layers over PP=12 as 11 x 5 + 6 (num_layers_in_last_pipeline_stage alone: the first stages split the
+    # rest evenly, as Megatron-Core does). optim.override_optimizer_config.optimizer_cpu_offload with fraction
+    # 1.0 and the precision-aware optimizer: Megatron's CPU Adam holds all optimizer state in host memory.
+    "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh": Expect(
+        "DeepSeek-V3", 0, "FITS -- peak 61.6 of 96.0 GiB (rollout)", gpu_memory_gb=96
+    ),
     # Planned on ARNOLD_WORKER_NUM=1 node of ARNOLD_WORKER_GPU=8 (the script reads its cluster's environment).
     "examples/gspo_trainer/run_qwen30b_gspo.sh": Expect(
         "Qwen3-30B-A3B-Base", 0, "FITS -- peak 78.1 of 80.0 GiB (actor update)"
@@ -480,3 +486,68 @@ def test_plan_subprocess_smoke(model_dirs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["fits"] and result["peak_phase"] == "rollout" and result["layout"]["tp"] == 2, result
+
+
+def _terms(out: str, phase: str) -> dict[str, float]:
+    row = next(line for line in out.splitlines() if line.strip().startswith(phase))
+    return {k: float(v) for k, v in (t.rsplit(" ", 1) for t in row[row.index("(") + 1 : row.rindex(")")].split(", "))}
+
+
+def test_qwen30b_sapo_optimizer_misfit_matches_a_hand_count(model_dirs, tmp_path):
+    """verl's SAPO script (its Megatron variant) on 8 x 80 GiB: TP=1, EP=8 -> DP=8 for the dense weights but
+    expert-DP=1, so the distributed optimizer shards only the dense part of Adam's 12 B/param (m, v, fp32
+    master). Counted by hand from Qwen3-30B-A3B's published shapes."""
+    h, heads, kv, d, vocab, layers, experts, f, ep, dp = 2048, 32, 4, 128, 151936, 48, 128, 768, 8, 8
+    attention = h * heads * d + 2 * h * kv * d + heads * d * h + 2 * d  # q, k, v, o (no biases); q/k norms
+    dense = 2 * vocab * h + layers * (attention + 2 * h + experts * h) + h  # embedding, output, norms, router
+    expert = layers * experts // ep * 3 * h * f
+    assert (dense, expert) == (1_541_093_376, 3_623_878_656)
+    hand = {
+        "parameters": 2 * (dense + expert),
+        "gradients": 4 * (dense + expert),
+        "optimizer state": 12 * dense // dp + 12 * expert,
+    }
+    assert round(hand["optimizer state"] / GIB, 2) == 42.65
+    script = "examples/sapo_trainer/run_qwen30b_sapo.sh"
+    rc, out = plan(command_line(script, model_dirs["Qwen3-30B-A3B-Base"], tmp_path / "train.parquet"))
+    assert rc == 1, out[-3000:]
+    terms = _terms(out, "actor update")
+    for term, value in hand.items():
+        assert terms[term] == pytest.approx(value / GIB, abs=0.005), (term, terms)
+    assert "the largest term is optimizer state (42.7 GiB)" in out
+
+
+_CPU_OPTIMIZER = "+actor_rollout_ref.actor.optim.override_optimizer_config."
+
+
+def test_deepseek_96gb_cpu_optimizer_moves_the_adam_state_to_the_host(model_dirs, tmp_path):
+    """verl's DeepSeek-V3 96 GB script: TP=8 PP=12 EP=8 on 96 GPUs is DP=1 and expert-DP=1, so each rank's Adam
+    state is 12 B per bf16 parameter of its stage: 6 x the parameters term. Its optimizer overrides
+    (optimizer_cpu_offload, optimizer_offload_fraction=1., use_precision_aware_optimizer) give all of it to
+    megatron-core's CPU optimizer: no optimizer term on the GPU, 16 B per parameter in host memory (fp32 copy,
+    m, v, pinned fp32 gradient) = 8 x the parameters term, named in a warning. Without them it does not fit."""
+    script = "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh"
+    argv = command_line(script, model_dirs["DeepSeek-V3"], tmp_path / "train.parquet") + ["--gpu-memory-gb", "96"]
+    assert sum(a.startswith(_CPU_OPTIMIZER) for a in argv) == 4
+
+    rc, out = plan(argv)
+    assert rc == 0, out[-3000:]
+    terms = _terms(out, "actor update")
+    assert "optimizer state" not in terms, terms
+    assert terms["gradients"] == pytest.approx(2 * terms["parameters"], abs=0.01)
+    host = float(out.split("optimizer_cpu_offload: ")[1].split(" GiB")[0])
+    assert host == pytest.approx(8 * terms["parameters"], abs=0.1), out[-3000:]
+
+    rc, out = plan([a for a in argv if not a.startswith(_CPU_OPTIMIZER)])
+    assert rc == 1, out[-3000:]
+    gpu_terms = _terms(out, "actor update")
+    assert gpu_terms["optimizer state"] == pytest.approx(6 * terms["parameters"], abs=0.01), gpu_terms
+    assert "the largest term is optimizer state (97.9 GiB)" in out
+
+    # megatron-core's precision-aware optimizer works on the distributed optimizer's shards only
+    rc, out = plan(argv + ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=False"])
+    assert rc == 2, out[-3000:]
+    assert "use_precision_aware_optimizer=True needs actor_rollout_ref.actor.megatron.use_distributed_optimizer" in out
+    rc, out = plan(argv + [f"{_CPU_OPTIMIZER[1:]}optimizer_offload_fraction=1.5"])
+    assert rc == 2, out[-3000:]
+    assert "optimizer_offload_fraction=1.5 is not allowed" in out and "[0, 1]" in out
