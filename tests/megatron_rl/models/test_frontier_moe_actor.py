@@ -56,7 +56,7 @@ def _actor_step(rank, world_size, par, hf_dir, model_cfg, with_vllm):
     if with_vllm:
         from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
         from megatron_rl.rollout.weight_stream import ActorWeightSync
-        from tests.megatron_rl.rollout.test_weight_sync import vllm_log_probs
+        from tests.megatron_rl.rollout.test_weight_stream import vllm_log_probs
 
         rollout = VLLMRollout(hf_dir, RolloutConfig(**ROLLOUT))
         out["vllm_stale"] = vllm_log_probs(rollout, full)

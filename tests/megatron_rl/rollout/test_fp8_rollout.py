@@ -320,7 +320,7 @@ def _gpu_sync(rank, world_size, hf_dir, model_cfg):
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
     from tests.megatron_rl.engine.test_engine import make_batch
-    from tests.megatron_rl.rollout.test_weight_sync import vllm_log_probs
+    from tests.megatron_rl.rollout.test_weight_stream import vllm_log_probs
 
     mesh = init_mesh(ParallelConfig(), seed=1234)
     actor = build_role("actor", model_cfg, mesh, ActorConfig.from_dict(ACTOR_CFG))

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from parallel.testing import run_distributed  # noqa: E402
-from tests.megatron_rl.rollout.test_weight_sync import BATCH, ROLLOUT, make_batch, vllm_log_probs  # noqa: E402
+from tests.megatron_rl.rollout.test_weight_stream import BATCH, ROLLOUT, make_batch, vllm_log_probs  # noqa: E402
 
 ADAPTER_TOL = 1e-5
 STALE_MIN = 1e-2

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 from parallel.testing import run_distributed  # noqa: E402
-from tests.megatron_rl.rollout.test_weight_sync import BATCH, BUCKET_MB, ROLLOUT, make_batch, vllm_log_probs  # noqa: E402
+from tests.megatron_rl.rollout.test_weight_stream import BATCH, BUCKET_MB, ROLLOUT, make_batch, vllm_log_probs  # noqa: E402
 
 MERGED_TOL = 1e-5
 STALE_MIN = 1e-2

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.megatron_rl.rollout.test_weight_sync import make_batch, vllm_log_probs  # noqa: E402
+from tests.megatron_rl.rollout.test_weight_stream import make_batch, vllm_log_probs  # noqa: E402
 
 LOGP_TOL = 1e-4  # float32 vLLM vs HF (observed 3.3e-6)
 

@@ -46,7 +46,7 @@ ROLLOUT = dict(prompt_length=32, response_length=4, kv_cache_space_gib=1)
 
 def build_qwen3_moe_128(path: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen3-MoE with 128 experts (top-8, normalised top-k as Qwen3-30B-A3B), hub names."""
-    from tests.megatron_rl.rollout.test_weight_sync import build_tiny_qwen3_moe
+    from tests.megatron_rl.rollout.test_weight_stream import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(path, seed, num_experts=NUM_EXPERTS, top_k=TOP_K, norm_topk_prob=True)
 
@@ -106,7 +106,7 @@ def _aborted_sync(rollout, hf_dir: str, batch: dict) -> dict:
     o_proj of the wrong shape): the engine must raise and keep its old weights exactly."""
     from safetensors.torch import load_file
 
-    from tests.megatron_rl.rollout.test_weight_sync import vllm_log_probs
+    from tests.megatron_rl.rollout.test_weight_stream import vllm_log_probs
 
     hf = load_file(str(Path(hf_dir) / "model.safetensors"))
     half = [
@@ -132,7 +132,7 @@ def _moe_case(rank: int, hf_dir: str) -> dict:
     from parallel.bridge import ExportStats, HFExporter, load_hf_checkpoint
     from parallel.config import ParallelConfig
     from parallel.mesh import destroy_mesh, init_mesh
-    from tests.megatron_rl.rollout.test_weight_sync import make_batch, vllm_log_probs
+    from tests.megatron_rl.rollout.test_weight_stream import make_batch, vllm_log_probs
 
     mesh = init_mesh(ParallelConfig(expert_model_parallel_size=2), seed=1234)
     family = get_family(hf_dir)
