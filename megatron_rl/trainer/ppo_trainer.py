@@ -137,7 +137,7 @@ class RayPPOTrainer:
     def _check_router_replay(self) -> None:
         """Router replay (``*.megatron.router_replay``) that cannot work fails here, before any worker."""
         from megatron_rl.models.families import get_family, load_hf_config
-        from megatron_rl.rollout.vllm_rollout import ROUTED_EXPERTS_KWARG, routed_experts_unsupported
+        from megatron_rl.rollout.routed_experts import ROUTED_EXPERTS_KWARG, routed_experts_unsupported
 
         arr = self.config.actor_rollout_ref
         actor, ref = arr.actor.megatron.router_replay, arr.ref.megatron.router_replay

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.rollout.vllm_rollout import align_routed_experts, routed_experts_unsupported
+from megatron_rl.rollout.routed_experts import align_routed_experts, routed_experts_unsupported
 
 P, R, LAYERS, TOPK = 6, 5, 3, 2
 

