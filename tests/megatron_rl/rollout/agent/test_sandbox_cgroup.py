@@ -22,7 +22,7 @@ import pytest
 from megatron_rl.rollout.tools import sandbox
 from megatron_rl.rollout.tools.sandbox import isolation
 
-from .test_sandbox_escapes import _ROOTLESS_CALLER
+from .rootless import ROOTLESS_CALLER
 
 _NOBODY = 65534
 _CHILD = """
@@ -88,7 +88,7 @@ def test_a_delegated_cgroup_bounds_an_unprivileged_callers_runs_as_a_whole():
     try:
         os.chown(home, _NOBODY, _NOBODY)
         out = subprocess.run(
-            [sys.executable, "-c", _ROOTLESS_CALLER, project, home, "-c", _CHILD, *delegated],
+            [sys.executable, "-c", ROOTLESS_CALLER, project, home, "-c", _CHILD, *delegated],
             capture_output=True,
             text=True,
             timeout=300,

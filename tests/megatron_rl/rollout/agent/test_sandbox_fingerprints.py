@@ -215,7 +215,7 @@ def test_every_fingerprint_and_attack_test_holds_for_an_unprivileged_caller():
     runner maps the caller's own user; the overlays as well, the host's devtmpfs nodes for
     ``/dev``, the address-space limit for memory)."""
     from . import test_sandbox_attacks
-    from .test_sandbox_escapes import run_pytest_as_nobody
+    from .rootless import run_pytest_as_nobody
 
     out = run_pytest_as_nobody(__file__, test_sandbox_attacks.__file__)
     summary = out.stdout.strip().splitlines()[-1]
