@@ -265,6 +265,14 @@ EXPECTED = {
         1,
         "in phase 'critic update' but 80.0 GiB are available; the largest term is activations (34.4 GiB)",
     ),
+    # The same PPO under Nsight (actor/critic.profiler.*, global_profiler.*: the profiler keys) with 256 prompts
+    # and gpu_memory_utilization=0.8: the engine's share alone is 0.8 x 80 GiB = 64.0 GiB, beside the actor's and
+    # the critic's, which the script leaves at TP=1.
+    "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron_nsys.sh": Expect(
+        "deepseek-llm-7b-chat",
+        1,
+        "in phase 'rollout' but 80.0 GiB are available; the largest term is vllm engine (64.0 GiB)",
+    ),
     # micro-batch 3 does not divide the mini-batch's 8 x 5 responses, but use_dynamic_bsz=True: token budgets
     # decide the micro-batches, as in verl. The old actor.router_replay.mode is read as megatron.router_replay.mode.
     "examples/router_replay/run_qwen30_a3b_megatron_vllm.sh": Expect(
