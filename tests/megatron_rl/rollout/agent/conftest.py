@@ -226,3 +226,18 @@ def engine_runs(tool_model) -> dict:
     from parallel.testing import run_distributed
 
     return run_distributed(_engine_rank, 1, str(tool_model), timeout_s=600)[0]
+
+
+@pytest.fixture
+def secret(monkeypatch, tmp_path):
+    """The caller's environment and a host file both hold ``rootless.SECRET``; the host file's path (the
+    sandbox tests assert from the host side that neither reaches the code's observation)."""
+    from .rootless import SECRET
+
+    monkeypatch.setenv("MRL_TEST_SECRET", SECRET)
+    path = tmp_path / "credentials"
+    path.write_text(SECRET)
+    path.chmod(0o644)
+    for parent in (tmp_path, tmp_path.parent, tmp_path.parent.parent):
+        parent.chmod(0o755)  # readable by anybody on the host: only the sandbox's root keeps it out
+    return path

@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+SECRET = "s3cr3t-token-27"
+"""What the ``secret`` fixture (conftest.py) puts in the caller's environment and a host file."""
+
 ROOTLESS_CALLER = """
 # argv: PROJECT HOME PYTHON-ARGS...: runs python PYTHON-ARGS in PROJECT as host nobody.
 import ctypes, os, sys

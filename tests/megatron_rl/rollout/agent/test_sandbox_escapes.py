@@ -29,12 +29,11 @@ import pytest
 from megatron_rl.rollout.tools import sandbox
 from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
 
-from .rootless import run_pytest_as_nobody
+from .rootless import SECRET, run_pytest_as_nobody
 
 pytestmark = pytest.mark.skipif(
     not (isolation().minimal_root and isolation().seccomp), reason="needs user namespaces and libseccomp"
 )
-SECRET = "s3cr3t-token-27"
 CALLER = os.getpid()
 
 
@@ -49,18 +48,6 @@ def attack(code: str, limits: SandboxLimits = SandboxLimits(wall_seconds=10), gu
 def lines(res) -> dict:
     """``name value...`` lines printed by the attack, as {name: "value..."}."""
     return dict(line.split(" ", 1) for line in res.stdout.splitlines() if " " in line)
-
-
-@pytest.fixture
-def secret(monkeypatch, tmp_path):
-    """The caller's environment and a host file both hold SECRET; the host file's path."""
-    monkeypatch.setenv("MRL_TEST_SECRET", SECRET)
-    path = tmp_path / "credentials"
-    path.write_text(SECRET)
-    path.chmod(0o644)
-    for parent in (tmp_path, tmp_path.parent, tmp_path.parent.parent):
-        parent.chmod(0o755)  # readable by anybody on the host: only the sandbox's root keeps it out
-    return path
 
 
 def test_no_environ_of_the_caller_or_any_process_can_be_read(secret):

@@ -18,21 +18,6 @@ from .rootless import ROOTLESS_CALLER
 pytestmark = pytest.mark.skipif(
     not (isolation().minimal_root and isolation().seccomp), reason="needs user namespaces and libseccomp"
 )
-SECRET = "s3cr3t-token-27"
-
-
-@pytest.fixture
-def secret(monkeypatch, tmp_path):
-    """The caller's environment and a host file both hold SECRET; the host file's path."""
-    monkeypatch.setenv("MRL_TEST_SECRET", SECRET)
-    path = tmp_path / "credentials"
-    path.write_text(SECRET)
-    path.chmod(0o644)
-    for parent in (tmp_path, tmp_path.parent, tmp_path.parent.parent):
-        parent.chmod(0o755)  # readable by anybody on the host: only the sandbox's root keeps it out
-    return path
-
-
 _ROOTLESS_ATTACKS = """
 import json, os
 from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
