@@ -136,6 +136,7 @@ LORA_RUN = [  # a fourth, one-step run: the LoRA recipe (adapters on a frozen ba
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.max_num_seqs=32",
+    "actor_rollout_ref.actor.use_kl_loss=true",  # the recipe has none; verl's LoRA example's KL loss
 ]
 AGENT_LOOPS = "- name: my_tool_agent\n  _target_: megatron_rl.rollout.agent.loop.ToolAgentLoop\n"
 REWARD = """

@@ -501,7 +501,8 @@ def test_verl_command_line_with_uneven_stages_plans_that_split(first, stage_laye
 def test_grpo_lora_recipe_resolves_lora_and_the_reference_is_the_actor():
     from megatron_rl.trainer.placement import actor_lora, reference_in_actor
 
-    cfg = load_config("grpo_lora")
+    assert not resolve_run(load_config("grpo_lora")).reference  # the recipe has no KL loss, as grpo
+    cfg = load_config("grpo_lora", ["actor_rollout_ref.actor.use_kl_loss=true"])  # verl's LoRA example's
     needs = resolve_run(cfg)
     lora = actor_lora(cfg)
     assert (lora.rank, lora.alpha, lora.merge, lora.target_modules) == (  # merge: false: adapters-only sync
@@ -635,7 +636,7 @@ def test_lora_actor_gets_its_adapters_and_no_reference_worker(tmp_path):
     specs = role_specs(cfg, resolve_run(cfg), model_path=_tiny_hf_dir(cfg, tmp_path), total_steps=1)
     assert sorted(specs) == ["actor"] and specs["actor"].lora.rank == 16
     # the same run without LoRA keeps its reference worker (the KL loss needs one)
-    full = load_config("grpo_lora", ["actor_rollout_ref.model.lora.rank=0"])
+    full = load_config("grpo_lora", ["actor_rollout_ref.model.lora.rank=0", "actor_rollout_ref.actor.use_kl_loss=true"])
     specs = role_specs(full, resolve_run(full), model_path="/unused", total_steps=1)
     assert sorted(specs) == ["actor", "ref"] and specs["actor"].lora is None
     # a PPO critic with its own model section and lora.rank 0 trains every parameter beside a LoRA actor

