@@ -1,22 +1,23 @@
-"""The side concerns of the loop, each owning its own "when": ``Checkpointer``, ``Validator``, ``SkipGuard``;
-and the user's own callbacks (``trainer.callbacks``: ``TrainerCallback`` subclasses by dotted path).
-
-The loop only asks ``should_save(step, last)`` / ``should_validate(step, last)`` and calls
-``save`` / ``validate``; the frequencies (``trainer.save_freq``, ``trainer.test_freq``,
-``trainer.val_before_train``, ``trainer.max_consecutive_skipped_steps``) live here
-(torchtitan's ``checkpointer.save(step, last_step=...)``, OLMo-core's callbacks).
+"""The side concerns of the loop, as callbacks: ``Validator``, ``Checkpointer``, ``MetricsLog``, ``SkipGuard``
+(each owning its own "when"), and the user's own (``trainer.callbacks``: ``TrainerCallback`` subclasses by
+dotted path). The trainer calls hooks, never a side concern by name: ``Callbacks.call(hook, trainer, ...)``
+runs every callback's ``hook`` by ``order`` (OLMo-core's callbacks; torchtitan's
+``checkpointer.save(step, last_step=...)``). The frequencies (``trainer.save_freq``, ``trainer.test_freq``,
+``trainer.val_before_train``, ``trainer.max_consecutive_skipped_steps``) live in the callbacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from megatron_rl.config import TrainerConfig
 from megatron_rl.data.rewards import RewardError, finite_means
+from megatron_rl.trainer.metrics import METRICS_ROW, MetricsLogger, metrics_row
 from megatron_rl.trainer.step_checkpoints import (
     StepCheckpoint,
     ensure_space_for_checkpoint,
@@ -25,31 +26,46 @@ from megatron_rl.trainer.step_checkpoints import (
     prune_checkpoints,
     select_checkpoint,
 )
+from megatron_rl.trainer.watchdog import phase
 from parallel.checkpoint import DiskFullError, free_bytes, fmt_bytes, is_disk_full
 
 __all__ = [
     "Checkpointer",
     "Validator",
+    "MetricsLog",
+    "StepFunction",
     "SkipGuard",
     "GenerationDump",
     "validation_line",
     "TrainerCallback",
     "Callbacks",
+    "CallbackError",
     "HOOKS",
     "load_callbacks",
 ]
 
 HOOKS = ("on_fit_start", "on_validation_end", "on_checkpoint", "on_step_end", "on_fit_end")
 """The hooks a ``TrainerCallback`` may define, in the order one run calls them: ``on_fit_start`` once
-(after a resume), then per step ``on_validation_end`` (when the step validated), ``on_checkpoint`` (when
-it saved), ``on_step_end``; ``on_fit_end`` once (also after ``trainer.val_only``'s validation)."""
+(after a resume, before the validation before training), then per step ``on_validation_end`` (when the
+step validated), ``on_checkpoint`` (when it saved), ``on_step_end``; ``on_fit_end`` once (also after
+``trainer.val_only``'s validation)."""
+
+INTERNAL_HOOKS = ("before_training", "close")
+"""Hooks of the built-in callbacks only: ``before_training(trainer, step, row)`` -- the validation before
+training fills ``row`` (a user callback sees it as ``on_validation_end``) and the metrics log writes it;
+``close()`` -- once after ``fit``, also when it failed (a ``Callbacks.during`` callback)."""
 
 
 class TrainerCallback:
-    """Base of a user callback (``trainer.callbacks: [my_pkg.module.MyCallback]``): override any of
-    ``HOOKS``; each gets the trainer first. Constructed once with no arguments, in the driver, before
-    any worker starts; callbacks run in the listed order, after the trainer's own step work. A hook
-    that raises stops the run (the error names the callback and the hook)."""
+    """Base of a callback (``trainer.callbacks: [my_pkg.module.MyCallback]``): override any of ``HOOKS``;
+    each gets the trainer first. Constructed once with no arguments, in the driver, before any worker
+    starts. A hook that raises stops the run (the error names the callback and the hook)."""
+
+    order: int = 0
+    """Where the callback runs among the others: ascending, the listed order among equal ones. The
+    built-ins: ``Validator`` -30 and ``Checkpointer`` -20 (a user's ``on_step_end`` at 0 sees the step's
+    validation and ``timing_s/save_checkpoint``), ``MetricsLog`` 10 (what a user's hook added is logged),
+    ``StepFunction`` 15 (``fit``'s ``on_step``), ``SkipGuard`` 20 (the step is logged before it stops the run)."""
 
     def on_fit_start(self, trainer: Any, step: int) -> None:
         """Training starts (or resumes) after step ``step``."""
@@ -65,6 +81,12 @@ class TrainerCallback:
 
     def on_fit_end(self, trainer: Any, history: list[dict[str, float]]) -> None:
         """The run is over; ``history`` is this call's per-step metrics."""
+
+    def before_training(self, trainer: Any, step: int, row: dict[str, float]) -> None:
+        """Built-ins only (``INTERNAL_HOOKS``): the validation before training, into ``row``."""
+
+    def close(self) -> None:
+        """Built-ins only (``INTERNAL_HOOKS``): release what the callback holds (files, loggers)."""
 
 
 def load_callbacks(paths: list) -> "Callbacks":
@@ -88,23 +110,54 @@ def load_callbacks(paths: list) -> "Callbacks":
     return Callbacks(found)
 
 
+class CallbackError(RuntimeError):
+    """A user callback's hook raised (the message names the callback and the hook)."""
+
+
 class Callbacks:
-    """The run's user callbacks, called hook by hook in their listed order."""
+    """The run's callbacks -- the trainer's own side concerns (``add``, ``during``) and the user's
+    (``trainer.callbacks``) -- called hook by hook by ``order``, the listed order among equal ones (the
+    built-ins before the user's). A user callback's error is a ``CallbackError`` naming it and the hook;
+    a built-in's propagates as it is (``DiskFullError``, the skip guard's ``RuntimeError``, ``Stopped``)."""
 
     def __init__(self, callbacks: list[TrainerCallback]):
-        self.callbacks = list(callbacks)
+        self.user = list(callbacks)
+        self.builtin: list[TrainerCallback] = []
 
     def __len__(self) -> int:
-        return len(self.callbacks)
+        return len(self.user) + len(self.builtin)
+
+    def add(self, *callbacks: TrainerCallback) -> None:
+        """The run's own callbacks, for every ``fit`` call."""
+        self.builtin.extend(callbacks)
+
+    @contextlib.contextmanager
+    def during(self, *callbacks: TrainerCallback) -> Iterator["Callbacks"]:
+        """``callbacks`` join for one ``fit`` call: removed and closed after it, also when it fails."""
+        self.builtin.extend(callbacks)
+        with contextlib.ExitStack() as stack:
+            for cb in callbacks:
+                stack.callback(cb.close)
+                stack.callback(self.builtin.remove, cb)
+            yield self
+
+    def ordered(self) -> list[tuple[TrainerCallback, bool]]:
+        """``(callback, is_user)`` by ``order``; the sort is stable, so equal orders keep the listed order."""
+        return sorted([(cb, False) for cb in self.builtin] + [(cb, True) for cb in self.user], key=lambda c: c[0].order)
 
     def call(self, hook: str, trainer: Any, *args: Any) -> None:
-        """Call ``hook`` (one of ``HOOKS``) on every callback; an error names the callback and the hook."""
-        assert hook in HOOKS, hook
-        for cb in self.callbacks:
+        """Call ``hook`` (one of ``HOOKS`` or ``INTERNAL_HOOKS``) on every callback."""
+        assert hook in HOOKS or hook in INTERNAL_HOOKS, hook
+        for cb, is_user in self.ordered():
+            if not is_user:
+                getattr(cb, hook)(trainer, *args)
+                continue
             try:
                 getattr(cb, hook)(trainer, *args)
+            except CallbackError:
+                raise
             except Exception as err:
-                raise RuntimeError(
+                raise CallbackError(
                     f"trainer.callbacks: {type(cb).__module__}.{type(cb).__qualname__}.{hook} "
                     f"raised {type(err).__name__}: {err}"
                 ) from err
@@ -153,8 +206,9 @@ def ground_truths(batch: Any) -> list:
     return [None] * len(batch)
 
 
-class Checkpointer:
-    """Trainer checkpoints under ``root`` (``megatron_rl.trainer.step_checkpoints`` for the layout).
+class Checkpointer(TrainerCallback):
+    """Trainer checkpoints under ``root`` (``megatron_rl.trainer.step_checkpoints`` for the layout), saved
+    at the end of a step when due (``on_step_end``), then ``on_checkpoint`` for every callback.
 
     Args:
         root: ``trainer.default_local_dir``.
@@ -163,8 +217,21 @@ class Checkpointer:
         groups: ``{part: worker group}`` saved as parts of each step (``actor``, ``critic``).
     """
 
+    order = -20
+
     def __init__(self, root: Path, trainer: TrainerConfig, groups: dict[str, Any]):
         self.root, self.cfg, self.groups = Path(root), trainer, groups
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if not self.should_save(step, step >= trainer.last_step):
+            return
+        # the step's row so far goes into the checkpoint: a kill before the row reaches metrics.jsonl
+        # (the metrics log runs after) would otherwise lose it; the trainer's resume() puts it back
+        row, timing = metrics_row(metrics, step), {}
+        with phase("save_checkpoint", timing):
+            saved = self.save(step, {**trainer.trainer_state(), METRICS_ROW: row})
+        metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+        trainer.callbacks.call("on_checkpoint", trainer, step, saved)
 
     def should_save(self, step: int, last: bool) -> bool:
         """Every ``trainer.save_freq`` steps and at the last one (never with ``save_freq`` <= 0)."""
@@ -222,8 +289,10 @@ class Checkpointer:
         return path, state
 
 
-class Validator:
-    """Greedy (``rollout.val_kwargs``) generation over the validation set, scored by the reward.
+class Validator(TrainerCallback):
+    """Greedy (``rollout.val_kwargs``) generation over the validation set, scored by the reward: before
+    training (``before_training``) and at the end of a step when due (``on_step_end``, into the step's
+    metrics), then ``on_validation_end`` for every callback.
 
     Args:
         trainer: the ``trainer`` config section (``test_freq``, ``val_before_train``, ``log_val_generations``).
@@ -249,6 +318,22 @@ class Validator:
             dump,
         )
 
+    order = -30
+
+    def before_training(self, trainer: Any, step: int, row: dict[str, float]) -> None:
+        if self.should_validate_before_training(step) or self.cfg.val_only:
+            self._validate_into(trainer, step, row)
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if self.should_validate(step, step >= trainer.last_step):
+            self._validate_into(trainer, step, metrics)
+
+    def _validate_into(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        trainer.phases.enter("gen")  # the rollout engine awake, the models it displaces offloaded
+        validation = self.validate(step)
+        metrics.update(validation)
+        trainer.callbacks.call("on_validation_end", trainer, step, validation)
+
     def should_validate_before_training(self, step: int = 0) -> bool:
         """``trainer.val_before_train`` with a validation set, on a fresh start only: a resumed run's
         step was validated (or not) by the run that saved it -- no second row for the same step."""
@@ -266,8 +351,6 @@ class Validator:
         fraction; through ``tqdm.write``, so that a progress bar stays intact) and dumps every sample as
         ``<step>.jsonl``; without a dump directory the first ``trainer.log_val_generations`` samples are
         printed under that line instead."""
-        from megatron_rl.trainer.watchdog import phase
-
         with phase("testing", {}):  # verl's name of the validation phase
             return self._validate(step)
 
@@ -348,12 +431,17 @@ def _one_line(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class SkipGuard:
-    """Counts steps skipped in a row (failed rewards); ``trainer.max_consecutive_skipped_steps`` of
-    them stop the run."""
+class SkipGuard(TrainerCallback):
+    """Counts steps skipped in a row (failed rewards: ``training/step_skipped``);
+    ``trainer.max_consecutive_skipped_steps`` of them stop the run (after the step is logged)."""
+
+    order = 20
 
     def __init__(self, trainer: TrainerConfig):
         self.limit, self.in_a_row = trainer.max_consecutive_skipped_steps, 0
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self.record(bool(metrics.get("training/step_skipped")), trainer.batches.last_error)
 
     def record(self, skipped: bool, last_error: str) -> None:
         """Count this step; ``RuntimeError`` (naming the last error) once the limit is reached."""
@@ -363,3 +451,36 @@ class SkipGuard:
                 f"{self.in_a_row} steps in a row were skipped because the reward failed "
                 f"(trainer.max_consecutive_skipped_steps={self.limit}); last error: {last_error}"
             )
+
+
+class MetricsLog(TrainerCallback):
+    """Each row -- the validation before training, then every step's -- to the run's ``MetricsLogger``
+    (``metrics.jsonl``, the console line, TensorBoard / W&B by ``trainer.logger``); for one ``fit`` call."""
+
+    order = 10
+
+    def __init__(self, logger: MetricsLogger):
+        self.logger = logger
+
+    def before_training(self, trainer: Any, step: int, row: dict[str, float]) -> None:
+        if row:
+            self.logger.log(row, step=step)
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self.logger.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+class StepFunction(TrainerCallback):
+    """``fn(metrics)`` after each step is logged (``fit``'s ``on_step``: progress bars, the preemption
+    check of ``trainer.save_on_preemption``); for one ``fit`` call."""
+
+    order = 15
+
+    def __init__(self, fn: Callable[[dict], None]):
+        self.fn = fn
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self.fn(metrics)

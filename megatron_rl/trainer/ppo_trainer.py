@@ -6,10 +6,10 @@ rounds, ReMax's baseline) -> DP balance -> old log-probs (actor; rollout correct
 log-probs -> teacher log-probs -> values -> KL-in-reward and advantages (the estimator's registry entry,
 on the driver) -> critic update -> actor update -> weight sync. Which roles exist is decided
 once by ``megatron_rl.algos.needs.resolve_run`` (the estimator's declared needs and the config's
-switches); the side concerns -- checkpoints, validation, skipped steps, metrics -- are callbacks
-that own their own frequencies (``megatron_rl.trainer.callbacks``), and the user's own callbacks
-(``trainer.callbacks``) get the hooks ``on_fit_start``, ``on_validation_end``, ``on_checkpoint``,
-``on_step_end``, ``on_fit_end``.
+switches); the side concerns -- validation, checkpoints, the metrics log, skipped steps -- are
+callbacks that own their own frequencies (``megatron_rl.trainer.callbacks``): the loop only calls hooks
+(``on_fit_start``, ``on_validation_end``, ``on_checkpoint``, ``on_step_end``, ``on_fit_end``), which run
+the trainer's callbacks and the user's own (``trainer.callbacks``) by their order.
 
 The trainer takes a typed ``TrainerRunConfig`` and an HF model directory to start from (the
 main job, ``megatron_rl.job``, prepares inline toy models and SFT warm-ups).
@@ -43,13 +43,20 @@ from megatron_rl.rollout.agent.runner import check_agent_config
 from megatron_rl.trainer.async_loop import AsyncBatches, async_run_config, check_async_trainer
 from megatron_rl.trainer.batch_source import BatchSource, SyncBatches
 from megatron_rl.trainer.builders import build_reward_fn, build_tokenizer, build_train_dataloader, build_val_dataloader
-from megatron_rl.trainer.callbacks import Checkpointer, GenerationDump, SkipGuard, Validator, load_callbacks
+from megatron_rl.trainer.callbacks import (
+    Checkpointer,
+    GenerationDump,
+    MetricsLog,
+    SkipGuard,
+    StepFunction,
+    Validator,
+    load_callbacks,
+)
 from megatron_rl.trainer.failures import worker_failure
 from megatron_rl.trainer.metrics import (
     METRICS_ROW,
     MetricsLogger,
     drop_rows_after,
-    metrics_row,
     restore_row,
     step_metrics,
 )
@@ -128,6 +135,7 @@ class RayPPOTrainer:
         for message in self.schedule.warnings:
             warnings.warn(message, RolloutSleepUnsupported, stacklevel=2)
         self.global_steps = 0
+        self.last_step = self.total_steps  # the step fit() trains to (its total_steps argument)
         self.resume_state: Optional[dict] = None  # the trainer state of the checkpoint resumed from
         self.batches: Optional[BatchSource] = None  # fit()'s batch source (megatron_rl.trainer.batch_source)
         self.weight_version = 0  # weight pushes into the rollout engine (its rollouts carry the version they used)
@@ -214,6 +222,7 @@ class RayPPOTrainer:
         self.checkpointer = Checkpointer(
             self.log_dir, self.config.trainer, {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         )
+        self.callbacks.add(self.validator, self.checkpointer)  # they run at each step's end, by their order
 
     # -- the loop ---------------------------------------------------------------------------
     @guard_fit  # trainer.phase_timeout_s and SIGTERM/SIGINT (trainer.save_on_preemption): trainer.watchdog
@@ -225,32 +234,33 @@ class RayPPOTrainer:
         ``trainer.resume_mode`` allows; returns this call's metrics. ``on_step(metrics)`` runs after
         each step is logged (progress bars). With ``trainer.val_only`` it validates once and returns."""
         tcfg = self.config.trainer
-        total = int(total_steps or self.total_steps)
+        self.last_step = int(total_steps or self.total_steps)
         fresh = self.resume() is None and self.global_steps == 0
         if fresh and self.config.actor_rollout_ref.rollout.load_format == "dummy":
             self.sync_weights()  # the engine was built with random weights: the first sync fills it
         logger = MetricsLogger(
-            self.log_dir, tcfg.logger, total_steps=total, project=tcfg.project_name, experiment=tcfg.experiment_name
+            self.log_dir,
+            tcfg.logger,
+            total_steps=self.last_step,
+            project=tcfg.project_name,
+            experiment=tcfg.experiment_name,
         )
-        skips, history = SkipGuard(tcfg), []
-        try:
-            self.callbacks.call("on_fit_start", self, self.global_steps)
-            if self.validator.should_validate_before_training(self.global_steps) or tcfg.val_only:
-                self.phases.enter("gen")
-                history.append(self.validator.validate(self.global_steps))
-                self.callbacks.call("on_validation_end", self, self.global_steps, history[-1])
-                logger.log(history[-1], step=self.global_steps)
+        per_fit = [MetricsLog(logger), SkipGuard(tcfg)] + ([StepFunction(on_step)] if on_step is not None else [])
+        with self.callbacks.during(*per_fit) as hooks:
+            hooks.call("on_fit_start", self, self.global_steps)
+            row: dict[str, float] = {}
+            hooks.call("before_training", self, self.global_steps, row)  # trainer.val_before_train, val_only
             if tcfg.val_only:
-                self.callbacks.call("on_fit_end", self, history)
-                return history
+                hooks.call("on_fit_end", self, [row])
+                return [row]
             history = []
             # the step's batch: generated by the step itself (sync) or taken from the buffer a rollouter
             # fills ahead (trainer.v1.trainer_mode colocate_async / separate_async); the step is the same
             self.batches = AsyncBatches(self) if tcfg.v1.is_async else SyncBatches(self.rollout_phase)
             with self.batches as source:
-                while self.global_steps < total:
+                while self.global_steps < self.last_step:
                     self.global_steps += 1
-                    step, last, metrics, timing = self.global_steps, self.global_steps >= total, {}, {}
+                    step, metrics, timing = self.global_steps, {}, {}
                     wall_start = time.time()
                     with timer("step", timing), worker_failure(step, self.log_dir):
                         self.phases.enter("gen", metrics)
@@ -259,41 +269,18 @@ class RayPPOTrainer:
                             self.train_step(batch, metrics, timing)
                             source.trained(step)
                     source.end_metrics(metrics, wall_start)
-                    self.end_step(
-                        batch,
-                        metrics,
-                        timing,
-                        step=step,
-                        last=last,
-                        state=lambda: {**self.trainer_state(), **source.state()},
-                    )
-                    logger.log(metrics, step=step)
+                    self.end_step(batch, metrics, timing, step=step)
                     history.append(metrics)
-                    if on_step is not None:
-                        on_step(metrics)
-                    skips.record(batch is None, source.last_error)
                     self.placement.shards.clear()  # this step's batch leaves the object store
             self.phases.restore()  # every model whole again for exports and callers after fit
-            self.callbacks.call("on_fit_end", self, history)
-        finally:
-            logger.close()
+            hooks.call("on_fit_end", self, history)
         return history
 
     # -- one step after the rollout -------------------------------------------------------------
-    def end_step(
-        self,
-        batch: Optional[Batch],
-        metrics: dict,
-        timing: dict,
-        *,
-        step: int,
-        last: bool,
-        state: Optional[Callable[[], dict]] = None,
-    ) -> None:
-        """The end of step ``step`` (synchronous or asynchronous loop): its step and memory metrics,
-        validation and checkpoint when due, then the user callbacks' ``on_step_end``; ``state`` builds the
-        checkpoint's trainer state (default ``trainer_state``)."""
-        tcfg = self.config.trainer
+    def end_step(self, batch: Optional[Batch], metrics: dict, timing: dict, *, step: int) -> None:
+        """The end of step ``step`` (of any batch source): its step and memory metrics, then every
+        callback's ``on_step_end`` by order -- validation and checkpoint when due, the user's callbacks,
+        the metrics log, ``fit``'s ``on_step``, the skip guard (``megatron_rl.trainer.callbacks``)."""
         metrics.update(
             step_metrics(
                 batch,
@@ -301,23 +288,10 @@ class RayPPOTrainer:
                 step=step,
                 epoch=self.train_dataloader.epoch,
                 use_critic=self.critic is not None,
-                n_devices=tcfg.world_size,
+                n_devices=self.config.trainer.world_size,
             )
         )
         metrics.update(self.phases.memory_metrics())
-        if self.validator.should_validate(step, last):
-            self.phases.enter("gen")
-            validation = self.validator.validate(step)
-            metrics.update(validation)
-            self.callbacks.call("on_validation_end", self, step, validation)
-        if self.checkpointer.should_save(step, last):
-            # the step's row so far goes into the checkpoint: a kill before the row reaches metrics.jsonl
-            # (after the commit, in the callbacks) would otherwise lose it; resume() puts it back
-            row = metrics_row(metrics, step)
-            with timer("save_checkpoint", timing):
-                saved = self.checkpointer.save(step, {**(state or self.trainer_state)(), METRICS_ROW: row})
-            metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
-            self.callbacks.call("on_checkpoint", self, step, saved)
         self.callbacks.call("on_step_end", self, step, metrics)
 
     def train_step(self, batch: Batch, metrics: dict, timing: dict) -> None:
@@ -504,12 +478,14 @@ class RayPPOTrainer:
 
     # -- checkpoint / resume -----------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
-        """Driver-side state a resume needs (the workers save their own)."""
+        """Driver-side state a resume needs (the workers save their own), with what the batch source
+        adds (an asynchronous one: the prompt position to rewind to, ``AsyncBatches.state``)."""
         return {
             "global_steps": self.global_steps,
             "dataloader": self.train_dataloader.state_dict(),
             "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
             "model_path": self.model_path,
+            **(self.batches.state() if self.batches is not None else {}),
         }
 
     def resume(self) -> Optional[Path]:
