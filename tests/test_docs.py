@@ -115,7 +115,7 @@ def reference() -> dict[str, str]:
 def test_the_reference_lists_every_leaf_of_the_config(reference):
     import dataclasses
 
-    from megatron_rl.config.base import is_internal
+    from megatron_rl.config.base_config import is_internal
     from megatron_rl.config.loader import compose
     from megatron_rl.config.trainer import TrainerRunConfig
 

@@ -95,7 +95,7 @@ def test_installed_wheel_converts_and_plans_outside_the_checkout(installed, tmp_
     assert (site / "megatron_rl" / "recipes" / "grpo.yaml").is_file()
     assert (site / "megatron_rl" / "config" / "verl" / "ppo_megatron_trainer.yaml").is_file()
 
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3")["path"]
     out = tmp_path / "mcore"

@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         work = Path(tmp)
         if args.smoke:
             sys.path.insert(0, str(ROOT))
-            from megatron_rl.models.testing import build_tiny_hf_checkpoint
+            from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
             hf_dir = build_tiny_hf_checkpoint(work / "hf", "qwen3")["path"]
         elif args.synth:

@@ -68,7 +68,7 @@ def _run(rank, world_size, args, lora_rank):
     import torch
 
     from megatron_rl.config import ActorConfig, OptimConfig
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.engine import MegatronEngine
     from megatron_rl.models.families import get_family
@@ -168,7 +168,7 @@ def _hf_checkpoint(args) -> str:
     """A tiny random Qwen3 HF checkpoint (and tokenizer) of the benchmark's shape, for the vLLM engine."""
     import tempfile
 
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     path = os.path.join(tempfile.mkdtemp(prefix="bench_lora_"), "hf")
     build_tiny_hf_checkpoint(

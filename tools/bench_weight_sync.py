@@ -155,7 +155,7 @@ def _cannot_run(transport: str):
 def main(argv=None) -> dict:
     args = _parse(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
     from parallel.testing import run_distributed
 
     overrides = dict(

@@ -51,7 +51,7 @@ def _registry_section(title: str, key: str, registry, lead: str) -> list[str]:
 def render() -> str:
     """The reference sections (Markdown, ``###`` and below)."""
     from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES
-    from megatron_rl.algos.distillation import DISTILLATION_LOSSES
+    from megatron_rl.algos.distillation_loss import DISTILLATION_LOSSES
     from megatron_rl.algos.kl import KL_ESTIMATORS
     from megatron_rl.algos.loss_agg import LOSS_AGG_MODES, agg_loss
 

@@ -87,7 +87,7 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 def _walk(cls: type, instance: Any, prefix: str) -> Iterator[tuple[str, Any, Any, str, Optional[type]]]:
     """``(path, hint, default, doc, section class or None)`` of every field under ``cls``, depth first."""
-    from megatron_rl.config.base import is_internal
+    from megatron_rl.config.base_config import is_internal
     from megatron_rl.config.schema import config_class
 
     hints, docs = typing.get_type_hints(cls), field_docs(cls)

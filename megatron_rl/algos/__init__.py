@@ -11,7 +11,7 @@ from ``verl.utils``) is here with verl's signature and return type, e.g.
 ``compute_policy_loss``, ``compute_rollout_correction_and_rejection_mask`` (a ``DataProto`` first).
 """
 
-from megatron_rl.algos.registry import (
+from megatron_rl.algos.algo_registry import (
     ADV_ESTIMATOR_REGISTRY,
     ADV_ESTIMATORS,
     POLICY_LOSS_REGISTRY,
@@ -52,7 +52,7 @@ from megatron_rl.algos.rollout_correction import (
     compute_rollout_rejection_mask,
 )
 from megatron_rl.algos.dapo import apply_overlong_penalty, filter_groups, overlong_penalty
-from megatron_rl.algos.distillation import DISTILLATION_LOSSES, compute_distillation_loss
+from megatron_rl.algos.distillation_loss import DISTILLATION_LOSSES, compute_distillation_loss
 
 # Importing the implementation modules registers their entries.
 from megatron_rl.algos import advantage  # noqa: E402,F401  isort:skip

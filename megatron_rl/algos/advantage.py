@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rl.algos.registry import register_adv_est
+from megatron_rl.algos.algo_registry import register_adv_est
 from megatron_rl.algos.utils import cfg_get, check_finite, check_same_shape, group_ids, masked_whiten
 
 __all__ = [

@@ -16,7 +16,7 @@ from megatron_rl.algos.advantage import (
     _groups,
     _reverse_cumsum,
 )
-from megatron_rl.algos.registry import register_adv_est
+from megatron_rl.algos.algo_registry import register_adv_est
 
 __all__ = [
     "compute_optimal_token_baseline_advantage",

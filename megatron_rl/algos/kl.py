@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_rl.algos.registry import Registry
+from megatron_rl.algos.algo_registry import Registry
 from megatron_rl.algos.utils import cfg_get, check_same_shape, masked_mean
 
 __all__ = [

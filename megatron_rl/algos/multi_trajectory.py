@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from megatron_rl.algos.registry import ADV_ESTIMATORS
+from megatron_rl.algos.algo_registry import ADV_ESTIMATORS
 
 __all__ = [
     "MULTI_TRAJECTORY_ESTIMATORS",

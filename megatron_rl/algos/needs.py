@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorNeeds, plugins
+from megatron_rl.algos.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorNeeds, plugins
 from megatron_rl.config.sections import suggest
 from megatron_rl.config.trainer import TrainerRunConfig
 

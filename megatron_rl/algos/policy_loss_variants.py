@@ -23,7 +23,7 @@ from megatron_rl.algos.policy_loss import (
     Metrics,
     compute_policy_loss_vanilla,
 )
-from megatron_rl.algos.registry import register_policy_loss
+from megatron_rl.algos.algo_registry import register_policy_loss
 from megatron_rl.algos.utils import cfg_get, masked_mean
 
 __all__ = [

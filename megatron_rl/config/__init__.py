@@ -17,7 +17,7 @@ from megatron_rl.config.algorithm import (
     PolicyLossConfig,
     RolloutCorrectionConfig,
 )
-from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.distillation import DistillationLossConfig
 from megatron_rl.config.loader import DEFAULT_RECIPE, compose, dump_config, find_recipe, list_recipes, load_config
 from megatron_rl.config.model import ModelConfig

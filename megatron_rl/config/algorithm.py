@@ -12,7 +12,7 @@ from dataclasses import field
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from megatron_rl.config.base import INTERNAL, BaseConfig, check_choice, check_range
+from megatron_rl.config.base_config import INTERNAL, BaseConfig, check_choice, check_range
 
 __all__ = [
     "KLControlConfig",
@@ -347,7 +347,7 @@ class PolicyLossConfig(BaseConfig):
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Rollout correction used inside the loss (bypass mode)."""
     plugins: Any = field(default=None, metadata=INTERNAL)
-    """Estimators and policy losses registered from user code (``megatron_rl.algos.registry.Plugins``),
+    """Estimators and policy losses registered from user code (``megatron_rl.algos.algo_registry.Plugins``),
     set by ``resolve_run``; unpickling it in a worker registers them there."""
 
 

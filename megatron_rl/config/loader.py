@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence, Union
 
-from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.schema import VERL_ONLY, check_key, check_keys, coerce, config_class
 from megatron_rl.config.trainer import TrainerRunConfig
 from megatron_rl.config.verl_keys import ONE_AS_LIST, migrate_legacy

@@ -6,7 +6,7 @@ a2a_experimental, dtype, adapter_path, freeze_*}`` and keeps its FSDP-era flat k
 ``model.{lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path}`` beside them.
 ``resolve_lora`` turns a model section's keys (either form, not both) into one ``LoRAConfig``
 (``ModelSourceConfig.lora_config()``); the trainer hands the actor's to its workers
-(``megatron_rl.trainer.placement``) and the engine (``megatron_rl.engine.lora``) acts on it. What is not built is refused by name here, before
+(``megatron_rl.trainer.placement``) and the engine (``megatron_rl.engine.lora_layers``) acts on it. What is not built is refused by name here, before
 any worker starts: ``type`` other than ``lora``, ``a2a_experimental``. ``adapter_path`` starts the
 adapters from a saved PEFT adapter directory (``megatron_rl.engine.lora_peft.load_peft_adapter``; its
 ``r`` / ``lora_alpha`` must be ``rank`` / ``alpha``). ``merge: false`` (verl's default) syncs only the adapters into vLLM's LoRA
@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from megatron_rl.config.base import BaseConfig, check_choice
+from megatron_rl.config.base_config import BaseConfig, check_choice
 
 __all__ = [
     "LoRAConfig",

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.config.base_config import BaseConfig, check_choice, check_range
 
 __all__ = ["ModelConfig"]
 

@@ -29,7 +29,7 @@ PATH_ATTR = "_config_path"
 
 _CONFIG_DIR = str(Path(__file__).resolve().parent) + os.sep
 _UTILS_ACCESS = str(Path(__file__).resolve().parent.parent / "utils" / "config_access.py")
-_PASS_THROUGH = {str(Path(__file__).resolve().parent / "base.py"), _UTILS_ACCESS, "<string>"}
+_PASS_THROUGH = {str(Path(__file__).resolve().parent / "base_config.py"), _UTILS_ACCESS, "<string>"}
 """Frames a read passes through to its real reader: ``BaseConfig.get``/``[]``, ``cfg_get``, the
 dataclass-generated ``__eq__``/``__repr__``."""
 _NOT_ACTING = ("dataclasses.py", "copy.py", "copyreg.py", "reprlib.py", "pprint.py", f"{os.sep}omegaconf{os.sep}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from megatron_rl.config.base import ROLLOUT_ENGINES, BaseConfig, check_built, check_choice, check_range
+from megatron_rl.config.base_config import ROLLOUT_ENGINES, BaseConfig, check_built, check_choice, check_range
 
 __all__ = [
     "RolloutConfig",

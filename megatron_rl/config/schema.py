@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from megatron_rl.config import verl_keys as verl
-from megatron_rl.config.base import BaseConfig, is_internal
+from megatron_rl.config.base_config import BaseConfig, is_internal
 
 __all__ = [
     "build_config",

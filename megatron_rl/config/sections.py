@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from megatron_rl.config.algorithm import ActorConfig, CriticConfig
-from megatron_rl.config.base import TRAINING_ENGINES, BaseConfig, check_built, check_choice, check_range
-from megatron_rl.config.lora import LoRAConfig, resolve_lora
+from megatron_rl.config.base_config import TRAINING_ENGINES, BaseConfig, check_built, check_choice, check_range
+from megatron_rl.config.lora_config import LoRAConfig, resolve_lora
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.distillation import DistillationLossConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -183,7 +183,7 @@ class ModelSourceConfig(BaseConfig):
     custom_chat_template: Optional[str] = None
     """Jinja chat template replacing the tokenizer's."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """verl 0.9.1's Megatron LoRA (``megatron_rl.config.lora.LoRAConfig``); ``lora.rank: 0`` (the default)
+    """verl 0.9.1's Megatron LoRA (``megatron_rl.config.lora_config.LoRAConfig``); ``lora.rank: 0`` (the default)
     trains every parameter. The actor's only: a critic that runs with ``rank > 0`` is refused (not built)
     before any worker starts (``megatron_rl.trainer.placement.check_lora_roles``)."""
     lora_rank: int = 0

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_rl.config.algorithm import ActorConfig, AlgoConfig, CriticConfig
 from megatron_rl.config import read_tracking
-from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.schema import build_config, fill_derived
 from megatron_rl.config.v1 import check_async_run
 from megatron_rl.config.verl_keys import warn_inert_keys

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Optional
 
-from megatron_rl.config.base import BaseConfig, check_choice, check_range
+from megatron_rl.config.base_config import BaseConfig, check_choice, check_range
 
 __all__ = [
     "V1Config",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from megatron_rl.config import algorithm, distillation, rollout, sections  # noqa: F401  (every section class)
-from megatron_rl.config.base import BaseConfig
+from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.compat import inert_reason
 from megatron_rl.config.schema import all_paths, field_hint
 from megatron_rl.config.verl_keys import (

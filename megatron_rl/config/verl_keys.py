@@ -14,7 +14,7 @@ A verl user's config carries keys of three kinds here:
 
 ``_target_`` (verl's Hydra class path in every section) is not a key: it is dropped after checking
 that the class it names fits the section (``VERL_TARGETS``). This module sits under
-``megatron_rl.config.base`` and ``schema`` (it imports only ``compat``); verl's converter
+``megatron_rl.config.base_config`` and ``schema`` (it imports only ``compat``); verl's converter
 ``omega_conf_to_dataclass`` and the key table are in ``megatron_rl.config.verl``.
 """
 

@@ -42,12 +42,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import OptimConfig
-from megatron_rl.config.lora import check_lora_fits
+from megatron_rl.config.lora_config import check_lora_fits
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
 from megatron_rl.engine.device import to_device, to_host
 from megatron_rl.engine.layout import ModelOutput, prepare_inputs
-from megatron_rl.engine.lora import LORA_PARAM_PATTERN, LoRASettings, adapters_disabled, apply_lora, merged_adapters
+from megatron_rl.engine.lora_layers import (
+    LORA_PARAM_PATTERN,
+    LoRASettings,
+    adapters_disabled,
+    apply_lora,
+    merged_adapters,
+)
 from megatron_rl.engine.step_info import LossMetrics, StepInfo, reduce_metrics
 from megatron_rl.engine.optim import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
@@ -96,8 +102,8 @@ class MegatronEngine:
             ``forward`` / ``train_step`` replay them (``megatron_rl.engine.router_replay``); an MoE
             model only.
         name: what this model is called in messages (e.g. the role that owns it).
-        lora: ``megatron_rl.config.lora.LoRAConfig`` with ``rank > 0`` (``*.model.lora``): the built
-            chunks get LoRA adapters on ``lora.target_modules`` (``megatron_rl.engine.lora``) before
+        lora: ``megatron_rl.config.lora_config.LoRAConfig`` with ``rank > 0`` (``*.model.lora``): the built
+            chunks get LoRA adapters on ``lora.target_modules`` (``megatron_rl.engine.lora_layers``) before
             DDP wraps them; every base weight is frozen, so DDP's gradient buffers and the optimizer
             hold the adapters only. ``adapters_disabled()`` turns the model back into its base (the
             reference policy). A trainable engine only.
@@ -220,7 +226,7 @@ class MegatronEngine:
         return merged_adapters(self.model) if self.lora is not None else contextlib.nullcontext()
 
     def adapters_disabled(self):
-        """Context manager: inside it the model is its base (``megatron_rl.engine.lora``); a no-op
+        """Context manager: inside it the model is its base (``megatron_rl.engine.lora_layers``); a no-op
         without LoRA. The reference policy of a LoRA actor is this engine inside it."""
         return adapters_disabled(self.model)
 
@@ -654,7 +660,7 @@ def add_lora(
 ) -> list[str]:
     """LoRA adapters (``lora``: a ``LoRAConfig``) on every chunk, over the mesh's TP group; the wrapped
     modules' names. Each adapter is drawn (whole, then sharded) from ``mesh.seed`` and its module's
-    layout-free name (``megatron_rl.engine.lora.global_module_name``), so TP / PP / VPP / EP layouts
+    layout-free name (``megatron_rl.engine.lora_layers.global_module_name``), so TP / PP / VPP / EP layouts
     start from the same adapters."""
     settings = LoRASettings(
         rank=lora.rank,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megatron_rl.config.base import check_choice
+from megatron_rl.config.base_config import check_choice
 from megatron_rl.config.model import ModelConfig
 
 __all__ = ["ExtendedModelConfig"]

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config.base import check_choice
+from megatron_rl.config.base_config import check_choice
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.models.attention import SDPAttention
 

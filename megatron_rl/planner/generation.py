@@ -122,7 +122,7 @@ def _engine_stages(run: Run) -> list[_EngineStage]:
 
 def lora_slot(run: Run) -> int:
     """Bytes of vLLM's LoRA slot on one engine GPU at PP = 1 (``lora.merge: false``; else 0)."""
-    from megatron_rl.planner.lora import vllm_lora_slot_bytes
+    from megatron_rl.planner.lora_sizes import vllm_lora_slot_bytes
 
     return vllm_lora_slot_bytes(
         run.model,

@@ -2,7 +2,7 @@
 
 With ``actor_rollout_ref.model.lora.rank > 0`` the actor's base weights are frozen (no gradient, no
 optimizer state: Megatron's DDP buffers and the optimizer hold only parameters that require a
-gradient) and only the adapters train (``megatron_rl.engine.lora.LoRALinear``). Per targeted linear of
+gradient) and only the adapters train (``megatron_rl.engine.lora_layers.LoRALinear``). Per targeted linear of
 rank ``r`` the adapter is ``A [r, in]`` and ``B [out, r]``, laid out like the base:
 
 * column-parallel (``linear_qkv``, ``linear_fc1``): ``A`` whole ``[r, in]``, ``B`` split like the
@@ -14,7 +14,7 @@ rank ``r`` the adapter is ``A [r, in]`` and ``B [out, r]``, laid out like the ba
 so one rank holds ``r * (in_local + out_local)`` per targeted linear (``adapter_params``). A fused
 ``linear_qkv`` / gated ``linear_fc1`` has one ``A`` for its parts.
 
-vLLM with ``lora.merge: false`` (``config.lora.vllm_lora_engine_kwargs``: ``max_loras=1``,
+vLLM with ``lora.merge: false`` (``config.lora_config.vllm_lora_engine_kwargs``: ``max_loras=1``,
 ``max_lora_rank`` = the smallest vLLM rank >= ``r``) allocates an adapter slot for *every* linear it
 supports (``vllm.lora.model_manager``: no ``target_modules`` given), in the model's dtype, whatever
 the adapter targets: per HF linear (each part of a merged one has its own ``A``) ``A [R, in_local]``
@@ -118,7 +118,7 @@ def adapter_params(
     stage_layers: Optional[Sequence[int]] = None,
 ) -> list[tuple[int, int]]:
     """``(dense, expert)`` adapter parameters one rank of each pipeline stage holds (``lora``: a
-    ``config.lora.LoRAConfig``; ``rank: 0`` = none). ``stage_layers``: decoder layers per stage of an uneven
+    ``config.lora_config.LoRAConfig``; ``rank: 0`` = none). ``stage_layers``: decoder layers per stage of an uneven
     split (None: ``L / PP`` each). The output layer and the embedding have no adapters."""
     layers_of = list(stage_layers) if stage_layers is not None else [m.num_layers // pp] * pp
     if not lora.enabled:
@@ -142,7 +142,7 @@ def wrapped_base_params(
     stage_layers: Optional[Sequence[int]] = None,
 ) -> int:
     """Base weights of the adapted linears one rank of the most loaded stage holds: what a ``merge: true`` sync
-    copies aside while the merged weights stream out (``engine.lora.merged_adapters`` restores them bit for bit)."""
+    copies aside while the merged weights stream out (``engine.lora_layers.merged_adapters`` restores them bit for bit)."""
     if not lora.enabled:
         return 0
     etp = etp or tp

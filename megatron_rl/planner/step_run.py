@@ -121,7 +121,7 @@ class Run:
     """``lora.merge: false``: bytes of the compact adapter each sync moves."""
     adapter_sync_tensors: int = 0
     lora_slot_embeddings: bool = False
-    """vLLM's LoRA slot covers the embedding and the head too (``planner.lora.vllm_embedding_lora``)."""
+    """vLLM's LoRA slot covers the embedding and the head too (``planner.lora_sizes.vllm_embedding_lora``)."""
 
     @property
     def decode_groups(self) -> int:
@@ -393,7 +393,7 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
 def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple) -> dict:
     """The actor update's ``Pass`` fields of a LoRA actor (``{}`` without LoRA): the base frozen, the adapters'
     work per stage (whole, routed experts at top-k of E) and one rank's adapters on the most loaded stage."""
-    from megatron_rl.planner.lora import adapter_params
+    from megatron_rl.planner.lora_sizes import adapter_params
 
     if not lora.enabled:
         return {}
@@ -410,8 +410,8 @@ def _lora_pass_fields(m: ModelConfig, lora: Any, size: dict, stage_layers: tuple
 
 def _lora_sync_fields(cfg: Any, plan: Any, lora: Any) -> dict:
     """The ``Run`` fields of an adapter-only sync (``lora.merge: false``; ``{}`` otherwise)."""
-    from megatron_rl.config.lora import vllm_lora_rank
-    from megatron_rl.planner.lora import adapter_sync_tensors
+    from megatron_rl.config.lora_config import vllm_lora_rank
+    from megatron_rl.planner.lora_sizes import adapter_sync_tensors
 
     if not lora.enabled or lora.merge:
         return {}

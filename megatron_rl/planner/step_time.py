@@ -34,7 +34,7 @@ phases the memory plan sums), each with the bound that decides it, from the publ
   ``colocated``: gathered from the training shards over NVLink; ``nccl``: NVLink or network;
   ``broadcast``: gloo over TCP; ``shm`` / ``bytes``: through host memory), plus the engine copying
   them into place.
-* **LoRA** (``lora.rank > 0``, ``megatron_rl.planner.lora``): the frozen base computes no weight gradients
+* **LoRA** (``lora.rank > 0``, ``megatron_rl.planner.lora_sizes``): the frozen base computes no weight gradients
   (Megatron's ``linear_with_frozen_weight``), so an update's base GEMMs are 2 forwards' worth (3 with full
   recompute), attention's 3 as before, and the adapters' own ``2 x r x (in + out)`` FLOPs per token and
   linear are added at 3 passes; the gradient reduce-scatter, the distributed optimizer's all-gather and Adam
@@ -77,7 +77,7 @@ from megatron_rl.planner.hardware import get_hardware
 from megatron_rl.planner.megatron_passes import megatron_pass
 from megatron_rl.planner.memory import GIB
 from megatron_rl.planner.step_run import KVCache, PhaseTime, Run, build_run
-from megatron_rl.planner.weight_sync import VLLM_LOAD_S_PER_TENSOR, offload, weight_sync
+from megatron_rl.planner.transfer_time import VLLM_LOAD_S_PER_TENSOR, offload, weight_sync
 
 __all__ = [
     "PhaseTime",

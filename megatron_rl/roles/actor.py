@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron_rl.algos import get_policy_loss_fn
-from megatron_rl.algos.distillation import TOPK_LOSS_MODES, resolve_distillation_config
+from megatron_rl.algos.distillation_loss import TOPK_LOSS_MODES, resolve_distillation_config
 from megatron_rl.config import ActorConfig
 from megatron_rl.data.batch import batch_fields
 from megatron_rl.engine import MegatronEngine, ModelOutput, StepInfo

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_rl.algos import agg_loss
-from megatron_rl.algos.distillation import TopKDistillation, distillation_ppo_loss
+from megatron_rl.algos.distillation_loss import TopKDistillation, distillation_ppo_loss
 from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.config import ActorConfig
 from megatron_rl.engine import LossMetrics

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.algos.distillation import TopKDistillation, topk_distillation_from_log_probs
+from megatron_rl.algos.distillation_loss import TopKDistillation, topk_distillation_from_log_probs
 from megatron_rl.engine import ModelOutput
 
 __all__ = ["response_log_probs", "response_logits", "topk_log_probs", "topk_distillation_terms"]

@@ -1,7 +1,7 @@
 """vLLM's LoRA slot of a ``VLLMRollout``: the adapter-only weight sync of ``lora.merge: false`` (issue 29).
 
 With ``max_lora_rank`` (or ``engine_kwargs.vllm.enable_lora``, which the trainer sets for ``lora.merge:
-false``: ``config.lora.vllm_lora_engine_kwargs``) the engine is built with one LoRA slot (``max_loras=1``);
+false``: ``config.lora_config.vllm_lora_engine_kwargs``) the engine is built with one LoRA slot (``max_loras=1``);
 ``load_lora_tensors`` / ``load_lora_adapter`` put the actor's PEFT adapter in it, the base weights
 untouched, and every later generation uses it (``lora_request``). ``VLLMLoRA`` is the part of
 ``megatron_rl.rollout.vllm_rollout.VLLMRollout`` that does this; it uses the engine's ``llm``,
@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from megatron_rl.config.lora import vllm_lora_rank
+from megatron_rl.config.lora_config import vllm_lora_rank
 
 __all__ = ["VLLMLoRA"]
 

@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_rl.config.base import check_choice
+from megatron_rl.config.base_config import check_choice
 from megatron_rl.config.rollout import TRANSPORTS, RolloutConfig, SamplingConfig, WeightSyncConfig
 from megatron_rl.rollout.partial import PauseGate, generate_pausable
 from megatron_rl.rollout.routed_experts import ROUTED_EXPERTS_KWARG, align_routed_experts

@@ -58,7 +58,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config.base import check_choice, check_range
+from megatron_rl.config.base_config import check_choice, check_range
 from megatron_rl.config.rollout import QUANTIZATIONS
 from parallel.bridge import ExportStats, HFExporter
 from parallel.bridge.export import parse_piece, piece_name

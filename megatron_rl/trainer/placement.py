@@ -16,7 +16,7 @@ from typing import Any, Optional
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
 from megatron_rl.config import ActorConfig, TrainerRunConfig
-from megatron_rl.config.lora import LoRAConfig, check_lora_fits
+from megatron_rl.config.lora_config import LoRAConfig, check_lora_fits
 from megatron_rl.models.tiny import megatron_overrides
 from megatron_rl.utils.engine_map import rollout_layout
 from megatron_rl.workers.dispatch import ShardCache
@@ -199,7 +199,7 @@ def reference_in_actor(config: TrainerRunConfig, needs: RunNeeds) -> bool:
 def lora_rollout_config(config: TrainerRunConfig):
     """``actor_rollout_ref.rollout``, with vLLM's LoRA switched on in ``engine_kwargs.vllm`` when the actor
     syncs only its adapters (``lora.merge: false``: ``vllm_lora_engine_kwargs``); otherwise unchanged."""
-    from megatron_rl.config.lora import vllm_lora_engine_kwargs
+    from megatron_rl.config.lora_config import vllm_lora_engine_kwargs
 
     rollout_cfg = config.actor_rollout_ref.rollout
     lora_kwargs = vllm_lora_engine_kwargs(actor_lora(config))
@@ -264,7 +264,7 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
             )
             read_peft_adapter_config(lora.adapter_path, lora, key)
         if not lora.merge:  # adapter-only sync into vLLM's LoRA: what it cannot do yet is refused here
-            from megatron_rl.config.lora import vllm_lora_engine_kwargs
+            from megatron_rl.config.lora_config import vllm_lora_engine_kwargs
 
             vllm_lora_engine_kwargs(lora)  # a rank vLLM cannot hold
             rollout_cfg = config.actor_rollout_ref.rollout

@@ -39,7 +39,7 @@ class WorkerSpec:
     model_overrides: dict = dataclasses.field(default_factory=dict)
     """``ModelConfig`` fields set on top of the checkpoint's (``model.override_config``)."""
     lora: Optional[Any] = None
-    """The actor's ``megatron_rl.config.lora.LoRAConfig`` (``rank > 0``): adapters on a frozen base; None = none."""
+    """The actor's ``megatron_rl.config.lora_config.LoRAConfig`` (``rank > 0``): adapters on a frozen base; None = none."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -81,7 +81,7 @@ class WeightSyncRank:
             weights = self._exporter.iter_weights(bucket_bytes=bucket_bytes, all_ranks=False)
             out = [(name, t.detach().clone()) for name, t in weights]
         if quantization is not None and self.rank == 0:
-            from megatron_rl.config.base import check_choice
+            from megatron_rl.config.base_config import check_choice
             from megatron_rl.config.rollout import QUANTIZATIONS
             from megatron_rl.rollout.weight_stream import quantize_fp8_stream
             from parallel.bridge.fp8 import DEFAULT_BLOCK

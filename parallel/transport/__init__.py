@@ -19,11 +19,11 @@ Modelled on Megatron-LM's ``megatron/core/resharding``: a plan (here the bridge'
 built once), its execution (``transfer``) and pluggable copy services (the transports).
 """
 
-from parallel.transport.base import Receiver, Sender, TransferStats, Transport
+from parallel.transport.transport_base import Receiver, Sender, TransferStats, Transport
 from parallel.transport.buckets import bucket_meta, bucket_named_tensors, unpack_bucket
 from parallel.transport.execution import CallChannel, Channel, transfer
 from parallel.transport.gloo import DEFAULT_TIMEOUT_S, SideBand, new_gloo_group
-from parallel.transport.registry import (
+from parallel.transport.transport_registry import (
     GPU_TRANSPORTS,
     RESERVED,
     STREAMABLE,

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.transport.base import Receiver, Sender
+from parallel.transport.transport_base import Receiver, Sender
 from parallel.transport.buckets import Bucket, bucket_meta, host_bytes, unpack_bucket
 from parallel.transport.gloo import broadcast
 

@@ -7,7 +7,7 @@ reads its tensors as views into the blob it was handed.
 
 from __future__ import annotations
 
-from parallel.transport.base import Receiver, Sender
+from parallel.transport.transport_base import Receiver, Sender
 from parallel.transport.buckets import Bucket
 from parallel.transport.safetensors_format import bytes_tensor, safetensors_views, serialize_safetensors
 

@@ -6,7 +6,7 @@ where delivering a message is a plain function call: nothing is copied or serial
 
 from __future__ import annotations
 
-from parallel.transport.base import Receiver, Sender
+from parallel.transport.transport_base import Receiver, Sender
 from parallel.transport.buckets import Bucket, check_pair
 
 __all__ = ["ColocatedSender", "ColocatedReceiver"]

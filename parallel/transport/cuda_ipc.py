@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.transport.base import Receiver, Sender
+from parallel.transport.transport_base import Receiver, Sender
 from parallel.transport.buckets import ALIGN, Bucket, bucket_meta, nbytes, raw_bytes, unpack_bucket
 from parallel.transport.cuda import device_uuid, local_index, require_cuda, visible_uuids
 

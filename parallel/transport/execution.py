@@ -21,7 +21,7 @@ import contextlib
 import time
 from typing import Any, Callable, Iterable, Protocol
 
-from parallel.transport.base import Sender, TransferStats
+from parallel.transport.transport_base import Sender, TransferStats
 from parallel.transport.buckets import Bucket
 
 __all__ = ["Channel", "CallChannel", "transfer"]

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.transport.base import Receiver
+from parallel.transport.transport_base import Receiver
 from parallel.transport.broadcast import BroadcastSender
 from parallel.transport.buckets import Bucket, unpack_bucket
 from parallel.transport.cuda import require_cuda

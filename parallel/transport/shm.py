@@ -14,7 +14,7 @@ import os
 import tempfile
 from typing import Optional
 
-from parallel.transport.base import Receiver, Sender
+from parallel.transport.transport_base import Receiver, Sender
 from parallel.transport.buckets import Bucket
 from parallel.transport.safetensors_format import file_bytes, safetensors_views, write_safetensors
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from parallel.transport.base import Receiver
+from parallel.transport.transport_base import Receiver
 from parallel.transport.buckets import Bucket, bucket_named_tensors
 from parallel.transport.execution import transfer
 from parallel.transport.gloo import DEFAULT_TIMEOUT_S, SideBand, ack, recv_header, send_header
 from parallel.transport.cuda import require_cuda
-from parallel.transport.registry import STREAMABLE, get_transport, link_group, new_receiver
+from parallel.transport.transport_registry import STREAMABLE, get_transport, link_group, new_receiver
 
 __all__ = ["StreamChannel", "RemoteWeightSender", "receive_stream", "stream_receivers"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from parallel.transport.base import Receiver, Sender, Transport
+from parallel.transport.transport_base import Receiver, Sender, Transport
 from parallel.transport.broadcast import BroadcastReceiver, BroadcastSender
 from parallel.transport.bytes_blob import BytesReceiver, BytesSender
 from parallel.transport.colocated import ColocatedReceiver, ColocatedSender

@@ -6,9 +6,9 @@ import pytest
 
 
 def test_bench_lora_measures_the_adapter_only_sync_against_the_merged_one():
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.config.model import ModelConfig
-    from megatron_rl.planner.lora import adapter_sync_tensors
+    from megatron_rl.planner.lora_sizes import adapter_sync_tensors
     from tools.bench_lora import main
 
     model = ModelConfig(

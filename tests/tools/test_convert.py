@@ -41,7 +41,7 @@ def _hidden(directory: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     built = build_tiny_hf_checkpoint(tmp_path_factory.mktemp("src") / "hf", "qwen3")
     assert built["tokenizer_size"] == 300 and built["config"].vocab_size == 300

@@ -18,7 +18,7 @@ def _hidden(parent: Path, name: str) -> list[Path]:
 
 
 def test_a_killed_conversion_leaves_no_output_and_can_be_rerun(tmp_path):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "qwen3")["path"]
     out = tmp_path / "mcore"

@@ -122,7 +122,7 @@ def _megatron_lm_rank(rank: int, world: int, load_dir: str, ids: torch.Tensor) -
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     work = tmp_path_factory.mktemp("mlm")
     hf = build_tiny_hf_checkpoint(work / "hf", "qwen3")["path"]

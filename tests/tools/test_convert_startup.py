@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from megatron_rl.models.families import get_family, load_hf_config  # noqa: E402
-from megatron_rl.models.testing import TINY_HF_CONFIGS  # noqa: E402
+from megatron_rl.models.tiny_checkpoints import TINY_HF_CONFIGS  # noqa: E402
 from tools.bench_convert import SYNTH_CONFIGS  # noqa: E402
 from megatron_rl.convert.support import fast_tokenizer_size  # noqa: E402
 from megatron_rl.convert.output import TreeMemory  # noqa: E402

@@ -224,7 +224,7 @@ def _one_rank_export(rank: int, world: int, hf_dir: str) -> None:
 def test_streamed_export_on_one_rank(tmp_path):
     """A world of one: the export in small buckets still writes the source bit for bit (Megatron's
     partial load cannot run there; ``PartialLoad`` reads everything at its first load)."""
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf_dir = build_tiny_hf_checkpoint(tmp_path / "qwen3", "qwen3", dtype=torch.bfloat16)["path"]
     run_distributed(_one_rank_export, 1, str(hf_dir), timeout_s=300)
@@ -240,7 +240,7 @@ def test_save_model_refuses_bad_writer_settings(tmp_path):
 
 
 def test_streaming_model_writes_the_classic_checkpoint(tmp_path):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     dirs = {f: build_tiny_hf_checkpoint(tmp_path / f, f, dtype=torch.bfloat16)["path"] for f in ("qwen3", "qwen3_moe")}
     cases = [(str(dirs[family]), layout) for family, layout in LAYOUTS]

@@ -61,7 +61,7 @@ def _lines(stdout: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     work = tmp_path_factory.mktemp("verify")
     cases, names = [], []

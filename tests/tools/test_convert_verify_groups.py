@@ -37,7 +37,7 @@ LAYOUTS = {  # name: (family, ParallelConfig fields, ranks)
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     work = tmp_path_factory.mktemp("groups")
     # Four layers (two per virtual stage at PP=2 x VPP=2), bf16 on disk as hub checkpoints are.
@@ -108,7 +108,7 @@ def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path
     checkpoint written out plainly (logits and hidden states), which is HF's forward of it."""
     from safetensors.torch import save_file
 
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
     from parallel.bridge.fp8 import dequantize_fp8_blocks
     from tests.megatron_rl.models.test_deepseek_fp8 import write_fp8_checkpoint
     from megatron_rl.convert.verify import hf_logits
@@ -141,7 +141,7 @@ def test_streamed_reference_of_an_fp8_checkpoint_is_dequantised_as_read(tmp_path
 def test_streamed_reference_rounds_to_the_weight_dtype(tmp_path):
     """A float32 checkpoint converted to bf16: the reference's weights are the file's rounded to
     bf16, then upcast for the float32 forward (as the whole-model reference does), not the file's."""
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
     from megatron_rl.convert.verify import hf_logits
     from megatron_rl.convert.verify_hf import hf_stream_forward
 

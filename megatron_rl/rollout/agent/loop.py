@@ -24,8 +24,8 @@ from megatron_rl.rollout.agent.calls import TimedOut, run_calls
 from megatron_rl.rollout.agent.chat import ChatFormat
 from megatron_rl.rollout.agent.parser import FunctionCall, get_parser
 from megatron_rl.rollout.agent.session import AgentOutput, AgentSession
-from megatron_rl.rollout.tools.base import BaseTool, ToolResponse
-from megatron_rl.rollout.tools.registry import import_class
+from megatron_rl.rollout.tools.tool_base import BaseTool, ToolResponse
+from megatron_rl.rollout.tools.tool_registry import import_class
 from megatron_rl.utils.registry import Registry
 
 __all__ = [

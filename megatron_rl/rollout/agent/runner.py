@@ -27,7 +27,7 @@ import torch
 from megatron_rl.rollout.agent.chat import ChatFormat
 from megatron_rl.rollout.agent.loop import AGENT_LOOPS, register_agent_loops
 from megatron_rl.rollout.agent.session import AgentOutput, AgentSession
-from megatron_rl.rollout.tools.registry import load_tools
+from megatron_rl.rollout.tools.tool_registry import load_tools
 
 __all__ = ["AgentRunner", "check_agent_config", "pad_outputs", "ROUND_SEED_STRIDE"]
 

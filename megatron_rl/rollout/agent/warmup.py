@@ -22,7 +22,7 @@ import numpy as np
 from megatron_rl.data.agent_tasks import AGENT_DEMOS, DEMO_TOOL_FRACTION
 from megatron_rl.rollout.agent.chat import TOOL_CHATML_TEMPLATE, ChatFormat
 from megatron_rl.rollout.agent.parser import get_parser
-from megatron_rl.rollout.tools.registry import load_tools
+from megatron_rl.rollout.tools.tool_registry import load_tools
 
 AGENT_SFT_BATCH_SIZE = 16
 """Demonstrations per warm-up step: copying is learnt from the number of steps more than from

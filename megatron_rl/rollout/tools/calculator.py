@@ -13,7 +13,7 @@ import ast
 import operator
 from typing import Any
 
-from megatron_rl.rollout.tools.base import BaseTool, ToolSchema
+from megatron_rl.rollout.tools.tool_base import BaseTool, ToolSchema
 
 __all__ = ["CalculatorTool", "evaluate"]
 

@@ -15,7 +15,7 @@ import dataclasses
 import warnings
 from typing import Any, Mapping, Optional
 
-from megatron_rl.rollout.tools.base import BaseTool, ToolResponse, ToolSchema
+from megatron_rl.rollout.tools.tool_base import BaseTool, ToolResponse, ToolSchema
 from megatron_rl.rollout.tools.sandbox import SandboxLimits, isolation, run_python
 
 __all__ = ["CodeInterpreterTool"]

@@ -21,7 +21,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from megatron_rl.rollout.tools.base import BaseTool, ToolSchema
+from megatron_rl.rollout.tools.tool_base import BaseTool, ToolSchema
 
 __all__ = ["BUILTIN_DIR", "BUILTIN_TOOL_CONFIGS", "resolve_tool_config", "load_tools", "import_class"]
 

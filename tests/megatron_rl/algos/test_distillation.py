@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from megatron_rl.algos import POLICY_LOSSES
-from megatron_rl.algos.distillation import (
+from megatron_rl.algos.distillation_loss import (
     DISTILLATION_LOSSES,
     DistillationInputs,
     DistillationLossConfig,
@@ -16,7 +16,7 @@ from megatron_rl.algos.distillation import (
     compute_distillation_loss,
     compute_forward_kl_topk,
 )
-from megatron_rl.algos.registry import UnknownNameError
+from megatron_rl.algos.algo_registry import UnknownNameError
 from tests.numerics import assert_close_within, rounding_bound
 
 ln = math.log

@@ -73,7 +73,7 @@ def test_one_output_per_session_equals_plain_grpo_and_dr_grpo():
 
 
 def test_other_estimators_pass_through_unchanged():
-    from megatron_rl.algos.registry import ADV_ESTIMATORS
+    from megatron_rl.algos.algo_registry import ADV_ESTIMATORS
 
     rewards = _rewards()
     index = np.array([parse_trajectory_key(k)[0] for k in KEYS], dtype=object)

@@ -98,7 +98,7 @@ def test_user_registration_by_decorator_and_by_assignment():
         with pytest.raises(ValueError, match="already registered"):
             register_policy_loss("my_loss")(lambda *a: None)
         # The snapshot that travels with the actor's config re-registers them where it is unpickled.
-        snapshot = algos.registry.plugins()
+        snapshot = algos.algo_registry.plugins()
         assert sorted(snapshot.estimators) == ["my_est"] and sorted(snapshot.losses) == ["my_loss"]
         del POLICY_LOSS_REGISTRY["my_loss"], ADV_ESTIMATOR_REGISTRY["my_est"]
         restored = pickle.loads(pickle.dumps(snapshot))

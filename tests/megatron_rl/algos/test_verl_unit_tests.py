@@ -14,7 +14,7 @@ def test_registry_copy_clear_update_restores_traits_and_plugins():
     """verl's tests save a registry with ``copy()``, empty it and restore it with ``update()``: the
     entries' declared needs (GAE needs values) and plugin marks come back too."""
     from megatron_rl.algos import ADV_ESTIMATOR_REGISTRY as registry
-    from megatron_rl.algos.registry import estimator_needs, plugins, register_adv_est
+    from megatron_rl.algos.algo_registry import estimator_needs, plugins, register_adv_est
 
     @register_adv_est("shim_test_plugin", needs_ref=True)
     def plugin(**kwargs):

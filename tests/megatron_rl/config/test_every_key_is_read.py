@@ -147,7 +147,7 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _config(tmp_path, extra=()):
-    from megatron_rl.models.testing import build_tiny_reward_model
+    from megatron_rl.models.tiny_checkpoints import build_tiny_reward_model
 
     rm = tmp_path / "reward_model" / "rm"
     if not rm.exists():
@@ -186,7 +186,7 @@ def _exercise_algorithms(config) -> None:
     """Every registered estimator, policy loss and distillation loss, and the asynchronous loop's
     settings (``trainer.v1``), with the run's tracked sections."""
     from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES, get_kl_controller
-    from megatron_rl.algos.distillation import (
+    from megatron_rl.algos.distillation_loss import (
         DISTILLATION_LOSSES,
         DistillationInputs,
         combine_with_policy_loss,

@@ -583,7 +583,7 @@ def test_bad_lora_settings_are_refused_by_key_when_the_config_is_built(overrides
 def test_lora_merge_false_is_verls_default_and_builds():
     """``lora.merge`` left out is verl's ``false``: the adapters alone go into vLLM's LoRA, whose engine
     gets ``enable_lora`` with a slot rank vLLM accepts (4 -> 8)."""
-    from megatron_rl.config.lora import vllm_lora_engine_kwargs
+    from megatron_rl.config.lora_config import vllm_lora_engine_kwargs
     from megatron_rl.trainer.placement import actor_lora
 
     lora = actor_lora(load_config("grpo", ["actor_rollout_ref.model.lora.rank=4"]))

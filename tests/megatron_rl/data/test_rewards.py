@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algos.registry import UnknownNameError
+from megatron_rl.algos.algo_registry import UnknownNameError
 from megatron_rl.data.datasets import TOY_TASKS, toy_rows
 from megatron_rl.data.rewards import (
     REWARD_FNS,

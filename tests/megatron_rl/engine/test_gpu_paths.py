@@ -101,7 +101,7 @@ def _sleep_case(rank, world_size, hf_dir):
 @pytest.mark.gpu
 def test_vllm_sleep_releases_gpu_memory_and_wake_up_restores_the_engine(tmp_path):
     pytest.importorskip("vllm")
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf_dir = build_tiny_hf_checkpoint(
         tmp_path / "hf",

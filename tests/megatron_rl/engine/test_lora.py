@@ -1,4 +1,4 @@
-"""LoRA adapters on Megatron's parallel linears (``megatron_rl.engine.lora``, issue 29 layer 1).
+"""LoRA adapters on Megatron's parallel linears (``megatron_rl.engine.lora_layers``, issue 29 layer 1).
 
 A column-parallel linear (the role of ``linear_fc1``) feeding a row-parallel one (``linear_fc2``),
 both with adapters, at TP=2 with sequence parallelism: two SGD steps on the adapters give the
@@ -27,7 +27,7 @@ def _case(rank, world_size, sequence_parallel):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_rl.engine.lora import LoRALinear, LoRASettings
+    from megatron_rl.engine.lora_layers import LoRALinear, LoRASettings
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
 
@@ -110,13 +110,13 @@ class LoRALinearInit:
 
     @staticmethod
     def a():
-        from megatron_rl.engine.lora import _init_full
+        from megatron_rl.engine.lora_layers import _init_full
 
         return _init_full((RANK, HIDDEN), "xavier", torch.Generator().manual_seed(11))
 
 
 def test_bad_settings_named():
-    from megatron_rl.engine.lora import LoRASettings, apply_lora
+    from megatron_rl.engine.lora_layers import LoRASettings, apply_lora
 
     with pytest.raises(ValueError, match="lora.rank"):
         LoRASettings(rank=0)

@@ -33,7 +33,7 @@ REF_TOL, MERGE_TOL = 1e-6, 1e-5
 
 
 def _lora(**overrides):
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
 
     return LoRAConfig(**{"rank": 4, "alpha": 8.0, "merge": True, **overrides})
 
@@ -42,7 +42,7 @@ def _case(rank, world_size):
     from megatron_rl.config import ActorConfig, OptimConfig
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.engine import MegatronEngine
-    from megatron_rl.engine.lora import lora_modules, merged_adapters
+    from megatron_rl.engine.lora_layers import lora_modules, merged_adapters
     from megatron_rl.roles import Actor
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
@@ -138,7 +138,7 @@ def test_lora_actor_trains_adapters_only(world_size, single_rank):
 
 def test_lora_engine_refusals():
     """A frozen engine refuses adapters; LoRAConfig names what is not built."""
-    from megatron_rl.config.lora import resolve_lora
+    from megatron_rl.config.lora_config import resolve_lora
 
     run_distributed(_frozen_refuses, world_size=1)
     assert resolve_lora({"lora": {"rank": 4}}).merge is False  # verl's default: the adapter-only sync
@@ -165,7 +165,7 @@ def test_lora_engine_refusals():
     # a PEFT adapter to start from (its directory is checked by the placement, tests/.../test_lora_peft_load.py)
     assert resolve_lora({"lora": {"rank": 4, "adapter_path": "/x"}}).adapter_path == "/x"
     assert resolve_lora({"lora_rank": 4, "lora_adapter_path": "/y"}).adapter_path == "/y"
-    from megatron_rl.config.lora import check_lora_fits
+    from megatron_rl.config.lora_config import check_lora_fits
     from megatron_rl.config.model import ModelConfig
     from tests.megatron_rl.engine.test_engine import MOE
 

@@ -42,7 +42,7 @@ PARTIAL = dict(
 
 def _case(rank, world_size, hf_dir: str, loras: list[dict], input_ids: torch.Tensor):
     from megatron_rl.config import OptimConfig
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.convert.verify import megatron_logits
     from megatron_rl.engine import MegatronEngine
     from megatron_rl.engine.lora_peft import peft_adapter_tensors
@@ -88,7 +88,7 @@ def _peft_logits(hf_dir: str, adapter_dir, input_ids):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
 
     dense = build_tiny_qwen3(tmp_path_factory.mktemp("qwen3"), seed=0)
     gen = torch.Generator().manual_seed(3)
@@ -97,7 +97,7 @@ def tiny(tmp_path_factory):
 
 
 def test_peft_adapter_gives_the_actor_logits(tiny, tmp_path):
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.engine.lora_peft import (
         ADAPTER_CONFIG_NAME,
         ADAPTER_WEIGHTS_NAME,

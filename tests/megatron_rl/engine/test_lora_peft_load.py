@@ -30,7 +30,7 @@ LORA = dict(rank=4, alpha=8.0)
 
 def _engine(hf_dir, mesh, **lora):
     from megatron_rl.config import OptimConfig
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.engine import MegatronEngine
     from megatron_rl.models.families import get_family
     from parallel.bridge import load_hf_checkpoint
@@ -86,7 +86,7 @@ def _load(rank, world_size, hf_dir: str, adapter_dir: str, input_ids, lora: dict
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("peft_load")
     hf_dir = root / "hf"
@@ -130,7 +130,7 @@ def _with(adapter, tmp_path, name, *, config=None, tensors=None):
 
 
 def test_a_mismatching_adapter_is_refused_by_key(tiny, tmp_path):
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.models.peft import read_peft_adapter_config
 
     hf_dir, adapter, input_ids, _ = tiny

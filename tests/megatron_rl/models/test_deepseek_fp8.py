@@ -48,7 +48,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> dict[s
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("fp8") / "hf", "deepseek_v3")["path"]
 

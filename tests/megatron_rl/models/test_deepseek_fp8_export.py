@@ -38,7 +38,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("fp8x") / "hf", "deepseek_v3", mtp_layers=1)["path"]
 

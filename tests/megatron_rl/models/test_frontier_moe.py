@@ -444,7 +444,7 @@ def test_megatron_rl_convert_round_trip_of_deepseek_v3_is_bit_exact(tmp_path):
     import subprocess
     import sys
 
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3", mtp_layers=1)["path"]  # + one MTP layer
     root = Path(__file__).resolve().parents[3]

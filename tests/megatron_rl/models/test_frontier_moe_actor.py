@@ -92,7 +92,7 @@ def single_rank_step(tmp_path, family: str):
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf_dir = build_tiny_hf_checkpoint(tmp_path / "hf", family)["path"]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -31,7 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def mtp_ckpts(tmp_path_factory) -> dict[str, Path]:
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("mtp")
     return {f: build_tiny_hf_checkpoint(root / f, f, mtp_layers=1)["path"] for f in FAMILIES}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config.lora import LoRAConfig
+from megatron_rl.config.lora_config import LoRAConfig
 from megatron_rl.config.model import ModelConfig
-from megatron_rl.planner.lora import adapter_params, adapter_sync_tensors, vllm_lora_slot_bytes
+from megatron_rl.planner.lora_sizes import adapter_params, adapter_sync_tensors, vllm_lora_slot_bytes
 from megatron_rl.planner.memory import count_params, estimate_role
 
 GIB = 2**30
@@ -135,8 +135,8 @@ def test_vllm_lora_slot_equals_a_vllm_cpu_engines_buffers(tmp_path):
     LoRA buffers are ``vllm_lora_slot_bytes`` (Qwen3's class has ``embedding_modules``: embedding and head too)."""
     pytest.importorskip("vllm")
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
-    from megatron_rl.planner.lora import vllm_embedding_lora
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
+    from megatron_rl.planner.lora_sizes import vllm_embedding_lora
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
 
     hf_dir = tmp_path / "hf"
@@ -263,7 +263,7 @@ def sum_whole(r: int) -> int:
 def test_merged_sync_counts_the_copy_of_the_adapted_base_weights(qwen2_7b):
     """``lora.merge: true``: ``merged_adapters`` copies every adapted base weight aside while the merged weights
     stream out; the weight-sync phase counts that copy (``merge backup``) besides the bucket."""
-    from megatron_rl.planner.lora import wrapped_base_params
+    from megatron_rl.planner.lora_sizes import wrapped_base_params
     from tests.megatron_rl.config.test_verl_example_scripts import plan
 
     per_layer = (8 + 8) // 2 * HEAD_DIM * 256 + 8 // 2 * HEAD_DIM * 256 + 2 * 768 // 2 * 256 + 768 // 2 * 256

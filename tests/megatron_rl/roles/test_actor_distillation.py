@@ -69,14 +69,14 @@ def _distill_case(rank, world_size, distillation, mbs, temperature, empty_rows):
     the hand computation sees the whole batch. ``empty_rows`` get empty responses."""
     import dataclasses
 
-    from megatron_rl.algos.distillation import (
+    from megatron_rl.algos.distillation_loss import (
         DistillationInputs,
         DistillationLossConfig,
         TopKDistillation,
         compute_distillation_loss,
         compute_forward_kl_topk,
     )
-    from megatron_rl.algos.registry import POLICY_LOSSES
+    from megatron_rl.algos.algo_registry import POLICY_LOSSES
     from megatron_rl.config import ActorConfig
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.roles import build_role

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from megatron_rl.rollout.partial import PauseGate  # noqa: E402
-from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts  # noqa: E402
+from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3, chat_prompts  # noqa: E402
 from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout  # noqa: E402
 
 

@@ -78,7 +78,7 @@ def deepseek(tmp_path_factory):
     """A tiny DeepSeek-V3 (MLA, first layer dense, 8 experts + a shared one), its FP8 export, and the
     actor's fp8 stream (buckets of 0.05 MiB)."""
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
     from parallel.bridge.fp8 import write_fp8_export
 
     root = tmp_path_factory.mktemp("fp8_rollout")
@@ -358,7 +358,7 @@ def test_fp8_vllm_engine_after_a_sync_matches_the_actor(tmp_path):
     bf16 engine synced the same way."""
     pytest.importorskip("vllm")
     from megatron_rl.models.families import get_family
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
 
     hf_dir = build_tiny_hf_checkpoint(
         tmp_path / "hf",

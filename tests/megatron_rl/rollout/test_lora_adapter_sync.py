@@ -30,7 +30,7 @@ SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
 
 def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
     from megatron_rl.config import ActorConfig, OptimConfig
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.engine import MegatronEngine
     from megatron_rl.engine.lora_peft import expand_shared, peft_adapter_config, peft_adapter_parts
     from megatron_rl.models.families import get_family
@@ -94,7 +94,7 @@ def _max_diff(a, b, mask):
 
 
 def test_adapter_sync_gives_vllm_the_actor_and_moves_adapter_bytes_only(tmp_path):
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
 
     dense = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     batch = make_batch(len(dense["tokenizer"]))

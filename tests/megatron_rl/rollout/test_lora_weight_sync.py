@@ -30,7 +30,7 @@ SGD = {"optimizer": "sgd", "lr": 0.5, "weight_decay": 0.0, "clip_grad": 0.0}
 
 def _case(rank, world_size, hf_dir: str, batch: dict) -> dict:
     from megatron_rl.config import ActorConfig, OptimConfig
-    from megatron_rl.config.lora import LoRAConfig
+    from megatron_rl.config.lora_config import LoRAConfig
     from megatron_rl.engine import MegatronEngine
     from megatron_rl.models.families import get_family
     from megatron_rl.roles import Actor
@@ -78,7 +78,7 @@ def _max_diff(a, b, mask):
 
 
 def test_merged_lora_sync_gives_vllm_the_actor(tmp_path):
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
     from pathlib import Path
 
     from safetensors.torch import load_file

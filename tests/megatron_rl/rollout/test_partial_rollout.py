@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm")
 
 from megatron_rl.rollout.partial import PauseGate  # noqa: E402
-from megatron_rl.rollout.testing import tiny_qwen3_pair  # noqa: E402
+from megatron_rl.rollout.tiny_qwen3 import tiny_qwen3_pair  # noqa: E402
 from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout  # noqa: E402
 
 LOGP_TOL = 1e-4

@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_rl.config.base import BaseConfig  # noqa: E402
+from megatron_rl.config.base_config import BaseConfig  # noqa: E402
 from megatron_rl.rollout.sampling import sampling_kwargs  # noqa: E402
 from megatron_rl.rollout.vllm_rollout import RolloutConfig, SamplingConfig, VLLMRollout  # noqa: E402
-from megatron_rl.rollout.testing import tiny_qwen3_pair  # noqa: E402
+from megatron_rl.rollout.tiny_qwen3 import tiny_qwen3_pair  # noqa: E402
 from parallel.transport import bucket_named_tensors  # noqa: E402
 
 LOGP_TOL = 1e-4

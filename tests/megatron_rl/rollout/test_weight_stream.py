@@ -282,7 +282,7 @@ def _next_address(ports, thread: threading.Thread, ranks: dict):
 def run(tmp_path_factory):
     """Run the three cases: actor ranks in a background thread, the remote engines here."""
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
-    from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3, chat_prompts
     from megatron_rl.rollout.weight_stream import RolloutWeightReceiver
 
     work = tmp_path_factory.mktemp("weight_sync")

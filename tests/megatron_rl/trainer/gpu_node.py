@@ -157,7 +157,7 @@ def _greedy_parity(trainer) -> list[float]:
     import ray
     import torch
 
-    from megatron_rl.rollout.testing import chat_prompts
+    from megatron_rl.rollout.tiny_qwen3 import chat_prompts
 
     tok = trainer.tokenizer
     ids = chat_prompts(tok, ["Reverse: 1 2 3", "Reverse: 4 5 6 7", "Reverse: 8 9", "Reverse: 3 1 4"])  # token ids

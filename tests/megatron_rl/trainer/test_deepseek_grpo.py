@@ -32,7 +32,7 @@ def test_deepseek_v3_grpo_runs_two_steps(tmp_path, ray_cluster):
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.job.main_job import build_trainer
-    from megatron_rl.models.testing import build_tiny_hf_checkpoint
+    from megatron_rl.models.tiny_checkpoints import build_tiny_hf_checkpoint
     from parallel.bridge import export_hf_weights
 
     hf = build_tiny_hf_checkpoint(tmp_path / "hf", "deepseek_v3", tokenizer_vocab_size=320)

@@ -59,9 +59,9 @@ def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path,
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
-    from megatron_rl.engine.lora import LORA_PARAM_PATTERN
+    from megatron_rl.engine.lora_layers import LORA_PARAM_PATTERN
     from megatron_rl.job.main_job import build_trainer
-    from megatron_rl.rollout.testing import chat_prompts
+    from megatron_rl.rollout.tiny_qwen3 import chat_prompts
 
     config = TrainerRunConfig.from_dict(
         compose(

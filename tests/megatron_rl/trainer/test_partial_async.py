@@ -30,7 +30,7 @@ LONG, TEMPERATURE = 256, 0.7
 
 def test_a_push_to_the_ray_worker_pauses_its_generation_and_it_continues_with_the_new_weights(tmp_path, ray_cluster):
     from megatron_rl.config.rollout import RolloutConfig
-    from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts, load_hf_model
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3, chat_prompts, load_hf_model
     from megatron_rl.workers.rollout_worker import create_rollout_worker
 
     m0, m1 = build_tiny_qwen3(tmp_path / "a", seed=0), build_tiny_qwen3(tmp_path / "b", seed=1)

@@ -104,7 +104,7 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend, monkeypatch):
     from megatron_rl.data.datasets import make_toy_dataset
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
-    from megatron_rl.rollout.testing import build_tiny_qwen3, chat_prompts
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3, chat_prompts
 
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")
@@ -174,7 +174,7 @@ def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster
     from megatron_rl.data.datasets import make_toy_dataset
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
 
     model = build_tiny_qwen3(tmp_path / "qwen3", seed=0)
     data = make_toy_dataset("toy_copy", 16, seed=0, path=tmp_path / "train.parquet")

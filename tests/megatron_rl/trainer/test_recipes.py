@@ -139,7 +139,7 @@ def _run(recipe: str, overrides: list[str], tmp_path) -> tuple[list[dict], objec
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.job.main_job import build_trainer
-    from megatron_rl.models.testing import build_tiny_reward_model
+    from megatron_rl.models.tiny_checkpoints import build_tiny_reward_model
 
     extra, _keys = {**RECIPES, **VARIANTS}[recipe]
     if "reward_model" in recipe:

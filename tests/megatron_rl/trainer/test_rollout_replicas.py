@@ -57,7 +57,7 @@ def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_clus
     from megatron_rl.config import TrainerRunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
-    from megatron_rl.rollout.testing import chat_prompts
+    from megatron_rl.rollout.tiny_qwen3 import chat_prompts
     from megatron_rl.trainer import RayPPOTrainer
 
     root, model_path = toy_model

@@ -40,7 +40,7 @@ def _hf_model(path, family: str, head: str, seed: int):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from megatron_rl.models.families import load_hf_config
-    from megatron_rl.models.testing import TINY_HF_CONFIGS
+    from megatron_rl.models.tiny_checkpoints import TINY_HF_CONFIGS
 
     base = TINY_HF_CONFIGS[family]["architectures"][0]
     arch = base.replace("ForCausalLM", "ForSequenceClassification") if head == "score" else base

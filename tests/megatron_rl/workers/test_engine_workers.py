@@ -25,7 +25,7 @@ LOGP_TOL = 1e-4  # float32 vLLM vs HF (observed 3.3e-6)
 def test_a_tp2_engine_counts_two_workers_and_a_streamed_sync_reaches_both(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
     from megatron_rl.rollout.vllm_rollout import RolloutConfig, VLLMRollout
     from megatron_rl.rollout.weight_stream import RolloutWeightReceiver
     from parallel.transport import RemoteWeightSender

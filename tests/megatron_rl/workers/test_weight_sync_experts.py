@@ -228,7 +228,7 @@ def _ranks(rank, world_size, moe_dir, dense_dir):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from megatron_rl.rollout.testing import build_tiny_qwen3
+    from megatron_rl.rollout.tiny_qwen3 import build_tiny_qwen3
 
     work = tmp_path_factory.mktemp("experts")
     moe_dir = build_qwen3_moe_128(work / "qwen3_moe_128")

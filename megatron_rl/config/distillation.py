@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
-from megatron_rl.config.base import INTERNAL, BaseConfig, check_range
+from megatron_rl.config.base_config import INTERNAL, BaseConfig, check_range
 
 __all__ = ["DistillationLossConfig", "TOPK_LOSS_MODES", "ESTIMATOR_LOSS_MODES", "validate_modes"]
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.algos.loss_agg import agg_loss
-from megatron_rl.algos.registry import POLICY_LOSSES, Registry
+from megatron_rl.algos.algo_registry import POLICY_LOSSES, Registry
 from megatron_rl.algos.utils import cfg_get, check_same_shape
 from megatron_rl.config.distillation import (
     ESTIMATOR_LOSS_MODES,
