@@ -52,7 +52,7 @@ passes -- the step is the slower of the two, plus the sync that pauses both -- u
 bound is 0 (``trainer.v1.sampler.max_off_policy_threshold=0``: strictly on-policy, no overlap).
 
 Modules: ``step_run`` (the run's figures from the config, ``PhaseTime``, ``KVCache``), ``generation``
-(``gen``, the KV cache), ``megatron_passes`` (log-prob and update passes), ``weight_sync`` (sync and offload);
+(``gen``, the KV cache), ``megatron_passes`` (log-prob and update passes), ``transfer_time`` (sync and offload);
 this one composes them, names the largest lever and formats the report.
 
 Calibration (``CALIBRATION``): NeMo-RL v0.6's published GRPO run on Qwen3-30B-A3B; only

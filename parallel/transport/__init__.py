@@ -5,12 +5,12 @@ Knows tensors, buckets, processes and groups; nothing about models, RL or infere
     buckets              bucketing under a byte bound (one larger tensor travels alone), flat layouts
     safetensors_format   buckets as safetensors blobs/files, written and read without extra copies
     gloo                 the side band: a data and a control gloo group of their own, headers, acks
-    base                 the protocol: Sender (send_bucket / release / abort), Receiver (receive_bucket),
+    transport_base       the protocol: Sender (send_bucket / release / abort), Receiver (receive_bucket),
                          the Transport registry entry, TransferStats
     colocated, bytes_blob, shm, broadcast    the four CPU transports
     nccl, cuda_ipc       the GPU transports (NCCL broadcast across GPUs; CUDA IPC handles on one GPU)
     cuda                 the CUDA check both GPU transports make, GPUs named by UUID
-    registry             name -> Transport (``get_transport``)
+    transport_registry   name -> Transport (``get_transport``)
     execution            ``transfer(sender, buckets, channel)``: the one loop; ``CallChannel``
     stream               a whole sync as one stream over a SideBand (``RemoteWeightSender`` /
                          ``receive_stream``) for receivers in other processes
