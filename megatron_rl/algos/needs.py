@@ -17,7 +17,7 @@ from megatron_rl.algos.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES, Estim
 from megatron_rl.config.sections import suggest
 from megatron_rl.config.trainer import TrainerRunConfig
 
-__all__ = ["RunNeeds", "resolve_run"]
+__all__ = ["RunNeeds", "resolve_run", "with_plugins"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +51,7 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
 
     Raises ``ValueError`` naming the field for an unregistered estimator or policy loss, an
     estimator that needs a critic with ``critic.enable=False``, and every layout / batch-size
-    misfit of a role that runs. Entries registered from user code (``register_adv_est`` /
-    ``register_policy_loss`` in the driver's script) are put into
-    ``actor_rollout_ref.actor.policy_loss.plugins``, so the workers that receive the actor's config
-    register them too.
+    misfit of a role that runs (``with_plugins`` carries the driver's own entries to the workers).
     """
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
     _check_name("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS, "advantage estimator")
@@ -75,7 +72,14 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
     config.check_roles(
         critic=needs.critic, reference=needs.reference, reward_model=needs.reward_model, teacher=needs.teacher
     )
-    snapshot = plugins()
-    if snapshot is not None:  # losses registered in the driver's script travel to the workers with the config
-        actor.policy_loss.plugins = snapshot
     return needs
+
+
+def with_plugins(config: TrainerRunConfig) -> TrainerRunConfig:
+    """``config`` with the entries registered from user code (``register_adv_est`` / ``register_policy_loss``
+    in the driver's script) in ``actor_rollout_ref.actor.policy_loss.plugins``, so that the workers that
+    receive the actor's config register them too (unpickling it does); ``config`` itself without any."""
+    snapshot = plugins()
+    if snapshot is None:
+        return config
+    return config.with_values({"actor_rollout_ref.actor.policy_loss.plugins": snapshot})

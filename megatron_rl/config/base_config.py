@@ -26,6 +26,7 @@ from megatron_rl.config import verl_keys as _verl
 
 __all__ = [
     "BaseConfig",
+    "FrozenConfigError",
     "INTERNAL",
     "ROLLOUT_ENGINES",
     "TRAINING_ENGINES",
@@ -112,9 +113,40 @@ class _ConfigMeta(type):
         return super().__call__(*args, **kwargs)
 
 
+class FrozenConfigError(dataclasses.FrozenInstanceError):
+    """A field of a built run config was assigned to (``BaseConfig.freeze``)."""
+
+
 @dataclasses.dataclass
 class BaseConfig(metaclass=_ConfigMeta):
-    """A dataclass with a read-only mapping interface compatible with ``DictConfig``."""
+    """A dataclass with a read-only mapping interface compatible with ``DictConfig``.
+
+    A run's config is built once (``TrainerRunConfig``: its sections are frozen when it is) and does not
+    change after: assigning to a field raises ``FrozenConfigError`` naming it; code that derives a value
+    returns it, or a changed copy (``replace``, ``with_values``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name[:1] != "_" and self.__dict__.get("_frozen"):
+            where = self.__dict__.get(read_tracking.PATH_ATTR) or type(self).__name__
+            raise FrozenConfigError(
+                f"cannot assign {where}.{name}={value!r}: a built run config is immutable; derive a changed "
+                "copy instead (config.with_values({'section.key': value}) or section.replace(key=value))"
+            )
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> "BaseConfig":
+        """Make this section and every section inside it immutable (``FrozenConfigError`` on assignment)."""
+        for f in dataclasses.fields(self):
+            value = self.__dict__.get(f.name)
+            if isinstance(value, BaseConfig):
+                value.freeze()
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        """True once ``freeze`` ran (every section of a built ``TrainerRunConfig``)."""
+        return bool(self.__dict__.get("_frozen"))
 
     def __getattribute__(self, name: str) -> Any:
         if read_tracking._tracker is not None and name[:1] != "_":  # off unless a test turns it on
@@ -154,8 +186,30 @@ class BaseConfig(metaclass=_ConfigMeta):
         return out
 
     def replace(self, **changes: Any) -> "BaseConfig":
-        """A copy with ``changes`` (``dataclasses.replace``) that keeps this section's place in the run's tree."""
-        return read_tracking.copy_tag(self, dataclasses.replace(self, **changes))
+        """A copy with ``changes`` (``dataclasses.replace``) that keeps this section's place in the run's tree
+        and its verl-only extras; the copy of a frozen section is frozen too."""
+        copy = read_tracking.copy_tag(self, dataclasses.replace(self, **changes))
+        _verl.attach_extras(copy, self.__dict__.get("_verl_extras") or {})
+        return copy.freeze() if self.frozen else copy
+
+    def with_values(self, values: Mapping[str, Any]) -> "BaseConfig":
+        """A copy with the fields at the dotted paths of ``values`` set (``{"trainer.default_local_dir":
+        "/runs/a"}``), every section on the way copied by ``replace`` and the copy validated as a built one
+        is: how code derives a changed config from a built, immutable one. A derived key
+        (``DERIVED_KEYS``, e.g. ``actor.rollout_n`` of ``rollout.n``) does not follow its changed source."""
+        out = self
+        for dotted, value in values.items():
+            out = out._with_value(dotted.split("."), value, dotted)
+        return out
+
+    def _with_value(self, parts: list[str], value: Any, dotted: str) -> "BaseConfig":
+        head, rest = parts[0], parts[1:]
+        if head not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(f"{dotted!r}: {type(self).__name__} has no field {head!r}")
+        inner = getattr(self, head)
+        if rest and not isinstance(inner, BaseConfig):
+            raise KeyError(f"{dotted!r}: {head!r} of {type(self).__name__} is not a config section")
+        return self.replace(**{head: inner._with_value(rest, value, dotted) if rest else value})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "BaseConfig":

@@ -142,6 +142,7 @@ class TrainerRunConfig(BaseConfig):
                 f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})"
             )
         check_async_run(self)  # trainer.v1 modes against placement, batch sizes and run length
+        self.freeze()  # built: every section immutable from here (BaseConfig.with_values derives a copy)
 
     def check_roles(self, *, critic: bool, reference: bool, reward_model: bool, teacher: bool) -> None:
         """Check what the roles that run need of the configuration: their models, layouts and batch

@@ -224,7 +224,7 @@ def run_train(
     with StopSignals(log=log) as signals, _signals_as_stopped(signals):
         config, raw = load_run_config(recipe, overrides)
         out_dir = Path(config.trainer.default_local_dir).expanduser().resolve()
-        config.trainer.default_local_dir = str(out_dir)  # one absolute run directory for every process
+        config = config.with_values({"trainer.default_local_dir": str(out_dir)})  # one absolute run directory
         resume = preflight(config, out_dir, log=log)
         plan = checked_plan(config, raw)  # a layout that cannot run is refused before anything is allocated
         log(
@@ -236,10 +236,13 @@ def run_train(
             + (f" (resuming {resume.path.name})" if resume.path else "")
         )
         if config.trainer.validation_data_dir is None:  # samples go to <run dir>/validation/<step>.jsonl; the
-            config.trainer.validation_data_dir = str(out_dir / "validation")  # terminal gets one [val] line each
+            # (the terminal gets one [val] line each)
+            config = config.with_values({"trainer.validation_data_dir": str(out_dir / "validation")})
         config_text = dump_config(config)
         if progress:  # the bar replaces the console logger's line per step
-            config.trainer.logger = [name for name in config.trainer.logger if name != "console"]
+            config = config.with_values(
+                {"trainer.logger": [name for name in config.trainer.logger if name != "console"]}
+            )
         out_dir.mkdir(parents=True, exist_ok=True)
         trainer = build_trainer(config, out_dir, log=log, resume=resume)  # models, data, reward: still no Ray
         atomic_text(out_dir / "config.yaml", config_text)  # the run's config; checkpoints keep a copy

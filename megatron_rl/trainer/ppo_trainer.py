@@ -27,7 +27,7 @@ import numpy as np
 
 from megatron_rl.algos import ADV_ESTIMATORS, agg_loss, apply_kl_penalty, get_kl_controller
 from megatron_rl.algos.multi_trajectory import compute_advantage_for_multi_trajectories
-from megatron_rl.algos.needs import resolve_run
+from megatron_rl.algos.needs import resolve_run, with_plugins
 from megatron_rl.algos.rollout_correction import (
     compute_rollout_corr_metrics_from_logprobs,
     compute_rollout_correction_and_rejection_mask,
@@ -95,6 +95,7 @@ class RayPPOTrainer:
         self.config = config if isinstance(config, TrainerRunConfig) else TrainerRunConfig.from_dict(config)
         self.config = async_run_config(self.config)  # trainer.v1 separate_async forces bypass mode
         self.needs = resolve_run(self.config)
+        self.config = with_plugins(self.config)  # losses registered in the driver's script travel to the workers
         if self.needs.teacher and teacher_path is None:
             raise ValueError("distillation.enabled=True needs the teacher's HF directory (teacher_path)")
         if model_path is None:
@@ -162,11 +163,9 @@ class RayPPOTrainer:
             actor.mode, ref.mode if self.needs.reference else None, is_moe=is_moe, rollout_lacks=lacks
         )
         if "R3" in modes:  # the rollout engine returns the experts it routed every token to
-            rollout = arr.rollout
-            rollout.engine_kwargs = {
-                **rollout.engine_kwargs,
-                "vllm": {**(rollout.engine_kwargs.get("vllm") or {}), ROUTED_EXPERTS_KWARG: True},
-            }
+            kwargs = arr.rollout.engine_kwargs
+            vllm = {**(kwargs.get("vllm") or {}), ROUTED_EXPERTS_KWARG: True}
+            self.config = self.config.with_values({"actor_rollout_ref.rollout.engine_kwargs": {**kwargs, "vllm": vllm}})
 
     def init_workers(self) -> None:
         """Start the roles the run needs (each in its own placement group) and the phases over them."""
