@@ -24,6 +24,7 @@ from tools.measure_memory import DEFAULT_BATCH, DEFAULT_MODEL, measure_train_ste
 
 GPU_RECIPES = [
     "gpu/qwen3_30b_a3b_grpo",
+    "gpu/qwen3_30b_a3b_grpo_lora",
     "gpu/qwen3_30b_a3b_dapo",
     "gpu/qwen3_30b_a3b_dr_grpo",
     "gpu/qwen3_30b_a3b_gspo",
@@ -92,6 +93,18 @@ def test_gpu_recipes_fit_80gb(recipe):
     plan = check_plan(load_config(recipe))
     assert plan.fits and plan.peak_bytes < 80 * 1024**3
     assert plan.sizes["tp"] <= plan.gpus_per_node
+
+
+def test_lora_puts_qwen3_30b_on_one_node_where_full_fine_tuning_does_not_fit():
+    """The LoRA recipe fits one 8 x 80 GB node with room to spare: the base is resident without gradients
+    or Adam state, there is no reference worker; the same layout training every parameter does not fit."""
+    lora = plan_run(load_config("gpu/qwen3_30b_a3b_grpo_lora"), suggest=False)
+    full = plan_run(load_config("gpu/qwen3_30b_a3b_grpo_lora", ["actor_rollout_ref.model.lora.rank=0"]), suggest=False)
+    assert lora.fits and lora.peak_bytes < 72 * 1024**3 and lora.sizes["world"] == lora.gpus_per_node == 8
+    assert set(lora.roles) == {"actor"} and set(full.roles) == {"actor", "ref"}  # the reference: adapters off
+    actor, base = lora.roles["actor"], full.roles["actor"]
+    assert actor.grad_bytes < 0.05 * base.grad_bytes and actor.optimizer_bytes < 0.05 * base.optimizer_bytes
+    assert not full.fits and full.peak_bytes > 100 * 1024**3
 
 
 def test_published_cluster_sizes():

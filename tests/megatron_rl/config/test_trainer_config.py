@@ -23,6 +23,7 @@ AGENT = ["tool_agent"]  # tests/megatron_rl/rollout/agent/test_tool_agent_recipe
 MOE = ["grpo_moe"]  # tests/megatron_rl/trainer/test_recipes.py runs it (EP=2, router replay R2)
 ASYNC = ["grpo_async"]  # tests/megatron_rl/trainer/test_async_trainer.py runs it (separate_async)
 LORA = ["grpo_lora"]  # tests/megatron_rl/trainer/test_lora_trainer.py runs it (adapters on a frozen base)
+LORA += ["gpu/qwen3_30b_a3b_grpo_lora"]  # tests/megatron_rl/test_planner.py plans it (one node; full FT does not fit)
 
 # recipe -> (adv_estimator, loss_mode, loss_agg_mode, needs_critic, needs_reference, needs_teacher)
 EXPECTED = {

@@ -369,6 +369,7 @@ GPU_RECIPE_STEPS = [  # (recipe, hardware, step seconds, the longest phase) as t
     ("gpu/qwen3_30b_a3b_dapo", "H100", 656.1, "gen"),
     ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 99.6, "gen"),
     ("gpu/qwen3_30b_a3b_grpo", "H100", 105.9, "gen"),
+    ("gpu/qwen3_30b_a3b_grpo_lora", "H100", 141.5, "gen"),
     ("gpu/qwen3_30b_a3b_gspo", "H100", 99.6, "gen"),
     ("gpu/qwen3_30b_a3b_opd", "H100", 186.6, "gen"),
     ("gpu/qwen3_30b_a3b_ppo", "H100", 65.7, "gen"),
