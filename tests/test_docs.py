@@ -26,6 +26,7 @@ PAGES = [
     "coming-from-verl.md",
     "reference/configuration.md",
     "algorithms.md",
+    "reward-curves.md",
     "parallelism.md",
     "moe.md",
     "agentic.md",

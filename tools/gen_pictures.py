@@ -9,11 +9,13 @@
   the validation reward of a run.
 
 The docs build (``tools/gen_docs_hooks.py``) calls the first two; ``python tools/gen_pictures.py
-reward-curve RUN/metrics.jsonl OUT.svg`` draws the third from a run.
+reward-curve RUN/metrics.jsonl OUT.svg [TITLE]`` draws the third from a run (TITLE: the picture's
+title, by default "reward curve of" the run directory's name).
 
     python tools/gen_pictures.py step-phases gpu/qwen3_30b_a3b_ppo OUT.svg
     python tools/gen_pictures.py layers OUT.svg
     python tools/gen_pictures.py reward-curve outputs/toy_grpo/metrics.jsonl OUT.svg
+    python tools/gen_pictures.py reward-curve outputs/toy_rloo/metrics.jsonl OUT.svg "rloo: reward per step"
 """
 
 from __future__ import annotations
@@ -298,8 +300,8 @@ def main(argv: list[str]) -> int:
         Path(argv[2]).write_text(step_phases(argv[1]))
     elif len(argv) == 2 and argv[0] == "layers":
         Path(argv[1]).write_text(layers())
-    elif len(argv) == 3 and argv[0] == "reward-curve":
-        Path(argv[2]).write_text(reward_curve(Path(argv[1])))
+    elif len(argv) in (3, 4) and argv[0] == "reward-curve":
+        Path(argv[2]).write_text(reward_curve(Path(argv[1]), *argv[3:]))
     else:
         print(__doc__, file=sys.stderr)
         return 2
