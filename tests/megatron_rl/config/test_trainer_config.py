@@ -121,7 +121,8 @@ def test_algorithm_specific_settings():
     assert (dapo.actor_rollout_ref.actor.clip_ratio_low, dapo.actor_rollout_ref.actor.clip_ratio_high) == (0.2, 0.28)
     assert (dapo.algorithm.filter_groups.enable, dapo.algorithm.filter_groups.metric) == (True, "score")
     buf = dapo.reward.reward_kwargs.overlong_buffer_cfg
-    assert (buf.enable, buf.len, buf.penalty_factor, dapo.data.gen_batch_size) == (True, 4, 1.0, 32)
+    assert (buf.enable, buf.len, buf.penalty_factor, dapo.data.gen_batch_size) == (True, 4, 1.0, 64)
+    assert (dapo.algorithm.filter_groups.max_num_gen_batches, dapo.trainer.total_training_steps) == (10, 75)
     assert load_config("dr_grpo").algorithm.norm_adv_by_std_in_grpo is False
     assert load_config("reinforce_plus_plus").actor_rollout_ref.actor.kl_loss_type == "mse"
     opd = load_config("opd").distillation

@@ -56,7 +56,10 @@ RECIPES = {
     "rloo": ([], ["actor/reward_kl_penalty"]),
     "reinforce_plus_plus": ([], ["actor/kl_loss"]),
     "remax": ([], ["actor/reward_kl_penalty"]),
-    "opd": (["distillation.teacher_model.config.num_layers=2"], ["distillation/loss"]),
+    "opd": (  # an untrained teacher: the recipe's 400 SFT steps are not what two steps test
+        ["distillation.teacher_model.config.num_layers=2", "distillation.teacher_model.sft_warmup_steps=0"],
+        ["distillation/loss"],
+    ),
     "grpo_moe": ([], ["actor/router_agreement/old_vs_update", "actor/router_agreement/old_vs_update_natural"]),
     # multi-turn sessions with calculator calls, as tests/megatron_rl/rollout/agent shrinks it (the
     # recipe's own inline model, not warmed up: the loop, not the tool-call rate, is tested here)
@@ -117,6 +120,7 @@ VARIANTS = {
     "opd+topk": (
         [
             "distillation.teacher_model.config.num_layers=2",
+            "distillation.teacher_model.sft_warmup_steps=0",
             "distillation.distillation_loss.loss_mode=forward_kl_topk",
             "distillation.distillation_loss.topk=16",
             "distillation.distillation_loss.use_policy_gradient=false",
