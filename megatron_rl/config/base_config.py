@@ -188,9 +188,9 @@ class BaseConfig(metaclass=_ConfigMeta):
     def replace(self, **changes: Any) -> "BaseConfig":
         """A copy with ``changes`` (``dataclasses.replace``) that keeps this section's place in the run's tree
         and its verl-only extras; the copy of a frozen section is frozen too."""
-        copy = read_tracking.copy_tag(self, dataclasses.replace(self, **changes))
-        _verl.attach_extras(copy, self.__dict__.get("_verl_extras") or {})
-        return copy.freeze() if self.frozen else copy
+        out = read_tracking.copy_tag(self, dataclasses.replace(self, **changes))
+        _verl.attach_extras(out, self.__dict__.get("_verl_extras") or {})
+        return out.freeze() if self.frozen else out
 
     def with_values(self, values: Mapping[str, Any]) -> "BaseConfig":
         """A copy with the fields at the dotted paths of ``values`` set (``{"trainer.default_local_dir":

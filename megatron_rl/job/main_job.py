@@ -235,8 +235,8 @@ def run_train(
             f"megatron-rl train: {recipe or 'grpo'} -> {out_dir}"
             + (f" (resuming {resume.path.name})" if resume.path else "")
         )
-        if config.trainer.validation_data_dir is None:  # samples go to <run dir>/validation/<step>.jsonl; the
-            # (the terminal gets one [val] line each)
+        if config.trainer.validation_data_dir is None:  # samples go to <run dir>/validation/<step>.jsonl, the
+            # terminal gets one [val] line each
             config = config.with_values({"trainer.validation_data_dir": str(out_dir / "validation")})
         config_text = dump_config(config)
         if progress:  # the bar replaces the console logger's line per step

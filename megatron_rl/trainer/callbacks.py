@@ -227,11 +227,18 @@ class Checkpointer(TrainerCallback):
             return
         # the step's row so far goes into the checkpoint: a kill before the row reaches metrics.jsonl
         # (the metrics log runs after) would otherwise lose it; the trainer's resume() puts it back
-        row, timing = metrics_row(metrics, step), {}
+        _, metrics["timing_s/save_checkpoint"] = self.save_step(trainer, step, metrics_row(metrics, step))
+
+    def save_step(self, trainer: Any, step: int, row: Optional[dict] = None) -> tuple[Path, float]:
+        """Save step ``step`` now -- the trainer's state, with ``row`` (the step's metrics row, when it is
+        not logged yet) -- timed as the ``save_checkpoint`` phase the watchdog watches, then
+        ``on_checkpoint`` for every callback; the checkpoint's directory and the seconds the save took.
+        The end of a due step and the save of ``trainer.save_on_preemption`` both save through it."""
+        timing: dict[str, float] = {}
         with phase("save_checkpoint", timing):
-            saved = self.save(step, {**trainer.trainer_state(), METRICS_ROW: row})
-        metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+            saved = self.save(step, {**trainer.trainer_state(), **({} if row is None else {METRICS_ROW: row})})
         trainer.callbacks.call("on_checkpoint", trainer, step, saved)
+        return saved, timing["save_checkpoint"]
 
     def should_save(self, step: int, last: bool) -> bool:
         """Every ``trainer.save_freq`` steps and at the last one (never with ``save_freq`` <= 0)."""

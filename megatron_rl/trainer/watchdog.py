@@ -322,9 +322,7 @@ def guard_fit(fit: Callable) -> Callable:
                     if "timing_s/save_checkpoint" in metrics:  # the loop saved this step already
                         saved = trainer.checkpointer.root / f"global_step_{step}"
                     else:
-                        with phase("save_checkpoint", {}):
-                            saved = trainer.checkpointer.save(step, trainer.trainer_state())
-                        trainer.callbacks.call("on_checkpoint", trainer, step, saved)
+                        saved, _ = trainer.checkpointer.save_step(trainer, step)
                     raise Stopped(
                         signals.signum,
                         f"stopped by {signals.name} after step {step}; checkpoint "
