@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch.distributed as dist
 
 __all__ = [
+    "reserve_port",
     "tcp_store",
     "store_from_env",
     "is_loopback",
@@ -32,6 +33,9 @@ __all__ = [
 ]
 
 _BACKLOG = 2048  # torch's own TCPStore backlog
+
+# Listening sockets this process holds for a store it will host: port -> socket (``reserve_port``).
+_RESERVED: dict[int, socket.socket] = {}
 
 
 def is_loopback(host: str) -> bool:
@@ -56,6 +60,19 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def reserve_port(host: str) -> int:
+    """A port on ``host`` that stays this process's: a socket is bound and listening there now, and
+    the next ``tcp_store(host, port, is_master=True)`` in this process takes it over.
+
+    A port found free, closed and bound again later can be taken in between (another run's store, a
+    client's ephemeral port: ``EADDRINUSE`` on a busy node); a held one cannot. Connections that arrive
+    before the store starts wait in the socket's backlog."""
+    sock = _listen(host, 0)
+    port = int(sock.getsockname()[1])
+    _RESERVED[port] = sock
+    return port
+
+
 def tcp_store(
     host: str,
     port: int,
@@ -66,10 +83,12 @@ def tcp_store(
     wait_for_workers: bool = False,
 ) -> dist.TCPStore:
     """A ``torch.distributed.TCPStore``; the master's listens on ``host`` only (``port=0``: a free port,
-    read back as ``store.port``). Clients connect as torch's do."""
+    read back as ``store.port``; a port from ``reserve_port``: the socket held there). Clients connect
+    as torch's do."""
     if not is_master:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    sock = _listen(host, port)
+    sock = _RESERVED.pop(port, None) if port else None
+    sock = sock or _listen(host, port)
     bound = sock.getsockname()[1]
     return dist.TCPStore(
         host,

@@ -46,10 +46,14 @@ class MegatronWorker(WeightSyncRank):
         self.engine = self.role = self.mesh = self.weight_map = None
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port (asked of rank 0 for ``MASTER_ADDR/PORT``)."""
+        """This node's IP and a port held for the rendezvous store (asked of rank 0 for
+        ``MASTER_ADDR/PORT``): rank 0's ``init_engine`` hosts the store on the socket held there."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        from parallel.netbind import reserve_port
+
+        host = ray.util.get_node_ip_address()
+        return host, reserve_port(host)
 
     def init_engine(self, master_addr: str, master_port: int, spec: WorkerSpec) -> dict[str, int]:
         """Join the group, build the engine and role (and load ``spec.hf_dir``); return this rank's coordinates.

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from parallel.netbind import interface_of, is_loopback, listeners, pin_interfaces, ray_on_loopback, tcp_store
+from parallel.netbind import (
+    interface_of,
+    is_loopback,
+    listeners,
+    pin_interfaces,
+    ray_on_loopback,
+    reserve_port,
+    tcp_store,
+)
 from parallel.testing import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +51,23 @@ def test_a_taken_port_is_an_error_not_a_second_listener():
     store = tcp_store("127.0.0.1", 0, 1, is_master=True, timeout=TIMEOUT)
     with pytest.raises(OSError):
         tcp_store("127.0.0.1", store.port, 1, is_master=True, timeout=TIMEOUT)
+
+
+def test_a_reserved_port_is_held_until_the_store_takes_it_over():
+    # The CI failure this guards against: a port found free, closed, then bound again by rank 0's
+    # store a moment later was taken in between (EADDRINUSE). A reserved one is held meanwhile.
+    port = reserve_port("127.0.0.1")
+    (row,) = [r for r in _mine() if r["port"] == port]
+    assert row["address"] == "127.0.0.1"
+    with socket.socket() as intruder, pytest.raises(OSError):
+        intruder.bind(("127.0.0.1", port))
+    store = tcp_store("127.0.0.1", port, 2, is_master=True, timeout=TIMEOUT)
+    assert store.port == port and len([r for r in _mine() if r["port"] == port]) == 1
+    client = tcp_store("127.0.0.1", port, 2, is_master=False, timeout=TIMEOUT)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(OSError):  # taken over once: a second master on it is refused
+        tcp_store("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT)
 
 
 def test_loopback_names_and_interfaces():
