@@ -6,8 +6,8 @@ valid one), the fail-fast checks (``megatron_rl.job.preflight``: model paths, th
 resume, data, reward, loggers, sampling) and the planner's -- all before Ray starts; prepare the
 starting models (``megatron_rl.job.prepare``; a resumed run reuses them, no second SFT warm-up) and
 build the data and reward; start Ray (with ``megatron_rl.job.reaper`` watching, so that nothing of
-the run outlives a killed driver), the workers, ``RayPPOTrainer.fit`` with a tqdm bar; then the HF
-checkpoint, the reward curve and the summary. ``build_trainer(config, run_dir)`` is its middle part.
+the run outlives a killed driver), the workers, ``RayPPOTrainer.fit`` with a tqdm bar, whose end exports the HF checkpoint (the
+``FinalExport`` callback, ``megatron_rl.job.final_export``); then the reward curve and the summary. ``build_trainer(config, run_dir)`` is its middle part.
 
 Nothing lost: a run replaces the previous run's ``final_hf/``, ``reward_curve.png`` and
 ``summary.json`` only once its own are complete (built under hidden names, then renamed); a fresh
@@ -33,13 +33,13 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.config import TrainerRunConfig
+from megatron_rl.job.final_export import FinalExport
 from megatron_rl.job.prepare import atomic_text, prepare_policy_model, prepare_teacher_model, replace_dir, staging_dir
 from megatron_rl.job.report import (
     REWARD_KEY,
@@ -54,7 +54,7 @@ from megatron_rl.job.report import (
 from megatron_rl.trainer.step_checkpoints import Selection, last_good_checkpoint
 from megatron_rl.trainer.watchdog import StopSignals, Stopped, kill_workers
 from parallel.netbind import joining_ray, ray_on_loopback
-from parallel.checkpoint import DiskFullError, check_free_space, fmt_bytes, free_bytes, is_disk_full
+from parallel.checkpoint import DiskFullError, fmt_bytes, free_bytes, is_disk_full
 
 __all__ = ["build_trainer", "run_train", "load_run_config", "checked_plan", "Stopped"]
 
@@ -172,32 +172,6 @@ def _disk_full(err: BaseException, out_dir: Path) -> DiskFullError:
     )
 
 
-def _export_hf(trainer: Any, final: Path, log) -> Path:
-    """The actor as an HF checkpoint built beside ``final`` (renamed into place by the caller);
-    the free space is checked against its size first."""
-    from megatron_rl.trainer.step_checkpoints import hf_num_params
-
-    dtype = trainer.config.actor_rollout_ref.actor.megatron.dtype
-    needed = hf_num_params(trainer.model_path) * (2 if dtype in ("bfloat16", "float16") else 4)
-    check_free_space(
-        final.parent, needed, "writing the HF checkpoint final_hf", hint=f"; {last_good_checkpoint(final.parent)}"
-    )
-    staged = staging_dir(final)
-    try:
-        return trainer.save_hf_checkpoint(staged)
-    except BaseException as err:
-        shutil.rmtree(staged, ignore_errors=True)
-        if is_disk_full(err):
-            raise DiskFullError(
-                f"disk full: writing the HF checkpoint to {final} needs ~{fmt_bytes(needed)}, "
-                f"{fmt_bytes(free_bytes(final.parent))} are free; {last_good_checkpoint(final.parent)}",
-                path=final,
-                needed=needed,
-                free=free_bytes(final.parent),
-            ) from err
-        raise
-
-
 def _metrics_rows(out_dir: Path) -> list[dict]:
     path = out_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -281,8 +255,10 @@ def _train(
 
     from megatron_rl.job.reaper import start_reaper, stop_reaper
 
-    bar = reaper = staged = None
+    bar = reaper = None
     started_ray = False
+    export = FinalExport(out_dir / "final_hf")  # at fit's end, before the user's on_fit_end
+    trainer.callbacks.add(export)
 
     def on_step(metrics: dict) -> None:
         if REWARD_KEY in metrics:
@@ -324,7 +300,6 @@ def _train(
         history = trainer.fit(total, on_step=on_step)
         rl_seconds = time.perf_counter() - start
         bar.close()
-        staged = None if config.trainer.val_only else _export_hf(trainer, out_dir / "final_hf", log)
     except KeyboardInterrupt:
         if signals.signum is None:
             raise
@@ -352,10 +327,9 @@ def _train(
             ray.shutdown()
         stop_reaper(reaper)
     try:
-        return _report(config, out_dir, history, staged, rl_seconds, wall, log)
+        return _report(config, out_dir, history, export.staged, rl_seconds, wall, log)
     finally:
-        if staged is not None and Path(staged).exists():
-            shutil.rmtree(staged, ignore_errors=True)
+        export.discard()
 
 
 def _report(

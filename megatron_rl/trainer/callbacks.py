@@ -3,7 +3,8 @@
 dotted path). The trainer calls hooks, never a side concern by name: ``Callbacks.call(hook, trainer, ...)``
 runs every callback's ``hook`` by ``order`` (OLMo-core's callbacks; torchtitan's
 ``checkpointer.save(step, last_step=...)``). The frequencies (``trainer.save_freq``, ``trainer.test_freq``,
-``trainer.val_before_train``, ``trainer.max_consecutive_skipped_steps``) live in the callbacks.
+``trainer.val_before_train``, ``trainer.max_consecutive_skipped_steps``) live in the callbacks. The main
+job adds its own: ``megatron_rl.job.final_export.FinalExport`` (the HF checkpoint at ``on_fit_end``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class TrainerCallback:
     order: int = 0
     """Where the callback runs among the others: ascending, the listed order among equal ones. The
     built-ins: ``Validator`` -30 and ``Checkpointer`` -20 (a user's ``on_step_end`` at 0 sees the step's
-    validation and ``timing_s/save_checkpoint``), ``MetricsLog`` 10 (what a user's hook added is logged),
+    validation and ``timing_s/save_checkpoint``; the main job's ``FinalExport`` -10: a user's ``on_fit_end``
+    finds the HF checkpoint staged), ``MetricsLog`` 10 (what a user's hook added is logged),
     ``StepFunction`` 15 (``fit``'s ``on_step``), ``SkipGuard`` 20 (the step is logged before it stops the run)."""
 
     def on_fit_start(self, trainer: Any, step: int) -> None:

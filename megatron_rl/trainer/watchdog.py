@@ -106,6 +106,18 @@ class StopSignals:
             return
         raise KeyboardInterrupt
 
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Within: a signal stops at once (``KeyboardInterrupt``) even where ``finish_step`` is on -- work
+        after the last step (the final export) has no step to finish -- and so does one received before."""
+        previous, self.finish_step = self.finish_step, False
+        try:
+            if self.signum is not None:
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self.finish_step = previous
+
     def claim(self) -> None:
         """Install the handlers again (a library -- Ray's core -- replaced them); the saved ones stay."""
         if self._previous:

@@ -181,7 +181,7 @@ def test_the_hf_export_checks_its_space_first(small_disk, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from megatron_rl.job.main_job import _export_hf
+    from megatron_rl.job.final_export import FinalExport
 
     model = tmp_path / "model"
     model.mkdir()
@@ -191,6 +191,9 @@ def test_the_hf_export_checks_its_space_first(small_disk, tmp_path):
         model_path = str(model)
 
         class config:  # noqa: N801 - the attribute path the export reads
+            class trainer:  # noqa: N801
+                val_only = False
+
             class actor_rollout_ref:  # noqa: N801
                 class actor:  # noqa: N801
                     class megatron:  # noqa: N801
@@ -204,7 +207,7 @@ def test_the_hf_export_checks_its_space_first(small_disk, tmp_path):
         match=rf"disk full: writing the HF checkpoint final_hf needs ~2\.0 MiB at "
         rf"{small_disk} but only",
     ):
-        _export_hf(Trainer(), small_disk / "final_hf", print)
+        FinalExport(small_disk / "final_hf").on_fit_end(Trainer(), [])
 
 
 def test_disk_full_is_recognised_through_wrappers():
@@ -280,6 +283,24 @@ def test_signals_abandon_or_finish_the_step():
         with pytest.raises(KeyboardInterrupt):  # the second one stops at once
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
+
+
+def test_after_the_last_step_a_signal_stops_at_once():
+    # The final export (FinalExport, at fit's end) has no step to finish: trainer.save_on_preemption's
+    # "finish the step first" does not hold there, and a signal that came before stops it before it starts.
+    from megatron_rl.trainer.watchdog import StopSignals
+
+    with StopSignals(log=lambda m: None) as signals:
+        signals.finish_step = True
+        with pytest.raises(KeyboardInterrupt), signals.at_once():
+            assert not signals.finish_step
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert signals.finish_step and signals.exit_code == 143
+        ran = []
+        with pytest.raises(KeyboardInterrupt), signals.at_once():  # pending: nothing inside runs
+            ran.append(True)
+        assert ran == []
 
 
 def test_the_watchdog_stops_a_phase_that_makes_no_progress(tmp_path):
