@@ -1,7 +1,7 @@
 """The documentation: the site builds strictly, its generated parts agree with the code, its examples run.
 
 The configuration reference is checked against the code by other routes than the generator's own: the leaves
-of a built ``TrainerRunConfig``, the key table of verl's generated config (``key_table``) and the inert list.
+of a built ``RunConfig``, the key table of verl's generated config (``key_table``) and the inert list.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_the_reference_lists_every_leaf_of_the_config(reference):
 
     from megatron_rl.config.base_config import is_internal
     from megatron_rl.config.loader import compose
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
 
     def walk(section, prefix=""):
         for f in dataclasses.fields(section):
@@ -132,7 +132,7 @@ def test_the_reference_lists_every_leaf_of_the_config(reference):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = TrainerRunConfig.from_dict(compose("grpo"))
+        config = RunConfig.from_dict(compose("grpo"))
     leaves = list(walk(config))
     assert len(leaves) > 400
     missing = [path for path in leaves if path not in reference]
@@ -140,13 +140,13 @@ def test_the_reference_lists_every_leaf_of_the_config(reference):
 
 
 def test_the_reference_lists_every_key_verl_s_config_may_set(reference):
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
     from megatron_rl.config.verl import key_table
     from megatron_rl.config.verl_keys import VERL_CONFIG_DIR
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(OmegaConf.load(VERL_CONFIG_DIR / "ppo_megatron_trainer.yaml"), resolve=True)
-    table = key_table(data, TrainerRunConfig)
+    table = key_table(data, RunConfig)
     assert not table.refused and len(table.acted) > 200 and len(table.inert) > 500
     missing = [key for key in table.acted + table.inert if key not in reference]
     assert not missing, missing
@@ -186,13 +186,13 @@ def test_the_reference_gives_type_default_and_verl_key():
 def test_step_phase_picture_is_the_trainer_s_schedule():
     from megatron_rl.algos.needs import resolve_run
     from megatron_rl.config.loader import compose
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
     from megatron_rl.trainer.schedule import step_schedule
     from tools.gen_pictures import step_phases
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_ppo"))
+        config = RunConfig.from_dict(compose("gpu/qwen3_30b_a3b_ppo"))
     schedule = step_schedule(config, resolve_run(config), device="cuda")
     svg = step_phases("gpu/qwen3_30b_a3b_ppo")
     labels = re.findall(r'text-anchor="middle">([^<]+)</text>', svg)

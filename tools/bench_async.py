@@ -166,12 +166,12 @@ def _pin(trainer) -> dict:
 def _run_mode(args, mode: str, model_path: str, root: str) -> dict:
     import psutil
 
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.trainer import RayPPOTrainer
 
     recipe, overrides = _overrides(args, mode)
-    config = TrainerRunConfig.from_dict(compose(recipe, [*overrides, f"trainer.default_local_dir={root}/{mode}"]))
+    config = RunConfig.from_dict(compose(recipe, [*overrides, f"trainer.default_local_dir={root}/{mode}"]))
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=f"{root}/{mode}")
     ends, peak = [], [0]
     try:
@@ -213,14 +213,14 @@ def main(argv=None) -> dict:
     args = _parse(argv)
     import ray
 
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import prepare_policy_model
 
     root = tempfile.mkdtemp(prefix="bench_async_")  # the model and the runs' checkpoints; removed at the end
     results = {}
     try:
-        base = TrainerRunConfig.from_dict(
+        base = RunConfig.from_dict(
             compose("grpo", [*_overrides(args, "sync")[1], f"trainer.sft_warmup_steps={args.sft_steps}"])
         )
         model_path = prepare_policy_model(base, f"{root}/model")

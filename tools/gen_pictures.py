@@ -62,12 +62,12 @@ def step_phases(recipe: str = "gpu/qwen3_30b_a3b_ppo", device: str = "cuda") -> 
     each cell the parts resident on the device (P params, G grads, O optimizer, W weights, KV cache)."""
     from megatron_rl.algos.needs import resolve_run
     from megatron_rl.config.loader import compose
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
     from megatron_rl.trainer.schedule import step_schedule
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = TrainerRunConfig.from_dict(compose(recipe))
+        config = RunConfig.from_dict(compose(recipe))
         schedule = step_schedule(config, resolve_run(config), device=device)
     rows = [*schedule.roles, "rollout"]
     col_w, row_h, left, top = 112, 34, 90, 56

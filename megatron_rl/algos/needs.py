@@ -1,11 +1,11 @@
 """What a run needs, read off the registries: which roles run and what the step must compute.
 
-``resolve_run(config)`` checks the algorithm names of a ``TrainerRunConfig`` against the
+``resolve_run(config)`` checks the algorithm names of a ``RunConfig`` against the
 registries (a miss lists the valid names and the nearest), asks the advantage estimator's
 registry entry what it reads (``EstimatorNeeds``: critic values, a greedy baseline, reference
 log-probs), combines that with the config's own switches (KL loss / KL-in-reward, reward model,
 distillation) and has the config check the layouts and batch sizes of exactly the roles that
-run (``TrainerRunConfig.check_roles``). The trainer and the planner both start from its answer,
+run (``RunConfig.check_roles``). The trainer and the planner both start from its answer,
 so neither tests an estimator's name.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.algos.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorNeeds, plugins
-from megatron_rl.config.sections import suggest
-from megatron_rl.config.trainer import TrainerRunConfig
+from megatron_rl.config.base_config import suggest
+from megatron_rl.config.run_config import RunConfig
 
 __all__ = ["RunNeeds", "resolve_run", "with_plugins"]
 
@@ -46,7 +46,7 @@ def _check_name(field_name: str, value: object, registry, what: str) -> None:
         )
 
 
-def resolve_run(config: TrainerRunConfig) -> RunNeeds:
+def resolve_run(config: RunConfig) -> RunNeeds:
     """Check ``config``'s algorithm names and role layouts; return what the run needs.
 
     Raises ``ValueError`` naming the field for an unregistered estimator or policy loss, an
@@ -75,7 +75,7 @@ def resolve_run(config: TrainerRunConfig) -> RunNeeds:
     return needs
 
 
-def with_plugins(config: TrainerRunConfig) -> TrainerRunConfig:
+def with_plugins(config: RunConfig) -> RunConfig:
     """``config`` with the entries registered from user code (``register_adv_est`` / ``register_policy_loss``
     in the driver's script) in ``actor_rollout_ref.actor.policy_loss.plugins``, so that the workers that
     receive the actor's config register them too (unpickling it does); ``config`` itself without any."""

@@ -32,7 +32,7 @@ import torch
 from megatron_rl.algos.loss_agg import LOSS_AGG_MODES, agg_loss
 from megatron_rl.algos.algo_registry import register_policy_loss
 from megatron_rl.algos.utils import cfg_get, check_same_shape, masked_mean, masked_sum
-from megatron_rl.config.algorithm import ActorConfig
+from megatron_rl.config.actor_rollout_ref import ActorConfig
 
 __all__ = [
     "compute_policy_loss_vanilla",

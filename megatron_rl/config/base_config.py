@@ -26,6 +26,7 @@ from megatron_rl.config import verl_keys as _verl
 
 __all__ = [
     "BaseConfig",
+    "suggest",
     "FrozenConfigError",
     "INTERNAL",
     "ROLLOUT_ENGINES",
@@ -44,6 +45,12 @@ not a configuration key -- a recipe or override cannot set it, and ``dump_config
 def is_internal(field: dataclasses.Field) -> bool:
     """True for a field marked ``INTERNAL``."""
     return bool(field.metadata.get("internal"))
+
+
+def suggest(value: str, allowed) -> str:
+    """``"; did you mean 'a' or 'b'?"`` for the entries of ``allowed`` closest to ``value`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def check_choice(field: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -121,7 +128,7 @@ class FrozenConfigError(dataclasses.FrozenInstanceError):
 class BaseConfig(metaclass=_ConfigMeta):
     """A dataclass with a read-only mapping interface compatible with ``DictConfig``.
 
-    A run's config is built once (``TrainerRunConfig``: its sections are frozen when it is) and does not
+    A run's config is built once (``RunConfig``: its sections are frozen when it is) and does not
     change after: assigning to a field raises ``FrozenConfigError`` naming it; code that derives a value
     returns it, or a changed copy (``replace``, ``with_values``)."""
 
@@ -145,7 +152,7 @@ class BaseConfig(metaclass=_ConfigMeta):
 
     @property
     def frozen(self) -> bool:
-        """True once ``freeze`` ran (every section of a built ``TrainerRunConfig``)."""
+        """True once ``freeze`` ran (every section of a built ``RunConfig``)."""
         return bool(self.__dict__.get("_frozen"))
 
     def __getattribute__(self, name: str) -> Any:

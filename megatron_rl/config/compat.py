@@ -1,6 +1,6 @@
 """The one list of keys accepted for verl compatibility that have no effect here, and their warning.
 
-Every other leaf of ``TrainerRunConfig`` is read by the code that acts on it
+Every other leaf of ``RunConfig`` is read by the code that acts on it
 (``tests/megatron_rl/config/test_every_key_is_read.py`` proves it by recording the reads of real
 runs). A key in ``INERT_KEYS`` is accepted so that a verl config loads unchanged, and set to a
 value other than its default it warns by name (``InertKeyWarning``) when the config is built.

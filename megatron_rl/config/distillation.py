@@ -1,4 +1,5 @@
-"""``DistillationLossConfig``: verl's ``distillation.distillation_loss`` keys and defaults."""
+"""``distillation``: on-policy distillation from a teacher -- the teacher model (``TeacherModelConfig``) and
+verl's ``distillation.distillation_loss`` keys and defaults (``DistillationLossConfig``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ from dataclasses import field
 from typing import Optional
 
 from megatron_rl.config.base_config import INTERNAL, BaseConfig, check_range
+from megatron_rl.config.layout import MegatronConfig
+from megatron_rl.config.model import ModelConfig
 
-__all__ = ["DistillationLossConfig", "TOPK_LOSS_MODES", "ESTIMATOR_LOSS_MODES", "validate_modes"]
+__all__ = [
+    "DistillationConfig",
+    "TeacherModelConfig",
+    "DistillationLossConfig",
+    "TOPK_LOSS_MODES",
+    "ESTIMATOR_LOSS_MODES",
+    "validate_modes",
+]
 
 TOPK_LOSS_MODES = ("forward_kl_topk",)
 ESTIMATOR_LOSS_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -61,3 +71,50 @@ def validate_modes(loss_mode: str, use_policy_gradient: bool) -> None:
             f"distillation_loss.loss_mode={loss_mode!r} with use_policy_gradient=False is wrong: the gradient of "
             "k1 w.r.t. the student does not depend on the teacher; use k3/forward_kl_topk or use_policy_gradient=True"
         )
+
+
+@dataclasses.dataclass
+class TeacherModelConfig(BaseConfig):
+    """``distillation.teacher_model``: the teacher (set exactly one of ``model_path`` and ``config``);
+    it must share the student's tokenizer."""
+
+    model_path: Optional[str] = None
+    """HF checkpoint of the teacher."""
+    config: Optional[ModelConfig] = None
+    """Inline architecture of a from-scratch teacher (toy runs)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Layout, dtype and offload of the teacher (forward only)."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per forward micro-batch; None = ``actor.ppo_micro_batch_size_per_gpu``."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget forward micro-batches; None = the actor's (``actor.log_prob_use_dynamic_bsz``)."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one forward micro-batch; None = the actor's forward budget."""
+    sft_warmup_steps: int = 0
+    """Inline teacher only: supervised steps on the built-in task before the run (a teacher must
+    know the task better than the student); 0 = a randomly initialised teacher."""
+
+    def __post_init__(self) -> None:
+        check_range("distillation.teacher_model.sft_warmup_steps", self.sft_warmup_steps, low=0)
+        if self.log_prob_micro_batch_size_per_gpu is not None:
+            check_range(
+                "distillation.teacher_model.log_prob_micro_batch_size_per_gpu",
+                self.log_prob_micro_batch_size_per_gpu,
+                low=1,
+            )
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_range(
+                "distillation.teacher_model.log_prob_max_token_len_per_gpu", self.log_prob_max_token_len_per_gpu, low=1
+            )
+
+
+@dataclasses.dataclass
+class DistillationConfig(BaseConfig):
+    """``distillation``: on-policy distillation from a teacher (verl's keys)."""
+
+    enabled: bool = False
+    """Add the distillation loss (or reward) from ``teacher_model``."""
+    teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    """The teacher."""
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+    """Loss mode, top-k, coefficient, clamps, policy-gradient mode."""

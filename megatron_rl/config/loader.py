@@ -1,4 +1,4 @@
-"""Recipes and overrides -> ``TrainerRunConfig``.
+"""Recipes and overrides -> ``RunConfig``.
 
 ``load_config(recipe, overrides)`` reads a YAML recipe (a built-in one by name, e.g. ``"dapo"``
 or ``"gpu/qwen3_30b_a3b_grpo"``, or a file path), follows its ``base:`` chain (a recipe extends
@@ -30,7 +30,7 @@ from typing import Any, Sequence, Union
 
 from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.schema import VERL_ONLY, check_key, check_keys, coerce, config_class
-from megatron_rl.config.trainer import TrainerRunConfig
+from megatron_rl.config.run_config import RunConfig
 from megatron_rl.config.verl_keys import ONE_AS_LIST, migrate_legacy
 
 __all__ = [
@@ -103,7 +103,7 @@ def _load_chain(path: Path, stack: tuple[Path, ...], check: bool = True):
     defaults = raw.pop("defaults", None)
     raw.pop("hydra", None)  # Hydra's own settings (run dirs, search paths), not the job's config
     if check:
-        check_keys(TrainerRunConfig, OmegaConf.to_container(raw, resolve=False), source=str(path))
+        check_keys(RunConfig, OmegaConf.to_container(raw, resolve=False), source=str(path))
     bases = [] if base is None else (list(base) if not isinstance(base, str) else [base])
     resolved = [_resolve_base(str(b), path) for b in bases] + _hydra_defaults(defaults, path)
     if not resolved:
@@ -243,10 +243,10 @@ def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[st
             )
         if key in ONE_AS_LIST and isinstance(value, str):
             value = [value]
-        hint = check_key(TrainerRunConfig, key, source=source, value=value) if check else VERL_ONLY
+        hint = check_key(RunConfig, key, source=source, value=value) if check else VERL_ONLY
         sub = config_class(hint) if hint is not VERL_ONLY else None
         if sub is not None and isinstance(value, Mapping):
-            check_keys(TrainerRunConfig, value, source=source, _cls=sub, _prefix=f"{key}.")
+            check_keys(RunConfig, value, source=source, _cls=sub, _prefix=f"{key}.")
         elif sub is None and hint is not VERL_ONLY and not (isinstance(value, str) and "${" in value):
             try:
                 value = coerce(hint, value, key)
@@ -262,10 +262,10 @@ def compose(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[st
     return out
 
 
-def load_config(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = ()) -> TrainerRunConfig:
-    """The validated ``TrainerRunConfig`` of ``recipe`` (built-in name or YAML path; None = the
+def load_config(recipe: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The validated ``RunConfig`` of ``recipe`` (built-in name or YAML path; None = the
     CPU toy ``grpo``) with Hydra-style ``key=value`` ``overrides`` applied in order."""
-    return TrainerRunConfig.from_dict(compose(recipe, overrides))
+    return RunConfig.from_dict(compose(recipe, overrides))
 
 
 def key_report(recipe: Union[str, os.PathLike, None], overrides: Sequence[str] = ()) -> tuple[str, bool]:
@@ -273,7 +273,7 @@ def key_report(recipe: Union[str, os.PathLike, None], overrides: Sequence[str] =
     whether it refuses a key; a config that cannot even be composed raises ``ValueError``."""
     from megatron_rl.config.verl import format_key_table, key_table
 
-    table = key_table(compose(recipe, overrides, check=False), TrainerRunConfig)
+    table = key_table(compose(recipe, overrides, check=False), RunConfig)
     return format_key_table(table, source=str(recipe)), bool(table.refused)
 
 

@@ -1,4 +1,5 @@
-"""``ModelConfig``: the architecture of a GPT-style decoder, in Megatron-Core's terms.
+"""``ModelConfig``: the architecture of a GPT-style decoder, in Megatron-Core's terms; ``ModelSourceConfig``:
+a role's ``*.model`` section, where its architecture and weights come from.
 
 The HF families map onto it (``megatron_rl.models.<family>``); ``megatron_rl.models.gpt``
 turns it into a ``TransformerConfig`` and model chunks.
@@ -7,13 +8,16 @@ turns it into a ``TransformerConfig`` and model chunks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from collections.abc import Mapping
+from dataclasses import field
+from typing import Any, Optional
 
 import torch
 
-from megatron_rl.config.base_config import BaseConfig, check_choice, check_range
+from megatron_rl.config.base_config import BaseConfig, check_choice, check_range, suggest
+from megatron_rl.config.lora_config import LoRAConfig, resolve_lora
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "ModelSourceConfig"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,3 +131,80 @@ class ModelConfig(BaseConfig):
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+@dataclasses.dataclass
+class ModelSourceConfig(BaseConfig):
+    """``*.model``: where a model's architecture and weights come from (set exactly one of
+    ``path`` and ``config``)."""
+
+    path: Optional[str] = None
+    """HF checkpoint directory (config.json + safetensors); ``~`` is expanded by the trainer."""
+    config: Optional[ModelConfig] = None
+    """Inline architecture for a from-scratch model (toy runs); weights are initialised with
+    ``megatron.seed``."""
+    family: Optional[str] = None
+    """HF family an inline model is exported as for vLLM (``qwen3``, ``llama`` ...); required with ``config``."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory; None = ``path``, or, with an inline model, a byte-level BPE tokenizer
+    trained on the task's texts with ``config.vocab_size`` entries."""
+    override_config: dict = field(default_factory=dict)
+    """``ModelConfig`` fields set on top of the checkpoint's (``freeze_router``, ``moe_router_dtype``,
+    ``make_vocab_size_divisible_by`` ...) and, as in verl, HF config keys set on the checkpoint's config
+    before it is read (under ``model_config`` or at the top: ``max_position_embeddings``, ``attention_dropout``;
+    a key the HF config lacks is refused when it is read, ``megatron_rl.models.families.apply_hf_overrides``)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code when reading an HF checkpoint or tokenizer."""
+    custom_chat_template: Optional[str] = None
+    """Jinja chat template replacing the tokenizer's."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """verl 0.9.1's Megatron LoRA (``megatron_rl.config.lora_config.LoRAConfig``); ``lora.rank: 0`` (the default)
+    trains every parameter. The actor's only: a critic that runs with ``rank > 0`` is refused (not built)
+    before any worker starts (``megatron_rl.trainer.placement.check_lora_roles``)."""
+    lora_rank: int = 0
+    """verl's older flat form of ``lora.rank`` (0 = off); with it ``lora_alpha``, ``target_modules``,
+    ``exclude_modules`` and ``lora_adapter_path`` map onto ``lora.*`` (``lora_config()``). Set one form only."""
+    lora_alpha: float = 16
+    """Flat form of ``lora.alpha`` (with ``lora_rank > 0``; a flat key set beside ``lora.rank > 0`` is refused)."""
+    target_modules: Any = "all-linear"
+    """Flat form of ``lora.target_modules``: Megatron linear names, or ``all-linear`` (every one)."""
+    exclude_modules: Optional[list] = None
+    """Flat form of ``lora.exclude_modules``."""
+    lora_adapter_path: Optional[str] = None
+    """Flat form of ``lora.adapter_path`` (a PEFT adapter directory the actor's adapters start from)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, Mapping):  # built by keyword: the section as a mapping
+            self.lora = resolve_lora({"lora": self.lora}, "model")
+        resolve_lora(self, "model")  # both forms set, or a bad flat value: ValueError naming the key
+        names = [f.name for f in dataclasses.fields(ModelConfig)]
+        wrapped = self.override_config.get("model_config", {})
+        if not isinstance(wrapped, Mapping):
+            raise ValueError(f"model.override_config.model_config={wrapped!r} must be a mapping of HF config keys")
+        if self.config is not None or self.path is None:  # no HF config to set keys on: only ModelConfig fields
+            for key in self.override_config:
+                if key not in names:
+                    raise ValueError(
+                        f"model.override_config: unknown ModelConfig field {key!r}{suggest(key, names)} "
+                        "(HF config keys apply to a checkpoint given by model.path)"
+                    )
+
+    @property
+    def is_inline(self) -> bool:
+        """True for a from-scratch model described by ``config``."""
+        return self.config is not None
+
+    def lora_config(self) -> LoRAConfig:
+        """This model's one LoRA setting: ``lora`` itself, or (``lora_rank > 0``) verl's flat keys mapped
+        onto a ``LoRAConfig`` (``merge: true``: the flat form has no merge key). Every flat key is looked
+        at: one set beside ``lora.rank > 0`` would be ignored, so it is refused (``resolve_lora``)."""
+        flat = {
+            "lora": self.lora,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "target_modules": self.target_modules,
+            "exclude_modules": self.exclude_modules,
+            "lora_adapter_path": self.lora_adapter_path,
+        }
+        resolved = resolve_lora(flat, "model")
+        return resolved if self.lora_rank else self.lora  # the section itself: its readers are its keys

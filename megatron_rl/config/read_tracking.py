@@ -7,7 +7,7 @@ layer is recorded as the field's dotted path in the run's tree (``trainer.save_f
 on the value. Each process appends its first read of a path to ``<dir>/reads-<pid>.txt``, so
 Ray workers (which inherit ``MEGATRON_RL_TRACK_CONFIG_READS`` from the driver) report too.
 
-Paths come from ``tag_paths`` (``TrainerRunConfig.from_dict`` tags every section it builds); a
+Paths come from ``tag_paths`` (``RunConfig.from_dict`` tags every section it builds); a
 read on an untagged copy (``dataclasses.replace`` makes those) is recorded as
 ``?ClassName.field``. Off by default; ``tests/megatron_rl/config/test_every_key_is_read.py``
 turns it on.

@@ -1,7 +1,7 @@
 """The schema machinery under every config: dotted keys checked against the dataclass tree,
 nearest-key suggestions, leaf type checks, and ``build_config`` (nested mapping -> dataclasses).
 
-Every key -- in a YAML file, an override, a mapping given to ``TrainerRunConfig.from_dict`` --
+Every key -- in a YAML file, an override, a mapping given to ``RunConfig.from_dict`` --
 must exist in the schema; an unknown key is a ``ValueError`` naming it, where it came from and
 the nearest valid keys (difflib, plus the same name at other places in the tree). Values are
 type-checked per field (ints become floats where a float is expected; nothing else is converted).

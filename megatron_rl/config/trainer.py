@@ -1,277 +1,139 @@
-"""The configuration of a whole training run: one typed tree with verl's layout and key names.
-
-    TrainerRunConfig
-      data                     DataConfig            prompts, lengths, batch size
-      actor_rollout_ref
-        model                  ModelSourceConfig     an HF checkpoint dir, or an inline ModelConfig
-        actor                  ActorRunConfig        ActorConfig + ``megatron`` layout
-        rollout                RolloutConfig         vLLM sampling and weight sync
-        ref                    RefConfig             reference policy layout + offload
-      critic                   CriticRunConfig       CriticConfig + model + ``megatron`` layout
-      reward                   RewardConfig          rule reward / reward model, overlong shaping
-      algorithm                AlgoConfig            estimator, KL-in-reward, DAPO filtering
-      trainer                  TrainerConfig         steps, logging, checkpoints, cluster
-      distillation             DistillationConfig    on-policy distillation teacher + loss
-
-Each section validates its own fields in ``__post_init__``; ``TrainerRunConfig.__post_init__``
-checks what spans sections (batch sizes against the cluster, lengths that must agree) and names
-every field and number in its ``ValueError``. What depends on the algorithm -- which roles run,
-so which layouts and batch sizes must fit -- is checked by ``check_roles``, called with the
-needs that ``megatron_rl.algos.needs.resolve_run`` reads off the registries (this layer imports
-nothing above it).
-``TrainerRunConfig.from_dict`` (and ``megatron_rl.config.loader.load_config`` on top of it)
-also fills verl's derived keys -- ``actor.rollout_n`` from ``rollout.n``,
-``rollout.prompt_length`` from ``data.max_prompt_length``, the reference layout from the
-actor's, ... -- wherever the input leaves them out, as verl's ``${oc.select:...}`` do.
-"""
+"""``trainer``: run length, logging, checkpoints, the cluster, the loop's mode (``trainer.v1``) and the user's
+callbacks (verl's keys and defaults)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import field
-from typing import Any, Mapping, Optional
+from typing import Optional
 
-from megatron_rl.config.algorithm import ActorConfig, AlgoConfig, CriticConfig
-from megatron_rl.config import read_tracking
-from megatron_rl.config.base_config import BaseConfig
-from megatron_rl.config.schema import build_config, fill_derived
-from megatron_rl.config.v1 import check_async_run
-from megatron_rl.config.verl_keys import warn_inert_keys
-from megatron_rl.config.sections import (
-    PARALLEL_KEYS,
-    ActorRolloutRefConfig,
-    CriticRunConfig,
-    DataConfig,
-    DistillationConfig,
-    MegatronConfig,
-    ModelSourceConfig,
-    RewardConfig,
-    TrainerConfig,
-)
-from parallel.config import uneven_pipeline_fields
+from megatron_rl.config.base_config import BaseConfig, check_choice, check_range
+from megatron_rl.config.v1 import V1Config
 
-__all__ = ["TrainerRunConfig", "DERIVED_KEYS"]
-# What the reference copies from the actor's ``megatron`` when left out (verl's ref interpolations).
-_REF_FROM_ACTOR = PARALLEL_KEYS + ("sequence_parallel", "param_offload", "dtype", "seed", "override_transformer_config")
+__all__ = ["TrainerConfig", "LOGGERS"]
 
-DERIVED_KEYS: tuple[tuple[str, str], ...] = (
-    ("actor_rollout_ref.actor.rollout_n", "actor_rollout_ref.rollout.n"),
-    ("critic.rollout_n", "actor_rollout_ref.rollout.n"),
-    ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
-    ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
-    ("critic.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
-    ("critic.shuffle", "actor_rollout_ref.actor.shuffle"),
-    ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
-    ("critic.model", "actor_rollout_ref.model"),
-    ("reward.reward_kwargs.max_resp_len", "data.max_response_length"),
-    *((f"actor_rollout_ref.ref.megatron.{k}", f"actor_rollout_ref.actor.megatron.{k}") for k in _REF_FROM_ACTOR),
-)
-"""``(target, source)``: ``from_dict`` copies ``source`` to ``target`` when the input lacks ``target``
-(verl's interpolations, e.g. ``rollout_n: ${oc.select:actor_rollout_ref.rollout.n,1}``)."""
+LOGGERS = ("console", "tensorboard", "wandb")
 
 
-# ----------------------------------------------------------------------------- the run
+def _check_freq(field_name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"{field_name}={value!r} is not allowed; use a positive int, or -1/0 to disable")
+
+
 @dataclasses.dataclass
-class TrainerRunConfig(BaseConfig):
-    """Everything a training run needs, with verl's top-level layout."""
+class TrainerConfig(BaseConfig):
+    """``trainer.*``: run length, logging, checkpoints and the cluster (verl's keys and defaults)."""
 
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompts and batch."""
-    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
-    """Policy model, actor, rollout, reference."""
-    critic: CriticRunConfig = field(default_factory=CriticRunConfig)
-    """Value model (used when ``needs_critic``)."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """Scoring."""
-    algorithm: AlgoConfig = field(default_factory=AlgoConfig)
-    """Advantage estimation, KL-in-reward, DAPO filtering, rollout correction."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Run control and cluster."""
-    distillation: DistillationConfig = field(default_factory=DistillationConfig)
-    """On-policy distillation."""
+    total_epochs: int = 30
+    """Passes over the training prompts."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps; None = ``total_epochs`` worth."""
+    project_name: str = "verl_examples"
+    """Project name for loggers and the checkpoint directory."""
+    experiment_name: str = "gsm8k"
+    """Run name for loggers and the checkpoint directory."""
+    logger: list = field(default_factory=lambda: ["console"])
+    """Metric sinks among ``console``, ``tensorboard``, ``wandb`` (metrics.jsonl is always written)."""
+    log_val_generations: int = 0
+    """Validation samples printed/logged per validation."""
+    rollout_data_dir: Optional[str] = None
+    """Dump every step's generations as jsonl here; None = off."""
+    validation_data_dir: Optional[str] = None
+    """Dump validation generations as jsonl here; None = off."""
+    nnodes: int = 1
+    """Nodes in the cluster."""
+    n_gpus_per_node: int = 8
+    """Devices per node (worker processes per node on CPU)."""
+    device: str = "cuda"
+    """``cuda`` or ``cpu``."""
+    save_freq: int = -1
+    """Checkpoint every N steps (and at the end); -1/0 = only the final model."""
+    test_freq: int = -1
+    """Validate every N steps; -1/0 = never during training."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Validate and exit."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts training."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on the built-in task's (prompt, answer) pairs before RL (needs ``data.task``);
+    RL starts from the warmed model, as from an SFT checkpoint. 0 = off."""
+    sft_warmup_lr: float = 3e-3
+    """Peak learning rate of the supervised warm-up (AdamW, cosine decay)."""
+    balance_batch: bool = True
+    """Reorder each step's samples so every data-parallel rank of the actor gets a near-equal token
+    count (Karmarkar-Karp over verl's attention workload); logs verl's ``global_seqlen/*`` metrics."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint in ``default_local_dir`` if any), ``disable``, or ``resume_path``."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint to resume from with ``resume_mode=resume_path``."""
+    default_local_dir: Optional[str] = None
+    """Checkpoint directory; None = ``checkpoints/{project_name}/{experiment_name}``."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N actor checkpoints; None = all."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N critic checkpoints; None = all."""
+    max_consecutive_skipped_steps: int = 3
+    """A step whose rewards fail (the reward function raised or returned a non-finite value) is
+    reported and skipped; this many skipped in a row stop the run with the error."""
+    phase_timeout_s: Optional[float] = None
+    """Hang watchdog: a step phase (generation, a role's forward or update, weight sync, a checkpoint
+    save, validation) running longer than this many seconds dumps the Python stacks of the driver and
+    every worker to ``<default_local_dir>/stacks/`` and stops the run (exit 1), naming the phase and the
+    last good checkpoint. None = off."""
+    save_on_preemption: bool = False
+    """On SIGTERM (SLURM's preemption and time limit): finish the current step, save a checkpoint, then
+    stop (exit 143). False: abandon the step at once (the last saved checkpoint stays the latest). A
+    second signal stops at once either way."""
+    resume_fallback: bool = True
+    """``resume_mode=auto`` with a damaged latest checkpoint (its manifest's sizes or checksums do not
+    match): resume from the newest complete one and say which file is bad; False: refuse (exit 2)."""
+    v1: V1Config = field(default_factory=V1Config)
+    """verl's V1 trainer modes: ``sync`` (default), ``colocate_async`` (one-step off-policy),
+    ``separate_async`` (fully async, bounded staleness): ``megatron_rl.config.v1``."""
+    callbacks: list = field(default_factory=list)
+    """Your own callbacks, as dotted paths ``package.module.Class`` of ``TrainerCallback`` subclasses
+    (``megatron_rl.trainer.callbacks``): constructed with no arguments in the driver, called in this order at
+    ``on_fit_start``, ``on_validation_end``, ``on_checkpoint``, ``on_step_end``, ``on_fit_end``. One that
+    cannot be imported stops the run before any worker starts."""
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "", warn: bool = True) -> "TrainerRunConfig":
-        """Build from a nested mapping (YAML, ``DictConfig``): derived keys are filled where
-        missing, unknown keys are errors with the nearest valid keys, leaf types are checked.
-        ``warn=False`` skips the scan for inert keys (``InertKeyWarning``), for callers that build many
-        variants of one config and show no warnings (the layout hint's search)."""
-        config = build_config(cls, fill_derived(data or {}, cls, DERIVED_KEYS), path=path)
-        read_tracking.tag_paths(config)
-        if warn:
-            warn_inert_keys(config)
-        return config
-
-    # -- cross-section validation -------------------------------------------------------------
     def __post_init__(self) -> None:
-        arr = self.actor_rollout_ref
-        rollout = arr.rollout
-        if self.data.task is None and self.data.train_files is None:
-            raise ValueError("data: set data.train_files (parquet/jsonl paths) or data.task (a built-in task name)")
-        self._check_lengths(arr.actor.rollout_n, "actor_rollout_ref.actor.rollout_n")
-        fg = self.algorithm.filter_groups
-        if fg is not None and fg.enable:
-            if not fg.metric:
-                raise ValueError(
-                    "algorithm.filter_groups.enable=True needs algorithm.filter_groups.metric (e.g. 'acc' or 'score')"
-                )
-            if rollout.n < 2:
-                raise ValueError(
-                    f"algorithm.filter_groups.enable=True needs actor_rollout_ref.rollout.n >= 2 "
-                    f"(a group of one is never informative), got {rollout.n}"
-                )
-        _check_source("actor_rollout_ref.model", arr.model)
-        context = self.data.max_prompt_length + self.data.max_response_length
-        for where, model in (
-            ("actor_rollout_ref.model", arr.model.config),
-            ("distillation.teacher_model", self.distillation.teacher_model.config),
-        ):
-            if model is not None and context > model.max_position_embeddings:
-                raise ValueError(
-                    f"data.max_prompt_length + data.max_response_length = {context} exceeds "
-                    f"{where}.config.max_position_embeddings={model.max_position_embeddings}"
-                )
-        world = self.trainer.world_size
-        self._check_batch("actor_rollout_ref.actor", arr.actor, arr.model, world)
-        rollout_tp = rollout.tensor_model_parallel_size
-        if world % rollout_tp:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide "
-                f"world_size={world} (trainer.nnodes * trainer.n_gpus_per_node = "
-                f"{self.trainer.nnodes}*{self.trainer.n_gpus_per_node})"
-            )
-        check_async_run(self)  # trainer.v1 modes against placement, batch sizes and run length
-        self.freeze()  # built: every section immutable from here (BaseConfig.with_values derives a copy)
+        if isinstance(self.v1, Mapping):
+            self.v1 = V1Config.from_dict(self.v1, path="v1")
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        if isinstance(self.callbacks, str):
+            self.callbacks = [self.callbacks]
+        for i, path in enumerate(self.callbacks):
+            if (
+                not isinstance(path, str)
+                or "." not in path.strip(".")
+                or any(not part.isidentifier() for part in path.split("."))
+            ):
+                raise ValueError(f"trainer.callbacks[{i}]={path!r}: expected a dotted path 'package.module.Class'")
+        for name in self.logger:
+            check_choice("trainer.logger entry", name, LOGGERS)
+        check_choice("trainer.device", self.device, ("cpu", "cuda"))
+        check_choice("trainer.resume_mode", self.resume_mode, ("auto", "disable", "resume_path"))
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
+        for name in ("total_epochs", "nnodes", "n_gpus_per_node"):
+            check_range(f"trainer.{name}", getattr(self, name), low=1)
+        for name in ("total_training_steps", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+            if getattr(self, name) is not None:
+                check_range(f"trainer.{name}", getattr(self, name), low=1)
+        for name in ("critic_warmup", "log_val_generations", "sft_warmup_steps", "max_consecutive_skipped_steps"):
+            check_range(f"trainer.{name}", getattr(self, name), low=0)
+        _check_freq("trainer.save_freq", self.save_freq)
+        _check_freq("trainer.test_freq", self.test_freq)
+        if self.phase_timeout_s is not None:
+            check_range("trainer.phase_timeout_s", self.phase_timeout_s, low=0, low_inclusive=False)
+        if self.default_local_dir is None:
+            self.default_local_dir = f"checkpoints/{self.project_name}/{self.experiment_name}"
 
-    def check_roles(self, *, critic: bool, reference: bool, reward_model: bool, teacher: bool) -> None:
-        """Check what the roles that run need of the configuration: their models, layouts and batch
-        sizes (``ValueError`` naming the fields and numbers). The caller decides which roles run
-        (``megatron_rl.algos.needs.resolve_run``)."""
-        arr, world = self.actor_rollout_ref, self.trainer.world_size
-        if critic:
-            self._check_lengths(self.critic.rollout_n, "critic.rollout_n")
-            _check_source("critic.model", self.critic.model)
-            self._check_batch("critic", self.critic, self.critic.model, world)
-        if teacher:
-            source = self.distillation.teacher_model
-            _check_source("distillation.teacher_model", source, path_key="model_path", family_required=False)
-            student = arr.model.config
-            if student is not None and source.config is not None and student.vocab_size != source.config.vocab_size:
-                raise ValueError(
-                    f"distillation.teacher_model.config.vocab_size={source.config.vocab_size} must equal "
-                    f"actor_rollout_ref.model.config.vocab_size={student.vocab_size} "
-                    "(teacher and student share the tokenizer)"
-                )
-        if reference:
-            self._check_forward_only("actor_rollout_ref.ref", arr.ref.megatron, arr.model, world)
-        if reward_model:
-            self._check_forward_only("reward.reward_model", self.reward.reward_model.megatron, None, world)
-        if teacher:
-            source = self.distillation.teacher_model
-            self._check_forward_only("distillation.teacher_model", source.megatron, source, world)
-
-    def _check_lengths(self, rollout_n: int, rollout_n_key: str) -> None:
-        arr, data = self.actor_rollout_ref, self.data
-        pairs = (
-            (rollout_n_key, rollout_n, "actor_rollout_ref.rollout.n", arr.rollout.n),
-            (
-                "actor_rollout_ref.rollout.prompt_length",
-                arr.rollout.prompt_length,
-                "data.max_prompt_length",
-                data.max_prompt_length,
-            ),
-            (
-                "actor_rollout_ref.rollout.response_length",
-                arr.rollout.response_length,
-                "data.max_response_length",
-                data.max_response_length,
-            ),
-        )
-        for name, value, source, expected in pairs:
-            if value != expected:
-                raise ValueError(
-                    f"{name}={value} disagrees with {source}={expected}; leave {name} out (it is derived from {source})"
-                )
-
-    def _layout(self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig], world: int) -> dict:
-        """Validate ``megatron``'s layout on ``world`` ranks (and against an inline model, its layers split
-        as ``megatron.override_transformer_config``'s uneven-pipeline fields and ``account_for_*`` flags
-        say); return sizes."""
-        if self.trainer.device == "cpu" and megatron.context_parallel_size > 1:
-            raise ValueError(
-                f"{where}.megatron.context_parallel_size={megatron.context_parallel_size} needs "
-                "TransformerEngine attention (trainer.device='cuda'); use 1 on CPU"
-            )
-        model = source.config if source is not None else None
-        dims = {}
-        if model is not None:
-            dims = dict(
-                num_layers=model.num_layers,
-                num_attention_heads=model.num_attention_heads,
-                num_query_groups=model.num_query_groups or model.num_attention_heads,
-                num_experts=model.num_moe_experts,
-            )
-            dims.update(uneven_pipeline_fields(megatron.override_transformer_config))
-        try:
-            return megatron.parallel().validate(world, **dims)
-        except ValueError as err:
-            raise ValueError(
-                f"{where}.megatron: {err} (world_size={world} = trainer.nnodes * "
-                f"trainer.n_gpus_per_node = {self.trainer.nnodes}*{self.trainer.n_gpus_per_node})"
-            ) from None
-
-    def _check_batch(self, where: str, cfg: ActorConfig | CriticConfig, source: ModelSourceConfig, world: int) -> None:
-        """verl's batch arithmetic for a trained role: prompts split into mini-batches, each
-        mini-batch's responses split evenly over data-parallel ranks and into micro-batches. Under
-        ``use_dynamic_bsz`` token budgets form the micro-batches, so (as verl) the micro-batch size
-        need not divide a rank's share."""
-        n, train = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
-        mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
-        if train < mini:
-            raise ValueError(f"data.train_batch_size={train} must be >= {where}.ppo_mini_batch_size={mini}")
-        if (train * n) % (mini * n):
-            raise ValueError(
-                f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
-                f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n}"
-            )
-        dp = self._layout(where, cfg.megatron, source, world)["dp"]
-        dynamic = (
-            cfg.use_dynamic_bsz if cfg.use_dynamic_bsz is not None else self.actor_rollout_ref.actor.use_dynamic_bsz
-        )
-        if dynamic and (mini * n) % dp:
-            raise ValueError(
-                f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
-                f"the data-parallel size {dp} of {where}"
-            )
-        if not dynamic and (mini * n) % (dp * micro):
-            raise ValueError(
-                f"{where}.ppo_mini_batch_size * rollout.n = {mini}*{n} = {mini * n} is not divisible by "
-                f"data-parallel size * {where}.ppo_micro_batch_size_per_gpu = {dp}*{micro} = {dp * micro}"
-            )
-
-    def _check_forward_only(
-        self, where: str, megatron: MegatronConfig, source: Optional[ModelSourceConfig], world: int
-    ) -> None:
-        n, train = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
-        dp = self._layout(where, megatron, source, world)["dp"]
-        if (train * n) % dp:
-            raise ValueError(
-                f"data.train_batch_size * rollout.n = {train}*{n} = {train * n} is not divisible by "
-                f"the data-parallel size {dp} of {where}"
-            )
-
-
-def _check_source(where: str, source: Any, *, path_key: str = "path", family_required: bool = True) -> None:
-    path = getattr(source, path_key)
-    if (path is None) == (source.config is None):
-        got = "neither" if path is None else "both"
-        raise ValueError(
-            f"{where}: set exactly one of {where}.{path_key} (an HF checkpoint directory) and "
-            f"{where}.config (an inline ModelConfig); got {got}"
-        )
-    if family_required and source.config is not None and source.family is None:
-        raise ValueError(
-            f"{where}.family must name the HF family an inline model is exported as for vLLM "
-            f"(e.g. 'qwen3') when {where}.config is set"
-        )
+    @property
+    def world_size(self) -> int:
+        """Devices (or CPU worker processes) in the cluster: ``nnodes * n_gpus_per_node``."""
+        return self.nnodes * self.n_gpus_per_node

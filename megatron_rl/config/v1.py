@@ -144,7 +144,7 @@ class V1Config(BaseConfig):
 
 
 def check_async_run(config: Any) -> None:
-    """Cross-section checks of ``trainer.v1`` against the run (``TrainerRunConfig``): placement per
+    """Cross-section checks of ``trainer.v1`` against the run (``RunConfig``): placement per
     mode, verl's batch rule of ``separate_async``, rollout log-probs, warm-up batches within the run.
     ``ValueError`` naming keys and values; called when the run config is built (before any worker)."""
     v1, rollout, trainer = config.trainer.v1, config.actor_rollout_ref.rollout, config.trainer

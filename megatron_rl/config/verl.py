@@ -1,7 +1,7 @@
 """verl's config surface over the typed tree: ``omega_conf_to_dataclass`` and the key table.
 
 ``omega_conf_to_dataclass`` is verl's converter (``verl.utils.omega_conf_to_dataclass``): a
-section's ``_target_`` picks our class (``McoreActorConfig`` -> ``ActorRunConfig``, ...).
+section's ``_target_`` picks our class (``McoreActorConfig`` -> ``ActorConfig``, ...).
 ``key_table`` / ``format_key_table`` sort a composed config's leaves into acted on / accepted with
 no effect (warned when away from verl's default) / refused (with the nearest valid key), for the
 ``megatron-rl train --config`` and ``python -m megatron_rl.main_ppo`` entry points. The rules of
@@ -15,7 +15,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from megatron_rl.config import algorithm, distillation, rollout, sections  # noqa: F401  (every section class)
+from megatron_rl.config import run_config  # noqa: F401  (imports every section class)
 from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.compat import inert_reason
 from megatron_rl.config.schema import all_paths, field_hint
@@ -34,15 +34,18 @@ __all__ = ["VERL_CONFIG_DIR", "omega_conf_to_dataclass", "KeyTable", "key_table"
 
 # ----------------------------------------------------------------------------- verl's converter
 def _target_classes() -> dict[str, type]:
-    out: dict[str, type] = {}
+    ours: dict[str, type] = {}
     stack = [BaseConfig]
     while stack:
         cls = stack.pop()
         stack.extend(cls.__subclasses__())
-        for verl_name in VERL_TARGETS.get(cls.__name__, ()):
-            # The run tree's classes win: a McoreActorConfig is a whole actor section (ActorRunConfig).
-            if verl_name not in out or cls.__name__.endswith("RunConfig"):
-                out[verl_name] = cls
+        ours.setdefault(cls.__name__, cls)
+    out: dict[str, type] = {}
+    # The first class listed wins: a McoreActorConfig is an ActorConfig, not a RefConfig.
+    for name, verl_names in VERL_TARGETS.items():
+        for verl_name in verl_names:
+            if name in ours:
+                out.setdefault(verl_name, ours[name])
     return out
 
 
@@ -50,7 +53,7 @@ def omega_conf_to_dataclass(config: Any, dataclass_type: Optional[type] = None) 
     """verl's ``omega_conf_to_dataclass``: a ``DictConfig`` / dict as the config dataclass
     ``dataclass_type``, or, without one, as the class its ``_target_`` names (verl's class names map to
     ours, e.g. ``verl.trainer.config.AlgoConfig`` -> ``AlgoConfig``, ``McoreActorConfig`` ->
-    ``ActorRunConfig``). An empty config gives ``dataclass_type()``; a non-mapping is returned as is."""
+    ``ActorConfig``). An empty config gives ``dataclass_type()``; a non-mapping is returned as is."""
     from omegaconf import DictConfig, OmegaConf
 
     if not config:

@@ -55,13 +55,13 @@ _ROLES = {
 def _built(raw: dict, suggest: bool = False):
     """``(config, plan)`` of ``raw`` when it builds and its roles check (``plan.fits`` says if it fits), else None."""
     from megatron_rl.algos.needs import resolve_run
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.planner import plan_run
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = TrainerRunConfig.from_dict(raw, warn=False)  # warnings are not shown here
+            config = RunConfig.from_dict(raw, warn=False)  # warnings are not shown here
             resolve_run(config)
             return config, plan_run(config, suggest=suggest)
     except (ValueError, KeyError, TypeError):

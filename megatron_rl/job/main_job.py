@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.job.final_export import FinalExport
 from megatron_rl.job.prepare import atomic_text, prepare_policy_model, prepare_teacher_model, replace_dir, staging_dir
 from megatron_rl.job.report import (
@@ -62,7 +62,7 @@ _TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def build_trainer(
-    config: TrainerRunConfig,
+    config: RunConfig,
     run_dir: Optional[str | Path] = None,
     *,
     log=print,
@@ -89,7 +89,7 @@ def build_trainer(
     return RayPPOTrainer(config, model_path=model_path, log_dir=run_dir, teacher_path=teacher_path, **trainer_kwargs)
 
 
-def load_run_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> tuple[TrainerRunConfig, dict]:
+def load_run_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> tuple[RunConfig, dict]:
     """``load_config``, and a layout the config refuses gets the nearest valid layout named
     (``megatron_rl.job.layout_hint``); returns the config and the composed mapping (for ``checked_plan``)."""
     from megatron_rl.config.loader import compose
@@ -97,11 +97,11 @@ def load_run_config(recipe: Optional[str] = None, overrides: Sequence[str] = ())
 
     raw = compose(recipe, overrides)
     with with_layout_hint(raw):
-        config = TrainerRunConfig.from_dict(raw)
+        config = RunConfig.from_dict(raw)
     return config, raw
 
 
-def checked_plan(config: TrainerRunConfig, raw: dict):
+def checked_plan(config: RunConfig, raw: dict):
     """``megatron_rl.planner.check_plan``; a layout it finds invalid gets the nearest valid one named."""
     from megatron_rl.job.layout_hint import with_layout_hint
     from megatron_rl.planner import check_plan
@@ -239,7 +239,7 @@ def _signals_as_stopped(signals: StopSignals) -> Iterator[None]:
 
 
 def _train(
-    config: TrainerRunConfig,
+    config: RunConfig,
     trainer: Any,
     resume: Selection,
     out_dir: Path,
@@ -333,7 +333,7 @@ def _train(
 
 
 def _report(
-    config: TrainerRunConfig, out_dir: Path, history: list, staged: Optional[Path], rl_seconds: float, wall: float, log
+    config: RunConfig, out_dir: Path, history: list, staged: Optional[Path], rl_seconds: float, wall: float, log
 ) -> dict[str, Any]:
     """The summary (and reward curve, and HF checkpoint) of a finished run, each put in place only
     once all of them are complete."""

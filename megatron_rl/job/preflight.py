@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.trainer.step_checkpoints import CONFIG_COPY, Selection, select_checkpoint
 
 __all__ = [
@@ -80,7 +80,7 @@ _START_OVER = (
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
-def preflight(config: TrainerRunConfig, run_dir: str | Path, *, log: Callable[[str], Any] = print) -> Selection:
+def preflight(config: RunConfig, run_dir: str | Path, *, log: Callable[[str], Any] = print) -> Selection:
     """Run every check of the module docstring; return the checkpoint to resume from."""
     from megatron_rl.algos.needs import resolve_run
 
@@ -99,7 +99,7 @@ def preflight(config: TrainerRunConfig, run_dir: str | Path, *, log: Callable[[s
 
 
 # ----------------------------------------------------------------------------- GPU stack
-def _megatron_roles(config: TrainerRunConfig, needs: Any) -> list[tuple[str, Any, Any]]:
+def _megatron_roles(config: RunConfig, needs: Any) -> list[tuple[str, Any, Any]]:
     """``(section, megatron config, model source or None)`` of every Megatron role this run builds."""
     arr = config.actor_rollout_ref
     roles = [("actor_rollout_ref.actor", arr.actor.megatron, arr.model)]
@@ -131,7 +131,7 @@ def _role_model_setting(source: Any, key: str, default: Any) -> Any:
 
 
 def check_gpu_stack(
-    config: TrainerRunConfig, needs: Any, *, cuda_available: Optional[bool] = None, te_error: Any = "probe"
+    config: RunConfig, needs: Any, *, cuda_available: Optional[bool] = None, te_error: Any = "probe"
 ) -> None:
     """The installed torch / TransformerEngine can run what the config asks for (module docstring).
 
@@ -201,7 +201,7 @@ def _check_hf_dir(key: str, value: Optional[str]) -> None:
         raise ValueError(f"{key}={shown} holds no *.safetensors weights")
 
 
-def check_model_paths(config: TrainerRunConfig, needs: Any) -> None:
+def check_model_paths(config: RunConfig, needs: Any) -> None:
     """Every model directory the run loads exists and holds an HF config and weights."""
     arr = config.actor_rollout_ref
     _check_hf_dir("actor_rollout_ref.model.path", arr.model.path)
@@ -221,7 +221,7 @@ def _files(value: Any) -> list[str]:
     return [] if value is None else [value] if isinstance(value, (str, Path)) else [str(v) for v in value]
 
 
-def check_data(config: TrainerRunConfig) -> None:
+def check_data(config: RunConfig) -> None:
     """The prompt files (or the built-in task) can give the run its batches (module docstring)."""
     from megatron_rl.data.datasets import TOY_TASKS, column_values, inspect_data_file
     from megatron_rl.data.rewards import DATA_SOURCE_TO_REWARD, REWARD_FNS
@@ -272,7 +272,7 @@ def check_data(config: TrainerRunConfig) -> None:
             )
 
 
-def check_reward(config: TrainerRunConfig) -> None:
+def check_reward(config: RunConfig) -> None:
     """``reward.reward_fn`` is registered; a custom reward file compiles (a syntax error names file and
     line), imports (what it raises is named with its line) and defines its function."""
     from megatron_rl.data.rewards import REWARD_FNS, load_custom_reward_fn
@@ -288,7 +288,7 @@ def check_reward(config: TrainerRunConfig) -> None:
         load_custom_reward_fn(custom.path, custom.name)
 
 
-def check_loggers(config: TrainerRunConfig) -> None:
+def check_loggers(config: RunConfig) -> None:
     """Every ``trainer.logger`` entry has its package installed."""
     for name in config.trainer.logger:
         package = _PACKAGES.get(name)
@@ -299,7 +299,7 @@ def check_loggers(config: TrainerRunConfig) -> None:
             )
 
 
-def check_sampling(config: TrainerRunConfig) -> None:
+def check_sampling(config: RunConfig) -> None:
     """No sampling vLLM refuses at the first step: greedy decoding (temperature 0 or do_sample False)
     with more than one sample per prompt."""
     rollout = config.actor_rollout_ref.rollout
@@ -365,9 +365,7 @@ def _check_model(key: str, new: dict, saved: Optional[dict], state_path: Optiona
             )
 
 
-def check_resume(
-    config: TrainerRunConfig, run_dir: Path, needs: Any, *, log: Callable[[str], Any] = print
-) -> Selection:
+def check_resume(config: RunConfig, run_dir: Path, needs: Any, *, log: Callable[[str], Any] = print) -> Selection:
     """The checkpoint to resume from, verified, and ``ValueError`` unless this configuration can
     resume it (the same model shape and data order, every part it trains present)."""
     tcfg = config.trainer

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 
 # Also registers the agentic toy task (toy_multiply) in the task and reward registries.
 from megatron_rl.rollout.agent.warmup import agent_task_texts, agent_warmup, install_tool_chat_template, is_agent_task
@@ -68,7 +68,7 @@ def _staged(final: Path) -> Iterator[Path]:
         raise
 
 
-def _task_rows(config: TrainerRunConfig, num: int, seed: int) -> list[dict]:
+def _task_rows(config: RunConfig, num: int, seed: int) -> list[dict]:
     from megatron_rl.data.datasets import toy_rows
 
     kwargs = dict(config.data.task_kwargs)
@@ -76,7 +76,7 @@ def _task_rows(config: TrainerRunConfig, num: int, seed: int) -> list[dict]:
     return toy_rows(config.data.task, num, seed, **kwargs)
 
 
-def prepare_policy_model(config: TrainerRunConfig, out_dir: str | Path, *, log=print) -> str:
+def prepare_policy_model(config: RunConfig, out_dir: str | Path, *, log=print) -> str:
     """The HF checkpoint directory the run's policy starts from (see the module docstring).
 
     Raises ValueError for an inline model without ``data.task`` (its tokenizer is trained on the
@@ -141,7 +141,7 @@ def prepare_policy_model(config: TrainerRunConfig, out_dir: str | Path, *, log=p
 
 
 def prepare_teacher_model(
-    config: TrainerRunConfig, out_dir: str | Path, student_path: str | Path, *, log=print, reuse: bool = False
+    config: RunConfig, out_dir: str | Path, student_path: str | Path, *, log=print, reuse: bool = False
 ) -> str:
     """The distillation teacher's HF directory: ``distillation.teacher_model.model_path``, or an
     inline ``config`` materialised with the student's tokenizer (same task texts) and warmed up by

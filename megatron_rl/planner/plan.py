@@ -24,7 +24,7 @@ from typing import Any, Optional
 from megatron_rl.algos.needs import RunNeeds, resolve_run
 from megatron_rl.config.lora_config import vllm_lora_rank
 from megatron_rl.config.model import ModelConfig
-from megatron_rl.config.trainer import TrainerRunConfig
+from megatron_rl.config.run_config import RunConfig
 from megatron_rl.models.gpt import padded_vocab_size
 from megatron_rl.planner.architectures import resolve_architecture
 from megatron_rl.planner.memory import GIB, RoleMemory, count_params, estimate_role
@@ -80,16 +80,16 @@ class Plan:
 
 # ----------------------------------------------------------------------------- helpers
 def _run_config(config: Any, nodes: Optional[int], gpus_per_node: Optional[int]):
-    """A validated ``TrainerRunConfig`` on the given cluster (its own ``trainer`` sizes by default)
+    """A validated ``RunConfig`` on the given cluster (its own ``trainer`` sizes by default)
     and what the run needs (``resolve_run``: registry names and the layouts of the roles that run)."""
-    if not isinstance(config, TrainerRunConfig):
-        config = TrainerRunConfig.from_dict(config)
+    if not isinstance(config, RunConfig):
+        config = RunConfig.from_dict(config)
     if nodes is not None or gpus_per_node is not None:
         data = config.to_dict()
         data["trainer"]["nnodes"] = nodes or config.trainer.nnodes
         data["trainer"]["n_gpus_per_node"] = gpus_per_node or config.trainer.n_gpus_per_node
         data["trainer"].pop("default_local_dir", None)
-        config = TrainerRunConfig.from_dict(data)
+        config = RunConfig.from_dict(data)
     return config, resolve_run(config)
 
 
@@ -185,7 +185,7 @@ def plan_run(
     architecture: Optional[str] = None,
     suggest: bool = True,
 ) -> Plan:
-    """Validate ``config`` (a ``TrainerRunConfig`` or a mapping with verl's keys) on ``nodes`` x
+    """Validate ``config`` (a ``RunConfig`` or a mapping with verl's keys) on ``nodes`` x
     ``gpus_per_node`` devices and estimate per-device memory; ``ValueError`` for an invalid
     layout. A layout that does not fit is returned with ``fits == False`` and a ``suggestion``.
     ``gpu_memory_gb`` is GiB per GPU; with ``trainer.device=cpu`` host RAM per rank is the budget."""
@@ -239,7 +239,7 @@ def _offload_suggestion(ctx: "_Context", par: ParallelConfig, micro: int) -> Opt
         data["actor_rollout_ref"]["rollout"]["free_cache_engine"] = True
         missing.append("actor_rollout_ref.rollout.free_cache_engine=True")
     data["trainer"].pop("default_local_dir", None)
-    other, needs = TrainerRunConfig.from_dict(data), ctx.needs
+    other, needs = RunConfig.from_dict(data), ctx.needs
     plan = _Context(other, needs, ctx.model, ctx.from_table, ctx.budget).evaluate(par, micro)
     if not plan.fits:
         return None

@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 
 __all__ = ["build_tokenizer", "build_train_dataloader", "build_val_dataloader", "build_reward_fn"]
 
 _VAL_SEED_OFFSET = 7919  # the held-out set of a built-in task is drawn with another seed
 
 
-def build_tokenizer(config: TrainerRunConfig, model_path: str):
+def build_tokenizer(config: RunConfig, model_path: str):
     """``model.tokenizer_path`` (or the model's own directory) through ``AutoTokenizer``, with
     ``model.custom_chat_template`` in place of its own template when set (prompts are formatted
     with it once, on the driver; the rollout engine receives token ids)."""
@@ -33,12 +33,12 @@ def build_tokenizer(config: TrainerRunConfig, model_path: str):
     return tokenizer
 
 
-def _task_kwargs(config: TrainerRunConfig) -> tuple[int, dict]:
+def _task_kwargs(config: RunConfig) -> tuple[int, dict]:
     kwargs = dict(config.data.task_kwargs)
     return int(kwargs.pop("num_samples", 1024)), kwargs
 
 
-def build_train_dataloader(config: TrainerRunConfig, tokenizer: Any, run_dir: Path):
+def build_train_dataloader(config: RunConfig, tokenizer: Any, run_dir: Path):
     """The training prompts: ``data.train_files``, or ``data.task`` written to ``run_dir/train.parquet``;
     batches of ``data.gen_batch_size`` (DAPO rounds) or ``data.train_batch_size`` prompts."""
     from megatron_rl.data.datasets import build_prompt_dataloader, make_toy_dataset
@@ -53,7 +53,7 @@ def build_train_dataloader(config: TrainerRunConfig, tokenizer: Any, run_dir: Pa
     return build_prompt_dataloader(files, tokenizer, data, max_samples=data.train_max_samples)
 
 
-def build_val_dataloader(config: TrainerRunConfig, tokenizer: Any, run_dir: Path):
+def build_val_dataloader(config: RunConfig, tokenizer: Any, run_dir: Path):
     """``data.val_files``, or for a built-in task a held-out set drawn with another seed; None when
     neither exists. Batches of ``data.val_batch_size`` prompts (None = the whole set), in order
     unless ``data.validation_shuffle``."""
@@ -79,7 +79,7 @@ def build_val_dataloader(config: TrainerRunConfig, tokenizer: Any, run_dir: Path
     return PromptDataLoader(dataset, size, shuffle=data.validation_shuffle, seed=data.seed, drop_last=False)
 
 
-def build_reward_fn(config: TrainerRunConfig, tokenizer: Any, score: Optional[Any] = None):
+def build_reward_fn(config: RunConfig, tokenizer: Any, score: Optional[Any] = None):
     """The rule reward of ``reward.reward_fn`` / ``reward.custom_reward_function`` (or ``score``, a
     ``compute_score`` callable that replaces both), with DAPO's overlong shaping when enabled."""
     from megatron_rl.data.rewards import RewardFunction, load_custom_reward_fn

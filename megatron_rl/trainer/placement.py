@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from megatron_rl.algos.needs import RunNeeds
 from megatron_rl.algos.rollout_correction import bypass_policy_loss_config
-from megatron_rl.config import ActorConfig, TrainerRunConfig
+from megatron_rl.config import ActorConfig, RunConfig
 from megatron_rl.config.lora_config import LoRAConfig, check_lora_fits
 from megatron_rl.models.tiny import megatron_overrides
 from megatron_rl.utils.engine_map import rollout_layout
@@ -45,7 +45,7 @@ def _with_horizon(role_config, total_steps: int):
     return role_config.replace(optim=role_config.optim.replace(total_training_steps=total_steps))
 
 
-def actor_config(config: TrainerRunConfig, total_steps: int):
+def actor_config(config: RunConfig, total_steps: int):
     """The actor's config: the run's LR horizon; in rollout-correction bypass mode its policy loss
     becomes ``bypass_mode`` with the correction settings (verl's ``apply_bypass_mode``)."""
     actor, rc = _with_horizon(config.actor_rollout_ref.actor, total_steps), config.algorithm.rollout_correction
@@ -119,7 +119,7 @@ class RoleBudget:
         check_token_budget(f"{self.section}.{self.forward_key}", self.forward, self.megatron, data)
 
 
-def role_token_budgets(config: TrainerRunConfig) -> dict[str, RoleBudget]:
+def role_token_budgets(config: RunConfig) -> dict[str, RoleBudget]:
     """Every role's ``RoleBudget``, with what a role leaves at None taken from what it defaults to
     (verl's interpolations): the reference's and teacher's forward budget from the actor's, the
     critic's ``use_dynamic_bsz`` from the actor's, the reward model's from the critic's. The one
@@ -185,18 +185,18 @@ def role_token_budgets(config: TrainerRunConfig) -> dict[str, RoleBudget]:
     }
 
 
-def actor_lora(config: TrainerRunConfig) -> LoRAConfig:
+def actor_lora(config: RunConfig) -> LoRAConfig:
     """The actor's LoRA: ``actor_rollout_ref.model.lora`` or verl's flat ``lora_rank`` keys (``rank: 0`` = off)."""
     return config.actor_rollout_ref.model.lora_config()
 
 
-def reference_in_actor(config: TrainerRunConfig, needs: RunNeeds) -> bool:
+def reference_in_actor(config: RunConfig, needs: RunNeeds) -> bool:
     """True when the run's reference log-probs come from the actor with its adapters off (a LoRA actor:
     the reference is the base model, so no reference worker is built)."""
     return bool(needs.reference and actor_lora(config).enabled)
 
 
-def lora_rollout_config(config: TrainerRunConfig):
+def lora_rollout_config(config: RunConfig):
     """``actor_rollout_ref.rollout``, with vLLM's LoRA switched on in ``engine_kwargs.vllm`` when the actor
     syncs only its adapters (``lora.merge: false``: ``vllm_lora_engine_kwargs``); otherwise unchanged."""
     from megatron_rl.config.lora_config import vllm_lora_engine_kwargs
@@ -229,7 +229,7 @@ def _warn_sync_keys_unused(sync) -> None:
             )
 
 
-def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str) -> LoRAConfig:
+def check_lora_roles(config: RunConfig, needs: RunNeeds, model_path: str) -> LoRAConfig:
     """The actor's ``LoRAConfig``, checked before any worker starts: a rank larger than a targeted linear's
     dimensions (``check_lora_fits`` on the actor's architecture at ``model_path``) and a critic that would
     run with LoRA (``critic.model`` left out copies the actor's model, LoRA settings included) are
@@ -295,7 +295,7 @@ def check_lora_roles(config: TrainerRunConfig, needs: RunNeeds, model_path: str)
 
 
 def role_specs(
-    config: TrainerRunConfig, needs: RunNeeds, *, model_path: str, total_steps: int, teacher_path: Optional[str] = None
+    config: RunConfig, needs: RunNeeds, *, model_path: str, total_steps: int, teacher_path: Optional[str] = None
 ) -> dict[str, WorkerSpec]:
     """``{role: WorkerSpec}`` for the roles ``needs`` asks for (``actor`` always). ``model_path`` is the
     policy's HF directory (for an inline model, the materialised one); ``total_steps`` the LR horizon.
@@ -382,7 +382,7 @@ def role_specs(
     return specs
 
 
-def gpu_rollout_placement_error(config: TrainerRunConfig) -> Optional[str]:
+def gpu_rollout_placement_error(config: RunConfig) -> Optional[str]:
     """Why the rollout's engines cannot be placed (``megatron_rl.utils.engine_map.rollout_layout``: an
     engine size that does not divide the rollout's GPUs, or stays neither inside a node nor on whole
     nodes; EP not TP x DP; a ``num_replicas`` the GPUs do not give), or None."""
@@ -415,7 +415,7 @@ class Placement:
 
     def __init__(
         self,
-        config: TrainerRunConfig,
+        config: RunConfig,
         specs: dict[str, WorkerSpec],
         *,
         model_path: str,

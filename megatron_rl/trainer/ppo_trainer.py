@@ -11,7 +11,7 @@ callbacks that own their own frequencies (``megatron_rl.trainer.callbacks``): th
 (``on_fit_start``, ``on_validation_end``, ``on_checkpoint``, ``on_step_end``, ``on_fit_end``), which run
 the trainer's callbacks and the user's own (``trainer.callbacks``) by their order.
 
-The trainer takes a typed ``TrainerRunConfig`` and an HF model directory to start from (the
+The trainer takes a typed ``RunConfig`` and an HF model directory to start from (the
 main job, ``megatron_rl.job``, prepares inline toy models and SFT warm-ups).
 """
 
@@ -33,7 +33,7 @@ from megatron_rl.algos.rollout_correction import (
     compute_rollout_correction_and_rejection_mask,
     rollout_correction_kwargs,
 )
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.config.distillation import TOPK_LOSS_MODES
 from megatron_rl.data.batch import Batch
 from megatron_rl.engine.router_replay import ROUTED_EXPERTS, check_run_router_replay, save_routing
@@ -71,7 +71,7 @@ class RayPPOTrainer:
     """Drives the actor / reference / critic / reward-model / teacher groups and the rollout worker.
 
     Args:
-        config: the run (a ``TrainerRunConfig``, or a mapping with its keys).
+        config: the run (a ``RunConfig``, or a mapping with its keys).
         model_path: HF directory the policy (and, unless ``critic.model.path``, the critic) starts from;
             default ``actor_rollout_ref.model.path`` (an inline model is prepared by the main job:
             ``megatron_rl.job.main_job.build_trainer``).
@@ -92,7 +92,7 @@ class RayPPOTrainer:
         train_dataloader: Any = None,
         reward_fn: Any = None,
     ):
-        self.config = config if isinstance(config, TrainerRunConfig) else TrainerRunConfig.from_dict(config)
+        self.config = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
         self.config = async_run_config(self.config)  # trainer.v1 separate_async forces bypass mode
         self.needs = resolve_run(self.config)
         self.config = with_plugins(self.config)  # losses registered in the driver's script travel to the workers

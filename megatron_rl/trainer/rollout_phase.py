@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.algos.dapo import compute_filter_metric, filter_groups
 from megatron_rl.algos.needs import RunNeeds
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.data.batch import Batch
 from megatron_rl.rollout.agent.session_batch import agent_batch, agent_metrics
 from megatron_rl.data.rewards import RewardError, finite_means
@@ -57,7 +57,7 @@ class RolloutPhase:
 
     def __init__(
         self,
-        config: TrainerRunConfig,
+        config: RunConfig,
         needs: RunNeeds,
         rollout: Any,
         dataloader: Any,

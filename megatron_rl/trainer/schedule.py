@@ -155,7 +155,7 @@ def _offload_parts(megatron: Any, parts: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def step_schedule(config: Any, needs: Any, *, device: Optional[str] = None) -> StepSchedule:
-    """The ``StepSchedule`` of a run (a ``TrainerRunConfig`` and its ``RunNeeds``).
+    """The ``StepSchedule`` of a run (a ``RunConfig`` and its ``RunNeeds``).
 
     ValueError, before anything is allocated, for offload on a GPU run whose rollout cannot sleep
     (``rollout.free_cache_engine=False``: vLLM is built without sleep mode, so the memory offload

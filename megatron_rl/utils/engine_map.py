@@ -162,7 +162,7 @@ def engine_weight_bytes_per_gpu(
 
 
 def rollout_engine_map(config: Any) -> EngineMap:
-    """``engine_map`` of a ``TrainerRunConfig`` (read by attribute): colocated on the trainer's GPUs
+    """``engine_map`` of a ``RunConfig`` (read by attribute): colocated on the trainer's GPUs
     unless ``actor_rollout_ref.rollout.nnodes`` >= 1 gives the rollout its own pool (separate_async).
     On CPU a "GPU" is one rank's slot: the colocated rollout has ``trainer.world_size`` of them and a
     separate one ``n_gpus_per_node`` CPUs on its one node."""
@@ -186,7 +186,7 @@ def rollout_engine_map(config: Any) -> EngineMap:
 
 
 def rollout_layout(config: Any) -> EngineMap:
-    """The engines a run starts (``TrainerRunConfig`` read by attribute). On GPUs
+    """The engines a run starts (``RunConfig`` read by attribute). On GPUs
     ``rollout_engine_map``, with ``actor_rollout_ref.rollout.num_replicas`` refused when it differs.
     On CPU there are no GPUs to divide: ``num_replicas`` engines (default 1) of TP slots each, on node 0
     (colocated) or the separate pool's node."""

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_rl.config.model import ModelConfig
-from megatron_rl.config.sections import MegatronConfig
+from megatron_rl.config.layout import MegatronConfig
 
 __all__ = ["ROLES", "WorkerSpec"]
 

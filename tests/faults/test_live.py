@@ -297,7 +297,7 @@ def test_no_process_outlives_a_killed_driver(tmp_path):
 def test_a_worker_that_sleeps_in_a_phase_trips_the_watchdog(tmp_path, ray_cluster):
     import ray
 
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.trainer.watchdog import PhaseTimeout
@@ -305,7 +305,7 @@ def test_a_worker_that_sleeps_in_a_phase_trips_the_watchdog(tmp_path, ray_cluste
     from megatron_rl.trainer import watchdog
 
     timeout = 6.0  # step 2's; step 1 runs under 120 s, for a loaded machine's first (slow) phases
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "grpo",
             [*QUICK, "trainer.save_freq=1", "trainer.phase_timeout_s=120", f"trainer.default_local_dir={tmp_path}"],

@@ -1,6 +1,6 @@
 """No config key is silently ignored.
 
-Every leaf of ``TrainerRunConfig`` must be read by the code that acts on it -- recorded while real
+Every leaf of ``RunConfig`` must be read by the code that acts on it -- recorded while real
 code runs (``megatron_rl.config.read_tracking``: reads by the config's own validation or by
 ``dataclasses`` do not count) -- or be listed in ``megatron_rl.config.compat.INERT_KEYS``, the one
 list of keys accepted for verl compatibility, each of which warns by name when set.
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import TrainerRunConfig, compose, read_tracking
+from megatron_rl.config import RunConfig, compose, read_tracking
 from megatron_rl.config.compat import INERT_KEYS, InertKeyWarning, inert_reason
 
 ray = pytest.importorskip("ray")
@@ -153,7 +153,7 @@ def _config(tmp_path, extra=()):
     if not rm.exists():
         build_tiny_reward_model(tmp_path / "reward_model")
         (tmp_path / "reward.py").write_text(REWARD)
-    return TrainerRunConfig.from_dict(
+    return RunConfig.from_dict(
         compose(
             "grpo",
             [
@@ -267,7 +267,7 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
             )
             record = tmp_path / "routing" / "step_{step}.pt"
             moe = _train(
-                TrainerRunConfig.from_dict(
+                RunConfig.from_dict(
                     compose(
                         "grpo_moe",
                         [
@@ -279,20 +279,18 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
                 )
             )
             lora = _train(
-                TrainerRunConfig.from_dict(
-                    compose("grpo_lora", [*LORA_RUN, f"trainer.default_local_dir={tmp_path / 'lora'}"])
-                )
+                RunConfig.from_dict(compose("grpo_lora", [*LORA_RUN, f"trainer.default_local_dir={tmp_path / 'lora'}"]))
             )
         finally:
             ray.shutdown()
         from megatron_rl.planner import plan_run
 
-        plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_ppo")), architecture="qwen3_30b_a3b")
+        plan_run(RunConfig.from_dict(compose("gpu/qwen3_30b_a3b_ppo")), architecture="qwen3_30b_a3b")
         # the runs above are colocated: a separate rollout pool's engine map reads its own GPUs per node
         from megatron_rl.utils.engine_map import rollout_engine_map
 
         separate = rollout_engine_map(
-            TrainerRunConfig.from_dict(
+            RunConfig.from_dict(
                 compose(
                     "grpo",
                     [
@@ -331,7 +329,7 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl", "3.jsonl"]
 
     reads = read_tracking.read_paths(reads_dir)
-    leaves = list(read_tracking.leaf_paths(TrainerRunConfig))
+    leaves = list(read_tracking.leaf_paths(RunConfig))
     sections: dict[type, set[str]] = {}
     for path, cls, _ in leaves:
         sections.setdefault(cls, set()).add(path.rpartition(".")[0])
@@ -344,7 +342,7 @@ def test_inert_keys_warn_by_name_and_the_list_is_short():
     from megatron_rl.config.verl_keys import verl_catalogue
 
     # Leaves of the typed tree, and verl 0.9.1's keys that have no field here (accepted as inert).
-    leaves = [p for p, _, _ in read_tracking.leaf_paths(TrainerRunConfig)] + list(verl_catalogue())
+    leaves = [p for p, _, _ in read_tracking.leaf_paths(RunConfig)] + list(verl_catalogue())
     assert len(INERT_KEYS) <= 32  # one entry per reason; an entry may hold several '|'-separated patterns
     for entry in INERT_KEYS:
         for pattern in entry.split("|"):
@@ -363,10 +361,10 @@ def test_inert_keys_warn_by_name_and_the_list_is_short():
         key = override.split("=")[0]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            TrainerRunConfig.from_dict(compose("grpo", [override]))
+            RunConfig.from_dict(compose("grpo", [override]))
         texts = [str(w.message) for w in caught if issubclass(w.category, InertKeyWarning)]
         assert any(t.startswith(f"{key}=") and "has no effect here" in t for t in texts), (override, texts)
     with warnings.catch_warnings(record=True) as caught:  # defaults never warn
         warnings.simplefilter("always")
-        TrainerRunConfig.from_dict(base)
+        RunConfig.from_dict(base)
     assert not [w for w in caught if issubclass(w.category, InertKeyWarning)]

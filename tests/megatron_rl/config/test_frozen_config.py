@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.config.base_config import BaseConfig, FrozenConfigError
 
 RUN = {"data": {"task": "toy_copy"}, "actor_rollout_ref": {"model": {"path": "/models/tiny"}}}
@@ -23,14 +23,14 @@ def _sections(config: BaseConfig, path: str = ""):
 
 
 def test_every_field_of_every_section_refuses_assignment_naming_it():
-    config = TrainerRunConfig.from_dict(RUN, warn=False)
+    config = RunConfig.from_dict(RUN, warn=False)
     checked = 0
     for path, section in _sections(config):
         assert section.frozen, path
         for f in dataclasses.fields(section):
             with pytest.raises(FrozenConfigError) as err:
                 setattr(section, f.name, getattr(section, f.name))
-            where = f"{path}.{f.name}" if path else f"TrainerRunConfig.{f.name}"
+            where = f"{path}.{f.name}" if path else f"RunConfig.{f.name}"
             assert str(err.value).startswith(f"cannot assign {where}="), str(err.value)
             checked += 1
     assert checked > 400  # every leaf and section field of the run's tree
@@ -38,7 +38,7 @@ def test_every_field_of_every_section_refuses_assignment_naming_it():
 
 
 def test_with_values_derives_a_frozen_copy_and_leaves_the_built_one_alone():
-    config = TrainerRunConfig.from_dict(RUN, warn=False)
+    config = RunConfig.from_dict(RUN, warn=False)
     derived = config.with_values({"trainer.default_local_dir": "/runs/a", "actor_rollout_ref.rollout.top_k": 4})
     assert (derived.trainer.default_local_dir, derived.actor_rollout_ref.rollout.top_k) == ("/runs/a", 4)
     assert config.trainer.default_local_dir != "/runs/a" and config.actor_rollout_ref.rollout.top_k != 4
@@ -54,7 +54,7 @@ def test_with_values_derives_a_frozen_copy_and_leaves_the_built_one_alone():
 
 
 def test_a_section_built_on_its_own_stays_mutable_until_it_is_part_of_a_run():
-    from megatron_rl.config.sections import TrainerConfig
+    from megatron_rl.config.trainer import TrainerConfig
 
     section = TrainerConfig(save_freq=3)
     section.save_freq = 4  # not built into a run: tests and builders may still fill it
@@ -69,7 +69,7 @@ def test_the_drivers_own_losses_ride_a_derived_copy_to_the_workers():
     from megatron_rl.algos import POLICY_LOSS_REGISTRY
     from megatron_rl.algos.needs import resolve_run, with_plugins
 
-    config = TrainerRunConfig.from_dict(RUN, warn=False)
+    config = RunConfig.from_dict(RUN, warn=False)
     resolve_run(config)  # checks only: the built config is not written to
     assert with_plugins(config) is config  # no user entries: nothing to carry
     POLICY_LOSS_REGISTRY["frozen_test_loss"] = _user_loss

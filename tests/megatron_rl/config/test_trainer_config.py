@@ -1,4 +1,4 @@
-"""TrainerRunConfig, YAML recipes and key=value overrides: loading, inheritance, derived keys,
+"""RunConfig, YAML recipes and key=value overrides: loading, inheritance, derived keys,
 strict keys with suggestions, registry names, batch/layout arithmetic, needs_* logic."""
 
 import warnings
@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from megatron_rl.algos import ADV_ESTIMATORS, POLICY_LOSSES
 from megatron_rl.algos.needs import resolve_run
-from megatron_rl.config import ActorConfig, TrainerRunConfig, compose, dump_config, list_recipes, load_config
+from megatron_rl.config import ActorConfig, RunConfig, compose, dump_config, list_recipes, load_config
 from megatron_rl.config.loader import find_recipe
 from parallel.config import ParallelConfig
 
@@ -96,7 +96,7 @@ def test_every_recipe_loads_validates_and_round_trips(name, tmp_path):
     dumped = tmp_path / "config.yaml"
     dumped.write_text(dump_config(cfg))
     assert load_config(dumped) == cfg
-    assert TrainerRunConfig.from_dict(cfg.to_dict()) == cfg
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_variants_extend_their_base_recipe():
@@ -251,7 +251,7 @@ def test_unknown_key_in_yaml_names_file_and_suggestion(tmp_path):
         "'actor_rollout_ref.actor.clip_ratio'"
     )
     with pytest.raises(ValueError) as info:
-        TrainerRunConfig.from_dict({"data": {"tsk": "toy"}})
+        RunConfig.from_dict({"data": {"tsk": "toy"}})
     assert str(info.value) == "unknown config key 'data.tsk'; nearest valid keys: 'data.task'"
 
 
@@ -447,7 +447,7 @@ def test_base_errors(tmp_path):
 
 def test_from_dict_accepts_dictconfig():
     data = compose("dapo")
-    assert TrainerRunConfig.from_dict(OmegaConf.create(data)) == load_config("dapo")
+    assert RunConfig.from_dict(OmegaConf.create(data)) == load_config("dapo")
     assert Path(find_recipe("gpu/qwen3_30b_a3b_grpo")).name == "qwen3_30b_a3b_grpo.yaml"
 
 
@@ -514,7 +514,7 @@ def test_grpo_lora_recipe_resolves_lora_and_the_reference_is_the_actor():
         ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
     )
     assert needs.reference and reference_in_actor(cfg, needs)  # the KL loss's reference: the base model
-    dumped = TrainerRunConfig.from_dict(cfg.to_dict())
+    dumped = RunConfig.from_dict(cfg.to_dict())
     assert dumped == cfg and actor_lora(dumped) == lora
 
 

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from megatron_rl.config import TrainerRunConfig, compose
+from megatron_rl.config import RunConfig, compose
 from megatron_rl.config.compat import InertKeyWarning
 from megatron_rl.config.verl_keys import VERL_CONFIG_DIR, verl_catalogue
 from megatron_rl.main_ppo import main, parse_args
@@ -27,7 +27,7 @@ def test_generated_config_builds_and_its_key_table_refuses_nothing():
     assert acted >= 265 and inert > 590 and acted + inert <= len(verl_catalogue())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = TrainerRunConfig.from_dict(compose(VERL, SET))
+        cfg = RunConfig.from_dict(compose(VERL, SET))
     # verl-only keys read back as given; only values away from verl's default warn.
     assert cfg.actor_rollout_ref.actor.use_torch_compile is True and cfg.trainer.use_v1 is True
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "colocated"  # verl's "naive"
@@ -52,7 +52,7 @@ def test_hydra_override_syntax():
     with pytest.raises(ValueError, match=r"cannot add 'trainer.nnodes' .* already has it"):
         compose(VERL, ["+trainer.nnodes=2"])
     with pytest.raises(ValueError, match="both .*ppo_micro_batch_size=8 and .*ppo_micro_batch_size_per_gpu=2"):
-        TrainerRunConfig.from_dict(data)
+        RunConfig.from_dict(data)
     data = compose(
         VERL,
         [
@@ -63,7 +63,7 @@ def test_hydra_override_syntax():
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = TrainerRunConfig.from_dict(data)
+        cfg = RunConfig.from_dict(data)
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2  # verl's 8 // dp=4
 
 
@@ -130,7 +130,7 @@ def test_engines_not_built_are_refused_by_name_with_the_built_ones(override, mes
     """verl's FSDP training engines and its SGLang / TensorRT-LLM rollouts: refused by key, the built ones listed."""
     with warnings.catch_warnings(), pytest.raises(ValueError) as info:
         warnings.simplefilter("ignore")
-        TrainerRunConfig.from_dict(compose(VERL, [*SET, override]))
+        RunConfig.from_dict(compose(VERL, [*SET, override]))
     assert str(info.value) == message
 
 
@@ -296,7 +296,7 @@ def test_older_verl_key_is_read_as_its_successor_with_a_note(overrides, successo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         data = compose(VERL, [*SET, *overrides])
-        cfg = TrainerRunConfig.from_dict(data)
+        cfg = RunConfig.from_dict(data)
     assert sorted(str(w.message) for w in caught if w.category is LegacyKeyWarning) == sorted(notes)
     for item in overrides:
         old = item.lstrip("+").split("=")[0]

@@ -162,7 +162,7 @@ def test_trainer_load_warns_mtp_layers_are_not_trained_and_export_reads_them(mtp
 
 
 def test_mtp_training_switch_stays_inert_with_its_reason():
-    from megatron_rl.config import TrainerRunConfig, compose
+    from megatron_rl.config import RunConfig, compose
     from megatron_rl.config.compat import InertKeyWarning
     from megatron_rl.config.verl_keys import VERL_CONFIG_DIR
 
@@ -175,7 +175,7 @@ def test_mtp_training_switch_stays_inert_with_its_reason():
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        TrainerRunConfig.from_dict(compose(verl, overrides))
+        RunConfig.from_dict(compose(verl, overrides))
     texts = [str(w.message) for w in caught if issubclass(w.category, InertKeyWarning)]
     for key in ("actor_rollout_ref.model.mtp.enable", "actor_rollout_ref.model.mtp.enable_train"):
         hit = [t for t in texts if t.startswith(key + "=")]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config import TrainerRunConfig, compose
+from megatron_rl.config import RunConfig, compose
 from megatron_rl.planner import plan_run
 from parallel.testing import run_distributed
 from tools.measure_memory import DEFAULT_BATCH, DEFAULT_MODEL, measure_offload_phases
@@ -20,9 +20,9 @@ from tools.measure_memory import DEFAULT_BATCH, DEFAULT_MODEL, measure_offload_p
 A = "actor_rollout_ref.actor"
 
 
-def _config() -> TrainerRunConfig:
+def _config() -> RunConfig:
     model = ", ".join(f"{k}: {v}" for k, v in DEFAULT_MODEL.items())
-    return TrainerRunConfig.from_dict(
+    return RunConfig.from_dict(
         compose(
             "grpo",
             [

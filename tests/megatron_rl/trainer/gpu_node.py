@@ -102,11 +102,11 @@ def separate_overrides(root: str = "/tmp/megatron_rl_gpu_node_separate") -> list
 
 
 def config(recipe: str, overrides: list[str]):
-    """The typed ``TrainerRunConfig`` of ``recipe`` with ``overrides``."""
-    from megatron_rl.config import TrainerRunConfig
+    """The typed ``RunConfig`` of ``recipe`` with ``overrides``."""
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
 
-    return TrainerRunConfig.from_dict(compose(recipe, overrides))
+    return RunConfig.from_dict(compose(recipe, overrides))
 
 
 def expected_colocated_engines(num_gpus: int) -> tuple:

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from megatron_rl.config import TrainerRunConfig, compose
+from megatron_rl.config import RunConfig, compose
 from megatron_rl.config.compat import InertKeyWarning
 
 ASYNC = [
@@ -20,7 +20,7 @@ ASYNC = [
 
 
 def _build(*overrides, recipe="grpo"):
-    return TrainerRunConfig.from_dict(compose(recipe, list(overrides)))
+    return RunConfig.from_dict(compose(recipe, list(overrides)))
 
 
 def test_verl_keys_are_typed_fields_with_verl_defaults():

@@ -53,12 +53,12 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
 @pytest.fixture(scope="module")
 def toy_model(tmp_path_factory):
     """The toy recipes' inline model, prepared once (tokenizer, HF export) for every run here."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import prepare_policy_model
 
     root = tmp_path_factory.mktemp("async")
-    return root, prepare_policy_model(TrainerRunConfig.from_dict(compose("grpo", SMALL)), root / "model")
+    return root, prepare_policy_model(RunConfig.from_dict(compose("grpo", SMALL)), root / "model")
 
 
 def half_flat_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -70,16 +70,14 @@ def half_flat_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def _run(toy_model, name, recipe, overrides, score=varied_score):
     """Train ``STEPS`` steps of ``recipe``; (history, final HF weights, trainer)."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
     from megatron_rl.workers.weight_sync import export_weights
 
     root, model_path = toy_model
-    config = TrainerRunConfig.from_dict(
-        compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={root / name}"])
-    )
+    config = RunConfig.from_dict(compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={root / name}"]))
     trainer = RayPPOTrainer(config, model_path=model_path, log_dir=root / name)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, score)
     trainer.init_workers()

@@ -53,10 +53,10 @@ def test_balance_batch_needs_an_even_split():
 
 def _specs(overrides):
     from megatron_rl.algos.needs import resolve_run
-    from megatron_rl.config import TrainerRunConfig, compose
+    from megatron_rl.config import RunConfig, compose
     from megatron_rl.trainer.placement import role_specs
 
-    config = TrainerRunConfig.from_dict(compose("ppo", overrides))
+    config = RunConfig.from_dict(compose("ppo", overrides))
     return role_specs(config, resolve_run(config), model_path="/unused", total_steps=1)
 
 
@@ -98,7 +98,7 @@ def test_role_budgets_default_to_the_actors_and_are_checked_before_any_worker():
 
 
 def test_planner_sizes_activations_from_the_token_budget_of_a_verl_30b_a3b_script():
-    from megatron_rl.config import TrainerRunConfig, compose
+    from megatron_rl.config import RunConfig, compose
     from megatron_rl.planner import plan_run
     from megatron_rl.planner.memory import estimate_role
 
@@ -108,10 +108,8 @@ def test_planner_sizes_activations_from_the_token_budget_of_a_verl_30b_a3b_scrip
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=20480",
     ]
-    fixed = plan_run(TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo")), architecture="qwen3_30b_a3b")
-    dynamic = plan_run(
-        TrainerRunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo", verl_keys)), architecture="qwen3_30b_a3b"
-    )
+    fixed = plan_run(RunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo")), architecture="qwen3_30b_a3b")
+    dynamic = plan_run(RunConfig.from_dict(compose("gpu/qwen3_30b_a3b_grpo", verl_keys)), architecture="qwen3_30b_a3b")
     assert dynamic.fits
     # A 10,240-token micro-batch holds ~3.3x the tokens of one 3,072-token sequence (ppo_micro_batch_size_per_gpu=1).
     ratio = dynamic.roles["actor"].activation_bytes / fixed.roles["actor"].activation_bytes
@@ -128,7 +126,7 @@ def test_planner_sizes_activations_from_the_token_budget_of_a_verl_30b_a3b_scrip
         r"1024\+2048 = 3072$",
     ):
         plan_run(
-            TrainerRunConfig.from_dict(
+            RunConfig.from_dict(
                 compose(
                     "gpu/qwen3_30b_a3b_grpo", verl_keys[:1] + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048"]
                 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config.sections import TrainerConfig
+from megatron_rl.config.trainer import TrainerConfig
 from megatron_rl.trainer.callbacks import HOOKS, TrainerCallback, load_callbacks
 
 

@@ -28,7 +28,7 @@ def spread_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_deepseek_v3_grpo_runs_two_steps(tmp_path, ray_cluster):
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.job.main_job import build_trainer
@@ -49,7 +49,7 @@ def test_deepseek_v3_grpo_runs_two_steps(tmp_path, ray_cluster):
             f"trainer.default_local_dir={tmp_path}",
         ],
     )
-    config = TrainerRunConfig.from_dict(raw)
+    config = RunConfig.from_dict(raw)
     trainer = build_trainer(config, tmp_path)
     trainer.reward_fn = RewardFunction(trainer.tokenizer, spread_score)
     try:

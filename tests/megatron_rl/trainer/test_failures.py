@@ -49,12 +49,12 @@ class FlakyScore:
 
 
 def _trainer(tmp_path, overrides):
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.job.main_job import build_trainer
 
-    config = TrainerRunConfig.from_dict(compose("grpo", [*SMALL, *overrides, f"trainer.default_local_dir={tmp_path}"]))
+    config = RunConfig.from_dict(compose("grpo", [*SMALL, *overrides, f"trainer.default_local_dir={tmp_path}"]))
     trainer = build_trainer(config, tmp_path)
     score = FlakyScore()
     trainer.reward_fn = RewardFunction(trainer.tokenizer, score)

@@ -22,9 +22,9 @@ from megatron_rl.workers.probes import EngineProbe, HeadlessProbe, RankProbe  # 
 
 
 def _config(nodes, gpus_per_node, tp, trainer=None, algorithm=None, **rollout):
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
 
-    return TrainerRunConfig.from_dict(
+    return RunConfig.from_dict(
         {
             "data": {"task": "toy_copy", "max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 8},
             "actor_rollout_ref": {

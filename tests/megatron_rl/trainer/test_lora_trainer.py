@@ -56,14 +56,14 @@ def _parameters(trainer) -> dict:
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged-sync", "adapter-sync"])
 def test_grpo_lora_trains_only_the_adapters_without_a_reference_worker(tmp_path, ray_cluster, merge):
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.engine.lora_layers import LORA_PARAM_PATTERN
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.rollout.tiny_qwen3 import chat_prompts
 
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "grpo_lora",
             [
@@ -147,7 +147,7 @@ def test_grpo_lora_starts_from_a_saved_peft_adapter(tmp_path, ray_cluster):
     import torch
     from safetensors.torch import load_file
 
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
     from megatron_rl.job.prepare import prepare_policy_model
@@ -156,7 +156,7 @@ def test_grpo_lora_starts_from_a_saved_peft_adapter(tmp_path, ray_cluster):
     from tests.megatron_rl.engine.test_lora_peft_load import _export
 
     base = [*SMALL, "actor_rollout_ref.model.lora.merge=true"]
-    first = TrainerRunConfig.from_dict(compose("grpo_lora", [*base, f"trainer.default_local_dir={tmp_path / 'a'}"]))
+    first = RunConfig.from_dict(compose("grpo_lora", [*base, f"trainer.default_local_dir={tmp_path / 'a'}"]))
     model_path = prepare_policy_model(first, tmp_path / "a", log=lambda *_: None)
     adapter = tmp_path / "saved_adapter"
     run_distributed(
@@ -168,7 +168,7 @@ def test_grpo_lora_starts_from_a_saved_peft_adapter(tmp_path, ray_cluster):
         {"rank": 16, "alpha": 32.0},
         timeout_s=240,
     )
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "grpo_lora",
             [

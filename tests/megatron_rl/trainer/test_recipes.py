@@ -139,7 +139,7 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None):
 def _run(recipe: str, overrides: list[str], tmp_path) -> tuple[list[dict], object, object]:
     """Two steps of ``recipe`` (a name of RECIPES / VARIANTS) with ``overrides``; returns the history,
     the trainer and the actor's recompute granularity."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.job.main_job import build_trainer
@@ -149,7 +149,7 @@ def _run(recipe: str, overrides: list[str], tmp_path) -> tuple[list[dict], objec
     if "reward_model" in recipe:
         extra = [*extra, f"reward.reward_model.model_path={build_tiny_reward_model(tmp_path / 'reward_model')}"]
     raw = compose(recipe.split("+")[0], [*SMALL, *extra, *overrides, f"trainer.default_local_dir={tmp_path}"])
-    trainer = build_trainer(TrainerRunConfig.from_dict(raw), tmp_path)
+    trainer = build_trainer(RunConfig.from_dict(raw), tmp_path)
     if recipe != "tool_agent":  # its answers are scored by the recipe's own final-answer reward
         trainer.reward_fn = RewardFunction(trainer.tokenizer, varied_score)
     try:

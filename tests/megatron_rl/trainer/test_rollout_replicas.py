@@ -54,14 +54,14 @@ def _replica_outputs(trainer, prompts: dict, **kwargs) -> list[dict]:
 
 def test_two_replicas_balance_sync_into_both_and_draw_as_one(toy_model, ray_cluster):  # noqa: F811 (fixture)
     """Synchronous GRPO over two engines (module docstring, first item)."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.rollout.tiny_qwen3 import chat_prompts
     from megatron_rl.trainer import RayPPOTrainer
 
     root, model_path = toy_model
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "grpo",
             [
@@ -148,11 +148,11 @@ def tool_model(tmp_path_factory):
 def test_tool_agent_step_and_agent_seeds_over_two_replicas(tmp_path, ray_cluster, tool_model):
     """recipes/tool_agent.yaml with two engines trains two steps; seeded sessions routed over both equal the
     same sessions on one engine, tool calls and later rounds included."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
 
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "tool_agent",
             [
@@ -206,13 +206,13 @@ def test_partial_rollouts_pause_and_resume_on_each_of_two_replicas(toy_model, ra
     generation, and its samples continue on that replica (the gate, the aborted requests and their tokens
     live in the replica's worker; the router never moves a started sample), so nothing needs re-routing.
     Every engine applied the same pushes: their gates count the same version."""
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.data.rewards import RewardFunction
     from megatron_rl.trainer import RayPPOTrainer
 
     root, model_path = toy_model
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "grpo_async",
             [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config import TrainerRunConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.config.loader import compose
 
 KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
@@ -23,7 +23,7 @@ SMALL = [
 def _build(recipe, tmp_path, *overrides):
     from megatron_rl.job.main_job import build_trainer
 
-    config = TrainerRunConfig.from_dict(compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={tmp_path}"]))
+    config = RunConfig.from_dict(compose(recipe, [*SMALL, *overrides, f"trainer.default_local_dir={tmp_path}"]))
     return build_trainer(config, tmp_path, log=lambda *a: None)
 
 
@@ -31,7 +31,7 @@ def test_unknown_mode_names_key_and_value():
     with pytest.raises(
         ValueError, match=r"router_replay\.mode='R4' is not allowed; choose one of \['disabled', 'R2', 'R3'\]"
     ):
-        TrainerRunConfig.from_dict(compose("grpo_moe", [f"{KEY}=R4"]))
+        RunConfig.from_dict(compose("grpo_moe", [f"{KEY}=R4"]))
 
 
 def test_dense_policy_is_refused(tmp_path):

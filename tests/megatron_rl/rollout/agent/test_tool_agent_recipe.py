@@ -43,11 +43,11 @@ def ray_cluster():
 
 
 def test_tool_agent_recipe_runs_two_steps_with_tool_calls(tmp_path, ray_cluster, tool_model):
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.main_job import build_trainer
 
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose(
             "tool_agent",
             [
@@ -92,12 +92,12 @@ def test_tool_agent_recipe_runs_two_steps_with_tool_calls(tmp_path, ray_cluster,
 def test_recipe_preparation_gives_a_tool_aware_tokenizer_and_warms_up_on_demonstrations(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_rl.config import TrainerRunConfig
+    from megatron_rl.config import RunConfig
     from megatron_rl.config.loader import compose
     from megatron_rl.job.prepare import prepare_policy_model
     from megatron_rl.rollout.agent.chat import TOOL_CHATML_TEMPLATE
 
-    config = TrainerRunConfig.from_dict(
+    config = RunConfig.from_dict(
         compose("tool_agent", ["trainer.sft_warmup_steps=3", f"trainer.default_local_dir={tmp_path}"])
     )
     logs: list[str] = []
