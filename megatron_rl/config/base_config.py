@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import typing
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -155,11 +156,6 @@ class BaseConfig(metaclass=_ConfigMeta):
         """True once ``freeze`` ran (every section of a built ``RunConfig``)."""
         return bool(self.__dict__.get("_frozen"))
 
-    def __getattribute__(self, name: str) -> Any:
-        if read_tracking._tracker is not None and name[:1] != "_":  # off unless a test turns it on
-            read_tracking.observe(self, name)
-        return object.__getattribute__(self, name)
-
     def __getattr__(self, name: str) -> Any:
         """verl-only fields given to this section read back as given (they have no effect)."""
         extras = self.__dict__.get("_verl_extras")
@@ -261,3 +257,7 @@ def _config_class(hint: Any) -> type[BaseConfig] | None:
         if isinstance(cand, type) and issubclass(cand, BaseConfig):
             return cand
     return None
+
+
+if os.environ.get(read_tracking.TRACK_ENV):  # a process of a tracked test run (the variable is inherited)
+    read_tracking.start(os.environ[read_tracking.TRACK_ENV], BaseConfig)

@@ -10,7 +10,9 @@ Ray workers (which inherit ``MEGATRON_RL_TRACK_CONFIG_READS`` from the driver) r
 Paths come from ``tag_paths`` (``RunConfig.from_dict`` tags every section it builds); a
 read on an untagged copy (``dataclasses.replace`` makes those) is recorded as
 ``?ClassName.field``. Off by default; ``tests/megatron_rl/config/test_every_key_is_read.py``
-turns it on.
+turns it on. The config classes carry nothing of it: ``start`` puts a recording ``__getattribute__``
+on ``BaseConfig`` and ``stop`` takes it off again (a process started with ``MEGATRON_RL_TRACK_CONFIG_READS``
+set starts when ``megatron_rl.config.base_config`` is imported).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class _Tracker:
 
 
 _tracker: Optional[_Tracker] = None
+_base: Optional[type] = None  # the class ``start`` put the recording ``__getattribute__`` on
 
 
 def tracking() -> bool:
@@ -58,22 +61,37 @@ def tracking() -> bool:
     return _tracker is not None
 
 
-def start(directory: str | os.PathLike) -> None:
-    """Record reads of this process (and, through the environment, of processes started later) in ``directory``."""
-    global _tracker
+def _recording_getattribute(self: Any, name: str) -> Any:
+    """``BaseConfig.__getattribute__`` while tracking: every public read is ``observe``d."""
+    if name[:1] != "_" and _tracker is not None:
+        observe(self, name)
+    return object.__getattribute__(self, name)
+
+
+def start(directory: str | os.PathLike, base: Optional[type] = None) -> None:
+    """Record reads of this process (and, through the environment, of processes started later) in ``directory``:
+    ``base`` (``BaseConfig``, imported when not given) reads through ``_recording_getattribute`` until ``stop``."""
+    global _tracker, _base
+    if base is None:
+        from megatron_rl.config.base_config import BaseConfig as base
     os.environ[TRACK_ENV] = str(directory)
     _tracker = _Tracker(directory)
+    _base = base
+    base.__getattribute__ = _recording_getattribute
 
 
 def stop() -> None:
-    """Stop recording (this process; later children no longer inherit it)."""
-    global _tracker
+    """Stop recording (this process; later children no longer inherit it); ``BaseConfig`` reads plainly again."""
+    global _tracker, _base
     os.environ.pop(TRACK_ENV, None)
     _tracker = None
+    if _base is not None and "__getattribute__" in vars(_base):
+        del _base.__getattribute__
+    _base = None
 
 
 def observe(obj: Any, name: str) -> None:
-    """Called by ``BaseConfig.__getattribute__`` for every public attribute read while tracking."""
+    """Called by ``_recording_getattribute`` for every public attribute read while tracking."""
     tracker = _tracker
     cls = type(obj)
     names = tracker.fields.get(cls)
@@ -95,7 +113,7 @@ def observe(obj: Any, name: str) -> None:
         if name_of == "__post_init__" or name_of.lstrip("_").startswith(("check", "validate")):
             return
         owner = frame.f_locals.get("self")
-        # A config section's method (every section shares BaseConfig.__getattribute__, which calls us).
+        # A config section's method (every section shares the recording __getattribute__, which calls us).
         if getattr(type(owner), "__getattribute__", None) is not type(obj).__getattribute__:
             return  # schema, loader, compat, tagging: the config's own machinery
         frame = frame.f_back
@@ -155,7 +173,3 @@ def _config_class(hint: Any) -> Optional[type]:
         if isinstance(cand, type) and dataclasses.is_dataclass(cand):
             return cand
     return None
-
-
-if os.environ.get(TRACK_ENV):
-    _tracker = _Tracker(os.environ[TRACK_ENV])

@@ -244,6 +244,25 @@ def _covered(path: str, cls: type, name: str, reads: set[str], classes_at: dict[
     return path in reads or (classes_at[cls] == 1 and f"?{cls.__name__}.{name}" in reads)
 
 
+def test_tracking_records_a_readers_read_and_leaves_the_classes_as_they_were(tmp_path):
+    from megatron_rl.config import BaseConfig
+
+    config = RunConfig.from_dict(compose("grpo"))
+    assert "__getattribute__" not in vars(BaseConfig)  # untracked: plain attribute reads
+    read_tracking.start(tmp_path)
+    try:
+        assert vars(BaseConfig)["__getattribute__"] is read_tracking._recording_getattribute
+        assert config.trainer.save_freq == -1
+        config.trainer.replace(save_freq=3)  # dataclasses' copy reads every field: not an act on them
+    finally:
+        read_tracking.stop()
+    assert "__getattribute__" not in vars(BaseConfig)
+    reads = read_tracking.read_paths(tmp_path)
+    assert "trainer.save_freq" in reads and "trainer.test_freq" not in reads
+    assert config.trainer.test_freq is not None  # after stop: nothing recorded
+    assert read_tracking.read_paths(tmp_path) == reads
+
+
 @pytest.mark.slow
 def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     reads_dir = tmp_path / "reads"
