@@ -197,7 +197,12 @@ def is_disk_full(exc: BaseException) -> bool:
         text = str(exc)
         if "No space left on device" in text or "Disk quota exceeded" in text or "DiskFullError" in text:
             return True
-        exc = exc.__cause__ if exc.__cause__ is not None else None if exc.__suppress_context__ else exc.__context__
+        if exc.__cause__ is not None:  # ``raise ... from err``
+            exc = exc.__cause__
+        elif exc.__suppress_context__:  # ``raise ... from None``
+            exc = None
+        else:
+            exc = exc.__context__
     return False
 
 

@@ -104,7 +104,12 @@ def _load_chain(path: Path, stack: tuple[Path, ...], check: bool = True):
     raw.pop("hydra", None)  # Hydra's own settings (run dirs, search paths), not the job's config
     if check:
         check_keys(RunConfig, OmegaConf.to_container(raw, resolve=False), source=str(path))
-    bases = [] if base is None else (list(base) if not isinstance(base, str) else [base])
+    if base is None:
+        bases = []
+    elif isinstance(base, str):
+        bases = [base]
+    else:
+        bases = list(base)
     resolved = [_resolve_base(str(b), path) for b in bases] + _hydra_defaults(defaults, path)
     if not resolved:
         return raw
@@ -198,7 +203,12 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
         raise ValueError(f"override {item!r} must look like key=value (e.g. algorithm.adv_estimator=rloo)")
     key, value = item.split("=", 1)
     key = key.strip()
-    op = "force" if key.startswith("++") else "add" if key.startswith("+") else "set"
+    if key.startswith("++"):
+        op = "force"
+    elif key.startswith("+"):
+        op = "add"
+    else:
+        op = "set"
     key = key.lstrip("+")
     if not key:
         raise ValueError(f"override {item!r} has an empty key")

@@ -155,12 +155,11 @@ def format_key_table(table: KeyTable, source: str = "config") -> str:
     if len(table.warned) > 20:
         lines.append(f"    ... and {len(table.warned) - 20} more warned keys")
     for key, nearest in table.refused:
-        why = (
-            f"  ({table.reasons[key]})"
-            if key in table.reasons
-            else f"  (nearest valid key: {nearest})"
-            if nearest
-            else ""
-        )
+        if key in table.reasons:
+            why = f"  ({table.reasons[key]})"
+        elif nearest:
+            why = f"  (nearest valid key: {nearest})"
+        else:
+            why = ""
         lines.append(f"    refused: {key}{why}")
     return "\n".join(lines)

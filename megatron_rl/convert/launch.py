@@ -256,7 +256,9 @@ def resolve_layout(args, model_cfg, stored: Optional[dict] = None):
         stored["virtual_pipeline_model_parallel_size"] = None  # --pp 1 over a stored VPP layout
     stored.pop("context_parallel_size", None)  # CP splits sequences, not weights
     pc = ParallelConfig.from_dict(stored)
-    device = args.device if args.device != "auto" else ("cuda" if cuda_available() else "cpu")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
     nprocs = None
     if args.nprocs != "auto":
         try:

@@ -218,7 +218,11 @@ def check_model_paths(config: RunConfig, needs: Any) -> None:
 
 # ----------------------------------------------------------------------------- data and reward
 def _files(value: Any) -> list[str]:
-    return [] if value is None else [value] if isinstance(value, (str, Path)) else [str(v) for v in value]
+    if value is None:
+        return []
+    if isinstance(value, (str, Path)):
+        return [value]
+    return [str(v) for v in value]
 
 
 def check_data(config: RunConfig) -> None:

@@ -195,17 +195,20 @@ class VLLMRollout(VLLMLoRA):
         cfg = self.config
         tp = cfg.tensor_model_parallel_size
         max_model_len = cfg.max_model_len or cfg.prompt_length + cfg.response_length
+        dtype = cfg.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.on_gpu else "float32"
+        one_process = tp * cfg.pipeline_model_parallel_size * cfg.data_parallel_size == 1
+        enforce_eager = not self.on_gpu if cfg.enforce_eager is None else cfg.enforce_eager
         kwargs = dict(
             model=model_path,
             tokenizer=tokenizer_path or model_path,
-            dtype=cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.on_gpu else "float32"),
+            dtype=dtype,
             seed=cfg.seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tp,
-            distributed_executor_backend="uni"
-            if tp * cfg.pipeline_model_parallel_size * cfg.data_parallel_size == 1
-            else "mp",
-            enforce_eager=(not self.on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+            distributed_executor_backend="uni" if one_process else "mp",
+            enforce_eager=enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_num_seqs=cfg.max_num_seqs,

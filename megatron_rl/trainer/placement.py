@@ -58,11 +58,13 @@ def _model_overrides(megatron, source=None, inline=None) -> dict:
     """What a role's workers set on top of the checkpoint's architecture: an inline model's
     Megatron-side options, then the source's ``model.override_config``, then the role's
     ``megatron.dtype`` as ``params_dtype``."""
-    inline = inline if inline is not None else (source.config if source is not None else None)
-    out = {
-        **(megatron_overrides(inline) if inline is not None else {}),
-        **(source.override_config if source is not None else {}),
-    }
+    if inline is None and source is not None:
+        inline = source.config
+    out = {}
+    if inline is not None:
+        out.update(megatron_overrides(inline))
+    if source is not None:
+        out.update(source.override_config)
     if megatron.dtype is not None:
         out["params_dtype"] = megatron.dtype
     return out

@@ -159,15 +159,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _sort_key(name: str) -> tuple:
     """Embedding, layers in numeric order, final norm, output layer."""
-    section = (
-        0
-        if name.startswith("embedding.")
-        else 1
-        if name.startswith("decoder.layers.")
-        else 2
-        if name.startswith("decoder.")
-        else 3
-    )
+    prefixes = ("embedding.", "decoder.layers.", "decoder.")  # then everything else (the output layer)
+    section = next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), len(prefixes))
     return (section, [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)])
 
 

@@ -608,7 +608,12 @@ def _execute(code: str, limits: SandboxLimits, iso: Isolation, refuse: bool, pyt
                     time.monotonic() - start,
                     cut_out or cut_err,
                 )
-        exit_code = None if stopped else (proc.returncode if report is None else report["exit"])
+        if stopped:
+            exit_code = None
+        elif report is None:
+            exit_code = proc.returncode
+        else:
+            exit_code = report["exit"]
         status = stopped or _status(exit_code, report, cgroup.oom_kills() if cgroup else 0, limits, cpu_used)
         return SandboxResult(status, stdout, stderr, exit_code, time.monotonic() - start, cut_out or cut_err)
     except OSError as err:  # the sandbox itself failed (no temp space, no interpreter ...): an observation
