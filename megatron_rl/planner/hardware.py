@@ -55,11 +55,23 @@ class Hardware:
     host_bytes_per_s: float
     """GPU <-> host link, one direction (PCIe x16; NVLink-C2C on GB200)."""
     source: str
+    device: str = "cuda"
+    """The ``trainer.device`` this row's runs use: ``cuda`` for the table's GPUs, ``cpu`` for the row
+    ``megatron_rl.planner.cpu_row.cpu_hardware`` measures on the host a CPU run trains on."""
+    decode_step_overhead_s: Optional[float] = None
+    """The rollout engine's host work per decode step (None: vLLM's GPU figure,
+    ``generation.VLLM_DECODE_STEP_OVERHEAD_S``); the CPU row measures it."""
+    decode_seq_overhead_s: Optional[float] = None
+    """The engine's host work per decode step and running sequence, beyond the step's fixed part (None: 0,
+    the GPU figure counts none); the CPU row measures it."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and value <= 0:
+            if f.name.endswith("_overhead_s"):  # measured host work: none at all is a valid figure
+                if value is not None and value < 0:
+                    raise ValueError(f"Hardware {self.name}: {f.name}={value} must be >= 0")
+            elif isinstance(value, float) and value <= 0:
                 raise ValueError(f"Hardware {self.name}: {f.name}={value} must be > 0")
 
 

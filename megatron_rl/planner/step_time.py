@@ -64,7 +64,7 @@ the hardware table's peaks and every other fraction in ``hardware.py`` (each say
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron_rl.planner.generation import (
     VLLM_DECODE_STEP_OVERHEAD_S,
@@ -73,7 +73,7 @@ from megatron_rl.planner.generation import (
     kv_bytes_per_token,
     vllm_stage_layers,
 )
-from megatron_rl.planner.hardware import get_hardware
+from megatron_rl.planner.hardware import Hardware, get_hardware
 from megatron_rl.planner.megatron_passes import megatron_pass
 from megatron_rl.planner.memory import GIB
 from megatron_rl.planner.step_run import KVCache, PhaseTime, Run, build_run
@@ -177,17 +177,27 @@ def estimate_step_time(
     config: Any,
     plan: Any,
     *,
-    hardware: str = "H100",
+    hardware: Union[str, Hardware] = "H100",
     response_length_mean: Optional[float] = None,
     response_length_p99: Optional[float] = None,
+    prompt_length_mean: Optional[float] = None,
 ) -> StepTime:
-    """The step time of ``config`` (a ``TrainerRunConfig``) on ``hardware``, per phase of its ``StepSchedule``,
-    from its ``plan`` (``plan_run``: the model, the engine map, each role's bytes). Response lengths default
-    to ``data.max_response_length``; ``ValueError`` names the option for a bad one or an unknown GPU."""
-    hw = get_hardware(hardware)
-    if plan.device != "cuda":
-        raise ValueError("the step-time model is for GPU runs (trainer.device=cuda); this run is on CPU")
-    run = build_run(config, plan, hw, response_length_mean, response_length_p99)
+    """The step time of ``config`` (a ``RunConfig``) on ``hardware``, per phase of its ``StepSchedule``,
+    from its ``plan`` (``plan_run``: the model, the engine map, each role's bytes). ``hardware`` is a
+    ``--hardware`` name (a GPU run) or a ``Hardware`` row -- for a CPU run (``trainer.device=cpu``) the one
+    ``cpu_row.cpu_hardware`` measures on the host, whose shares ``tools/bench_phase_share.py`` checks
+    against a run's ``timing_s/*``. Response lengths default to ``data.max_response_length``, the prompt's to
+    ``data.max_prompt_length``; ``ValueError`` names the option for a bad one, an unknown GPU or a row of
+    the other device."""
+    hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
+    if plan.device != hw.device:
+        if plan.device == "cpu":
+            raise ValueError(
+                f"--hardware={hw.name} is a GPU but this run is on CPU (trainer.device=cpu); a CPU run's step "
+                "time needs the host's measured row (megatron_rl.planner.cpu_row.cpu_hardware)"
+            )
+        raise ValueError(f"the {hw.name} row is for trainer.device={hw.device} runs; this run is on {plan.device}")
+    run = build_run(config, plan, hw, response_length_mean, response_length_p99, prompt_length_mean)
     result = _evaluate(run)
     result.lever = _largest_lever(run, result)
     return result

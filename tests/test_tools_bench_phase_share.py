@@ -1,0 +1,66 @@
+"""tools/bench_phase_share.py: its reading of a run's ``timing_s/*``, the share comparison, and its refusals.
+(The full check trains a recipe for a minute; its figures are in the tool's commit, not asserted here:
+timings are the machine's.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.planner.step_run import PhaseTime
+from megatron_rl.planner.step_time import StepTime
+from tools.bench_phase_share import compare, measured_phases
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _row(step, gen, log_prob, update):
+    return {
+        "timing_s/step": step,
+        "timing_s/gen": gen,
+        "timing_s/old_log_prob": log_prob,
+        "timing_s/update_actor": update,
+        "timing_s/reward": 0.01,
+        "response_length/mean": 15.0,
+        "response_length/max": 16.0,
+        "prompt_length/mean": 24.0,
+    }
+
+
+def test_measured_phases_drop_the_first_step_and_sum_the_rest(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [_row(9.0, 8.0, 0.5, 0.5), _row(1.0, 0.4, 0.2, 0.39), _row(1.0, 0.4, 0.2, 0.39)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    m = measured_phases(path)
+    assert m["steps"] == 2 and m["timing"]["step"] == 2.0 and m["timing"]["gen"] == pytest.approx(0.8)
+    assert (m["prompt_mean"], m["response_mean"], m["response_max"]) == (24.0, 15.0, 16.0)
+
+
+def test_compare_judges_phases_above_the_minimum_share():
+    phases = {
+        "gen": PhaseTime(0.5, "engine overhead"),
+        "actor_log_prob": PhaseTime(0.1, "compute"),
+        "actor_update": PhaseTime(0.39, "compute"),
+        "weight_sync": PhaseTime(0.01, "engine load"),
+    }
+    st = StepTime("CPU", "sync", phases, 1.0, 1.0, 1, kv=None, response_mean=15.0, response_p99=16.0)
+    measured = {"steps": 2, "timing": {"step": 2.0, "gen": 0.8, "old_log_prob": 0.4, "update_actor": 0.78}}
+    out = compare(st, measured, min_share=0.05, tolerance=0.3)
+    gen, log_prob = out["phases"]["gen"], out["phases"]["actor_log_prob"]
+    assert gen["measured_share"] == 0.4 and gen["predicted_share"] == 0.5 and gen["relative_error"] == 0.25
+    assert gen["within"] is True and log_prob["relative_error"] == -0.5 and log_prob["within"] is False
+    sync = out["phases"]["weight_sync"]  # measured 0 s: below the minimum share, reported, not judged
+    assert sync["judged"] is False and sync["within"] is None and out["all_within"] is False
+    assert out["unmodelled_share"] == pytest.approx(0.01)  # 2.0 - 1.98 of the step
+
+
+def test_rejects_a_single_step():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_phase_share.py"), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--steps must be >= 2 (the first step is dropped), got 1" in out.stderr
