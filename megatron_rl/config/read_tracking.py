@@ -68,12 +68,11 @@ def _recording_getattribute(self: Any, name: str) -> Any:
     return object.__getattribute__(self, name)
 
 
-def start(directory: str | os.PathLike, base: Optional[type] = None) -> None:
+def start(directory: str | os.PathLike, base: type) -> None:
     """Record reads of this process (and, through the environment, of processes started later) in ``directory``:
-    ``base`` (``BaseConfig``, imported when not given) reads through ``_recording_getattribute`` until ``stop``."""
+    ``base`` (``BaseConfig``; this module imports nothing of the config) reads through ``_recording_getattribute``
+    until ``stop``."""
     global _tracker, _base
-    if base is None:
-        from megatron_rl.config.base_config import BaseConfig as base
     os.environ[TRACK_ENV] = str(directory)
     _tracker = _Tracker(directory)
     _base = base

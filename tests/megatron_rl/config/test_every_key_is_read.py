@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import RunConfig, compose, read_tracking
+from megatron_rl.config import BaseConfig, RunConfig, compose, read_tracking
 from megatron_rl.config.compat import INERT_KEYS, InertKeyWarning, inert_reason
 
 ray = pytest.importorskip("ray")
@@ -245,11 +245,9 @@ def _covered(path: str, cls: type, name: str, reads: set[str], classes_at: dict[
 
 
 def test_tracking_records_a_readers_read_and_leaves_the_classes_as_they_were(tmp_path):
-    from megatron_rl.config import BaseConfig
-
     config = RunConfig.from_dict(compose("grpo"))
     assert "__getattribute__" not in vars(BaseConfig)  # untracked: plain attribute reads
-    read_tracking.start(tmp_path)
+    read_tracking.start(tmp_path, BaseConfig)
     try:
         assert vars(BaseConfig)["__getattribute__"] is read_tracking._recording_getattribute
         assert config.trainer.save_freq == -1
@@ -266,7 +264,7 @@ def test_tracking_records_a_readers_read_and_leaves_the_classes_as_they_were(tmp
 @pytest.mark.slow
 def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     reads_dir = tmp_path / "reads"
-    read_tracking.start(reads_dir)
+    read_tracking.start(reads_dir, BaseConfig)
     try:
         config = _config(tmp_path)
         ray.init(
