@@ -428,7 +428,7 @@ class Placement:
         import ray
 
         from megatron_rl.workers.group import GpuBundles, MegatronWorkerGroup
-        from megatron_rl.workers.rollout_worker import create_rollout_replicas
+        from megatron_rl.workers.rollout_worker import create_rollout_replicas, wait_started
         from megatron_rl.workers.router import RolloutRouter
 
         world, rollout_cfg, trainer = config.trainer.world_size, lora_rollout_config(config), config.trainer
@@ -480,10 +480,8 @@ class Placement:
                 cpus, rollout_cpus = self._cpu_shares(
                     ray.available_resources().get("CPU", 1), len(specs), world, rollout_cfg
                 )
-                for role, spec in specs.items():
-                    self.groups[role] = MegatronWorkerGroup(
-                        spec, world, num_cpus_per_worker=cpus, shards=self.shards, worker_cls=role_worker_cls
-                    )
+                # The engines start while the roles do (vLLM's start-up is the longest; nothing orders
+                # them on CPU): created first, waited for last.
                 self.replicas = create_rollout_replicas(
                     model_path,
                     rollout_cfg,
@@ -491,7 +489,13 @@ class Placement:
                     num_cpus=rollout_cpus,
                     partial_rollout=partial,
                     worker_cls=rollout_worker_cls,
+                    wait=False,
                 )
+                for role, spec in specs.items():
+                    self.groups[role] = MegatronWorkerGroup(
+                        spec, world, num_cpus_per_worker=cpus, shards=self.shards, worker_cls=role_worker_cls
+                    )
+                wait_started(self.replicas)
             self.rollout = self.replicas[0].actor
             self.router = RolloutRouter(self.replicas, response_length=rollout_cfg.response_length)
         except BaseException:

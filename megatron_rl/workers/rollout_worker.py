@@ -346,6 +346,7 @@ def create_rollout_replicas(
     worker_cls: Optional[type] = None,
     headless_cls: Optional[type] = None,
     start_timeout_s: float = 1800,
+    wait: bool = True,
 ) -> list[RolloutReplica]:
     """Start one engine per replica of ``layout`` (``megatron_rl.utils.engine_map.EngineMap``).
 
@@ -358,7 +359,9 @@ def create_rollout_replicas(
     ``mp`` mode: ``nnodes`` / ``node_rank`` / ``master_addr``). Without ``bundles`` (CPU) each replica
     gets a placement group of one bundle of ``num_cpus`` CPUs. An engine that fails to start raises
     ``RuntimeError`` naming the replica, its nodes, GPUs and vLLM's reason; the others are stopped.
-    ``worker_cls`` / ``headless_cls`` replace the actors (the placement tests start probes)."""
+    ``worker_cls`` / ``headless_cls`` replace the actors (the placement tests start probes). ``wait=False``
+    returns as soon as the engines are created: the caller starts other workers meanwhile and calls
+    ``wait_started`` (and kills the replicas if that raises)."""
     import ray
 
     remote = _remote_worker(partial_rollout, worker_cls)
@@ -414,7 +417,8 @@ def create_rollout_replicas(
                 for k, group in enumerate(node_slots[1:], start=1)
             )
             replicas.append(RolloutReplica(r, actor, tuple(per_node), gpus, headless))
-        _wait_started(replicas, start_timeout_s)
+        if wait:
+            wait_started(replicas, start_timeout_s)
     except BaseException:
         for replica in replicas:
             replica.kill()
@@ -422,7 +426,7 @@ def create_rollout_replicas(
     return replicas
 
 
-def _wait_started(replicas: list[RolloutReplica], timeout_s: float) -> None:
+def wait_started(replicas: list[RolloutReplica], timeout_s: float = 1800) -> None:
     """Block until every engine answers; a failure names the replica (``RolloutReplica.where``)."""
     import ray
 
