@@ -41,17 +41,17 @@ def test_measured_phases_drop_the_first_step_and_sum_the_rest(tmp_path):
 def test_compare_judges_phases_above_the_minimum_share():
     phases = {
         "gen": PhaseTime(0.5, "engine overhead"),
-        "actor_log_prob": PhaseTime(0.1, "compute"),
-        "actor_update": PhaseTime(0.39, "compute"),
-        "weight_sync": PhaseTime(0.01, "engine load"),
+        "old_log_prob": PhaseTime(0.1, "compute"),
+        "update_actor": PhaseTime(0.39, "compute"),
+        "update_weights": PhaseTime(0.01, "engine load"),
     }
     st = StepTime("CPU", "sync", phases, 1.0, 1.0, 1, kv=None, response_mean=15.0, response_p99=16.0)
     measured = {"steps": 2, "timing": {"step": 2.0, "gen": 0.8, "old_log_prob": 0.4, "update_actor": 0.78}}
     out = compare(st, measured, min_share=0.05, tolerance=0.3)
-    gen, log_prob = out["phases"]["gen"], out["phases"]["actor_log_prob"]
+    gen, log_prob = out["phases"]["gen"], out["phases"]["old_log_prob"]
     assert gen["measured_share"] == 0.4 and gen["predicted_share"] == 0.5 and gen["relative_error"] == 0.25
     assert gen["within"] is True and log_prob["relative_error"] == -0.5 and log_prob["within"] is False
-    sync = out["phases"]["weight_sync"]  # measured 0 s: below the minimum share, reported, not judged
+    sync = out["phases"]["update_weights"]  # measured 0 s: below the minimum share, reported, not judged
     assert sync["judged"] is False and sync["within"] is None and out["all_within"] is False
     assert out["unmodelled_share"] == pytest.approx(0.01)  # 2.0 - 1.98 of the step
 

@@ -34,18 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PHASE_TIMERS = {
-    "gen": "gen",
-    "actor_log_prob": "old_log_prob",
-    "ref_log_prob": "ref",
-    "teacher_log_prob": "teacher",
-    "critic_values": "values",
-    "critic_update": "update_critic",
-    "actor_update": "update_actor",
-    "weight_sync": "update_weights",
-}
-"""The model's phase (``StepSchedule``'s names) -> the trainer's ``timer`` name (``timing_s/<name>``).
-``offload`` has no timer of its own (the moves run inside the phases); it is 0 on a CPU run."""
+TIMED_PHASES = ("gen", "old_log_prob", "ref", "teacher", "values", "update_critic", "update_actor", "update_weights")
+"""The model's phases that the trainer times: a stage has one name (``StepSchedule``, ``timing_s/<name>``, the
+planner). ``offload`` has no timer of its own (the moves run inside the phases); it is 0 on a CPU run."""
 JOB_OVERRIDES = (
     "trainer.sft_warmup_steps=0",
     "trainer.val_before_train=false",
@@ -141,14 +132,13 @@ def compare(st, measured: dict, min_share: float, tolerance: float) -> dict:
     step_measured = timing["step"] / steps
     phases, modelled = {}, 0.0
     for name, p in st.phases.items():
-        timer = PHASE_TIMERS.get(name)
-        meas = timing.get(timer, 0.0) / steps if timer else 0.0
+        meas = timing.get(name, 0.0) / steps if name in TIMED_PHASES else 0.0
         modelled += meas
         pred_share, meas_share = p.seconds / st.step_time_s, meas / step_measured
         judged = meas_share >= min_share
         rel = (pred_share - meas_share) / meas_share if meas_share > 0 else None
         phases[name] = {
-            "timer": timer,
+            "timer": name if name in TIMED_PHASES else None,
             "predicted_s": round(p.seconds, 4),
             "measured_s": round(meas, 4),
             "predicted_share": round(pred_share, 4),
@@ -249,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine_rounds": engine["rounds"],
         },
         "load_avg_1m": {k: round(v, 2) for k, v in load.items()},
-        "unmodelled_timers": sorted(set(measured["timing"]) - set(PHASE_TIMERS.values()) - {"step"}),
+        "unmodelled_timers": sorted(set(measured["timing"]) - set(TIMED_PHASES) - {"step"}),
     }
     print(
         f"{args.recipe}: predicted {st.step_time_s:.3f} s/step, measured {result['measured_step_s']:.3f}",

@@ -153,7 +153,7 @@ def measure_offload_phases(rank: int, world_size: int, model_kw: dict, batch_kw:
     """The actor's colocated phases with every part offloaded outside them (``megatron.param_offload``,
     ``grad_offload``, ``optimizer_offload`` on): per phase the bytes it keeps resident (``resident``)
     and the peak of live tensor bytes while the phase computes (``peak``) -- ``gen`` (nothing of the
-    actor), ``actor_log_prob`` (parameters onloaded, forward) and ``actor_update`` (everything)."""
+    actor), ``old_log_prob`` (parameters onloaded, forward) and ``update_actor`` (everything)."""
     from megatron_rl.config import ActorConfig
     from megatron_rl.config.model import ModelConfig
     from megatron_rl.roles import build_role
@@ -191,9 +191,9 @@ def measure_offload_phases(rank: int, world_size: int, model_kw: dict, batch_kw:
     engine.offload_to_cpu()
     out["gen"] = tracked(None)
     engine.load_to_device(params=True, grads=False, optimizer=False)
-    out["actor_log_prob"] = tracked(lambda: actor.compute_log_prob(batch, calculate_entropy=True))  # as the trainer
+    out["old_log_prob"] = tracked(lambda: actor.compute_log_prob(batch, calculate_entropy=True))  # as the trainer
     engine.load_to_device()
-    out["actor_update"] = tracked(lambda: actor.update_policy(batch))
+    out["update_actor"] = tracked(lambda: actor.update_policy(batch))
     actor = engine = None  # the model and its buffers go before the mesh (the closures above hold the names)
     destroy_mesh(mesh)
     return out

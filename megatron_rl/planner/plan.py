@@ -591,15 +591,15 @@ class _Context:
                 "parameters": mem.param_bytes if "params" in have else 0,
                 "gradients": roles[name].grad_bytes if "grads" in have else 0,
                 "optimizer state": roles[name].optimizer_bytes if "optimizer" in have else 0,
-                "activations": mem.activation_bytes if phase.name != "weight_sync" else 0,
-                "logits/scratch": mem.transient_bytes if phase.name != "weight_sync" else 0,
+                "activations": mem.activation_bytes if phase.name != "update_weights" else 0,
+                "logits/scratch": mem.transient_bytes if phase.name != "update_weights" else 0,
                 "other roles resident": sum(held(r, resident[r]) for r in roles if r != name),
                 engine_term: engine,
                 "framework reserve": reserve,
             }
-            if phase.name == "weight_sync" and self.lora.enabled and not self.lora.merge:
+            if phase.name == "update_weights" and self.lora.enabled and not self.lora.merge:
                 terms["sync adapter"] = self._adapter_bytes()  # the compact adapter, gathered whole on rank 0
-            elif phase.name == "weight_sync":  # one bucket of the streamed export in flight
+            elif phase.name == "update_weights":  # one bucket of the streamed export in flight
                 bucket = int(rollout.checkpoint_engine.update_weights_bucket_megabytes * 2**20)
                 terms["sync bucket"] = min(bucket, sum(count_params(self.model)) * (2 if on_gpu else 4))
                 if self.lora.enabled:  # merge: true: the adapted base weights copied aside while merged ones stream

@@ -250,7 +250,7 @@ def build_run(
     bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
     passes = [
         Pass(
-            "actor_log_prob",
+            "old_log_prob",
             plan.model,
             sizes(actor.megatron),
             False,
@@ -266,7 +266,7 @@ def build_run(
     if ref_in_actor:  # the actor's own forward with the adapters off, in the actor's layout
         passes.append(
             Pass(
-                "ref_log_prob",
+                "ref",
                 plan.model,
                 sizes(actor.megatron),
                 False,
@@ -280,7 +280,7 @@ def build_run(
     elif needs.reference:
         passes.append(
             Pass(
-                "ref_log_prob",
+                "ref",
                 plan.model,
                 sizes(arr.ref.megatron),
                 False,
@@ -296,7 +296,7 @@ def build_run(
         t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path, config=t.config)
         passes.append(
             Pass(
-                "teacher_log_prob",
+                "teacher",
                 t_model,
                 sizes(t.megatron),
                 False,
@@ -315,7 +315,7 @@ def build_run(
         micro = c.ppo_micro_batch_size_per_gpu * seq_max
         passes.append(
             Pass(
-                "critic_values",
+                "values",
                 c_model,
                 sizes(c.megatron),
                 False,
@@ -328,7 +328,7 @@ def build_run(
         )
         passes.append(
             Pass(
-                "critic_update",
+                "update_critic",
                 c_model,
                 sizes(c.megatron),
                 True,
@@ -342,7 +342,7 @@ def build_run(
         )
     passes.append(
         Pass(
-            "actor_update",
+            "update_actor",
             plan.model,
             sizes(actor.megatron),
             True,
@@ -355,12 +355,12 @@ def build_run(
             **frozen,
         )
     )
-    order = schedule.names + (["ref_log_prob"] if ref_in_actor else [])
+    order = schedule.names + (["ref"] if ref_in_actor else [])
     passes.sort(
         key=lambda p: (
             order.index(p.phase)
-            if p.phase != "ref_log_prob" or not ref_in_actor
-            else order.index("actor_log_prob") + 0.5
+            if p.phase != "ref" or not ref_in_actor
+            else order.index("old_log_prob") + 0.5
         )
     )
     engines = plan.engines

@@ -150,12 +150,12 @@ def _evaluate(run: Run) -> StepTime:
     phases = {"gen": gen}
     for p in run.passes:
         phases[p.phase] = megatron_pass(run, p)
-    phases["weight_sync"] = weight_sync(run)
+    phases["update_weights"] = weight_sync(run)
     phases["offload"] = offload(run)
     total = sum(p.seconds for p in phases.values())
     if run.mode == "separate_async" and run.overlap:
-        train = total - gen.seconds - phases["weight_sync"].seconds
-        step = max(gen.seconds, train) + phases["weight_sync"].seconds
+        train = total - gen.seconds - phases["update_weights"].seconds
+        step = max(gen.seconds, train) + phases["update_weights"].seconds
     else:
         step = total
     gpus = run.world + (0 if run.colocated else run.rollout_gpus)

@@ -9,6 +9,10 @@ schedule's order (``gen`` starts a new cycle; phases a step skips, such as the a
 ``trainer.critic_warmup``, may be left out). ``memory_metrics()`` adds verl's
 ``perf/max_memory_allocated_gb``, ``perf/max_memory_reserved_gb`` and ``perf/cpu_memory_used_gb``.
 
+``stage(name, timing, metrics)`` is one stage of the step under one name: timed as ``timing_s/<name>``,
+watched by the hang watchdog as ``<name>``, and -- where the schedule has a phase of that name -- entered
+first (a stage without one, ``adv``, or the LoRA reference that runs on the actor, is timed only).
+
 Without worker groups (``dry=True``) the runner only records: ``history`` (phases entered),
 ``actions`` (the transitions) and ``state`` (what is on the devices after applying them), which
 is how the tests compare the run's phases with the planner's.
@@ -16,9 +20,11 @@ is how the tests compare the run's phases with the planner's.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from megatron_rl.trainer.schedule import StepSchedule, Transition
+from megatron_rl.trainer.watchdog import phase as watched
 
 __all__ = ["PhaseRunner"]
 
@@ -36,6 +42,15 @@ class PhaseRunner:
         self.history: list[str] = []
         self.actions: list[tuple[str, Transition]] = []
         self._resident: dict[str, float] = {}  # role -> bytes its fullest rank keeps on device, as last read
+
+    @contextlib.contextmanager
+    def stage(self, name: str, timing: dict[str, float], metrics: Optional[dict] = None) -> Iterator[None]:
+        """The stage ``name`` of the step: timed into ``timing[name]`` and named to the hang watchdog (the
+        moves into its phase included), the devices moved into the phase ``name`` when the schedule has one."""
+        with watched(name, timing):
+            if name in self.schedule.names:
+                self.enter(name, metrics)
+            yield
 
     def enter(self, name: str, metrics: Optional[dict] = None) -> None:
         """Move the devices into phase ``name``; with ``metrics``, log every role's resident bytes."""

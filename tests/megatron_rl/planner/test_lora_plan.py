@@ -218,7 +218,7 @@ def test_verl_qwen2_7b_lora_script_plans_below_its_full_fine_tuning_twin(qwen2_7
     assert lora["peak_gib"] < twin["peak_gib"] - 15, (lora["phases_gib"], twin["phases_gib"])
     assert "ref forward" in twin["phases_gib"] and "ref forward" not in lora["phases_gib"]  # the reference is the actor
     assert lora["step_time_s"] < twin["step_time_s"]
-    assert lora["phases"]["actor_update"]["seconds"] < twin["phases"]["actor_update"]["seconds"]
+    assert lora["phases"]["update_actor"]["seconds"] < twin["phases"]["update_actor"]["seconds"]
 
 
 def test_verl_qwen2_7b_lora_actor_update_terms_match_a_hand_count(qwen2_7b):

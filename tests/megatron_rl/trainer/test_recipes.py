@@ -204,7 +204,7 @@ def test_recipe_runs_two_steps(recipe, tmp_path, ray_cluster):
         for role, parts in schedule.offload.items():
             # every idle role kept nothing on its device while vLLM generated
             assert parts and step[f"memory/{role}/resident_gb@gen"] == 0.0, (recipe, role)
-        assert step["memory/actor/resident_gb@actor_update"] > 0
+        assert step["memory/actor/resident_gb@update_actor"] > 0
     if recipe in TWINS:
         off, _, _ = _run(recipe, [], tmp_path / "off")
         on_numbers, off_numbers = _numbers(history), _numbers(off)
