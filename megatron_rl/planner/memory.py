@@ -195,7 +195,12 @@ def count_params(
     layers_of = _stage_layers(m, pp, stage_layers)
     vocab_rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by) // tp
     embed = vocab_rows * m.hidden_size
-    head = m.hidden_size if value_head else (0 if (m.tie_word_embeddings and pp == 1) else embed)
+    if value_head:
+        head = m.hidden_size
+    elif m.tie_word_embeddings and pp == 1:
+        head = 0  # the embedding is the head
+    else:
+        head = embed
     per_stage = []
     per_layer = getattr(m, "layer_params", None)  # ExtendedModelConfig: MLA and first-k-dense, layer by layer
     for s in range(pp):

@@ -575,8 +575,12 @@ class _Context:
         for phase in schedule.phases:
             resident = schedule.resident(phase.name)
             awake = resident["rollout"]
-            engine = vllm if len(awake) == 2 else (vllm_weights if awake else 0)
-            engine_term = "vllm engine" if len(awake) == 2 else ("vllm weights" if awake else "vllm engine (asleep)")
+            if len(awake) == 2:  # weights and KV cache
+                engine, engine_term = vllm, "vllm engine"
+            elif awake:
+                engine, engine_term = vllm_weights, "vllm weights"
+            else:
+                engine, engine_term = 0, "vllm engine (asleep)"
             if phase.active is None:  # each idle role's resident parts by name: the dominant one says what to offload
                 terms = {engine_term: engine}
                 for r in roles:
@@ -641,7 +645,12 @@ class _Context:
         if not self.lora.enabled or self.lora.merge:
             return 0
         rollout = self.cfg.actor_rollout_ref.rollout
-        dtype = (rollout.dtype if rollout.dtype != "auto" else "bfloat16") if on_gpu else "float32"
+        if not on_gpu:
+            dtype = "float32"
+        elif rollout.dtype == "auto":
+            dtype = "bfloat16"
+        else:
+            dtype = rollout.dtype
         return vllm_lora_slot_bytes(
             self.model,
             vllm_lora_rank(self.lora.rank),

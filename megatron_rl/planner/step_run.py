@@ -152,11 +152,10 @@ def stage_work(m: ModelConfig, stage_layers: tuple, value_head: bool = False) ->
         dense -= embed if s == 0 else 0
         if s == pp - 1 and pp == 1 and m.tie_word_embeddings and not value_head:
             dense += embed  # count_params stores a tied head once, as the embedding; its matmul still runs
-        moe = (
-            sum(m.layer_is_moe(i) for i in range(first, first + layers))
-            if hasattr(m, "layer_is_moe")
-            else (layers if m.is_moe else 0)
-        )
+        if hasattr(m, "layer_is_moe"):  # ExtendedModelConfig: first-k-dense layers
+            moe = sum(m.layer_is_moe(i) for i in range(first, first + layers))
+        else:
+            moe = layers if m.is_moe else 0
         routed = expert * m.moe_router_topk // m.num_moe_experts if m.is_moe else 0
         out.append((dense, routed, layers, moe))
         first += layers
@@ -358,9 +357,7 @@ def build_run(
     order = schedule.names + (["ref"] if ref_in_actor else [])
     passes.sort(
         key=lambda p: (
-            order.index(p.phase)
-            if p.phase != "ref" or not ref_in_actor
-            else order.index("old_log_prob") + 0.5
+            order.index(p.phase) if p.phase != "ref" or not ref_in_actor else order.index("old_log_prob") + 0.5
         )
     )
     engines = plan.engines
