@@ -20,7 +20,7 @@ from megatron_rl.config.base_config import (
     check_choice,
     check_range,
 )
-from megatron_rl.config.layout import MegatronConfig, check_distributed_optimizer, check_rollout_n
+from megatron_rl.config.layout import MegatronConfig, check_rollout_n
 from megatron_rl.config.model import ModelSourceConfig
 from megatron_rl.config.optim import OptimConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -144,7 +144,6 @@ class ActorConfig(BaseConfig):
             raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c!r} must be > 1.0 (dual-clip lower bound)")
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         check_kl_type("actor.kl_loss_type", self.kl_loss_type)
-        check_distributed_optimizer("actor_rollout_ref.actor", self.megatron, self.optim)
 
     def train_token_budget(self) -> Optional[int]:
         """Tokens per training micro-batch with ``use_dynamic_bsz``, else None (fixed-size micro-batches)."""

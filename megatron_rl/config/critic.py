@@ -15,7 +15,7 @@ from megatron_rl.config.base_config import (
     check_choice,
     check_range,
 )
-from megatron_rl.config.layout import MegatronConfig, check_distributed_optimizer, check_rollout_n
+from megatron_rl.config.layout import MegatronConfig, check_rollout_n
 from megatron_rl.config.model import ModelSourceConfig
 from megatron_rl.config.optim import OptimConfig
 
@@ -80,7 +80,6 @@ class CriticConfig(BaseConfig):
         if self.forward_max_token_len_per_gpu is not None:
             check_range("critic.forward_max_token_len_per_gpu", self.forward_max_token_len_per_gpu, low=1)
         check_choice("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        check_distributed_optimizer("critic", self.megatron, self.optim)
 
     def train_token_budget(self) -> Optional[int]:
         """Tokens per training micro-batch with ``use_dynamic_bsz``, else None."""

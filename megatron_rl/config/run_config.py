@@ -38,7 +38,7 @@ from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.data import DataConfig
 from megatron_rl.config.distillation import DistillationConfig
-from megatron_rl.config.layout import PARALLEL_KEYS, MegatronConfig
+from megatron_rl.config.layout import PARALLEL_KEYS, MegatronConfig, check_distributed_optimizer
 from megatron_rl.config.model import ModelSourceConfig
 from megatron_rl.config.reward import RewardConfig
 from megatron_rl.config.schema import build_config, fill_derived
@@ -104,6 +104,10 @@ class RunConfig(BaseConfig):
     def __post_init__(self) -> None:
         arr = self.actor_rollout_ref
         rollout = arr.rollout
+        # The run's layout decides the optimizer's sharding; a section built on its own (the engine's
+        # ActorConfig) is given it separately, so this is checked here, not in the section.
+        check_distributed_optimizer("actor_rollout_ref.actor", arr.actor.megatron, arr.actor.optim)
+        check_distributed_optimizer("critic", self.critic.megatron, self.critic.optim)
         if self.data.task is None and self.data.train_files is None:
             raise ValueError("data: set data.train_files (parquet/jsonl paths) or data.task (a built-in task name)")
         self._check_lengths(arr.actor.rollout_n, "actor_rollout_ref.actor.rollout_n")
