@@ -339,14 +339,20 @@ class EngineWorld:
     hang). ``shutdown()`` also confines vLLM's teardown to the engine's groups. Single-threaded
     use only (the in-process engine runs its steps in the calling thread). Without a host group
     this is a no-op.
+
+    ``no_compile`` (an eager engine on CPU): the engine calls also run with ``torch.compile``
+    disabled. vLLM's eager mode leaves its sampler helpers (``batched_count_greater_than``,
+    ``compiled_random_sample``) compiled with inductor, which costs ~1.8 s of tracing and C++
+    codegen at each engine's first step on CPU, for kernels the same as the eager ops there.
     """
 
     _instances = 0
     _NAME_SPACE = 1_000_000  # engine group names start here (host groups count from 0)
 
-    def __init__(self, isolate: bool = True):
+    def __init__(self, isolate: bool = True, no_compile: bool = False):
         import torch.distributed as dist
 
+        self.no_compile = no_compile
         self.active = isolate and dist.is_available() and dist.is_initialized()
         self._engine_pg = None
         EngineWorld._instances += 1
@@ -357,9 +363,17 @@ class EngineWorld:
         """Run the enclosed engine calls with the engine's group as the default group (and the calling
         thread's OpenMP thread count settled first: ``settle_thread_count``)."""
         settle_thread_count()
-        if not self.active:
+        with contextlib.ExitStack() as stack:
+            if self.no_compile:  # torch's config is per thread: the engine steps in the calling thread
+                import torch._dynamo
+
+                stack.enter_context(torch._dynamo.config.patch(disable=True))
+            if self.active:
+                stack.enter_context(self._engine_group())
             yield
-            return
+
+    @contextlib.contextmanager
+    def _engine_group(self):
         import torch.distributed.distributed_c10d as c10d
 
         host = (c10d._world.default_pg, c10d._backend, c10d._default_pg_init_method, c10d._world.group_count)

