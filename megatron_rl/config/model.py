@@ -12,14 +12,12 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Optional
 
-import torch
-
 from megatron_rl.config.base_config import BaseConfig, check_choice, check_range, suggest
 from megatron_rl.config.lora_config import LoRAConfig, resolve_lora
 
 __all__ = ["ModelConfig", "ModelSourceConfig"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names (torch is imported when one is asked for)
 
 
 @dataclasses.dataclass
@@ -99,7 +97,7 @@ class ModelConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_choice("model.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
-        check_choice("model.params_dtype", self.params_dtype, tuple(_DTYPES))
+        check_choice("model.params_dtype", self.params_dtype, _DTYPES)
         check_choice("model.attention_backend", self.attention_backend, ("auto", "sdpa", "local", "te"))
         check_choice("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("alltoall", "allgather"))
         check_choice("model.moe_router_dtype", self.moe_router_dtype, (None, "fp32", "fp64"))
@@ -121,8 +119,10 @@ class ModelConfig(BaseConfig):
             )
 
     @property
-    def dtype(self) -> torch.dtype:
-        return _DTYPES[self.params_dtype]
+    def dtype(self) -> "torch.dtype":  # noqa: F821 (torch imported here: a config load needs no torch)
+        import torch
+
+        return getattr(torch, self.params_dtype)
 
     @property
     def is_moe(self) -> bool:
