@@ -30,6 +30,7 @@ from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.algos.loss_agg import agg_loss
 from megatron_rl.algos.algo_registry import POLICY_LOSSES, Registry
 from megatron_rl.algos.utils import cfg_get, check_same_shape
+from megatron_rl.config.verl import verl_section
 from megatron_rl.config.distillation import (
     ESTIMATOR_LOSS_MODES,
     TOPK_LOSS_MODES,
@@ -318,7 +319,7 @@ def resolve_distillation_config(config: Any):
         if not cfg_get(config, "enabled", True):
             return None
         config = section
-    return DistillationLossConfig.from_dict(config)  # validates loss_mode / use_policy_gradient
+    return verl_section(DistillationLossConfig, config)  # verl's section or ours; validates loss_mode
 
 
 def distillation_ppo_loss(

@@ -47,6 +47,7 @@ from megatron_rl.algos.rollout_correction_core import (
 )
 from megatron_rl.algos.utils import check_same_shape
 from megatron_rl.config.algorithm import RolloutCorrectionConfig
+from megatron_rl.config.verl import verl_section
 from megatron_rl.data.batch import Batch
 
 __all__ = [
@@ -226,7 +227,7 @@ def bypass_policy_loss_config(policy_loss_config: Any, rollout_corr_config: Any)
     """A copy of ``policy_loss_config`` with ``loss_mode="bypass_mode"`` and ``rollout_correction``
     set (typed ``PolicyLossConfig``, DictConfig or dict alike); the config half of ``apply_bypass_mode``."""
     if dataclasses.is_dataclass(policy_loss_config):
-        typed = RolloutCorrectionConfig.from_dict(rollout_corr_config)
+        typed = verl_section(RolloutCorrectionConfig, rollout_corr_config)  # verl's section, or ours
         replace = getattr(policy_loss_config, "replace", None) or (
             lambda **kw: dataclasses.replace(policy_loss_config, **kw)
         )

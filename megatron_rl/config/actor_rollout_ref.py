@@ -2,7 +2,8 @@
 the rollout (``megatron_rl.config.rollout.RolloutConfig``) and the reference (``RefConfig``) -- with verl's keys.
 
 A verl user's ``actor_rollout_ref.actor`` maps onto ``ActorConfig`` one to one, so
-``ActorConfig.from_dict(cfg.actor)`` accepts it; the algorithm functions accept either form.
+``megatron_rl.config.verl.omega_conf_to_dataclass(cfg.actor, ActorConfig)`` takes it; the algorithm functions
+accept either form.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """``algorithm``: advantage estimation, KL-in-reward, DAPO's group filtering and rollout correction, with
-verl's key names and defaults (``AlgoConfig.from_dict(cfg.algorithm)`` accepts a verl config's section), and
+verl's key names and defaults (``megatron_rl.config.verl.omega_conf_to_dataclass(cfg.algorithm)`` takes a verl
+config's section), and
 the loss-aggregation and KL names the actor's and critic's sections check against.
 """
 

@@ -5,11 +5,14 @@ answer ``cfg.key``, ``cfg.get("key", default)`` and ``"key" in cfg``, so one cod
 both. ``from_dict`` builds a config from a mapping (YAML, ``DictConfig``) and rejects unknown
 keys, naming the key and the allowed ones.
 
-verl's dicts and keyword arguments are accepted as they are (``megatron_rl.config.verl``): a
-``_target_`` naming a class that fits the section is dropped, verl's deprecated
-``ppo_micro_batch_size`` sets the per-GPU size, and verl-only fields listed in
-``megatron_rl.config.compat.INERT_KEYS`` (``use_dynamic_bsz``, ``profiler`` ...) are kept on the
-section for reading back, with a warning when they differ from verl's default.
+A section takes its own fields only: its constructor is the dataclass's and ``from_dict`` refuses
+a key it has not. verl's keys are translated once, at the edge (``megatron_rl.config.verl``): the
+loader's ``RunConfig.from_dict`` / ``schema.build_config`` for a whole run, and for a section on
+its own verl's converter (``omega_conf_to_dataclass``) and verl's class names
+(``megatron_rl.config.verl.McoreActorConfig(ppo_micro_batch_size=2, ...)``): a ``_target_`` naming a
+class that fits is dropped, the deprecated ``ppo_micro_batch_size`` sets the per-GPU size, and
+verl-only fields listed in ``megatron_rl.config.compat.INERT_KEYS`` warn when they differ from
+verl's default (they have no effect, and are not kept).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any, Sequence
 
 from megatron_rl.config import read_tracking
-from megatron_rl.config import verl_keys as _verl
 
 __all__ = [
     "BaseConfig",
@@ -100,33 +102,12 @@ def check_range(
         raise ValueError(f"{field}={value!r} is out of range; allowed: {lo}, {hi}")
 
 
-def _unexpected_keyword(cls: type, key: str) -> TypeError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key.rpartition(".")[2], names, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    return TypeError(f"{cls.__name__}() got an unexpected keyword argument {key.rpartition('.')[2]!r}{hint}")
-
-
-class _ConfigMeta(type):
-    """Construction takes verl's keyword arguments: verl-only fields become the section's extras."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        if not set(kwargs) <= names:
-            kwargs = _verl.translate_kwargs(cls, dict(kwargs))
-            kwargs, extras = _verl.take_verl_extras(cls, names, kwargs, unknown=_unexpected_keyword)
-            obj = super().__call__(*args, **kwargs)
-            _verl.warn_verl_extras(cls, extras)
-            return _verl.attach_extras(obj, extras)
-        return super().__call__(*args, **kwargs)
-
-
 class FrozenConfigError(dataclasses.FrozenInstanceError):
     """A field of a built run config was assigned to (``BaseConfig.freeze``)."""
 
 
 @dataclasses.dataclass
-class BaseConfig(metaclass=_ConfigMeta):
+class BaseConfig:
     """A dataclass with a read-only mapping interface compatible with ``DictConfig``.
 
     A run's config is built once (``RunConfig``: its sections are frozen when it is) and does not
@@ -156,13 +137,6 @@ class BaseConfig(metaclass=_ConfigMeta):
         """True once ``freeze`` ran (every section of a built ``RunConfig``)."""
         return bool(self.__dict__.get("_frozen"))
 
-    def __getattr__(self, name: str) -> Any:
-        """verl-only fields given to this section read back as given (they have no effect)."""
-        extras = self.__dict__.get("_verl_extras")
-        if extras is not None and name in extras:
-            return extras[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
 
@@ -189,10 +163,9 @@ class BaseConfig(metaclass=_ConfigMeta):
         return out
 
     def replace(self, **changes: Any) -> "BaseConfig":
-        """A copy with ``changes`` (``dataclasses.replace``) that keeps this section's place in the run's tree
-        and its verl-only extras; the copy of a frozen section is frozen too."""
+        """A copy with ``changes`` (``dataclasses.replace``) that keeps this section's place in the run's tree;
+        the copy of a frozen section is frozen too."""
         out = read_tracking.copy_tag(self, dataclasses.replace(self, **changes))
-        _verl.attach_extras(out, self.__dict__.get("_verl_extras") or {})
         return out.freeze() if self.frozen else out
 
     def with_values(self, values: Mapping[str, Any]) -> "BaseConfig":
@@ -216,7 +189,8 @@ class BaseConfig(metaclass=_ConfigMeta):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "") -> "BaseConfig":
-        """Build from a mapping, recursing into nested config fields; unknown keys are errors."""
+        """Build from a mapping of this section's own keys, recursing into nested config fields; a key it
+        has not is an error naming it and the allowed ones (verl's sections: ``megatron_rl.config.verl``)."""
         if data is None:
             return cls()
         if isinstance(data, cls):
@@ -233,21 +207,16 @@ class BaseConfig(metaclass=_ConfigMeta):
             raise TypeError(f"{path or cls.__name__}: expected a mapping, got {type(data).__name__}")
         hints = typing.get_type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls) if not is_internal(f)}
-
-        def unknown(section: type, full: str) -> ValueError:
-            return ValueError(f"unknown config key {full!r}; allowed keys: {sorted(names)}")
-
-        own, extras = _verl.take_verl_extras(cls, names, _verl.translate_kwargs(cls, dict(data)), path, unknown=unknown)
         kwargs: dict[str, Any] = {}
-        for key, value in own.items():
-            full = f"{path}.{key}" if path else key
+        for key, value in data.items():
+            full = f"{path}.{key}" if path else str(key)
+            if key not in names:
+                raise ValueError(f"unknown config key {full!r}; allowed keys: {sorted(names)}")
             sub = _config_class(hints[key])
             if sub is not None and (value is None or isinstance(value, Mapping) or hasattr(value, "items")):
                 value = None if value is None else sub.from_dict(value, path=full)
             kwargs[key] = value
-        obj = cls(**kwargs)
-        _verl.warn_verl_extras(cls, extras, path)
-        return _verl.attach_extras(obj, extras)
+        return cls(**kwargs)
 
 
 def _config_class(hint: Any) -> type[BaseConfig] | None:

@@ -242,8 +242,8 @@ def build_config(cls: type, data: Any, *, path: str = "", root: Optional[type] =
         built = cls(**kwargs)
     except ValueError as err:
         raise ValueError(_qualify(str(err), path, cls)) from None
-    verl.warn_verl_extras(cls, extras, path)
-    return verl.attach_extras(built, extras)
+    verl.warn_verl_extras(cls, extras, path)  # accepted for verl, no effect: warned, not kept
+    return built
 
 
 def _qualify(message: str, path: str, cls: type) -> str:

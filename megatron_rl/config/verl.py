@@ -1,7 +1,13 @@
-"""verl's config surface over the typed tree: ``omega_conf_to_dataclass`` and the key table.
+"""verl's config surface over the typed tree, the edge where verl's keys are translated: verl's
+converter, verl's class names, and the key table.
 
 ``omega_conf_to_dataclass`` is verl's converter (``verl.utils.omega_conf_to_dataclass``): a
-section's ``_target_`` picks our class (``McoreActorConfig`` -> ``ActorConfig``, ...).
+section's ``_target_`` picks our class (``McoreActorConfig`` -> ``ActorConfig``, ...). verl's class
+names are importable from here as constructors taking verl's keyword arguments
+(``McoreActorConfig(strategy="megatron", ppo_micro_batch_size=2, use_torch_compile=False)`` is an
+``ActorConfig``): verl's global micro-batch size is the per-GPU one of a single rank, verl-only
+fields of ``INERT_KEYS`` warn when away from verl's default and are dropped, other unknown
+keywords are a ``TypeError`` with the nearest field. Our own classes take their own fields only.
 ``key_table`` / ``format_key_table`` sort a composed config's leaves into acted on / accepted with
 no effect (warned when away from verl's default) / refused (with the nearest valid key), for the
 ``megatron-rl train --config`` and ``python -m megatron_rl.main_ppo`` entry points. The rules of
@@ -18,7 +24,7 @@ from typing import Any, Optional
 from megatron_rl.config import run_config  # noqa: F401  (imports every section class)
 from megatron_rl.config.base_config import BaseConfig
 from megatron_rl.config.compat import inert_reason
-from megatron_rl.config.schema import all_paths, field_hint
+from megatron_rl.config.schema import all_paths, build_config, field_hint
 from megatron_rl.config.verl_keys import (
     TRANSLATED,
     VERL_CONFIG_DIR,
@@ -27,9 +33,20 @@ from megatron_rl.config.verl_keys import (
     is_verl_key,
     leaves_of,
     not_built_refusal,
+    take_verl_extras,
+    translate_kwargs,
+    warn_verl_extras,
 )
 
-__all__ = ["VERL_CONFIG_DIR", "omega_conf_to_dataclass", "KeyTable", "key_table", "format_key_table"]
+__all__ = [
+    "VERL_CONFIG_DIR",
+    "omega_conf_to_dataclass",
+    "verl_section",
+    "verl_class",
+    "KeyTable",
+    "key_table",
+    "format_key_table",
+]
 
 
 # ----------------------------------------------------------------------------- verl's converter
@@ -76,7 +93,54 @@ def omega_conf_to_dataclass(config: Any, dataclass_type: Optional[type] = None) 
         dataclass_type = classes[name]
     if not dataclasses.is_dataclass(dataclass_type):
         raise ValueError(f"{dataclass_type} must be a dataclass")
-    return dataclass_type.from_dict(config)
+    return verl_section(dataclass_type, config)
+
+
+def verl_section(cls: type, data: Any) -> Any:
+    """Section ``cls`` from verl's mapping (a ``DictConfig``, dict or an instance already): verl's keys
+    translated as a run's are (``schema.build_config``), the global micro-batch size of one rank."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if data is None or isinstance(data, cls):
+        return cls() if data is None else data
+    if isinstance(data, DictConfig):
+        data = OmegaConf.to_container(data, resolve=True)
+    return build_config(cls, translate_kwargs(cls, dict(data)))
+
+
+def _unexpected_keyword(cls: type, key: str) -> TypeError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key.rpartition(".")[2], names, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return TypeError(f"{cls.__name__}() got an unexpected keyword argument {key.rpartition('.')[2]!r}{hint}")
+
+
+def verl_class(name: str):
+    """The constructor of verl's config class ``name`` (``"McoreActorConfig"``): ours, taking verl's
+    keyword arguments."""
+    classes = _target_classes()
+    if name not in classes:
+        raise AttributeError(f"no verl config class {name!r} here; known: {sorted(classes)}")
+    cls = classes[name]
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = translate_kwargs(cls, dict(kwargs))
+        own, extras = take_verl_extras(cls, names, kwargs, unknown=_unexpected_keyword)
+        obj = cls(*args, **own)
+        warn_verl_extras(cls, extras)
+        return obj
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = f"verl's ``{name}``: a ``{cls.__module__}.{cls.__name__}`` from verl's keyword arguments."
+    return build
+
+
+def __getattr__(name: str) -> Any:
+    """verl's config class names (``from megatron_rl.config.verl import McoreActorConfig``)."""
+    if name[:1].isupper() and name.endswith("Config"):
+        return verl_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------- the key table

@@ -8,8 +8,8 @@ A verl user's config carries keys of three kinds here:
   verl's workers (``normalize``);
 - **accepted with no effect**: a key matched by ``megatron_rl.config.compat.INERT_KEYS`` -- a field,
   or a key of verl's catalogue (``verl/ppo_megatron_trainer.yaml``, verl's own generated config)
-  that the tree has no field for. The latter are kept on the section (``cfg.use_dynamic_bsz``
-  reads back what was given) and warn by name when they differ from verl's default;
+  that the tree has no field for. The latter warn by name when they differ from verl's default and
+  are dropped (they have no effect; ``megatron-rl train --config``'s key table lists them);
 - **refused**: anything else -- a ``ValueError`` naming the key and the nearest valid keys.
 
 ``_target_`` (verl's Hydra class path in every section) is not a key: it is dropped after checking
@@ -43,7 +43,6 @@ __all__ = [
     "warn_verl_extras",
     "normalize",
     "translate_kwargs",
-    "attach_extras",
     "section_path",
     "verl_only_refusal",
     "same_value",
@@ -115,7 +114,7 @@ CANONICAL_PATHS: dict[str, str] = {
     "DistillationConfig": "distillation",
     "DistillationLossConfig": "distillation.distillation_loss",
 }
-"""Where a section used on its own (``ActorConfig(...)``, ``AlgoConfig.from_dict(...)``) sits in verl's tree."""
+"""Where a section used on its own (``megatron_rl.config.verl``'s converter and class names) sits in verl's tree."""
 
 TRANSLATED: dict[str, str] = {
     "ppo_micro_batch_size": "ppo_micro_batch_size_per_gpu",
@@ -454,13 +453,6 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
     return a == b
-
-
-def attach_extras(obj: Any, extras: Mapping[str, Any]) -> Any:
-    """Keep the verl-only ``extras`` on a built section (read back by attribute, never acted on)."""
-    if extras:
-        object.__setattr__(obj, "_verl_extras", dict(extras))
-    return obj
 
 
 # ----------------------------------------------------------------------------- run-tree normalisation

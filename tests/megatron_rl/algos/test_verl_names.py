@@ -246,7 +246,9 @@ def test_config_dataclasses_from_verls_own_yaml_sections():
     for key, value in REF["algo_from_yaml"].items():
         got = getattr(algo, key)
         assert (dataclasses.asdict(got) if dataclasses.is_dataclass(got) else got) == _strip(value), key
-    algo2 = AlgoConfig.from_dict({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 0.99, "adv_estimator": "grpo"})
+    algo2 = omega_conf_to_dataclass(
+        {"_target_": "verl.trainer.config.AlgoConfig", "gamma": 0.99, "adv_estimator": "grpo"}, AlgoConfig
+    )
     for key in ("gamma", "adv_estimator", "lam", "norm_adv_by_std_in_grpo"):
         assert getattr(algo2, key) == REF["algo_from_dict"][key]
     with warnings.catch_warnings():
@@ -258,19 +260,27 @@ def test_config_dataclasses_from_verls_own_yaml_sections():
     assert actor.use_dynamic_bsz is False and actor.megatron.tensor_model_parallel_size == 1
 
 
-def test_actor_config_takes_verls_keyword_arguments():
+def test_verls_class_names_take_verls_keyword_arguments_and_ours_our_fields_only():
+    from megatron_rl.config.verl import McoreActorConfig
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = ActorConfig(
+        cfg = McoreActorConfig(
             strategy="megatron", ppo_micro_batch_size=2, ppo_mini_batch_size=4, use_torch_compile=False, rollout_n=2
         )
-    assert cfg.ppo_micro_batch_size_per_gpu == 2 and cfg.use_torch_compile is False  # verl's global size, one rank
+    assert isinstance(cfg, ActorConfig) and cfg.ppo_micro_batch_size_per_gpu == 2  # verl's global size, one rank
     assert [str(w.message).split("=")[0] for w in caught] == ["actor_rollout_ref.actor.use_torch_compile"]
+    assert not hasattr(cfg, "use_torch_compile")  # no effect, not kept
     with pytest.raises(ValueError, match=r"actor.strategy='fsdp' is not built here; training engines built here"):
-        ActorConfig(strategy="fsdp")
+        McoreActorConfig(strategy="fsdp")
     with pytest.raises(TypeError, match="unexpected keyword argument 'clip_ratoi'; did you mean 'clip_ratio'"):
-        ActorConfig(clip_ratoi=0.3)
+        McoreActorConfig(clip_ratoi=0.3)
     with pytest.raises(ValueError, match="remove ppo_micro_batch_size"):
-        ActorConfig(ppo_micro_batch_size=2, ppo_micro_batch_size_per_gpu=2)
+        McoreActorConfig(ppo_micro_batch_size=2, ppo_micro_batch_size_per_gpu=2)
     with pytest.raises(ValueError, match=r"_target_='verl.trainer.config.AlgoConfig' names a class that does not fit"):
-        ActorConfig.from_dict({"_target_": "verl.trainer.config.AlgoConfig"})
+        omega_conf_to_dataclass({"_target_": "verl.trainer.config.AlgoConfig"}, ActorConfig)
+    # Our own dataclasses are not translated: verl's keys are the edge's business (megatron_rl.config.verl).
+    with pytest.raises(TypeError, match="ppo_micro_batch_size"):
+        ActorConfig(ppo_micro_batch_size=2)
+    with pytest.raises(ValueError, match=r"unknown config key '_target_'"):
+        ActorConfig.from_dict({"_target_": "verl.workers.config.McoreActorConfig"})

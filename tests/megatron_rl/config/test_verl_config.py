@@ -18,6 +18,7 @@ SET = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_micro
 
 def test_generated_config_builds_and_its_key_table_refuses_nothing():
     from megatron_rl.config.loader import key_report
+    from megatron_rl.config.verl import key_table
 
     report, refused = key_report(VERL, SET)
     lines = report.splitlines()
@@ -28,8 +29,11 @@ def test_generated_config_builds_and_its_key_table_refuses_nothing():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = RunConfig.from_dict(compose(VERL, SET))
-    # verl-only keys read back as given; only values away from verl's default warn.
-    assert cfg.actor_rollout_ref.actor.use_torch_compile is True and cfg.trainer.use_v1 is True
+    # verl-only keys are the loader's: in the key table as inert, not kept on the built config (no effect);
+    # only values away from verl's default warn.
+    table = key_table(compose(VERL, SET), RunConfig)
+    assert {"actor_rollout_ref.actor.use_torch_compile", "trainer.use_v1"} <= set(table.inert)
+    assert not hasattr(cfg.actor_rollout_ref.actor, "use_torch_compile") and not hasattr(cfg.trainer, "use_v1")
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "colocated"  # verl's "naive"
     texts = [str(w.message) for w in caught if issubclass(w.category, InertKeyWarning)]
     assert all(not t.startswith(("actor_rollout_ref.actor.use_torch_compile", "trainer.use_v1")) for t in texts)
