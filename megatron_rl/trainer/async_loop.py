@@ -59,7 +59,6 @@ from megatron_rl.data.rewards import RewardError
 from megatron_rl.trainer.async_records import SAMPLES_FILE, GroupFilter, SampleLedger, select_prompts
 from megatron_rl.trainer.replay_buffer import DrawLedger, Group, ReplayBuffer
 from megatron_rl.trainer.rollout_phase import REWARD_EXTRA_KEYS, reward_metrics
-from megatron_rl.trainer.watchdog import phase as timer
 
 __all__ = [
     "AsyncSettings",
@@ -494,7 +493,7 @@ class AsyncBatches:
     def next_batch(self, step: int, metrics: dict, timing: dict) -> Batch:
         """Wait for the step's groups, assemble them, record them; the step's buffer and staleness metrics."""
         rollouter = self.rollouter
-        with timer("gen", timing):
+        with self.trainer.phases.stage("gen", timing, metrics):  # the rollouter's engines in their phase
             version = self.trainer.weight_version
             groups, buffer_metrics, waited = rollouter.wait_batch(version)
         batch = _assemble(groups)

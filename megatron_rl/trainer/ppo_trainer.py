@@ -210,6 +210,7 @@ class RayPPOTrainer:
             reward_fn,
             self.rm,
             dump=GenerationDump.create(self.config.trainer.rollout_data_dir),
+            stage=self.phases.stage,
         )
         self.validator = Validator(
             self.config.trainer,
@@ -262,7 +263,6 @@ class RayPPOTrainer:
                     step, metrics, timing = self.global_steps, {}, {}
                     wall_start = time.time()
                     with timer("step", timing), worker_failure(step, self.log_dir):
-                        self.phases.enter("gen", metrics)
                         batch = source.next_batch(step, metrics, timing)  # None: the rewards failed
                         if batch is not None:
                             self.train_step(batch, metrics, timing)

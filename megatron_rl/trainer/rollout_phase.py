@@ -64,9 +64,13 @@ class RolloutPhase:
         reward_fn: Any,
         reward_model: Any = None,
         dump: Any = None,
+        stage: Any = None,
     ):
         self.rollout, self.dataloader, self.reward_fn, self.reward_model = rollout, dataloader, reward_fn, reward_model
         self.dump = dump
+        # the step's stage context (``PhaseRunner.stage``: timed, watched, the devices in the phase "gen");
+        # without a runner, timed and watched only
+        self.stage = stage or (lambda name, timing, metrics=None: timer(name, timing))
         self.n = config.actor_rollout_ref.rollout.n
         self.seed = config.actor_rollout_ref.rollout.seed
         self.baseline = needs.baseline
@@ -212,7 +216,7 @@ class RolloutPhase:
         while True:
             rounds += 1
             prompts = self.dataloader.next_batch()
-            with timer("gen", timing):
+            with self.stage("gen", timing, metrics):
                 batch = self.generate(prompts, step=step, gen_round=rounds - 1)
             metrics.update(self.replica_metrics())
             if self.multi_turn:
