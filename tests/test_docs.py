@@ -330,8 +330,23 @@ def _doc_commands() -> list:
     return found
 
 
+def _cli(argv: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``megatron-rl ARGV`` run in this process (``megatron_rl.cli.main``, the console script's entry), from
+    ``cwd``: the command's parsing and work are the same, without a Python start and its imports per line."""
+    from megatron_rl.cli import main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as stop:  # argparse's --help and errors
+        rc = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.mark.parametrize("page,command", _doc_commands())
-def test_every_megatron_rl_command_in_the_docs_runs_or_parses(page, command, tmp_path):
+def test_every_megatron_rl_command_in_the_docs_runs_or_parses(page, command, tmp_path, monkeypatch, capsys):
     """``plan`` and ``--show-config`` lines run as written; a ``train`` line resolves its recipe and overrides
     (``--show-config`` appended: nothing trains); a ``convert`` line's flags are the converter's own (its
     paths are placeholders). A line whose file argument is a placeholder checks its flags the same way."""
@@ -341,26 +356,12 @@ def test_every_megatron_rl_command_in_the_docs_runs_or_parses(page, command, tmp
     placeholder = any(a.endswith((".yaml", ".yml")) and not (ROOT / a).exists() for a in argv)
     if argv[0] == "convert" or placeholder:
         sub = argv[:2] if argv[0] == "convert" else argv[:1]
-        done = subprocess.run(
-            [sys.executable, "-m", "megatron_rl.cli", *sub, "--help"],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
+        rc, out, err = _cli([*sub, "--help"], tmp_path, monkeypatch, capsys)
+        assert rc == 0, err[-2000:]
         flags = [a.split("=")[0] for a in argv if a.startswith("--")]
-        assert all(flag in done.stdout for flag in flags), (page, command, done.stdout)
+        assert all(flag in out for flag in flags), (page, command, out)
         return
     if argv[0] == "train" and "--show-config" not in argv:
         argv.append("--show-config")
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", *argv],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"{page}: {command}\n{done.stdout[-1500:]}\n{done.stderr[-2000:]}"
+    rc, out, err = _cli(argv, tmp_path, monkeypatch, capsys)
+    assert rc == 0, f"{page}: {command}\n{out[-1500:]}\n{err[-2000:]}"

@@ -124,8 +124,10 @@ def test_a_timed_out_run_leaves_no_rank(tmp_path):
     """The timeout path reaps too: the hung rank does not sleep on after the caller gave up."""
     run_distributed(_sum_ranks, 1, 0.0)  # the rank fork server is up: the ranks below start at once
     pid_file = tmp_path / "pids"
-    with pytest.raises(DistributedTestError, match=r"^_write_pid_then_hang_on_rank_1 timed out after 10 s"):
-        run_distributed(_write_pid_then_hang_on_rank_1, 2, str(pid_file), timeout_s=10)
+    with pytest.raises(DistributedTestError, match=r"^_write_pid_then_hang_on_rank_1 timed out after 5 s"):
+        run_distributed(
+            _write_pid_then_hang_on_rank_1, 2, str(pid_file), timeout_s=5
+        )  # forked ranks write their pid in ms
     ranks = [int(p.read_text()) for p in sorted(tmp_path.glob("pids.*"))]
     assert len(ranks) == 2  # both ranks ran: the hung one is among those checked
     assert _wait_dead(ranks) == []
