@@ -5,7 +5,7 @@ optimizer and learning-rate schedule when trainable, and runs batches through
 ``get_forward_backward_func()``, so the same code serves one CPU process and TP x PP x VPP x EP
 x CP layouts on many GPUs. It is built from a ``parallel.mesh.Mesh`` and reduces over the mesh's
 groups; it knows no roles and no losses. Callers bring the math as closures over a typed
-``ModelOutput`` (``megatron_rl.engine.layout``):
+``ModelOutput`` (``megatron_rl.engine.batch_layout``):
 
 * ``forward(batch, fn, micro_batch_size=... | max_token_len=...)``: forward only;
   ``fn(micro_batch, output)`` returns per-row tensors, put back into the batch's order and handed
@@ -46,7 +46,7 @@ from megatron_rl.config.lora_config import check_lora_fits
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.engine.batching import MicroBatchPlan, fixed_micro_batches, token_budget_micro_batches
 from megatron_rl.engine.device import to_device, to_host
-from megatron_rl.engine.layout import ModelOutput, prepare_inputs
+from megatron_rl.engine.batch_layout import ModelOutput, prepare_inputs
 from megatron_rl.engine.lora_layers import (
     LORA_PARAM_PATTERN,
     LoRASettings,
@@ -55,7 +55,7 @@ from megatron_rl.engine.lora_layers import (
     merged_adapters,
 )
 from megatron_rl.engine.step_info import LossMetrics, StepInfo, reduce_metrics
-from megatron_rl.engine.optim import build_optimizer, wrap_ddp
+from megatron_rl.engine.ddp_optimizer import build_optimizer, wrap_ddp
 from megatron_rl.engine.packing import pack_micro_batch, packed_length, row_lengths
 from megatron_rl.engine.offload import CATEGORIES, OffloadStore, resident_bytes
 from megatron_rl.engine.router_replay import ROUTED_EXPERTS, RoutingReplay, RoutingSession

@@ -13,8 +13,8 @@ from typing import Any, Mapping, Optional
 
 from megatron_rl.engine import MegatronEngine
 from megatron_rl.roles.actor import Actor
-from megatron_rl.roles.critic import Critic
-from megatron_rl.roles.reward import RewardModel
+from megatron_rl.roles.critic_role import Critic
+from megatron_rl.roles.reward_model import RewardModel
 from megatron_rl.roles.common import check_config
 
 __all__ = ["ROLE_CLASSES", "TRAINABLE_ROLES", "role_class", "build_role", "Actor", "Critic", "RewardModel"]

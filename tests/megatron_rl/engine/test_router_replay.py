@@ -223,7 +223,7 @@ def _token_sources_case(rank, world_size):
     model: packed / padded, whole or split over 2 CP ranks (zigzag), whole or cut into TP=2 SP slices."""
     import torch.distributed as dist
 
-    from megatron_rl.engine.layout import prepare_inputs
+    from megatron_rl.engine.batch_layout import prepare_inputs
     from megatron_rl.engine.packing import pack_micro_batch
     from megatron_rl.engine.router_replay import token_sources
 
