@@ -8,6 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from parallel.lazy_jit import install as _defer_megatron_jit
+
+_defer_megatron_jit()  # Megatron's fused kernels compile when first called, not at import (CPU)
+
 _EXPORTS = {
     "ParallelConfig": "parallel.config",
     "Mesh": "parallel.mesh",

@@ -4,44 +4,19 @@ The CPU ranks are forked from that server, so they start with these modules load
 import alone takes seconds and hundreds of MiB) and share those pages instead of each holding a copy.
 """
 
-import functools
-
-import torch
+import torch  # noqa: F401
 
 from megatron_rl.convert.launch import quiet_warnings
 
 quiet_warnings()  # before Megatron's import-time warnings
 
-_compile = torch.compile
-
-
-def _compile_on_first_call(model=None, **kwargs):
-    """``torch.compile`` that compiles on the function's first call instead of when it is decorated.
-    Megatron decorates its fused kernels with ``jit_fuser = torch.compile`` at import time, which
-    imports dynamo and inductor (~1.9 s of the server's ~5 s); the converters never call those
-    kernels (a ``--verify`` forward that does gets them compiled then, as before)."""
-    if model is None:  # used as @torch.compile(**kwargs)
-        return functools.partial(_compile_on_first_call, **kwargs)
-    compiled = None
-
-    @functools.wraps(model)
-    def run(*args, **kw):
-        nonlocal compiled
-        if compiled is None:
-            compiled = _compile(model, **kwargs)
-        return compiled(*args, **kw)
-
-    return run
-
-
-torch.compile = _compile_on_first_call  # only while Megatron is imported (megatron.core.jit keeps it)
-try:
-    import megatron.core.dist_checkpointing  # noqa: E402,F401
-    import megatron.core.models.gpt  # noqa: E402,F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402,F401  (build_model's specs: 0.3 s per rank otherwise)
-    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: E402,F401  (the writer)
-finally:
-    torch.compile = _compile
+# `import megatron_rl` installed parallel.lazy_jit: Megatron's fused kernels (which the converters never
+# call; a `--verify` forward that does compiles them then) are not compiled at import, which would
+# import dynamo and inductor (~1.9 s of the server's ~5 s).
+import megatron.core.dist_checkpointing  # noqa: E402,F401
+import megatron.core.models.gpt  # noqa: E402,F401
+import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402,F401  (build_model's specs: 0.3 s per rank otherwise)
+import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: E402,F401  (the writer)
 import torch.distributed.checkpoint  # noqa: E402,F401
 
 import megatron_rl.models.families  # noqa: E402,F401
