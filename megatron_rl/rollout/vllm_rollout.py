@@ -156,6 +156,29 @@ class VLLMRollout(VLLMLoRA):
         multi_node: Optional[Mapping[str, Any]] = None,
         max_lora_rank: int = 0,
     ):
+        from megatron_rl.utils.heavy_imports import collector_paused
+
+        with collector_paused():  # vLLM's imports, here and while the engine builds
+            self._build_engine(model_path, config, tokenizer_path, multi_node, max_lora_rank)
+        tokenizer = self.llm.get_tokenizer()
+        if pad_token_id is None:
+            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_token_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an eos token; pass pad_token_id")
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_id = tokenizer.eos_token_id
+        self._asleep: set[str] = set()  # GPU only: which of {"weights", "kv_cache"} are released
+        self._senders: dict[str, Sender] = {}  # one per transport used, kept across syncs
+        self._side_band: SideBand | None = None  # to this engine's own workers (transports with a group)
+
+    def _build_engine(
+        self,
+        model_path: str,
+        config: RolloutConfig | Mapping | None,
+        tokenizer_path: str | None,
+        multi_node: Optional[Mapping[str, Any]],
+        max_lora_rank: int,
+    ) -> None:
         from vllm import LLM
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.from_dict(config)
@@ -189,16 +212,6 @@ class VLLMRollout(VLLMLoRA):
         with _env(**env), self._world.engine():
             self.llm = LLM(**self._engine_kwargs(model_path, tokenizer_path))
             self._store_file = _file_store_path(self.llm)  # vLLM's rendezvous file, removed at shutdown
-        tokenizer = self.llm.get_tokenizer()
-        if pad_token_id is None:
-            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad_token_id is None:
-            raise ValueError("the tokenizer has neither a pad nor an eos token; pass pad_token_id")
-        self.pad_token_id = int(pad_token_id)
-        self.eos_token_id = tokenizer.eos_token_id
-        self._asleep: set[str] = set()  # GPU only: which of {"weights", "kv_cache"} are released
-        self._senders: dict[str, Sender] = {}  # one per transport used, kept across syncs
-        self._side_band: SideBand | None = None  # to this engine's own workers (transports with a group)
 
     def _engine_kwargs(self, model_path: str, tokenizer_path: str | None) -> dict[str, Any]:
         cfg = self.config

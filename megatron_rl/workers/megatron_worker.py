@@ -61,10 +61,13 @@ class MegatronWorker(WeightSyncRank):
         A checkpoint that does not fit the role (a causal LM for ``reward``, a sequence classifier
         for ``actor``/``ref``/``teacher``) is refused before the rank joins any process group.
         """
-        from megatron_rl.models.families import get_family, hf_head
-        from megatron_rl.roles import build_role
-        from parallel.bridge import load_hf_checkpoint
-        from parallel.mesh import init_mesh
+        from megatron_rl.utils.heavy_imports import collector_paused
+
+        with collector_paused():  # Megatron's and the role's imports, once per worker process
+            from megatron_rl.models.families import get_family, hf_head
+            from megatron_rl.roles import build_role
+            from parallel.bridge import load_hf_checkpoint
+            from parallel.mesh import init_mesh
 
         role, head = spec.role, "lm"
         if spec.hf_dir is not None:
