@@ -42,9 +42,11 @@ EXTRAS = {
     # ray[default]: the dashboard's job server that tests/test_slurm.py submits a `ray job submit` run to
     # (every other ray.init turns it off);
     # the docs toolchain: tests/test_docs.py builds the site strictly, so CI's `.[test,cpu]` needs it;
-    # peft: the LoRA export tests load the exported adapter with it (0.21.2 keeps torch 2.13 / transformers 5.19)
+    # peft: the LoRA export tests load the exported adapter with it (0.21.2 keeps torch 2.13 / transformers 5.19);
+    # pytest-xdist: the README's test command runs the suite on 2 workers (tests/conftest.py groups them)
     "test": [
         "pytest>=8",
+        "pytest-xdist==3.8.0",
         "hypothesis",
         "import-linter>=2.1",
         "ruff==0.17.6",

@@ -75,6 +75,37 @@ def lazy():
     return torch.device("lazy")
 
 
+# The README's test command runs on 2 pytest-xdist workers (`-n 2`): each test file is one unit of work
+# (its module fixtures, an engine or a SLURM cluster, start once, on one worker), and the code sandbox's
+# files are one unit: their tests assert host-wide that no sandbox process, directory or cgroup is left,
+# which a sandbox test on the other worker would break.
+SERIAL_GROUPS = {"sandbox": "tests/megatron_rl/rollout/agent/test_sandbox"}
+
+
+def work_unit_of(nodeid: str) -> str:
+    """The unit of work a test is scheduled in: its file, or the serial group its file belongs to."""
+    path = nodeid.split("::")[0]
+    return next((name for name, prefix in SERIAL_GROUPS.items() if path.startswith(prefix)), path)
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # serial runs need no scheduler
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class FileUnitScheduling(LoadScopeScheduling):
+        """xdist's ``loadfile`` with ``SERIAL_GROUPS`` merged into one unit each (units with more tests first)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit_of(nodeid)
+
+    def pytest_xdist_make_scheduler(config, log):
+        """``-n N`` (``--dist load``, xdist's default) schedules by ``work_unit_of``; another ``--dist`` is xdist's."""
+        return FileUnitScheduling(config, log) if config.getvalue("dist") == "load" else None
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -28,6 +28,8 @@ vLLM starts three engines (one per engine above); on 2 cores the whole module ta
 from __future__ import annotations
 
 import multiprocessing
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -223,7 +225,9 @@ def _actor_case(rank, case: dict, batch: dict, prompts: list[list[int]], work: s
         res["vllm_greedy"] = greedy(rollout, prompts)
         rollout.shutdown()
     elif case["transport"] != "colocated":
-        address = sync.listen(world_size=2, transport=case["transport"], shm_dir="/dev/shm", timeout_s=TIMEOUT_S)
+        address = sync.listen(
+            world_size=2, transport=case["transport"], shm_dir=case.get("shm_dir", "/dev/shm"), timeout_s=TIMEOUT_S
+        )
         if address is not None:
             ports.put((name, address))  # the driver's job: tell the rollout worker where to join
         sync.connect()
@@ -294,7 +298,14 @@ def run(tmp_path_factory):
         dict(name="tp1", hf_dir=dense["path"], layout={}, transport="colocated"),
         dict(name="tp2", hf_dir=dense["path"], layout={"tensor_model_parallel_size": 2}, transport="broadcast"),
         dict(
-            name="ep2", hf_dir=str(moe_dir), layout={"expert_model_parallel_size": 2}, transport="shm", abort_first=True
+            name="ep2",
+            hf_dir=str(moe_dir),
+            layout={"expert_model_parallel_size": 2},
+            transport="shm",
+            abort_first=True,
+            # a directory of this run's own in /dev/shm: the files listed are this stream's, not those
+            # of a run beside it
+            shm_dir=tempfile.mkdtemp(prefix="test_weight_stream_", dir="/dev/shm"),
         ),
     ]
     ports = multiprocessing.get_context("spawn").Queue()  # actor rank 0 -> here: where to join
@@ -328,7 +339,7 @@ def run(tmp_path_factory):
                 if case.get("abort_first"):
                     # Listed only after the next stream ended: the sender starts writing that stream's
                     # first bucket as soon as it has aborted, so an earlier listing would race with it.
-                    out["shm_left"] = sorted(p.name for p in Path("/dev/shm").glob("megatron_rl_sync_*"))
+                    out["shm_left"] = sorted(p.name for p in Path(case["shm_dir"]).glob("megatron_rl_sync_*"))
                 out["vllm_synced"] = vllm_log_probs(rollout, batch)
                 out["vllm_greedy"] = greedy(rollout, prompts)
                 receiver.close()
@@ -337,6 +348,7 @@ def run(tmp_path_factory):
             remote[case["name"]] = out
     finally:
         thread.join(TIMEOUT_S)
+        shutil.rmtree(cases[2]["shm_dir"], ignore_errors=True)
     if "error" in ranks:
         raise ranks["error"]
     results = {}
