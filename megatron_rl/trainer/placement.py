@@ -528,7 +528,7 @@ class Placement:
             group.shutdown()
         self.groups = {}
         for replica in getattr(self, "replicas", []):
-            replica.kill()
+            replica.stop()
         self.replicas, self.rollout, self.router = [], None, None
         for bundles in (getattr(self, "bundles", None), getattr(self, "rollout_bundles", None)):
             if bundles is not None:

@@ -312,6 +312,16 @@ class RolloutReplica:
         gpus = ", ".join(f"{n}:{g}" for n, g in self.gpus) or "none (CPU)"
         return f"rollout replica {self.index} (node(s) {list(self.nodes)}, GPUs {gpus})"
 
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut the engine down, then kill its actors: what the engine holds outside its process (vLLM's
+        rendezvous file, the last LoRA adapter in shared memory) goes with it. An engine that has died
+        answers at once; one that does not answer within ``timeout_s`` is killed as it is."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get(self.actor.shutdown.remote(), timeout=timeout_s)
+        self.kill()
+
     def kill(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

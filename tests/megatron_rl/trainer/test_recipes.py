@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -158,8 +159,11 @@ def _run(recipe: str, overrides: list[str], tmp_path) -> tuple[list[dict], objec
         granularity = ray.get(
             trainer.actor.workers[0].__ray_call__.remote(lambda worker: worker.engine.tf_config.recompute_granularity)
         )
+        store = ray.get(trainer.rollout.__ray_call__.remote(lambda worker: worker.rollout._store_file))
     finally:
         trainer.shutdown()
+    # the engine was shut down, not only killed: its rendezvous file outside its process is gone
+    assert store is None or not os.path.exists(store), store
     return history, trainer, granularity
 
 
