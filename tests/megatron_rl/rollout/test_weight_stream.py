@@ -348,7 +348,9 @@ def run(tmp_path_factory):
             remote[case["name"]] = out
     finally:
         thread.join(TIMEOUT_S)
-        shutil.rmtree(cases[2]["shm_dir"], ignore_errors=True)
+        for case in cases:
+            if "shm_dir" in case:
+                shutil.rmtree(case["shm_dir"], ignore_errors=True)
     if "error" in ranks:
         raise ranks["error"]
     results = {}
