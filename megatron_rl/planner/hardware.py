@@ -208,7 +208,11 @@ setting is not published), the same fit gives 0.358 (192.0 s, 1,109 tokens/s/GPU
 constant to that unknown. Read, not fitted: the device-to-device copy of docs/benchmarks.md's GPU figures
 (3.8 of 4.8 TB/s on an H200, ``HBM_COPY_EFFICIENCY``) bounds it from above -- a decode step streams at 42 %
 of a bulk copy's rate; no vLLM decode ran on that card (vLLM's wheels exceed what a device call carries), so
-those figures hold no decode point to fit, and issue 30 fits the constants to the one published run only."""
+those figures hold no decode point to fit, and issue 30 fits the constants to the one published run only.
+
+Not refitted (2026-12-07) when the passes gained their element-wise memory traffic (``activation_traffic``) and
+the head its response-only positions: at 0.33 the model gives 195.6 s (+1.9 %) and 1,089 tokens/s/GPU (-1.2 %);
+generation is unchanged (162.2 s), the passes grew 4.95 -> 5.79 s per forward."""
 NVLINK_EFFICIENCY = 0.80
 """Read: nccl-tests ``all_reduce_perf`` bus bandwidth on an 8-GPU HGX H100 board levels off at
 ~360 of 450 GB/s for large messages."""

@@ -9,8 +9,10 @@ from megatron_rl.planner.hardware import (
     GROUPED_GEMM_EFFICIENCY,
     HBM_COPY_EFFICIENCY,
 )
+from megatron_rl.planner.activation_traffic import NORM_WIDTHS, head_elements, layer_elements
 from megatron_rl.planner.memory import count_params
 from megatron_rl.planner.step_run import Pass, PhaseTime, Run, attention_width, link, stage_work
+from megatron_rl.models.gpt import padded_vocab_size
 
 __all__ = ["megatron_pass"]
 
@@ -31,16 +33,35 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
     per_rank = tokens / (dp * tp * cp)  # what one rank of a stage computes: its DP share, split over TP x CP
     local = tokens / (dp * cp)  # the [tokens, h] a TP group's collectives move
     width = attention_width(m)
-    stages, overlapped_by_stage = [], []
+    stages, overlapped_by_stage, split_by_stage = [], [], []
     base_passes = passes - (1 if p.trainable and p.frozen_base else 0)  # a frozen base: no weight-gradient GEMMs
     adapter_work = p.adapter_work or (0,) * len(p.stage_layers)
-    for (dense, expert, layers, moe_layers), adapter in zip(stage_work(m, p.stage_layers, p.value_head), adapter_work):
-        compute = per_rank * (
+    # the LM head scores the response positions only (the engine projects just the positions its loss reads)
+    scored = run.response_mean / seq
+    head = 0 if p.value_head else padded_vocab_size(m.vocab_size, 1, m.make_vocab_size_divisible_by) * m.hidden_size
+    memory_bw = hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY
+    sp = p.sequence_parallel and tp > 1
+    dense_layer = layer_elements(m, tp=tp, sequence_parallel=sp, fused=p.fused_kernels, moe=False)
+    moe_layer = layer_elements(m, tp=tp, sequence_parallel=sp, fused=p.fused_kernels, moe=True)
+    work = stage_work(m, p.stage_layers, p.value_head)
+    for i, ((dense, expert, layers, moe_layers), adapter) in enumerate(zip(work, adapter_work)):
+        last = i == len(work) - 1
+        if last:
+            dense -= head * (1 - scored)
+        elements = (layers - moe_layers) * dense_layer + moe_layers * moe_layer
+        if i == 0:
+            elements += 2 * m.hidden_size * (1 if sp else tp)  # the embedding's lookup: read and write h
+        if last:  # the final norm; the log-softmax over the vocabulary of the scored positions
+            elements += NORM_WIDTHS[p.fused_kernels].get(m.normalization, 2) * m.hidden_size * (1 if sp else tp)
+            elements += 0 if p.value_head else scored * head_elements(m, fused=p.fused_kernels)
+        memory = per_rank * passes * elements * p.activation_bytes / memory_bw
+        gemm = per_rank * (
             base_passes * 2 * dense / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
             + base_passes * 2 * expert / (hw.bf16_flops * GROUPED_GEMM_EFFICIENCY)
             + passes * 2 * adapter / (hw.bf16_flops * DENSE_GEMM_EFFICIENCY)
             + attn_passes * 2 * layers * width * seq / (hw.bf16_flops * ATTENTION_EFFICIENCY)
         )
+        compute = gemm + memory  # the element-wise kernels run between the GEMMs, not under them
         comm = 0.0
         if tp > 1:  # per layer and direction: all-gather + reduce-scatter of [tokens, h] (= one all-reduce) twice
             bw, _ = link(hw, tp)
@@ -55,6 +76,7 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
             ring = layers * directions * (cp - 1) * 2 * local * kv_heads * m.head_dim * 2 / bw
         stages.append((compute, comm))
         overlapped_by_stage.append(ring)
+        split_by_stage.append((gemm, memory))
     # the slowest stage decides: every micro-batch waits for it, and the bubble is (pp - 1) / (vpp x micro) of it
     slowest = max(range(pp), key=lambda i: sum(stages[i]) + max(overlapped_by_stage[i] - stages[i][0], 0))
     compute, exposed = stages[slowest]
@@ -81,11 +103,14 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
         )
         exposed += steps * shard * 2 * 18 / (hw.hbm_bytes_per_s * HBM_COPY_EFFICIENCY)  # Adam reads + writes 18 B
     seconds = (max(compute, overlapped) + exposed) * p.repeats
-    bound = "communication" if exposed + max(overlapped - compute, 0) > compute else "compute"
+    gemm, memory = split_by_stage[slowest]
+    bound = "compute" if gemm >= memory else "memory bandwidth"
+    bound = "communication" if exposed + max(overlapped - compute, 0) > compute else bound
     where = f", slowest stage {slowest} of {pp} ({p.stage_layers[slowest]} layers)" if pp > 1 else ""
     frozen = f" (LoRA: the frozen base's GEMMs {base_passes})" if base_passes != passes else ""
     detail = (
-        f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}{frozen}, compute {compute:.1f} s, "
+        f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}{frozen}, compute {compute:.1f} s "
+        f"(GEMMs {gemm:.1f} s, element-wise memory traffic {memory:.1f} s), "
         f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s{where}"
     )
     return PhaseTime(seconds, bound, detail, stages=tuple(c + e for c, e in stages))

@@ -72,6 +72,14 @@ class Pass:
     """LoRA: per pipeline stage, the adapter parameters a token multiplies there (routed experts: top-k of them)."""
     adapter_local: tuple = (0, 0)
     """LoRA: ``(dense, expert)`` adapter parameters of one rank of the most loaded stage (the optimizer's)."""
+    activation_bytes: int = 2
+    """Bytes of one activation element (``megatron.dtype``: 4 for float32, else 2)."""
+    fused_kernels: bool = True
+    """TransformerEngine's fused norms, rotary embedding, attention and SwiGLU (a GPU run whose
+    ``attention_backend`` is ``auto`` or ``te``); False: the local spec's torch operators (a CPU run, or
+    ``sdpa`` / ``local``) -- ``activation_traffic``'s two counts."""
+    sequence_parallel: bool = True
+    """``megatron.sequence_parallel``: the hidden-sized element-wise work is split over TP, not repeated."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +179,18 @@ def link(hw: Hardware, span: int) -> tuple[float, str]:
 
 # ----------------------------------------------------------------------------- from the config
 _PART_BYTES = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
+
+
+def _kernels(megatron: Any, model: ModelConfig, device: str) -> dict:
+    """A pass's ``activation_bytes``, ``fused_kernels`` and ``sequence_parallel`` from its role's
+    ``megatron`` section and model (``megatron.dtype`` None: the model's ``params_dtype``)."""
+    dtype = getattr(megatron, "dtype", None) or getattr(model, "params_dtype", "bfloat16")
+    backend = getattr(model, "attention_backend", "auto")
+    return {
+        "activation_bytes": 4 if dtype == "float32" else 2,
+        "fused_kernels": device != "cpu" and backend in ("auto", "te"),
+        "sequence_parallel": bool(getattr(megatron, "sequence_parallel", True)),
+    }
 
 
 def _check_length(option: str, value: Optional[float], maximum: int) -> None:
@@ -354,6 +374,13 @@ def build_run(
             **frozen,
         )
     )
+    role_megatron = {"old_log_prob": actor.megatron, "update_actor": actor.megatron}
+    role_megatron["ref"] = actor.megatron if ref_in_actor else getattr(arr.ref, "megatron", None)
+    if needs.teacher:
+        role_megatron["teacher"] = cfg.distillation.teacher_model.megatron
+    if needs.critic:
+        role_megatron["values"] = role_megatron["update_critic"] = cfg.critic.megatron
+    passes = [dataclasses.replace(p, **_kernels(role_megatron[p.phase], p.model, plan.device)) for p in passes]
     order = schedule.names + (["ref"] if ref_in_actor else [])
     passes.sort(
         key=lambda p: (

@@ -21,7 +21,11 @@ phases the memory plan sums), each with the bound that decides it, from the publ
 * **log-prob and update passes** (compute): FLOPs per token ``2 x`` the active dense parameters
   (attention projections, shared experts, dense MLPs, the head; the embedding is a lookup) at
   ``DENSE_GEMM_EFFICIENCY``, ``2 x top-k`` routed experts at ``GROUPED_GEMM_EFFICIENCY``, causal
-  attention ``2 x layers x heads x head_dim x sequence`` at ``ATTENTION_EFFICIENCY``; an update is 3
+  attention ``2 x layers x heads x head_dim x sequence`` at ``ATTENTION_EFFICIENCY``; the head only on the
+  response positions (the engine projects those alone). Plus the element-wise kernels between the GEMMs
+  (norms, rotary embedding, attention's io, residual adds, SwiGLU, MoE permutes, the log-softmax;
+  ``activation_traffic``: TE's fused kernels on a GPU, the local spec's torch operators on a CPU) at
+  ``HBM_COPY_EFFICIENCY`` of the memory bandwidth, added, not overlapped. An update is 3
   forwards' worth, full recompute one more. Each pipeline stage is counted with its own layers (Megatron's
   uneven ``num_layers_in_first/last_pipeline_stage`` or ``account_for_embedding/loss_in_pipeline_split``),
   the output layer on the last; the slowest stage decides the pass, plus the bubble ``(pp - 1) / (vpp x

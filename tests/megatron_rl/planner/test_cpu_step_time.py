@@ -59,13 +59,23 @@ def test_grpo_phases_by_hand(row):
     assert list(st.phases) == ["gen", "old_log_prob", "update_actor", "update_weights", "offload"]
     assert st.hardware == "CPU" and st.gpus == 1
     p = st.phases
-    # log-prob: 32 x 8 = 256 sequences of 24 + 16 tokens; attention at ATTENTION_EFFICIENCY / dense = half the rate
+    # log-prob: 32 x 8 = 256 sequences of 24 + 16 tokens; attention at ATTENTION_EFFICIENCY / dense = half the
+    # rate; the head scores the 16 response positions of the 40 only
     tokens, seq = 256 * (PROMPT + RESPONSE), PROMPT + RESPONSE
-    forward = tokens * (2 * DENSE + 2 * 2 * LAYERS * WIDTH * seq) / GEMM  # 10,240 x 960,000 / 50e9 = 0.1966 s
+    dense = DENSE - 65_536 * (1 - RESPONSE / seq)
+    gemms = tokens * (2 * dense + 2 * 2 * LAYERS * WIDTH * seq) / GEMM  # 10,240 x 920,397 / 50e9 = 0.1885 s
+    # element-wise traffic of the local spec's torch operators, float32, at twice the copy rate, per token and
+    # layer: 2 RMSNorms x 7 + 2 residual adds x 3 widths of 128; the k / v clone 4 x 64, the QK norms 7 x (128 +
+    # 64), rope 12 x (128 + 64), SDPA's io 2 x (128 + 64), the rows' cat and transpose back 4 x 128; rope's
+    # frequencies 20 x 32; SwiGLU 7 x 384: 10,688. The embedding's lookup 2 x 128, the final norm 7 x 128 and
+    # the log-softmax 7 x 512 per scored position.
+    elements = LAYERS * 10_688 + 2 * 128 + 7 * 128 + RESPONSE / seq * 7 * 512
+    traffic = tokens * elements * 4 / (2 * COPY)  # 10,240 x 95.8 kB / 20e9 = 0.0491 s
+    forward = gemms + traffic
     assert p["old_log_prob"].seconds == pytest.approx(forward, rel=1e-3) and p["old_log_prob"].bound == "compute"
     # update: three forwards' worth, plus Adam over 2 optimizer steps (525,184 params incl. the embedding, 36 B each
     # moved at twice the copy rate)
-    adam = 2 * (DENSE + 512 * 128) * 36 / (2 * COPY)
+    adam = 2 * (DENSE + 512 * 128) * 36 / (2 * COPY)  # (the head's parameters are all updated)
     assert p["update_actor"].seconds == pytest.approx(3 * forward + adam, rel=1e-3)
     # gen: 256 sequences at once, 16 decode steps; each is the GEMMs of 256 tokens (context 24 + 8) plus the
     # host's 1 ms + 256 x 50 us (no async scheduling on a CPU: they add); prefill 32 prompts (prefix caching)
