@@ -39,9 +39,10 @@ from megatron_rl.planner.hardware import (
 __all__ = ["GEMM_SIZE", "COPY_BYTES", "measure_host", "rank_threads", "engine_host_overheads", "cpu_hardware"]
 
 GEMM_SIZE = 1024
-"""The side of the square matmul ``measure_host`` times: large enough that the BLAS reaches its plateau on a
-few cores (this 2-core host: ~67 GFLOP/s fp32 at 1,024, ~100 at 2,048, 12-25 at the toy's 1,280 x 128 x 384
-micro-batch GEMMs, each timed alone), small enough to take < 0.5 s."""
+"""The side of the square matmul ``measure_host`` times: large enough that the BLAS reaches its plateau,
+small enough to take < 0.5 s. This 2-core host, one thread, 2026-12-07: 162-186 GFLOP/s fp32 at 1,024; the
+toy's 1,280 x 128 x 768 micro-batch GEMM 161 timed alone and ~94 inside a pass (its operands cold: that
+difference is part of what ``activation_traffic`` prices as memory traffic)."""
 COPY_BYTES = 256 * 2**20
 """Bytes ``measure_host`` copies: far beyond any cache, so the figure is DRAM's."""
 
