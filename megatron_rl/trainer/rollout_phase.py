@@ -178,11 +178,10 @@ class RolloutPhase:
             batch[key] = values
         batch.meta_info[REWARD_EXTRA_KEYS] = list(extra)
 
-    def _score_round(self, prompts: dict[str, Any], batch: Batch, step: int, gen_round: int) -> None:
-        """Score ``batch`` (and ReMax's greedy baseline); ``RewardError`` names what failed."""
+    def _score_round(self, batch: Batch, baseline: Optional[Batch]) -> None:
+        """Score ``batch`` (and ReMax's greedy ``baseline``); ``RewardError`` names what failed."""
         self.score(batch)
-        if self.baseline:
-            baseline = self.generate(prompts, step=step, gen_round=gen_round, greedy=True)
+        if baseline is not None:
             try:
                 scores = self.reward_fn(baseline).scores  # [b] one greedy response per prompt
             except RewardError as err:
@@ -221,9 +220,13 @@ class RolloutPhase:
             metrics.update(self.replica_metrics())
             if self.multi_turn:
                 metrics.update(agent_metrics(batch))
+            baseline = None
+            if self.baseline:  # ReMax's greedy response per prompt: verl's timing_s/gen_max, not the reward's
+                with timer("gen_max", timing):
+                    baseline = self.generate(prompts, step=step, gen_round=rounds - 1, greedy=True)
             with timer("reward", timing):
                 try:
-                    self._score_round(prompts, batch, step, rounds - 1)
+                    self._score_round(batch, baseline)
                 except RewardError as err:
                     self.last_error = str(err)
                     print(f"step {step}: skipped, {self.last_error}", flush=True)

@@ -56,7 +56,7 @@ RECIPES = {
     ),
     "rloo": ([], ["actor/reward_kl_penalty"]),
     "reinforce_plus_plus": ([], ["actor/kl_loss"]),
-    "remax": ([], ["actor/reward_kl_penalty"]),
+    "remax": ([], ["actor/reward_kl_penalty", "timing_s/gen_max"]),  # the greedy baseline, timed as verl
     "opd": (  # an untrained teacher: the recipe's 400 SFT steps are not what two steps test
         ["distillation.teacher_model.config.num_layers=2", "distillation.teacher_model.sft_warmup_steps=0"],
         ["distillation/loss"],
