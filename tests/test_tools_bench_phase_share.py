@@ -56,6 +56,15 @@ def test_compare_judges_phases_above_the_minimum_share():
     assert out["unmodelled_share"] == pytest.approx(0.01)  # 2.0 - 1.98 of the step
 
 
+def test_remax_baseline_generation_counts_with_gen():
+    # the model's gen holds ReMax's greedy baseline (extra_generations); the trainer times it as gen_max
+    phases = {"gen": PhaseTime(0.6, "engine overhead"), "update_actor": PhaseTime(0.4, "compute")}
+    st = StepTime("CPU", "sync", phases, 1.0, 1.0, 1, kv=None, response_mean=15.0, response_p99=16.0)
+    measured = {"steps": 1, "timing": {"step": 1.0, "gen": 0.4, "gen_max": 0.2, "reward": 0.05, "update_actor": 0.35}}
+    gen = compare(st, measured, min_share=0.05, tolerance=0.3)["phases"]["gen"]
+    assert gen["timer"] == "gen+gen_max" and gen["measured_s"] == pytest.approx(0.6) and gen["within"] is True
+
+
 def test_rejects_a_single_step():
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_phase_share.py"), "--steps", "1"],

@@ -2,8 +2,9 @@
 
 Runs a toy recipe (``megatron-rl train <recipe>``, no warm-up or validation) for ``--steps`` steps, reads
 the ``timing_s/*`` of every step after the first (the first compiles and warms vLLM), then measures this
-host's row (``megatron_rl.planner.cpu_row``: a matmul's rate on the threads a rank has, a copy's, and the
-vLLM engine's host work per decode step from two fixed-length generations of one and ``--engine-batch``
+host's row (``megatron_rl.planner.cpu_row``: a matmul's rate on the threads a rank has, a copy's, the actor's
+host work per micro-batch and optimizer step from passes of one-row micro-batches, a phase call's through the
+trainer's worker group, and the vLLM engine's host work per decode step from two fixed-length generations of one and ``--engine-batch``
 sequences on the run's exported checkpoint) and asks ``estimate_step_time`` for the same run with the measured mean prompt and
 response lengths (the workload, not a fit). Nothing is fitted to the phases' times.
 
@@ -37,6 +38,9 @@ sys.path.insert(0, str(ROOT))
 TIMED_PHASES = ("gen", "old_log_prob", "ref", "teacher", "values", "update_critic", "update_actor", "update_weights")
 """The model's phases that the trainer times: a stage has one name (``StepSchedule``, ``timing_s/<name>``, the
 planner). ``offload`` has no timer of its own (the moves run inside the phases); it is 0 on a CPU run."""
+EXTRA_TIMERS = {"gen": ("gen_max",)}
+"""Timers a phase of the model also covers: ReMax's greedy baseline generation (``timing_s/gen_max``, verl's key)
+is part of the model's ``gen`` (its ``extra_generations``)."""
 JOB_OVERRIDES = (
     "trainer.sft_warmup_steps=0",
     "trainer.val_before_train=false",
@@ -126,19 +130,30 @@ def engine_in_child(*args) -> dict:
         return pool.submit(measure_engine, *args).result()
 
 
+def _pass_overheads(rank: int, world: int, model, threads: int) -> dict:
+    """``cpu_row.megatron_host_overheads`` in a rank of its own with the run's rank threads."""
+    import torch
+
+    from megatron_rl.planner.cpu_row import megatron_host_overheads
+
+    torch.set_num_threads(threads)
+    return megatron_host_overheads(model)
+
+
 def compare(st, measured: dict, min_share: float, tolerance: float) -> dict:
     """Per phase: predicted and measured seconds per step and shares, the relative error and the verdict."""
     steps, timing = measured["steps"], measured["timing"]
     step_measured = timing["step"] / steps
     phases, modelled = {}, 0.0
     for name, p in st.phases.items():
-        meas = timing.get(name, 0.0) / steps if name in TIMED_PHASES else 0.0
+        timers = (name, *EXTRA_TIMERS.get(name, ())) if name in TIMED_PHASES else ()
+        meas = sum(timing.get(t, 0.0) for t in timers) / steps
         modelled += meas
         pred_share, meas_share = p.seconds / st.step_time_s, meas / step_measured
         judged = meas_share >= min_share
         rel = (pred_share - meas_share) / meas_share if meas_share > 0 else None
         phases[name] = {
-            "timer": name if name in TIMED_PHASES else None,
+            "timer": "+".join(t for t in timers if t in timing) or None,
             "predicted_s": round(p.seconds, 4),
             "measured_s": round(meas, 4),
             "predicted_share": round(pred_share, 4),
@@ -176,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_rl.job.main_job import load_run_config
     from megatron_rl.planner import plan_run
-    from megatron_rl.planner.cpu_row import cpu_hardware, engine_host_overheads, measure_host, rank_threads
+    from megatron_rl.planner.cpu_row import (
+        call_overhead,
+        cpu_hardware,
+        engine_host_overheads,
+        measure_host,
+        rank_threads,
+    )
+    from parallel.testing import run_distributed
     from megatron_rl.planner.step_run import stage_work
     from megatron_rl.planner.step_time import estimate_step_time
 
@@ -201,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             args.engine_batch,
             args.engine_repeats,
         )
+        passes = run_distributed(_pass_overheads, 1, plan.model, threads, timeout_s=600)[0]
+        group_one_s = call_overhead(plan.model)
+        call_s = max(group_one_s - passes["passes_s"]["one_f"], 0.0)
         load["row_measured"] = os.getloadavg()[0]
     step_s, seq_s = engine_host_overheads(
         engine["one_s"], engine["batch_s"], engine["batch"], engine["tokens"], gemm_s_per_token
@@ -210,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         copy_bytes_per_s=host["copy_bytes_per_s"],
         decode_step_overhead_s=step_s,
         decode_seq_overhead_s=seq_s,
+        call_overhead_s=call_s,
+        forward_micro_overhead_s=passes["forward_micro_overhead_s"],
+        train_micro_overhead_s=passes["train_micro_overhead_s"],
+        optimizer_step_overhead_s=passes["optimizer_step_overhead_s"],
     )
     st = estimate_step_time(
         config,
@@ -237,9 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             "decode_step_overhead_ms": round(step_s * 1e3, 3),
             "decode_seq_overhead_us": round(seq_s * 1e6, 2),
             "engine_rounds": engine["rounds"],
+            "call_overhead_ms": round(call_s * 1e3, 3),
+            "group_call_one_row_ms": round(group_one_s * 1e3, 3),
+            **{k[:-2] + "_ms": round(v * 1e3, 3) for k, v in passes.items() if k.endswith("_overhead_s")},
+            "tiny_passes_s": passes["passes_s"],
         },
         "load_avg_1m": {k: round(v, 2) for k, v in load.items()},
-        "unmodelled_timers": sorted(set(measured["timing"]) - set(TIMED_PHASES) - {"step"}),
+        "unmodelled_timers": sorted(set(measured["timing"]) - set(TIMED_PHASES) - {"gen_max", "step"}),
     }
     print(
         f"{args.recipe}: predicted {st.step_time_s:.3f} s/step, measured {result['measured_step_s']:.3f}",

@@ -20,6 +20,14 @@ the machine or of the engine at operating points other than the run's; none is f
   cpu.py`` turns async scheduling off), so on a CPU this work adds to the model's compute instead of hiding
   under it. ``engine_host_overheads`` derives them from two timed generations of fixed length (one sequence
   and ``B``) less the model's own GEMM time of the ``B`` tokens at the measured rate.
+* ``forward_micro_overhead_s`` / ``train_micro_overhead_s`` / ``optimizer_step_overhead_s``: the Megatron
+  side's host work -- per forward micro-batch, per forward + backward micro-batch, per optimizer step -- which
+  on a CPU also adds to the passes' FLOPs and bytes (nothing runs ahead of it). ``megatron_host_overheads``
+  times an actor on the run's model with micro-batches of one 8-token row (``pass_host_overheads``: a
+  forward of 1 and of 4, updates of 1, of 4 in one optimizer step and of 4 in four).
+* ``call_overhead_s``: the trainer's fixed work of one phase's call to a role's workers (Ray's dispatch, the
+  batch's shards through the object store, the results back): ``call_overhead`` times a one-row log-prob
+  through the trainer's own ``MegatronWorkerGroup``, less the same pass in-process. Every phase pays it once.
 """
 
 from __future__ import annotations
@@ -36,7 +44,17 @@ from megatron_rl.planner.hardware import (
     Hardware,
 )
 
-__all__ = ["GEMM_SIZE", "COPY_BYTES", "measure_host", "rank_threads", "engine_host_overheads", "cpu_hardware"]
+__all__ = [
+    "GEMM_SIZE",
+    "COPY_BYTES",
+    "measure_host",
+    "rank_threads",
+    "engine_host_overheads",
+    "pass_host_overheads",
+    "megatron_host_overheads",
+    "call_overhead",
+    "cpu_hardware",
+]
 
 GEMM_SIZE = 1024
 """The side of the square matmul ``measure_host`` times: large enough that the BLAS reaches its plateau,
@@ -112,12 +130,115 @@ def engine_host_overheads(
     return max(per_step_one - max(per_seq, 0.0), 0.0), max(per_seq, 0.0)
 
 
+TINY_ROWS = 4
+"""Rows of ``megatron_host_overheads``' passes: micro-batches of one row of ``TINY_TOKENS`` tokens each."""
+TINY_TOKENS = 8
+
+
+def _tiny_batch(rows: int, vocab: int) -> dict:
+    import torch
+
+    half = TINY_TOKENS // 2
+    ids = torch.randint(0, vocab, (rows, TINY_TOKENS), generator=torch.Generator().manual_seed(0))
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "responses": ids[:, half:],
+        "response_mask": torch.ones(rows, TINY_TOKENS - half, dtype=torch.long),
+        "old_log_probs": torch.full((rows, TINY_TOKENS - half), -2.0),
+        "advantages": torch.ones(rows, TINY_TOKENS - half),
+    }
+
+
+def pass_host_overheads(one_f: float, four_f: float, one_t: float, four_one_step: float, four_steps: float) -> dict:
+    """``{"forward_micro_overhead_s", "train_micro_overhead_s", "optimizer_step_overhead_s"}`` from timed passes
+    of ``TINY_ROWS`` (4) one-row micro-batches: a forward of 1 and of 4 micro-batches (``one_f``, ``four_f``), an
+    update of 1 (``one_t``: one micro-batch, one optimizer step), of 4 in one optimizer step (``four_one_step``)
+    and of 4 in 4 steps (``four_steps``). A micro-batch of 8 tokens computes ~1e-4 of these times, so each is the
+    host's work; none is below 0."""
+    n = TINY_ROWS - 1
+    optimizer = (four_steps - four_one_step) / n
+    return {
+        "forward_micro_overhead_s": max((four_f - one_f) / n, 0.0),
+        "train_micro_overhead_s": max((four_one_step - one_t) / n, 0.0),
+        "optimizer_step_overhead_s": max(optimizer, 0.0),
+    }
+
+
+def megatron_host_overheads(model, *, repeats: int = 9) -> dict:
+    """The actor role's host work on ``model`` (a ``ModelConfig``) in this process (one rank of a process
+    group of one, on the torch threads it has): ``pass_host_overheads`` of the median of ``repeats`` timed
+    passes of each kind, plus ``"passes_s"`` (the medians)."""
+    from megatron_rl.config import ActorConfig, OptimConfig
+    from megatron_rl.roles import build_role
+    from parallel.config import ParallelConfig
+    from parallel.mesh import init_mesh
+
+    mesh = init_mesh(ParallelConfig(), seed=0)
+
+    def actor(mini: int):
+        cfg = ActorConfig(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=1, optim=OptimConfig(lr=1e-9))
+        return build_role("actor", model, mesh, cfg, remove_padding=True)
+
+    one, four = _tiny_batch(1, model.vocab_size), _tiny_batch(TINY_ROWS, model.vocab_size)
+    one_step, per_row = actor(TINY_ROWS), actor(1)
+    calls = {
+        "one_f": lambda: one_step.compute_log_prob(one, micro_batch_size=1),
+        "four_f": lambda: one_step.compute_log_prob(four, micro_batch_size=1),
+        "one_t": lambda: per_row.update_policy(one),
+        "four_one_step": lambda: one_step.update_policy(four),
+        "four_steps": lambda: per_row.update_policy(four),
+    }
+    times = {name: [] for name in calls}
+    for fn in calls.values():
+        fn()  # warm
+    for _ in range(repeats):  # alternating, so a burst of other work on the host hits every kind alike
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {**pass_host_overheads(**medians), "passes_s": {k: round(v, 5) for k, v in medians.items()}}
+
+
+def call_overhead(model, *, repeats: int = 9) -> float:
+    """Median seconds of a one-row, ``TINY_TOKENS``-token log-prob through the trainer's own worker path: a
+    one-rank actor ``MegatronWorkerGroup`` on a local Ray (loopback, the caller's process the driver). Less
+    ``megatron_host_overheads``' in-process ``one_f``, what remains is the call's dispatch, the shards through
+    the object store and the results back: the row's ``call_overhead_s``."""
+    import ray
+
+    from megatron_rl.config import ActorConfig, MegatronConfig, OptimConfig
+    from megatron_rl.workers.group import MegatronWorkerGroup
+    from megatron_rl.workers.spec import WorkerSpec
+    from parallel.netbind import ray_on_loopback
+
+    started = not ray.is_initialized()
+    if started:
+        with ray_on_loopback():
+            ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
+    cfg = ActorConfig(ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, optim=OptimConfig(lr=1e-9))
+    spec = WorkerSpec("actor", MegatronConfig(dtype=model.params_dtype), cfg, model_config=model)
+    group = MegatronWorkerGroup(spec, 1, num_cpus_per_worker=1.0, name="call_overhead")
+    try:
+        batch = _tiny_batch(1, model.vocab_size)
+        return _median_seconds(lambda: group.compute_log_prob(batch, micro_batch_size=1), repeats, warmup=3)
+    finally:
+        group.shutdown()
+        if started:
+            ray.shutdown()
+
+
 def cpu_hardware(
     *,
     gemm_flops: float,
     copy_bytes_per_s: float,
     decode_step_overhead_s: float,
     decode_seq_overhead_s: float,
+    call_overhead_s: float = 0.0,
+    forward_micro_overhead_s: float = 0.0,
+    train_micro_overhead_s: float = 0.0,
+    optimizer_step_overhead_s: float = 0.0,
     memory_gib: float = 0.0,
     source: str = "",
 ) -> Hardware:
@@ -142,4 +263,8 @@ def cpu_hardware(
         device="cpu",
         decode_step_overhead_s=float(decode_step_overhead_s),
         decode_seq_overhead_s=float(decode_seq_overhead_s),
+        call_overhead_s=float(call_overhead_s),
+        forward_micro_overhead_s=float(forward_micro_overhead_s),
+        train_micro_overhead_s=float(train_micro_overhead_s),
+        optimizer_step_overhead_s=float(optimizer_step_overhead_s),
     )

@@ -64,6 +64,18 @@ class Hardware:
     decode_seq_overhead_s: Optional[float] = None
     """The engine's host work per decode step and running sequence, beyond the step's fixed part (None: 0,
     the GPU figure counts none); the CPU row measures it."""
+    call_overhead_s: Optional[float] = None
+    """The trainer's fixed host work of one phase's call to a role's workers: dispatch, the batch's shards
+    through Ray's object store, the results back (None: 0 -- milliseconds against a GPU cluster's phases of
+    seconds); the CPU row measures it."""
+    forward_micro_overhead_s: Optional[float] = None
+    """Host work of one forward micro-batch of a Megatron pass beyond its FLOPs and bytes: packing, the
+    pipeline schedule, every operator's dispatch (None: 0 -- a GPU's kernels run behind the host's launches);
+    the CPU row measures it."""
+    train_micro_overhead_s: Optional[float] = None
+    """The same for an update's forward + backward micro-batch."""
+    optimizer_step_overhead_s: Optional[float] = None
+    """Host work of one optimizer step beyond Adam's bytes (the gradient norm, clipping, zeroing)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -3,6 +3,8 @@ their exposed communication and the optimizer step (``step_time``'s docstring, "
 
 from __future__ import annotations
 
+import math
+
 from megatron_rl.planner.hardware import (
     ATTENTION_EFFICIENCY,
     DENSE_GEMM_EFFICIENCY,
@@ -106,11 +108,24 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
     gemm, memory = split_by_stage[slowest]
     bound = "compute" if gemm >= memory else "memory bandwidth"
     bound = "communication" if exposed + max(overlapped - compute, 0) > compute else bound
+    # the host's own work: one call to the role's workers, each micro-batch's and each optimizer step's
+    per_step = run.sequences / dp / steps
+    if p.micro_rows:
+        micro_batches = steps * math.ceil(per_step / p.micro_rows)
+    else:
+        micro_batches = steps * max(math.ceil(per_step * seq / p.micro_tokens), 1)
+    micro_host = (hw.train_micro_overhead_s if p.trainable else hw.forward_micro_overhead_s) or 0.0
+    host = micro_batches * micro_host + (steps * (hw.optimizer_step_overhead_s or 0.0) if p.trainable else 0.0)
+    host = host * p.repeats + (hw.call_overhead_s or 0.0)
+    if host > seconds:
+        bound = "host overhead"
+    seconds += host
     where = f", slowest stage {slowest} of {pp} ({p.stage_layers[slowest]} layers)" if pp > 1 else ""
     frozen = f" (LoRA: the frozen base's GEMMs {base_passes})" if base_passes != passes else ""
     detail = (
         f"{tokens / 1e6:.2f} M tokens, {passes} pass{'es' if passes > 1 else ''}{frozen}, compute {compute:.1f} s "
         f"(GEMMs {gemm:.1f} s, element-wise memory traffic {memory:.1f} s), "
         f"exposed communication {exposed + max(overlapped - compute, 0):.1f} s{where}"
+        + (f", host work {host:.3f} s ({micro_batches} micro-batches)" if host else "")
     )
     return PhaseTime(seconds, bound, detail, stages=tuple(c + e for c, e in stages))

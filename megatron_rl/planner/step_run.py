@@ -80,6 +80,9 @@ class Pass:
     ``sdpa`` / ``local``) -- ``activation_traffic``'s two counts."""
     sequence_parallel: bool = True
     """``megatron.sequence_parallel``: the hidden-sized element-wise work is split over TP, not repeated."""
+    micro_rows: int = 0
+    """Rows per micro-batch (``*micro_batch_size_per_gpu``); 0: micro-batches of ``micro_tokens`` (a token budget,
+    ``use_dynamic_bsz``). With ``micro_tokens`` it counts the pass's micro-batches for their host work."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +295,8 @@ def build_run(
                 False,
                 "",
                 False,
-                budgets["actor"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                budgets["actor"].forward
+                or (arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu) * seq_max,
                 stages(actor.megatron, plan.model),
             )
         )
@@ -306,7 +310,8 @@ def build_run(
                 False,
                 "",
                 False,
-                budgets["ref"].forward or (arr.ref.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                budgets["ref"].forward
+                or (arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu) * seq_max,
                 stages(arr.ref.megatron, plan.model),
             )
         )
@@ -322,7 +327,8 @@ def build_run(
                 False,
                 "",
                 False,
-                budgets["teacher"].forward or (t.log_prob_micro_batch_size_per_gpu or 1) * seq_max,
+                budgets["teacher"].forward
+                or (t.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu) * seq_max,
                 stages(t.megatron, t_model),
             )
         )
@@ -376,11 +382,29 @@ def build_run(
     )
     role_megatron = {"old_log_prob": actor.megatron, "update_actor": actor.megatron}
     role_megatron["ref"] = actor.megatron if ref_in_actor else getattr(arr.ref, "megatron", None)
+    # rows per micro-batch of each pass; None where a token budget cuts them (megatron.use_dynamic_bsz)
+    # ref and teacher run the actor's ppo_micro_batch_size_per_gpu where unset (trainer.placement's specs)
+    ref_rows = arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
+    rows = {
+        "old_log_prob": None if budgets["actor"].forward else log_prob_micro,
+        "ref": None if budgets["actor" if ref_in_actor else "ref"].forward else ref_rows,
+        "update_actor": None if budgets["actor"].train else actor.ppo_micro_batch_size_per_gpu,
+    }
     if needs.teacher:
         role_megatron["teacher"] = cfg.distillation.teacher_model.megatron
+        rows["teacher"] = (
+            None
+            if budgets["teacher"].forward
+            else (t.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu)
+        )
     if needs.critic:
         role_megatron["values"] = role_megatron["update_critic"] = cfg.critic.megatron
-    passes = [dataclasses.replace(p, **_kernels(role_megatron[p.phase], p.model, plan.device)) for p in passes]
+        rows["values"] = None if budgets["critic"].forward else c.ppo_micro_batch_size_per_gpu
+        rows["update_critic"] = None if budgets["critic"].train else c.ppo_micro_batch_size_per_gpu
+    passes = [
+        dataclasses.replace(p, **_kernels(role_megatron[p.phase], p.model, plan.device), micro_rows=rows[p.phase] or 0)
+        for p in passes
+    ]
     order = schedule.names + (["ref"] if ref_in_actor else [])
     passes.sort(
         key=lambda p: (

