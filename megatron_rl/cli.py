@@ -132,6 +132,19 @@ def _gpu_memory_gb(text: str) -> float:
     return value
 
 
+def _rounds(text: str) -> float:
+    """``--generation-rounds``: a finite number >= 1."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of rounds >= 1")
+    return value
+
+
 def _tokens(text: str) -> float:
     """``--response-length-*``: a finite number of tokens > 0."""
     import math
@@ -188,6 +201,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 hardware=hardware.name,
                 response_length_mean=args.response_length_mean,
                 response_length_p99=args.response_length_p99,
+                generation_rounds=args.generation_rounds,
             )
         )
     except (ValueError, FileNotFoundError) as err:
@@ -343,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="TOKENS",
         help="99th-percentile response length: the step waits for its longest (default: the maximum)",
+    )
+    p.add_argument(
+        "--generation-rounds",
+        type=_rounds,
+        default=1.0,
+        metavar="N",
+        help="generation rounds per step: DAPO's dynamic sampling regenerates until enough groups are informative "
+        "(a run's filter_groups/num_gen_batches; default 1)",
     )
     p.add_argument(
         "--json",

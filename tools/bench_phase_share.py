@@ -6,7 +6,7 @@ host's row (``megatron_rl.planner.cpu_row``: a matmul's rate on the threads a ra
 host work per micro-batch and optimizer step from passes of one-row micro-batches, a phase call's through the
 trainer's worker group, and the vLLM engine's host work per decode step from two fixed-length generations of one and ``--engine-batch``
 sequences on the run's exported checkpoint) and asks ``estimate_step_time`` for the same run with the measured mean prompt and
-response lengths (the workload, not a fit). Nothing is fitted to the phases' times.
+response lengths and generation rounds (DAPO's ``filter_groups/num_gen_batches``): the workload, not a fit. Nothing is fitted to the phases' times.
 
 The comparison: a phase's measured share is ``sum(timing_s/<phase>) / sum(timing_s/step)`` over the
 steps kept, its predicted share ``seconds / step_time_s``; a phase passes when
@@ -80,6 +80,8 @@ def measured_phases(metrics_path: Path, skip: int = 1) -> dict:
         "prompt_mean": mean("prompt_length/mean"),
         "response_mean": mean("response_length/mean"),
         "response_max": max(r["response_length/max"] for r in rows),
+        # DAPO's dynamic sampling: the generation rounds a step took (1 without it)
+        "gen_rounds": sum(r.get("filter_groups/num_gen_batches", 1.0) for r in rows) / len(rows),
     }
 
 
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         response_length_mean=max(measured["response_mean"], 1.0),
         response_length_p99=max(measured["response_max"], measured["response_mean"], 1.0),
         prompt_length_mean=measured["prompt_mean"],
+        generation_rounds=measured["gen_rounds"],
     )
     result = {
         "recipe": args.recipe,
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         **compare(st, measured, args.min_share, args.tolerance),
         "tolerance": args.tolerance,
         "min_share": args.min_share,
-        "workload": {k: round(measured[k], 2) for k in ("prompt_mean", "response_mean", "response_max")},
+        "workload": {k: round(measured[k], 2) for k in ("prompt_mean", "response_mean", "response_max", "gen_rounds")},
         "host": {
             "gemm_gflops": round(host["gemm_flops"] / 1e9, 2),
             "copy_gb_per_s": round(host["copy_bytes_per_s"] / 1e9, 2),

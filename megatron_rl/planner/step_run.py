@@ -126,6 +126,12 @@ class Run:
     mode: str
     overlap: bool
     partial_rollout: bool
+    generation_prompts: int = 0
+    """Prompts one generation round samples (``data.gen_batch_size``, DAPO's rounds: e.g. 2x the training
+    batch); 0: ``prompts``."""
+    generation_rounds: float = 1.0
+    """Generation rounds per step (``--generation-rounds``): DAPO's dynamic sampling regenerates the batch until
+    enough prompt groups are informative; a run reports its mean as ``filter_groups/num_gen_batches``."""
     async_scheduling: bool = True
     """vLLM's async scheduling (``engine_kwargs.vllm.async_scheduling``; unset: on, vLLM 0.32's default for the
     engines this rollout starts): the host's per-step work overlaps the GPU's step
@@ -424,6 +430,7 @@ def build_run(
         world=world,
         sequences=data.train_batch_size * rollout.n,
         prompts=data.train_batch_size,
+        generation_prompts=data.gen_batch_size or 0,
         extra_generations=data.train_batch_size if needs.baseline else 0,
         prompt_length=data.max_prompt_length if prompt_mean is None else float(prompt_mean),
         response_mean=mean,

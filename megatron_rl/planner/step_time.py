@@ -68,6 +68,7 @@ the hardware table's peaks and every other fraction in ``hardware.py`` (each say
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Union
 
 from megatron_rl.planner.generation import (
@@ -150,10 +151,25 @@ class StepTime:
 
 
 def _evaluate(run: Run) -> StepTime:
-    gen, kv, warnings = generation(run)
+    gen_run = run
+    if run.generation_prompts and run.generation_prompts != run.prompts:  # a round samples data.gen_batch_size
+        per_prompt = run.sequences // run.prompts
+        gen_run = dataclasses.replace(
+            run,
+            prompts=run.generation_prompts,
+            sequences=run.generation_prompts * per_prompt,
+            extra_generations=run.generation_prompts if run.extra_generations else 0,
+        )
+    gen, kv, warnings = generation(gen_run)
     call = run.hw.call_overhead_s or 0.0  # the trainer's fixed work of one call to the workers (CPU row)
     if call:  # one generation call per step, and one for ReMax's greedy baseline
         gen = dataclasses.replace(gen, seconds=gen.seconds + call * (2 if run.extra_generations else 1))
+    if run.generation_rounds != 1:  # DAPO's dynamic sampling: each round generates the whole batch again
+        gen = dataclasses.replace(
+            gen,
+            seconds=gen.seconds * run.generation_rounds,
+            detail=f"{run.generation_rounds:g} rounds of: {gen.detail}",
+        )
     phases = {"gen": gen}
     for p in run.passes:
         phases[p.phase] = megatron_pass(run, p)
@@ -192,6 +208,7 @@ def estimate_step_time(
     response_length_mean: Optional[float] = None,
     response_length_p99: Optional[float] = None,
     prompt_length_mean: Optional[float] = None,
+    generation_rounds: float = 1.0,
 ) -> StepTime:
     """The step time of ``config`` (a ``RunConfig``) on ``hardware``, per phase of its ``StepSchedule``,
     from its ``plan`` (``plan_run``: the model, the engine map, each role's bytes). ``hardware`` is a
@@ -208,7 +225,10 @@ def estimate_step_time(
                 "time needs the host's measured row (megatron_rl.planner.cpu_row.cpu_hardware)"
             )
         raise ValueError(f"the {hw.name} row is for trainer.device={hw.device} runs; this run is on {plan.device}")
+    if not (math.isfinite(generation_rounds) and generation_rounds >= 1):
+        raise ValueError(f"--generation-rounds={generation_rounds} must be a number of rounds >= 1")
     run = build_run(config, plan, hw, response_length_mean, response_length_p99, prompt_length_mean)
+    run = dataclasses.replace(run, generation_rounds=float(generation_rounds))
     result = _evaluate(run)
     result.lever = _largest_lever(run, result)
     return result

@@ -391,11 +391,11 @@ GPU_RECIPE_STEPS = [  # (recipe, hardware, step seconds, the longest phase) as t
     ("gpu/deepseek_v3_671b_grpo", "H200", 336.2, "update_weights"),
     ("gpu/glm4_5_355b_grpo", "H200", 449.0, "update_weights"),
     ("gpu/glm4_5_air_grpo", "H100", 440.0, "update_actor"),
-    ("gpu/llama3_1_70b_dapo", "H100", 1566.3, "gen"),
+    ("gpu/llama3_1_70b_dapo", "H100", 3548.6, "gen"),
     ("gpu/llama3_1_70b_grpo", "H100", 295.1, "update_actor"),
-    ("gpu/qwen3_235b_a22b_dapo", "H100", 1390.6, "gen"),
+    ("gpu/qwen3_235b_a22b_dapo", "H100", 3580.8, "gen"),
     ("gpu/qwen3_235b_a22b_grpo", "H100", 431.8, "gen"),
-    ("gpu/qwen3_30b_a3b_dapo", "H100", 668.8, "gen"),
+    ("gpu/qwen3_30b_a3b_dapo", "H100", 1705.4, "gen"),
     ("gpu/qwen3_30b_a3b_dr_grpo", "H100", 103.1, "gen"),
     ("gpu/qwen3_30b_a3b_grpo", "H100", 110.1, "gen"),
     ("gpu/qwen3_30b_a3b_grpo_lora", "H100", 150.2, "gen"),
@@ -447,6 +447,26 @@ def test_cli_bad_input_exits_2_naming_the_option(capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--response-length-mean" in err and "'-5' must be a finite number of tokens > 0" in err
+
+
+def test_dapo_generation_rounds_multiply_the_generation(capsys, calibration):
+    """DAPO's dynamic sampling regenerates the whole batch until enough groups are informative: 2.5 rounds
+    (a run's mean filter_groups/num_gen_batches) take 2.5 x the generation; the passes train one batch."""
+    cfg, plan, st = calibration
+    dapo = estimate_step_time(cfg, plan, response_length_mean=3200, generation_rounds=2.5)
+    assert dapo.phases["gen"].seconds == pytest.approx(2.5 * st.phases["gen"].seconds, rel=1e-9)
+    assert dapo.phases["gen"].detail.startswith("2.5 rounds of: 16 engines")
+    assert dapo.phases["update_actor"].seconds == st.phases["update_actor"].seconds
+    with pytest.raises(ValueError, match=r"--generation-rounds=0.5 must be a number of rounds >= 1"):
+        estimate_step_time(cfg, plan, generation_rounds=0.5)
+    assert main(["plan", "gpu/qwen3_30b_a3b_dapo", "--json", "--generation-rounds", "3"]) == 0
+    three = json.loads(capsys.readouterr().out)
+    assert main(["plan", "gpu/qwen3_30b_a3b_dapo", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert three["phases"]["gen"]["seconds"] == pytest.approx(3 * one["phases"]["gen"]["seconds"], rel=1e-3)
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "gpu/qwen3_30b_a3b_dapo", "--generation-rounds", "0"])
+    assert stop.value.code == 2 and "'0' must be a finite number of rounds >= 1" in capsys.readouterr().err
 
 
 def test_cpu_runs_have_no_step_time(capsys):
