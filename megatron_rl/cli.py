@@ -119,43 +119,28 @@ def _run_and_exit_code(run_train, *args, **kwargs) -> int:
     return 0
 
 
-def _gpu_memory_gb(text: str) -> float:
-    """``--gpu-memory-gb``: a finite number > 0."""
+def _finite_number(what: str, low: float = 0.0, *, inclusive: bool = False):
+    """An argparse ``type``: a finite number above ``low`` (at least ``low`` with ``inclusive``); the error
+    names the text and ``what`` it counts."""
     import math
 
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of GiB > 0")
-    return value
+    bound = f"{'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or (value < low if inclusive else value <= low):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of {what} {bound}")
+        return value
+
+    return parse
 
 
-def _rounds(text: str) -> float:
-    """``--generation-rounds``: a finite number >= 1."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of rounds >= 1")
-    return value
-
-
-def _tokens(text: str) -> float:
-    """``--response-length-*``: a finite number of tokens > 0."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of tokens > 0")
-    return value
+_gpu_memory_gb = _finite_number("GiB")  # --gpu-memory-gb
+_tokens = _finite_number("tokens")  # --response-length-*
+_rounds = _finite_number("rounds", 1, inclusive=True)  # --generation-rounds
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -34,14 +34,15 @@ from __future__ import annotations
 
 from megatron_rl.config.model import ModelConfig
 
-__all__ = ["layer_elements", "head_elements", "NORM_WIDTHS"]
+__all__ = ["layer_elements", "head_elements", "norm_widths", "NORM_WIDTHS"]
 
 NORM_WIDTHS = {False: {"RMSNorm": 7, "LayerNorm": 2}, True: {"RMSNorm": 2, "LayerNorm": 2}}
 """Widths of the normalised tensor a norm moves: torch's composite RMSNorm 7 (``pow`` 2, ``mean`` 1, two
 ``mul`` 2 each), ``native_layer_norm`` 2; a fused (TE) norm reads and writes once."""
 
 
-def _norm(m: ModelConfig, fused: bool) -> int:
+def norm_widths(m: ModelConfig, *, fused: bool) -> int:
+    """``NORM_WIDTHS`` of ``m``'s norm (another kind: read and write once)."""
     return NORM_WIDTHS[fused].get(m.normalization, 2)
 
 
@@ -61,7 +62,7 @@ def layer_elements(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = Fal
     rank repeats them for the whole group's tokens; every rank computes the rotary frequencies of them all."""
     h = m.hidden_size
     q, k, d = _head_widths(m)
-    norm = _norm(m, fused)
+    norm = norm_widths(m, fused=fused)
     hidden = (2 * norm + 2 * 3) * h  # the two pre-norms, the two residual adds (read 2, write 1)
     qk_norm = norm * (q + k) if m.qk_layernorm else 0
     if fused:

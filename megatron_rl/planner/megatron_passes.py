@@ -11,7 +11,7 @@ from megatron_rl.planner.hardware import (
     GROUPED_GEMM_EFFICIENCY,
     HBM_COPY_EFFICIENCY,
 )
-from megatron_rl.planner.activation_traffic import NORM_WIDTHS, head_elements, layer_elements
+from megatron_rl.planner.activation_traffic import head_elements, layer_elements, norm_widths
 from megatron_rl.planner.memory import count_params
 from megatron_rl.planner.step_run import Pass, PhaseTime, Run, attention_width, link, stage_work
 from megatron_rl.models.gpt import padded_vocab_size
@@ -54,7 +54,7 @@ def megatron_pass(run: Run, p: Pass) -> PhaseTime:
         if i == 0:
             elements += 2 * m.hidden_size * (1 if sp else tp)  # the embedding's lookup: read and write h
         if last:  # the final norm; the log-softmax over the vocabulary of the scored positions
-            elements += NORM_WIDTHS[p.fused_kernels].get(m.normalization, 2) * m.hidden_size * (1 if sp else tp)
+            elements += norm_widths(m, fused=p.fused_kernels) * m.hidden_size * (1 if sp else tp)
             elements += 0 if p.value_head else scored * head_elements(m, fused=p.fused_kernels)
         memory = per_rank * passes * elements * p.activation_bytes / memory_bw
         gemm = per_rank * (

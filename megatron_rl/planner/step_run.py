@@ -274,6 +274,8 @@ def build_run(
     actor = arr.actor
     frozen = _lora_pass_fields(plan.model, lora, sizes(actor.megatron), stages(actor.megatron, plan.model))
     log_prob_micro = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None) or actor.ppo_micro_batch_size_per_gpu
+    # ref and teacher run the actor's ppo_micro_batch_size_per_gpu where unset (trainer.placement's specs)
+    ref_micro = arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
     correction = cfg.algorithm.rollout_correction
     bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
     passes = [
@@ -301,8 +303,7 @@ def build_run(
                 False,
                 "",
                 False,
-                budgets["actor"].forward
-                or (arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu) * seq_max,
+                budgets["actor"].forward or ref_micro * seq_max,
                 stages(actor.megatron, plan.model),
             )
         )
@@ -316,13 +317,13 @@ def build_run(
                 False,
                 "",
                 False,
-                budgets["ref"].forward
-                or (arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu) * seq_max,
+                budgets["ref"].forward or ref_micro * seq_max,
                 stages(arr.ref.megatron, plan.model),
             )
         )
     if needs.teacher:
         t = cfg.distillation.teacher_model
+        teacher_micro = t.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
         t_model, _ = resolve_architecture("distillation.teacher_model.model_path", path=t.model_path, config=t.config)
         passes.append(
             Pass(
@@ -333,8 +334,7 @@ def build_run(
                 False,
                 "",
                 False,
-                budgets["teacher"].forward
-                or (t.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu) * seq_max,
+                budgets["teacher"].forward or teacher_micro * seq_max,
                 stages(t.megatron, t_model),
             )
         )
@@ -389,20 +389,14 @@ def build_run(
     role_megatron = {"old_log_prob": actor.megatron, "update_actor": actor.megatron}
     role_megatron["ref"] = actor.megatron if ref_in_actor else getattr(arr.ref, "megatron", None)
     # rows per micro-batch of each pass; None where a token budget cuts them (megatron.use_dynamic_bsz)
-    # ref and teacher run the actor's ppo_micro_batch_size_per_gpu where unset (trainer.placement's specs)
-    ref_rows = arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
     rows = {
         "old_log_prob": None if budgets["actor"].forward else log_prob_micro,
-        "ref": None if budgets["actor" if ref_in_actor else "ref"].forward else ref_rows,
+        "ref": None if budgets["actor" if ref_in_actor else "ref"].forward else ref_micro,
         "update_actor": None if budgets["actor"].train else actor.ppo_micro_batch_size_per_gpu,
     }
     if needs.teacher:
         role_megatron["teacher"] = cfg.distillation.teacher_model.megatron
-        rows["teacher"] = (
-            None
-            if budgets["teacher"].forward
-            else (t.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu)
-        )
+        rows["teacher"] = None if budgets["teacher"].forward else teacher_micro
     if needs.critic:
         role_megatron["values"] = role_megatron["update_critic"] = cfg.critic.megatron
         rows["values"] = None if budgets["critic"].forward else c.ppo_micro_batch_size_per_gpu

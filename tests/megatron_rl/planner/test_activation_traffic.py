@@ -4,7 +4,8 @@ the local spec a CPU run uses) against the bytes a real Megatron forward dispatc
 A ``TorchDispatchMode`` sees every aten operator of an actor's ``compute_log_prob`` on the toy model (one rank,
 packed rows) and adds up the bytes of each operator's tensor inputs and outputs, views and the GEMMs aside
 (the GEMMs are the FLOP term's). Two models that differ by one decoder layer give the traffic of one layer;
-the formula must land within 10 % of it. A dense layer and a MoE layer of the toy recipes are checked.
+the formula must land within 10 % of it. A dense layer (recipes/grpo.yaml's model) and a MoE layer
+(recipes/grpo_moe.yaml's) are checked.
 """
 
 from __future__ import annotations
@@ -13,21 +14,8 @@ import pytest
 
 from parallel.testing import run_distributed
 
-TOY = dict(
-    hidden_size=128,
-    ffn_hidden_size=384,
-    num_attention_heads=4,
-    num_query_groups=2,
-    kv_channels=32,
-    vocab_size=512,
-    max_position_embeddings=512,
-    normalization="RMSNorm",
-    qk_layernorm=True,
-    swiglu=True,
-    params_dtype="float32",
-    attention_backend="sdpa",
-)
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=192, moe_token_dispatcher_type="alltoall")
+RECIPES = {"dense": "grpo", "moe": "grpo_moe"}
+"""The toy recipes whose model's layers are counted."""
 ROWS, PROMPT, RESPONSE = 16, 24, 16
 
 # operators that move nothing of their own (views, allocations) and the GEMMs (the FLOP term's)
@@ -39,13 +27,21 @@ SKIP = {
 }  # fmt: skip
 
 
-def _dispatched_bytes(rank: int, world: int, layer_counts: tuple, extra: dict) -> list[int]:
+def toy_model(kind: str = "dense"):
+    """The ``ModelConfig`` of the toy recipe ``RECIPES[kind]``."""
+    from megatron_rl.config.loader import load_config
+
+    return load_config(RECIPES[kind]).actor_rollout_ref.model.config
+
+
+def _dispatched_bytes(rank: int, world: int, layer_counts: tuple, model) -> list[int]:
+    import dataclasses
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     from megatron_rl.config import ActorConfig, OptimConfig
-    from megatron_rl.config.model import ModelConfig
     from megatron_rl.roles import build_role
     from parallel.config import ParallelConfig
     from parallel.mesh import init_mesh
@@ -61,7 +57,7 @@ def _dispatched_bytes(rank: int, world: int, layer_counts: tuple, extra: dict) -
             return out
 
     mesh = init_mesh(ParallelConfig(), seed=0)
-    ids = torch.randint(0, 512, (ROWS, PROMPT + RESPONSE), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.vocab_size, (ROWS, PROMPT + RESPONSE), generator=torch.Generator().manual_seed(0))
     batch = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
@@ -72,7 +68,7 @@ def _dispatched_bytes(rank: int, world: int, layer_counts: tuple, extra: dict) -
     for layers in layer_counts:
         actor = build_role(
             "actor",
-            ModelConfig(num_layers=layers, **TOY, **extra),
+            dataclasses.replace(model, num_layers=layers),
             mesh,
             ActorConfig(ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=ROWS, optim=OptimConfig(lr=1e-6)),
             remove_padding=True,
@@ -87,12 +83,10 @@ def _dispatched_bytes(rank: int, world: int, layer_counts: tuple, extra: dict) -
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_unfused_layer_traffic_matches_the_dispatched_bytes(kind):
-    from megatron_rl.config.model import ModelConfig
     from megatron_rl.planner.activation_traffic import layer_elements
 
-    extra = MOE if kind == "moe" else {}
-    one, two = run_distributed(_dispatched_bytes, 1, (1, 2), extra, timeout_s=300)[0]
+    model = toy_model(kind)
+    one, two = run_distributed(_dispatched_bytes, 1, (1, 2), model, timeout_s=300)[0]
     measured = (two - one) / (ROWS * (PROMPT + RESPONSE)) / 4  # float32 elements per token of one layer
-    model = ModelConfig(num_layers=2, **TOY, **extra)
     predicted = layer_elements(model, fused=False, moe=True)
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)

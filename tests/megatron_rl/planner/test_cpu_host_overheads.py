@@ -8,14 +8,13 @@ from __future__ import annotations
 import math
 
 from parallel.testing import run_distributed
-from tests.megatron_rl.planner.test_activation_traffic import TOY
+from tests.megatron_rl.planner.test_activation_traffic import toy_model
 
 
 def _overheads(rank: int, world: int) -> dict:
-    from megatron_rl.config.model import ModelConfig
     from megatron_rl.planner.cpu_row import megatron_host_overheads
 
-    return megatron_host_overheads(ModelConfig(num_layers=2, **TOY), repeats=3)
+    return megatron_host_overheads(toy_model(), repeats=3)
 
 
 def test_megatron_host_overheads_time_real_passes():
@@ -29,7 +28,6 @@ def test_megatron_host_overheads_time_real_passes():
 
 
 def test_call_overhead_times_a_log_prob_through_the_worker_group(ray_cluster):
-    from megatron_rl.config.model import ModelConfig
     from megatron_rl.planner.cpu_row import call_overhead
 
-    assert 0 < call_overhead(ModelConfig(num_layers=2, **TOY), repeats=3) < 5.0
+    assert 0 < call_overhead(toy_model(), repeats=3) < 5.0
