@@ -36,6 +36,12 @@ class RunNeeds:
     """One greedy response per prompt is generated and scored as ``reward_baselines`` (ReMax)."""
     estimator: EstimatorNeeds
     """What the advantage estimator declared."""
+    old_log_prob: bool = True
+    """The actor's old-log-prob pass runs. Always in decoupled mode; in bypass mode
+    (``algorithm.rollout_correction.bypass_mode``, forced by ``separate_async``) the rollout's log-probs are
+    the old ones and the pass is skipped, as verl's ``apply_bypass_mode`` skips it, unless the step needs a
+    product of it: sum_v pi_v^2 (the estimator's or ``actor.calculate_sum_pi_squared``) or router replay's
+    routing (``actor.megatron.router_replay``: R2's record, R3's agreement with the rollout)."""
 
 
 def _check_name(field_name: str, value: object, registry, what: str) -> None:
@@ -68,11 +74,21 @@ def resolve_run(config: RunConfig) -> RunNeeds:
         teacher=bool(config.distillation.enabled),
         baseline=estimator.baseline,
         estimator=estimator,
+        old_log_prob=_old_log_prob_pass(config, estimator),
     )
     config.check_roles(
         critic=needs.critic, reference=needs.reference, reward_model=needs.reward_model, teacher=needs.teacher
     )
     return needs
+
+
+def _old_log_prob_pass(config: RunConfig, estimator: EstimatorNeeds) -> bool:
+    """``RunNeeds.old_log_prob``."""
+    rc, actor = config.algorithm.rollout_correction, config.actor_rollout_ref.actor
+    bypass = config.trainer.v1.trainer_mode == "separate_async" or bool(rc is not None and rc.bypass_mode)
+    if not bypass:
+        return True
+    return bool(estimator.sum_pi_squared or actor.calculate_sum_pi_squared or actor.megatron.router_replay.enabled)
 
 
 def with_plugins(config: RunConfig) -> RunConfig:

@@ -65,7 +65,8 @@ class Pass:
     repeats: int = 1
     """ppo_epochs of an update."""
     skipped: bool = False
-    """Rollout-correction bypass mode: the rollout's log-probs are the old ones, no actor forward."""
+    """Rollout-correction bypass mode: the rollout's log-probs are the old ones, no actor forward
+    (``RunNeeds.old_log_prob`` false: nothing else of the step needs the pass)."""
     frozen_base: bool = False
     """LoRA: the base weights take no gradient (no weight-gradient GEMMs; only the adapters are optimised)."""
     adapter_work: tuple = ()
@@ -276,8 +277,6 @@ def build_run(
     log_prob_micro = getattr(rollout, "log_prob_micro_batch_size_per_gpu", None) or actor.ppo_micro_batch_size_per_gpu
     # ref and teacher run the actor's ppo_micro_batch_size_per_gpu where unset (trainer.placement's specs)
     ref_micro = arr.ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
-    correction = cfg.algorithm.rollout_correction
-    bypass = v1.trainer_mode == "separate_async" or bool(correction is not None and correction.bypass_mode)
     passes = [
         Pass(
             "old_log_prob",
@@ -289,7 +288,7 @@ def build_run(
             False,
             budgets["actor"].forward or log_prob_micro * seq_max,
             stages(actor.megatron, plan.model),
-            skipped=bypass,
+            skipped=not needs.old_log_prob,  # bypass mode, unless the step needs the pass's products
             adapter_work=frozen.get("adapter_work", ()),
         )
     ]

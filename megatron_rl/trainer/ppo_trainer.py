@@ -340,7 +340,18 @@ class RayPPOTrainer:
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         """Actor log-probs of the sampled tokens (the PPO ratio's denominator) and their entropy;
         then rollout correction: bypass mode takes vLLM's log-probs as the old ones (the loss
-        corrects against them), decoupled mode adds IS weights / the rejection mask."""
+        corrects against them and reports ``rollout_corr/*``), decoupled mode adds IS weights / the
+        rejection mask. Bypass mode runs no actor pass (verl's ``apply_bypass_mode``) unless the step needs
+        one of its products: ``sum_pi_squared`` or router replay's routing (``RunNeeds.old_log_prob``)."""
+        rc = self.rollout_correction
+        if rc is not None and rc.bypass_mode and not self.needs.old_log_prob:
+            if "rollout_log_probs" not in batch:
+                raise ValueError(
+                    "algorithm.rollout_correction.bypass_mode needs the rollout's log-probs; set "
+                    "actor_rollout_ref.rollout.calculate_log_probs=True"
+                )
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+            return {}
         # sum_v pi_v^2 from the same fused pass: an estimator that declared the need (the optimal token
         # baseline), or verl's actor.calculate_sum_pi_squared.
         spsq = self.needs.estimator.sum_pi_squared or self.config.actor_rollout_ref.actor.calculate_sum_pi_squared
@@ -356,7 +367,6 @@ class RayPPOTrainer:
             batch["sum_pi_squared"] = out["sum_pi_squared"]
         mode = self.config.actor_rollout_ref.actor.loss_agg_mode
         metrics["actor/entropy"] = float(agg_loss(out["entropys"], batch["response_mask"], mode))
-        rc = self.rollout_correction
         if rc is not None and "rollout_log_probs" not in batch:
             raise ValueError(
                 "algorithm.rollout_correction needs the rollout's log-probs; set "
