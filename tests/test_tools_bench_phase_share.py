@@ -73,3 +73,44 @@ def test_rejects_a_single_step():
         timeout=120,
     )
     assert out.returncode == 2 and "--steps must be >= 2 (the first step is dropped), got 1" in out.stderr
+
+
+def test_measured_phases_read_the_engines_busy_time_and_the_agents_turns(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    extra = {"async/rollout_idle_s": 0.25, "agent/num_turns/mean": 2.0, "agent/tool_call_rate": 0.5}
+    rows = [_row(9.0, 8.0, 0.5, 0.5), {**_row(1.0, 0.0, 0.0, 0.9), **extra}, {**_row(1.0, 0.1, 0.0, 0.8), **extra}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    m = measured_phases(path)
+    assert m["rollout_busy"] == pytest.approx(1.5)  # (1.0 - 0.25) twice: the first step dropped
+    assert m["agent"] == {"agent/num_turns/mean": 2.0, "agent/tool_call_rate": 0.5}
+    sync = tmp_path / "sync.jsonl"
+    sync.write_text("\n".join(json.dumps(_row(1.0, 0.4, 0.2, 0.39)) for _ in range(3)) + "\n")
+    assert measured_phases(sync)["rollout_busy"] is None and measured_phases(sync)["agent"] == {}
+
+
+def test_overlapped_async_judges_the_engines_busy_time_and_the_trainers_wait():
+    # separate_async: the trainer's timing_s/gen is its wait; the engine generated 0.5 s of each 1.0 s step
+    phases = {
+        "gen": PhaseTime(0.45, "engine overhead"),
+        "old_log_prob": PhaseTime(0.0, "skipped"),
+        "update_actor": PhaseTime(0.9, "compute"),
+        "update_weights": PhaseTime(0.05, "engine load"),
+    }
+    st = StepTime(
+        "CPU", "separate_async", phases, 0.95, 1.0, 1, kv=None, response_mean=15.0, response_p99=16.0, overlap=True
+    )
+    measured = {
+        "steps": 2,
+        "timing": {"step": 2.0, "gen": 0.02, "update_actor": 1.8, "update_weights": 0.1},
+        "rollout_busy": 1.0,
+    }
+    out = compare(st, measured, min_share=0.05, tolerance=0.3)
+    gen, wait = out["phases"]["gen"], out["phases"]["gen_wait"]
+    assert gen["timer"] == "step-async/rollout_idle_s" and gen["measured_s"] == 0.5 and gen["within"] is True
+    assert wait["timer"] == "gen" and wait["predicted_s"] == 0.0 and wait["measured_s"] == 0.01
+    assert wait["judged"] is False  # 1 % of the step: trainer-bound on both sides
+    assert out["unmodelled_share"] == pytest.approx(
+        1 - (0.01 + 0.9 + 0.05)
+    )  # the wait, not the busy time, is the trainer's
+    with pytest.raises(SystemExit, match="async/rollout_idle_s"):
+        compare(st, {**measured, "rollout_busy": None}, min_share=0.05, tolerance=0.3)

@@ -7,6 +7,8 @@ host work per micro-batch and optimizer step from passes of one-row micro-batche
 trainer's worker group, and the vLLM engine's host work per decode step from two fixed-length generations of one and ``--engine-batch``
 sequences on the run's exported checkpoint) and asks ``estimate_step_time`` for the same run with the measured mean prompt and
 response lengths and generation rounds (DAPO's ``filter_groups/num_gen_batches``): the workload, not a fit. Nothing is fitted to the phases' times.
+The engine is timed as the run built it: with ``lora.merge: false`` vLLM's LoRA slot and the run's exported adapter.
+A ``separate_async`` run's generation overlaps the trainer: ``compare`` judges it by the engine's busy seconds.
 
 The comparison: a phase's measured share is ``sum(timing_s/<phase>) / sum(timing_s/step)`` over the
 steps kept, its predicted share ``seconds / step_time_s``; a phase passes when
@@ -82,22 +84,39 @@ def measured_phases(metrics_path: Path, skip: int = 1) -> dict:
         "response_max": max(r["response_length/max"] for r in rows),
         # DAPO's dynamic sampling: the generation rounds a step took (1 without it)
         "gen_rounds": sum(r.get("filter_groups/num_gen_batches", 1.0) for r in rows) / len(rows),
+        # agent sessions (rollout.multi_turn): how many turns and tool calls the measured steps generated
+        "agent": {
+            k: round(sum(r[k] for r in rows) / len(rows), 3)
+            for k in ("agent/num_turns/mean", "agent/tool_call_rate")
+            if all(k in r for r in rows)
+        },
+        # separate_async: the seconds of each step's wall time the engine was generating (None: not async)
+        "rollout_busy": (
+            sum(r["timing_s/step"] - r["async/rollout_idle_s"] for r in rows)
+            if all("async/rollout_idle_s" in r for r in rows)
+            else None
+        ),
     }
 
 
-def measure_engine(hf_dir: Path, rollout_cfg, prompt_len: int, batch: int, repeats: int) -> dict:
+def measure_engine(hf_dir: Path, rollout_cfg, prompt_len: int, batch: int, repeats: int, adapter=None) -> dict:
     """Wall seconds of a generation of ``rollout_cfg.response_length`` forced tokens for one sequence and for
     ``batch`` at once (n=1), on the run's own exported checkpoint and engine settings, in a process of its own
     as the job's rollout actor (``engine_in_child``): the median of ``repeats`` alternating rounds. (An engine
     built inside this process, beside the matmul's two OpenMP threads, swung from 1.2 to 110 ms a step
     between rounds on this 2-core host; in its own process, with one thread as the job's, rounds agree
-    within ~10 %.)"""
+    within ~10 %.) ``rollout_cfg`` is the engine the run built (``trainer.placement.lora_rollout_config``:
+    with ``lora.merge: false`` vLLM's LoRA slot) and ``adapter`` the PEFT directory the run's engine generated
+    with (its exported ``final_hf/lora_adapter``; None: the base model): vLLM's LoRA path is host work of
+    every decode step (on this host it made the toy's generation 4.9x slower than the plain engine's)."""
     import torch
 
     from megatron_rl.workers.rollout_worker import RolloutWorker
 
     worker = RolloutWorker(str(hf_dir), rollout_cfg)  # the job's rollout actor, one torch thread, as the job has
     engine = worker.rollout
+    if adapter is not None:
+        engine.load_lora_adapter(adapter)  # every generation below uses it, as the run's did
     tokens = rollout_cfg.response_length
     vocab = engine.llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
@@ -143,28 +162,53 @@ def _pass_overheads(rank: int, world: int, model, threads: int) -> dict:
 
 
 def compare(st, measured: dict, min_share: float, tolerance: float) -> dict:
-    """Per phase: predicted and measured seconds per step and shares, the relative error and the verdict."""
+    """Per phase: predicted and measured seconds per step and shares, the relative error and the verdict.
+
+    With ``separate_async``'s overlap (``st.overlap``) the trainer's ``timing_s/gen`` is its wait for a batch,
+    not the generation: ``gen`` is then measured as the engine's busy seconds within the steps
+    (``timing_s/step - async/rollout_idle_s``), and the wait is a row of its own, ``gen_wait``, predicted as
+    ``max(gen - train, 0)`` (the step less the trainer's own phases). Overlapped shares sum past 1."""
     steps, timing = measured["steps"], measured["timing"]
     step_measured = timing["step"] / steps
     phases, modelled = {}, 0.0
-    for name, p in st.phases.items():
-        timers = (name, *EXTRA_TIMERS.get(name, ())) if name in TIMED_PHASES else ()
-        meas = sum(timing.get(t, 0.0) for t in timers) / steps
-        modelled += meas
-        pred_share, meas_share = p.seconds / st.step_time_s, meas / step_measured
+
+    def row(name: str, timer, pred_s: float, meas: float, bound: str) -> dict:
+        pred_share, meas_share = pred_s / st.step_time_s, meas / step_measured
         judged = meas_share >= min_share
         rel = (pred_share - meas_share) / meas_share if meas_share > 0 else None
-        phases[name] = {
-            "timer": "+".join(t for t in timers if t in timing) or None,
-            "predicted_s": round(p.seconds, 4),
+        return {
+            "timer": timer,
+            "predicted_s": round(pred_s, 4),
             "measured_s": round(meas, 4),
             "predicted_share": round(pred_share, 4),
             "measured_share": round(meas_share, 4),
             "relative_error": None if rel is None else round(rel, 3),
-            "bound": p.bound,
+            "bound": bound,
             "judged": judged,
             "within": None if not judged else abs(rel) <= tolerance,
         }
+
+    overlap = getattr(st, "overlap", False)
+    if overlap and measured.get("rollout_busy") is None:
+        raise SystemExit("bench_phase_share: an overlapped async run must log async/rollout_idle_s every step")
+    for name, p in st.phases.items():
+        timers = (name, *EXTRA_TIMERS.get(name, ())) if name in TIMED_PHASES else ()
+        if overlap and name == "gen":
+            wait = sum(timing.get(t, 0.0) for t in timers) / steps
+            modelled += wait
+            phases[name] = row(name, "step-async/rollout_idle_s", p.seconds, measured["rollout_busy"] / steps, p.bound)
+            trainer_s = sum(q.seconds for n, q in st.phases.items() if n != "gen")
+            phases["gen_wait"] = row(
+                "gen_wait",
+                "+".join(t for t in timers if t in timing) or None,
+                max(st.step_time_s - trainer_s, 0.0),
+                wait,
+                "the slower side",
+            )
+            continue
+        meas = sum(timing.get(t, 0.0) for t in timers) / steps
+        modelled += meas
+        phases[name] = row(name, "+".join(t for t in timers if t in timing) or None, p.seconds, meas, p.bound)
     judged = [p for p in phases.values() if p["judged"]]
     return {
         "phases": phases,
@@ -203,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from parallel.testing import run_distributed
     from megatron_rl.planner.step_run import stage_work
     from megatron_rl.planner.step_time import estimate_step_time
+    from megatron_rl.trainer.placement import lora_rollout_config
 
     overrides = [*JOB_OVERRIDES, *args.overrides]
     config, _ = load_run_config(args.recipe, overrides)
@@ -218,12 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         host = measure_host(plan.model.params_dtype, threads=threads)
         dense, routed, _, _ = stage_work(plan.model, (plan.model.num_layers,))[0]
         gemm_s_per_token = 2 * (dense + routed) / host["gemm_flops"]
+        rollout_cfg = lora_rollout_config(config)
+        slot = rollout_cfg is not config.actor_rollout_ref.rollout  # lora.merge: false: the engine has a LoRA slot
+        adapter = out_dir / "final_hf" / "lora_adapter" if slot else None
+        if adapter is not None and not adapter.is_dir():
+            raise SystemExit(f"bench_phase_share: the run exported no LoRA adapter at {adapter}")
         engine = engine_in_child(
             out_dir / "final_hf",
-            config.actor_rollout_ref.rollout,
+            rollout_cfg,
             max(round(measured["prompt_mean"]), 1),
             args.engine_batch,
             args.engine_repeats,
+            adapter,
         )
         passes = run_distributed(_pass_overheads, 1, plan.model, threads, timeout_s=600)[0]
         group_one_s = call_overhead(plan.model)
@@ -257,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         **compare(st, measured, args.min_share, args.tolerance),
         "tolerance": args.tolerance,
         "min_share": args.min_share,
-        "workload": {k: round(measured[k], 2) for k in ("prompt_mean", "response_mean", "response_max", "gen_rounds")},
+        "workload": {
+            **{k: round(measured[k], 2) for k in ("prompt_mean", "response_mean", "response_max", "gen_rounds")},
+            **measured["agent"],
+        },
         "host": {
             "gemm_gflops": round(host["gemm_flops"] / 1e9, 2),
             "copy_gb_per_s": round(host["copy_bytes_per_s"] / 1e9, 2),
@@ -266,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine_batch_s": round(engine["batch_s"], 4),
             "engine_batch": engine["batch"],
             "engine_tokens": engine["tokens"],
+            "engine_lora_adapter": adapter is not None,
             "decode_step_overhead_ms": round(step_s * 1e3, 3),
             "decode_seq_overhead_us": round(seq_s * 1e6, 2),
             "engine_rounds": engine["rounds"],

@@ -143,6 +143,9 @@ class StepTime:
     response_p99: float
     lever: str = ""
     warnings: list[str] = dataclasses.field(default_factory=list)
+    overlap: bool = False
+    """``separate_async`` with a staleness bound: generation overlaps the trainer's passes (the step is the
+    slower of the two plus the sync; the trainer waits ``max(gen - train, 0)`` for its batch)."""
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -197,6 +200,7 @@ def _evaluate(run: Run) -> StepTime:
         response_mean=run.response_mean,
         response_p99=run.response_p99,
         warnings=warnings,
+        overlap=run.mode == "separate_async" and run.overlap,
     )
 
 
