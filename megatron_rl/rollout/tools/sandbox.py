@@ -54,10 +54,15 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **processes**: a fresh PID namespace where available -- when its init ends, the kernel kills
   every process left in it --, else the process group is killed.
 
+``sysinfo(2)``, which has no namespace either, answers with the sandbox's figures (``memory_mb``, no
+load, its own tasks): the filter sends it to the init, which writes the answer (``sandbox_sysinfo``;
+``Isolation.sysinfo``; where the kernel cannot notify, the host's figures show). Core dumps cannot
+happen (``RLIMIT_CORE`` = 1: no core file, and a piped ``core_pattern`` helper is aborted).
+
 What the code still learns of the host, as Linux gives no namespace for it: the kernel's release
 and version (``uname``), the numbers of the CPUs it is given, the CPU's vendor and model
-(``cpuid`` is an instruction), the host's memory, load and task count (``sysinfo(2)``, which
-glibc's ``sysconf`` needs), and global serial numbers (mount ids, anonymous device numbers).
+(``cpuid`` is an instruction), unprivileged, the size of the host's devtmpfs (half its memory) through
+``statvfs("/dev/null")``, and global serial numbers (mount ids, anonymous device numbers).
 
 The status is the sandbox's own observation, never the code's word: the PID namespace's init
 (which the code cannot signal or trace) reports the code's exit status or signal, its CPU
@@ -210,9 +215,14 @@ class Isolation:
     """Interpreter directories the kernel would not overlay (no overlayfs, or one before 5.11 in a user
     namespace), so the runner bound them read-only: their ``statvfs`` and ``mountinfo`` show the
     host's disk and device (a fingerprint, not a way out). Empty where every one is an overlay."""
+    sysinfo: bool = False
+    """``sysinfo(2)`` answers with the sandbox's figures (``sandbox_sysinfo``: the init answers it through
+    seccomp user notification), not the host's memory, load and task count: the probe saw ``memory_mb``
+    as ``sysconf(_SC_PHYS_PAGES)``."""
 
 
-_PROBE = """print('ok')
+_PROBE = """import os
+print('ok', os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE'))
 wanted = %r
 for line in open('/proc/self/mountinfo'):
     if len(line.split(' - ')[0].split()) > 4 and line.split()[4] in wanted:
@@ -248,9 +258,11 @@ def isolation() -> Isolation:
         True, True, True, None, find_library("seccomp"), _NOBODY if root else None, tuple(_cgroup_roots())
     )
     dirs = root_layout()[0]
-    probe = _execute(_PROBE % (list(dirs),), SandboxLimits(wall_seconds=30), candidate, True, True)
-    if probe.status == "ok" and probe.stdout.startswith("ok\n"):
-        bound = not_overlaid(probe.stdout.split("\n", 1)[1], dirs)
+    limits = SandboxLimits(wall_seconds=30)
+    probe = _execute(_PROBE % (list(dirs),), limits, candidate, True, True)
+    first, _, mounts = probe.stdout.partition("\n")
+    if probe.status == "ok" and first.split()[:1] == ["ok"]:
+        bound = not_overlaid(mounts, dirs)
         if bound:
             warnings.warn(
                 f"sandbox: the kernel refused an overlay for {', '.join(bound)}; they are read-only binds, "
@@ -258,7 +270,9 @@ def isolation() -> Isolation:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return dataclasses.replace(candidate, bound_dirs=bound)
+        return dataclasses.replace(
+            candidate, bound_dirs=bound, sysinfo=first.split()[1:] == [str(limits.memory_mb << 20)]
+        )
     warnings.warn(
         f"sandbox: the namespaced sandbox failed its probe ({probe.status}: "
         f"{probe.stderr.strip()[-600:]!r}); code runs in a plain process group",

@@ -15,7 +15,8 @@ detached), a time namespace for the code (``_new_time_namespace``) and a cgroup 
 keyring replaces the caller's (``_new_session_keyring``); privileges go for good (the capability bounding set emptied, root dropped to ``nobody`` --
 ``spec["drop_uid"]``, only without namespaces --, every capability cleared, ``no_new_privs``),
 the init forks the code's process and only reaps and reports
-(``_supervise``). In the code's process: resource limits (CPU seconds, address space unless a
+(``_supervise``; with seccomp user notification it also answers the code's ``sysinfo`` calls with the
+sandbox's figures, ``sandbox_sysinfo``). In the code's process: resource limits (CPU seconds, address space unless a
 cgroup bounds memory, file size, open files, no core files, tasks in the sandbox's user
 namespace; the CPU affinity of ``spec["cpu_ids"]``), the seccomp filter, an audit hook
 (a convenience: it refuses process creation, signals, ctypes, writes outside the working
@@ -589,18 +590,20 @@ _DENIED_SYSCALLS = (
     "sched_setaffinity",
 )
 _SCMP_ACT_ALLOW, _SCMP_ACT_ERRNO_EPERM, _SCMP_ACT_ERRNO_ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+_SCMP_ACT_NOTIFY = 0x7FC00000  # the init answers (sandbox_sysinfo.ACT_NOTIFY)
 _SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
 _AF_UNIX, _CLONE_THREAD, _FS_IOC_SETFLAGS = 1, 0x10000, 0x40086602
 _PRIO_PROCESS, _IOPRIO_WHO_PROCESS = 0, 1
 
 
-def _seccomp(lib) -> None:
+def _seccomp(lib, notify: bool = False):
     """A seccomp filter (libseccomp through ctypes) refusing with EPERM: the syscalls of
     ``_DENIED_SYSCALLS``, sockets other than AF_UNIX, ``clone`` without CLONE_THREAD (threads stay
     possible, processes do not), and the ioctl that sets inode flags (immutable files). ``clone3``
     answers ENOSYS, so that the C library falls back to ``clone``, whose flags the filter can read;
     limits, priorities and scheduling of any process but the caller's own (``prlimit64``,
-    ``setpriority``, ``ioprio_set``, ``sched_set*`` with a pid)."""
+    ``setpriority``, ``ioprio_set``, ``sched_set*`` with a pid). ``notify``: ``sysinfo`` goes to the
+    init's supervisor (``sandbox_sysinfo``); returns the filter's listener fd (else None)."""
     import ctypes
 
     class ArgCmp(ctypes.Structure):
@@ -648,9 +651,18 @@ def _seccomp(lib) -> None:
     for name, self_kind in (("setpriority", _PRIO_PROCESS), ("ioprio_set", _IOPRIO_WHO_PROCESS)):
         deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, self_kind, 0))  # not a process: a group or a uid
         deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(1, _SCMP_CMP_NE, 0, 0))  # a process other than this one
+    if notify:
+        deny("sysinfo", _SCMP_ACT_NOTIFY)
     rc = lib.seccomp_load(ctx)
     if rc != 0:
         raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
+    if not notify:
+        return None
+    lib.seccomp_notify_fd.argtypes = [ctypes.c_void_p]
+    fd = lib.seccomp_notify_fd(ctx)
+    if fd < 0:
+        raise OSError(-fd, f"seccomp_notify_fd: {os.strerror(-fd)}")
+    return fd
 
 
 def _limit(spec: dict) -> None:
@@ -660,7 +672,9 @@ def _limit(spec: dict) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_bytes"], spec["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (spec["max_open_files"], spec["max_open_files"]))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # 1, not 0: below a page no core file is written, and 1 is the kernel's mark that aborts a dump to a
+    # "|helper" core_pattern (which ignores the limit otherwise and runs the host's helper on our memory)
+    resource.setrlimit(resource.RLIMIT_CORE, (1, 1))
     os.sched_setaffinity(0, spec["cpu_ids"])  # the sandbox's CPUs alone; seccomp then keeps it there
     if spec.get("own_user_namespace"):  # there the kernel counts this uid's tasks (threads too) per namespace:
         # the sandbox's alone, the runner's three included -- the bound on tasks where no cgroup is
@@ -668,9 +682,11 @@ def _limit(spec: dict) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the output limit must end the run
 
 
-def _run(spec: dict, seccomp_lib) -> None:
+def _run(spec: dict, seccomp_lib, notify_sock=None) -> None:
     """The code's process: limits, filter, guards, then the code. Its exit status means nothing to
-    the caller beyond ok / error: the init (or the caller) reports how it ended."""
+    the caller beyond ok / error: the init (or the caller) reports how it ended. With ``notify_sock``
+    the filter sends ``sysinfo`` to the init (its listener handed over on that socket, then closed here),
+    and the process is dumpable so that the init may write the answer (``sandbox_sysinfo``)."""
     code = spec.pop("code")
     try:  # under the cgroup's memory limit the OOM killer should take the code, not its init
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -678,8 +694,16 @@ def _run(spec: dict, seccomp_lib) -> None:
     except OSError:
         pass  # the largest process is the code's anyway
     _limit(spec)
+    if notify_sock is not None:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # RLIMIT_CORE = 1 keeps core dumps away
     if seccomp_lib is not None:
-        _seccomp(seccomp_lib)
+        listener = _seccomp(seccomp_lib, notify=notify_sock is not None)
+        if listener is not None:
+            _SYSINFO.send_fd(notify_sock, listener)
+            os.close(listener)
+            notify_sock.close()
     if spec["python_guards"]:
         _install_guard(spec["workdir"], spec["refuse_sockets"])
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -730,14 +754,40 @@ def _deaf_to_signals() -> dict:
     return {sig: handler for sig, handler in handlers.items() if handler is not None}
 
 
-def _supervise(child: int, spec: dict) -> None:
+def _serve_sysinfo(child: int, sock, spec: dict, nr_sysinfo: int, started: float) -> None:
+    """Until the code's process ends: answer its ``sysinfo`` calls (``sandbox_sysinfo.SysinfoServer``) on
+    the listener it sends on ``sock``; returns at once when it sent none (it failed before its filter)."""
+    import select
+
+    listener = _SYSINFO.receive_fd(sock)
+    sock.close()
+    if listener is None:
+        return
+    server = _SYSINFO.SysinfoServer(listener, spec["memory_bytes"], started, nr_sysinfo)
+    ended = os.pidfd_open(child)
+    poll = select.poll()
+    poll.register(ended, select.POLLIN)
+    poll.register(listener, select.POLLIN)
+    while True:
+        events = dict(poll.poll())
+        if ended in events:
+            break
+        if listener in events:
+            if not (events[listener] & select.POLLIN) or not server.serve_one():
+                poll.unregister(listener)  # no process holds the filter any more
+
+
+def _supervise(child: int, spec: dict, notify=None) -> None:
     """The PID namespace's init: reap every process until the code's own ends, then write on the
     status pipe (which the code never held) how it ended, as the kernel told us: its exit status
     or signal, its CPU seconds, and whether the working directory's tmpfs was full (``disk_full``)
-    or a file reached the per-file limit (``file_limit``); then exit, taking the namespace along."""
+    or a file reached the per-file limit (``file_limit``); then exit, taking the namespace along.
+    ``notify`` (``(socket, sysinfo's number)``): until then it answers the code's ``sysinfo`` calls."""
     import ctypes
 
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the code cannot ptrace its init
+    if notify is not None:
+        _serve_sysinfo(child, notify[0], spec, notify[1], time.monotonic())
     report = {"exit": None, "cpu": 0.0}
     while True:  # reap every orphan re-parented to us until our own child ends
         try:
@@ -756,6 +806,25 @@ def _supervise(child: int, spec: dict) -> None:
     os._exit(0)
 
 
+_SYSINFO = None
+"""``sandbox_sysinfo``, loaded by ``_load_sysinfo`` (the init's ``sysinfo`` answers)."""
+
+
+def _load_sysinfo():
+    """``sandbox_sysinfo`` beside this file, loaded by path while the host's root is still visible (this
+    process's ``sys.path`` holds neither this directory nor the package)."""
+    global _SYSINFO
+    if _SYSINFO is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_sysinfo.py")
+        found = importlib.util.spec_from_file_location("sandbox_sysinfo", path)
+        module = importlib.util.module_from_spec(found)
+        found.loader.exec_module(module)
+        _SYSINFO = module
+    return _SYSINFO
+
+
 def main() -> None:
     """Entry point (see the module docstring)."""
     spec = json.loads(sys.argv[1])
@@ -767,6 +836,7 @@ def main() -> None:
         import ctypes
 
         seccomp_lib = ctypes.CDLL(spec["seccomp"], use_errno=True)  # loaded while the host's libraries are visible
+    notify = seccomp_lib is not None and bool(spec.get("init")) and _load_sysinfo().notify_supported(seccomp_lib)
     if spec.get("unshare"):
         handles, devices = _enter_namespaces(spec)
     else:
@@ -780,15 +850,25 @@ def main() -> None:
         os.chdir(spec["workdir"])
     _new_session_keyring()
     _drop_privileges(spec.get("drop_uid"))
+    notify_sock = None
     if spec.get("init"):
         handlers = _deaf_to_signals()  # before the fork: the code cannot signal the init in between
+        if notify:
+            import socket
+
+            init_sock, notify_sock = socket.socketpair()
         child = os.fork()
         if child:
-            _supervise(child, spec)
+            if notify:
+                notify_sock.close()
+                nr_sysinfo = seccomp_lib.seccomp_syscall_resolve_name(b"sysinfo")
+            _supervise(child, spec, (init_sock, nr_sysinfo) if notify else None)
+        if notify:
+            init_sock.close()
         for sig, handler in handlers.items():  # the code gets Python's usual handlers back
             signal.signal(sig, handler)
         os.close(spec["status_fd"])  # the code cannot write its own report
-    _run(spec, seccomp_lib)
+    _run(spec, seccomp_lib, notify_sock)
 
 
 if __name__ == "__main__":

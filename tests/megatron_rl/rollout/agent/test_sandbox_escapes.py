@@ -553,8 +553,13 @@ def test_huge_output_is_cut_without_the_caller_holding_it():
 
 
 def test_no_core_dump_and_no_kernel_knob():
+    # RLIMIT_CORE is 1 for good, not 0: below a page no core file is written, and 1 is the kernel's mark
+    # that aborts a dump to a "|helper" core_pattern (a limit of 0 would still run the host's helper, as
+    # root, on the code's memory), whether or not the code made itself dumpable
     code = (
-        "import os, resource\ntry:\n    resource.setrlimit(resource.RLIMIT_CORE, (1 << 20, 1 << 20))\n"
+        "import ctypes, os, resource\nprint('limit', resource.getrlimit(resource.RLIMIT_CORE))\n"
+        "print('dumpable', ctypes.CDLL(None).prctl(4, 1, 0, 0, 0), ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))\n"
+        "try:\n    resource.setrlimit(resource.RLIMIT_CORE, (1 << 20, 1 << 20))\n"
         "except ValueError as err:\n    print('core', err)\n"
         "for knob in ('/proc/sys/kernel/core_pattern', '/proc/sysrq-trigger', '/proc/sys/vm/drop_caches'):\n"
         "    try:\n        open(knob, 'w').write('|/tmp/x')\n    except OSError as err:\n        print(knob, err.errno)\n"
@@ -563,7 +568,8 @@ def test_no_core_dump_and_no_kernel_knob():
     before = open("/proc/sys/kernel/core_pattern").read()
     res = attack(code)
     got = lines(res)
-    assert got["core"] == "not allowed to raise maximum limit", res
+    assert got["core"] == "not allowed to raise maximum limit" and got["limit"] == "(1, 1)", res
+    assert got["dumpable"] == "0 1", res  # the code may make itself dumpable: the limit still holds
     assert all(
         got[k] in (f"{errno.EACCES}", f"{errno.EROFS}", f"{errno.EPERM}", f"{errno.ENOENT}")
         for k in ("/proc/sys/kernel/core_pattern", "/proc/sysrq-trigger", "/proc/sys/vm/drop_caches")

@@ -5,10 +5,11 @@ Hidden: the host's disks (statvfs and mountinfo see overlays on the sandbox's ro
 the host's device, its file-system type or size), the host's memory through devtmpfs (as root:
 the device nodes live on a 4 KiB tmpfs of their own), the host's CPUs (the run's affinity is its
 ``ceil(max_cpus)`` share and cannot be widened), the host's boot line, kernel build and host-wide
-counters in ``/proc``, the host's settings in ``/proc/sys`` (a few kept). Not hidden, by Linux's design: the kernel release and version that
+counters in ``/proc``, the host's settings in ``/proc/sys`` (a few kept), the host's memory, load and
+task count through ``sysinfo(2)`` (the init answers it). Not hidden, by Linux's design: the kernel release and version that
 ``uname(2)`` returns (no namespace covers them), the numbers of the CPUs the run is given (no CPU
-namespace renumbers them), the CPU's vendor (``cpuid``), the host's memory, load and task count
-that ``sysinfo(2)`` returns, and global serial numbers (mount ids, anonymous device numbers).
+namespace renumbers them), the CPU's vendor (``cpuid``), and global serial numbers (mount ids,
+anonymous device numbers).
 """
 
 from __future__ import annotations
@@ -170,26 +171,45 @@ def test_proc_sys_holds_a_few_settings_not_the_hosts_hundreds():
     assert len(got) <= 24 and all(v == "" for k, v in got.items() if k.endswith(("-nr", "-state", "/nr"))), got
 
 
-def test_sysinfo_tells_the_hosts_memory_and_task_count():
-    """Not hidden: ``sysinfo(2)`` has no namespace but the time namespace's uptime; its memory,
-    load and task count are the host's. A seccomp filter can only refuse it, and glibc's
-    ``sysconf(_SC_PHYS_PAGES)`` reads it without checking for a failure, so refusing it would
-    hand libraries garbage; faking it would take a seccomp user-notification supervisor (the
-    init is placed for one). With a cgroup the code cannot use more than ``memory_mb`` anyway."""
-    code = (
-        "import ctypes, json, os\nclass Info(ctypes.Structure):\n    _fields_ = [('uptime', ctypes.c_long), "
-        "('loads', ctypes.c_ulong * 3), ('totalram', ctypes.c_ulong), ('freeram', ctypes.c_ulong), "
-        "('pad', ctypes.c_ulong * 4), ('procs', ctypes.c_ushort), ('pad2', ctypes.c_char * 22), "
-        "('mem_unit', ctypes.c_uint)]\ninfo = Info()\nassert ctypes.CDLL(None).sysinfo(ctypes.byref(info)) == 0\n"
-        "print(json.dumps({'uptime': info.uptime, 'total': info.totalram * info.mem_unit, 'procs': info.procs,"
-        " 'phys': os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')}))"
-    )
-    got = probe(code)
+SYSINFO = (
+    "import ctypes, json, os, threading\nclass Info(ctypes.Structure):\n    _fields_ = [('uptime', ctypes.c_long), "
+    "('loads', ctypes.c_ulong * 3), ('totalram', ctypes.c_ulong), ('freeram', ctypes.c_ulong), "
+    "('sharedram', ctypes.c_ulong), ('bufferram', ctypes.c_ulong), ('totalswap', ctypes.c_ulong), "
+    "('freeswap', ctypes.c_ulong), ('procs', ctypes.c_ushort), ('totalhigh', ctypes.c_ulong), "
+    "('freehigh', ctypes.c_ulong), ('mem_unit', ctypes.c_uint)]\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "def call():\n    info = Info()\n    assert libc.sysinfo(ctypes.byref(info)) == 0\n"
+    "    return {'uptime': info.uptime, 'loads': list(info.loads), 'total': info.totalram * info.mem_unit,"
+    " 'free': info.freeram * info.mem_unit, 'swap': info.totalswap, 'procs': info.procs}\n"
+    "out = call()\nthreads = []\nworkers = [threading.Thread(target=lambda: threads.append(call())) for _ in range(8)]\n"
+    "[w.start() for w in workers]\n[w.join() for w in workers]\n"
+    "out['threads'] = threads\nout['phys'] = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')\n"
+    "out['avphys'] = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')\n"
+    "out['bad'] = [libc.sysinfo(ctypes.c_void_p(8)), ctypes.get_errno()]\n"
+    "ro = ctypes.CDLL(None).mmap\nro.restype = ctypes.c_void_p\n"
+    "ro.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+    "page = ro(None, 4096, 1, 0x22, -1, 0)\n"  # PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS
+    "out['read_only'] = [libc.sysinfo(ctypes.c_void_p(page)), ctypes.get_errno()]\n"
+    "print(json.dumps(out))"
+)
+
+
+@pytest.mark.skipif(not isolation().sysinfo, reason="needs seccomp user notification (libseccomp API >= 5)")
+def test_sysinfo_tells_the_sandboxs_memory_and_tasks_not_the_hosts():
+    """``sysinfo(2)`` has no namespace (its memory, load and task count are the host's; only its uptime
+    follows the time namespace): the filter sends it to the init, which answers with the sandbox's
+    figures (``sandbox_sysinfo``). glibc's ``sysconf`` reads it: ``_SC_PHYS_PAGES`` is ``memory_mb`` too.
+    Eight threads at once each get an answer; a buffer the code cannot write gets EFAULT, as from the
+    kernel."""
+    limits = SandboxLimits(wall_seconds=10, memory_mb=384)
+    got = probe(SYSINFO, limits)
+    memory = 384 << 20
     host_total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert got["total"] == got["phys"] == host_total and got["total"] > SandboxLimits().memory_mb << 20, got
-    assert got["procs"] > 2, got  # the host's tasks, not the sandbox's two
-    if os.path.exists("/proc/self/ns/time"):  # the one figure the time namespace covers
-        assert got["uptime"] < 12 < time.clock_gettime(time.CLOCK_BOOTTIME), got
+    assert host_total != memory and got["total"] == got["free"] == got["phys"] == got["avphys"] == memory, got
+    assert got["loads"] == [0, 0, 0] and got["swap"] == 0 and 1 <= got["procs"] <= 4, got  # init, code (threads)
+    assert got["uptime"] <= limits.wall_seconds + 1 < time.clock_gettime(time.CLOCK_BOOTTIME), got
+    assert len(got["threads"]) == 8 and all(t["total"] == memory for t in got["threads"]), got
+    assert got["bad"] == got["read_only"] == [-1, errno.EFAULT], got
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64's cpuid instruction")
@@ -226,8 +246,8 @@ def test_every_fingerprint_and_attack_test_holds_for_an_unprivileged_caller():
 def test_the_probe_names_interpreter_directories_that_are_binds_not_overlays():
     dirs = sandbox.root_layout()[0]
     res = run_python(sandbox._PROBE % (list(dirs),), SandboxLimits(wall_seconds=10))
-    assert res.ok and res.stdout.startswith("ok\n"), res
-    seen = res.stdout.split("\n", 1)[1]
+    first, _, seen = res.stdout.partition("\n")
+    assert res.ok and first.split()[0] == "ok", res  # then sysconf's physical memory: Isolation.sysinfo
     assert sandbox.not_overlaid(seen, dirs) == isolation().bound_dirs  # what the warning would name
     assert len(seen.splitlines()) == len(dirs)  # every directory is mounted, one line each
     # a kernel without overlays in user namespaces: the runner's read-only bind of the host's disk
