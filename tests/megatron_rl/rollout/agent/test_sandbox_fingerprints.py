@@ -181,7 +181,7 @@ SYSINFO = (
     "def call():\n    info = Info()\n    assert libc.sysinfo(ctypes.byref(info)) == 0\n"
     "    return {'uptime': info.uptime, 'loads': list(info.loads), 'total': info.totalram * info.mem_unit,"
     " 'free': info.freeram * info.mem_unit, 'swap': info.totalswap, 'procs': info.procs}\n"
-    "out = call()\nthreads = []\nworkers = [threading.Thread(target=lambda: threads.append(call())) for _ in range(8)]\n"
+    "out = call()\nthreads = []\nworkers = [threading.Thread(target=lambda: threads.append(call())) for _ in range(4)]\n"
     "[w.start() for w in workers]\n[w.join() for w in workers]\n"
     "out['threads'] = threads\nout['phys'] = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')\n"
     "out['avphys'] = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')\n"
@@ -199,16 +199,18 @@ def test_sysinfo_tells_the_sandboxs_memory_and_tasks_not_the_hosts():
     """``sysinfo(2)`` has no namespace (its memory, load and task count are the host's; only its uptime
     follows the time namespace): the filter sends it to the init, which answers with the sandbox's
     figures (``sandbox_sysinfo``). glibc's ``sysconf`` reads it: ``_SC_PHYS_PAGES`` is ``memory_mb`` too.
-    Eight threads at once each get an answer; a buffer the code cannot write gets EFAULT, as from the
+    Four threads at once each get an answer; a buffer the code cannot write gets EFAULT, as from the
     kernel."""
-    limits = SandboxLimits(wall_seconds=10, memory_mb=384)
+    # not the default's 512 MiB; unprivileged it is an address-space limit, which each thread's stack and
+    # malloc arena (64 MiB reserved) must fit in
+    limits = SandboxLimits(wall_seconds=10, memory_mb=1024)
     got = probe(SYSINFO, limits)
-    memory = 384 << 20
+    memory = 1024 << 20
     host_total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert host_total != memory and got["total"] == got["free"] == got["phys"] == got["avphys"] == memory, got
     assert got["loads"] == [0, 0, 0] and got["swap"] == 0 and 1 <= got["procs"] <= 4, got  # init, code (threads)
     assert got["uptime"] <= limits.wall_seconds + 1 < time.clock_gettime(time.CLOCK_BOOTTIME), got
-    assert len(got["threads"]) == 8 and all(t["total"] == memory for t in got["threads"]), got
+    assert len(got["threads"]) == 4 and all(t["total"] == memory for t in got["threads"]), got
     assert got["bad"] == got["read_only"] == [-1, errno.EFAULT], got
 
 
