@@ -32,7 +32,8 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 * **time**: ``cpu_seconds`` (RLIMIT_CPU: SIGXCPU) and ``wall_seconds`` (the parent kills the
   whole process group, and with it the PID namespace);
 * **the whole sandbox** (a cgroup per run where this process may make one, ``Isolation.cgroup``:
-  root's own, or a subtree delegated to an unprivileged caller): ``memory_mb`` of memory,
+  root's own, or a subtree delegated to an unprivileged caller; on cgroup v2 in this process's cgroup or,
+  from a delegated leaf, beside it: ``v2_run_parent``): ``memory_mb`` of memory,
   ``max_processes`` tasks, ``max_cpus`` of CPU bandwidth, and an affinity of ``ceil(max_cpus)``
   of this process's CPUs (``_cpu_share``); without a cgroup, ``memory_mb`` of address space for
   the code's process, the
@@ -321,11 +322,61 @@ def root_layout() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
 _CONTROLLERS = ("memory", "pids", "cpu")
 
 
+_V2_LIMITS = {"memory": ("memory.max", "memory.high"), "pids": ("pids.max",), "cpu": ("cpu.max",)}
+"""The files of a v2 cgroup that limit it, per controller (``max``: no limit)."""
+
+
+def _v2_enabled(directory: str) -> list[str]:
+    """Of ``_CONTROLLERS``, those the v2 cgroup ``directory`` enables for its children."""
+    try:
+        with open(os.path.join(directory, "cgroup.subtree_control")) as f:
+            enabled = f.read().split()
+    except OSError:
+        return []
+    return [c for c in _CONTROLLERS if c in enabled]
+
+
+def _v2_unlimited(directory: str, controllers: Sequence[str]) -> bool:
+    """Whether the v2 cgroup ``directory`` sets no limit of ``controllers`` itself (each file reads ``max``)."""
+    for name in controllers:
+        for filename in _V2_LIMITS[name]:
+            try:
+                with open(os.path.join(directory, filename)) as f:
+                    if f.read().split()[:1] != ["max"]:
+                        return False
+            except OSError:
+                continue  # that controller is not on here: nothing of it to escape
+    return True
+
+
+def v2_run_parent(own: str, mount_point: str) -> Optional[tuple[str, list[str]]]:
+    """Where each run's cgroup goes in a v2 hierarchy mounted at ``mount_point``, this process being in the
+    cgroup directory ``own``, and the controllers it gets there; None: nowhere (the runs fall back to
+    per-process limits). ``own`` itself when it enables controllers for children (a v2 cgroup with
+    processes enables none -- the "no internal processes" rule -- unless it is the root). Else its parent,
+    as under a delegation (systemd's ``Delegate=yes``: the trainer runs in a leaf scope of the user's
+    delegated slice; SLURM's cgroup/v2: in ``task_<n>`` of its step's ``user`` cgroup), when the parent
+    enables controllers, this process may write its ``cgroup.procs`` (moving the runner there needs the
+    common ancestor's), and ``own`` sets no limit of them itself: a run beside it is then bounded by every
+    limit that bounds this process (the parent's and above), and by the run's own."""
+    names = _v2_enabled(own)
+    if names:
+        return own, names
+    own, mount_point = own.rstrip("/"), mount_point.rstrip("/")
+    parent = os.path.dirname(own)
+    if own == mount_point or not (parent + "/").startswith(mount_point + "/"):
+        return None
+    names = _v2_enabled(parent)
+    if not names or not os.access(os.path.join(parent, "cgroup.procs"), os.W_OK) or not _v2_unlimited(own, names):
+        return None
+    return parent, names
+
+
 @functools.lru_cache(maxsize=None)
 def _cgroup_roots() -> dict:
-    """Controller -> the directory of this process's cgroup in it, for each of ``_CONTROLLERS``
-    where a child cgroup can be made (and removed) here: cgroup v1 hierarchies, or a v2 cgroup
-    whose ``cgroup.subtree_control`` already delegates the controller."""
+    """Controller -> the directory each run's cgroup is made in, for each of ``_CONTROLLERS`` where a
+    child cgroup can be made (and removed) here: this process's cgroup in a v1 hierarchy, or in v2
+    the one ``v2_run_parent`` picks (this process's own cgroup or, delegated, its parent)."""
     try:
         with open("/proc/self/cgroup") as f:
             own = dict((fields[1], fields[2]) for fields in (line.rstrip("\n").split(":", 2) for line in f))
@@ -342,16 +393,16 @@ def _cgroup_roots() -> dict:
             path = next((own[k] for k in own if set(k.split(",")) >= set(names) and names), None)
         elif fstype == "cgroup2":
             path = own.get("")
-            try:
-                with open(os.path.join(point, (path or "/").lstrip("/"), "cgroup.subtree_control")) as f:
-                    names = [c for c in _CONTROLLERS if c in f.read().split()]
-            except OSError:
-                continue
         else:
             continue
         if path is None or not path.startswith(mount_root):
             continue
         directory = os.path.join(point, path[len(mount_root) :].lstrip("/"))
+        if fstype == "cgroup2":
+            found = v2_run_parent(directory, point)
+            if found is None:
+                continue
+            directory, names = found
         for name in names:
             if name in roots:
                 continue
