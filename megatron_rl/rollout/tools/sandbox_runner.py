@@ -602,7 +602,8 @@ def _seccomp(lib, notify: bool = False):
     possible, processes do not), and the ioctl that sets inode flags (immutable files). ``clone3``
     answers ENOSYS, so that the C library falls back to ``clone``, whose flags the filter can read;
     limits, priorities and scheduling of any process but the caller's own (``prlimit64``,
-    ``setpriority``, ``ioprio_set``, ``sched_set*`` with a pid). ``notify``: ``sysinfo`` goes to the
+    ``setpriority``, ``ioprio_set``, ``sched_set*`` with a pid), and any change of its own RLIMIT_CORE.
+    ``notify``: ``sysinfo`` goes to the
     init's supervisor (``sandbox_sysinfo``); returns the filter's listener fd (else None)."""
     import ctypes
 
@@ -648,6 +649,14 @@ def _seccomp(lib, notify: bool = False):
     # descriptor left for the report's checks), its priority, its scheduling: only its own.
     for name in ("prlimit64", "sched_setscheduler", "sched_setparam", "sched_setattr"):
         deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, 0, 0))  # pid 0: the calling thread
+    # RLIMIT_CORE stays 1 (``_limit``): at 0 a dump of the code would reach a "|helper" core_pattern again
+    deny(
+        "prlimit64",
+        _SCMP_ACT_ERRNO_EPERM,
+        ArgCmp(1, _SCMP_CMP_EQ, resource.RLIMIT_CORE, 0),
+        ArgCmp(2, _SCMP_CMP_NE, 0, 0),
+    )
+    deny("setrlimit", _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_EQ, resource.RLIMIT_CORE, 0))
     for name, self_kind in (("setpriority", _PRIO_PROCESS), ("ioprio_set", _IOPRIO_WHO_PROCESS)):
         deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(0, _SCMP_CMP_NE, self_kind, 0))  # not a process: a group or a uid
         deny(name, _SCMP_ACT_ERRNO_EPERM, ArgCmp(1, _SCMP_CMP_NE, 0, 0))  # a process other than this one

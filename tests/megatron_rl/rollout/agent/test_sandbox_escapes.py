@@ -561,6 +561,9 @@ def test_no_core_dump_and_no_kernel_knob():
         "print('dumpable', ctypes.CDLL(None).prctl(4, 1, 0, 0, 0), ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))\n"
         "try:\n    resource.setrlimit(resource.RLIMIT_CORE, (1 << 20, 1 << 20))\n"
         "except ValueError as err:\n    print('core', err)\n"
+        "try:\n    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"  # lowering: the filter refuses it too
+        "except ValueError as err:\n    print('lower', err)\n"  # CPython's words for EPERM
+        "print('after', resource.getrlimit(resource.RLIMIT_CORE))\n"
         "for knob in ('/proc/sys/kernel/core_pattern', '/proc/sysrq-trigger', '/proc/sys/vm/drop_caches'):\n"
         "    try:\n        open(knob, 'w').write('|/tmp/x')\n    except OSError as err:\n        print(knob, err.errno)\n"
         "os.abort()"
@@ -570,6 +573,7 @@ def test_no_core_dump_and_no_kernel_knob():
     got = lines(res)
     assert got["core"] == "not allowed to raise maximum limit" and got["limit"] == "(1, 1)", res
     assert got["dumpable"] == "0 1", res  # the code may make itself dumpable: the limit still holds
+    assert got["lower"] == "not allowed to raise maximum limit" and got["after"] == "(1, 1)", res
     assert all(
         got[k] in (f"{errno.EACCES}", f"{errno.EROFS}", f"{errno.EPERM}", f"{errno.ENOENT}")
         for k in ("/proc/sys/kernel/core_pattern", "/proc/sysrq-trigger", "/proc/sys/vm/drop_caches")
