@@ -58,7 +58,8 @@ What confines the code (``megatron_rl.rollout.tools.sandbox_runner`` applies the
 ``sysinfo(2)``, which has no namespace either, answers with the sandbox's figures (``memory_mb``, no
 load, its own tasks): the filter sends it to the init, which writes the answer (``sandbox_sysinfo``;
 ``Isolation.sysinfo``; where the kernel cannot notify, the host's figures show). Core dumps cannot
-happen (``RLIMIT_CORE`` = 1: no core file, and a piped ``core_pattern`` helper is aborted).
+happen (``RLIMIT_CORE`` = 1, which the filter keeps the code from changing: no core file, and the kernel
+aborts a dump to a piped ``core_pattern`` helper, which a limit of 0 would still run as host root).
 
 What the code still learns of the host, as Linux gives no namespace for it: the kernel's release
 and version (``uname``), the numbers of the CPUs it is given, the CPU's vendor and model
