@@ -188,27 +188,19 @@ def compare(st, measured: dict, min_share: float, tolerance: float) -> dict:
             "within": None if not judged else abs(rel) <= tolerance,
         }
 
-    overlap = getattr(st, "overlap", False)
-    if overlap and measured.get("rollout_busy") is None:
+    if st.overlap and measured.get("rollout_busy") is None:
         raise SystemExit("bench_phase_share: an overlapped async run must log async/rollout_idle_s every step")
     for name, p in st.phases.items():
         timers = (name, *EXTRA_TIMERS.get(name, ())) if name in TIMED_PHASES else ()
-        if overlap and name == "gen":
-            wait = sum(timing.get(t, 0.0) for t in timers) / steps
-            modelled += wait
+        timer = "+".join(t for t in timers if t in timing) or None
+        meas = sum(timing.get(t, 0.0) for t in timers) / steps  # the trainer's own time in the phase
+        modelled += meas
+        if st.overlap and name == "gen":  # the trainer waited ``meas``; the engine was busy for rollout_busy
             phases[name] = row(name, "step-async/rollout_idle_s", p.seconds, measured["rollout_busy"] / steps, p.bound)
             trainer_s = sum(q.seconds for n, q in st.phases.items() if n != "gen")
-            phases["gen_wait"] = row(
-                "gen_wait",
-                "+".join(t for t in timers if t in timing) or None,
-                max(st.step_time_s - trainer_s, 0.0),
-                wait,
-                "the slower side",
-            )
-            continue
-        meas = sum(timing.get(t, 0.0) for t in timers) / steps
-        modelled += meas
-        phases[name] = row(name, "+".join(t for t in timers if t in timing) or None, p.seconds, meas, p.bound)
+            phases["gen_wait"] = row("gen_wait", timer, max(st.step_time_s - trainer_s, 0.0), meas, "the slower side")
+        else:
+            phases[name] = row(name, timer, p.seconds, meas, p.bound)
     judged = [p for p in phases.values() if p["judged"]]
     return {
         "phases": phases,

@@ -183,7 +183,7 @@ def _evaluate(run: Run) -> StepTime:
         )
     phases["offload"] = offload(run)
     total = sum(p.seconds for p in phases.values())
-    if run.mode == "separate_async" and run.overlap:
+    if run.overlap:
         train = total - gen.seconds - phases["update_weights"].seconds
         step = max(gen.seconds, train) + phases["update_weights"].seconds
     else:
@@ -200,7 +200,7 @@ def _evaluate(run: Run) -> StepTime:
         response_mean=run.response_mean,
         response_p99=run.response_p99,
         warnings=warnings,
-        overlap=run.mode == "separate_async" and run.overlap,
+        overlap=run.overlap,
     )
 
 

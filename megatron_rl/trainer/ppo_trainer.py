@@ -64,7 +64,12 @@ from megatron_rl.trainer.placement import reference_in_actor
 from megatron_rl.trainer.schedule import RolloutSleepUnsupported, step_schedule
 from megatron_rl.trainer.watchdog import guard_fit, phase as timer  # timed phases the hang watchdog sees
 
-__all__ = ["RayPPOTrainer"]
+__all__ = ["RayPPOTrainer", "active_rollout_correction"]
+
+
+def active_rollout_correction(rc):
+    """``algorithm.rollout_correction`` when it does anything (bypass mode, IS weights or rejection), else None."""
+    return rc if rc is not None and (rc.bypass_mode or rc.rollout_is or rc.rollout_rs) else None
 
 
 class RayPPOTrainer:
@@ -111,8 +116,7 @@ class RayPPOTrainer:
         self.temperature = self.config.actor_rollout_ref.rollout.temperature
         self.adv_fn = ADV_ESTIMATORS[algo.adv_estimator]
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
-        rc = algo.rollout_correction
-        self.rollout_correction = rc if rc is not None and (rc.bypass_mode or rc.rollout_is or rc.rollout_rs) else None
+        self.rollout_correction = active_rollout_correction(algo.rollout_correction)
         self.distillation_loss = dist.distillation_loss if dist.enabled else None
         self.tokenizer = tokenizer or build_tokenizer(self.config, self.model_path)
         self.train_dataloader = train_dataloader or build_train_dataloader(self.config, self.tokenizer, self.log_dir)
@@ -344,12 +348,12 @@ class RayPPOTrainer:
         rejection mask. Bypass mode runs no actor pass (verl's ``apply_bypass_mode``) unless the step needs
         one of its products: ``sum_pi_squared`` or router replay's routing (``RunNeeds.old_log_prob``)."""
         rc = self.rollout_correction
+        if rc is not None and "rollout_log_probs" not in batch:
+            raise ValueError(
+                "algorithm.rollout_correction needs the rollout's log-probs; set "
+                "actor_rollout_ref.rollout.calculate_log_probs=True"
+            )
         if rc is not None and rc.bypass_mode and not self.needs.old_log_prob:
-            if "rollout_log_probs" not in batch:
-                raise ValueError(
-                    "algorithm.rollout_correction.bypass_mode needs the rollout's log-probs; set "
-                    "actor_rollout_ref.rollout.calculate_log_probs=True"
-                )
             batch["old_log_probs"] = batch["rollout_log_probs"]
             return {}
         # sum_v pi_v^2 from the same fused pass: an estimator that declared the need (the optimal token
@@ -367,11 +371,6 @@ class RayPPOTrainer:
             batch["sum_pi_squared"] = out["sum_pi_squared"]
         mode = self.config.actor_rollout_ref.actor.loss_agg_mode
         metrics["actor/entropy"] = float(agg_loss(out["entropys"], batch["response_mask"], mode))
-        if rc is not None and "rollout_log_probs" not in batch:
-            raise ValueError(
-                "algorithm.rollout_correction needs the rollout's log-probs; set "
-                "actor_rollout_ref.rollout.calculate_log_probs=True"
-            )
         if rc is not None and rc.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]
             metrics.update(

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import socket
 import time
 
-__all__ = ["ACT_NOTIFY", "notify_supported", "send_fd", "receive_fd", "SysinfoServer", "sysinfo_bytes"]
+__all__ = ["notify_supported", "send_fd", "receive_fd", "SysinfoServer", "sysinfo_bytes"]
 
-ACT_NOTIFY = 0x7FC00000
-"""libseccomp's ``SCMP_ACT_NOTIFY``."""
 _API_NOTIFY = 5
 """``seccomp_api_get()`` level from which the kernel and libseccomp support user notification."""
 # <linux/seccomp.h>: _IOWR('!', 0, struct seccomp_notif), _IOWR('!', 1, struct seccomp_notif_resp),
@@ -112,7 +111,7 @@ def sysinfo_bytes(memory_bytes: int, uptime_s: float, tasks: int) -> bytes:
     """The sandbox's ``struct sysinfo``: ``memory_bytes`` of RAM, all of it free, no swap, no load,
     ``tasks`` tasks, ``uptime_s`` seconds up (rounded up, as the kernel rounds)."""
     info = _Sysinfo()
-    info.uptime = int(uptime_s) + (uptime_s > int(uptime_s))
+    info.uptime = math.ceil(uptime_s)
     info.totalram = info.freeram = int(memory_bytes)
     info.procs = max(1, min(int(tasks), 0xFFFF))
     info.mem_unit = 1
@@ -148,7 +147,6 @@ class SysinfoServer:
         ]
         self._libc.process_vm_writev.restype = ctypes.c_ssize_t
         self._libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-        self.served = 0
 
     def _write(self, pid: int, address: int) -> int:
         """0, or the errno the call answers: the sandbox's figures into ``address`` of task ``pid``."""
@@ -172,5 +170,4 @@ class SysinfoServer:
             return True  # the caller died meanwhile (its pid cannot be reused: the code makes no process)
         response = _Resp(request.id, 0, -error, 0)
         self._libc.ioctl(self.fd, _NOTIF_SEND, ctypes.byref(response))
-        self.served += 1
         return True

@@ -16,7 +16,7 @@ from megatron_rl.data.batch import Batch
 from megatron_rl.planner import plan_run
 from megatron_rl.planner.step_run import build_run
 from megatron_rl.planner.hardware import get_hardware
-from megatron_rl.trainer.ppo_trainer import RayPPOTrainer
+from megatron_rl.trainer.ppo_trainer import RayPPOTrainer, active_rollout_correction
 
 BYPASS = ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=null"]
 SPSQ = ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
@@ -41,8 +41,7 @@ def _trainer(overrides):
     config = load_config("grpo", overrides)
     trainer = object.__new__(RayPPOTrainer)  # the step's logic alone: no workers
     trainer.config, trainer.needs, trainer.actor = config, resolve_run(config), _Actor()
-    rc = config.algorithm.rollout_correction
-    trainer.rollout_correction = rc if rc is not None and (rc.bypass_mode or rc.rollout_is or rc.rollout_rs) else None
+    trainer.rollout_correction = active_rollout_correction(config.algorithm.rollout_correction)
     trainer.router_replay = config.actor_rollout_ref.actor.megatron.router_replay
     trainer.temperature = 1.0
     return trainer
